@@ -1,1 +1,18 @@
-//! vmm
+//! kpin's virtual machine monitor: one KVM VM with one vCPU, guest RAM plus a stolen
+//! region, COM1, an i8042 reset line, a Linux/ELF boot loader, and a guest-state dump on
+//! every unexpected exit. The `kpin` binary (`src/main.rs`) is its command-line front end.
+#![deny(missing_docs)]
+
+pub mod boot;
+pub mod cpuid;
+pub mod devices;
+pub mod dump;
+pub mod error;
+pub mod layout;
+pub mod memory;
+pub mod paging;
+pub mod vm;
+pub mod watchdog;
+
+pub use error::{Result, VmmError};
+pub use vm::{Outcome, RunReport, Vm, VmConfig};

@@ -1,0 +1,8 @@
+//! Emulated devices and the port-I/O bus that reaches them.
+//!
+//! Only what a PC guest needs to boot and talk: COM1 and the i8042's reset line. The PIC,
+//! PIT and local APIC are KVM's in-kernel devices and never reach this bus.
+
+pub mod bus;
+pub mod i8042;
+pub mod serial;

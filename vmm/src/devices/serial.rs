@@ -1,0 +1,150 @@
+//! COM1: a 16550 UART (vm-superio) whose output goes to the host console and, optionally,
+//! to a file. Its interrupt is raised through an irqfd on the in-kernel PIC's IRQ 4.
+//!
+//! The console sink also watches the guest's lines for a Linux kernel panic, so that a
+//! panicking guest ends the run as a crash even if it then resets the machine.
+
+use std::cell::Cell;
+use std::fs::File;
+use std::io::Write;
+use std::rc::Rc;
+
+use vm_superio::{Serial, Trigger};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::bus::{DeviceAction, PortDevice};
+
+/// COM1's base port.
+pub const COM1_PORT: u16 = 0x3f8;
+/// Number of UART registers.
+pub const COM1_PORT_SPAN: u16 = 8;
+/// COM1's ISA interrupt line.
+pub const COM1_IRQ: u32 = 4;
+/// A console line containing this marks a Linux kernel panic.
+const KERNEL_PANIC_MARK: &str = "Kernel panic - not syncing";
+/// Longest line kept for matching; longer lines are matched on their first bytes.
+const LINE_KEEP_BYTES: usize = 512;
+
+/// Raises the UART interrupt by signalling an eventfd registered as an irqfd.
+pub struct IrqTrigger(pub EventFd);
+
+impl Trigger for IrqTrigger {
+    type E = std::io::Error;
+    fn trigger(&self) -> std::io::Result<()> {
+        self.0.write(1)
+    }
+}
+
+/// What the console has seen that the run loop cares about.
+#[derive(Default)]
+pub struct ConsoleWatch {
+    /// Set when a kernel-panic line went by.
+    pub panicked: Cell<bool>,
+    /// Bytes the guest wrote to the console.
+    pub bytes: Cell<u64>,
+}
+
+/// Where console bytes go.
+pub struct ConsoleSink {
+    echo_stdout: bool,
+    file: Option<File>,
+    line: Vec<u8>,
+    watch: Rc<ConsoleWatch>,
+}
+
+impl ConsoleSink {
+    /// A sink echoing to stdout if `echo_stdout`, copying to `file` if given.
+    pub fn new(echo_stdout: bool, file: Option<File>, watch: Rc<ConsoleWatch>) -> Self {
+        ConsoleSink { echo_stdout, file, line: Vec::new(), watch }
+    }
+
+    fn watch_byte(&mut self, b: u8) {
+        if b == b'\n' {
+            if String::from_utf8_lossy(&self.line).contains(KERNEL_PANIC_MARK) {
+                self.watch.panicked.set(true);
+            }
+            self.line.clear();
+        } else if self.line.len() < LINE_KEEP_BYTES {
+            self.line.push(b);
+        }
+    }
+}
+
+impl Write for ConsoleSink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        for &b in buf {
+            self.watch_byte(b);
+        }
+        self.watch.bytes.set(self.watch.bytes.get() + buf.len() as u64);
+        if self.echo_stdout {
+            std::io::stdout().lock().write_all(buf)?;
+        }
+        if let Some(f) = self.file.as_mut() {
+            f.write_all(buf)?;
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if self.echo_stdout {
+            std::io::stdout().lock().flush()?;
+        }
+        if let Some(f) = self.file.as_mut() {
+            f.flush()?;
+        }
+        Ok(())
+    }
+}
+
+/// COM1 on the port bus.
+pub struct Com1(pub Serial<IrqTrigger, vm_superio::serial::NoEvents, ConsoleSink>);
+
+impl PortDevice for Com1 {
+    fn read(&mut self, offset: u16, data: &mut [u8]) {
+        let v = u8::try_from(offset).map_or(0xff, |o| self.0.read(o));
+        data.fill(v);
+    }
+
+    fn write(&mut self, offset: u16, data: &[u8]) -> DeviceAction {
+        if let (Ok(o), Some(&v)) = (u8::try_from(offset), data.first()) {
+            // A failed console write (e.g. a closed stdout) must not stop the guest.
+            let _ = self.0.write(o, v);
+        }
+        DeviceAction::None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_panic_line_is_detected_and_bytes_counted() {
+        let watch = Rc::new(ConsoleWatch::default());
+        let mut sink = ConsoleSink::new(false, None, watch.clone());
+        sink.write_all(b"[ 1.0] ok\n").unwrap();
+        assert!(!watch.panicked.get());
+        sink.write_all(b"[ 2.0] Kernel panic - not syncing: VFS\n").unwrap();
+        assert!(watch.panicked.get());
+        assert_eq!(watch.bytes.get(), 49);
+    }
+
+    #[test]
+    fn test_uart_transmits_to_sink_file() {
+        let dir = std::env::temp_dir().join(format!("kpin-serial-{}", std::process::id()));
+        let watch = Rc::new(ConsoleWatch::default());
+        let file = File::create(&dir).unwrap();
+        let sink = ConsoleSink::new(false, Some(file), watch);
+        let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let mut com = Com1(Serial::new(IrqTrigger(evt), sink));
+        for b in b"hi\n" {
+            com.write(0, &[*b]);
+        }
+        let mut lsr = [0];
+        com.read(5, &mut lsr);
+        assert_eq!(lsr[0] & 0x20, 0x20, "THR empty");
+        drop(com);
+        assert_eq!(std::fs::read(&dir).unwrap(), b"hi\n");
+        std::fs::remove_file(dir).unwrap();
+    }
+}

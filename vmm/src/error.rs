@@ -1,0 +1,71 @@
+//! The error type of the `vmm` crate boundary.
+
+use std::path::PathBuf;
+
+/// Everything that can stop the VMM from building or running a VM.
+///
+/// Guest misbehaviour (a triple fault, an unhandled port) is not an error: it is a
+/// [`crate::RunOutcome`]. These errors are about the host side and the inputs.
+#[derive(Debug, thiserror::Error)]
+pub enum VmmError {
+    /// `/dev/kvm` could not be opened.
+    #[error("cannot open /dev/kvm (is KVM available and accessible to this user?)")]
+    KvmOpen(#[source] kvm_ioctls::Error),
+    /// A KVM ioctl failed.
+    #[error("KVM call failed: {0}")]
+    Kvm(&'static str, #[source] kvm_ioctls::Error),
+    /// The requested guest memory size is out of range.
+    #[error("guest memory of {requested_mib} MiB is out of range ({min_mib}..={max_mib} MiB)")]
+    MemSize {
+        /// What was asked for.
+        requested_mib: u64,
+        /// The smallest accepted size.
+        min_mib: u64,
+        /// The largest accepted size.
+        max_mib: u64,
+    },
+    /// Guest memory could not be allocated.
+    #[error("cannot allocate guest memory")]
+    GuestMemory(#[source] vm_memory::mmap::FromRangesError),
+    /// A guest-memory access by the VMM fell outside guest RAM.
+    #[error("VMM access to guest memory at {0:#x} failed")]
+    GuestAccess(u64, #[source] vm_memory::GuestMemoryError),
+    /// A kernel or initrd file could not be read.
+    #[error("cannot read {}", .0.display())]
+    ReadFile(PathBuf, #[source] std::io::Error),
+    /// The kernel file is neither an ELF64 nor a bzImage.
+    #[error("{} is not a kernel: neither an ELF64 executable nor a bzImage", .0.display())]
+    KernelFormat(PathBuf),
+    /// The kernel loader rejected the image (truncated, bad headers, does not fit).
+    #[error("cannot load kernel {}", .0.display())]
+    KernelLoad(PathBuf, #[source] linux_loader::loader::Error),
+    /// The bzImage is too old for the 64-bit boot protocol.
+    #[error("bzImage {} uses boot protocol {:#x}; 2.06 or later is required", .0.display(), .1)]
+    BootProtocol(PathBuf, u16),
+    /// The initrd does not fit into guest RAM.
+    #[error("initrd of {initrd_bytes} bytes does not fit in guest RAM above the kernel \
+             ({free_bytes} bytes free below {limit:#x}); raise --mem")]
+    InitrdTooLarge {
+        /// Size of the initrd.
+        initrd_bytes: u64,
+        /// Free bytes available for it.
+        free_bytes: u64,
+        /// Highest address the initrd may end at.
+        limit: u64,
+    },
+    /// The command line is too long or contains a NUL.
+    #[error("kernel command line is invalid or longer than {max} bytes")]
+    Cmdline {
+        /// The maximum length.
+        max: usize,
+    },
+    /// The console file could not be created.
+    #[error("cannot create console file {}", .0.display())]
+    ConsoleFile(PathBuf, #[source] std::io::Error),
+    /// An eventfd or signal handler could not be set up.
+    #[error("host setup failed: {0}")]
+    Host(&'static str, #[source] std::io::Error),
+}
+
+/// Shorthand for results in this crate.
+pub type Result<T> = std::result::Result<T, VmmError>;
