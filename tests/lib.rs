@@ -70,3 +70,119 @@ pub fn kpin_bin() -> PathBuf {
     let dir = exe.parent().and_then(|p| p.parent()).expect("target/<profile>/deps");
     dir.join("kpin")
 }
+
+/// First line of the mini-kernel's transcript.
+pub const MINIKERNEL_START: &str = "MINIKERNEL-START";
+/// Prefix of the mini-kernel's last line, followed by the checksum in hex.
+pub const MINIKERNEL_DONE: &str = "MINIKERNEL-DONE ";
+/// What a skipped step prints after its `step NN name:` prefix.
+pub const SKIPPED_SUFFIX: &str = ": SKIPPED";
+
+/// FNV-1a, 64-bit: the mini-kernel's transcript checksum.
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// The part of a console log from the line after `MINIKERNEL-START` up to (excluding) the
+/// `MINIKERNEL-DONE` line, and the checksum that line states.
+pub fn minikernel_body(console: &str) -> Result<(&str, u64), String> {
+    let start = console
+        .find(&format!("{MINIKERNEL_START}\n"))
+        .ok_or("no MINIKERNEL-START line")?
+        + MINIKERNEL_START.len()
+        + 1;
+    let done = console[start..].find(MINIKERNEL_DONE).ok_or("no MINIKERNEL-DONE line")? + start;
+    let sum_text = console[done + MINIKERNEL_DONE.len()..].lines().next().unwrap_or("").trim();
+    let sum = u64::from_str_radix(sum_text, 16)
+        .map_err(|e| format!("bad checksum {sum_text:?} on the DONE line: {e}"))?;
+    Ok((&console[start..done], sum))
+}
+
+/// The `step NN name:` key of a transcript line, if it is a step line.
+fn step_key(line: &str) -> Option<&str> {
+    let rest = line.strip_prefix("step ")?;
+    let colon = rest.find(':')?;
+    Some(&line[..5 + colon + 1])
+}
+
+/// Compares a mini-kernel console log with the expected transcript, line by line.
+///
+/// A step the run skipped (`step NN name: SKIPPED`) replaces every expected line of that
+/// step. The DONE line's checksum must be the FNV-1a of what the run printed, and, when no
+/// step was skipped, equal the expected transcript's own checksum. Returns the number of
+/// skipped steps.
+pub fn compare_minikernel_transcript(console: &str, expected: &str) -> Result<usize, String> {
+    let (body, sum) = minikernel_body(console)?;
+    let actual_sum = fnv1a64(body.as_bytes());
+    if sum != actual_sum {
+        return Err(format!("DONE checksum {sum:x} is not the FNV-1a of the transcript ({actual_sum:x})"));
+    }
+    let (exp_body, exp_sum) = minikernel_body(expected)?;
+    let skipped: Vec<&str> = body
+        .lines()
+        .filter(|l| l.ends_with(SKIPPED_SUFFIX))
+        .filter_map(step_key)
+        .collect();
+    let mut want: Vec<String> = Vec::new();
+    for line in exp_body.lines() {
+        match step_key(line) {
+            Some(key) if skipped.contains(&key) => {
+                let s = format!("{key}{}", &SKIPPED_SUFFIX[1..]);
+                if want.last() != Some(&s) {
+                    want.push(s);
+                }
+            }
+            _ => want.push(line.to_string()),
+        }
+    }
+    let got: Vec<&str> = body.lines().collect();
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        if g != w {
+            return Err(format!("transcript line {} differs:\n  got:      {g}\n  expected: {w}", i + 1));
+        }
+    }
+    if got.len() != want.len() {
+        return Err(format!("transcript has {} lines, expected {}", got.len(), want.len()));
+    }
+    if skipped.is_empty() && sum != exp_sum {
+        return Err(format!("checksum {sum:x} differs from expected.txt's {exp_sum:x}"));
+    }
+    Ok(skipped.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn log(body: &str) -> String {
+        format!("boot noise\n{MINIKERNEL_START}\n{body}{MINIKERNEL_DONE}{:x}\n", fnv1a64(body.as_bytes()))
+    }
+
+    #[test]
+    fn test_identical_transcripts_match() {
+        let t = log("step 01 a: x\nstep 02 b: y\n");
+        assert_eq!(compare_minikernel_transcript(&t, &t), Ok(0));
+    }
+
+    #[test]
+    fn test_skipped_step_replaces_all_its_lines() {
+        let exp = log("step 01 a: x\nstep 02 b: y\nstep 02 b: z\nstep 03 c: w\n");
+        let got = log("step 01 a: x\nstep 02 b: SKIPPED\nstep 03 c: w\n");
+        assert_eq!(compare_minikernel_transcript(&got, &exp), Ok(1));
+    }
+
+    #[test]
+    fn test_mismatch_and_bad_checksum_are_reported() {
+        let exp = log("step 01 a: x\n");
+        let got = log("step 01 a: X\n");
+        assert!(compare_minikernel_transcript(&got, &exp).unwrap_err().contains("line 1"));
+        let forged = format!("{MINIKERNEL_START}\nstep 01 a: x\n{MINIKERNEL_DONE}1234\n");
+        assert!(compare_minikernel_transcript(&forged, &exp).unwrap_err().contains("FNV"));
+        assert!(compare_minikernel_transcript("nothing", &exp).is_err());
+    }
+}

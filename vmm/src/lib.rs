@@ -8,6 +8,7 @@ pub mod cpuid;
 pub mod devices;
 pub mod dump;
 pub mod error;
+pub mod guests;
 pub mod layout;
 pub mod memory;
 pub mod paging;

@@ -1,1 +1,250 @@
-fn main() {}
+//! `kpin`: run a guest under kpin's VMM, natively or (once the engine lands) instrumented.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand, ValueEnum};
+use serde::Serialize;
+use vmm::guests::{LINUX_CMDLINE, MINIKERNEL_NATIVE_CMDLINE};
+use vmm::{Outcome, Vm, VmConfig};
+
+/// Exit status of a clean guest poweroff.
+const EXIT_CLEAN: u8 = 0;
+/// Exit status when kpin itself fails (bad input, no KVM, images cannot be built).
+const EXIT_HOST_ERROR: u8 = 1;
+/// Exit status when the guest crashes (triple fault, KVM emulation failure, unhandled
+/// I/O, kernel panic).
+const EXIT_GUEST_CRASH: u8 = 3;
+/// Exit status when the run's timeout expires.
+const EXIT_TIMEOUT: u8 = 4;
+
+#[derive(Parser)]
+#[command(
+    name = "kpin",
+    version,
+    about = "Whole-system dynamic binary instrumentation for x86-64 Linux guests on KVM",
+    long_about = "Whole-system dynamic binary instrumentation for x86-64 Linux guests on KVM.\n\n\
+        Today kpin boots guests natively under its own VMM; instrumentation (--tool) arrives \
+        with the guest engine.\n\n\
+        Exit status of `kpin run`: 0 the guest powered off cleanly; 1 kpin failed (bad input, \
+        no /dev/kvm, images could not be built); 2 bad command line; 3 the guest crashed \
+        (triple fault, KVM emulation failure, unhandled I/O, kernel panic); 4 the timeout \
+        expired. On 3 and 4 a guest-state dump goes to stderr and the output directory."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Fetch and build the guest images (Debian kernel, busybox initramfs, mini-kernel)
+    /// into the image directory; cached, so a second run is fast.
+    Images {
+        /// Image directory [default: images/out in the source tree].
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
+    /// Boot a guest and run it to poweroff, crash or timeout.
+    Run(RunArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Guest {
+    /// The pinned Debian cloud kernel with the busybox initramfs (built by `kpin images`).
+    Linux,
+    /// The mini-kernel test guest (built by `kpin images`).
+    Minikernel,
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Which built-in guest to boot [default: linux unless --kernel is given].
+    #[arg(long, conflicts_with = "kernel")]
+    guest: Option<Guest>,
+    /// Boot this kernel instead (ELF64 vmlinux or bzImage).
+    #[arg(long)]
+    kernel: Option<PathBuf>,
+    /// Initrd for --kernel.
+    #[arg(long, requires = "kernel")]
+    initrd: Option<PathBuf>,
+    /// Replace the guest's default kernel command line.
+    #[arg(long)]
+    cmdline: Option<String>,
+    /// Append to the kernel command line (e.g. "kpin.workload=smoke").
+    #[arg(long)]
+    append: Option<String>,
+    /// Guest RAM in MiB.
+    #[arg(long, default_value_t = 256)]
+    mem: u64,
+    /// Stop the guest after this many seconds (exit status 4). 0 means no timeout.
+    #[arg(long, default_value_t = 600)]
+    timeout: u64,
+    /// Also copy the guest console to this file.
+    #[arg(long)]
+    console: Option<PathBuf>,
+    /// Output directory for the run's console log and summary [default: kpin-out/run-<time>-<pid>].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Instrument the guest with this tool (not available yet: the engine is not built).
+    #[arg(long)]
+    tool: Option<String>,
+    /// Image directory for --guest [default: images/out in the source tree].
+    #[arg(long)]
+    images: Option<PathBuf>,
+    /// Do not echo the guest console to stdout.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+/// The run summary written to `<out>/run.json`.
+#[derive(Serialize)]
+struct Summary<'a> {
+    outcome: String,
+    clean: bool,
+    kernel: &'a Path,
+    initrd: Option<&'a Path>,
+    cmdline: &'a str,
+    mem_mib: u64,
+    entry: String,
+    wall_seconds: f64,
+    console_bytes: u64,
+    exits_total: u64,
+    exits_io_in: u64,
+    exits_io_out: u64,
+    exits_io_absent: u64,
+    exits_interrupted: u64,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Images { dir } => images(dir).map(|()| EXIT_CLEAN),
+        Command::Run(args) => run(args),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("kpin: error: {e:#}");
+            ExitCode::from(EXIT_HOST_ERROR)
+        }
+    }
+}
+
+fn progress(line: &str) {
+    eprintln!("kpin: {line}");
+}
+
+fn images(dir: Option<PathBuf>) -> anyhow::Result<()> {
+    let dir = dir.unwrap_or_else(kpin_images::default_out_dir);
+    let linux = kpin_images::ensure_linux(&dir, &mut progress)?;
+    let mk = kpin_images::ensure_minikernel(&dir, &mut progress)?;
+    println!("kernel (bzImage): {}", linux.bzimage.display());
+    println!("kernel (vmlinux): {}", linux.vmlinux.display());
+    println!("System.map:       {}", linux.system_map.display());
+    println!("config:           {}", linux.config.display());
+    println!("initramfs:        {}", linux.initramfs.display());
+    println!("mini-kernel:      {}", mk.display());
+    Ok(())
+}
+
+fn run(args: RunArgs) -> anyhow::Result<u8> {
+    if let Some(tool) = &args.tool {
+        bail!(
+            "instrumentation is not available yet: --tool {tool} needs the guest engine, \
+             which is not built yet; run without --tool to boot the guest natively"
+        );
+    }
+    let image_dir = args.images.clone().unwrap_or_else(kpin_images::default_out_dir);
+    let (kernel, initrd, default_cmdline) = match (&args.kernel, args.guest) {
+        (Some(k), _) => (k.clone(), args.initrd.clone(), String::new()),
+        (None, Some(Guest::Minikernel)) => (
+            kpin_images::ensure_minikernel(&image_dir, &mut progress)?,
+            None,
+            MINIKERNEL_NATIVE_CMDLINE.to_string(),
+        ),
+        (None, Some(Guest::Linux) | None) => {
+            let l = kpin_images::ensure_linux(&image_dir, &mut progress)?;
+            (l.vmlinux, Some(l.initramfs), LINUX_CMDLINE.to_string())
+        }
+    };
+    let mut cmdline = args.cmdline.clone().unwrap_or(default_cmdline);
+    if let Some(extra) = &args.append {
+        if !cmdline.is_empty() {
+            cmdline.push(' ');
+        }
+        cmdline.push_str(extra);
+    }
+
+    let out = args.out.clone().unwrap_or_else(default_run_dir);
+    std::fs::create_dir_all(&out)
+        .with_context(|| format!("cannot create output directory {}", out.display()))?;
+    let console_log = out.join("console.log");
+    let cfg = VmConfig {
+        kernel: kernel.clone(),
+        initrd: initrd.clone(),
+        cmdline: cmdline.clone(),
+        mem_mib: args.mem,
+        timeout: (args.timeout > 0).then(|| Duration::from_secs(args.timeout)),
+        console_file: Some(args.console.clone().unwrap_or_else(|| console_log.clone())),
+        echo_console: !args.quiet,
+    };
+    let vm = Vm::new(&cfg)?;
+    let entry = vm.boot.entry;
+    progress(&format!(
+        "booting {} ({:?}, entry {entry:#x}) with {} MiB, cmdline \"{cmdline}\"",
+        kernel.display(),
+        vm.boot.format,
+        args.mem
+    ));
+    let report = vm.run()?;
+
+    if let Some(dump) = &report.dump {
+        eprint!("{dump}");
+        std::fs::write(out.join("dump.txt"), dump)
+            .with_context(|| format!("cannot write {}", out.join("dump.txt").display()))?;
+    }
+    let summary = Summary {
+        outcome: report.outcome.describe(),
+        clean: report.outcome.is_clean(),
+        kernel: &kernel,
+        initrd: initrd.as_deref(),
+        cmdline: &cmdline,
+        mem_mib: args.mem,
+        entry: format!("{entry:#x}"),
+        wall_seconds: report.wall.as_secs_f64(),
+        console_bytes: report.console_bytes,
+        exits_total: report.exits.total,
+        exits_io_in: report.exits.io_in,
+        exits_io_out: report.exits.io_out,
+        exits_io_absent: report.exits.io_absent,
+        exits_interrupted: report.exits.interrupted,
+    };
+    let json = serde_json::to_string_pretty(&summary).context("cannot encode the run summary")?;
+    std::fs::write(out.join("run.json"), json + "\n")
+        .with_context(|| format!("cannot write {}", out.join("run.json").display()))?;
+    progress(&format!(
+        "{} after {:.2} s ({} exits: {} port in, {} port out, {} absent-device); output in {}",
+        report.outcome.describe(),
+        report.wall.as_secs_f64(),
+        report.exits.total,
+        report.exits.io_in,
+        report.exits.io_out,
+        report.exits.io_absent,
+        out.display()
+    ));
+    Ok(match report.outcome {
+        Outcome::Poweroff => EXIT_CLEAN,
+        Outcome::Timeout => EXIT_TIMEOUT,
+        _ => EXIT_GUEST_CRASH,
+    })
+}
+
+fn default_run_dir() -> PathBuf {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    PathBuf::from("kpin-out").join(format!("run-{secs}-{}", std::process::id()))
+}

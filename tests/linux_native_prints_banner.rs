@@ -1,0 +1,52 @@
+//! The pinned Debian kernel, booted natively (uninstrumented) under kpin's VMM, gets at
+//! least as far as its version banner on COM1.
+//!
+//! It cannot get much further here: this host's KVM runs guest ring-0 code through its
+//! instruction emulator, slowly, and stops at the first instruction it cannot emulate
+//! (see docs/linux-native-boot.md). The run is cut off by a timeout well after the banner.
+
+use std::time::Duration;
+
+use kpin_tests::{kvm_available, scratch_dir};
+use vmm::guests::LINUX_CMDLINE;
+use vmm::{Vm, VmConfig};
+
+/// The banner appears after ~11 s here; the timeout leaves room for a slower machine.
+const BOOT_BUDGET: Duration = Duration::from_secs(45);
+
+#[test]
+fn test_linux_native_boot_prints_version_banner() {
+    if !kvm_available("test_linux_native_boot_prints_version_banner") {
+        return;
+    }
+    let images = kpin_images::default_out_dir();
+    let linux = kpin_images::ensure_linux(&images, &mut |l| eprintln!("images: {l}"))
+        .expect("fetch and build the Linux images");
+    let dir = scratch_dir("linux-native");
+    let console = dir.join("console.log");
+    let cfg = VmConfig {
+        kernel: linux.vmlinux,
+        initrd: Some(linux.initramfs),
+        cmdline: LINUX_CMDLINE.into(),
+        mem_mib: 256,
+        timeout: Some(BOOT_BUDGET),
+        console_file: Some(console.clone()),
+        echo_console: false,
+    };
+    let report = Vm::new(&cfg).expect("create VM").run().expect("run VM");
+    let log = std::fs::read_to_string(&console).expect("console log");
+    let banner = format!("Linux version {}", linux.kernel_version);
+    assert!(
+        log.contains(&banner),
+        "no `{banner}` on the console; outcome {:?}\nconsole:\n{log}\ndump:\n{}",
+        report.outcome,
+        report.dump.unwrap_or_default()
+    );
+    assert!(log.contains(&format!("Command line: {LINUX_CMDLINE}")), "{log}");
+    println!(
+        "native Linux: banner seen; run ended with `{}` after {:.1} s, {} console bytes",
+        report.outcome.describe(),
+        report.wall.as_secs_f64(),
+        report.console_bytes
+    );
+}

@@ -1,0 +1,15 @@
+//! Default kernel command lines of kpin's built-in guests, shared by the `kpin` command
+//! and the tests so that both boot the guests the same way.
+
+/// Command line of the Debian guest. `reboot=k` makes poweroff and reboot go through the
+/// i8042 reset line, which kpin treats as the end of the run; `panic=-1` turns a panic
+/// into a reset right away (the console watch has already flagged it as a crash);
+/// `noxsave` and the CPUID table keep the kernel off instructions this host's KVM cannot
+/// emulate at ring 0; `pci=off`, `8250.nr_uarts=1` and the i8042 options keep it from
+/// probing hardware that is not there.
+pub const LINUX_CMDLINE: &str = "console=ttyS0 earlyprintk=serial,ttyS0,115200 reboot=k \
+     panic=-1 nokaslr noxsave pci=off 8250.nr_uarts=1 i8042.noaux i8042.nomux i8042.dumbkbd";
+
+/// Command line of a native mini-kernel run: skip the steps this KVM cannot run natively
+/// (the mini-kernel knows which they are).
+pub const MINIKERNEL_NATIVE_CMDLINE: &str = "kpin.skip=native-unsafe";

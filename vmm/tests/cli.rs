@@ -1,0 +1,128 @@
+//! The `kpin` command on bad input and on crashing guests: a one-line error and a
+//! non-zero exit status, never a panic; a crash gives exit status 3 and a state dump.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use kpin_tests::{kvm_available, scratch_dir, tiny_elf};
+
+fn kpin(args: &[&str], out: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kpin"))
+        .args(args)
+        .arg("--out")
+        .arg(out)
+        .output()
+        .expect("run kpin")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Asserts a host-side failure: exit status 1, one `kpin: error:` line mentioning `what`.
+fn assert_one_line_error(o: &Output, what: &str) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(1), "stderr: {err}");
+    assert!(!err.contains("panicked"), "kpin panicked: {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("kpin: error:")).collect();
+    assert_eq!(lines.len(), 1, "want one error line: {err}");
+    assert!(lines[0].contains(what), "error line {:?} lacks {what:?}", lines[0]);
+}
+
+#[test]
+fn test_missing_kernel_is_one_line_error() {
+    if !kvm_available("test_missing_kernel_is_one_line_error") {
+        return;
+    }
+    let dir = scratch_dir("cli-missing");
+    let o = kpin(&["run", "--kernel", "/nonexistent/vmlinux"], &dir);
+    assert_one_line_error(&o, "cannot read /nonexistent/vmlinux");
+}
+
+#[test]
+fn test_garbage_and_truncated_kernels_are_rejected() {
+    if !kvm_available("test_garbage_and_truncated_kernels_are_rejected") {
+        return;
+    }
+    let dir = scratch_dir("cli-badkernel");
+    let garbage = dir.join("garbage");
+    std::fs::write(&garbage, b"this is not a kernel").unwrap();
+    let o = kpin(&["run", "--kernel", garbage.to_str().unwrap()], &dir);
+    assert_one_line_error(&o, "is not a kernel");
+
+    let elf = tiny_elf(&[0x90; 64]);
+    let truncated = dir.join("truncated");
+    std::fs::write(&truncated, &elf[..elf.len() - 32]).unwrap();
+    let o = kpin(&["run", "--kernel", truncated.to_str().unwrap()], &dir);
+    assert_one_line_error(&o, "cannot load kernel");
+}
+
+#[test]
+fn test_initrd_larger_than_ram_and_bad_mem_are_rejected() {
+    if !kvm_available("test_initrd_larger_than_ram_and_bad_mem_are_rejected") {
+        return;
+    }
+    let dir = scratch_dir("cli-initrd");
+    let kernel = dir.join("k.elf");
+    std::fs::write(&kernel, tiny_elf(&[0xf4])).unwrap();
+    let initrd = dir.join("big.img");
+    std::fs::File::create(&initrd).unwrap().set_len(64 << 20).unwrap();
+    let k = kernel.to_str().unwrap();
+    let o = kpin(&["run", "--kernel", k, "--initrd", initrd.to_str().unwrap(), "--mem", "32"], &dir);
+    assert_one_line_error(&o, "does not fit in guest RAM");
+    let o = kpin(&["run", "--kernel", k, "--mem", "1"], &dir);
+    assert_one_line_error(&o, "out of range");
+}
+
+#[test]
+fn test_triple_fault_exits_3_with_dump() {
+    if !kvm_available("test_triple_fault_exits_3_with_dump") {
+        return;
+    }
+    let dir = scratch_dir("cli-triple");
+    let kernel = dir.join("ud2.elf");
+    std::fs::write(&kernel, tiny_elf(&[0x0f, 0x0b])).unwrap();
+    let o = kpin(&["run", "--kernel", kernel.to_str().unwrap(), "--mem", "32"], &dir);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(err.contains("guest-state dump: guest triple-faulted"), "{err}");
+    assert!(err.contains("ud2"), "dump decodes the code at RIP: {err}");
+    let dump = std::fs::read_to_string(dir.join("dump.txt")).expect("dump.txt");
+    assert!(dump.contains("RIP="));
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("run.json")).unwrap()).unwrap();
+    assert_eq!(summary["clean"], false);
+}
+
+#[test]
+fn test_timeout_exits_4() {
+    if !kvm_available("test_timeout_exits_4") {
+        return;
+    }
+    let dir = scratch_dir("cli-timeout");
+    let kernel = dir.join("spin.elf");
+    std::fs::write(&kernel, tiny_elf(&[0xeb, 0xfe])).unwrap();
+    let o = kpin(&["run", "--kernel", kernel.to_str().unwrap(), "--mem", "32", "--timeout", "1"], &dir);
+    assert_eq!(o.status.code(), Some(4), "{}", stderr(&o));
+    assert!(stderr(&o).contains("timeout expired"));
+}
+
+#[test]
+fn test_tool_says_instrumentation_is_not_available_yet() {
+    let dir = scratch_dir("cli-tool");
+    let o = kpin(&["run", "--guest", "minikernel", "--tool", "null"], &dir);
+    assert_one_line_error(&o, "instrumentation is not available yet");
+}
+
+#[test]
+fn test_help_documents_exit_statuses_and_run_options() {
+    let o = Command::new(env!("CARGO_BIN_EXE_kpin")).arg("--help").output().unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success());
+    assert!(text.contains("Exit status"), "{text}");
+    let o = Command::new(env!("CARGO_BIN_EXE_kpin")).args(["run", "--help"]).output().unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    for flag in ["--guest", "--kernel", "--initrd", "--append", "--mem", "--timeout", "--console", "--out", "--tool"] {
+        assert!(text.contains(flag), "run --help lacks {flag}");
+    }
+}
