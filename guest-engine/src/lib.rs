@@ -1,1 +1,44 @@
+//! kpin's guest engine: an x86-64 trace JIT with a Pin-style instrumentation API.
+//!
+//! `no_std` + `alloc`. The embedder provides a raw RWX region (the code cache), a
+//! [`GuestMemory`] to fetch guest code and a [`Platform`] to emulate sensitive
+//! instructions; tools implement [`Tool`]. See `guest-engine/README.md` for the register
+//! convention, exit codes, trace layout and a tool example.
 #![no_std]
+#![deny(missing_docs)]
+
+extern crate alloc;
+
+pub mod addr;
+mod arch;
+pub mod attention;
+mod code_cache;
+pub mod context;
+pub mod dispatch;
+pub mod error;
+mod fragment;
+pub mod guest_memory;
+pub mod instrument;
+pub mod layout;
+mod link;
+pub mod native;
+pub mod platform;
+
+pub use addr::{CachePc, GuestPhys, GuestVirt};
+pub use context::{GuestRegs, Gpr};
+pub use dispatch::{Config, Engine, Recovered, Stats, Stop};
+pub use error::EngineError;
+pub use guest_memory::{GuestMemory, Mode};
+pub use instrument::{
+    CounterId, IArg, IPoint, InsInfo, InsKind, MemOperand, MemRecord, NullTool, Tool,
+    TraceInstrumenter,
+};
+pub use platform::{Emulation, Platform, SensitiveInsn, SensitiveKind, StopPlatform};
+
+/// Exit codes of the cache (see the header of `arch/x86_64/entry.rs`).
+pub mod exit_code {
+    pub use crate::arch::x86_64::entry::{
+        EXIT_ANALYSIS_CALL, EXIT_ATTENTION, EXIT_BUFFER_FULL, EXIT_DIRECT, EXIT_IBL_MISS,
+        EXIT_PA_MISMATCH, EXIT_SENSITIVE,
+    };
+}

@@ -1,0 +1,489 @@
+//! Hand encoder for the glue instructions the translator emits around guest code.
+//!
+//! Invariants: every instruction emitted here is position-dependent only through
+//! RIP-relative displacements or rel8/rel32 branches, all of which are computed against
+//! the final cache address given to [`Asm::new`]; the buffer is therefore only valid when
+//! copied to exactly that address. Nothing here touches EFLAGS unless its name says
+//! so (`add_*`, `cmp_*`, `pushfq`/`popfq`).
+
+use alloc::vec::Vec;
+
+use crate::error::EngineError;
+
+/// Hardware register numbers (ModRM/REX encoding order).
+pub(crate) mod reg {
+    pub const RAX: u8 = 0;
+    pub const RCX: u8 = 1;
+    pub const RDX: u8 = 2;
+    pub const RBX: u8 = 3;
+    pub const RSP: u8 = 4;
+    pub const RBP: u8 = 5;
+    pub const R12: u8 = 12;
+    pub const R13: u8 = 13;
+    pub const R15: u8 = 15;
+}
+
+/// A forward or backward branch target inside one [`Asm`] buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Label(usize);
+
+struct Fixup {
+    /// Offset of the displacement field.
+    at: usize,
+    /// 1 (rel8) or 4 (rel32).
+    width: u8,
+    /// Offset of the end of the instruction (the displacement base).
+    end: usize,
+    label: Label,
+}
+
+/// One entry of the cache-PC → guest map recorded while emitting (see `recover`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct MapMark {
+    /// Offset into the emitted code where this state starts.
+    pub offset: u32,
+    /// Guest instruction whose translation this code belongs to.
+    pub guest_pc: u64,
+    /// Guest GPRs (bit = hardware number) whose value lives in the context spill slot.
+    pub spilled: u16,
+}
+
+/// A byte buffer destined for a fixed cache address, with labels and a PC map.
+pub(crate) struct Asm {
+    pub(crate) buf: Vec<u8>,
+    base: u64,
+    labels: Vec<Option<usize>>,
+    fixups: Vec<Fixup>,
+    pub(crate) marks: Vec<MapMark>,
+    guest_pc: u64,
+    spilled: u16,
+    /// Absolute address of the context's spill slot array (16 × u64).
+    spill_base: u64,
+}
+
+fn rex(w: bool, r: u8, x: u8, b: u8) -> u8 {
+    0x40 | (u8::from(w) << 3) | (((r >> 3) & 1) << 2) | (((x >> 3) & 1) << 1) | ((b >> 3) & 1)
+}
+
+fn modrm(md: u8, r: u8, rm: u8) -> u8 {
+    (md << 6) | ((r & 7) << 3) | (rm & 7)
+}
+
+impl Asm {
+    pub(crate) fn new(base: u64, spill_base: u64) -> Self {
+        Self {
+            buf: Vec::with_capacity(512),
+            base,
+            labels: Vec::new(),
+            fixups: Vec::new(),
+            marks: Vec::new(),
+            guest_pc: 0,
+            spilled: 0,
+            spill_base,
+        }
+    }
+
+    /// Cache address of the next byte.
+    pub(crate) fn pc(&self) -> u64 {
+        self.base + self.buf.len() as u64
+    }
+
+    pub(crate) fn offset(&self) -> usize {
+        self.buf.len()
+    }
+
+    pub(crate) fn bytes(&mut self, b: &[u8]) {
+        self.buf.extend_from_slice(b);
+    }
+
+    fn u32le(&mut self, v: u32) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+
+    /// Starts the code of guest instruction `pc` (no spilled registers).
+    pub(crate) fn mark_guest(&mut self, pc: u64) {
+        self.guest_pc = pc;
+        self.push_mark();
+    }
+
+    fn push_mark(&mut self) {
+        let offset = self.buf.len() as u32;
+        if let Some(last) = self.marks.last_mut() {
+            if last.offset == offset {
+                last.guest_pc = self.guest_pc;
+                last.spilled = self.spilled;
+                return;
+            }
+        }
+        self.marks.push(MapMark { offset, guest_pc: self.guest_pc, spilled: self.spilled });
+    }
+
+    pub(crate) fn spilled(&self) -> u16 {
+        self.spilled
+    }
+
+    /// Forgets the spill state for code that is only reached on a side path whose
+    /// state was already described (out-of-line stubs restore before they exit).
+    pub(crate) fn set_spilled(&mut self, mask: u16) {
+        self.spilled = mask;
+        self.push_mark();
+    }
+
+    pub(crate) fn spill_slot(&self, r: u8) -> u64 {
+        self.spill_base + 8 * u64::from(r)
+    }
+
+    /// `mov [ctx.spill[r]], r` and record that `r` now lives in its slot.
+    pub(crate) fn emit_spill(&mut self, r: u8) {
+        self.mov_m_r(self.spill_slot(r), r);
+        self.spilled |= 1 << r;
+        self.push_mark();
+    }
+
+    /// `mov r, [ctx.spill[r]]` and record that `r` is back in its register.
+    pub(crate) fn emit_unspill(&mut self, r: u8) {
+        self.mov_r_m(r, self.spill_slot(r));
+        self.spilled &= !(1 << r);
+        self.push_mark();
+    }
+
+    // ---- labels -------------------------------------------------------------------
+
+    pub(crate) fn new_label(&mut self) -> Label {
+        self.labels.push(None);
+        Label(self.labels.len() - 1)
+    }
+
+    pub(crate) fn bind(&mut self, l: Label) {
+        self.labels[l.0] = Some(self.buf.len());
+    }
+
+    fn fixup(&mut self, width: u8, label: Label) {
+        let at = self.buf.len();
+        self.buf.extend(core::iter::repeat_n(0u8, usize::from(width)));
+        let end = self.buf.len();
+        self.fixups.push(Fixup { at, width, end, label });
+    }
+
+    /// Resolves label fixups and returns the code bytes.
+    pub(crate) fn finish(mut self) -> Result<(Vec<u8>, Vec<MapMark>), EngineError> {
+        for f in &self.fixups {
+            let target = self.labels[f.label.0].ok_or(EngineError::UnboundLabel)?;
+            let rel = target as i64 - f.end as i64;
+            if f.width == 1 {
+                let r = i8::try_from(rel).map_err(|_| EngineError::BranchOutOfRange)?;
+                self.buf[f.at] = r as u8;
+            } else {
+                let r = i32::try_from(rel).map_err(|_| EngineError::BranchOutOfRange)?;
+                self.buf[f.at..f.at + 4].copy_from_slice(&r.to_le_bytes());
+            }
+        }
+        Ok((self.buf, self.marks))
+    }
+
+    // ---- branches -----------------------------------------------------------------
+
+    /// `jmp rel32` to a label; returns the offset of the rel32 field.
+    pub(crate) fn jmp_label(&mut self, l: Label) -> usize {
+        self.buf.push(0xE9);
+        let at = self.buf.len();
+        self.fixup(4, l);
+        at
+    }
+
+    /// `jcc rel32` (condition nibble `cc`) to a label; returns the rel32 offset.
+    pub(crate) fn jcc_label(&mut self, cc: u8, l: Label) -> usize {
+        self.bytes(&[0x0F, 0x80 | (cc & 0xF)]);
+        let at = self.buf.len();
+        self.fixup(4, l);
+        at
+    }
+
+    /// `jrcxz rel8` to a label (flag-free zero test of RCX).
+    pub(crate) fn jrcxz_label(&mut self, l: Label) {
+        self.buf.push(0xE3);
+        self.fixup(1, l);
+    }
+
+    /// `jmp rel32` to an absolute cache address.
+    pub(crate) fn jmp_abs(&mut self, target: u64) {
+        self.buf.push(0xE9);
+        let end = self.pc() + 4;
+        self.u32le(target.wrapping_sub(end) as u32);
+    }
+
+    /// `jmp qword [rip+target]`.
+    pub(crate) fn jmp_m(&mut self, target: u64) {
+        self.riprel(None, &[0xFF], 4, target, &[]);
+    }
+
+    // ---- RIP-relative data access -------------------------------------------------
+
+    fn riprel(&mut self, rexb: Option<u8>, op: &[u8], r: u8, target: u64, imm: &[u8]) {
+        if let Some(x) = rexb {
+            self.buf.push(x);
+        }
+        self.bytes(op);
+        self.buf.push(modrm(0, r, 5));
+        let end = self.pc() + 4 + imm.len() as u64;
+        self.u32le(target.wrapping_sub(end) as u32);
+        self.bytes(imm);
+    }
+
+    /// `mov [rip+target], r64`.
+    pub(crate) fn mov_m_r(&mut self, target: u64, r: u8) {
+        self.riprel(Some(rex(true, r, 0, 0)), &[0x89], r, target, &[]);
+    }
+
+    /// `mov r64, [rip+target]`.
+    pub(crate) fn mov_r_m(&mut self, r: u8, target: u64) {
+        self.riprel(Some(rex(true, r, 0, 0)), &[0x8B], r, target, &[]);
+    }
+
+    /// `lea r64, [rip+target]`.
+    pub(crate) fn lea_r_rip(&mut self, r: u8, target: u64) {
+        self.riprel(Some(rex(true, r, 0, 0)), &[0x8D], r, target, &[]);
+    }
+
+    /// `mov qword [rip+target], imm32` (sign-extended).
+    pub(crate) fn mov_m64_imm32(&mut self, target: u64, imm: i32) {
+        self.riprel(Some(rex(true, 0, 0, 0)), &[0xC7], 0, target, &imm.to_le_bytes());
+    }
+
+    /// `add qword [rip+target], imm` — WRITES EFLAGS.
+    pub(crate) fn add_m64_imm(&mut self, target: u64, imm: i32) {
+        if let Ok(b) = i8::try_from(imm) {
+            self.riprel(Some(rex(true, 0, 0, 0)), &[0x83], 0, target, &[b as u8]);
+        } else {
+            self.riprel(Some(rex(true, 0, 0, 0)), &[0x81], 0, target, &imm.to_le_bytes());
+        }
+    }
+
+    /// `cmp byte [rip+target], imm8` — WRITES EFLAGS.
+    pub(crate) fn cmp_m8_imm8(&mut self, target: u64, imm: u8) {
+        self.riprel(None, &[0x80], 7, target, &[imm]);
+    }
+
+    /// `movzx ecx, byte [rip+target]`.
+    pub(crate) fn movzx_r32_m8(&mut self, r: u8, target: u64) {
+        let rx = if r >= 8 { Some(rex(false, r, 0, 0)) } else { None };
+        self.riprel(rx, &[0x0F, 0xB6], r, target, &[]);
+    }
+
+    /// `push qword [rip+target]`.
+    pub(crate) fn push_m(&mut self, target: u64) {
+        self.riprel(None, &[0xFF], 6, target, &[]);
+    }
+
+    /// `pop qword [rip+target]`.
+    pub(crate) fn pop_m(&mut self, target: u64) {
+        self.riprel(None, &[0x8F], 0, target, &[]);
+    }
+
+    // ---- register forms -----------------------------------------------------------
+
+    /// `mov r64, imm64` (or the shorter zero-extending `mov r32, imm32`).
+    pub(crate) fn mov_r_imm64(&mut self, r: u8, imm: u64) {
+        if let Ok(v) = u32::try_from(imm) {
+            if r >= 8 {
+                self.buf.push(rex(false, 0, 0, r));
+            }
+            self.buf.push(0xB8 + (r & 7));
+            self.u32le(v);
+        } else {
+            self.buf.push(rex(true, 0, 0, r));
+            self.buf.push(0xB8 + (r & 7));
+            self.bytes(&imm.to_le_bytes());
+        }
+    }
+
+    /// `mov dst, src` (64-bit).
+    pub(crate) fn mov_r_r(&mut self, dst: u8, src: u8) {
+        self.bytes(&[rex(true, src, 0, dst), 0x89, modrm(3, src, dst)]);
+    }
+
+    pub(crate) fn push_r(&mut self, r: u8) {
+        if r >= 8 {
+            self.buf.push(rex(false, 0, 0, r));
+        }
+        self.buf.push(0x50 + (r & 7));
+    }
+
+    pub(crate) fn pop_r(&mut self, r: u8) {
+        if r >= 8 {
+            self.buf.push(rex(false, 0, 0, r));
+        }
+        self.buf.push(0x58 + (r & 7));
+    }
+
+    pub(crate) fn pushfq(&mut self) {
+        self.buf.push(0x9C);
+    }
+
+    pub(crate) fn popfq(&mut self) {
+        self.buf.push(0x9D);
+    }
+
+    pub(crate) fn ret(&mut self) {
+        self.buf.push(0xC3);
+    }
+
+    /// `xsave64 [rip+target]` (component mask in EDX:EAX).
+    pub(crate) fn xsave64_m(&mut self, target: u64) {
+        self.riprel(Some(rex(true, 0, 0, 0)), &[0x0F, 0xAE], 4, target, &[]);
+    }
+
+    /// `xrstor64 [rip+target]` (component mask in EDX:EAX).
+    pub(crate) fn xrstor64_m(&mut self, target: u64) {
+        self.riprel(Some(rex(true, 0, 0, 0)), &[0x0F, 0xAE], 5, target, &[]);
+    }
+
+    /// ModRM + optional SIB + disp32 for `[base + disp32]` with `reg` in the reg field.
+    fn mem_base_disp(&mut self, r: u8, base: u8, disp: i32) {
+        self.buf.push(modrm(2, r, base));
+        if base & 7 == 4 {
+            self.buf.push(0x24);
+        }
+        self.bytes(&disp.to_le_bytes());
+    }
+
+    /// `lea dst, [base + disp32]` (flag-free add).
+    pub(crate) fn lea_r_disp(&mut self, dst: u8, base: u8, disp: i32) {
+        self.bytes(&[rex(true, dst, 0, base), 0x8D]);
+        self.mem_base_disp(dst, base, disp);
+    }
+
+    /// `lea dst, [base + index*(1<<scale_log2)]` (flag-free add).
+    pub(crate) fn lea_r_bi(&mut self, dst: u8, base: u8, index: u8, scale_log2: u8) {
+        self.bytes(&[rex(true, dst, index, base), 0x8D]);
+        let sib = (scale_log2 << 6) | ((index & 7) << 3) | (base & 7);
+        if base & 7 == 5 {
+            self.bytes(&[modrm(1, dst, 4), sib, 0]);
+        } else {
+            self.bytes(&[modrm(0, dst, 4), sib]);
+        }
+    }
+
+    /// `mov dst, [base + disp32]`.
+    pub(crate) fn mov_r_mb(&mut self, dst: u8, base: u8, disp: i32) {
+        self.bytes(&[rex(true, dst, 0, base), 0x8B]);
+        self.mem_base_disp(dst, base, disp);
+    }
+
+    /// `mov [base + disp32], src`.
+    pub(crate) fn mov_mb_r(&mut self, base: u8, disp: i32, src: u8) {
+        self.bytes(&[rex(true, src, 0, base), 0x89]);
+        self.mem_base_disp(src, base, disp);
+    }
+
+    /// `mov dword [base + disp32], imm32`.
+    pub(crate) fn mov_mb32_imm32(&mut self, base: u8, disp: i32, imm: u32) {
+        if base >= 8 {
+            self.buf.push(rex(false, 0, 0, base));
+        }
+        self.buf.push(0xC7);
+        self.mem_base_disp(0, base, disp);
+        self.u32le(imm);
+    }
+
+    /// `movzx dst32, src16`.
+    pub(crate) fn movzx_r32_r16(&mut self, dst: u8, src: u8) {
+        if dst >= 8 || src >= 8 {
+            self.buf.push(rex(false, dst, 0, src));
+        }
+        self.bytes(&[0x0F, 0xB7, modrm(3, dst, src)]);
+    }
+
+    /// `push imm32` (sign-extended to 64 bits).
+    pub(crate) fn push_imm32(&mut self, imm: i32) {
+        self.buf.push(0x68);
+        self.bytes(&imm.to_le_bytes());
+    }
+
+    /// Pushes a full 64-bit constant without a scratch register or EFLAGS:
+    /// `push imm32` then, if needed, `mov dword [rsp+4], hi32`.
+    pub(crate) fn push_imm64(&mut self, v: u64) {
+        self.push_imm32(v as u32 as i32);
+        let sign_extended = i64::from(v as u32 as i32) as u64;
+        if sign_extended != v {
+            self.mov_mb32_imm32(reg::RSP, 4, (v >> 32) as u32);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use iced_x86::{Decoder, DecoderOptions, Formatter, NasmFormatter};
+
+    use super::*;
+
+    fn dis(base: u64, b: &[u8]) -> alloc::vec::Vec<alloc::string::String> {
+        let mut d = Decoder::with_ip(64, b, base, DecoderOptions::NONE);
+        let mut f = NasmFormatter::new();
+        let mut out = alloc::vec::Vec::new();
+        while d.can_decode() {
+            let i = d.decode();
+            assert!(!i.is_invalid());
+            let mut s = alloc::string::String::new();
+            f.format(&i, &mut s);
+            out.push(s);
+        }
+        out
+    }
+
+    #[test]
+    fn test_glue_encodings_round_trip() {
+        let base = 0x7000_0000_0000;
+        let mut a = Asm::new(base, base + 0x100);
+        a.emit_spill(reg::RCX);
+        a.emit_unspill(15);
+        a.mov_m64_imm32(base + 0x200, -5);
+        a.add_m64_imm(base + 0x208, 1);
+        a.cmp_m8_imm8(base + 0x210, 0);
+        a.movzx_r32_m8(reg::RCX, base + 0x210);
+        a.movzx_r32_r16(reg::RAX, reg::RDX);
+        a.lea_r_bi(reg::RAX, reg::RCX, reg::RAX, 3);
+        a.lea_r_bi(reg::RCX, reg::RCX, reg::RDX, 0);
+        a.lea_r_bi(reg::RAX, reg::R13, reg::RAX, 0);
+        a.lea_r_disp(reg::RSP, reg::RSP, 16);
+        a.lea_r_disp(reg::RCX, reg::R12, -1);
+        a.mov_r_mb(reg::RAX, reg::RAX, 8);
+        a.mov_mb_r(reg::RAX, 8, reg::RCX);
+        a.mov_mb32_imm32(reg::RSP, 4, 0x1234_5678);
+        a.mov_r_imm64(reg::RDX, 0x1122_3344_5566_7788);
+        a.mov_r_imm64(9, 0x10);
+        a.push_imm64(0x5555_0000_1234);
+        a.push_r(reg::R15);
+        a.pop_r(reg::RBX);
+        a.jmp_m(base + 0x300);
+        a.mov_r_r(reg::RDX, reg::R13);
+        let (code, _) = a.finish().expect("no labels");
+        let text = dis(base, &code);
+        let expect = [
+            "mov [rel 7000000000100h],rcx",
+            "mov r15,[rel 7000000000178h]",
+            "mov qword [rel 7000000000200h],0FFFFFFFFFFFFFFFBh",
+            "add qword [rel 7000000000208h],1",
+            "cmp byte [rel 7000000000210h],0",
+            "movzx ecx,byte [rel 7000000000210h]",
+            "movzx eax,dx",
+            "lea rax,[rcx+rax*8]",
+            "lea rcx,[rcx+rdx]",
+            "lea rax,[r13+rax]",
+            "lea rsp,[rsp+10h]",
+            "lea rcx,[r12-1]",
+            "mov rax,[rax+8]",
+            "mov [rax+8],rcx",
+            "mov dword [rsp+4],12345678h",
+            "mov rdx,1122334455667788h",
+            "mov r9d,10h",
+            "push 1234h",
+            "mov dword [rsp+4],5555h",
+            "push r15",
+            "pop rbx",
+            "jmp qword [rel 7000000000300h]",
+            "mov rdx,r13",
+        ];
+        assert_eq!(text, expect);
+    }
+}

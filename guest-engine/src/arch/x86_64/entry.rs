@@ -1,0 +1,211 @@
+//! Cache enter/exit: the only hand-written context switch between the engine and
+//! translated code. (The ring-0 IDT stubs will join this file.)
+//!
+//! # Register convention
+//!
+//! * **No stolen registers.** While translated code runs, every guest GPR lives in its own
+//!   hardware register and guest RFLAGS in the hardware RFLAGS; the guest RSP is the
+//!   hardware RSP. Glue code never pushes to the guest stack (the 128-byte red zone below
+//!   RSP belongs to the guest) except where the guest instruction itself pushes (`call`).
+//! * Glue code gets scratch registers by spilling them to `CacheContext::spill[reg]`,
+//!   addressed **RIP-relatively** (the context sits at the start of the cache region, so
+//!   every trace reaches it with a disp32). The PC map (`recover`) says, for every cache
+//!   PC, which guest registers are spilled there.
+//! * Glue code avoids EFLAGS: comparisons use `lea` + `jrcxz`; where a flag-writing form
+//!   (`cmp`, `add`) is cheaper, it is used only where liveness proves all six status flags
+//!   dead.
+//! * Indirect-branch glue uses RAX, RCX, RDX (spilled); RDX carries the guest target.
+//!
+//! # Enter routine (`sysv64`, no arguments)
+//!
+//! Saves the host callee-saved registers and host RFLAGS on the host stack, stores the host
+//! RSP in `ctx.host_rsp`, optionally swaps x87/SSE/AVX state (XSAVE host, XRSTOR guest), loads guest RFLAGS (`popfq` while still on the host stack) and all
+//! sixteen guest GPRs from `ctx.regs`, then `jmp [ctx.enter_target]`.
+//!
+//! # Exit routine
+//!
+//! Reached by `jmp` with all guest registers in place and `ctx.exit_word` set. Stores the
+//! GPRs into `ctx.regs`, switches to the host stack, stores guest RFLAGS, restores host
+//! RFLAGS and callee-saved registers and returns to the enter routine's caller.
+//!
+//! # Exit codes (`ctx.exit_word = kind << 24 | index`)
+//!
+//! | kind | name            | index                  | meaning                                   |
+//! |------|-----------------|------------------------|-------------------------------------------|
+//! | 0    | `DIRECT`        | exit record            | direct branch / fall-through not yet linked |
+//! | 1    | `IBL_MISS`      | 0 (target in `ctx.ibl_target`) | indirect branch or return missed the lookup table |
+//! | 2    | `SENSITIVE`     | exit record            | sensitive instruction at the record's guest PC |
+//! | 3    | `ATTENTION`     | exit record            | attention byte set at a trace entry       |
+//! | 4    | `PA_MISMATCH`   | exit record            | cross-page entry found a different guest PA |
+//! | 5    | `BUFFER_FULL`   | exit record            | memory-reference buffer full; resume at record's PC |
+//! | 6    | `ANALYSIS_CALL` | exit record            | call an analysis routine; resume at record's PC |
+
+use crate::context::CacheContext;
+use crate::layout::{GENCODE_BYTES, XSAVE_MASK};
+
+use super::emit::{reg, Asm};
+
+/// Exit kind: direct exit not yet linked.
+pub const EXIT_DIRECT: u32 = 0;
+/// Exit kind: indirect-branch lookup miss.
+pub const EXIT_IBL_MISS: u32 = 1;
+/// Exit kind: sensitive instruction.
+pub const EXIT_SENSITIVE: u32 = 2;
+/// Exit kind: attention byte set.
+pub const EXIT_ATTENTION: u32 = 3;
+/// Exit kind: PA validation failed at a cross-page entry.
+pub const EXIT_PA_MISMATCH: u32 = 4;
+/// Exit kind: memory-reference buffer full.
+pub const EXIT_BUFFER_FULL: u32 = 5;
+/// Exit kind: analysis-routine call.
+pub const EXIT_ANALYSIS_CALL: u32 = 6;
+
+/// Builds an exit word.
+pub const fn exit_word(kind: u32, index: u32) -> i32 {
+    ((kind << 24) | (index & 0x00FF_FFFF)) as i32
+}
+
+/// Splits an exit word into (kind, index).
+pub const fn split_exit_word(w: u64) -> (u32, u32) {
+    (((w >> 24) & 0xFF) as u32, (w & 0x00FF_FFFF) as u32)
+}
+
+/// Absolute addresses of the context fields generated code uses.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CtxAddrs {
+    pub regs: u64,
+    pub rflags: u64,
+    pub spill: u64,
+    pub exit_word: u64,
+    pub ibl_target: u64,
+    pub jump_target: u64,
+    pub enter_target: u64,
+    pub host_rsp: u64,
+    pub buf_ptr: u64,
+    pub buf_neg_end: u64,
+    pub ibl_lookups: u64,
+    pub attention: u64,
+}
+
+impl CtxAddrs {
+    pub(crate) fn new(ctx: u64) -> Self {
+        use core::mem::offset_of;
+        let o = |off: usize| ctx + off as u64;
+        let regs = o(offset_of!(CacheContext, regs));
+        Self {
+            regs,
+            rflags: regs + 16 * 8,
+            spill: o(offset_of!(CacheContext, spill)),
+            exit_word: o(offset_of!(CacheContext, exit_word)),
+            ibl_target: o(offset_of!(CacheContext, ibl_target)),
+            jump_target: o(offset_of!(CacheContext, jump_target)),
+            enter_target: o(offset_of!(CacheContext, enter_target)),
+            host_rsp: o(offset_of!(CacheContext, host_rsp)),
+            buf_ptr: o(offset_of!(CacheContext, buf_ptr)),
+            buf_neg_end: o(offset_of!(CacheContext, buf_neg_end)),
+            ibl_lookups: o(offset_of!(CacheContext, ibl_lookups)),
+            attention: o(offset_of!(CacheContext, attention)),
+        }
+    }
+}
+
+/// Addresses of the generated routines.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Gencode {
+    pub enter: u64,
+    pub exit: u64,
+    pub ibl_miss: u64,
+}
+
+/// Addresses of the two 64-byte aligned XSAVE areas (guest, host) used when the engine
+/// itself may touch vector state (host builds); the in-guest engine is soft-float.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct XsaveAreas {
+    pub guest: u64,
+    pub host: u64,
+}
+
+const HOST_SAVED: [u8; 6] = [reg::RBX, reg::RBP, reg::R12, reg::R13, 14, reg::R15];
+
+/// Emits the enter, exit and IBL-miss routines for the context at `ctx` into the
+/// `GENCODE_BYTES` at `at`.
+///
+/// # Safety
+/// `at` must be writable and executable for `GENCODE_BYTES` bytes and `ctx` must
+/// be a `CacheContext` within ±2 GiB of `at`.
+pub(crate) unsafe fn emit_gencode(at: *mut u8, ctx: &CtxAddrs, xsave: Option<XsaveAreas>) -> Gencode {
+    let base = at as u64;
+    let mut a = Asm::new(base, ctx.spill);
+
+    // exit routine
+    let exit = a.pc();
+    for r in 0..16u8 {
+        a.mov_m_r(ctx.regs + 8 * u64::from(r), r);
+    }
+    a.mov_r_m(reg::RSP, ctx.host_rsp);
+    if let Some(x) = xsave {
+        a.mov_r_imm64(reg::RAX, u64::from(XSAVE_MASK));
+        a.mov_r_imm64(reg::RDX, 0);
+        a.xsave64_m(x.guest);
+        a.xrstor64_m(x.host);
+    }
+    a.pushfq();
+    a.pop_m(ctx.rflags);
+    a.popfq();
+    for r in HOST_SAVED.iter().rev() {
+        a.pop_r(*r);
+    }
+    a.ret();
+
+    // enter routine
+    let enter = a.pc();
+    for r in HOST_SAVED {
+        a.push_r(r);
+    }
+    a.pushfq();
+    a.mov_m_r(ctx.host_rsp, reg::RSP);
+    if let Some(x) = xsave {
+        a.mov_r_imm64(reg::RAX, u64::from(XSAVE_MASK));
+        a.mov_r_imm64(reg::RDX, 0);
+        a.xsave64_m(x.host);
+        a.xrstor64_m(x.guest);
+    }
+    a.push_m(ctx.rflags);
+    a.popfq();
+    for r in (0..16u8).filter(|r| *r != reg::RSP) {
+        a.mov_r_m(r, ctx.regs + 8 * u64::from(r));
+    }
+    a.mov_r_m(reg::RSP, ctx.regs + 8 * u64::from(reg::RSP));
+    a.jmp_m(ctx.enter_target);
+
+    // IBL miss: RDX = target, RAX/RCX/RDX spilled.
+    let ibl_miss = a.pc();
+    a.mov_m_r(ctx.ibl_target, reg::RDX);
+    for r in [reg::RAX, reg::RCX, reg::RDX] {
+        a.mov_r_m(r, ctx.spill + 8 * u64::from(r));
+    }
+    a.mov_m64_imm32(ctx.exit_word, exit_word(EXIT_IBL_MISS, 0));
+    a.jmp_abs(exit);
+
+    let (code, _) = a.finish().expect("gencode uses no labels");
+    assert!(code.len() <= GENCODE_BYTES, "gencode exceeds its reserved area");
+    // SAFETY: the caller guarantees `at` is writable for GENCODE_BYTES bytes, and the
+    // code was just checked to fit.
+    unsafe { core::ptr::copy_nonoverlapping(code.as_ptr(), at, code.len()) };
+    Gencode { enter, exit, ibl_miss }
+}
+
+/// Runs translated code: loads the guest state from the context and jumps to `target`.
+/// Returns when some code reaches the exit routine.
+///
+/// # Safety
+/// `gen` must come from `emit_gencode` for `ctx`, `target` must be valid code in the same
+/// region, and the guest state must be one the code can run with.
+pub(crate) unsafe fn cache_enter(gen: &Gencode, ctx: *mut CacheContext, target: u64) {
+    // SAFETY: `ctx` is valid per the caller's contract.
+    unsafe { (*ctx).enter_target = target };
+    // SAFETY: `gen.enter` is the sysv64 routine emitted by `emit_gencode`; it preserves
+    // the callee-saved registers and RFLAGS (DF included) and returns normally.
+    let f: extern "sysv64" fn() = unsafe { core::mem::transmute(gen.enter as usize) };
+    f();
+}

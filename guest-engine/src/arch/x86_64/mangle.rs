@@ -1,0 +1,571 @@
+//! Translation of one decoded trace into code-cache bytes: verbatim copies, the
+//! `mangle_*` rewrite rules for control transfers and RIP-relative operands, the
+//! trace-entry checks, and the inline instrumentation (`insert_*`).
+//!
+//! Trace layout (all in one contiguous allocation):
+//!
+//! ```text
+//! checked_entry: PA check against the SoftTLB mirror (entered by cross-page links)
+//! entry:         attention-byte check   (entered by same-page links and IBL hits)
+//! body:          guest instructions + glue + instrumentation (dispatcher enters here)
+//! stubs:         one exit stub per exit:  mov qword [ctx.exit_word], word; jmp exit
+//! ```
+//!
+//! Invariants: glue never writes EFLAGS unless liveness says all status flags are dead;
+//! glue never touches guest memory below RSP; every exit stub restores spilled registers
+//! before jumping to the exit routine, so the exit routine always sees the guest state.
+
+use alloc::vec::Vec;
+
+use iced_x86::{Code, Encoder, Instruction, InstructionInfoFactory, MemoryOperand, OpKind, Register};
+
+use super::decode::{flags_liveness, strip_rep, Class, DecodedInsn, DecodedTrace, TraceEnd};
+use super::emit::{reg, Asm, Label, MapMark};
+use super::entry::{
+    exit_word, CtxAddrs, Gencode, EXIT_ANALYSIS_CALL, EXIT_ATTENTION, EXIT_BUFFER_FULL,
+    EXIT_DIRECT, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
+};
+use crate::addr::GuestVirt;
+use crate::error::EngineError;
+use crate::instrument::{Action, IPoint, Insertion, MemOperand, SegBase};
+use crate::layout::MEM_RECORD_BYTES;
+use crate::platform::SensitiveInsn;
+
+/// Everything the translator needs to know about where the trace will live.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct EmitEnv {
+    /// Cache address of the first byte of the trace.
+    pub base: u64,
+    pub ctx: CtxAddrs,
+    pub gen: Gencode,
+    pub ibl_table: u64,
+    /// SoftTLB mirror slot `[va_page, pa_page]` of the trace's page.
+    pub softtlb_slot: u64,
+    pub counters: u64,
+    pub count_ibl: bool,
+    /// Exit-record index of this trace's first exit.
+    pub exit_base: u32,
+}
+
+/// An exit of a translated trace, before the dispatcher turns it into a record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ExitSpec {
+    /// Direct branch to `target`; the rel32 at `patch_off` is what linking rewrites.
+    Direct { target: u64, patch_off: usize },
+    /// Sensitive instruction.
+    Sensitive(SensitiveInsn),
+    /// Attention byte set at entry.
+    Attention,
+    /// PA check failed at the checked entry.
+    PaMismatch,
+    /// Record buffer full; resume at `resume_off`.
+    BufferFull { resume_off: usize },
+    /// Analysis call number `call` (index in the trace's call list); resume at `resume_off`.
+    Call { call: usize, resume_off: usize },
+}
+
+/// A translated trace.
+#[derive(Debug)]
+pub(crate) struct Translated {
+    pub code: Vec<u8>,
+    pub checked_entry: usize,
+    pub entry: usize,
+    pub body: usize,
+    pub exits: Vec<ExitSpec>,
+    pub marks: Vec<MapMark>,
+}
+
+struct Stub {
+    label: Label,
+    word: i32,
+    restore: u16,
+    guest_pc: u64,
+}
+
+struct Tx<'e> {
+    a: Asm,
+    env: &'e EmitEnv,
+    exits: Vec<ExitSpec>,
+    /// Direct exits whose patch offset is filled once the branch is emitted.
+    stubs: Vec<Stub>,
+    factory: InstructionInfoFactory,
+}
+
+fn hw(r: Register) -> u8 {
+    (r.full_register() as u32 - Register::RAX as u32) as u8
+}
+
+fn reg_of(n: u8) -> Register {
+    // SAFETY-free conversion: RAX..R15 are contiguous in iced's Register enum.
+    Register::values().nth(Register::RAX as usize + usize::from(n)).unwrap_or(Register::RAX)
+}
+
+impl Tx<'_> {
+    fn exit_index(&self) -> u32 {
+        self.env.exit_base + self.exits.len() as u32
+    }
+
+    /// Allocates an exit and its (out-of-line) stub; returns the stub label.
+    fn new_stub(&mut self, kind: u32, spec: ExitSpec, restore: u16, guest_pc: u64) -> Label {
+        let label = self.a.new_label();
+        let word = exit_word(kind, self.exit_index());
+        self.exits.push(spec);
+        self.stubs.push(Stub { label, word, restore, guest_pc });
+        label
+    }
+
+    /// Emits a direct exit: `jmp rel32` (or `jcc rel32` when `cc` is given) to a stub.
+    fn emit_direct_exit(&mut self, cc: Option<u8>, target: u64, guest_pc: u64) {
+        let idx = self.exits.len();
+        let l = self.new_stub(EXIT_DIRECT, ExitSpec::Direct { target, patch_off: 0 }, 0, guest_pc);
+        let patch_off = match cc {
+            Some(c) => self.a.jcc_label(c, l),
+            None => self.a.jmp_label(l),
+        };
+        self.exits[idx] = ExitSpec::Direct { target, patch_off };
+    }
+
+    /// `mov qword [ctx.exit_word], word; jmp exit` inline.
+    fn emit_exit_inline(&mut self, kind: u32, spec: ExitSpec) {
+        let word = exit_word(kind, self.exit_index());
+        self.exits.push(spec);
+        self.a.mov_m64_imm32(self.env.ctx.exit_word, word);
+        self.a.jmp_abs(self.env.gen.exit);
+    }
+
+    fn encode(&self, i: &Instruction) -> Result<Vec<u8>, EngineError> {
+        let mut enc = Encoder::new(64);
+        enc.encode(i, self.a.pc()).map_err(|_| EngineError::Encode(GuestVirt(i.ip())))?;
+        Ok(enc.take_buffer())
+    }
+
+    /// A scratch GPR the instruction does not use (never RSP/RBP/R13).
+    fn pick_scratch(&mut self, i: &Instruction, avoid: u16) -> Result<u8, EngineError> {
+        let mut used: u16 = avoid | 1 << reg::RSP | 1 << reg::RBP | 1 << reg::R13;
+        for u in self.factory.info(i).used_registers() {
+            let r = u.register();
+            if r.is_gpr() {
+                used |= 1 << hw(r);
+            }
+        }
+        (0..16u8).find(|r| used & (1 << r) == 0).ok_or(EngineError::Unsupported(GuestVirt(i.ip())))
+    }
+
+    // ---- entry checks ------------------------------------------------------------------
+
+    fn emit_pa_check(&mut self, va_page: u64, pa_page: u64, guest_pc: u64) {
+        let a_rcx = reg::RCX;
+        let a_rdx = reg::RDX;
+        self.a.mark_guest(guest_pc);
+        self.a.emit_spill(a_rcx);
+        self.a.emit_spill(a_rdx);
+        let fail = self.new_stub(
+            EXIT_PA_MISMATCH,
+            ExitSpec::PaMismatch,
+            1 << a_rcx | 1 << a_rdx,
+            guest_pc,
+        );
+        for (slot, expect) in [(self.env.softtlb_slot, va_page), (self.env.softtlb_slot + 8, pa_page)] {
+            let ok = self.a.new_label();
+            self.a.mov_r_m(a_rcx, slot);
+            self.a.mov_r_imm64(a_rdx, expect.wrapping_neg());
+            self.a.lea_r_bi(a_rcx, a_rcx, a_rdx, 0);
+            self.a.jrcxz_label(ok);
+            self.a.jmp_label(fail);
+            self.a.bind(ok);
+        }
+        self.a.emit_unspill(a_rcx);
+        self.a.emit_unspill(a_rdx);
+    }
+
+    fn emit_attention_check(&mut self, flags_dead: bool, guest_pc: u64) {
+        self.a.mark_guest(guest_pc);
+        if flags_dead {
+            let l = self.new_stub(EXIT_ATTENTION, ExitSpec::Attention, 0, guest_pc);
+            self.a.cmp_m8_imm8(self.env.ctx.attention, 0);
+            self.a.jcc_label(0x5, l);
+        } else {
+            let l = self.new_stub(EXIT_ATTENTION, ExitSpec::Attention, 1 << reg::RCX, guest_pc);
+            let ok = self.a.new_label();
+            self.a.emit_spill(reg::RCX);
+            self.a.movzx_r32_m8(reg::RCX, self.env.ctx.attention);
+            self.a.jrcxz_label(ok);
+            self.a.jmp_label(l);
+            self.a.bind(ok);
+            self.a.emit_unspill(reg::RCX);
+        }
+    }
+
+    // ---- instrumentation ---------------------------------------------------------------
+
+    fn insert_counter(&mut self, slot: u64, amount: i32, flags_dead: bool) {
+        if flags_dead {
+            self.a.add_m64_imm(slot, amount);
+        } else {
+            self.a.emit_spill(reg::RAX);
+            self.a.mov_r_m(reg::RAX, slot);
+            self.a.lea_r_disp(reg::RAX, reg::RAX, amount);
+            self.a.mov_m_r(slot, reg::RAX);
+            self.a.emit_unspill(reg::RAX);
+        }
+    }
+
+    fn insert_analysis_call(&mut self, call: usize) {
+        let resume = self.a.new_label();
+        let idx = self.exits.len();
+        self.emit_exit_inline(EXIT_ANALYSIS_CALL, ExitSpec::Call { call, resume_off: 0 });
+        self.a.bind(resume);
+        self.exits[idx] = ExitSpec::Call { call, resume_off: self.a.offset() };
+    }
+
+    /// `lea rcx, [operand]` computed from the (unmodified) guest registers.
+    fn emit_ea_rcx(&mut self, m: &MemOperand, ip: u64) -> Result<(), EngineError> {
+        // TODO(#3): add the FS/GS base for segment-relative operands (rdfsbase or the
+        // virtual CPU's base); records currently carry the segment offset.
+        let _ = m.seg == SegBase::Flat;
+        match (m.base, m.index) {
+            (None, None) => self.a.mov_r_imm64(reg::RCX, m.disp),
+            (b, x) => {
+                let base = b.map_or(Register::None, |r| reg_of(r as u8));
+                let index = x.map_or(Register::None, |r| reg_of(r as u8));
+                let disp = m.disp as i64;
+                let displ_size = if disp == 0 { 0 } else { 4 };
+                let mo = MemoryOperand::new(base, index, u32::from(m.scale.max(1)), disp, displ_size, false, Register::None);
+                let i = Instruction::with2(Code::Lea_r64_m, Register::RCX, mo)
+                    .map_err(|_| EngineError::Encode(GuestVirt(ip)))?;
+                let b = self.encode(&i)?;
+                self.a.bytes(&b);
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends one record per operand to the buffer; exits when it fills up.
+    fn insert_mem_records(&mut self, ops: &[MemOperand], ip: u64) -> Result<(), EngineError> {
+        let c = self.env.ctx;
+        for m in ops {
+            self.a.emit_spill(reg::RAX);
+            self.a.emit_spill(reg::RCX);
+            self.emit_ea_rcx(m, ip)?;
+            self.a.mov_r_m(reg::RAX, c.buf_ptr);
+            self.a.mov_mb32_imm32(reg::RAX, 0, ip as u32);
+            self.a.mov_mb32_imm32(reg::RAX, 4, (ip >> 32) as u32);
+            self.a.mov_mb_r(reg::RAX, 8, reg::RCX);
+            self.a.mov_mb32_imm32(reg::RAX, 16, m.size);
+            self.a.mov_mb32_imm32(reg::RAX, 20, m.access);
+            self.a.lea_r_disp(reg::RAX, reg::RAX, MEM_RECORD_BYTES as i32);
+            self.a.mov_m_r(c.buf_ptr, reg::RAX);
+            self.a.mov_r_m(reg::RCX, c.buf_neg_end);
+            self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
+            let full = self.a.new_label();
+            let resume = self.a.new_label();
+            self.a.jrcxz_label(full);
+            self.a.emit_unspill(reg::RAX);
+            self.a.emit_unspill(reg::RCX);
+            // jmp short resume
+            self.a.bytes(&[0xEB]);
+            let at = self.a.offset();
+            self.a.bytes(&[0]);
+            self.a.bind(full);
+            let spilled = self.a.spilled();
+            self.a.set_spilled(spilled | 1 << reg::RAX | 1 << reg::RCX);
+            self.a.emit_unspill(reg::RAX);
+            self.a.emit_unspill(reg::RCX);
+            let idx = self.exits.len();
+            self.emit_exit_inline(EXIT_BUFFER_FULL, ExitSpec::BufferFull { resume_off: 0 });
+            let rel = self.a.offset() - (at + 1);
+            self.a.buf[at] = u8::try_from(rel).map_err(|_| EngineError::BranchOutOfRange)?;
+            self.a.bind(resume);
+            self.exits[idx] = ExitSpec::BufferFull { resume_off: self.a.offset() };
+        }
+        Ok(())
+    }
+
+    fn insert_actions(
+        &mut self,
+        acts: &[&Insertion],
+        ops: &[MemOperand],
+        ip: u64,
+        flags_dead: bool,
+        skip_records: bool,
+    ) -> Result<(), EngineError> {
+        for ins in acts {
+            match &ins.action {
+                Action::Counter { id, amount } => {
+                    let slot = self.env.counters + 8 * u64::from(id.0);
+                    self.insert_counter(slot, *amount, flags_dead);
+                }
+                Action::MemRecords if !skip_records => self.insert_mem_records(ops, ip)?,
+                Action::MemRecords => {}
+                Action::Call(c) => self.insert_analysis_call(*c),
+            }
+        }
+        Ok(())
+    }
+
+    // ---- mangle rules ------------------------------------------------------------------
+
+    /// RIP-relative operand: the cache is > 2 GiB from guest code, so the operand becomes
+    /// `[scratch]` with the absolute address loaded into a spilled scratch register
+    /// (`lea r, [rip+x]` becomes `mov r, imm`).
+    fn mangle_rip_rel(&mut self, d: &DecodedInsn) -> Result<(), EngineError> {
+        let i = &d.instr;
+        let abs = i.ip_rel_memory_address();
+        if i.code() == Code::Lea_r64_m {
+            self.a.mov_r_imm64(hw(i.op0_register()), abs);
+            return Ok(());
+        }
+        if i.code() == Code::Lea_r32_m {
+            self.a.mov_r_imm64(hw(i.op0_register()), abs & 0xFFFF_FFFF);
+            return Ok(());
+        }
+        let s = self.pick_scratch(i, 0)?;
+        self.a.emit_spill(s);
+        self.a.mov_r_imm64(s, abs);
+        let mut i2 = *i;
+        i2.set_memory_base(reg_of(s));
+        i2.set_memory_index(Register::None);
+        i2.set_memory_displacement64(0);
+        i2.set_memory_displ_size(0);
+        let b = self.encode(&i2)?;
+        self.a.bytes(&b);
+        self.a.emit_unspill(s);
+        Ok(())
+    }
+
+    /// Loads the target of `jmp/call r/m64` into RDX (RCX, RDX already spilled, unchanged).
+    fn emit_load_target_rdx(&mut self, i: &Instruction) -> Result<(), EngineError> {
+        match i.op0_kind() {
+            OpKind::Register => {
+                let r = hw(i.op0_register());
+                if r != reg::RDX {
+                    self.a.mov_r_r(reg::RDX, r);
+                }
+            }
+            OpKind::Memory if i.is_ip_rel_memory_operand() => {
+                self.a.mov_r_imm64(reg::RDX, i.ip_rel_memory_address());
+                if i.segment_prefix() == Register::None {
+                    self.a.mov_r_mb(reg::RDX, reg::RDX, 0);
+                } else {
+                    return Err(EngineError::Unsupported(GuestVirt(i.ip())));
+                }
+            }
+            OpKind::Memory => {
+                let mo = MemoryOperand::new(
+                    i.memory_base(),
+                    i.memory_index(),
+                    i.memory_index_scale(),
+                    i.memory_displacement64() as i64,
+                    if i.memory_displacement64() == 0 { 0 } else { 4 },
+                    false,
+                    i.segment_prefix(),
+                );
+                let l = Instruction::with2(Code::Mov_r64_rm64, Register::RDX, mo)
+                    .map_err(|_| EngineError::Encode(GuestVirt(i.ip())))?;
+                let b = self.encode(&l)?;
+                self.a.bytes(&b);
+            }
+            _ => return Err(EngineError::Unsupported(GuestVirt(i.ip()))),
+        }
+        Ok(())
+    }
+
+    /// Inline indirect-branch lookup: RDX = guest target, RCX/RDX spilled.
+    /// Two probes of the hash table (`[-va, cache_pc]` pairs), flag-free.
+    fn emit_ibl(&mut self) {
+        let c = self.env.ctx;
+        self.a.emit_spill(reg::RAX);
+        if self.env.count_ibl {
+            self.a.mov_r_m(reg::RCX, c.ibl_lookups);
+            self.a.lea_r_disp(reg::RCX, reg::RCX, 1);
+            self.a.mov_m_r(c.ibl_lookups, reg::RCX);
+        }
+        let hit = self.a.new_label();
+        let hit2 = self.a.new_label();
+        self.a.movzx_r32_r16(reg::RAX, reg::RDX);
+        self.a.lea_r_bi(reg::RAX, reg::RAX, reg::RAX, 0);
+        self.a.lea_r_rip(reg::RCX, self.env.ibl_table);
+        self.a.lea_r_bi(reg::RAX, reg::RCX, reg::RAX, 3);
+        self.a.mov_r_mb(reg::RCX, reg::RAX, 0);
+        self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RDX, 0);
+        self.a.jrcxz_label(hit);
+        self.a.mov_r_mb(reg::RCX, reg::RAX, 16);
+        self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RDX, 0);
+        self.a.jrcxz_label(hit2);
+        self.a.jmp_abs(self.env.gen.ibl_miss);
+        self.a.bind(hit2);
+        self.a.lea_r_disp(reg::RAX, reg::RAX, 16);
+        self.a.bind(hit);
+        self.a.mov_r_mb(reg::RAX, reg::RAX, 8);
+        self.a.mov_m_r(c.jump_target, reg::RAX);
+        self.a.emit_unspill(reg::RAX);
+        self.a.emit_unspill(reg::RCX);
+        self.a.emit_unspill(reg::RDX);
+        self.a.jmp_m(c.jump_target);
+    }
+
+    fn mangle_indirect(&mut self, d: &DecodedInsn) -> Result<(), EngineError> {
+        let i = &d.instr;
+        self.a.emit_spill(reg::RCX);
+        self.a.emit_spill(reg::RDX);
+        match d.class {
+            Class::Ret { pop } => {
+                self.a.pop_r(reg::RDX);
+                if pop != 0 {
+                    self.a.lea_r_disp(reg::RSP, reg::RSP, i32::from(pop));
+                }
+            }
+            Class::CallInd => {
+                self.emit_load_target_rdx(i)?;
+                self.a.push_imm64(i.next_ip());
+            }
+            _ => self.emit_load_target_rdx(i)?,
+        }
+        self.emit_ibl();
+        Ok(())
+    }
+
+    /// `rep` string instruction with per-iteration records: an explicit loop.
+    fn mangle_rep_string(&mut self, d: &DecodedInsn, ops: &[MemOperand]) -> Result<(), EngineError> {
+        let i = &d.instr;
+        let (one, n) = strip_rep(d.bytes());
+        let top = self.a.new_label();
+        let body = self.a.new_label();
+        let done = self.a.new_label();
+        let z = self.a.new_label();
+        self.a.bind(top);
+        self.a.jrcxz_label(z);
+        self.a.bytes(&[0xEB, 0x05]); // jmp short body
+        self.a.bind(z);
+        self.a.jmp_label(done);
+        self.a.bind(body);
+        self.insert_mem_records(ops, i.ip())?;
+        self.a.bytes(&one[..n]);
+        self.a.lea_r_disp(reg::RCX, reg::RCX, -1);
+        let conditional = matches!(
+            i.mnemonic(),
+            iced_x86::Mnemonic::Cmpsb
+                | iced_x86::Mnemonic::Cmpsw
+                | iced_x86::Mnemonic::Cmpsd
+                | iced_x86::Mnemonic::Cmpsq
+                | iced_x86::Mnemonic::Scasb
+                | iced_x86::Mnemonic::Scasw
+                | iced_x86::Mnemonic::Scasd
+                | iced_x86::Mnemonic::Scasq
+        );
+        if conditional {
+            // repe: stop when ZF=0 (jne); repne: stop when ZF=1 (je).
+            let cc = if i.has_repne_prefix() { 0x4 } else { 0x5 };
+            self.a.jcc_label(cc, done);
+        }
+        self.a.jmp_label(top);
+        self.a.bind(done);
+        Ok(())
+    }
+
+    fn mangle_insn(&mut self, d: &DecodedInsn, rep_records: Option<&[MemOperand]>) -> Result<(), EngineError> {
+        let i = &d.instr;
+        let pc = i.ip();
+        match d.class {
+            Class::Plain => match rep_records {
+                Some(ops) => self.mangle_rep_string(d, ops)?,
+                None => self.a.bytes(d.bytes()),
+            },
+            Class::RipRel => self.mangle_rip_rel(d)?,
+            Class::Jcc { cc, target } => self.emit_direct_exit(Some(cc), target, pc),
+            Class::LoopLike { target } => {
+                let b = d.bytes();
+                self.a.bytes(&b[..b.len() - 1]);
+                self.a.bytes(&[2, 0xEB, 5]);
+                self.emit_direct_exit(None, target, pc);
+            }
+            Class::Jmp { target } => self.emit_direct_exit(None, target, pc),
+            Class::Call { target } => {
+                self.a.push_imm64(i.next_ip());
+                self.emit_direct_exit(None, target, pc);
+            }
+            Class::JmpInd | Class::CallInd | Class::Ret { .. } => self.mangle_indirect(d)?,
+        }
+        Ok(())
+    }
+
+    fn emit_stubs(&mut self) {
+        let stubs = core::mem::take(&mut self.stubs);
+        for s in stubs {
+            self.a.bind(s.label);
+            self.a.mark_guest(s.guest_pc);
+            self.a.set_spilled(s.restore);
+            for r in 0..16u8 {
+                if s.restore & (1 << r) != 0 {
+                    self.a.emit_unspill(r);
+                }
+            }
+            self.a.mov_m64_imm32(self.env.ctx.exit_word, s.word);
+            self.a.jmp_abs(self.env.gen.exit);
+        }
+    }
+}
+
+/// Translates `t` for placement at `env.base` with the given insertions.
+pub(crate) fn translate_trace(
+    t: &DecodedTrace,
+    insertions: &[Insertion],
+    env: &EmitEnv,
+) -> Result<Translated, EngineError> {
+    let mut tx = Tx {
+        a: Asm::new(env.base, env.ctx.spill),
+        env,
+        exits: Vec::new(),
+        stubs: Vec::new(),
+        factory: InstructionInfoFactory::new(),
+    };
+    let live = flags_liveness(t);
+    let start = t.start.0;
+    let checked_entry = tx.a.offset();
+    tx.emit_pa_check(t.start.page().0, t.pa.page().0, start);
+    let entry = tx.a.offset();
+    tx.emit_attention_check(live[0] == 0, start);
+    let body = tx.a.offset();
+    let mut before: Vec<&Insertion> = Vec::new();
+    let mut after: Vec<&Insertion> = Vec::new();
+    for (k, d) in t.insns.iter().enumerate() {
+        let pc = d.instr.ip();
+        tx.a.mark_guest(pc);
+        before.clear();
+        after.clear();
+        for ins in insertions.iter().filter(|x| x.ins == k) {
+            match ins.point {
+                IPoint::Before => before.push(ins),
+                IPoint::After => after.push(ins),
+            }
+        }
+        let info = &t.info[k];
+        let wants_records = before.iter().any(|x| x.action == Action::MemRecords);
+        let rep_loop = info.rep && wants_records && !d.bytes().contains(&0x67);
+        tx.insert_actions(&before, &info.mem, pc, live[k] == 0, rep_loop)?;
+        tx.a.mark_guest(pc);
+        tx.mangle_insn(d, if rep_loop { Some(&info.mem) } else { None })?;
+        let falls_through =
+            matches!(d.class, Class::Plain | Class::RipRel | Class::Jcc { .. } | Class::LoopLike { .. });
+        if falls_through && !after.is_empty() {
+            let next = d.instr.next_ip();
+            tx.a.mark_guest(next);
+            tx.insert_actions(&after, &[], next, live[k + 1] == 0, true)?;
+        }
+    }
+    match t.end {
+        TraceEnd::FallThrough(pc) => {
+            tx.a.mark_guest(pc);
+            tx.emit_direct_exit(None, pc, pc);
+        }
+        TraceEnd::Sensitive(s) => {
+            tx.a.mark_guest(s.pc.0);
+            tx.emit_exit_inline(EXIT_SENSITIVE, ExitSpec::Sensitive(s));
+        }
+        TraceEnd::Transfer => {}
+    }
+    tx.emit_stubs();
+    let exits = core::mem::take(&mut tx.exits);
+    let (code, marks) = tx.a.finish()?;
+    Ok(Translated { code, checked_entry, entry, body, exits, marks })
+}

@@ -1,0 +1,6 @@
+//! x86-64: decoding (iced-x86), translation rules, glue encoding and the cache entry code.
+
+pub(crate) mod decode;
+pub(crate) mod emit;
+pub mod entry;
+pub(crate) mod mangle;

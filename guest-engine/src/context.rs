@@ -1,0 +1,104 @@
+//! The per-vCPU block at the start of the cache region that generated code addresses
+//! RIP-relatively. Invariant: between traces (in the dispatcher) `gpr` and `rflags` hold
+//! the complete guest integer state; inside the cache they are stale and the hardware
+//! registers (plus `spill` slots named by the PC map) are authoritative.
+
+/// Guest general-purpose registers in hardware encoding order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[repr(u8)]
+#[allow(missing_docs)]
+pub enum Gpr {
+    Rax = 0,
+    Rcx,
+    Rdx,
+    Rbx,
+    Rsp,
+    Rbp,
+    Rsi,
+    Rdi,
+    R8,
+    R9,
+    R10,
+    R11,
+    R12,
+    R13,
+    R14,
+    R15,
+}
+
+impl Gpr {
+    /// All sixteen registers in encoding order.
+    pub const ALL: [Gpr; 16] = [
+        Gpr::Rax,
+        Gpr::Rcx,
+        Gpr::Rdx,
+        Gpr::Rbx,
+        Gpr::Rsp,
+        Gpr::Rbp,
+        Gpr::Rsi,
+        Gpr::Rdi,
+        Gpr::R8,
+        Gpr::R9,
+        Gpr::R10,
+        Gpr::R11,
+        Gpr::R12,
+        Gpr::R13,
+        Gpr::R14,
+        Gpr::R15,
+    ];
+
+    /// The register with hardware number `n` (0..16).
+    pub fn from_number(n: u8) -> Option<Gpr> {
+        Self::ALL.get(usize::from(n)).copied()
+    }
+}
+
+/// Guest integer state at a trace boundary.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct GuestRegs {
+    /// GPRs indexed by [`Gpr`].
+    pub gpr: [u64; 16],
+    /// RFLAGS.
+    pub rflags: u64,
+}
+
+impl GuestRegs {
+    /// Value of one register.
+    pub fn get(&self, r: Gpr) -> u64 {
+        self.gpr[r as usize]
+    }
+    /// Sets one register.
+    pub fn set(&mut self, r: Gpr, v: u64) {
+        self.gpr[r as usize] = v;
+    }
+}
+
+/// The block addressed by generated code. `#[repr(C)]`: offsets are used by emitted code.
+#[derive(Debug)]
+#[repr(C)]
+pub struct CacheContext {
+    /// Guest registers (valid in the dispatcher).
+    pub regs: GuestRegs,
+    /// Spill slot per GPR for glue code.
+    pub spill: [u64; 16],
+    /// Why the cache was left: `kind << 24 | index` (see `arch::x86_64::entry`).
+    pub exit_word: u64,
+    /// Target of the indirect branch that missed the IBL.
+    pub ibl_target: u64,
+    /// Scratch for the final `jmp [rip+jump_target]` of an IBL hit.
+    pub jump_target: u64,
+    /// Where the enter routine jumps.
+    pub enter_target: u64,
+    /// Host (engine) stack pointer saved by the enter routine.
+    pub host_rsp: u64,
+    /// Next free byte of the per-vCPU memory-reference buffer.
+    pub buf_ptr: u64,
+    /// `-(end of buffer)`, so `lea rcx,[rcx+rax]; jrcxz` tests fullness flag-free.
+    pub buf_neg_end: u64,
+    /// IBL lookups executed (only counted when `Config::count_ibl_lookups`).
+    pub ibl_lookups: u64,
+    /// Non-zero when the dispatcher wants control at the next trace entry
+    /// (interrupt pending, detach, invalidation); see `attention`.
+    pub attention: u64,
+}

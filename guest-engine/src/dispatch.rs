@@ -1,0 +1,498 @@
+//! The dispatcher: looks up or builds fragments, enters the cache, and handles every exit
+//! (linking, IBL fills, sensitive-instruction emulation, buffers, analysis calls).
+//!
+//! Invariant: whenever control is in the dispatcher, `CacheContext::regs` holds the
+//! guest's complete integer state and `Engine::rip` the guest RIP it belongs to (or, for
+//! resumable exits, the state at the recorded resume PC).
+
+use alloc::vec::Vec;
+
+use crate::addr::{CachePc, GuestPhys, GuestVirt};
+use crate::arch::{cache_enter, decode_trace, translate_trace, EmitEnv, ExitSpec};
+use crate::arch::x86_64::entry::{
+    split_exit_word, EXIT_ANALYSIS_CALL, EXIT_ATTENTION, EXIT_BUFFER_FULL, EXIT_DIRECT,
+    EXIT_IBL_MISS, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
+};
+use crate::code_cache::CodeCache;
+use crate::context::{CacheContext, GuestRegs};
+use crate::error::EngineError;
+use crate::fragment::{ExitKind, ExitRecord, Fragment};
+use crate::guest_memory::{GuestMemory, Mode};
+use crate::instrument::{resolve_pa, CounterAlloc, CounterId, IArg, MemRecord, Tool, TraceInstrumenter};
+use crate::layout::{COUNTER_SLOTS, MEM_RECORD_BYTES};
+use crate::link::patch_branch;
+use crate::platform::{Emulation, Platform, SensitiveInsn};
+
+/// Engine configuration.
+#[derive(Clone, Copy, Debug)]
+pub struct Config {
+    /// Link direct exits (off: every direct branch goes through the dispatcher).
+    pub link_direct: bool,
+    /// Fill the indirect-branch lookup table (off: every indirect branch misses).
+    pub fill_ibl: bool,
+    /// Count IBL lookups in generated code (costs a few instructions per lookup).
+    pub count_ibl_lookups: bool,
+    /// Swap x87/SSE/AVX state at cache entry/exit (needed when the engine itself uses
+    /// vector registers, as host builds do).
+    pub save_extended_state: bool,
+    /// Translation mode.
+    pub mode: Mode,
+    /// Memory-reference buffer capacity in records.
+    pub record_buffer_records: usize,
+    /// Fill `MemRecord::pa` before handing buffers to the tool.
+    pub records_need_pa: bool,
+    /// Optional monotonic clock in nanoseconds, used for translation-time statistics.
+    pub clock_ns: Option<fn() -> u64>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            link_direct: true,
+            fill_ibl: true,
+            count_ibl_lookups: false,
+            save_extended_state: false,
+            mode: Mode(0),
+            record_buffer_records: 4096,
+            records_need_pa: false,
+            clock_ns: None,
+        }
+    }
+}
+
+/// Counters of what the engine did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Fragments built.
+    pub fragments: u64,
+    /// Guest instructions translated.
+    pub guest_insns: u64,
+    /// Guest code bytes translated.
+    pub guest_bytes: u64,
+    /// Code-cache bytes produced.
+    pub cache_bytes: u64,
+    /// Whole-cache flushes.
+    pub flushes: u64,
+    /// Exits by kind (index = exit code).
+    pub exits: [u64; 7],
+    /// Direct links made.
+    pub links: u64,
+    /// Nanoseconds spent translating (if a clock was configured).
+    pub translate_ns: u64,
+}
+
+/// Why `Engine::run` returned. Guest events are values, not errors.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Stop {
+    /// The guest transferred control to an address it cannot fetch from.
+    FetchFault(GuestVirt),
+    /// A sensitive instruction the platform did not emulate.
+    Sensitive(SensitiveInsn),
+    /// The attention byte was set; the guest is stopped before `GuestVirt`.
+    Attention(GuestVirt),
+    /// An engine failure.
+    Error(EngineError),
+}
+
+/// Guest state recovered at a code-cache PC (for precise exceptions).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Recovered {
+    /// The guest instruction the PC belongs to.
+    pub guest_pc: GuestVirt,
+    /// Bit per GPR (hardware number) whose guest value lives in the context spill slot.
+    pub spilled: u16,
+}
+
+/// One vCPU's translator, code cache and dispatcher.
+pub struct Engine {
+    cache: CodeCache,
+    config: Config,
+    counters: CounterAlloc,
+    buffer: Vec<MemRecord>,
+    rip: GuestVirt,
+    stats: Stats,
+}
+
+enum Next {
+    /// Look up / translate at `rip` and enter its body.
+    Lookup,
+    /// Enter at a cache PC.
+    Enter(CachePc),
+}
+
+impl Engine {
+    /// Creates an engine over the raw region `base..base+len`.
+    ///
+    /// # Safety
+    /// The region must be readable, writable and executable, page aligned, owned by the
+    /// engine for its lifetime and smaller than 2 GiB.
+    pub unsafe fn new(base: *mut u8, len: usize, config: Config) -> Result<Self, EngineError> {
+        // SAFETY: forwarded caller contract.
+        let cache = unsafe { CodeCache::new(base, len, config.save_extended_state)? };
+        let records = config.record_buffer_records.max(1);
+        let mut e = Self {
+            cache,
+            config,
+            counters: CounterAlloc::default(),
+            buffer: alloc::vec![MemRecord::default(); records],
+            rip: GuestVirt(0),
+            stats: Stats::default(),
+        };
+        e.reset_buffer();
+        Ok(e)
+    }
+
+    fn ctx(&self) -> &CacheContext {
+        // SAFETY: the context lies at the start of the region we own; the cache is not
+        // running while the dispatcher holds `&self`.
+        unsafe { &*self.cache.context() }
+    }
+
+    fn ctx_mut(&mut self) -> &mut CacheContext {
+        // SAFETY: as in `ctx`, and `&mut self` makes the access exclusive.
+        unsafe { &mut *self.cache.context() }
+    }
+
+    /// Guest registers (valid between runs).
+    pub fn regs(&self) -> &GuestRegs {
+        &self.ctx().regs
+    }
+
+    /// Mutable guest registers.
+    pub fn regs_mut(&mut self) -> &mut GuestRegs {
+        &mut self.ctx_mut().regs
+    }
+
+    /// Guest RIP.
+    pub fn rip(&self) -> GuestVirt {
+        self.rip
+    }
+
+    /// Sets the guest RIP.
+    pub fn set_rip(&mut self, rip: GuestVirt) {
+        self.rip = rip;
+    }
+
+    /// Statistics so far.
+    pub fn stats(&self) -> Stats {
+        self.stats
+    }
+
+    /// IBL lookups counted by generated code (`Config::count_ibl_lookups`).
+    pub fn ibl_lookups(&self) -> u64 {
+        self.ctx().ibl_lookups
+    }
+
+    /// Code-cache bytes currently holding fragments.
+    pub fn cache_used_bytes(&self) -> usize {
+        self.cache.used_bytes()
+    }
+
+    /// Value of an inline counter.
+    pub fn counter(&self, id: CounterId) -> u64 {
+        if id.0 as usize >= COUNTER_SLOTS {
+            return 0;
+        }
+        // SAFETY: the slot lies in the counter area of the region.
+        unsafe { ((self.cache.counters() + 8 * u64::from(id.0)) as *const u64).read() }
+    }
+
+    /// Sets or clears attention reasons (see `attention::reason`).
+    pub fn set_attention(&mut self, bits: u8) {
+        self.ctx_mut().attention = u64::from(bits);
+    }
+
+    /// Drops every translation (whole-cache flush).
+    pub fn flush(&mut self) {
+        self.cache.flush();
+        self.stats.flushes += 1;
+    }
+
+    /// Maps a code-cache PC back to its guest instruction and register locations.
+    pub fn recover(&self, pc: CachePc) -> Option<Recovered> {
+        let f = self.cache.fragment_at(pc)?;
+        let off = (pc.0 - f.base.0) as u32;
+        let i = f.marks.partition_point(|m| m.offset <= off);
+        let m = f.marks.get(i.checked_sub(1)?)?;
+        Some(Recovered { guest_pc: GuestVirt(m.guest_pc), spilled: m.spilled })
+    }
+
+    /// Guest registers at a faulting cache PC, given the hardware registers there.
+    pub fn recover_regs(&self, pc: CachePc, hw: &GuestRegs) -> Option<(GuestVirt, GuestRegs)> {
+        let r = self.recover(pc)?;
+        let mut g = *hw;
+        for n in 0..16 {
+            if r.spilled & (1 << n) != 0 {
+                g.gpr[n] = self.ctx().spill[n];
+            }
+        }
+        Some((r.guest_pc, g))
+    }
+
+    /// All (guest PC, cache PC range) pairs of the current fragments (for tests/tools).
+    pub fn cache_map(&self) -> Vec<(GuestVirt, CachePc, u32)> {
+        let mut v = Vec::new();
+        for f in &self.cache.fragments {
+            for m in &f.marks {
+                v.push((GuestVirt(m.guest_pc), CachePc(f.base.0 + u64::from(m.offset)), u32::from(m.spilled)));
+            }
+        }
+        v
+    }
+
+    fn reset_buffer(&mut self) {
+        let start = self.buffer.as_mut_ptr() as u64;
+        let end = start + (self.buffer.len() * MEM_RECORD_BYTES) as u64;
+        let c = self.ctx_mut();
+        c.buf_ptr = start;
+        c.buf_neg_end = end.wrapping_neg();
+    }
+
+    fn deliver_buffer(&mut self, mem: &mut dyn GuestMemory, tool: &mut dyn Tool) {
+        let start = self.buffer.as_ptr() as u64;
+        let n = ((self.ctx().buf_ptr - start) as usize) / MEM_RECORD_BYTES;
+        if n == 0 {
+            return;
+        }
+        if self.config.records_need_pa {
+            let mode = self.config.mode;
+            for r in &mut self.buffer[..n] {
+                r.pa = resolve_pa(mem, mode, r.ea);
+            }
+        }
+        tool.buffer_full(&self.buffer[..n]);
+        self.reset_buffer();
+    }
+
+    fn now(&self) -> u64 {
+        self.config.clock_ns.map_or(0, |c| c())
+    }
+
+    /// Finds or builds the fragment for `va` in the current mode.
+    fn fragment_for(
+        &mut self,
+        mem: &mut dyn GuestMemory,
+        tool: &mut dyn Tool,
+        va: GuestVirt,
+    ) -> Result<u32, Stop> {
+        let mode = self.config.mode;
+        let pa_page = mem.translate(va.page(), mode).ok_or(Stop::FetchFault(va))?;
+        let pa = GuestPhys(pa_page.0 + (va.0 - va.page().0));
+        if self.cache.fill_softtlb(va, pa) {
+            // A mapping changed: IBL entries inserted under the old one are stale.
+            self.cache.clear_ibl();
+        }
+        if let Some(id) = self.cache.lookup(va, pa, mode) {
+            return Ok(id);
+        }
+        let t0 = self.now();
+        let decoded = decode_trace(mem, va, pa, mode).map_err(|f| Stop::FetchFault(f.0))?;
+        let mut ti = TraceInstrumenter::new(va, &decoded.info, &decoded.bbls, &mut self.counters);
+        tool.instrument_trace(&mut ti);
+        let insertions = core::mem::take(&mut ti.insertions);
+        let calls = core::mem::take(&mut ti.calls);
+        let mut flushed = false;
+        let tr = loop {
+            let (base, room) = self.cache.cursor();
+            let env = EmitEnv {
+                base,
+                ctx: self.cache.ctx,
+                gen: self.cache.gen,
+                ibl_table: self.cache.ibl_table(),
+                softtlb_slot: self.cache.softtlb_slot(va),
+                counters: self.cache.counters(),
+                count_ibl: self.config.count_ibl_lookups,
+                exit_base: self.cache.exits.len() as u32,
+            };
+            let tr = translate_trace(&decoded, &insertions, &env).map_err(Stop::Error)?;
+            if tr.code.len() <= room && self.cache.exits.len() + tr.exits.len() < (1 << 24) {
+                break tr;
+            }
+            if flushed {
+                return Err(Stop::Error(EngineError::TraceTooLarge(va)));
+            }
+            self.flush();
+            flushed = true;
+        };
+        let base = self.cache.commit(&tr.code);
+        let id = self.cache.fragments.len() as u32;
+        let first_exit = self.cache.exits.len() as u32;
+        let at = |off: usize| CachePc(base.0 + off as u64);
+        for e in &tr.exits {
+            let kind = match *e {
+                ExitSpec::Direct { target, patch_off } => ExitKind::Direct {
+                    target: GuestVirt(target),
+                    patch_at: at(patch_off),
+                    linked: false,
+                },
+                ExitSpec::Sensitive(s) => ExitKind::Sensitive(s),
+                ExitSpec::Attention => ExitKind::Attention,
+                ExitSpec::PaMismatch => ExitKind::PaMismatch,
+                ExitSpec::BufferFull { resume_off } => ExitKind::BufferFull { resume: at(resume_off) },
+                ExitSpec::Call { call, resume_off } => ExitKind::Call { call, resume: at(resume_off) },
+            };
+            self.cache.exits.push(ExitRecord { fragment: id, kind });
+        }
+        self.cache.fragments.push(Fragment {
+            start: va,
+            pa,
+            mode,
+            base,
+            len: tr.code.len(),
+            checked_entry: at(tr.checked_entry),
+            entry: at(tr.entry),
+            body: at(tr.body),
+            marks: tr.marks,
+            calls,
+            exits: first_exit..self.cache.exits.len() as u32,
+        });
+        self.cache.by_key.insert((va.0, pa.0, mode.0), id);
+        self.stats.fragments += 1;
+        self.stats.guest_insns += decoded.insns.len() as u64;
+        self.stats.guest_bytes += decoded.guest_bytes;
+        self.stats.cache_bytes += tr.code.len() as u64;
+        self.stats.translate_ns += self.now().wrapping_sub(t0);
+        Ok(id)
+    }
+
+    fn eval_args(&self, mem: &mut dyn GuestMemory, frag: u32, call: usize, out: &mut Vec<u64>) -> u32 {
+        let f = &self.cache.fragments[frag as usize];
+        let c = &f.calls[call];
+        let regs = &self.ctx().regs;
+        out.clear();
+        for a in &c.args {
+            let v = match *a {
+                IArg::InstPtr => c.ins.address.0,
+                IArg::MemEa(n) => c.ins.mem.get(usize::from(n)).map_or(0, |m| m.effective_address(regs)),
+                IArg::MemPa(n) => c.ins.mem.get(usize::from(n)).map_or(u64::MAX, |m| {
+                    resolve_pa(mem, self.config.mode, m.effective_address(regs))
+                }),
+                IArg::MemSize(n) => c.ins.mem.get(usize::from(n)).map_or(0, |m| u64::from(m.size)),
+                IArg::Reg(r) => regs.get(r),
+                IArg::Const(k) => k,
+            };
+            out.push(v);
+        }
+        c.routine
+    }
+
+    /// Runs the guest from `rip()` under translation until it stops.
+    pub fn run(&mut self, mem: &mut dyn GuestMemory, platform: &mut dyn Platform, tool: &mut dyn Tool) -> Stop {
+        let stop = self.run_inner(mem, platform, tool);
+        self.deliver_buffer(mem, tool);
+        stop
+    }
+
+    fn run_inner(&mut self, mem: &mut dyn GuestMemory, platform: &mut dyn Platform, tool: &mut dyn Tool) -> Stop {
+        let mut args = Vec::new();
+        let mut next = Next::Lookup;
+        loop {
+            let target = match next {
+                Next::Lookup => {
+                    if self.ctx().attention != 0 {
+                        return Stop::Attention(self.rip);
+                    }
+                    match self.fragment_for(mem, tool, self.rip) {
+                        Ok(id) => self.cache.fragments[id as usize].body,
+                        Err(s) => return s,
+                    }
+                }
+                Next::Enter(pc) => pc,
+            };
+            // SAFETY: `target` is a fragment body or a resume PC inside the cache,
+            // produced by the translator for the current context; the context holds a
+            // guest state that code expects (the state at that point).
+            unsafe { cache_enter(&self.cache.gen, self.cache.context(), target.0) };
+            let (kind, idx) = split_exit_word(self.ctx().exit_word);
+            if (kind as usize) < self.stats.exits.len() {
+                self.stats.exits[kind as usize] += 1;
+            }
+            if kind == EXIT_IBL_MISS {
+                let va = GuestVirt(self.ctx().ibl_target);
+                self.rip = va;
+                match self.fragment_for(mem, tool, va) {
+                    Ok(id) => {
+                        let f = &self.cache.fragments[id as usize];
+                        let (entry, body) = (f.entry, f.body);
+                        if self.config.fill_ibl {
+                            self.cache.ibl_insert(va, entry);
+                        }
+                        next = if self.ctx().attention != 0 { Next::Lookup } else { Next::Enter(body) };
+                    }
+                    Err(s) => return s,
+                }
+                continue;
+            }
+            let Some(rec) = self.cache.exits.get(idx as usize).copied() else {
+                return Stop::Error(EngineError::UnboundLabel);
+            };
+            let frag_start = self.cache.fragments[rec.fragment as usize].start;
+            next = match (kind, rec.kind) {
+                (EXIT_DIRECT, ExitKind::Direct { target, patch_at, .. }) => {
+                    self.rip = target;
+                    let gen = self.cache.generation;
+                    match self.fragment_for(mem, tool, target) {
+                        Ok(id) => {
+                            if self.config.link_direct && gen == self.cache.generation {
+                                self.link(idx, rec.fragment, id, patch_at);
+                            }
+                            if self.ctx().attention != 0 {
+                                Next::Lookup
+                            } else {
+                                Next::Enter(self.cache.fragments[id as usize].body)
+                            }
+                        }
+                        Err(s) => return s,
+                    }
+                }
+                (EXIT_SENSITIVE, ExitKind::Sensitive(s)) => {
+                    self.rip = s.pc;
+                    match platform.emulate(&s, &mut self.ctx_mut().regs) {
+                        Emulation::Continue(n) => {
+                            self.rip = n;
+                            Next::Lookup
+                        }
+                        Emulation::Stop => return Stop::Sensitive(s),
+                    }
+                }
+                (EXIT_ATTENTION, ExitKind::Attention) => {
+                    self.rip = frag_start;
+                    return Stop::Attention(frag_start);
+                }
+                (EXIT_PA_MISMATCH, ExitKind::PaMismatch) => {
+                    self.rip = frag_start;
+                    Next::Lookup
+                }
+                (EXIT_BUFFER_FULL, ExitKind::BufferFull { resume }) => {
+                    self.deliver_buffer(mem, tool);
+                    Next::Enter(resume)
+                }
+                (EXIT_ANALYSIS_CALL, ExitKind::Call { call, resume }) => {
+                    let routine = self.eval_args(mem, rec.fragment, call, &mut args);
+                    tool.analyze(routine, &args);
+                    Next::Enter(resume)
+                }
+                _ => return Stop::Error(EngineError::UnboundLabel),
+            };
+        }
+    }
+
+    fn link(&mut self, exit: u32, from: u32, to: u32, patch_at: CachePc) {
+        let (src, dst): (&Fragment, &Fragment) =
+            (&self.cache.fragments[from as usize], &self.cache.fragments[to as usize]);
+        if src.mode != dst.mode {
+            return;
+        }
+        let same_page = src.start.page() == dst.start.page() && src.pa.page() == dst.pa.page();
+        let target = if same_page { dst.entry } else { dst.checked_entry };
+        // SAFETY: `patch_at` is the rel32 of a branch of fragment `from`, inside the
+        // cache; nothing executes in the cache while the dispatcher runs.
+        unsafe { patch_branch(patch_at, target) };
+        if let Some(r) = self.cache.exits.get_mut(exit as usize) {
+            if let ExitKind::Direct { linked, .. } = &mut r.kind {
+                *linked = true;
+            }
+        }
+        self.stats.links += 1;
+    }
+}

@@ -1,0 +1,53 @@
+//! A fragment is one translated trace in the code cache, with its exits.
+//!
+//! Invariants: a fragment's code occupies `[base, base+len)`; `checked_entry ≤ entry ≤
+//! body` are addresses inside it; its exit records are `exits` in the cache's exit table.
+
+use alloc::vec::Vec;
+use core::ops::Range;
+
+use crate::addr::{CachePc, GuestPhys, GuestVirt};
+use crate::arch::MapMark;
+use crate::guest_memory::Mode;
+use crate::instrument::CallSpec;
+use crate::platform::SensitiveInsn;
+
+/// A translated trace.
+#[derive(Debug)]
+pub(crate) struct Fragment {
+    pub start: GuestVirt,
+    pub pa: GuestPhys,
+    pub mode: Mode,
+    pub base: CachePc,
+    pub len: usize,
+    pub checked_entry: CachePc,
+    pub entry: CachePc,
+    pub body: CachePc,
+    pub marks: Vec<MapMark>,
+    pub calls: Vec<CallSpec>,
+    pub exits: Range<u32>,
+}
+
+/// What an exit record does when its stub is reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ExitKind {
+    /// Direct branch to `target`; `patch_at` is the rel32 field linking rewrites.
+    Direct { target: GuestVirt, patch_at: CachePc, linked: bool },
+    /// Sensitive instruction.
+    Sensitive(SensitiveInsn),
+    /// Attention byte set.
+    Attention,
+    /// Cross-page entry with a stale PA.
+    PaMismatch,
+    /// Record buffer full.
+    BufferFull { resume: CachePc },
+    /// Analysis call `call` of the fragment.
+    Call { call: usize, resume: CachePc },
+}
+
+/// One exit of one fragment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ExitRecord {
+    pub fragment: u32,
+    pub kind: ExitKind,
+}

@@ -1,0 +1,317 @@
+//! The Pin-shaped instrumentation API tools use at translation time.
+//!
+//! A tool implements [`Tool`]. When the engine forms a trace it calls
+//! [`Tool::instrument_trace`] with a [`TraceInstrumenter`] that describes the trace's basic
+//! blocks and instructions (arch-neutral [`InsInfo`]) and collects insertions:
+//!
+//! * [`TraceInstrumenter::insert_counter`] — an inline 64-bit counter increment
+//!   (`add [rip+slot], n` where EFLAGS are dead, a flag-free `lea` sequence elsewhere);
+//! * [`TraceInstrumenter::insert_mem_records`] — an inline append of one [`MemRecord`] per
+//!   memory operand (explicit, implicit stack and string operands; `rep` string
+//!   instructions record every iteration) to the per-vCPU buffer, handed to
+//!   [`Tool::buffer_full`] when full and when the run stops;
+//! * [`TraceInstrumenter::insert_call`] — a call of [`Tool::analyze`] with [`IArg`]
+//!   arguments evaluated at run time.
+//!
+//! Invariants: insertions never change guest-visible state; `IPoint::After` is only
+//! honoured on an instruction's fall-through path (ignored for unconditional transfers).
+
+use alloc::vec::Vec;
+
+use crate::addr::{GuestPhys, GuestVirt};
+use crate::context::{GuestRegs, Gpr};
+use crate::error::EngineError;
+use crate::layout::COUNTER_SLOTS;
+
+/// Memory access bits of a [`MemOperand`] / [`MemRecord`].
+pub mod access {
+    /// The operand is read.
+    pub const READ: u32 = 1;
+    /// The operand is written.
+    pub const WRITE: u32 = 2;
+}
+
+/// Segment override of a memory operand that changes its linear address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SegBase {
+    /// Flat (CS/DS/ES/SS in 64-bit mode).
+    Flat,
+    /// FS-relative.
+    Fs,
+    /// GS-relative.
+    Gs,
+}
+
+/// One memory operand of an instruction, explicit or implicit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemOperand {
+    /// Base register, if any (RIP-relative operands are turned into absolute `disp`).
+    pub base: Option<Gpr>,
+    /// Index register, if any.
+    pub index: Option<Gpr>,
+    /// Index scale (1, 2, 4, 8).
+    pub scale: u8,
+    /// Displacement (two's complement).
+    pub disp: u64,
+    /// Access size in bytes (per element for string instructions).
+    pub size: u32,
+    /// [`access`] bits.
+    pub access: u32,
+    /// Segment base that applies.
+    pub seg: SegBase,
+}
+
+impl MemOperand {
+    /// Effective address (without the FS/GS base) from guest registers at the
+    /// instruction's start.
+    pub fn effective_address(&self, regs: &GuestRegs) -> u64 {
+        let b = self.base.map_or(0, |r| regs.get(r));
+        let i = self.index.map_or(0, |r| regs.get(r).wrapping_mul(u64::from(self.scale)));
+        b.wrapping_add(i).wrapping_add(self.disp)
+    }
+}
+
+/// Coarse kind of an instruction, for tools.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InsKind {
+    /// Falls through.
+    Plain,
+    /// `jcc`, `loop*`, `jrcxz`.
+    CondBranch,
+    /// Direct `jmp`.
+    Jump,
+    /// Direct `call`.
+    Call,
+    /// `jmp r/m`.
+    IndirectJump,
+    /// `call r/m`.
+    IndirectCall,
+    /// `ret`.
+    Return,
+}
+
+/// An instruction of a trace as tools see it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InsInfo {
+    /// Guest address.
+    pub address: GuestVirt,
+    /// Length in bytes.
+    pub len: u8,
+    /// Kind.
+    pub kind: InsKind,
+    /// Memory operands, explicit and implicit (for `rep` string instructions, one element).
+    pub mem: Vec<MemOperand>,
+    /// Has a `rep`/`repe`/`repne` prefix and is a string instruction.
+    pub rep: bool,
+    /// Opcode class (the decoder's mnemonic number), for instruction-mix tools.
+    pub opcode: u16,
+}
+
+/// A basic block: a run of instructions with one entry, ending at a branch or trace end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bbl {
+    /// Index of its first instruction in the trace.
+    pub first: usize,
+    /// Number of instructions.
+    pub count: usize,
+    /// Guest address of the first instruction.
+    pub address: GuestVirt,
+}
+
+/// One memory-reference record, as appended inline by generated code.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct MemRecord {
+    /// Guest address of the instruction.
+    pub ip: u64,
+    /// Effective virtual address.
+    pub ea: u64,
+    /// Access size in bytes.
+    pub size: u32,
+    /// [`access`] bits.
+    pub access: u32,
+    /// Physical address, filled by the engine before delivery when the tool asked for
+    /// physical addresses (`Config::records_need_pa`), else 0.
+    pub pa: u64,
+}
+
+/// Where an insertion goes relative to its instruction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IPoint {
+    /// Before the instruction executes.
+    Before,
+    /// After it, on the fall-through path.
+    After,
+}
+
+/// An argument of an analysis call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IArg {
+    /// The instruction's guest address.
+    InstPtr,
+    /// Effective virtual address of memory operand `n`.
+    MemEa(u8),
+    /// Physical address of memory operand `n` (resolved by the engine: "needs PA").
+    MemPa(u8),
+    /// Size of memory operand `n`.
+    MemSize(u8),
+    /// Value of a guest register before the instruction.
+    Reg(Gpr),
+    /// A constant.
+    Const(u64),
+}
+
+impl IArg {
+    /// Whether evaluating this argument needs a physical address.
+    pub fn needs_pa(self) -> bool {
+        matches!(self, IArg::MemPa(_))
+    }
+}
+
+/// An inline counter slot allocated in the code-cache region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct CounterId(pub u32);
+
+/// A planned analysis call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CallSpec {
+    /// Routine number passed to [`Tool::analyze`].
+    pub routine: u32,
+    /// Arguments.
+    pub args: Vec<IArg>,
+    /// Instruction the call belongs to.
+    pub ins: InsInfo,
+}
+
+/// What an insertion does.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Action {
+    Counter { id: CounterId, amount: i32 },
+    MemRecords,
+    Call(usize),
+}
+
+/// One insertion request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Insertion {
+    pub ins: usize,
+    pub point: IPoint,
+    pub action: Action,
+}
+
+/// Counter slots allocated so far (never reset by a cache flush).
+#[derive(Debug, Default)]
+pub(crate) struct CounterAlloc {
+    pub next: u32,
+}
+
+/// The view of one trace handed to a tool, and the sink of its insertions.
+pub struct TraceInstrumenter<'a> {
+    address: GuestVirt,
+    insns: &'a [InsInfo],
+    bbls: &'a [Bbl],
+    counters: &'a mut CounterAlloc,
+    pub(crate) insertions: Vec<Insertion>,
+    pub(crate) calls: Vec<CallSpec>,
+}
+
+impl<'a> TraceInstrumenter<'a> {
+    pub(crate) fn new(
+        address: GuestVirt,
+        insns: &'a [InsInfo],
+        bbls: &'a [Bbl],
+        counters: &'a mut CounterAlloc,
+    ) -> Self {
+        Self { address, insns, bbls, counters, insertions: Vec::new(), calls: Vec::new() }
+    }
+
+    /// Guest address of the trace's first instruction.
+    pub fn address(&self) -> GuestVirt {
+        self.address
+    }
+
+    /// The trace's instructions in order.
+    pub fn instructions(&self) -> &[InsInfo] {
+        self.insns
+    }
+
+    /// The trace's basic blocks in order.
+    pub fn bbls(&self) -> &[Bbl] {
+        self.bbls
+    }
+
+    /// Allocates a new zeroed inline counter.
+    pub fn alloc_counter(&mut self) -> Result<CounterId, EngineError> {
+        if self.counters.next as usize >= COUNTER_SLOTS {
+            return Err(EngineError::CountersExhausted);
+        }
+        self.counters.next += 1;
+        Ok(CounterId(self.counters.next - 1))
+    }
+
+    /// Adds `amount` to counter `id` at `point` of instruction `ins`.
+    pub fn insert_counter(&mut self, ins: usize, point: IPoint, id: CounterId, amount: i32) {
+        if ins < self.insns.len() {
+            self.insertions.push(Insertion { ins, point, action: Action::Counter { id, amount } });
+        }
+    }
+
+    /// Adds `amount` to counter `id` each time basic block `bbl` executes.
+    pub fn insert_bbl_counter(&mut self, bbl: usize, id: CounterId, amount: i32) {
+        if let Some(b) = self.bbls.get(bbl) {
+            let first = b.first;
+            self.insert_counter(first, IPoint::Before, id, amount);
+        }
+    }
+
+    /// Appends one [`MemRecord`] per memory operand of `ins` before it executes.
+    pub fn insert_mem_records(&mut self, ins: usize) {
+        if self.insns.get(ins).is_some_and(|i| !i.mem.is_empty()) {
+            self.insertions.push(Insertion {
+                ins,
+                point: IPoint::Before,
+                action: Action::MemRecords,
+            });
+        }
+    }
+
+    /// Calls `Tool::analyze(routine, args)` at `point` of instruction `ins`.
+    pub fn insert_call(&mut self, ins: usize, point: IPoint, routine: u32, args: &[IArg]) {
+        let Some(info) = self.insns.get(ins) else { return };
+        self.calls.push(CallSpec { routine, args: args.to_vec(), ins: info.clone() });
+        let idx = self.calls.len() - 1;
+        self.insertions.push(Insertion { ins, point, action: Action::Call(idx) });
+    }
+}
+
+/// A tool (pintool): instruments traces and receives analysis calls and buffers.
+pub trait Tool {
+    /// Called once per trace at translation time.
+    fn instrument_trace(&mut self, trace: &mut TraceInstrumenter<'_>) {
+        let _ = trace;
+    }
+    /// An analysis call inserted with [`TraceInstrumenter::insert_call`].
+    fn analyze(&mut self, routine: u32, args: &[u64]) {
+        let _ = (routine, args);
+    }
+    /// A batch of memory-reference records (buffer full, or the run stopped).
+    fn buffer_full(&mut self, records: &[MemRecord]) {
+        let _ = records;
+    }
+}
+
+/// The tool that inserts nothing (null translation).
+#[derive(Debug, Default)]
+pub struct NullTool;
+
+impl Tool for NullTool {}
+
+/// Physical address resolution used for `IArg::MemPa` and records.
+pub(crate) fn resolve_pa<M: crate::guest_memory::GuestMemory + ?Sized>(
+    mem: &mut M,
+    mode: crate::guest_memory::Mode,
+    va: u64,
+) -> u64 {
+    let page = GuestVirt(va).page();
+    mem.translate(page, mode).map_or(u64::MAX, |p: GuestPhys| p.0 + (va - page.0))
+}

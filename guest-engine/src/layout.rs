@@ -1,0 +1,62 @@
+//! Every constant of the engine's memory layout, documented once.
+//!
+//! The embedder hands the engine one raw region; the engine carves it as:
+//!
+//! | offset                 | size                         | content                         |
+//! |------------------------|------------------------------|---------------------------------|
+//! | 0                      | [`CONTEXT_BYTES`]            | `CacheContext` (guest regs, spill slots, attention byte, buffer pointers) and XSAVE areas |
+//! | [`IBL_OFFSET`]         | [`IBL_TABLE_BYTES`]          | indirect-branch lookup table    |
+//! | [`SOFTTLB_OFFSET`]     | [`SOFTTLB_BYTES`]            | SoftTLB mirror for PA checks    |
+//! | [`COUNTERS_OFFSET`]    | [`COUNTER_SLOTS`] × 8        | inline instrumentation counters |
+//! | [`GENCODE_OFFSET`]     | [`GENCODE_BYTES`]            | enter / exit / IBL-miss routines|
+//! | [`TRACES_OFFSET`]      | rest                         | translated traces               |
+//!
+//! Everything the generated code touches is addressed RIP-relatively, so the whole region
+//! must be smaller than 2 GiB ([`MAX_REGION_BYTES`]).
+
+/// Bytes reserved for the `CacheContext` and the two XSAVE areas at the start of the region.
+pub const CONTEXT_BYTES: usize = 3 * 4096;
+/// Offset of the guest's XSAVE area (x87/SSE/AVX/AVX-512 state while in the dispatcher).
+pub const XSAVE_GUEST_OFFSET: usize = 4096;
+/// Offset of the host's XSAVE area (the engine's own state while guest code runs).
+pub const XSAVE_HOST_OFFSET: usize = 2 * 4096;
+/// XSAVE component mask saved by the context switch: x87, SSE, AVX, AVX-512 (no MPX,
+/// no AMX), whose standard-format size is below 4096 bytes.
+pub const XSAVE_MASK: u32 = 0xE7;
+/// log2 of the number of IBL buckets: the hash is the low 16 bits of the target
+/// (`movzx eax, dx`), which is the widest flag-free mask x86 offers.
+pub const IBL_HASH_BITS: u32 = 16;
+/// Number of IBL buckets; one extra bucket lets the second probe skip a wrap check.
+pub const IBL_ENTRIES: usize = (1 << IBL_HASH_BITS) + 1;
+/// Bytes per IBL entry: `[-guest_va: u64, cache_pc: u64]`.
+pub const IBL_ENTRY_BYTES: usize = 16;
+/// Offset of the IBL table.
+pub const IBL_OFFSET: usize = CONTEXT_BYTES;
+/// Bytes of the IBL table.
+pub const IBL_TABLE_BYTES: usize = IBL_ENTRIES * IBL_ENTRY_BYTES;
+/// Number of SoftTLB mirror slots (direct mapped by virtual page number).
+pub const SOFTTLB_ENTRIES: usize = 256;
+/// Offset of the SoftTLB mirror: slots of `[va_page: u64, pa_page: u64]`.
+pub const SOFTTLB_OFFSET: usize = (IBL_OFFSET + IBL_TABLE_BYTES + 4095) & !4095;
+/// Bytes of the SoftTLB mirror.
+pub const SOFTTLB_BYTES: usize = SOFTTLB_ENTRIES * 16;
+/// Number of 8-byte inline counters tools may allocate.
+pub const COUNTER_SLOTS: usize = 1 << 16;
+/// Offset of the counter area.
+pub const COUNTERS_OFFSET: usize = SOFTTLB_OFFSET + SOFTTLB_BYTES;
+/// Offset of the generated enter/exit routines.
+pub const GENCODE_OFFSET: usize = COUNTERS_OFFSET + COUNTER_SLOTS * 8;
+/// Bytes reserved for the generated routines.
+pub const GENCODE_BYTES: usize = 4096;
+/// Offset of the first trace.
+pub const TRACES_OFFSET: usize = GENCODE_OFFSET + GENCODE_BYTES;
+/// Smallest usable region: the fixed part plus 64 KiB of traces.
+pub const MIN_REGION_BYTES: usize = TRACES_OFFSET + 64 * 1024;
+/// Largest region: RIP-relative displacements are signed 32-bit.
+pub const MAX_REGION_BYTES: usize = 1 << 30;
+/// Guest instructions per trace before it is cut with a fall-through exit.
+pub const MAX_TRACE_INSNS: usize = 96;
+/// Bytes of one memory-reference record (`MemRecord`).
+pub const MEM_RECORD_BYTES: usize = 32;
+/// Largest x86 instruction.
+pub const MAX_INSN_BYTES: usize = 15;

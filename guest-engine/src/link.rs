@@ -1,0 +1,20 @@
+//! Direct trace linking: `patch_*` rewrites the rel32 of a branch in one fragment so that
+//! it jumps straight to another fragment's entry instead of its exit stub.
+//!
+//! Invariants: links only join fragments of the same mode; a link between fragments on
+//! different guest pages targets the `checked_entry` (PA validation), a same-page link
+//! targets `entry` (attention check only). Links are never undone except by a whole-cache
+//! flush. The patched field lies inside the cache region.
+
+use crate::addr::CachePc;
+
+/// Rewrites the rel32 at `at` so the branch ending at `at+4` reaches `target`.
+///
+/// # Safety
+/// `at..at+4` must be a rel32 field of a branch inside the writable code cache, and no
+/// thread may be executing that instruction while it is rewritten.
+pub(crate) unsafe fn patch_branch(at: CachePc, target: CachePc) {
+    let rel = target.0.wrapping_sub(at.0 + 4) as u32;
+    // SAFETY: the caller guarantees the four bytes are a writable rel32 field.
+    unsafe { core::ptr::write_unaligned(at.0 as *mut [u8; 4], rel.to_le_bytes()) };
+}

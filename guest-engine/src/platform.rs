@@ -1,0 +1,96 @@
+//! The seam through which sensitive instructions are emulated.
+//!
+//! A *sensitive* instruction is privileged or observably mode-dependent: its verbatim
+//! execution at hardware CPL 3 inside the code cache would not mean what it means to the
+//! guest. The translator never copies one; it ends the trace before it with a
+//! `SENSITIVE` exit, and the dispatcher hands it to the [`Platform`].
+
+use crate::addr::GuestVirt;
+use crate::context::GuestRegs;
+use crate::layout::MAX_INSN_BYTES;
+
+/// Which sensitive construct an instruction is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SensitiveKind {
+    /// `cli` / `sti`.
+    InterruptFlag,
+    /// `pushf` / `popf`.
+    Flags,
+    /// `iret*`, far `ret`, far `jmp`/`call`.
+    FarTransfer,
+    /// `syscall` / `sysret` / `sysenter` / `sysexit`.
+    SystemCall,
+    /// `swapgs`, `rd/wr{fs,gs}base`.
+    SegmentBase,
+    /// `mov` to/from CR, `smsw`, `lmsw`, `clts`.
+    ControlRegister,
+    /// `mov` to/from DR.
+    DebugRegister,
+    /// `mov` to/from a segment register, `push`/`pop` of one, `lss`/`lfs`/`lgs`.
+    SegmentRegister,
+    /// `lgdt lidt ltr lldt sgdt sidt sldt str`.
+    DescriptorTable,
+    /// `lar lsl verr verw`.
+    SegmentQuery,
+    /// `rdmsr` / `wrmsr`.
+    Msr,
+    /// `in out ins outs`.
+    PortIo,
+    /// `hlt`, `mwait`, `monitor`.
+    Halt,
+    /// `invlpg`, `invpcid`, `invd`, `wbinvd`.
+    TlbOrCache,
+    /// `cpuid`.
+    Cpuid,
+    /// `int n`, `int3`, `into`, `int1`.
+    SoftwareInterrupt,
+    /// `ud0 ud1 ud2`, or bytes that do not decode.
+    Undefined,
+    /// `xgetbv` / `xsetbv`.
+    ExtendedControl,
+    /// `rdpkru` / `wrpkru`.
+    ProtectionKeys,
+    /// `rdtscp`, `rdpid`, `rdpmc` (read guest-visible per-CPU values).
+    Timestamp,
+    /// Anything else the translator refuses to run verbatim (e.g. TSX, VMX).
+    Other,
+}
+
+/// A sensitive instruction reached by the guest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SensitiveInsn {
+    /// Guest address of the instruction.
+    pub pc: GuestVirt,
+    /// Length in bytes (0 if the bytes do not decode).
+    pub len: u8,
+    /// The instruction bytes (first `len` valid).
+    pub bytes: [u8; MAX_INSN_BYTES],
+    /// Classification.
+    pub kind: SensitiveKind,
+}
+
+/// What the platform did with a sensitive instruction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Emulation {
+    /// Emulated; continue at `next` with the (possibly updated) registers.
+    Continue(GuestVirt),
+    /// Not emulated: stop running and report the instruction.
+    Stop,
+}
+
+/// Emulation of sensitive instructions (host harness: host emulation or a clear stop;
+/// engine: its virtual CPU).
+pub trait Platform {
+    /// Emulates `insn` against `regs`.
+    fn emulate(&mut self, insn: &SensitiveInsn, regs: &mut GuestRegs) -> Emulation;
+}
+
+/// A platform that emulates nothing: every sensitive instruction stops the run.
+#[derive(Debug, Default)]
+pub struct StopPlatform;
+
+impl Platform for StopPlatform {
+    fn emulate(&mut self, _insn: &SensitiveInsn, _regs: &mut GuestRegs) -> Emulation {
+        Emulation::Stop
+    }
+}
