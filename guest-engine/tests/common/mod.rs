@@ -10,6 +10,10 @@ use guest_engine::{
     SensitiveInsn, SensitiveKind,
 };
 
+pub mod corpus;
+pub mod diff;
+pub mod ptrace;
+pub mod tools;
 pub mod gen;
 
 /// An anonymous RWX mapping.
@@ -82,7 +86,7 @@ impl HostMemory {
         for l in maps.lines() {
             let mut it = l.split_whitespace();
             let (Some(r), Some(p)) = (it.next(), it.next()) else { continue };
-            if !p.contains('x') {
+            if p != "r-xp" {
                 continue;
             }
             let (a, b) = r.split_once('-').expect("range");

@@ -435,9 +435,13 @@ pub(crate) fn flags_liveness(t: &DecodedTrace) -> Vec<u32> {
     live
 }
 
-/// Shifts and rotates leave flags untouched when the (masked) count is zero.
+/// Shifts and rotates leave flags untouched when the (masked) count is zero, and so do
+/// `rep` string instructions when RCX is zero.
 fn count_may_be_zero(i: &Instruction) -> bool {
     use Mnemonic as M;
+    if (i.has_rep_prefix() || i.has_repne_prefix()) && is_string_op(i) {
+        return true;
+    }
     if !matches!(
         i.mnemonic(),
         M::Shl | M::Shr | M::Sar | M::Sal | M::Rol | M::Ror | M::Rcl | M::Rcr | M::Shld | M::Shrd

@@ -133,9 +133,9 @@ impl Tx<'_> {
         self.a.jmp_abs(self.env.gen.exit);
     }
 
-    fn encode(&self, i: &Instruction) -> Result<Vec<u8>, EngineError> {
+    fn encode(&self, i: &Instruction, guest_pc: u64) -> Result<Vec<u8>, EngineError> {
         let mut enc = Encoder::new(64);
-        enc.encode(i, self.a.pc()).map_err(|_| EngineError::Encode(GuestVirt(i.ip())))?;
+        enc.encode(i, self.a.pc()).map_err(|_| EngineError::Encode(GuestVirt(guest_pc)))?;
         Ok(enc.take_buffer())
     }
 
@@ -229,11 +229,11 @@ impl Tx<'_> {
                 let base = b.map_or(Register::None, |r| reg_of(r as u8));
                 let index = x.map_or(Register::None, |r| reg_of(r as u8));
                 let disp = m.disp as i64;
-                let displ_size = if disp == 0 { 0 } else { 4 };
+                let displ_size = if disp == 0 { 0 } else { 1 };
                 let mo = MemoryOperand::new(base, index, u32::from(m.scale.max(1)), disp, displ_size, false, Register::None);
                 let i = Instruction::with2(Code::Lea_r64_m, Register::RCX, mo)
                     .map_err(|_| EngineError::Encode(GuestVirt(ip)))?;
-                let b = self.encode(&i)?;
+                let b = self.encode(&i, ip)?;
                 self.a.bytes(&b);
             }
         }
@@ -327,7 +327,7 @@ impl Tx<'_> {
         i2.set_memory_index(Register::None);
         i2.set_memory_displacement64(0);
         i2.set_memory_displ_size(0);
-        let b = self.encode(&i2)?;
+        let b = self.encode(&i2, i.ip())?;
         self.a.bytes(&b);
         self.a.emit_unspill(s);
         Ok(())
@@ -356,13 +356,13 @@ impl Tx<'_> {
                     i.memory_index(),
                     i.memory_index_scale(),
                     i.memory_displacement64() as i64,
-                    if i.memory_displacement64() == 0 { 0 } else { 4 },
+                    if i.memory_displacement64() == 0 { 0 } else { 1 },
                     false,
                     i.segment_prefix(),
                 );
                 let l = Instruction::with2(Code::Mov_r64_rm64, Register::RDX, mo)
                     .map_err(|_| EngineError::Encode(GuestVirt(i.ip())))?;
-                let b = self.encode(&l)?;
+                let b = self.encode(&l, i.ip())?;
                 self.a.bytes(&b);
             }
             _ => return Err(EngineError::Unsupported(GuestVirt(i.ip()))),
@@ -568,4 +568,18 @@ pub(crate) fn translate_trace(
     let exits = core::mem::take(&mut tx.exits);
     let (code, marks) = tx.a.finish()?;
     Ok(Translated { code, checked_entry, entry, body, exits, marks })
+}
+
+#[cfg(test)]
+mod tests {
+    use iced_x86::{Code, Encoder, Instruction, MemoryOperand, Register};
+
+    #[test]
+    fn test_encode_mov_rdx_mem() {
+        let mo = MemoryOperand::new(Register::RBX, Register::None, 1, 8, 1, false, Register::None);
+        let l = Instruction::with2(Code::Mov_r64_rm64, Register::RDX, mo).expect("create");
+        let mut enc = Encoder::new(64);
+        let r = enc.encode(&l, 0x7000_0000_0000);
+        assert!(r.is_ok(), "{r:?}");
+    }
 }
