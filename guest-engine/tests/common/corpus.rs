@@ -226,6 +226,14 @@ impl Harness {
         g
     }
 
+    /// Single-steps `f` natively in a forked child (see `ptrace`).
+    pub fn single_step(&mut self, f: Work, seed: u64, n: u64) -> Vec<super::ptrace::Step> {
+        let exit = self.rig.native.exit_address();
+        self.fill(seed);
+        *self.rig.native.regs_mut() = self.init(n, exit);
+        super::ptrace::single_step(&mut self.rig.native, f as usize as u64)
+    }
+
     /// Returns (native regs, native buf), (translated regs, translated buf).
     pub fn run(&mut self, f: Work, seed: u64, n: u64, tool: &mut dyn Tool) -> ((GuestRegs, Vec<u8>), (GuestRegs, Vec<u8>)) {
         let exit = self.rig.native.exit_address();
@@ -238,6 +246,7 @@ impl Harness {
         let nbuf = self.buf.slice().to_vec();
 
         self.fill(seed);
+        self.rig.engine.flush();
         *self.rig.engine.regs_mut() = self.init(n, exit);
         self.rig.engine.set_rip(GuestVirt(f as usize as u64));
         let mut mem = HostMemory::executable_mappings();
