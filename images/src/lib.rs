@@ -1,1 +1,239 @@
-//! placeholder
+//! kpin's guest images: the pinned Debian kernel (as bzImage, as vmlinux ELF, with its
+//! `System.map` and config), the busybox initramfs with kpin's `/init`, and the mini-kernel.
+//!
+//! Everything lands in a git-ignored output directory ([`default_out_dir`]). The functions are
+//! idempotent and cached: a second call with everything present and verified downloads
+//! nothing. The cache is never trusted blindly: downloaded `.deb`s are checked against pinned
+//! SHA-256 sums, derived files carry stamps that are re-verified on every call (and are rebuilt
+//! if missing or changed), and every file is written via a temporary file and a rename.
+//! Concurrent callers serialise on a lock file per job.
+//!
+//! Host requirements: `apt-get` (with a package index that knows the pinned versions),
+//! `dpkg-deb`, `tar`, and for the mini-kernel `cargo` with the `x86_64-unknown-none` target.
+#![deny(missing_docs)]
+
+mod bzimage;
+mod cache;
+mod command;
+mod cpio;
+mod debian;
+mod initramfs;
+mod layout;
+mod linux;
+mod lz4_legacy;
+mod minikernel;
+mod pins;
+mod workload;
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+pub use bzimage::BzImageError;
+pub use command::CommandError;
+pub use cpio::CpioError;
+pub use lz4_legacy::Lz4Error;
+pub use workload::workload_expected_md5;
+
+/// The files of the pinned Linux guest, all inside the output directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinuxImages {
+    /// The distribution's bzImage (`vmlinuz`), LZ4-compressed, relocatable.
+    pub bzimage: PathBuf,
+    /// The kernel ELF taken from the bzImage's payload: boots without the decompressor.
+    /// Symbols are stripped; use [`LinuxImages::system_map`] for them.
+    pub vmlinux: PathBuf,
+    /// The full `System.map` of this build (from the `-dbg` package).
+    pub system_map: PathBuf,
+    /// The kernel's `.config`.
+    pub config: PathBuf,
+    /// The busybox initramfs (uncompressed newc cpio) whose `/init` runs a workload.
+    pub initramfs: PathBuf,
+    /// The kernel release (`uname -r`), e.g. `6.1.0-56-cloud-amd64`.
+    pub kernel_version: &'static str,
+}
+
+/// Why an image could not be produced. Messages name what failed; the cause is chained as
+/// the error's `source`.
+#[derive(Debug, thiserror::Error)]
+pub enum ImagesError {
+    /// A file-system operation failed.
+    #[error("could not {action} {}", path.display())]
+    Io {
+        /// What was being done, e.g. `"read"`.
+        action: &'static str,
+        /// The file or directory concerned.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// `apt-get download` failed.
+    #[error(
+        "could not download {package} {version}: `{command}` failed (if apt cannot locate the \
+         package or version, its package index may be stale: run `apt-get update`)"
+    )]
+    Download {
+        /// The package.
+        package: &'static str,
+        /// Its pinned version.
+        version: &'static str,
+        /// The exact command that failed.
+        command: String,
+        /// How it failed.
+        #[source]
+        source: CommandError,
+    },
+    /// `apt-get download` succeeded but the expected file is not there.
+    #[error("`{command}` succeeded but did not produce {} for {package}", path.display())]
+    DownloadMissing {
+        /// The package.
+        package: &'static str,
+        /// The command that ran.
+        command: String,
+        /// The file that was expected.
+        path: PathBuf,
+    },
+    /// A downloaded package does not have its pinned SHA-256.
+    #[error(
+        "{} has SHA-256 {actual}, but {package} {version} is pinned to {expected}; the file was deleted",
+        path.display()
+    )]
+    Checksum {
+        /// The package.
+        package: &'static str,
+        /// Its pinned version.
+        version: &'static str,
+        /// The downloaded file.
+        path: PathBuf,
+        /// The pinned hash.
+        expected: &'static str,
+        /// The hash found.
+        actual: String,
+    },
+    /// Extracting files from a package failed.
+    #[error("could not extract {members} from {}: `{command}` failed", deb.display())]
+    Extract {
+        /// The package file.
+        deb: PathBuf,
+        /// The archive members wanted.
+        members: String,
+        /// The exact pipeline that failed.
+        command: String,
+        /// How it failed.
+        #[source]
+        source: CommandError,
+    },
+    /// The kernel ELF could not be recovered from the bzImage.
+    #[error("could not extract vmlinux from {}", path.display())]
+    Vmlinux {
+        /// The bzImage.
+        path: PathBuf,
+        /// What was wrong with it.
+        #[source]
+        source: BzImageError,
+    },
+    /// The initramfs archive could not be built.
+    #[error("could not build the initramfs")]
+    Initramfs {
+        /// The rejected entry.
+        #[source]
+        source: CpioError,
+    },
+    /// The mini-kernel crate is not in the repository.
+    #[error("the mini-kernel sources are missing: {} does not exist", manifest.display())]
+    MinikernelMissing {
+        /// Where its manifest should be.
+        manifest: PathBuf,
+    },
+    /// The mini-kernel cannot be built because the Rust target is not installed.
+    #[error(
+        "the Rust target x86_64-unknown-none is not installed: run \
+         `rustup target add x86_64-unknown-none` (`{command}` failed)"
+    )]
+    MinikernelTargetMissing {
+        /// The build command.
+        command: String,
+        /// How it failed.
+        #[source]
+        source: CommandError,
+    },
+    /// Building the mini-kernel failed.
+    #[error("could not build the mini-kernel: `{command}` failed")]
+    MinikernelBuild {
+        /// The build command.
+        command: String,
+        /// How it failed.
+        #[source]
+        source: CommandError,
+    },
+    /// The mini-kernel build produced something that is not an x86-64 ELF.
+    #[error("the mini-kernel build output {} is not an x86-64 ELF file", path.display())]
+    MinikernelNotElf {
+        /// The build output.
+        path: PathBuf,
+    },
+}
+
+/// The repository root (the parent of this crate's directory).
+pub(crate) fn repo_root() -> PathBuf {
+    let manifest_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest_dir
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| manifest_dir.join(".."))
+}
+
+/// The default output directory, `<repo>/images/out` (git-ignored).
+pub fn default_out_dir() -> PathBuf {
+    repo_root().join("images").join("out")
+}
+
+/// Makes sure the pinned Linux guest is complete in `out_dir` and returns its files.
+///
+/// Downloads (with `apt-get download`) and verifies what is missing, extracts the kernel,
+/// its ELF and its symbol map, and builds the initramfs. `progress` receives one line per
+/// step that does work; a warm call does no downloads and reports nothing or little.
+pub fn ensure_linux(
+    out_dir: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<LinuxImages, ImagesError> {
+    linux::ensure(out_dir, progress)
+}
+
+/// Builds the mini-kernel guest (`tests/guests/minikernel`) and returns the path of its ELF,
+/// `out_dir/minikernel.elf`. Cheap when nothing changed (cargo's incremental build).
+pub fn ensure_minikernel(
+    out_dir: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<PathBuf, ImagesError> {
+    minikernel::ensure(out_dir, progress)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error;
+
+    use super::*;
+
+    #[test]
+    fn test_default_out_dir_is_images_out_in_repo() {
+        let out = default_out_dir();
+        assert!(out.ends_with("images/out"));
+        assert!(out
+            .parent()
+            .expect("has parent")
+            .join("Cargo.toml")
+            .is_file());
+    }
+
+    #[test]
+    fn test_error_messages_chain_causes_instead_of_embedding_them() {
+        let err = ImagesError::Io {
+            action: "read",
+            path: PathBuf::from("/x/vmlinuz"),
+            source: io::Error::new(io::ErrorKind::NotFound, "gone"),
+        };
+        assert_eq!(err.to_string(), "could not read /x/vmlinuz");
+        assert_eq!(err.source().expect("chained").to_string(), "gone");
+    }
+}

@@ -1,0 +1,54 @@
+//! Produces the guest images and reports how long it took:
+//! `cargo run -p kpin-images --example ensure_images [-- [--minikernel] [OUT_DIR]]`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+fn main() -> ExitCode {
+    let mut out_dir = kpin_images::default_out_dir();
+    let mut minikernel = false;
+    for arg in std::env::args().skip(1) {
+        match arg.as_str() {
+            "--minikernel" => minikernel = true,
+            _ => out_dir = PathBuf::from(arg),
+        }
+    }
+    let start = Instant::now();
+    let mut progress = |line: &str| println!("[{:7.2}s] {line}", start.elapsed().as_secs_f64());
+    match kpin_images::ensure_linux(&out_dir, &mut progress) {
+        Ok(images) => println!(
+            "linux ready in {:.2}s: {images:#?}",
+            start.elapsed().as_secs_f64()
+        ),
+        Err(err) => return report(&err),
+    }
+    if minikernel {
+        let start = Instant::now();
+        let mut progress = |line: &str| println!("[{:7.2}s] {line}", start.elapsed().as_secs_f64());
+        match kpin_images::ensure_minikernel(&out_dir, &mut progress) {
+            Ok(elf) => println!(
+                "mini-kernel ready in {:.2}s: {}",
+                start.elapsed().as_secs_f64(),
+                elf.display()
+            ),
+            Err(err) => return report(&err),
+        }
+    }
+    println!(
+        "default workload md5: {}",
+        kpin_images::workload_expected_md5()
+    );
+    ExitCode::SUCCESS
+}
+
+/// Prints `err` and its chain of causes.
+fn report(err: &dyn std::error::Error) -> ExitCode {
+    eprintln!("error: {err}");
+    let mut source = err.source();
+    while let Some(cause) = source {
+        eprintln!("  caused by: {cause}");
+        source = cause.source();
+    }
+    ExitCode::FAILURE
+}

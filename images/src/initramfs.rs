@@ -1,0 +1,107 @@
+//! The busybox initramfs: layout of the guest's root file system, packed as newc cpio.
+//!
+//! Contents: `/bin/busybox` with a symlink per applet in [`APPLETS`] (the Debian build has a
+//! standalone shell, so the links are for humans and for other shells, not required by
+//! `/init`), the mount points `/proc /sys /dev /tmp`, `/root` and `/etc`, a `/dev/console`
+//! node (5,1) so that the kernel can open the console for `/init` before devtmpfs is mounted,
+//! and `/init` itself, the script in `images/initramfs/init`.
+//!
+//! Invariant: the archive is a pure function of the busybox binary and the script (see
+//! [`crate::cpio`]), so rebuilding it and comparing hashes is how the cache is checked.
+
+use crate::cpio::{CpioError, CpioWriter};
+
+/// The `/init` script, kept as a real file in the repository.
+pub(crate) const INIT_SCRIPT: &str = include_str!("../initramfs/init");
+
+/// Applets linked into `/bin`: everything `/init` runs, plus a few for interactive debugging.
+pub(crate) const APPLETS: &[&str] = &[
+    "awk", "cat", "cmp", "cp", "cut", "dmesg", "echo", "expr", "grep", "ls", "md5sum", "mkdir",
+    "mount", "poweroff", "reboot", "rm", "seq", "sh", "sleep", "sort", "sync", "uname", "uniq",
+    "wc",
+];
+
+/// Empty directories of the root file system, with their permissions.
+const DIRECTORIES: &[(&str, u32)] = &[
+    ("bin", 0o755),
+    ("dev", 0o755),
+    ("etc", 0o755),
+    ("proc", 0o555),
+    ("root", 0o700),
+    ("sys", 0o555),
+    ("tmp", 0o1777),
+];
+
+/// Major and minor number of `/dev/console` (TTYAUX_MAJOR, 1).
+const CONSOLE_DEVICE: (u32, u32) = (5, 1);
+
+/// Builds the initramfs archive around the given busybox binary.
+pub(crate) fn build(busybox: &[u8]) -> Result<Vec<u8>, CpioError> {
+    let mut archive = CpioWriter::new();
+    for &(dir, perm) in DIRECTORIES {
+        archive.dir(dir, perm)?;
+    }
+    archive.char_device("dev/console", 0o600, CONSOLE_DEVICE.0, CONSOLE_DEVICE.1)?;
+    archive.file("bin/busybox", 0o755, busybox)?;
+    for applet in APPLETS {
+        archive.symlink(&format!("bin/{applet}"), "busybox")?;
+    }
+    archive.file("init", 0o755, INIT_SCRIPT.as_bytes())?;
+    Ok(archive.finish())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpio;
+
+    #[test]
+    fn test_archive_has_init_console_and_applets() {
+        let archive = build(b"fake busybox").expect("build");
+        let entries = cpio::parse(&archive).expect("well-formed");
+        let find = |name: &str| {
+            entries
+                .iter()
+                .find(|e| e.name == name)
+                .unwrap_or_else(|| panic!("{name} missing"))
+        };
+        let init = find("init");
+        assert_eq!(init.mode, 0o100_755);
+        assert!(init.data.starts_with(b"#!/bin/busybox sh\n"));
+        assert_eq!(find("dev/console").rdev, (5, 1));
+        assert_eq!(find("dev/console").mode, 0o020_600);
+        assert_eq!(find("bin/busybox").data, b"fake busybox");
+        assert_eq!(find("bin/sh").data, b"busybox");
+        for dir in ["proc", "sys", "dev", "tmp", "root", "etc"] {
+            assert_eq!(find(dir).mode & 0o170_000, 0o040_000, "{dir}");
+        }
+        // Parents precede children, as the kernel's unpacker requires.
+        let pos = |name: &str| entries.iter().position(|e| e.name == name);
+        assert!(pos("dev") < pos("dev/console"));
+        assert!(pos("bin") < pos("bin/busybox"));
+    }
+
+    #[test]
+    fn test_init_script_emits_the_documented_markers() {
+        for marker in [
+            "KPIN-USERSPACE-OK",
+            "KPIN-WORKLOAD-DONE",
+            "KPIN-WORKLOAD-ERROR unknown workload $1",
+            "kpin.workload=",
+            "reboot -f",
+            "poweroff -f",
+            "mount_fs devtmpfs /dev",
+            "mount_fs tmpfs /tmp",
+        ] {
+            assert!(INIT_SCRIPT.contains(marker), "{marker}");
+        }
+    }
+
+    #[test]
+    fn test_applets_are_sorted_and_unique() {
+        let mut sorted = APPLETS.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted, APPLETS);
+    }
+}

@@ -1,0 +1,65 @@
+//! Layout of the output directory: every path kpin-images writes, relative to `out_dir`.
+//!
+//! ```text
+//! out_dir/
+//!   linux-<release>/{vmlinuz, vmlinux, System.map, config}   the pinned kernel
+//!   busybox/busybox                                          static busybox from Debian
+//!   initramfs.cpio                                           newc archive, uncompressed
+//!   minikernel.elf                                           the mini-kernel guest
+//!   minikernel-target/                                       cargo's target dir for it
+//!   downloads/                                               verified .debs (the big -dbg one is deleted)
+//!   .stamps/                                                 cache stamps (see cache.rs)
+//!   .scratch/                                                extraction space, emptied after use
+//!   .lock-linux, .lock-minikernel                            job locks
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use crate::pins::KERNEL_RELEASE;
+
+/// Directory holding the pinned kernel's files.
+pub(crate) fn kernel_dir(out_dir: &Path) -> PathBuf {
+    out_dir.join(format!("linux-{KERNEL_RELEASE}"))
+}
+
+/// Directory `apt-get download` runs in.
+pub(crate) fn downloads_dir(out_dir: &Path) -> PathBuf {
+    out_dir.join("downloads")
+}
+
+/// Scratch space for extracting packages; removed and recreated per extraction.
+pub(crate) fn scratch_dir(out_dir: &Path) -> PathBuf {
+    out_dir.join(".scratch")
+}
+
+/// The extracted busybox binary.
+pub(crate) fn busybox(out_dir: &Path) -> PathBuf {
+    out_dir.join("busybox").join("busybox")
+}
+
+/// The initramfs archive.
+pub(crate) fn initramfs(out_dir: &Path) -> PathBuf {
+    out_dir.join("initramfs.cpio")
+}
+
+/// Where the mini-kernel ELF is copied.
+pub(crate) fn minikernel_elf(out_dir: &Path) -> PathBuf {
+    out_dir.join("minikernel.elf")
+}
+
+/// Cargo's target directory for the mini-kernel build.
+pub(crate) fn minikernel_target_dir(out_dir: &Path) -> PathBuf {
+    out_dir.join("minikernel-target")
+}
+
+/// File names inside [`kernel_dir`].
+pub(crate) mod kernel_files {
+    /// The bzImage, as Debian ships it.
+    pub(crate) const VMLINUZ: &str = "vmlinuz";
+    /// The kernel ELF extracted from the bzImage's payload (symbols stripped).
+    pub(crate) const VMLINUX: &str = "vmlinux";
+    /// The full symbol map from the `-dbg` package.
+    pub(crate) const SYSTEM_MAP: &str = "System.map";
+    /// The kernel configuration.
+    pub(crate) const CONFIG: &str = "config";
+}

@@ -1,0 +1,188 @@
+//! Producing the Linux guest: the pinned kernel's files and the busybox initramfs.
+//!
+//! Steps, each skipped when its outputs are present and their stamps match (see `cache.rs`):
+//! 1. `vmlinuz` and `config` from the kernel package.
+//! 2. `vmlinux` from `vmlinuz`'s LZ4 payload.
+//! 3. `System.map` from the `-dbg` package, which is deleted afterwards (283 MB); the stamp
+//!    of `System.map` records the verified hash of the package it came from.
+//! 4. `busybox` from `busybox-static`.
+//! 5. `initramfs.cpio`, rebuilt in memory on every call (milliseconds) and written only when
+//!    its bytes differ from the file's.
+//!
+//! Invariant: every output's stamp names the identity (package, version, SHA-256) of what it
+//! was made from, so a changed pin or a changed `/init` can never be served from the cache.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use crate::cache::{self, io_error, JobLock};
+use crate::debian::{self, Member};
+use crate::layout::{self, kernel_files};
+use crate::pins::{
+    DebPin, BUSYBOX, BUSYBOX_MEMBER, CONFIG_MEMBER, KERNEL_DBG, KERNEL_IMAGE, KERNEL_RELEASE,
+    SYSTEM_MAP_MEMBER, VMLINUZ_MEMBER,
+};
+use crate::{bzimage, initramfs, ImagesError, LinuxImages};
+
+/// Version of the vmlinux extraction; bump when `bzimage.rs` changes what it produces.
+const VMLINUX_EXTRACTOR_VERSION: u32 = 1;
+
+/// See [`crate::ensure_linux`].
+pub(crate) fn ensure(
+    out_dir: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<LinuxImages, ImagesError> {
+    cache::create_dir_all(out_dir)?;
+    let _lock = JobLock::acquire(out_dir, "linux", progress)?;
+
+    let kernel_dir = layout::kernel_dir(out_dir);
+    let busybox_path = layout::busybox(out_dir);
+    let busybox_dir = busybox_path
+        .parent()
+        .expect("the busybox path has a parent")
+        .to_path_buf();
+    for dir in [&kernel_dir, &busybox_dir] {
+        cache::create_dir_all(dir)?;
+    }
+    for dir in [
+        out_dir,
+        &kernel_dir,
+        &busybox_dir,
+        &layout::downloads_dir(out_dir),
+    ] {
+        cache::remove_stale_temps(dir)?;
+    }
+
+    let images = LinuxImages {
+        bzimage: kernel_dir.join(kernel_files::VMLINUZ),
+        vmlinux: kernel_dir.join(kernel_files::VMLINUX),
+        system_map: kernel_dir.join(kernel_files::SYSTEM_MAP),
+        config: kernel_dir.join(kernel_files::CONFIG),
+        initramfs: layout::initramfs(out_dir),
+        kernel_version: KERNEL_RELEASE,
+    };
+
+    // 1. vmlinuz and config.
+    let vmlinuz_sha = ensure_from_deb(
+        out_dir,
+        &KERNEL_IMAGE,
+        &[
+            (VMLINUZ_MEMBER, &images.bzimage),
+            (CONFIG_MEMBER, &images.config),
+        ],
+        false,
+        progress,
+    )?
+    .into_iter()
+    .next()
+    .expect("one hash per member");
+
+    // 2. vmlinux.
+    let vmlinux_inputs =
+        format!("vmlinux extractor v{VMLINUX_EXTRACTOR_VERSION} from vmlinuz sha256:{vmlinuz_sha}");
+    if cache::fresh_sha256(out_dir, &images.vmlinux, &vmlinux_inputs)?.is_none() {
+        progress("extracting vmlinux from the bzImage's LZ4 payload");
+        let image = fs::read(&images.bzimage).map_err(io_error("read", &images.bzimage))?;
+        let elf = bzimage::extract_vmlinux(&image).map_err(|source| ImagesError::Vmlinux {
+            path: images.bzimage.clone(),
+            source,
+        })?;
+        cache::write_atomic(&images.vmlinux, &elf)?;
+        cache::record_stamp(
+            out_dir,
+            &images.vmlinux,
+            &vmlinux_inputs,
+            &cache::sha256_hex(&elf),
+            elf.len() as u64,
+        )?;
+    }
+
+    // 3. System.map.
+    ensure_from_deb(
+        out_dir,
+        &KERNEL_DBG,
+        &[(SYSTEM_MAP_MEMBER, &images.system_map)],
+        true,
+        progress,
+    )?;
+
+    // 4. busybox.
+    ensure_from_deb(
+        out_dir,
+        &BUSYBOX,
+        &[(BUSYBOX_MEMBER, &busybox_path)],
+        false,
+        progress,
+    )?;
+
+    // 5. initramfs.
+    let busybox = fs::read(&busybox_path).map_err(io_error("read", &busybox_path))?;
+    let archive = initramfs::build(&busybox).map_err(|source| ImagesError::Initramfs { source })?;
+    let current = match cache::sha256_file(&images.initramfs) {
+        Ok((sha256, _)) => Some(sha256),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(io_error("read", &images.initramfs)(e)),
+    };
+    if current.as_deref() != Some(cache::sha256_hex(&archive).as_str()) {
+        progress(&format!(
+            "writing {} ({} kB)",
+            images.initramfs.display(),
+            archive.len().div_ceil(1000)
+        ));
+        cache::write_atomic(&images.initramfs, &archive)?;
+    }
+
+    Ok(images)
+}
+
+/// Makes sure every `(member, dest)` of `pin` is in place with a matching stamp, fetching and
+/// extracting the package if any is not. With `delete_deb`, the `.deb` is removed after a
+/// successful extraction. Returns the SHA-256 of each destination, in order.
+fn ensure_from_deb(
+    out_dir: &Path,
+    pin: &DebPin,
+    members: &[(&str, &PathBuf)],
+    delete_deb: bool,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<String>, ImagesError> {
+    let inputs = pin.identity();
+    let mut hashes = Vec::with_capacity(members.len());
+    for (_, dest) in members {
+        match cache::fresh_sha256(out_dir, dest, &inputs)? {
+            Some(sha256) => hashes.push(sha256),
+            None => break,
+        }
+    }
+    if hashes.len() == members.len() {
+        return Ok(hashes);
+    }
+
+    let deb = debian::ensure_deb(pin, &layout::downloads_dir(out_dir), progress)?;
+    let names: Vec<&str> = members
+        .iter()
+        .map(|(_, dest)| {
+            dest.file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or("member")
+        })
+        .collect();
+    progress(&format!(
+        "extracting {} from {}",
+        names.join(" and "),
+        pin.package
+    ));
+    let list: Vec<Member<'_>> = members
+        .iter()
+        .map(|&(name, dest)| Member { name, dest })
+        .collect();
+    debian::extract_members(&deb, &list, &layout::scratch_dir(out_dir))?;
+    let hashes = members
+        .iter()
+        .map(|(_, dest)| cache::stamp_file(out_dir, dest, &inputs))
+        .collect::<Result<Vec<_>, _>>()?;
+    if delete_deb {
+        progress(&format!("deleting {} (no longer needed)", deb.display()));
+        fs::remove_file(&deb).map_err(io_error("remove", &deb))?;
+    }
+    Ok(hashes)
+}
