@@ -48,7 +48,7 @@ impl CodeCache {
         if !(MIN_REGION_BYTES..=MAX_REGION_BYTES).contains(&len) {
             return Err(EngineError::RegionSize(len));
         }
-        if base as usize % PAGE_BYTES as usize != 0 {
+        if base as usize & (PAGE_BYTES as usize - 1) != 0 {
             return Err(EngineError::RegionAlignment);
         }
         // SAFETY: the region is writable for `len` bytes; the fixed part is zeroed (empty

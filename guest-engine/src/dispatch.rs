@@ -316,7 +316,6 @@ impl Engine {
         };
         let base = self.cache.commit(&tr.code);
         let id = self.cache.fragments.len() as u32;
-        let first_exit = self.cache.exits.len() as u32;
         let at = |off: usize| CachePc(base.0 + off as u64);
         for e in &tr.exits {
             let kind = match *e {
@@ -344,7 +343,6 @@ impl Engine {
             body: at(tr.body),
             marks: tr.marks,
             calls,
-            exits: first_exit..self.cache.exits.len() as u32,
         });
         self.cache.by_key.insert((va.0, pa.0, mode.0), id);
         self.stats.fragments += 1;

@@ -1,11 +1,9 @@
 //! A fragment is one translated trace in the code cache, with its exits.
 //!
 //! Invariants: a fragment's code occupies `[base, base+len)`; `checked_entry ≤ entry ≤
-//! body` are addresses inside it; its exit records are `exits` in the cache's exit table.
+//! body` are addresses inside it; its exit records are contiguous in the cache's exit table.
 
 use alloc::vec::Vec;
-use core::ops::Range;
-
 use crate::addr::{CachePc, GuestPhys, GuestVirt};
 use crate::arch::MapMark;
 use crate::guest_memory::Mode;
@@ -25,7 +23,6 @@ pub(crate) struct Fragment {
     pub body: CachePc,
     pub marks: Vec<MapMark>,
     pub calls: Vec<CallSpec>,
-    pub exits: Range<u32>,
 }
 
 /// What an exit record does when its stub is reached.

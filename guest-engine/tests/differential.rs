@@ -22,7 +22,7 @@ fn test_random_programs_match_native() {
         check_case(&mut rig, &block, seed, 40, &mut NullTool);
     }
     let s = rig.engine.stats();
-    println!("{n} differential cases (random programs, null tool); stats {s:?}");
+    common::report(&format!("{n} differential cases (random programs, null tool); stats {s:?}"));
 }
 
 #[test]
@@ -34,7 +34,7 @@ fn test_random_programs_without_linking_match_native() {
     for seed in 100_000..100_000 + n {
         check_case(&mut rig, &block, seed, 30, &mut NullTool);
     }
-    println!("{n} differential cases (random programs, no linking, no IBL)");
+    common::report(&format!("{n} differential cases (random programs, no linking, no IBL)"));
 }
 
 #[test]
@@ -49,7 +49,7 @@ fn test_instrumented_random_programs_match_native() {
         check_case(&mut rig, &block, seed, 40, &mut tool);
     }
     assert!(tool.calls > 0 && tool.mem.count > 0);
-    println!("{n} differential cases (random programs, heavy instrumentation)");
+    common::report(&format!("{n} differential cases (random programs, heavy instrumentation)"));
 }
 
 /// Debug aid: `KPIN_SEED=n KPIN_TOOL=bbl|mem|heavy|null cargo test ... debug_one -- --ignored`.

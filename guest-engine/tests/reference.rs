@@ -70,6 +70,7 @@ fn reference_records(steps: &[Step]) -> Vec<MemRecord> {
                 continue;
             }
             // one iteration = the instruction without its prefix
+            // SAFETY: rip is executed code in a mapping shared with the parent.
             let b = unsafe { std::slice::from_raw_parts(s.rip as *const u8, i.len()) };
             let stripped: Vec<u8> = b.iter().copied().filter(|x| *x != 0xF2 && *x != 0xF3).collect();
             i = Decoder::with_ip(64, &stripped, s.rip, DecoderOptions::NONE).decode();
@@ -130,7 +131,7 @@ fn test_bbl_counts_and_records_match_single_step_on_random_programs() {
             .collect();
         assert!(tc.seen == want, "seed {seed}: analysis-call arguments differ");
     }
-    println!("{seeds} programs, {insns} single-stepped instructions: block counts, records and call arguments equal");
+    common::report(&format!("{seeds} programs, {insns} single-stepped instructions: block counts, records and call arguments equal"));
 }
 
 #[test]

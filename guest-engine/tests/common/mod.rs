@@ -54,6 +54,8 @@ impl Region {
         self.ptr as u64
     }
 
+    /// The mapping as bytes (a raw mapping shared with generated code, hence `&self`).
+    #[allow(clippy::mut_from_ref)]
     pub fn slice(&self) -> &mut [u8] {
         // SAFETY: the mapping is owned and live.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
@@ -174,4 +176,12 @@ impl Rig {
         let native = unsafe { NativeRunner::new(native_region.ptr, native_region.len, true) }.expect("native");
         Rig { cache, engine, native_region, native }
     }
+}
+
+/// Prints a line that shows in `cargo test` output even when the test passes (libtest
+/// captures `print!`; this writes to file descriptor 2 directly).
+pub fn report(line: &str) {
+    let s = format!("{line}\n");
+    // SAFETY: writing a valid buffer to stderr.
+    unsafe { libc::write(2, s.as_ptr().cast(), s.len()) };
 }

@@ -460,12 +460,12 @@ mod tests {
         let (code, _) = a.finish().expect("no labels");
         let text = dis(base, &code);
         let expect = [
-            "mov [rel 7000000000100h],rcx",
-            "mov r15,[rel 7000000000178h]",
-            "mov qword [rel 7000000000200h],0FFFFFFFFFFFFFFFBh",
-            "add qword [rel 7000000000208h],1",
-            "cmp byte [rel 7000000000210h],0",
-            "movzx ecx,byte [rel 7000000000210h]",
+            "mov [rel 700000000108h],rcx",
+            "mov r15,[rel 700000000178h]",
+            "mov qword [rel 700000000200h],0FFFFFFFFFFFFFFFBh",
+            "add qword [rel 700000000208h],1",
+            "cmp byte [rel 700000000210h],0",
+            "movzx ecx,byte [rel 700000000210h]",
             "movzx eax,dx",
             "lea rax,[rcx+rax*8]",
             "lea rcx,[rcx+rdx]",
@@ -481,7 +481,7 @@ mod tests {
             "mov dword [rsp+4],5555h",
             "push r15",
             "pop rbx",
-            "jmp qword [rel 7000000000300h]",
+            "jmp qword [rel 700000000300h]",
             "mov rdx,r13",
         ];
         assert_eq!(text, expect);

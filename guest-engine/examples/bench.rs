@@ -1,0 +1,247 @@
+//! Translator benchmark (not a test): native vs translated host workloads.
+//!
+//! `cargo run --release -p guest-engine --example bench`
+//!
+//! For each workload and tool (none / basic-block counter / memory-reference buffer) it
+//! reports, measured in one process run: slowdown vs native (steady state, and including
+//! translation), translation throughput, code-cache bytes per guest code byte, and the
+//! indirect-branch lookup hit rate.
+
+#[path = "../tests/common/mod.rs"]
+#[allow(unused_imports)]
+mod common;
+
+use std::time::Instant;
+
+use common::tools::{BblCount, MemTrace};
+use common::{HostMemory, HostPlatform, Region, Rig};
+use guest_engine::{Config, GuestRegs, GuestVirt, NullTool, Stop, Tool};
+
+type Work = extern "sysv64" fn(*mut u64, u64) -> u64;
+
+#[inline(never)]
+extern "sysv64" fn compute_loop(_buf: *mut u64, n: u64) -> u64 {
+    let mut x = 0x1234_5678_9abc_def0u64;
+    let mut acc = 0u64;
+    for i in 0..n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        acc = acc.wrapping_add(x.wrapping_mul(i | 1)).rotate_left(5);
+    }
+    acc
+}
+
+#[inline(never)]
+extern "sysv64" fn sieve(buf: *mut u64, n: u64) -> u64 {
+    // SAFETY: buf holds BUF_WORDS words; we use it as bytes.
+    let v = unsafe { std::slice::from_raw_parts_mut(buf.cast::<u8>(), BUF_WORDS * 8) };
+    let mut total = 0;
+    for _ in 0..n {
+        v.fill(1);
+        let mut i = 2;
+        while i * i < v.len() {
+            if v[i] != 0 {
+                let mut j = i * i;
+                while j < v.len() {
+                    v[j] = 0;
+                    j += i;
+                }
+            }
+            i += 1;
+        }
+        total += v.iter().filter(|b| **b != 0).count() as u64;
+    }
+    total
+}
+
+#[inline(never)]
+extern "sysv64" fn quicksort(buf: *mut u64, n: u64) -> u64 {
+    // SAFETY: buf holds BUF_WORDS words.
+    let v = unsafe { std::slice::from_raw_parts_mut(buf, BUF_WORDS) };
+    #[inline(never)]
+    fn qs(v: &mut [u64]) {
+        if v.len() <= 1 {
+            return;
+        }
+        let last = v.len() - 1;
+        v.swap(v.len() / 2, last);
+        let p = v[last];
+        let mut s = 0;
+        for i in 0..last {
+            if v[i] < p {
+                v.swap(i, s);
+                s += 1;
+            }
+        }
+        v.swap(s, last);
+        let (a, b) = v.split_at_mut(s);
+        qs(a);
+        qs(&mut b[1..]);
+    }
+    let mut h = 0;
+    let mut x = 88172645463325252u64;
+    for _ in 0..n {
+        for e in v.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *e = x;
+        }
+        qs(v);
+        h ^= v[7];
+    }
+    h
+}
+
+#[inline(never)]
+extern "sysv64" fn interpreter(buf: *mut u64, n: u64) -> u64 {
+    // SAFETY: buf holds BUF_WORDS words; the program is its bytes.
+    let code = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), 4096) };
+    let mut acc: u64 = 1;
+    let mut stack = [0u64; 16];
+    let mut sp = 0usize;
+    for _ in 0..n {
+        for (pc, op) in code.iter().enumerate() {
+            acc = match op % 12 {
+                0 => acc.wrapping_add(u64::from(*op)),
+                1 => acc.wrapping_mul(3),
+                2 => acc ^ (acc >> 7),
+                3 => {
+                    stack[sp % 16] = acc;
+                    sp = sp.wrapping_add(1);
+                    acc
+                }
+                4 => {
+                    sp = sp.wrapping_sub(1);
+                    acc.wrapping_add(stack[sp % 16])
+                }
+                5 => acc.rotate_left(u32::from(*op)),
+                6 => acc.wrapping_sub(pc as u64),
+                7 => !acc,
+                8 => acc / (u64::from(*op) + 1),
+                9 => acc.wrapping_shl(3) | 1,
+                10 => (acc.count_ones() as u64).wrapping_add(acc),
+                _ => acc.swap_bytes(),
+            };
+        }
+    }
+    acc
+}
+
+const BUF_WORDS: usize = 8192;
+
+struct Bench {
+    rig: Rig,
+    stack: Region,
+    buf: Region,
+    mem: HostMemory,
+}
+
+impl Bench {
+    fn fill(&self) {
+        let w = self.buf.ptr.cast::<u64>();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for i in 0..BUF_WORDS {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // SAFETY: inside the buffer.
+            unsafe { *w.add(i) = x };
+        }
+    }
+
+    fn regs(&self, n: u64) -> GuestRegs {
+        let top = self.stack.addr() + self.stack.len as u64 - 4096;
+        // SAFETY: inside the stack mapping.
+        unsafe { *((top - 8) as *mut u64) = self.rig.native.exit_address() };
+        let mut g = GuestRegs { gpr: [0; 16], rflags: 0x202 };
+        g.gpr[7] = self.buf.addr();
+        g.gpr[6] = n;
+        g.gpr[4] = top - 8;
+        g
+    }
+
+    fn native(&mut self, f: Work, n: u64) -> (f64, u64) {
+        self.fill();
+        *self.rig.native.regs_mut() = self.regs(n);
+        let t = Instant::now();
+        // SAFETY: f returns to the exit routine via the prepared return slot.
+        unsafe { self.rig.native.run(f as usize as u64) };
+        (t.elapsed().as_secs_f64(), self.rig.native.regs().gpr[0])
+    }
+
+    fn translated(&mut self, f: Work, n: u64, tool: &mut dyn Tool) -> (f64, u64) {
+        self.fill();
+        *self.rig.engine.regs_mut() = self.regs(n);
+        self.rig.engine.set_rip(GuestVirt(f as usize as u64));
+        let mut plat = HostPlatform::default();
+        let t = Instant::now();
+        let stop = self.rig.engine.run(&mut self.mem, &mut plat, tool);
+        let dt = t.elapsed().as_secs_f64();
+        assert_eq!(stop, Stop::FetchFault(GuestVirt(self.rig.native.exit_address())));
+        (dt, self.rig.engine.regs().gpr[0])
+    }
+}
+
+fn main() {
+    let workloads: [(&str, Work, u64); 4] = [
+        ("compute_loop", compute_loop, 200_000_000),
+        ("sieve", sieve, 300),
+        ("quicksort", quicksort, 60),
+        ("interpreter", interpreter, 12_000),
+    ];
+    let mut b = Bench {
+        rig: Rig::new(Config::default()),
+        stack: Region::map(8 << 20, 0),
+        buf: Region::map(BUF_WORDS * 8, 0),
+        mem: HostMemory::executable_mappings(),
+    };
+    let cache = b.rig.cache.addr();
+    b.mem.ranges.retain(|&(s, _)| s != cache);
+    println!("kpin guest-engine benchmark: ratios measured in this run (steady = second translated run)");
+    println!(
+        "{:<14} {:<9} {:>9} {:>9} {:>10} {:>12} {:>10} {:>9}",
+        "workload", "tool", "native_s", "steady_x", "first_x", "transl_Mi/s", "cache_B/B", "ibl_hit"
+    );
+    for (name, f, n) in workloads {
+        let (tn, rn) = b.native(f, n);
+        for tool_name in ["null", "bbcount", "memtrace"] {
+            let cfg = Config { count_ibl_lookups: false, ..Config::default() };
+            b.rig = Rig::new(cfg);
+            let cache = b.rig.cache.addr();
+            b.mem = HostMemory::executable_mappings();
+            b.mem.ranges.retain(|&(s, _)| s != cache);
+            let mut tool: Box<dyn Tool> = match tool_name {
+                "null" => Box::new(NullTool),
+                "bbcount" => Box::new(BblCount::default()),
+                _ => Box::new(MemTrace::default()),
+            };
+            let (t1, r1) = b.translated(f, n, &mut *tool);
+            let s = b.rig.engine.stats();
+            let (t2, r2) = b.translated(f, n, &mut *tool);
+            assert_eq!((r1, r2), (rn, rn), "{name}/{tool_name}: result differs from native");
+            // IBL hit rate in a separate counting run (the counting costs cycles).
+            b.rig = Rig::new(Config { count_ibl_lookups: true, ..Config::default() });
+            let cache = b.rig.cache.addr();
+            b.mem.ranges.retain(|&(s, _)| s != cache);
+            let (_, r3) = b.translated(f, n / 4 + 1, &mut *tool);
+            let _ = r3;
+            let lookups = b.rig.engine.ibl_lookups();
+            let misses = b.rig.engine.stats().exits[guest_engine::exit_code::EXIT_IBL_MISS as usize];
+            let hit = if lookups == 0 { f64::NAN } else { 1.0 - misses as f64 / lookups as f64 };
+            let mips = s.guest_insns as f64 / (s.translate_ns as f64 / 1e9) / 1e6;
+            println!(
+                "{:<14} {:<9} {:>9.3} {:>9.2} {:>10.2} {:>12.2} {:>10.2} {:>9.5}",
+                name,
+                tool_name,
+                tn,
+                t2 / tn,
+                t1 / tn,
+                mips,
+                s.cache_bytes as f64 / s.guest_bytes as f64,
+                hit
+            );
+        }
+    }
+}
