@@ -184,7 +184,54 @@ impl Bench {
     }
 }
 
+/// Translation throughput over this binary's whole text: translate trace after trace.
+fn translation_throughput() {
+    let mut rig = Rig::new(Config::default());
+    let mut mem = HostMemory::executable_mappings();
+    let cache = rig.cache.addr();
+    mem.ranges.retain(|&(s, _)| s != cache);
+    let exe = std::fs::read_link("/proc/self/exe").expect("exe");
+    let maps = std::fs::read_to_string("/proc/self/maps").expect("maps");
+    let (lo, hi) = maps
+        .lines()
+        .filter(|l| l.contains(" r-xp ") && l.ends_with(exe.to_str().expect("utf8")))
+        .map(|l| {
+            let r = l.split_whitespace().next().expect("range");
+            let (a, b) = r.split_once('-').expect("dash");
+            (u64::from_str_radix(a, 16).expect("hex"), u64::from_str_radix(b, 16).expect("hex"))
+        })
+        .next()
+        .expect("text mapping");
+    let t = Instant::now();
+    let mut va = lo;
+    while va < hi {
+        match rig.engine.pretranslate(&mut mem, &mut NullTool, GuestVirt(va)) {
+            Ok(n) => va += n.max(1),
+            Err(_) => va += 1,
+        }
+        if t.elapsed().as_secs_f64() > 3.0 {
+            break;
+        }
+    }
+    let dt = t.elapsed().as_secs_f64();
+    let s = rig.engine.stats();
+    println!(
+        "translation: {} guest instructions ({} bytes, {} traces) in {:.3} s = {:.2} M instr/s; {:.2} cache bytes per guest byte; {} flushes",
+        s.guest_insns,
+        s.guest_bytes,
+        s.fragments,
+        dt,
+        s.guest_insns as f64 / dt / 1e6,
+        s.cache_bytes as f64 / s.guest_bytes as f64,
+        s.flushes
+    );
+}
+
 fn main() {
+    if std::env::args().any(|a| a == "--translate-only") {
+        translation_throughput();
+        return;
+    }
     let workloads: [(&str, Work, u64); 4] = [
         ("compute_loop", compute_loop, 200_000_000),
         ("sieve", sieve, 300),
@@ -199,6 +246,7 @@ fn main() {
     };
     let cache = b.rig.cache.addr();
     b.mem.ranges.retain(|&(s, _)| s != cache);
+    translation_throughput();
     println!("kpin guest-engine benchmark: ratios measured in this run (steady = second translated run)");
     println!(
         "{:<14} {:<9} {:>9} {:>9} {:>10} {:>12} {:>10} {:>9}",

@@ -141,6 +141,23 @@ impl CodeCache {
         }
     }
 
+    /// The region `[start, end)`.
+    pub(crate) fn region(&self) -> (u64, u64) {
+        (self.base as u64, self.base as u64 + self.len as u64)
+    }
+
+    /// Forgets the mirror entry for `va`'s page.
+    pub(crate) fn invalidate_softtlb(&mut self, va: GuestVirt) {
+        let slot = self.softtlb_slot(va) as *mut u64;
+        // SAFETY: the slot (two u64) lies inside the region.
+        unsafe {
+            if slot.read() == va.page().0 {
+                slot.write(u64::MAX);
+                slot.add(1).write(u64::MAX);
+            }
+        }
+    }
+
     /// Records `va → pa` in the SoftTLB mirror read by PA checks. Returns whether a
     /// different mapping for that VA was replaced.
     pub(crate) fn fill_softtlb(&mut self, va: GuestVirt, pa: GuestPhys) -> bool {

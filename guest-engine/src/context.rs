@@ -101,4 +101,7 @@ pub struct CacheContext {
     /// Non-zero when the dispatcher wants control at the next trace entry
     /// (interrupt pending, detach, invalidation); see `attention`.
     pub attention: u64,
+    /// Cache PC of a synchronous fault, written by the fault handler that redirected
+    /// the faulting code to the exit routine with the `FAULT` exit word.
+    pub fault_pc: u64,
 }

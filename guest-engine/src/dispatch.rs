@@ -11,7 +11,7 @@ use crate::addr::{CachePc, GuestPhys, GuestVirt};
 use crate::arch::{cache_enter, decode_trace, translate_trace, EmitEnv, ExitSpec};
 use crate::arch::x86_64::entry::{
     split_exit_word, EXIT_ANALYSIS_CALL, EXIT_ATTENTION, EXIT_BUFFER_FULL, EXIT_DIRECT,
-    EXIT_IBL_MISS, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
+    EXIT_FAULT, EXIT_IBL_MISS, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
 };
 use crate::code_cache::CodeCache;
 use crate::context::{CacheContext, GuestRegs};
@@ -74,7 +74,7 @@ pub struct Stats {
     /// Whole-cache flushes.
     pub flushes: u64,
     /// Exits by kind (index = exit code).
-    pub exits: [u64; 7],
+    pub exits: [u64; 8],
     /// Direct links made.
     pub links: u64,
     /// Nanoseconds spent translating (if a clock was configured).
@@ -90,8 +90,50 @@ pub enum Stop {
     Sensitive(SensitiveInsn),
     /// The attention byte was set; the guest is stopped before `GuestVirt`.
     Attention(GuestVirt),
+    /// A synchronous fault in translated code, mapped back to the guest: the guest state
+    /// (registers in `Engine::regs`, RIP) is exactly that before `guest_pc` executes.
+    Fault {
+        /// The faulting guest instruction.
+        guest_pc: GuestVirt,
+        /// Where in the cache it faulted.
+        cache_pc: CachePc,
+    },
     /// An engine failure.
     Error(EngineError),
+}
+
+/// Lets another thread (or an interrupt handler) set the attention byte while the guest
+/// runs. Valid as long as the engine lives.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionHandle(*mut u64);
+
+// SAFETY: the handle only performs volatile stores of a u64 the generated code reads; the
+// engine outlives its users by contract of `Engine::attention_handle`.
+unsafe impl Send for AttentionHandle {}
+
+impl AttentionHandle {
+    /// Sets the attention reasons (0 clears).
+    pub fn set(&self, bits: u8) {
+        // SAFETY: points at `CacheContext::attention` of a live engine.
+        unsafe { core::ptr::write_volatile(self.0, u64::from(bits)) };
+    }
+}
+
+/// What a fault handler needs to turn a fault in cache code into a `FAULT` exit: store
+/// the faulting PC at `fault_pc`, store `exit_word` at `exit_word_at`, and resume at
+/// `exit_routine` with the faulting registers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FaultRedirect {
+    /// Address of `CacheContext::fault_pc`.
+    pub fault_pc: u64,
+    /// Address of `CacheContext::exit_word`.
+    pub exit_word_at: u64,
+    /// Value to store there.
+    pub exit_word: u64,
+    /// The exit routine.
+    pub exit_routine: u64,
+    /// The cache region (faults outside it are not the engine's).
+    pub region: (u64, u64),
 }
 
 /// Guest state recovered at a code-cache PC (for precise exceptions).
@@ -200,6 +242,29 @@ impl Engine {
     /// Sets or clears attention reasons (see `attention::reason`).
     pub fn set_attention(&mut self, bits: u8) {
         self.ctx_mut().attention = u64::from(bits);
+    }
+
+    /// A handle for setting the attention byte asynchronously.
+    pub fn attention_handle(&self) -> AttentionHandle {
+        AttentionHandle(self.cache.ctx.attention as *mut u64)
+    }
+
+    /// Addresses a fault handler uses to redirect a fault in cache code.
+    pub fn fault_redirect(&self) -> FaultRedirect {
+        FaultRedirect {
+            fault_pc: self.cache.ctx.fault_pc,
+            exit_word_at: self.cache.ctx.exit_word,
+            exit_word: crate::arch::x86_64::entry::exit_word(EXIT_FAULT, 0) as u32 as u64,
+            exit_routine: self.cache.gen.exit,
+            region: self.cache.region(),
+        }
+    }
+
+    /// The guest changed (or may have changed) the mapping of `va`'s page: drop it from
+    /// the SoftTLB mirror so that cross-page entries re-validate, and drop IBL entries.
+    pub fn invalidate_page(&mut self, va: GuestVirt) {
+        self.cache.invalidate_softtlb(va);
+        self.cache.clear_ibl();
     }
 
     /// Drops every translation (whole-cache flush).
@@ -353,6 +418,14 @@ impl Engine {
         Ok(id)
     }
 
+    /// Translates (if needed) the trace at `va` without running it; returns the number of
+    /// guest bytes the trace covers (for pre-translation and throughput measurement).
+    pub fn pretranslate(&mut self, mem: &mut dyn GuestMemory, tool: &mut dyn Tool, va: GuestVirt) -> Result<u64, Stop> {
+        let before = self.stats.guest_bytes;
+        self.fragment_for(mem, tool, va)?;
+        Ok(self.stats.guest_bytes - before)
+    }
+
     fn eval_args(&self, mem: &mut dyn GuestMemory, frag: u32, call: usize, out: &mut Vec<u64>) -> u32 {
         let f = &self.cache.fragments[frag as usize];
         let c = &f.calls[call];
@@ -404,6 +477,18 @@ impl Engine {
             let (kind, idx) = split_exit_word(self.ctx().exit_word);
             if (kind as usize) < self.stats.exits.len() {
                 self.stats.exits[kind as usize] += 1;
+            }
+            if kind == EXIT_FAULT {
+                let pc = CachePc(self.ctx().fault_pc);
+                let hw = self.ctx().regs;
+                return match self.recover_regs(pc, &hw) {
+                    Some((guest_pc, regs)) => {
+                        self.ctx_mut().regs = regs;
+                        self.rip = guest_pc;
+                        Stop::Fault { guest_pc, cache_pc: pc }
+                    }
+                    None => Stop::Error(EngineError::UnboundLabel),
+                };
             }
             if kind == EXIT_IBL_MISS {
                 let va = GuestVirt(self.ctx().ibl_target);

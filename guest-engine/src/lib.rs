@@ -26,7 +26,7 @@ pub mod platform;
 
 pub use addr::{CachePc, GuestPhys, GuestVirt};
 pub use context::{GuestRegs, Gpr};
-pub use dispatch::{Config, Engine, Recovered, Stats, Stop};
+pub use dispatch::{AttentionHandle, Config, Engine, FaultRedirect, Recovered, Stats, Stop};
 pub use error::EngineError;
 pub use guest_memory::{GuestMemory, Mode};
 pub use instrument::{
@@ -38,7 +38,7 @@ pub use platform::{Emulation, Platform, SensitiveInsn, SensitiveKind, StopPlatfo
 /// Exit codes of the cache (see the header of `arch/x86_64/entry.rs`).
 pub mod exit_code {
     pub use crate::arch::x86_64::entry::{
-        EXIT_ANALYSIS_CALL, EXIT_ATTENTION, EXIT_BUFFER_FULL, EXIT_DIRECT, EXIT_IBL_MISS,
-        EXIT_PA_MISMATCH, EXIT_SENSITIVE,
+        exit_word, EXIT_ANALYSIS_CALL, EXIT_ATTENTION, EXIT_BUFFER_FULL, EXIT_DIRECT, EXIT_FAULT,
+        EXIT_IBL_MISS, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
     };
 }

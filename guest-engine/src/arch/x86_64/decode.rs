@@ -464,3 +464,71 @@ fn count_may_be_zero(i: &Instruction) -> bool {
         _ => false,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use iced_x86::{Decoder, DecoderOptions};
+
+    use super::sensitive_kind;
+    use crate::platform::SensitiveKind as K;
+
+    #[test]
+    fn test_sensitive_instructions_are_classified() {
+        let cases: &[(&[u8], K)] = &[
+            (&[0xFA], K::InterruptFlag),
+            (&[0xFB], K::InterruptFlag),
+            (&[0x9C], K::Flags),
+            (&[0x9D], K::Flags),
+            (&[0x48, 0xCF], K::FarTransfer),
+            (&[0xCB], K::FarTransfer),
+            (&[0x0F, 0x05], K::SystemCall),
+            (&[0x48, 0x0F, 0x07], K::SystemCall),
+            (&[0x0F, 0x01, 0xF8], K::SegmentBase),
+            (&[0x0F, 0x22, 0xD8], K::ControlRegister),
+            (&[0x0F, 0x21, 0xF8], K::DebugRegister),
+            (&[0x8E, 0xD8], K::SegmentRegister),
+            (&[0x8C, 0xC8], K::SegmentRegister),
+            (&[0x0F, 0xA0], K::SegmentRegister),
+            (&[0x0F, 0xA9], K::SegmentRegister),
+            (&[0x0F, 0x01, 0x10], K::DescriptorTable),
+            (&[0x0F, 0x01, 0x18], K::DescriptorTable),
+            (&[0x0F, 0x00, 0xD8], K::DescriptorTable),
+            (&[0x0F, 0x00, 0xD0], K::DescriptorTable),
+            (&[0x0F, 0x01, 0x00], K::DescriptorTable),
+            (&[0x0F, 0x01, 0x08], K::DescriptorTable),
+            (&[0x0F, 0x00, 0xC0], K::DescriptorTable),
+            (&[0x0F, 0x00, 0xC8], K::DescriptorTable),
+            (&[0x0F, 0x01, 0xE0], K::ControlRegister),
+            (&[0x0F, 0x32], K::Msr),
+            (&[0x0F, 0x30], K::Msr),
+            (&[0xEC], K::PortIo),
+            (&[0xEE], K::PortIo),
+            (&[0x6C], K::PortIo),
+            (&[0x6E], K::PortIo),
+            (&[0xF4], K::Halt),
+            (&[0x0F, 0x01, 0x38], K::TlbOrCache),
+            (&[0x0F, 0xA2], K::Cpuid),
+            (&[0xCD, 0x80], K::SoftwareInterrupt),
+            (&[0xCC], K::SoftwareInterrupt),
+            (&[0x0F, 0x0B], K::Undefined),
+            (&[0x0F, 0x02, 0xC0], K::SegmentQuery),
+            (&[0x0F, 0x03, 0xC0], K::SegmentQuery),
+            (&[0x0F, 0x00, 0xE0], K::SegmentQuery),
+            (&[0x0F, 0x00, 0xE8], K::SegmentQuery),
+            (&[0x0F, 0x01, 0xD1], K::ExtendedControl),
+            (&[0x0F, 0x01, 0xEE], K::ProtectionKeys),
+            (&[0x0F, 0x01, 0xEF], K::ProtectionKeys),
+            (&[0x0F, 0x01, 0xF9], K::Timestamp),
+            (&[0xFF, 0x28], K::FarTransfer),
+        ];
+        for (bytes, kind) in cases {
+            let i = Decoder::with_ip(64, bytes, 0x1000, DecoderOptions::NONE).decode();
+            assert!(!i.is_invalid(), "{bytes:02x?} does not decode");
+            assert_eq!(sensitive_kind(&i), Some(*kind), "{bytes:02x?} ({:?})", i.mnemonic());
+        }
+        for bytes in [&[0x48u8, 0x01, 0xC8][..], &[0x0F, 0x31], &[0xFF, 0xE0], &[0xC3], &[0x8B, 0x05, 0, 0, 0, 0]] {
+            let i = Decoder::with_ip(64, bytes, 0x1000, DecoderOptions::NONE).decode();
+            assert_eq!(sensitive_kind(&i), None, "{bytes:02x?}");
+        }
+    }
+}

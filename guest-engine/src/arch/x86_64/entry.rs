@@ -39,6 +39,15 @@
 //! | 4    | `PA_MISMATCH`   | exit record            | cross-page entry found a different guest PA |
 //! | 5    | `BUFFER_FULL`   | exit record            | memory-reference buffer full; resume at record's PC |
 //! | 6    | `ANALYSIS_CALL` | exit record            | call an analysis routine; resume at record's PC |
+//! | 7    | `FAULT`         | 0 (PC in `ctx.fault_pc`) | a fault handler redirected faulting cache code to the exit routine |
+//!
+//! # Faults inside the cache
+//!
+//! A synchronous fault in translated code is turned into an exit by its handler (the host
+//! harness's SIGSEGV handler, later the engine's #PF/#GP stubs): it stores the faulting PC
+//! in `ctx.fault_pc`, the `FAULT` word in `ctx.exit_word`, and resumes at the exit routine
+//! with the faulting register state. The dispatcher maps the PC back to the guest
+//! instruction and reloads spilled registers (`Engine::recover_regs`).
 
 use crate::context::CacheContext;
 use crate::layout::{GENCODE_BYTES, XSAVE_MASK};
@@ -59,6 +68,8 @@ pub const EXIT_PA_MISMATCH: u32 = 4;
 pub const EXIT_BUFFER_FULL: u32 = 5;
 /// Exit kind: analysis-routine call.
 pub const EXIT_ANALYSIS_CALL: u32 = 6;
+/// Exit kind: fault in cache code redirected to the exit routine.
+pub const EXIT_FAULT: u32 = 7;
 
 /// Builds an exit word.
 pub const fn exit_word(kind: u32, index: u32) -> i32 {
@@ -85,6 +96,7 @@ pub(crate) struct CtxAddrs {
     pub buf_neg_end: u64,
     pub ibl_lookups: u64,
     pub attention: u64,
+    pub fault_pc: u64,
 }
 
 impl CtxAddrs {
@@ -105,6 +117,7 @@ impl CtxAddrs {
             buf_neg_end: o(offset_of!(CacheContext, buf_neg_end)),
             ibl_lookups: o(offset_of!(CacheContext, ibl_lookups)),
             attention: o(offset_of!(CacheContext, attention)),
+            fault_pc: o(offset_of!(CacheContext, fault_pc)),
         }
     }
 }

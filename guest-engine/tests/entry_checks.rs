@@ -1,0 +1,168 @@
+//! Trace-entry checks and sensitive instructions: the attention byte stops a running
+//! (self-linked) loop at a trace entry, with flags live or dead; a cross-page link
+//! re-validates the PA after the page was remapped; `cpuid` goes to the platform and
+//! `hlt` stops the run.
+
+mod common;
+
+use common::{HostMemory, HostPlatform, Region, Rig};
+use guest_engine::attention::reason;
+use guest_engine::exit_code::EXIT_PA_MISMATCH;
+use guest_engine::{Config, GuestMemory, GuestPhys, GuestVirt, Gpr, Mode, NullTool, SensitiveKind, Stop};
+use iced_x86::code_asm::*;
+
+fn asm(ip: u64, f: impl FnOnce(&mut CodeAssembler)) -> Vec<u8> {
+    let mut a = CodeAssembler::new(64).unwrap();
+    f(&mut a);
+    a.assemble(ip).unwrap()
+}
+
+fn put(r: &Region, off: usize, b: &[u8]) {
+    r.slice()[off..off + b.len()].copy_from_slice(b);
+}
+
+#[test]
+fn test_attention_stops_a_linked_loop_at_trace_entry() {
+    for flags_live in [false, true] {
+        let mut rig = Rig::new(Config::default());
+        let block = Region::map(3 * 4096, 0);
+        let base = block.addr();
+        let code = asm(base, |a| {
+            let mut l = a.create_label();
+            a.set_label(&mut l).unwrap();
+            if flags_live {
+                a.cmc().unwrap(); // reads CF: flags live at the trace entry
+                a.adc(rax, 0).unwrap();
+            } else {
+                a.add(rax, 1).unwrap();
+            }
+            a.jmp(l).unwrap();
+        });
+        put(&block, 0, &code);
+        let exit = rig.native.exit_address();
+        let finish = asm(base + 0x100, |a| {
+            let mut slot = a.create_label();
+            a.jmp(qword_ptr(slot)).unwrap();
+            a.set_label(&mut slot).unwrap();
+            a.db(&exit.to_le_bytes()).unwrap();
+        });
+        put(&block, 0x100, &finish);
+        let mut mem = HostMemory::new(vec![(base, base + 3 * 4096)]);
+        let regs = rig.engine.regs_mut();
+        regs.set(Gpr::Rax, 0);
+        regs.rflags = 0x203; // CF=1 so that adc counts too
+        rig.engine.set_rip(GuestVirt(base));
+        let h = rig.engine.attention_handle();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(30));
+            h.set(reason::REQUEST);
+        });
+        let stop = rig.engine.run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
+        t.join().unwrap();
+        assert_eq!(stop, Stop::Attention(GuestVirt(base)), "flags_live={flags_live}");
+        assert!(rig.engine.regs().get(Gpr::Rax) > 1000, "the loop ran linked");
+        assert_eq!(rig.engine.stats().exits[guest_engine::exit_code::EXIT_ATTENTION as usize], 1);
+        // Clear it and leave the loop.
+        rig.engine.set_attention(0);
+        rig.engine.set_rip(GuestVirt(base + 0x100));
+        let stop = rig.engine.run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
+        assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+    }
+}
+
+/// Identity memory except one page remapped to another frame.
+struct Remapped {
+    inner: HostMemory,
+    page: u64,
+    frame: u64,
+}
+
+impl GuestMemory for Remapped {
+    fn translate(&mut self, va: GuestVirt, mode: Mode) -> Option<GuestPhys> {
+        if va.page().0 == self.page {
+            return Some(GuestPhys(self.frame + (va.0 - self.page)));
+        }
+        self.inner.translate(va, mode)
+    }
+    fn read(&mut self, pa: GuestPhys, out: &mut [u8]) -> bool {
+        if pa.page().0 == self.frame {
+            // SAFETY: the alias frame is a live host page.
+            unsafe { std::ptr::copy_nonoverlapping(pa.0 as *const u8, out.as_mut_ptr(), out.len()) };
+            return true;
+        }
+        self.inner.read(pa, out)
+    }
+}
+
+#[test]
+fn test_cross_page_link_revalidates_pa_after_remap() {
+    let mut rig = Rig::new(Config::default());
+    let block = Region::map(4 * 4096, 0);
+    let alias = Region::map(4096, 0);
+    let (a, b) = (block.addr(), block.addr() + 4096);
+    let exit = rig.native.exit_address();
+    put(&block, 0, &asm(a, |x| {
+        x.mov(rax, 0i64).unwrap();
+        x.jmp(b).unwrap();
+    }));
+    let page_b = |k: i32| {
+        asm(b, |x| {
+            x.add(rax, k).unwrap();
+            let mut slot = x.create_label();
+            x.jmp(qword_ptr(slot)).unwrap();
+            x.set_label(&mut slot).unwrap();
+            x.db(&exit.to_le_bytes()).unwrap();
+        })
+    };
+    put(&block, 4096, &page_b(1));
+    put(&alias, 0, &page_b(5));
+    let mut mem = HostMemory::new(vec![(a, a + 2 * 4096)]);
+    for _ in 0..2 {
+        rig.engine.set_rip(GuestVirt(a));
+        let stop = rig.engine.run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
+        assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+        assert_eq!(rig.engine.regs().get(Gpr::Rax), 1);
+    }
+    assert!(rig.engine.stats().links >= 1, "A was linked to B");
+    // The guest remaps B's page to another frame with different code.
+    let mut remapped = Remapped { inner: mem, page: b, frame: alias.addr() };
+    rig.engine.invalidate_page(GuestVirt(b));
+    rig.engine.set_rip(GuestVirt(a));
+    let stop = rig.engine.run(&mut remapped, &mut HostPlatform::default(), &mut NullTool);
+    assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+    assert_eq!(rig.engine.regs().get(Gpr::Rax), 5, "the new frame's code ran");
+    assert_eq!(rig.engine.stats().exits[EXIT_PA_MISMATCH as usize], 1);
+}
+
+#[test]
+fn test_cpuid_is_emulated_and_hlt_stops() {
+    let mut rig = Rig::new(Config::default());
+    let block = Region::map(4096, 0);
+    let base = block.addr();
+    let code = asm(base, |a| {
+        a.xor(eax, eax).unwrap();
+        a.xor(ecx, ecx).unwrap();
+        a.cpuid().unwrap();
+        a.mov(r8, rax).unwrap();
+        a.mov(r9, rbx).unwrap();
+        a.hlt().unwrap();
+    });
+    put(&block, 0, &code);
+    let hlt_at = base + code.len() as u64 - 1;
+    let mut mem = HostMemory::new(vec![(base, base + 4096)]);
+    let mut plat = HostPlatform::default();
+    rig.engine.set_rip(GuestVirt(base));
+    let stop = rig.engine.run(&mut mem, &mut plat, &mut NullTool);
+    match stop {
+        Stop::Sensitive(s) => {
+            assert_eq!(s.pc, GuestVirt(hlt_at));
+            assert_eq!(s.kind, SensitiveKind::Halt);
+        }
+        other => panic!("unexpected stop {other:?}"),
+    }
+    let want = std::arch::x86_64::__cpuid_count(0, 0);
+    assert_eq!(plat.emulated, 1);
+    assert_eq!(rig.engine.regs().get(Gpr::R8), u64::from(want.eax));
+    assert_eq!(rig.engine.regs().get(Gpr::R9), u64::from(want.ebx));
+    assert_eq!(rig.engine.rip(), GuestVirt(hlt_at));
+}
