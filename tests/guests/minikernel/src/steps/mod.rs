@@ -1,0 +1,72 @@
+//! The numbered steps and the runner.
+//!
+//! Each step prints exactly one line, `step NN name: ...`; a step named in `kpin.skip=`
+//! (or marked `native_unsafe` when the list contains `native-unsafe`) prints
+//! `step NN name: SKIPPED` instead. A step's values are ones the code chose or the
+//! architecture defines, never build-dependent addresses or speed-dependent counts.
+//!
+//! `native_unsafe` marks steps that cannot run natively under the KVM of DESIGN.md §2 (ring 0
+//! emulated); see README.md for the evidence behind each mark:
+//! * `syscall`: SYSCALL at CPL 3 reaches LSTAR still at CPL 3 (#PF fetching the kernel page);
+//! * `selectors`: `mov r16, cs/ss` at CPL 3 reads the host's selectors (0x33/0x0).
+
+mod cpu;
+mod faults;
+mod memory;
+mod ring3;
+mod timer;
+
+use crate::bootinfo::skip_requested;
+use crate::console::{print, print_dec2};
+
+/// One step of the transcript.
+pub struct Step {
+    /// Two-digit number printed on the line.
+    pub number: u64,
+    /// Name used in `kpin.skip=`.
+    pub name: &'static str,
+    /// Not runnable natively on the project's KVM (skipped by `kpin.skip=native-unsafe`).
+    pub native_unsafe: bool,
+    /// Prints the rest of the line after `step NN name: `, newline included.
+    pub run: fn(),
+}
+
+/// Every step, in transcript order.
+#[rustfmt::skip]
+pub static STEPS: [Step; 19] = [
+    Step { number: 0, name: "boot", native_unsafe: false, run: cpu::boot },
+    Step { number: 1, name: "cpuid", native_unsafe: false, run: cpu::cpuid_step },
+    Step { number: 2, name: "flags", native_unsafe: false, run: cpu::flags },
+    Step { number: 3, name: "de", native_unsafe: false, run: faults::divide_error },
+    Step { number: 4, name: "ud", native_unsafe: false, run: faults::invalid_opcode },
+    Step { number: 5, name: "gp", native_unsafe: false, run: faults::general_protection },
+    Step { number: 6, name: "pf", native_unsafe: false, run: faults::kernel_page_fault },
+    Step { number: 7, name: "loop", native_unsafe: false, run: cpu::known_loop },
+    Step { number: 8, name: "timer", native_unsafe: false, run: timer::ten_ticks },
+    Step { number: 9, name: "msr", native_unsafe: false, run: cpu::msrs_and_swapgs },
+    Step { number: 10, name: "syscall", native_unsafe: true, run: ring3::syscall_sysret },
+    Step { number: 11, name: "cr3", native_unsafe: false, run: memory::two_address_spaces },
+    Step { number: 12, name: "user-pf", native_unsafe: false, run: memory::user_page_fault },
+    Step { number: 13, name: "smc", native_unsafe: false, run: memory::self_modifying_code },
+    Step { number: 14, name: "hlt", native_unsafe: false, run: timer::hlt_wakeup },
+    Step { number: 15, name: "user-priv", native_unsafe: false, run: ring3::privileged_at_cpl3 },
+    Step { number: 16, name: "user-irq", native_unsafe: false, run: timer::irq_at_cpl3 },
+    Step { number: 17, name: "selectors", native_unsafe: true, run: ring3::selectors_after_iretq },
+    Step { number: 18, name: "sysret", native_unsafe: false, run: ring3::sysret_to_cpl3 },
+];
+
+/// Runs (or skips) every step in order. Step 0 (`boot`) always runs.
+pub fn run_all() {
+    for step in &STEPS {
+        print("step ");
+        print_dec2(step.number);
+        print(" ");
+        print(step.name);
+        print(": ");
+        if step.number != 0 && skip_requested(step.name, step.native_unsafe) {
+            print("SKIPPED\n");
+        } else {
+            (step.run)();
+        }
+    }
+}
