@@ -8,7 +8,11 @@ use std::path::PathBuf;
 
 /// Whether `/dev/kvm` can be opened; prints `SKIPPED: no /dev/kvm (<test>)` if not.
 pub fn kvm_available(test: &str) -> bool {
-    match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    {
         Ok(_) => true,
         Err(e) => {
             println!("SKIPPED: no /dev/kvm ({test}): {e}");
@@ -67,7 +71,10 @@ pub fn scratch_dir(test: &str) -> PathBuf {
 /// relative to the test executable instead).
 pub fn kpin_bin() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe.parent().and_then(|p| p.parent()).expect("target/<profile>/deps");
+    let dir = exe
+        .parent()
+        .and_then(|p| p.parent())
+        .expect("target/<profile>/deps");
     dir.join("kpin")
 }
 
@@ -96,8 +103,15 @@ pub fn minikernel_body(console: &str) -> Result<(&str, u64), String> {
         .ok_or("no MINIKERNEL-START line")?
         + MINIKERNEL_START.len()
         + 1;
-    let done = console[start..].find(MINIKERNEL_DONE).ok_or("no MINIKERNEL-DONE line")? + start;
-    let sum_text = console[done + MINIKERNEL_DONE.len()..].lines().next().unwrap_or("").trim();
+    let done = console[start..]
+        .find(MINIKERNEL_DONE)
+        .ok_or("no MINIKERNEL-DONE line")?
+        + start;
+    let sum_text = console[done + MINIKERNEL_DONE.len()..]
+        .lines()
+        .next()
+        .unwrap_or("")
+        .trim();
     let sum = u64::from_str_radix(sum_text, 16)
         .map_err(|e| format!("bad checksum {sum_text:?} on the DONE line: {e}"))?;
     Ok((&console[start..done], sum))
@@ -120,7 +134,9 @@ pub fn compare_minikernel_transcript(console: &str, expected: &str) -> Result<us
     let (body, sum) = minikernel_body(console)?;
     let actual_sum = fnv1a64(body.as_bytes());
     if sum != actual_sum {
-        return Err(format!("DONE checksum {sum:x} is not the FNV-1a of the transcript ({actual_sum:x})"));
+        return Err(format!(
+            "DONE checksum {sum:x} is not the FNV-1a of the transcript ({actual_sum:x})"
+        ));
     }
     let (exp_body, exp_sum) = minikernel_body(expected)?;
     let skipped: Vec<&str> = body
@@ -143,14 +159,23 @@ pub fn compare_minikernel_transcript(console: &str, expected: &str) -> Result<us
     let got: Vec<&str> = body.lines().collect();
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         if g != w {
-            return Err(format!("transcript line {} differs:\n  got:      {g}\n  expected: {w}", i + 1));
+            return Err(format!(
+                "transcript line {} differs:\n  got:      {g}\n  expected: {w}",
+                i + 1
+            ));
         }
     }
     if got.len() != want.len() {
-        return Err(format!("transcript has {} lines, expected {}", got.len(), want.len()));
+        return Err(format!(
+            "transcript has {} lines, expected {}",
+            got.len(),
+            want.len()
+        ));
     }
     if skipped.is_empty() && sum != exp_sum {
-        return Err(format!("checksum {sum:x} differs from expected.txt's {exp_sum:x}"));
+        return Err(format!(
+            "checksum {sum:x} differs from expected.txt's {exp_sum:x}"
+        ));
     }
     Ok(skipped.len())
 }
@@ -160,7 +185,10 @@ mod tests {
     use super::*;
 
     fn log(body: &str) -> String {
-        format!("boot noise\n{MINIKERNEL_START}\n{body}{MINIKERNEL_DONE}{:x}\n", fnv1a64(body.as_bytes()))
+        format!(
+            "boot noise\n{MINIKERNEL_START}\n{body}{MINIKERNEL_DONE}{:x}\n",
+            fnv1a64(body.as_bytes())
+        )
     }
 
     #[test]
@@ -180,9 +208,13 @@ mod tests {
     fn test_mismatch_and_bad_checksum_are_reported() {
         let exp = log("step 01 a: x\n");
         let got = log("step 01 a: X\n");
-        assert!(compare_minikernel_transcript(&got, &exp).unwrap_err().contains("line 1"));
+        assert!(compare_minikernel_transcript(&got, &exp)
+            .unwrap_err()
+            .contains("line 1"));
         let forged = format!("{MINIKERNEL_START}\nstep 01 a: x\n{MINIKERNEL_DONE}1234\n");
-        assert!(compare_minikernel_transcript(&forged, &exp).unwrap_err().contains("FNV"));
+        assert!(compare_minikernel_transcript(&forged, &exp)
+            .unwrap_err()
+            .contains("FNV"));
         assert!(compare_minikernel_transcript("nothing", &exp).is_err());
     }
 }

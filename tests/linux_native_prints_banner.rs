@@ -32,6 +32,7 @@ fn test_linux_native_boot_prints_version_banner() {
         timeout: Some(BOOT_BUDGET),
         console_file: Some(console.clone()),
         echo_console: false,
+        system_map: Some(linux.system_map),
     };
     let report = Vm::new(&cfg).expect("create VM").run().expect("run VM");
     let log = std::fs::read_to_string(&console).expect("console log");
@@ -42,7 +43,10 @@ fn test_linux_native_boot_prints_version_banner() {
         report.outcome,
         report.dump.unwrap_or_default()
     );
-    assert!(log.contains(&format!("Command line: {LINUX_CMDLINE}")), "{log}");
+    assert!(
+        log.contains(&format!("Command line: {LINUX_CMDLINE}")),
+        "{log}"
+    );
     println!(
         "native Linux: banner seen; run ended with `{}` after {:.1} s, {} console bytes",
         report.outcome.describe(),

@@ -26,6 +26,7 @@ fn test_minikernel_native_transcript_matches_expected() {
         timeout: Some(Duration::from_secs(300)),
         console_file: Some(console.clone()),
         echo_console: false,
+        system_map: None,
     };
     let report = Vm::new(&cfg).expect("create VM").run().expect("run VM");
     let log = std::fs::read_to_string(&console).expect("console log");

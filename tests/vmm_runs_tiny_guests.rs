@@ -25,6 +25,7 @@ fn run(name: &str, code: &[u8]) -> (vmm::RunReport, String) {
         timeout: Some(std::time::Duration::from_secs(20)),
         console_file: Some(console.clone()),
         echo_console: false,
+        system_map: None,
     };
     let report = Vm::new(&cfg).unwrap().run().unwrap();
     let text = std::fs::read_to_string(console).unwrap();
@@ -61,7 +62,14 @@ fn test_unhandled_port_stops_with_port_and_decoded_rip() {
     }
     // mov al,1; out 0x99,al
     let (report, _) = run("port", &[0xb0, 0x01, 0xe6, 0x99, 0xf4]);
-    assert_eq!(report.outcome, Outcome::UnhandledPort { port: 0x99, write: true, size: 1 });
+    assert_eq!(
+        report.outcome,
+        Outcome::UnhandledPort {
+            port: 0x99,
+            write: true,
+            size: 1
+        }
+    );
     let dump = report.dump.expect("a crash carries a dump");
     // KVM reports the exit with RIP after the `out`: the dump decodes the bytes there.
     assert!(dump.contains("hlt"), "{dump}");
@@ -84,6 +92,7 @@ fn test_spinning_guest_times_out() {
         timeout: Some(std::time::Duration::from_secs(1)),
         console_file: None,
         echo_console: false,
+        system_map: None,
     };
     let report = Vm::new(&cfg).unwrap().run().unwrap();
     assert_eq!(report.outcome, Outcome::Timeout);

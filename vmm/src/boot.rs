@@ -20,7 +20,7 @@ use vm_memory::{Bytes, GuestAddress};
 
 use crate::error::{Result, VmmError};
 use crate::layout::{
-    BOOT_GDT_START, BOOT_PD_COUNT, BOOT_PD_START, BOOT_PDPT_START, BOOT_PML4_START,
+    BOOT_GDT_START, BOOT_PDPT_START, BOOT_PD_COUNT, BOOT_PD_START, BOOT_PML4_START,
     BOOT_STACK_POINTER, CMDLINE_MAX_BYTES, CMDLINE_START, HIMEM_START, INITRD_ALIGN_BYTES,
     ZERO_PAGE_START,
 };
@@ -122,8 +122,8 @@ pub fn load(
 ) -> Result<BootInfo> {
     let mut file = File::open(kernel).map_err(|e| VmmError::ReadFile(kernel.to_owned(), e))?;
     let mut head = vec![0u8; zp::SIZE];
-    let head_len = read_up_to(&mut file, &mut head)
-        .map_err(|e| VmmError::ReadFile(kernel.to_owned(), e))?;
+    let head_len =
+        read_up_to(&mut file, &mut head).map_err(|e| VmmError::ReadFile(kernel.to_owned(), e))?;
     head.truncate(head_len);
     let format = detect_format(&head).ok_or_else(|| VmmError::KernelFormat(kernel.to_owned()))?;
 
@@ -135,7 +135,11 @@ pub fn load(
             put_u16(&mut zero_page, zp::BOOT_FLAG, BOOT_FLAG_MAGIC);
             put_u32(&mut zero_page, zp::HEADER_MAGIC, HDRS_MAGIC);
             put_u16(&mut zero_page, zp::VERSION, MIN_BOOT_PROTOCOL);
-            put_u32(&mut zero_page, zp::KERNEL_ALIGNMENT, DEFAULT_KERNEL_ALIGNMENT);
+            put_u32(
+                &mut zero_page,
+                zp::KERNEL_ALIGNMENT,
+                DEFAULT_KERNEL_ALIGNMENT,
+            );
             (r.kernel_load.0, r.kernel_end, ELF_INITRD_ADDR_MAX)
         }
         KernelFormat::BzImage => {
@@ -168,7 +172,11 @@ pub fn load(
             let floor = kernel_end.next_multiple_of(INITRD_ALIGN_BYTES);
             let free = limit.saturating_sub(floor);
             if size > free {
-                return Err(VmmError::InitrdTooLarge { initrd_bytes: size, free_bytes: free, limit });
+                return Err(VmmError::InitrdTooLarge {
+                    initrd_bytes: size,
+                    free_bytes: free,
+                    limit,
+                });
             }
             let addr = (limit - size) / INITRD_ALIGN_BYTES * INITRD_ALIGN_BYTES;
             write(mem, addr, &data)?;
@@ -180,16 +188,25 @@ pub fn load(
     };
 
     if cmdline.len() >= CMDLINE_MAX_BYTES || cmdline.contains('\0') {
-        return Err(VmmError::Cmdline { max: CMDLINE_MAX_BYTES - 1 });
+        return Err(VmmError::Cmdline {
+            max: CMDLINE_MAX_BYTES - 1,
+        });
     }
     let mut cmd = cmdline.as_bytes().to_vec();
     cmd.push(0);
     write(mem, CMDLINE_START, &cmd)?;
     put_u32(&mut zero_page, zp::CMD_LINE_PTR, low32(CMDLINE_START));
-    put_u32(&mut zero_page, zp::CMDLINE_SIZE, low32(CMDLINE_MAX_BYTES as u64 - 1));
+    put_u32(
+        &mut zero_page,
+        zp::CMDLINE_SIZE,
+        low32(CMDLINE_MAX_BYTES as u64 - 1),
+    );
 
     let map = e820_map(mem.ram_bytes);
-    assert!(map.len() <= zp::E820_MAX_ENTRIES, "e820 map has at most a handful of entries");
+    assert!(
+        map.len() <= zp::E820_MAX_ENTRIES,
+        "e820 map has at most a handful of entries"
+    );
     zero_page[zp::E820_ENTRIES] = u8::try_from(map.len()).expect("checked just above");
     for (i, e) in map.iter().enumerate() {
         let off = zp::E820_TABLE + i * 20;
@@ -202,7 +219,12 @@ pub fn load(
     let gdt: Vec<u8> = BOOT_GDT.iter().flat_map(|d| d.to_le_bytes()).collect();
     write(mem, BOOT_GDT_START, &gdt)?;
 
-    Ok(BootInfo { format, entry, kernel_end, initrd })
+    Ok(BootInfo {
+        format,
+        entry,
+        kernel_end,
+        initrd,
+    })
 }
 
 /// Reads until `buf` is full or EOF; returns the bytes read.
@@ -230,14 +252,18 @@ pub fn detect_format(head: &[u8]) -> Option<KernelFormat> {
 }
 
 fn write_page_tables(mem: &GuestMemory) -> Result<()> {
-    write(mem, BOOT_PML4_START, &(BOOT_PDPT_START | PTE_PRESENT | PTE_WRITABLE).to_le_bytes())?;
+    write(
+        mem,
+        BOOT_PML4_START,
+        &(BOOT_PDPT_START | PTE_PRESENT | PTE_WRITABLE).to_le_bytes(),
+    )?;
     for pd in 0..BOOT_PD_COUNT {
         let pd_addr = BOOT_PD_START + pd * 0x1000;
         let pdpte = pd_addr | PTE_PRESENT | PTE_WRITABLE;
         write(mem, BOOT_PDPT_START + pd * 8, &pdpte.to_le_bytes())?;
         let entries: Vec<u8> = (0..512u64)
             .flat_map(|i| {
-                (((pd * 512) + i) * TWO_MIB | PTE_PRESENT | PTE_WRITABLE | PTE_PAGE_SIZE)
+                ((((pd * 512) + i) * TWO_MIB) | PTE_PRESENT | PTE_WRITABLE | PTE_PAGE_SIZE)
                     .to_le_bytes()
             })
             .collect();
@@ -275,7 +301,13 @@ pub fn initial_sregs(mut s: kvm_sregs) -> kvm_sregs {
         unusable: 0,
         padding: 0,
     };
-    let data = kvm_segment { selector: BOOT_DS, type_: 0x3, db: 1, l: 0, ..code };
+    let data = kvm_segment {
+        selector: BOOT_DS,
+        type_: 0x3,
+        db: 1,
+        l: 0,
+        ..code
+    };
     s.cs = code;
     s.ds = data;
     s.es = data;
@@ -295,7 +327,11 @@ pub fn initial_sregs(mut s: kvm_sregs) -> kvm_sregs {
 
 /// FPU state at entry: x87 control word and MXCSR at their reset defaults.
 pub fn initial_fpu() -> kvm_fpu {
-    kvm_fpu { fcw: 0x37f, mxcsr: 0x1f80, ..Default::default() }
+    kvm_fpu {
+        fcw: 0x37f,
+        mxcsr: 0x1f80,
+        ..Default::default()
+    }
 }
 
 fn write(mem: &GuestMemory, gpa: u64, data: &[u8]) -> Result<()> {

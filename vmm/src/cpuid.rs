@@ -44,22 +44,70 @@ pub struct MaskedFeature {
 /// Features hidden from the guest. Linux drops the features that depend on these
 /// (e.g. AVX* on XSAVE) by itself.
 pub const MASKED_FEATURES: &[MaskedFeature] = &[
-    MaskedFeature { leaf: 1, subleaf: 0, reg: Reg::Ecx, bit: 13, name: "cx16",
-        why: "KVM's emulator fails on cmpxchg16b at ring 0 (SLUB uses it)" },
-    MaskedFeature { leaf: 1, subleaf: 0, reg: Reg::Ecx, bit: 17, name: "pcid",
-        why: "this KVM rejects CR4.PCIDE" },
-    MaskedFeature { leaf: 1, subleaf: 0, reg: Reg::Ecx, bit: 23, name: "popcnt",
-        why: "KVM's emulator fails on popcnt at ring 0 (hweight alternatives)" },
-    MaskedFeature { leaf: 1, subleaf: 0, reg: Reg::Ecx, bit: 26, name: "xsave",
-        why: "KVM's emulator fails on xrstor at ring 0; AVX and friends depend on it" },
-    MaskedFeature { leaf: 1, subleaf: 0, reg: Reg::Ecx, bit: 27, name: "osxsave",
-        why: "follows xsave" },
-    MaskedFeature { leaf: 7, subleaf: 0, reg: Reg::Ebx, bit: 20, name: "smap",
-        why: "KVM's emulator fails on clac/stac at ring 0" },
-    MaskedFeature { leaf: 7, subleaf: 0, reg: Reg::Ecx, bit: 3, name: "pku",
-        why: "rdpkru/wrpkru at ring 0 are not emulated" },
-    MaskedFeature { leaf: 7, subleaf: 0, reg: Reg::Ecx, bit: 16, name: "la57",
-        why: "this KVM rejects CR4.LA57" },
+    MaskedFeature {
+        leaf: 1,
+        subleaf: 0,
+        reg: Reg::Ecx,
+        bit: 13,
+        name: "cx16",
+        why: "KVM's emulator fails on cmpxchg16b at ring 0 (SLUB uses it)",
+    },
+    MaskedFeature {
+        leaf: 1,
+        subleaf: 0,
+        reg: Reg::Ecx,
+        bit: 17,
+        name: "pcid",
+        why: "this KVM rejects CR4.PCIDE",
+    },
+    MaskedFeature {
+        leaf: 1,
+        subleaf: 0,
+        reg: Reg::Ecx,
+        bit: 23,
+        name: "popcnt",
+        why: "KVM's emulator fails on popcnt at ring 0 (hweight alternatives)",
+    },
+    MaskedFeature {
+        leaf: 1,
+        subleaf: 0,
+        reg: Reg::Ecx,
+        bit: 26,
+        name: "xsave",
+        why: "KVM's emulator fails on xrstor at ring 0; AVX and friends depend on it",
+    },
+    MaskedFeature {
+        leaf: 1,
+        subleaf: 0,
+        reg: Reg::Ecx,
+        bit: 27,
+        name: "osxsave",
+        why: "follows xsave",
+    },
+    MaskedFeature {
+        leaf: 7,
+        subleaf: 0,
+        reg: Reg::Ebx,
+        bit: 20,
+        name: "smap",
+        why: "KVM's emulator fails on clac/stac at ring 0",
+    },
+    MaskedFeature {
+        leaf: 7,
+        subleaf: 0,
+        reg: Reg::Ecx,
+        bit: 3,
+        name: "pku",
+        why: "rdpkru/wrpkru at ring 0 are not emulated",
+    },
+    MaskedFeature {
+        leaf: 7,
+        subleaf: 0,
+        reg: Reg::Ecx,
+        bit: 16,
+        name: "la57",
+        why: "this KVM rejects CR4.LA57",
+    },
 ];
 
 /// Builds the guest CPUID table for a single-vCPU guest with APIC ID 0.
@@ -79,7 +127,10 @@ pub fn apply_policy(entries: &mut [kvm_bindings::kvm_cpuid_entry2]) {
             e.ebx &= 0x0000_ffff;
             e.ebx |= 1 << 16;
         }
-        for m in MASKED_FEATURES.iter().filter(|m| m.leaf == e.function && m.subleaf == e.index) {
+        for m in MASKED_FEATURES
+            .iter()
+            .filter(|m| m.leaf == e.function && m.subleaf == e.index)
+        {
             let reg = match m.reg {
                 Reg::Ebx => &mut e.ebx,
                 Reg::Ecx => &mut e.ecx,
@@ -99,9 +150,26 @@ mod tests {
     #[test]
     fn test_policy_masks_listed_bits_only() {
         let mut entries = [
-            kvm_cpuid_entry2 { function: 1, ecx: u32::MAX, edx: u32::MAX, ebx: 0xff08_0800, ..Default::default() },
-            kvm_cpuid_entry2 { function: 7, index: 0, ebx: u32::MAX, ecx: u32::MAX, ..Default::default() },
-            kvm_cpuid_entry2 { function: 7, index: 1, ebx: u32::MAX, ..Default::default() },
+            kvm_cpuid_entry2 {
+                function: 1,
+                ecx: u32::MAX,
+                edx: u32::MAX,
+                ebx: 0xff08_0800,
+                ..Default::default()
+            },
+            kvm_cpuid_entry2 {
+                function: 7,
+                index: 0,
+                ebx: u32::MAX,
+                ecx: u32::MAX,
+                ..Default::default()
+            },
+            kvm_cpuid_entry2 {
+                function: 7,
+                index: 1,
+                ebx: u32::MAX,
+                ..Default::default()
+            },
         ];
         apply_policy(&mut entries);
         assert_eq!(entries[0].ecx & (1 << 13), 0, "cx16 hidden");

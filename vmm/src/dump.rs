@@ -13,6 +13,7 @@ use kvm_ioctls::VcpuFd;
 
 use crate::memory::GuestMemory;
 use crate::paging;
+use crate::symbols::Symbols;
 
 /// MSRs worth seeing when a guest dies, with their names.
 const DUMP_MSRS: &[(u32, &str)] = &[
@@ -39,7 +40,13 @@ const INSNS_SHOWN: usize = 8;
 const STACK_QWORDS: u64 = 8;
 
 /// Produces the dump of `vcpu` as text. `reason` heads it.
-pub fn guest_state(reason: &str, vcpu: &VcpuFd, mem: &GuestMemory) -> String {
+/// `symbols`, if given, names RIP and the stack entries that point into kernel text.
+pub fn guest_state(
+    reason: &str,
+    vcpu: &VcpuFd,
+    mem: &GuestMemory,
+    symbols: Option<&Symbols>,
+) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "==== kpin guest-state dump: {reason} ====");
     let regs = match vcpu.get_regs() {
@@ -49,15 +56,37 @@ pub fn guest_state(reason: &str, vcpu: &VcpuFd, mem: &GuestMemory) -> String {
             return out;
         }
     };
+    let name = |addr: u64| {
+        symbols
+            .and_then(|s| s.describe(addr))
+            .map(|n| format!(" <{n}>"))
+            .unwrap_or_default()
+    };
     let _ = writeln!(
         out,
-        "RIP={:016x} RFLAGS={:016x}\n\
+        "RIP={:016x}{} RFLAGS={:016x}\n\
          RAX={:016x} RBX={:016x} RCX={:016x} RDX={:016x}\n\
          RSI={:016x} RDI={:016x} RBP={:016x} RSP={:016x}\n\
          R8 ={:016x} R9 ={:016x} R10={:016x} R11={:016x}\n\
          R12={:016x} R13={:016x} R14={:016x} R15={:016x}",
-        regs.rip, regs.rflags, regs.rax, regs.rbx, regs.rcx, regs.rdx, regs.rsi, regs.rdi,
-        regs.rbp, regs.rsp, regs.r8, regs.r9, regs.r10, regs.r11, regs.r12, regs.r13, regs.r14,
+        regs.rip,
+        name(regs.rip),
+        regs.rflags,
+        regs.rax,
+        regs.rbx,
+        regs.rcx,
+        regs.rdx,
+        regs.rsi,
+        regs.rdi,
+        regs.rbp,
+        regs.rsp,
+        regs.r8,
+        regs.r9,
+        regs.r10,
+        regs.r11,
+        regs.r12,
+        regs.r13,
+        regs.r14,
         regs.r15
     );
     let sregs = match vcpu.get_sregs() {
@@ -124,7 +153,9 @@ pub fn guest_state(reason: &str, vcpu: &VcpuFd, mem: &GuestMemory) -> String {
     let mut read_va = |va: u64, buf: &mut [u8]| -> usize {
         // Byte by byte across page boundaries: slow but only ever a few dozen bytes.
         for (i, b) in buf.iter_mut().enumerate() {
-            let Some(pa) = va_to_pa(va.wrapping_add(i as u64)) else { return i };
+            let Some(pa) = va_to_pa(va.wrapping_add(i as u64)) else {
+                return i;
+            };
             let mut one = [0u8];
             if mem.read(pa, &mut one).is_err() {
                 return i;
@@ -155,20 +186,26 @@ pub fn guest_state(reason: &str, vcpu: &VcpuFd, mem: &GuestMemory) -> String {
     }
     let mut stack = [0u8; (STACK_QWORDS * 8) as usize];
     let n = read_va(sregs.ss.base.wrapping_add(regs.rsp), &mut stack);
-    let _ = write!(out, "stack:");
-    for q in stack[..n - n % 8].chunks(8) {
-        let _ = write!(out, " {:016x}", u64::from_le_bytes(q.try_into().expect("8-byte chunk")));
+    let _ = writeln!(out, "stack:");
+    for (i, q) in stack[..n - n % 8].chunks(8).enumerate() {
+        let v = u64::from_le_bytes(q.try_into().expect("8-byte chunk"));
+        let _ = writeln!(out, "  [rsp+{:#04x}] {v:016x}{}", i * 8, name(v));
     }
-    let _ = writeln!(out, "\n==== end of dump ====");
+    let _ = writeln!(out, "==== end of dump ====");
     out
 }
 
 fn dump_msrs(out: &mut String, vcpu: &VcpuFd) {
     let entries: Vec<kvm_msr_entry> = DUMP_MSRS
         .iter()
-        .map(|(index, _)| kvm_msr_entry { index: *index, ..Default::default() })
+        .map(|(index, _)| kvm_msr_entry {
+            index: *index,
+            ..Default::default()
+        })
         .collect();
-    let Ok(mut msrs) = Msrs::from_entries(&entries) else { return };
+    let Ok(mut msrs) = Msrs::from_entries(&entries) else {
+        return;
+    };
     match vcpu.get_msrs(&mut msrs) {
         Ok(read) => {
             for (e, (_, name)) in msrs.as_slice().iter().take(read).zip(DUMP_MSRS) {
@@ -200,7 +237,10 @@ fn segment(s: &kvm_segment) -> String {
 }
 
 fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect::<Vec<_>>().join(" ")
+    b.iter()
+        .map(|x| format!("{x:02x}"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Decodes up to [`INSNS_SHOWN`] instructions of `code` at `ip`, one per line.
@@ -219,7 +259,11 @@ pub fn disassemble(code: &[u8], bitness: u32, ip: u64) -> String {
             "  {:016x}  {:<30} {}",
             insn.ip(),
             hex(bytes),
-            if insn.is_invalid() { "(invalid)" } else { &text }
+            if insn.is_invalid() {
+                "(invalid)"
+            } else {
+                &text
+            }
         );
     }
     out

@@ -43,8 +43,10 @@ pub enum VmmError {
     #[error("bzImage {} uses boot protocol {:#x}; 2.06 or later is required", .0.display(), .1)]
     BootProtocol(PathBuf, u16),
     /// The initrd does not fit into guest RAM.
-    #[error("initrd of {initrd_bytes} bytes does not fit in guest RAM above the kernel \
-             ({free_bytes} bytes free below {limit:#x}); raise --mem")]
+    #[error(
+        "initrd of {initrd_bytes} bytes does not fit in guest RAM above the kernel \
+             ({free_bytes} bytes free below {limit:#x}); raise --mem"
+    )]
     InitrdTooLarge {
         /// Size of the initrd.
         initrd_bytes: u64,

@@ -12,6 +12,7 @@ pub mod guests;
 pub mod layout;
 pub mod memory;
 pub mod paging;
+pub mod symbols;
 pub mod vm;
 pub mod watchdog;
 

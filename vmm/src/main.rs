@@ -48,7 +48,7 @@ enum Command {
         dir: Option<PathBuf>,
     },
     /// Boot a guest and run it to poweroff, crash or timeout.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -70,6 +70,9 @@ struct RunArgs {
     /// Initrd for --kernel.
     #[arg(long, requires = "kernel")]
     initrd: Option<PathBuf>,
+    /// System.map for --kernel, to name code addresses in the guest-state dump.
+    #[arg(long, requires = "kernel")]
+    system_map: Option<PathBuf>,
     /// Replace the guest's default kernel command line.
     #[arg(long)]
     cmdline: Option<String>,
@@ -122,7 +125,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Images { dir } => images(dir).map(|()| EXIT_CLEAN),
-        Command::Run(args) => run(args),
+        Command::Run(args) => run(*args),
     };
     match result {
         Ok(code) => ExitCode::from(code),
@@ -157,17 +160,31 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
              which is not built yet; run without --tool to boot the guest natively"
         );
     }
-    let image_dir = args.images.clone().unwrap_or_else(kpin_images::default_out_dir);
-    let (kernel, initrd, default_cmdline) = match (&args.kernel, args.guest) {
-        (Some(k), _) => (k.clone(), args.initrd.clone(), String::new()),
+    let image_dir = args
+        .images
+        .clone()
+        .unwrap_or_else(kpin_images::default_out_dir);
+    let (kernel, initrd, system_map, default_cmdline) = match (&args.kernel, args.guest) {
+        (Some(k), _) => (
+            k.clone(),
+            args.initrd.clone(),
+            args.system_map.clone(),
+            String::new(),
+        ),
         (None, Some(Guest::Minikernel)) => (
             kpin_images::ensure_minikernel(&image_dir, &mut progress)?,
+            None,
             None,
             MINIKERNEL_NATIVE_CMDLINE.to_string(),
         ),
         (None, Some(Guest::Linux) | None) => {
             let l = kpin_images::ensure_linux(&image_dir, &mut progress)?;
-            (l.vmlinux, Some(l.initramfs), LINUX_CMDLINE.to_string())
+            (
+                l.vmlinux,
+                Some(l.initramfs),
+                Some(l.system_map),
+                LINUX_CMDLINE.to_string(),
+            )
         }
     };
     let mut cmdline = args.cmdline.clone().unwrap_or(default_cmdline);
@@ -190,6 +207,7 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         timeout: (args.timeout > 0).then(|| Duration::from_secs(args.timeout)),
         console_file: Some(args.console.clone().unwrap_or_else(|| console_log.clone())),
         echo_console: !args.quiet,
+        system_map,
     };
     let vm = Vm::new(&cfg)?;
     let entry = vm.boot.entry;

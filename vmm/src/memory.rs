@@ -6,9 +6,7 @@
 
 use kvm_bindings::kvm_userspace_memory_region;
 use kvm_ioctls::VmFd;
-use vm_memory::{
-    Address, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
-};
+use vm_memory::{Address, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
 use crate::error::{Result, VmmError};
 use crate::layout::{
@@ -59,21 +57,35 @@ pub fn stolen_base(ram_bytes: u64) -> u64 {
         .map(|(a, len)| a.raw_value() + *len as u64)
         .max()
         .unwrap_or(0);
-    ram_end.max(MMIO_GAP_END).next_multiple_of(STOLEN_ALIGN_BYTES)
+    ram_end
+        .max(MMIO_GAP_END)
+        .next_multiple_of(STOLEN_ALIGN_BYTES)
 }
 
 /// The e820 map the guest is given: low RAM, the BIOS hole, high RAM. The stolen region
 /// is deliberately not listed.
 pub fn e820_map(ram_bytes: u64) -> Vec<E820Entry> {
     let mut map = vec![
-        E820Entry { addr: 0, size: EBDA_START, kind: E820_RAM },
-        E820Entry { addr: EBDA_START, size: HIMEM_START - EBDA_START, kind: E820_RESERVED },
+        E820Entry {
+            addr: 0,
+            size: EBDA_START,
+            kind: E820_RAM,
+        },
+        E820Entry {
+            addr: EBDA_START,
+            size: HIMEM_START - EBDA_START,
+            kind: E820_RESERVED,
+        },
     ];
     for (addr, len) in ram_ranges(ram_bytes) {
         let start = addr.raw_value().max(HIMEM_START);
         let end = addr.raw_value() + len as u64;
         if end > start {
-            map.push(E820Entry { addr: start, size: end - start, kind: E820_RAM });
+            map.push(E820Entry {
+                addr: start,
+                size: end - start,
+                kind: E820_RAM,
+            });
         }
     }
     map
@@ -94,15 +106,14 @@ impl GuestMemory {
             });
         }
         let ram_bytes = mem_mib << 20;
-        let ram = GuestMemoryMmap::from_ranges(&ram_ranges(ram_bytes))
-            .map_err(VmmError::GuestMemory)?;
+        let ram =
+            GuestMemoryMmap::from_ranges(&ram_ranges(ram_bytes)).map_err(VmmError::GuestMemory)?;
         let stolen = GuestMemoryMmap::from_ranges(&[(
             GuestAddress(stolen_base(ram_bytes)),
             to_usize(STOLEN_SIZE_BYTES),
         )])
         .map_err(VmmError::GuestMemory)?;
-        let mut slot = 0;
-        for region in ram.iter().chain(stolen.iter()) {
+        for (slot, region) in (0u32..).zip(ram.iter().chain(stolen.iter())) {
             let host = region
                 .get_host_address(vm_memory::MemoryRegionAddress(0))
                 .map_err(|e| VmmError::GuestAccess(region.start_addr().raw_value(), e))?;
@@ -118,9 +129,12 @@ impl GuestMemory {
             // (the `Vm` struct drops the VM fd before its memory).
             unsafe { vm.set_user_memory_region(desc) }
                 .map_err(|e| VmmError::Kvm("KVM_SET_USER_MEMORY_REGION", e))?;
-            slot += 1;
         }
-        Ok(GuestMemory { ram, stolen, ram_bytes })
+        Ok(GuestMemory {
+            ram,
+            stolen,
+            ram_bytes,
+        })
     }
 
     /// Highest address + 1 of guest RAM below the MMIO gap.
@@ -162,7 +176,10 @@ mod tests {
             let base = stolen_base(mib << 20);
             assert_eq!(base % STOLEN_ALIGN_BYTES, 0);
             for (a, len) in ram_ranges(mib << 20) {
-                assert!(a.raw_value() + len as u64 <= base, "{mib} MiB overlaps stolen region");
+                assert!(
+                    a.raw_value() + len as u64 <= base,
+                    "{mib} MiB overlaps stolen region"
+                );
             }
         }
     }
@@ -172,10 +189,14 @@ mod tests {
         let map = e820_map(256 << 20);
         let base = stolen_base(256 << 20);
         assert!(map.iter().all(|e| e.addr + e.size <= base));
-        assert!(map
+        assert!(map.iter().any(|e| e.kind == E820_RESERVED
+            && e.addr == EBDA_START
+            && e.addr + e.size == HIMEM_START));
+        let ram: u64 = map
             .iter()
-            .any(|e| e.kind == E820_RESERVED && e.addr == EBDA_START && e.addr + e.size == HIMEM_START));
-        let ram: u64 = map.iter().filter(|e| e.kind == E820_RAM).map(|e| e.size).sum();
+            .filter(|e| e.kind == E820_RAM)
+            .map(|e| e.size)
+            .sum();
         assert_eq!(ram, (256 << 20) - (HIMEM_START - EBDA_START));
     }
 }

@@ -52,10 +52,16 @@ mod tests {
         assert_eq!(translate(0x1000, va4k, &mut reader(&m)), Some(0x7000_0abc));
         // PD[2] is a 2 MiB page at 0x4060_0000.
         m.insert(0x3000 + 16, 0x4060_0000 | PTE_P | PTE_PS);
-        assert_eq!(translate(0x1000, 0xffff_8000_0041_2345, &mut reader(&m)), Some(0x4061_2345));
+        assert_eq!(
+            translate(0x1000, 0xffff_8000_0041_2345, &mut reader(&m)),
+            Some(0x4061_2345)
+        );
         // PDPT[1] is a 1 GiB page at 0x8000_0000.
         m.insert(0x2000 + 8, 0x8000_0000 | PTE_P | PTE_PS);
-        assert_eq!(translate(0x1000, 0xffff_8000_4123_4567, &mut reader(&m)), Some(0x8123_4567));
+        assert_eq!(
+            translate(0x1000, 0xffff_8000_4123_4567, &mut reader(&m)),
+            Some(0x8123_4567)
+        );
     }
 
     #[test]

@@ -24,6 +24,7 @@ use crate::devices::serial::{
 use crate::dump;
 use crate::error::{Result, VmmError};
 use crate::memory::GuestMemory;
+use crate::symbols::Symbols;
 use crate::watchdog::Watchdog;
 
 /// Local APIC register offsets and delivery modes for the LINT pins.
@@ -54,6 +55,8 @@ pub struct VmConfig {
     pub console_file: Option<PathBuf>,
     /// Echo the console to stdout.
     pub echo_console: bool,
+    /// Kernel `System.map`, to name addresses in the guest-state dump.
+    pub system_map: Option<PathBuf>,
 }
 
 /// How a run ended, from the guest's point of view.
@@ -181,6 +184,7 @@ pub struct Vm {
     bus: PortBus,
     console: Rc<ConsoleWatch>,
     timeout: Option<Duration>,
+    symbols: Option<Symbols>,
     /// Where the kernel was loaded and entered.
     pub boot: BootInfo,
     /// The CPUID table the guest sees.
@@ -191,23 +195,36 @@ impl Vm {
     /// Creates the VM, loads the guest and prepares the vCPU at its entry point.
     pub fn new(cfg: &VmConfig) -> Result<Self> {
         let kvm = Kvm::new().map_err(VmmError::KvmOpen)?;
-        let vm = kvm.create_vm().map_err(|e| VmmError::Kvm("KVM_CREATE_VM", e))?;
+        let vm = kvm
+            .create_vm()
+            .map_err(|e| VmmError::Kvm("KVM_CREATE_VM", e))?;
         // Both must exist before the vCPU does.
-        vm.create_irq_chip().map_err(|e| VmmError::Kvm("KVM_CREATE_IRQCHIP", e))?;
-        let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
-        vm.create_pit2(pit).map_err(|e| VmmError::Kvm("KVM_CREATE_PIT2", e))?;
+        vm.create_irq_chip()
+            .map_err(|e| VmmError::Kvm("KVM_CREATE_IRQCHIP", e))?;
+        let pit = kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
+        vm.create_pit2(pit)
+            .map_err(|e| VmmError::Kvm("KVM_CREATE_PIT2", e))?;
         let mem = GuestMemory::new(&vm, cfg.mem_mib)?;
         let boot = boot::load(&mem, &cfg.kernel, cfg.initrd.as_deref(), &cfg.cmdline)?;
 
-        let vcpu = vm.create_vcpu(0).map_err(|e| VmmError::Kvm("KVM_CREATE_VCPU", e))?;
+        let vcpu = vm
+            .create_vcpu(0)
+            .map_err(|e| VmmError::Kvm("KVM_CREATE_VCPU", e))?;
         let cpuid = cpuid::guest_cpuid(&kvm)?;
-        vcpu.set_cpuid2(&cpuid).map_err(|e| VmmError::Kvm("KVM_SET_CPUID2", e))?;
-        let sregs = vcpu.get_sregs().map_err(|e| VmmError::Kvm("KVM_GET_SREGS", e))?;
+        vcpu.set_cpuid2(&cpuid)
+            .map_err(|e| VmmError::Kvm("KVM_SET_CPUID2", e))?;
+        let sregs = vcpu
+            .get_sregs()
+            .map_err(|e| VmmError::Kvm("KVM_GET_SREGS", e))?;
         vcpu.set_sregs(&boot::initial_sregs(sregs))
             .map_err(|e| VmmError::Kvm("KVM_SET_SREGS", e))?;
         vcpu.set_regs(&boot::initial_regs(boot.entry))
             .map_err(|e| VmmError::Kvm("KVM_SET_REGS", e))?;
-        vcpu.set_fpu(&boot::initial_fpu()).map_err(|e| VmmError::Kvm("KVM_SET_FPU", e))?;
+        vcpu.set_fpu(&boot::initial_fpu())
+            .map_err(|e| VmmError::Kvm("KVM_SET_FPU", e))?;
         set_lint_pins(&vcpu)?;
 
         let console = Rc::new(ConsoleWatch::default());
@@ -217,13 +234,32 @@ impl Vm {
         };
         let irq = EventFd::new(libc::EFD_NONBLOCK)
             .map_err(|e| VmmError::Host("creating the COM1 eventfd", e))?;
-        vm.register_irqfd(&irq, COM1_IRQ).map_err(|e| VmmError::Kvm("KVM_IRQFD", e))?;
+        vm.register_irqfd(&irq, COM1_IRQ)
+            .map_err(|e| VmmError::Kvm("KVM_IRQFD", e))?;
         let sink = ConsoleSink::new(cfg.echo_console, file, console.clone());
         let mut bus = PortBus::default();
-        bus.insert(COM1_PORT, COM1_PORT_SPAN, Box::new(Com1(Serial::new(IrqTrigger(irq), sink))));
+        bus.insert(
+            COM1_PORT,
+            COM1_PORT_SPAN,
+            Box::new(Com1(Serial::new(IrqTrigger(irq), sink))),
+        );
         bus.insert(I8042_DATA_PORT, I8042_PORT_SPAN, Box::new(I8042::default()));
 
-        Ok(Vm { vcpu, _vm: vm, mem, bus, console, timeout: cfg.timeout, boot, cpuid })
+        let symbols = match &cfg.system_map {
+            Some(p) => Some(Symbols::load(p).map_err(|e| VmmError::ReadFile(p.clone(), e))?),
+            None => None,
+        };
+        Ok(Vm {
+            vcpu,
+            _vm: vm,
+            mem,
+            bus,
+            console,
+            timeout: cfg.timeout,
+            symbols,
+            boot,
+            cpuid,
+        })
     }
 
     /// Runs the guest until it powers off, crashes, or the timeout expires.
@@ -265,9 +301,21 @@ impl Vm {
         };
         watchdog.finish();
         let wall = start.elapsed();
-        let dump = (!outcome.is_clean())
-            .then(|| dump::guest_state(&outcome.describe(), &self.vcpu, &self.mem));
-        Ok(RunReport { outcome, dump, wall, exits, console_bytes: self.console.bytes.get() })
+        let dump = (!outcome.is_clean()).then(|| {
+            dump::guest_state(
+                &outcome.describe(),
+                &self.vcpu,
+                &self.mem,
+                self.symbols.as_ref(),
+            )
+        });
+        Ok(RunReport {
+            outcome,
+            dump,
+            wall,
+            exits,
+            console_bytes: self.console.bytes.get(),
+        })
     }
 }
 
@@ -296,9 +344,11 @@ fn handle_exit(
                 exits.io_absent += 1;
                 Step::Continue
             }
-            Routed::Unhandled => {
-                Step::End(Outcome::UnhandledPort { port, write: true, size: data.len() })
-            }
+            Routed::Unhandled => Step::End(Outcome::UnhandledPort {
+                port,
+                write: true,
+                size: data.len(),
+            }),
         },
         Ok(VcpuExit::IoIn(port, data)) => match bus.read(port, data) {
             Routed::Device(_) => {
@@ -309,16 +359,22 @@ fn handle_exit(
                 exits.io_absent += 1;
                 Step::Continue
             }
-            Routed::Unhandled => {
-                Step::End(Outcome::UnhandledPort { port, write: false, size: data.len() })
-            }
+            Routed::Unhandled => Step::End(Outcome::UnhandledPort {
+                port,
+                write: false,
+                size: data.len(),
+            }),
         },
-        Ok(VcpuExit::MmioRead(addr, data)) => {
-            Step::End(Outcome::UnhandledMmio { addr, write: false, size: data.len() })
-        }
-        Ok(VcpuExit::MmioWrite(addr, data)) => {
-            Step::End(Outcome::UnhandledMmio { addr, write: true, size: data.len() })
-        }
+        Ok(VcpuExit::MmioRead(addr, data)) => Step::End(Outcome::UnhandledMmio {
+            addr,
+            write: false,
+            size: data.len(),
+        }),
+        Ok(VcpuExit::MmioWrite(addr, data)) => Step::End(Outcome::UnhandledMmio {
+            addr,
+            write: true,
+            size: data.len(),
+        }),
         Ok(VcpuExit::Shutdown) => Step::End(Outcome::TripleFault),
         Ok(VcpuExit::InternalError) => Step::InternalError,
         Ok(VcpuExit::FailEntry(reason, _)) => Step::End(Outcome::FailEntry { reason }),
@@ -344,7 +400,9 @@ fn handle_exit(
 /// Wires the local APIC's LINT0 to the 8259 (ExtINT) and LINT1 to NMI, as a PC BIOS
 /// leaves them, so PIC interrupts reach a guest that never programs its local APIC.
 fn set_lint_pins(vcpu: &VcpuFd) -> Result<()> {
-    let mut lapic = vcpu.get_lapic().map_err(|e| VmmError::Kvm("KVM_GET_LAPIC", e))?;
+    let mut lapic = vcpu
+        .get_lapic()
+        .map_err(|e| VmmError::Kvm("KVM_GET_LAPIC", e))?;
     for (reg, mode) in [(APIC_LVT0, APIC_MODE_EXTINT), (APIC_LVT1, APIC_MODE_NMI)] {
         let bytes: [u8; 4] = std::array::from_fn(|i| lapic.regs[reg + i] as u8);
         let v = u32::from_le_bytes(bytes);
@@ -353,5 +411,6 @@ fn set_lint_pins(vcpu: &VcpuFd) -> Result<()> {
             lapic.regs[reg + i] = b as libc::c_char;
         }
     }
-    vcpu.set_lapic(&lapic).map_err(|e| VmmError::Kvm("KVM_SET_LAPIC", e))
+    vcpu.set_lapic(&lapic)
+        .map_err(|e| VmmError::Kvm("KVM_SET_LAPIC", e))
 }

@@ -34,7 +34,11 @@ impl Watchdog {
             .map_err(|e| VmmError::Host("installing the vCPU kick signal handler", e.into()))?;
         let expired = Arc::new(AtomicBool::new(false));
         let Some(timeout) = timeout else {
-            return Ok(Watchdog { expired, stop: None, thread: None });
+            return Ok(Watchdog {
+                expired,
+                stop: None,
+                thread: None,
+            });
         };
         // SAFETY: pthread_self has no preconditions.
         let vcpu_thread = unsafe { libc::pthread_self() };
@@ -57,7 +61,11 @@ impl Watchdog {
                 }
             })
             .map_err(|e| VmmError::Host("spawning the watchdog thread", e))?;
-        Ok(Watchdog { expired, stop: Some(stop), thread: Some(thread) })
+        Ok(Watchdog {
+            expired,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
     }
 
     /// Whether the deadline has passed.

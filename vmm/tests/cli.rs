@@ -24,9 +24,16 @@ fn assert_one_line_error(o: &Output, what: &str) {
     let err = stderr(o);
     assert_eq!(o.status.code(), Some(1), "stderr: {err}");
     assert!(!err.contains("panicked"), "kpin panicked: {err}");
-    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("kpin: error:")).collect();
+    let lines: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("kpin: error:"))
+        .collect();
     assert_eq!(lines.len(), 1, "want one error line: {err}");
-    assert!(lines[0].contains(what), "error line {:?} lacks {what:?}", lines[0]);
+    assert!(
+        lines[0].contains(what),
+        "error line {:?} lacks {what:?}",
+        lines[0]
+    );
 }
 
 #[test]
@@ -66,9 +73,23 @@ fn test_initrd_larger_than_ram_and_bad_mem_are_rejected() {
     let kernel = dir.join("k.elf");
     std::fs::write(&kernel, tiny_elf(&[0xf4])).unwrap();
     let initrd = dir.join("big.img");
-    std::fs::File::create(&initrd).unwrap().set_len(64 << 20).unwrap();
+    std::fs::File::create(&initrd)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
     let k = kernel.to_str().unwrap();
-    let o = kpin(&["run", "--kernel", k, "--initrd", initrd.to_str().unwrap(), "--mem", "32"], &dir);
+    let o = kpin(
+        &[
+            "run",
+            "--kernel",
+            k,
+            "--initrd",
+            initrd.to_str().unwrap(),
+            "--mem",
+            "32",
+        ],
+        &dir,
+    );
     assert_one_line_error(&o, "does not fit in guest RAM");
     let o = kpin(&["run", "--kernel", k, "--mem", "1"], &dir);
     assert_one_line_error(&o, "out of range");
@@ -82,10 +103,16 @@ fn test_triple_fault_exits_3_with_dump() {
     let dir = scratch_dir("cli-triple");
     let kernel = dir.join("ud2.elf");
     std::fs::write(&kernel, tiny_elf(&[0x0f, 0x0b])).unwrap();
-    let o = kpin(&["run", "--kernel", kernel.to_str().unwrap(), "--mem", "32"], &dir);
+    let o = kpin(
+        &["run", "--kernel", kernel.to_str().unwrap(), "--mem", "32"],
+        &dir,
+    );
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(3), "{err}");
-    assert!(err.contains("guest-state dump: guest triple-faulted"), "{err}");
+    assert!(
+        err.contains("guest-state dump: guest triple-faulted"),
+        "{err}"
+    );
     assert!(err.contains("ud2"), "dump decodes the code at RIP: {err}");
     let dump = std::fs::read_to_string(dir.join("dump.txt")).expect("dump.txt");
     assert!(dump.contains("RIP="));
@@ -102,7 +129,18 @@ fn test_timeout_exits_4() {
     let dir = scratch_dir("cli-timeout");
     let kernel = dir.join("spin.elf");
     std::fs::write(&kernel, tiny_elf(&[0xeb, 0xfe])).unwrap();
-    let o = kpin(&["run", "--kernel", kernel.to_str().unwrap(), "--mem", "32", "--timeout", "1"], &dir);
+    let o = kpin(
+        &[
+            "run",
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--mem",
+            "32",
+            "--timeout",
+            "1",
+        ],
+        &dir,
+    );
     assert_eq!(o.status.code(), Some(4), "{}", stderr(&o));
     assert!(stderr(&o).contains("timeout expired"));
 }
@@ -116,13 +154,29 @@ fn test_tool_says_instrumentation_is_not_available_yet() {
 
 #[test]
 fn test_help_documents_exit_statuses_and_run_options() {
-    let o = Command::new(env!("CARGO_BIN_EXE_kpin")).arg("--help").output().unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_kpin"))
+        .arg("--help")
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success());
     assert!(text.contains("Exit status"), "{text}");
-    let o = Command::new(env!("CARGO_BIN_EXE_kpin")).args(["run", "--help"]).output().unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_kpin"))
+        .args(["run", "--help"])
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&o.stdout);
-    for flag in ["--guest", "--kernel", "--initrd", "--append", "--mem", "--timeout", "--console", "--out", "--tool"] {
+    for flag in [
+        "--guest",
+        "--kernel",
+        "--initrd",
+        "--append",
+        "--mem",
+        "--timeout",
+        "--console",
+        "--out",
+        "--tool",
+    ] {
         assert!(text.contains(flag), "run --help lacks {flag}");
     }
 }

@@ -35,18 +35,66 @@ pub struct AbsentRange {
 
 /// The absent devices a Linux guest probes during boot.
 pub const ABSENT_PORTS: &[AbsentRange] = &[
-    AbsentRange { base: 0x70, len: 2, what: "CMOS/RTC" },
-    AbsentRange { base: 0x80, len: 1, what: "POST code (I/O delay)" },
-    AbsentRange { base: 0x87, len: 1, what: "DMA page register" },
-    AbsentRange { base: 0xed, len: 1, what: "I/O delay" },
-    AbsentRange { base: 0x2e8, len: 8, what: "COM4" },
-    AbsentRange { base: 0x2f8, len: 8, what: "COM2" },
-    AbsentRange { base: 0x3e8, len: 8, what: "COM3" },
-    AbsentRange { base: 0x3c0, len: 0x20, what: "VGA" },
-    AbsentRange { base: 0x3b0, len: 0x10, what: "MDA/VGA mono" },
-    AbsentRange { base: 0x3f0, len: 8, what: "floppy controller" },
-    AbsentRange { base: 0xcf8, len: 8, what: "PCI configuration mechanism 1" },
-    AbsentRange { base: 0xcf9, len: 1, what: "PCI reset control" },
+    AbsentRange {
+        base: 0x70,
+        len: 2,
+        what: "CMOS/RTC",
+    },
+    AbsentRange {
+        base: 0x80,
+        len: 1,
+        what: "POST code (I/O delay)",
+    },
+    AbsentRange {
+        base: 0x87,
+        len: 1,
+        what: "DMA page register",
+    },
+    AbsentRange {
+        base: 0xed,
+        len: 1,
+        what: "I/O delay",
+    },
+    AbsentRange {
+        base: 0x2e8,
+        len: 8,
+        what: "COM4",
+    },
+    AbsentRange {
+        base: 0x2f8,
+        len: 8,
+        what: "COM2",
+    },
+    AbsentRange {
+        base: 0x3e8,
+        len: 8,
+        what: "COM3",
+    },
+    AbsentRange {
+        base: 0x3c0,
+        len: 0x20,
+        what: "VGA",
+    },
+    AbsentRange {
+        base: 0x3b0,
+        len: 0x10,
+        what: "MDA/VGA mono",
+    },
+    AbsentRange {
+        base: 0x3f0,
+        len: 8,
+        what: "floppy controller",
+    },
+    AbsentRange {
+        base: 0xcf8,
+        len: 8,
+        what: "PCI configuration mechanism 1",
+    },
+    AbsentRange {
+        base: 0xcf9,
+        len: 1,
+        what: "PCI reset control",
+    },
 ];
 
 /// Result of routing one port access.

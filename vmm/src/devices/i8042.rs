@@ -42,7 +42,9 @@ impl PortDevice for I8042 {
     }
 
     fn write(&mut self, offset: u16, data: &[u8]) -> DeviceAction {
-        let Some(&v) = data.first() else { return DeviceAction::None };
+        let Some(&v) = data.first() else {
+            return DeviceAction::None;
+        };
         match offset {
             OFFSET_COMMAND => match v {
                 CMD_RESET_CPU => return DeviceAction::Reset,

@@ -55,7 +55,12 @@ pub struct ConsoleSink {
 impl ConsoleSink {
     /// A sink echoing to stdout if `echo_stdout`, copying to `file` if given.
     pub fn new(echo_stdout: bool, file: Option<File>, watch: Rc<ConsoleWatch>) -> Self {
-        ConsoleSink { echo_stdout, file, line: Vec::new(), watch }
+        ConsoleSink {
+            echo_stdout,
+            file,
+            line: Vec::new(),
+            watch,
+        }
     }
 
     fn watch_byte(&mut self, b: u8) {
@@ -75,7 +80,9 @@ impl Write for ConsoleSink {
         for &b in buf {
             self.watch_byte(b);
         }
-        self.watch.bytes.set(self.watch.bytes.get() + buf.len() as u64);
+        self.watch
+            .bytes
+            .set(self.watch.bytes.get() + buf.len() as u64);
         if self.echo_stdout {
             std::io::stdout().lock().write_all(buf)?;
         }
@@ -124,7 +131,8 @@ mod tests {
         let mut sink = ConsoleSink::new(false, None, watch.clone());
         sink.write_all(b"[ 1.0] ok\n").unwrap();
         assert!(!watch.panicked.get());
-        sink.write_all(b"[ 2.0] Kernel panic - not syncing: VFS\n").unwrap();
+        sink.write_all(b"[ 2.0] Kernel panic - not syncing: VFS\n")
+            .unwrap();
         assert!(watch.panicked.get());
         assert_eq!(watch.bytes.get(), 49);
     }
