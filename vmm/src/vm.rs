@@ -64,7 +64,7 @@ pub struct VmConfig {
 pub enum Outcome {
     /// The guest reset or powered off the machine: a clean end.
     Poweroff,
-    /// The guest kernel panicked (seen on its console).
+    /// The guest kernel panicked (seen on its console: Linux's or the mini-kernel's mark).
     KernelPanic,
     /// Triple fault / shutdown.
     TripleFault,

@@ -180,3 +180,34 @@ fn test_help_documents_exit_statuses_and_run_options() {
         assert!(text.contains(flag), "run --help lacks {flag}");
     }
 }
+
+#[test]
+fn test_minikernel_runs_clean_and_its_panic_exits_3() {
+    if !kvm_available("test_minikernel_runs_clean_and_its_panic_exits_3") {
+        return;
+    }
+    let dir = scratch_dir("cli-minikernel");
+    let o = kpin(&["run", "--guest", "minikernel", "-q"], &dir);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let console = std::fs::read_to_string(dir.join("console.log")).unwrap();
+    assert!(console.contains("MINIKERNEL-DONE "), "{console}");
+
+    let dir = scratch_dir("cli-minikernel-panic");
+    let o = kpin(
+        &[
+            "run",
+            "--guest",
+            "minikernel",
+            "-q",
+            "--append",
+            "minikernel.crash=null-deref",
+        ],
+        &dir,
+    );
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("guest kernel panicked"),
+        "{}",
+        stderr(&o)
+    );
+}

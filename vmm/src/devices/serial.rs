@@ -20,8 +20,9 @@ pub const COM1_PORT: u16 = 0x3f8;
 pub const COM1_PORT_SPAN: u16 = 8;
 /// COM1's ISA interrupt line.
 pub const COM1_IRQ: u32 = 4;
-/// A console line containing this marks a Linux kernel panic.
-const KERNEL_PANIC_MARK: &str = "Kernel panic - not syncing";
+/// A console line containing one of these marks a guest kernel panic: Linux's, and the
+/// mini-kernel's (which then resets the machine, which would otherwise look clean).
+const PANIC_MARKS: &[&str] = &["Kernel panic - not syncing", "MINIKERNEL-PANIC"];
 /// Longest line kept for matching; longer lines are matched on their first bytes.
 const LINE_KEEP_BYTES: usize = 512;
 
@@ -65,7 +66,8 @@ impl ConsoleSink {
 
     fn watch_byte(&mut self, b: u8) {
         if b == b'\n' {
-            if String::from_utf8_lossy(&self.line).contains(KERNEL_PANIC_MARK) {
+            let line = String::from_utf8_lossy(&self.line);
+            if PANIC_MARKS.iter().any(|m| line.contains(m)) {
                 self.watch.panicked.set(true);
             }
             self.line.clear();
@@ -135,6 +137,11 @@ mod tests {
             .unwrap();
         assert!(watch.panicked.get());
         assert_eq!(watch.bytes.get(), 49);
+        let watch = Rc::new(ConsoleWatch::default());
+        let mut sink = ConsoleSink::new(false, None, watch.clone());
+        sink.write_all(b"MINIKERNEL-PANIC vector=14 err=0x5\n")
+            .unwrap();
+        assert!(watch.panicked.get());
     }
 
     #[test]
