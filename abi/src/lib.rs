@@ -1,0 +1,13 @@
+//! Layouts shared across the guest boundary by the VMM, the guest engine and the host
+//! daemon: where things live in the stolen region, the attach block, the host I/O ring and
+//! the engine's ports. `#[repr(C)]`, fixed-width fields, no dependencies, `no_std`.
+//!
+//! Invariant: every change to a layout here bumps that layout's `VERSION`, and both sides
+//! check magic and version before trusting a block.
+#![no_std]
+#![deny(missing_docs)]
+
+pub mod attach;
+pub mod io_ring;
+pub mod ports;
+pub mod stolen;

@@ -1,0 +1,33 @@
+//! The stolen region: guest-physical memory the guest OS does not know about (absent from
+//! e820), owned by the engine, and mapped by the engine's page tables at [`WINDOW_VA`].
+//!
+//! | offset              | bytes                 | content                                   |
+//! |---------------------|-----------------------|-------------------------------------------|
+//! | [`ATTACH_OFFSET`]   | [`ATTACH_BYTES`]      | the attach block ([`crate::attach`])      |
+//! | [`BOOT_PT_OFFSET`]  | [`BOOT_PT_BYTES`]     | page tables the VMM builds to enter the engine |
+//! | [`IO_RING_OFFSET`]  | [`IO_RING_BYTES`]     | the host I/O ring ([`crate::io_ring`])    |
+//! | [`ENGINE_OFFSET`]   | up to the region end  | the engine image, then its heap, code cache and shadow tables |
+//!
+//! The engine image is linked at `WINDOW_VA + ENGINE_OFFSET`; the VMM loads each ELF
+//! segment at `stolen_base + (p_vaddr - WINDOW_VA)`.
+
+/// Virtual base of the engine window: PML4 slot 256, the start of the range Linux
+/// leaves to hypervisors (`0xffff_8000_0000_0000`–`0xffff_87ff_ffff_ffff`).
+pub const WINDOW_VA: u64 = 0xffff_8000_0000_0000;
+/// Virtual base at which the engine's boot page tables map all guest-physical memory
+/// (guest RAM and the stolen region) with 1 GiB pages: PML4 slot 258.
+pub const PHYSMAP_VA: u64 = 0xffff_8100_0000_0000;
+/// Attach block offset.
+pub const ATTACH_OFFSET: u64 = 0;
+/// Bytes reserved for the attach block.
+pub const ATTACH_BYTES: u64 = 0x8000;
+/// Offset of the VMM-built boot page tables.
+pub const BOOT_PT_OFFSET: u64 = 0x8000;
+/// Bytes reserved for the boot page tables (eight 4 KiB tables).
+pub const BOOT_PT_BYTES: u64 = 0x8000;
+/// Offset of the host I/O ring (header, then data).
+pub const IO_RING_OFFSET: u64 = 0x10_0000;
+/// Bytes of the host I/O ring, header included.
+pub const IO_RING_BYTES: u64 = 0x10_0000;
+/// Offset at which the engine image is linked and loaded.
+pub const ENGINE_OFFSET: u64 = 0x20_0000;
