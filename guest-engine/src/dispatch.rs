@@ -8,7 +8,7 @@
 use alloc::vec::Vec;
 
 use crate::addr::{CachePc, GuestPhys, GuestVirt};
-use crate::arch::{cache_enter, decode_trace, translate_trace, EmitEnv, ExitSpec};
+use crate::arch::{cache_enter, decode_trace, translate_trace, EmitEnv, ExitSpec, Scratch};
 use crate::arch::x86_64::entry::{
     split_exit_word, EXIT_ANALYSIS_CALL, EXIT_ATTENTION, EXIT_BUFFER_FULL, EXIT_DIRECT,
     EXIT_FAULT, EXIT_IBL_MISS, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
@@ -153,6 +153,7 @@ pub struct Engine {
     buffer: Vec<MemRecord>,
     rip: GuestVirt,
     stats: Stats,
+    scratch: Scratch,
 }
 
 enum Next {
@@ -179,6 +180,7 @@ impl Engine {
             buffer: alloc::vec![MemRecord::default(); records],
             rip: GuestVirt(0),
             stats: Stats::default(),
+            scratch: Scratch::new(),
         };
         e.reset_buffer();
         Ok(e)
@@ -351,7 +353,8 @@ impl Engine {
             return Ok(id);
         }
         let t0 = self.now();
-        let decoded = decode_trace(mem, va, pa, mode).map_err(|f| Stop::FetchFault(f.0))?;
+        let decoded =
+            decode_trace(mem, va, pa, mode, &mut self.scratch).map_err(|f| Stop::FetchFault(f.0))?;
         let mut ti = TraceInstrumenter::new(va, &decoded.info, &decoded.bbls, &mut self.counters);
         tool.instrument_trace(&mut ti);
         let insertions = core::mem::take(&mut ti.insertions);
@@ -369,7 +372,7 @@ impl Engine {
                 count_ibl: self.config.count_ibl_lookups,
                 exit_base: self.cache.exits.len() as u32,
             };
-            let tr = translate_trace(&decoded, &insertions, &env).map_err(Stop::Error)?;
+            let tr = translate_trace(&decoded, &insertions, &env, &mut self.scratch).map_err(Stop::Error)?;
             if tr.code.len() <= room && self.cache.exits.len() + tr.exits.len() < (1 << 24) {
                 break tr;
             }

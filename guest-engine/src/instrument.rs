@@ -71,6 +71,47 @@ impl MemOperand {
     }
 }
 
+impl MemOperand {
+    const EMPTY: MemOperand =
+        MemOperand { base: None, index: None, scale: 1, disp: 0, size: 0, access: 0, seg: SegBase::Flat };
+}
+
+/// Most memory operands one x86 instruction has (explicit + implicit, e.g. `push [m]`).
+pub const MAX_MEM_OPERANDS: usize = 4;
+
+/// The memory operands of an instruction (a fixed-capacity list; dereferences to a slice).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemOps {
+    ops: [MemOperand; MAX_MEM_OPERANDS],
+    len: u8,
+}
+
+impl Default for MemOps {
+    fn default() -> Self {
+        Self { ops: [MemOperand::EMPTY; MAX_MEM_OPERANDS], len: 0 }
+    }
+}
+
+impl MemOps {
+    /// Appends an operand; returns `false` (and drops it) when full.
+    pub fn push(&mut self, m: MemOperand) -> bool {
+        let n = usize::from(self.len);
+        if n >= MAX_MEM_OPERANDS {
+            return false;
+        }
+        self.ops[n] = m;
+        self.len += 1;
+        true
+    }
+}
+
+impl core::ops::Deref for MemOps {
+    type Target = [MemOperand];
+    fn deref(&self) -> &[MemOperand] {
+        &self.ops[..usize::from(self.len)]
+    }
+}
+
 /// Coarse kind of an instruction, for tools.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum InsKind {
@@ -100,7 +141,7 @@ pub struct InsInfo {
     /// Kind.
     pub kind: InsKind,
     /// Memory operands, explicit and implicit (for `rep` string instructions, one element).
-    pub mem: Vec<MemOperand>,
+    pub mem: MemOps,
     /// Has a `rep`/`repe`/`repne` prefix and is a string instruction.
     pub rep: bool,
     /// Opcode class (the decoder's mnemonic number), for instruction-mix tools.

@@ -16,7 +16,7 @@ use iced_x86::{
 use crate::addr::{GuestPhys, GuestVirt, PAGE_BYTES};
 use crate::context::Gpr;
 use crate::guest_memory::{GuestMemory, Mode};
-use crate::instrument::{access, Bbl, InsInfo, InsKind, MemOperand, SegBase};
+use crate::instrument::{access, Bbl, InsInfo, InsKind, MemOperand, MemOps, SegBase};
 use crate::layout::{MAX_INSN_BYTES, MAX_TRACE_INSNS};
 use crate::platform::{SensitiveInsn, SensitiveKind};
 
@@ -244,10 +244,13 @@ pub(crate) fn strip_rep(bytes: &[u8]) -> ([u8; MAX_INSN_BYTES], usize) {
     (out, n)
 }
 
-fn mem_operands(factory: &mut InstructionInfoFactory, i: &Instruction) -> Vec<MemOperand> {
+fn mem_operands(factory: &mut InstructionInfoFactory, i: &Instruction) -> MemOps {
+    let mut v = MemOps::default();
+    if i.op_count() == 0 && i.stack_pointer_increment() == 0 && !is_string_op(i) {
+        return v;
+    }
     let size_hint = i.memory_size().size() as u32;
     let info = factory.info(i);
-    let mut v = Vec::new();
     for m in info.used_memory() {
         let acc = match m.access() {
             OpAccess::Read | OpAccess::CondRead => access::READ,
@@ -292,15 +295,26 @@ fn ins_kind(c: Class) -> InsKind {
     }
 }
 
-/// Fetches up to a page plus one instruction of code starting at `va`.
+/// Bytes a trace can span: `MAX_TRACE_INSNS` maximal instructions.
+const MAX_TRACE_BYTES: usize = MAX_TRACE_INSNS * MAX_INSN_BYTES;
+
+/// Fetches the code a trace starting at `va` can cover: up to `MAX_TRACE_BYTES` of its
+/// page, plus the first bytes of the next page when the trace may reach the page end.
+/// Returns (bytes on the first page, bytes available).
 fn fetch(
     mem: &mut dyn GuestMemory,
     va: GuestVirt,
     pa: GuestPhys,
     mode: Mode,
-    buf: &mut [u8; PAGE_BYTES as usize + MAX_INSN_BYTES],
+    buf: &mut [u8; MAX_TRACE_BYTES + 2 * MAX_INSN_BYTES],
 ) -> Result<(usize, usize), FetchFault> {
     let in_page = (PAGE_BYTES - (va.0 & (PAGE_BYTES - 1))) as usize;
+    if in_page >= MAX_TRACE_BYTES + MAX_INSN_BYTES {
+        if !mem.read(pa, &mut buf[..MAX_TRACE_BYTES + MAX_INSN_BYTES]) {
+            return Err(FetchFault(va));
+        }
+        return Ok((in_page, MAX_TRACE_BYTES + MAX_INSN_BYTES));
+    }
     if !mem.read(pa, &mut buf[..in_page]) {
         return Err(FetchFault(va));
     }
@@ -312,17 +326,28 @@ fn fetch(
     Ok((in_page, in_page + extra))
 }
 
-/// Decodes the trace starting at `va` (whose fetch translation is `pa`).
+/// Reusable decoding state (keeps iced's info factory allocated across traces).
+pub(crate) struct Scratch {
+    pub(crate) factory: InstructionInfoFactory,
+}
+
+impl Scratch {
+    pub(crate) fn new() -> Self {
+        Self { factory: InstructionInfoFactory::new() }
+    }
+}
+
 pub(crate) fn decode_trace(
     mem: &mut dyn GuestMemory,
     va: GuestVirt,
     pa: GuestPhys,
     mode: Mode,
+    scratch: &mut Scratch,
 ) -> Result<DecodedTrace, FetchFault> {
-    let mut buf = [0u8; PAGE_BYTES as usize + MAX_INSN_BYTES];
+    let mut buf = [0u8; MAX_TRACE_BYTES + 2 * MAX_INSN_BYTES];
     let (in_page, avail) = fetch(mem, va, pa, mode, &mut buf)?;
     let mut dec = Decoder::with_ip(64, &buf[..avail], va.0, DecoderOptions::NONE);
-    let mut factory = InstructionInfoFactory::new();
+    let factory = &mut scratch.factory;
     let mut t = DecodedTrace {
         start: va,
         pa,
@@ -375,13 +400,13 @@ pub(crate) fn decode_trace(
         }
         let class = classify(&instr);
         let rep = (instr.has_rep_prefix() || instr.has_repne_prefix()) && is_string_op(&instr);
-        let mut mem_ops = mem_operands(&mut factory, &instr);
+        let mut mem_ops = mem_operands(factory, &instr);
         if rep {
             // Describe one iteration: decode the instruction without its prefix.
             let (sb, sn) = strip_rep(&bytes[..len]);
             let mut d2 = Decoder::with_ip(64, &sb[..sn], pc, DecoderOptions::NONE);
             let one = d2.decode();
-            mem_ops = mem_operands(&mut factory, &one);
+            mem_ops = mem_operands(factory, &one);
         }
         t.info.push(InsInfo {
             address: GuestVirt(pc),

@@ -19,7 +19,7 @@ use alloc::vec::Vec;
 
 use iced_x86::{Code, Encoder, Instruction, InstructionInfoFactory, MemoryOperand, OpKind, Register};
 
-use super::decode::{flags_liveness, strip_rep, Class, DecodedInsn, DecodedTrace, TraceEnd};
+use super::decode::{flags_liveness, strip_rep, Class, DecodedInsn, DecodedTrace, Scratch, TraceEnd};
 use super::emit::{reg, Asm, Label, MapMark};
 use super::entry::{
     exit_word, CtxAddrs, Gencode, EXIT_ANALYSIS_CALL, EXIT_ATTENTION, EXIT_BUFFER_FULL,
@@ -88,7 +88,7 @@ struct Tx<'e> {
     exits: Vec<ExitSpec>,
     /// Direct exits whose patch offset is filled once the branch is emitted.
     stubs: Vec<Stub>,
-    factory: InstructionInfoFactory,
+    factory: &'e mut InstructionInfoFactory,
 }
 
 fn hw(r: Register) -> u8 {
@@ -511,13 +511,14 @@ pub(crate) fn translate_trace(
     t: &DecodedTrace,
     insertions: &[Insertion],
     env: &EmitEnv,
+    scratch: &mut Scratch,
 ) -> Result<Translated, EngineError> {
     let mut tx = Tx {
         a: Asm::new(env.base, env.ctx.spill),
         env,
         exits: Vec::new(),
         stubs: Vec::new(),
-        factory: InstructionInfoFactory::new(),
+        factory: &mut scratch.factory,
     };
     let live = flags_liveness(t);
     let start = t.start.0;
