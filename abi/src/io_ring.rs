@@ -181,11 +181,47 @@ impl Raw {
         })
     }
 
+    fn check_header(&self) -> Result<(), RingError> {
+        let h = self.header();
+        if h.magic != MAGIC || h.version != VERSION || u64::from(h.data_bytes) != self.size {
+            return Err(RingError::BadHeader);
+        }
+        Ok(())
+    }
+
     fn header(&self) -> &RingHeader {
         // SAFETY: `Raw::new`'s contract: the header memory is valid and aligned for the
         // handle's lifetime; every field shared between the two sides is atomic.
         unsafe { &*self.header }
     }
+}
+
+/// Initialises an empty ring in `total_bytes` at `base` (header + power-of-two data area)
+/// with doorbell threshold `batch_bytes`. The owner of the stolen region (the VMM) does
+/// this before either end attaches.
+///
+/// # Safety
+/// `base` is valid for writes of `total_bytes`, 64-byte aligned, and no producer or
+/// consumer is attached to it.
+pub unsafe fn format(base: *mut u8, total_bytes: usize, batch_bytes: u32) -> Result<(), RingError> {
+    // SAFETY: forwarded from this function's contract.
+    let raw = unsafe { Raw::new(base, total_bytes)? };
+    let header = RingHeader {
+        magic: MAGIC,
+        version: VERSION,
+        data_bytes: u32::try_from(raw.size).map_err(|_| RingError::BadGeometry)?,
+        batch_bytes,
+        pad0: [0; 11],
+        head: AtomicU64::new(0),
+        pad1: [0; 7],
+        tail: AtomicU64::new(0),
+        pad2: [0; 7],
+        doorbells: AtomicU64::new(0),
+        records: AtomicU64::new(0),
+    };
+    // SAFETY: the header slot is valid and aligned, and nothing is attached to the ring.
+    unsafe { core::ptr::write_volatile(raw.header.cast_mut(), header) };
+    Ok(())
 }
 
 /// The engine's end of the ring.
@@ -194,35 +230,15 @@ pub struct Producer {
 }
 
 impl Producer {
-    /// Initialises a ring in `total_bytes` at `base` (header + power-of-two data area) and
-    /// returns its producer. `batch_bytes` is the doorbell threshold.
+    /// Attaches to a ring that [`format`] initialised.
     ///
     /// # Safety
     /// `base` is valid for reads and writes of `total_bytes` for the producer's lifetime,
     /// 64-byte aligned, and no other producer uses it.
-    pub unsafe fn init(
-        base: *mut u8,
-        total_bytes: usize,
-        batch_bytes: u32,
-    ) -> Result<Self, RingError> {
+    pub unsafe fn attach(base: *mut u8, total_bytes: usize) -> Result<Self, RingError> {
         // SAFETY: forwarded from this function's contract.
         let raw = unsafe { Raw::new(base, total_bytes)? };
-        let header = RingHeader {
-            magic: MAGIC,
-            version: VERSION,
-            data_bytes: u32::try_from(raw.size).map_err(|_| RingError::BadGeometry)?,
-            batch_bytes,
-            pad0: [0; 11],
-            head: AtomicU64::new(0),
-            pad1: [0; 7],
-            tail: AtomicU64::new(0),
-            pad2: [0; 7],
-            doorbells: AtomicU64::new(0),
-            records: AtomicU64::new(0),
-        };
-        // SAFETY: the header slot is valid, aligned and not yet shared with a consumer
-        // (a consumer attaches only after the magic is in place).
-        unsafe { core::ptr::write_volatile(raw.header.cast_mut(), header) };
+        raw.check_header()?;
         Ok(Producer { raw })
     }
 
@@ -312,10 +328,7 @@ impl Consumer {
     pub unsafe fn attach(base: *mut u8, total_bytes: usize) -> Result<Self, RingError> {
         // SAFETY: forwarded from this function's contract.
         let raw = unsafe { Raw::new(base, total_bytes)? };
-        let h = raw.header();
-        if h.magic != MAGIC || h.version != VERSION || u64::from(h.data_bytes) != raw.size {
-            return Err(RingError::BadHeader);
-        }
+        raw.check_header()?;
         Ok(Consumer { raw })
     }
 
@@ -426,7 +439,9 @@ mod tests {
     fn ring(mem: &mut Mem) -> (Producer, Consumer) {
         let base = mem.0.as_mut_ptr();
         // SAFETY: `mem` outlives both handles in each test and is 64-byte aligned.
-        let p = unsafe { Producer::init(base, mem.0.len(), 128) }.unwrap();
+        unsafe { format(base, mem.0.len(), 128) }.unwrap();
+        // SAFETY: as above.
+        let p = unsafe { Producer::attach(base, mem.0.len()) }.unwrap();
         // SAFETY: as above.
         let c = unsafe { Consumer::attach(base, mem.0.len()) }.unwrap();
         (p, c)
@@ -522,7 +537,9 @@ mod tests {
         let base = mem.0.as_mut_ptr() as usize;
         let len = mem.0.len();
         // SAFETY: `mem` outlives both threads (joined below) and is 64-byte aligned.
-        let mut p = unsafe { Producer::init(base as *mut u8, len, 1024) }.unwrap();
+        unsafe { format(base as *mut u8, len, 1024) }.unwrap();
+        // SAFETY: as above.
+        let mut p = unsafe { Producer::attach(base as *mut u8, len) }.unwrap();
         // SAFETY: as above.
         let mut c = unsafe { Consumer::attach(base as *mut u8, len) }.unwrap();
         const N: u32 = 20_000;
