@@ -429,17 +429,27 @@ impl Engine {
         Ok(self.stats.guest_bytes - before)
     }
 
-    fn eval_args(&self, mem: &mut dyn GuestMemory, frag: u32, call: usize, out: &mut Vec<u64>) -> u32 {
+    fn eval_args(
+        &self,
+        mem: &mut dyn GuestMemory,
+        platform: &mut dyn Platform,
+        frag: u32,
+        call: usize,
+        out: &mut Vec<u64>,
+    ) -> u32 {
         let f = &self.cache.fragments[frag as usize];
         let c = &f.calls[call];
         let regs = &self.ctx().regs;
         out.clear();
+        let mut ea = |m: &crate::instrument::MemOperand| {
+            m.effective_address(regs).wrapping_add(platform.segment_base(m.seg))
+        };
         for a in &c.args {
             let v = match *a {
                 IArg::InstPtr => c.ins.address.0,
-                IArg::MemEa(n) => c.ins.mem.get(usize::from(n)).map_or(0, |m| m.effective_address(regs)),
+                IArg::MemEa(n) => c.ins.mem.get(usize::from(n)).map_or(0, &mut ea),
                 IArg::MemPa(n) => c.ins.mem.get(usize::from(n)).map_or(u64::MAX, |m| {
-                    resolve_pa(mem, self.config.mode, m.effective_address(regs))
+                    resolve_pa(mem, self.config.mode, ea(m))
                 }),
                 IArg::MemSize(n) => c.ins.mem.get(usize::from(n)).map_or(0, |m| u64::from(m.size)),
                 IArg::Reg(r) => regs.get(r),
@@ -554,7 +564,7 @@ impl Engine {
                     Next::Enter(resume)
                 }
                 (EXIT_ANALYSIS_CALL, ExitKind::Call { call, resume }) => {
-                    let routine = self.eval_args(mem, rec.fragment, call, &mut args);
+                    let routine = self.eval_args(mem, platform, rec.fragment, call, &mut args);
                     tool.analyze(routine, &args);
                     Next::Enter(resume)
                 }

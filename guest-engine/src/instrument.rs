@@ -62,8 +62,8 @@ pub struct MemOperand {
 }
 
 impl MemOperand {
-    /// Effective address (without the FS/GS base) from guest registers at the
-    /// instruction's start.
+    /// Effective address from guest registers at the instruction's start, without the
+    /// FS/GS base (see `Platform::segment_base`).
     pub fn effective_address(&self, regs: &GuestRegs) -> u64 {
         let b = self.base.map_or(0, |r| regs.get(r));
         let i = self.index.map_or(0, |r| regs.get(r).wrapping_mul(u64::from(self.scale)));
@@ -190,7 +190,7 @@ pub enum IPoint {
 pub enum IArg {
     /// The instruction's guest address.
     InstPtr,
-    /// Effective virtual address of memory operand `n`.
+    /// Effective virtual address (FS/GS base included) of memory operand `n`.
     MemEa(u8),
     /// Physical address of memory operand `n` (resolved by the engine: "needs PA").
     MemPa(u8),

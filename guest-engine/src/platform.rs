@@ -7,6 +7,7 @@
 
 use crate::addr::GuestVirt;
 use crate::context::GuestRegs;
+use crate::instrument::SegBase;
 use crate::layout::MAX_INSN_BYTES;
 
 /// Which sensitive construct an instruction is.
@@ -83,6 +84,13 @@ pub enum Emulation {
 pub trait Platform {
     /// Emulates `insn` against `regs`.
     fn emulate(&mut self, insn: &SensitiveInsn, regs: &mut GuestRegs) -> Emulation;
+
+    /// The guest's current FS or GS base (for effective addresses of analysis-call
+    /// arguments); 0 for flat segments.
+    fn segment_base(&mut self, seg: SegBase) -> u64 {
+        let _ = seg;
+        0
+    }
 }
 
 /// A platform that emulates nothing: every sensitive instruction stops the run.

@@ -45,6 +45,12 @@ fn reference_counts(steps: &[Step]) -> BTreeMap<u64, u64> {
 }
 
 fn reg_value(s: &Step, r: Register) -> Option<u64> {
+    if r == Register::FS {
+        return Some(s.fs_base);
+    }
+    if r == Register::GS {
+        return Some(s.gs_base);
+    }
     if r.is_segment_register() {
         return Some(0);
     }

@@ -326,6 +326,13 @@ impl G<'_> {
                 let d = self.mem_disp(8) % 3000;
                 alu!(self.a, k, R64[x], qword_ptr(rbx + R64[z] * 8 + d))
             }
+            38 if self.r.chance(30) => {
+                // mov r64, fs:[0] (the thread pointer; read-only)
+                let hw: [u8; 13] = [0, 1, 2, 6, 7, 5, 8, 9, 10, 11, 12, 13, 14];
+                let r = hw[x];
+                let rex = 0x48 | if r >= 8 { 4 } else { 0 };
+                self.a.db(&[0x64, rex, 0x8B, 0x04 | ((r & 7) << 3), 0x25, 0, 0, 0, 0]).unwrap();
+            }
             38 => {
                 let d = self.mem_disp(2);
                 self.a.movzx(R32[x], word_ptr(rbx + d)).unwrap()

@@ -140,6 +140,20 @@ impl Platform for HostPlatform {
             _ => Emulation::Stop,
         }
     }
+
+    fn segment_base(&mut self, seg: guest_engine::instrument::SegBase) -> u64 {
+        use guest_engine::instrument::SegBase;
+        let v: u64;
+        // SAFETY: rdfsbase/rdgsbase only read the base; the kernel enables FSGSBASE.
+        unsafe {
+            match seg {
+                SegBase::Flat => return 0,
+                SegBase::Fs => std::arch::asm!("rdfsbase {}", out(reg) v),
+                SegBase::Gs => std::arch::asm!("rdgsbase {}", out(reg) v),
+            }
+        }
+        v
+    }
 }
 
 pub const CACHE_BYTES: usize = 32 << 20;

@@ -7,6 +7,8 @@ use guest_engine::native::NativeRunner;
 pub struct Step {
     pub rip: u64,
     pub gpr: [u64; 16],
+    pub fs_base: u64,
+    pub gs_base: u64,
 }
 
 fn gprs(r: &libc::user_regs_struct) -> [u64; 16] {
@@ -49,7 +51,7 @@ pub fn single_step(native: &mut NativeRunner, entry: u64) -> Vec<Step> {
                 break;
             }
             if started {
-                steps.push(Step { rip: regs.rip, gpr: gprs(&regs) });
+                steps.push(Step { rip: regs.rip, gpr: gprs(&regs), fs_base: regs.fs_base, gs_base: regs.gs_base });
             }
         }
         libc::kill(pid, libc::SIGKILL);

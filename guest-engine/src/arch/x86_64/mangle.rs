@@ -218,11 +218,10 @@ impl Tx<'_> {
         self.exits[idx] = ExitSpec::Call { call, resume_off: self.a.offset() };
     }
 
-    /// `lea rcx, [operand]` computed from the (unmodified) guest registers.
+    /// `lea rcx, [operand]` computed from the (unmodified) guest registers, plus the FS/GS
+    /// base (`rdfsbase`/`rdgsbase` into RAX, which must be spilled) for segment-relative
+    /// operands: the hardware bases are the guest's while it runs in the cache.
     fn emit_ea_rcx(&mut self, m: &MemOperand, ip: u64) -> Result<(), EngineError> {
-        // TODO(#3): add the FS/GS base for segment-relative operands (rdfsbase or the
-        // virtual CPU's base); records currently carry the segment offset.
-        let _ = m.seg == SegBase::Flat;
         match (m.base, m.index) {
             (None, None) => self.a.mov_r_imm64(reg::RCX, m.disp),
             (b, x) => {
@@ -235,6 +234,17 @@ impl Tx<'_> {
                     .map_err(|_| EngineError::Encode(GuestVirt(ip)))?;
                 let b = self.encode(&i, ip)?;
                 self.a.bytes(&b);
+            }
+        }
+        match m.seg {
+            SegBase::Flat => {}
+            SegBase::Fs => {
+                self.a.bytes(&[0xF3, 0x48, 0x0F, 0xAE, 0xC0]); // rdfsbase rax
+                self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
+            }
+            SegBase::Gs => {
+                self.a.bytes(&[0xF3, 0x48, 0x0F, 0xAE, 0xC8]); // rdgsbase rax
+                self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
             }
         }
         Ok(())
