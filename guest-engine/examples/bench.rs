@@ -155,7 +155,10 @@ impl Bench {
         let top = self.stack.addr() + self.stack.len as u64 - 4096;
         // SAFETY: inside the stack mapping.
         unsafe { *((top - 8) as *mut u64) = self.rig.native.exit_address() };
-        let mut g = GuestRegs { gpr: [0; 16], rflags: 0x202 };
+        let mut g = GuestRegs {
+            gpr: [0; 16],
+            rflags: 0x202,
+        };
         g.gpr[7] = self.buf.addr();
         g.gpr[6] = n;
         g.gpr[4] = top - 8;
@@ -179,7 +182,10 @@ impl Bench {
         let t = Instant::now();
         let stop = self.rig.engine.run(&mut self.mem, &mut plat, tool);
         let dt = t.elapsed().as_secs_f64();
-        assert_eq!(stop, Stop::FetchFault(GuestVirt(self.rig.native.exit_address())));
+        assert_eq!(
+            stop,
+            Stop::FetchFault(GuestVirt(self.rig.native.exit_address()))
+        );
         (dt, self.rig.engine.regs().gpr[0])
     }
 }
@@ -198,14 +204,20 @@ fn translation_throughput() {
         .map(|l| {
             let r = l.split_whitespace().next().expect("range");
             let (a, b) = r.split_once('-').expect("dash");
-            (u64::from_str_radix(a, 16).expect("hex"), u64::from_str_radix(b, 16).expect("hex"))
+            (
+                u64::from_str_radix(a, 16).expect("hex"),
+                u64::from_str_radix(b, 16).expect("hex"),
+            )
         })
         .next()
         .expect("text mapping");
     let t = Instant::now();
     let mut va = lo;
     while va < hi {
-        match rig.engine.pretranslate(&mut mem, &mut NullTool, GuestVirt(va)) {
+        match rig
+            .engine
+            .pretranslate(&mut mem, &mut NullTool, GuestVirt(va))
+        {
             Ok(n) => va += n.max(1),
             Err(_) => va += 1,
         }
@@ -251,7 +263,14 @@ fn main() {
     println!("  steady_x = best of 2 warm translated runs / best of 3 native; first_x = cold run incl. translation");
     println!(
         "{:<14} {:<9} {:>9} {:>9} {:>10} {:>12} {:>10} {:>9}",
-        "workload", "tool", "native_s", "steady_x", "first_x", "transl_Mi/s", "cache_B/B", "ibl_hit"
+        "workload",
+        "tool",
+        "native_s",
+        "steady_x",
+        "first_x",
+        "transl_Mi/s",
+        "cache_B/B",
+        "ibl_hit"
     );
     for (name, f, n) in workloads {
         // Best of three native runs.
@@ -260,7 +279,10 @@ fn main() {
             tn = tn.min(b.native(f, n).0);
         }
         for tool_name in ["null", "bbcount", "memtrace"] {
-            let cfg = Config { count_ibl_lookups: false, ..Config::default() };
+            let cfg = Config {
+                count_ibl_lookups: false,
+                ..Config::default()
+            };
             b.rig = Rig::new(cfg);
             let cache = b.rig.cache.addr();
             b.mem = HostMemory::executable_mappings();
@@ -275,16 +297,28 @@ fn main() {
             // Steady state: best of two further runs over the warm cache.
             let (mut t2, r2) = b.translated(f, n, &mut *tool);
             t2 = t2.min(b.translated(f, n, &mut *tool).0);
-            assert_eq!((r1, r2), (rn, rn), "{name}/{tool_name}: result differs from native");
+            assert_eq!(
+                (r1, r2),
+                (rn, rn),
+                "{name}/{tool_name}: result differs from native"
+            );
             // IBL hit rate in a separate counting run (the counting costs cycles).
-            b.rig = Rig::new(Config { count_ibl_lookups: true, ..Config::default() });
+            b.rig = Rig::new(Config {
+                count_ibl_lookups: true,
+                ..Config::default()
+            });
             let cache = b.rig.cache.addr();
             b.mem.ranges.retain(|&(s, _)| s != cache);
             let (_, r3) = b.translated(f, n / 4 + 1, &mut *tool);
             let _ = r3;
             let lookups = b.rig.engine.ibl_lookups();
-            let misses = b.rig.engine.stats().exits[guest_engine::exit_code::EXIT_IBL_MISS as usize];
-            let hit = if lookups == 0 { f64::NAN } else { 1.0 - misses as f64 / lookups as f64 };
+            let misses =
+                b.rig.engine.stats().exits[guest_engine::exit_code::EXIT_IBL_MISS as usize];
+            let hit = if lookups == 0 {
+                f64::NAN
+            } else {
+                1.0 - misses as f64 / lookups as f64
+            };
             let mips = s.guest_insns as f64 / (s.translate_ns as f64 / 1e9) / 1e6;
             println!(
                 "{:<14} {:<9} {:>9.3} {:>9.2} {:>10.2} {:>12.2} {:>10.2} {:>9.5}",

@@ -19,8 +19,8 @@ use crate::fragment::{ExitRecord, Fragment};
 use crate::guest_memory::Mode;
 use crate::layout::{
     COUNTERS_OFFSET, GENCODE_OFFSET, IBL_ENTRIES, IBL_ENTRY_BYTES, IBL_HASH_BITS, IBL_OFFSET,
-    IBL_TABLE_BYTES, MAX_REGION_BYTES, MIN_REGION_BYTES, SOFTTLB_ENTRIES, SOFTTLB_OFFSET,
-    TRACES_OFFSET, XSAVE_GUEST_OFFSET, XSAVE_HOST_OFFSET,
+    IBL_TABLE_BYTES, MAX_REGION_BYTES, MIN_REGION_BYTES, RC_BYTES, RC_ENTRIES, RC_OFFSET,
+    SOFTTLB_ENTRIES, SOFTTLB_OFFSET, TRACES_OFFSET, XSAVE_GUEST_OFFSET, XSAVE_HOST_OFFSET,
 };
 
 /// Fragment map key.
@@ -44,7 +44,11 @@ impl CodeCache {
     /// # Safety
     /// `base..base+len` must be readable, writable and executable memory owned by the
     /// engine for its lifetime, page aligned.
-    pub(crate) unsafe fn new(base: *mut u8, len: usize, save_xstate: bool) -> Result<Self, EngineError> {
+    pub(crate) unsafe fn new(
+        base: *mut u8,
+        len: usize,
+        save_xstate: bool,
+    ) -> Result<Self, EngineError> {
         if !(MIN_REGION_BYTES..=MAX_REGION_BYTES).contains(&len) {
             return Err(EngineError::RegionSize(len));
         }
@@ -61,7 +65,8 @@ impl CodeCache {
         });
         // SAFETY: GENCODE_OFFSET..+GENCODE_BYTES lies in the region, which is RWX, and
         // the context is at the region start (< 2 GiB away).
-        let gen = unsafe { emit_gencode(base.add(GENCODE_OFFSET), &ctx, xs) };
+        let ibl = base as u64 + IBL_OFFSET as u64;
+        let gen = unsafe { emit_gencode(base.add(GENCODE_OFFSET), &ctx, xs, Some(ibl)) };
         let mut c = Self {
             base,
             len,
@@ -110,7 +115,10 @@ impl CodeCache {
     /// Copies `code` to the cursor (which must be where it was translated for).
     pub(crate) fn commit(&mut self, code: &[u8]) -> CachePc {
         let at = self.addr(self.cursor);
-        assert!(code.len() <= self.len - self.cursor, "commit beyond the region");
+        assert!(
+            code.len() <= self.len - self.cursor,
+            "commit beyond the region"
+        );
         // SAFETY: the destination lies inside the RWX region (checked just above) and
         // does not overlap `code`, which lives on the heap.
         unsafe { core::ptr::copy_nonoverlapping(code.as_ptr(), at as *mut u8, code.len()) };
@@ -128,9 +136,24 @@ impl CodeCache {
         self.generation += 1;
     }
 
+    /// Empties the IBL table and the return cache.
     pub(crate) fn clear_ibl(&mut self) {
-        // SAFETY: the IBL table lies inside the region.
-        unsafe { core::ptr::write_bytes(self.base.add(IBL_OFFSET), 0, IBL_TABLE_BYTES) };
+        // SAFETY: the IBL table and the return cache lie inside the region.
+        unsafe {
+            core::ptr::write_bytes(self.base.add(IBL_OFFSET), 0, IBL_TABLE_BYTES);
+            core::ptr::write_bytes(self.base.add(RC_OFFSET), 0, RC_BYTES);
+        }
+    }
+
+    pub(crate) fn rc_table(&self) -> u64 {
+        self.addr(RC_OFFSET)
+    }
+
+    /// Points the return-cache slot of `va` at a fragment's `ret_entry`.
+    pub(crate) fn rc_insert(&mut self, va: GuestVirt, ret_entry: CachePc) {
+        let idx = (va.0 as usize) % RC_ENTRIES;
+        // SAFETY: the slot lies inside the return cache.
+        unsafe { ((self.rc_table() + 8 * idx as u64) as *mut u64).write(ret_entry.0) };
     }
 
     fn clear_softtlb(&mut self) {

@@ -86,6 +86,8 @@ pub struct CacheContext {
     pub exit_word: u64,
     /// Target of the indirect branch that missed the IBL.
     pub ibl_target: u64,
+    /// Return target popped by a translated `ret`, checked by the landing pad.
+    pub ret_target: u64,
     /// Scratch for the final `jmp [rip+jump_target]` of an IBL hit.
     pub jump_target: u64,
     /// Where the enter routine jumps.

@@ -8,17 +8,19 @@
 use alloc::vec::Vec;
 
 use crate::addr::{CachePc, GuestPhys, GuestVirt};
-use crate::arch::{cache_enter, decode_trace, translate_trace, EmitEnv, ExitSpec, Scratch};
 use crate::arch::x86_64::entry::{
-    split_exit_word, EXIT_ANALYSIS_CALL, EXIT_ATTENTION, EXIT_BUFFER_FULL, EXIT_DIRECT,
-    EXIT_FAULT, EXIT_IBL_MISS, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
+    split_exit_word, EXIT_ANALYSIS_CALL, EXIT_ATTENTION, EXIT_BUFFER_FULL, EXIT_DIRECT, EXIT_FAULT,
+    EXIT_IBL_MISS, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
 };
+use crate::arch::{cache_enter, decode_trace, translate_trace, EmitEnv, ExitSpec, Scratch};
 use crate::code_cache::CodeCache;
 use crate::context::{CacheContext, GuestRegs};
 use crate::error::EngineError;
 use crate::fragment::{ExitKind, ExitRecord, Fragment};
 use crate::guest_memory::{GuestMemory, Mode};
-use crate::instrument::{resolve_pa, CounterAlloc, CounterId, IArg, MemRecord, Tool, TraceInstrumenter};
+use crate::instrument::{
+    resolve_pa, CounterAlloc, CounterId, IArg, MemRecord, Tool, TraceInstrumenter,
+};
 use crate::layout::{COUNTER_SLOTS, MEM_RECORD_BYTES};
 use crate::link::patch_branch;
 use crate::platform::{Emulation, Platform, SensitiveInsn};
@@ -30,6 +32,8 @@ pub struct Config {
     pub link_direct: bool,
     /// Fill the indirect-branch lookup table (off: every indirect branch misses).
     pub fill_ibl: bool,
+    /// Translate `ret` through the return cache (else through the hash lookup).
+    pub return_cache: bool,
     /// Count IBL lookups in generated code (costs a few instructions per lookup).
     pub count_ibl_lookups: bool,
     /// Swap x87/SSE/AVX state at cache entry/exit (needed when the engine itself uses
@@ -50,6 +54,7 @@ impl Default for Config {
         Self {
             link_direct: true,
             fill_ibl: true,
+            return_cache: true,
             count_ibl_lookups: false,
             save_extended_state: false,
             mode: Mode(0),
@@ -281,7 +286,10 @@ impl Engine {
         let off = (pc.0 - f.base.0) as u32;
         let i = f.marks.partition_point(|m| m.offset <= off);
         let m = f.marks.get(i.checked_sub(1)?)?;
-        Some(Recovered { guest_pc: GuestVirt(m.guest_pc), spilled: m.spilled })
+        Some(Recovered {
+            guest_pc: GuestVirt(m.guest_pc),
+            spilled: m.spilled,
+        })
     }
 
     /// Guest registers at a faulting cache PC, given the hardware registers there.
@@ -301,7 +309,11 @@ impl Engine {
         let mut v = Vec::new();
         for f in &self.cache.fragments {
             for m in &f.marks {
-                v.push((GuestVirt(m.guest_pc), CachePc(f.base.0 + u64::from(m.offset)), u32::from(m.spilled)));
+                v.push((
+                    GuestVirt(m.guest_pc),
+                    CachePc(f.base.0 + u64::from(m.offset)),
+                    u32::from(m.spilled),
+                ));
             }
         }
         v
@@ -353,8 +365,8 @@ impl Engine {
             return Ok(id);
         }
         let t0 = self.now();
-        let decoded =
-            decode_trace(mem, va, pa, mode, &mut self.scratch).map_err(|f| Stop::FetchFault(f.0))?;
+        let decoded = decode_trace(mem, va, pa, mode, &mut self.scratch)
+            .map_err(|f| Stop::FetchFault(f.0))?;
         let mut ti = TraceInstrumenter::new(va, &decoded.info, &decoded.bbls, &mut self.counters);
         tool.instrument_trace(&mut ti);
         let insertions = core::mem::take(&mut ti.insertions);
@@ -370,9 +382,12 @@ impl Engine {
                 softtlb_slot: self.cache.softtlb_slot(va),
                 counters: self.cache.counters(),
                 count_ibl: self.config.count_ibl_lookups,
+                rc_table: self.cache.rc_table(),
+                return_cache: self.config.return_cache,
                 exit_base: self.cache.exits.len() as u32,
             };
-            let tr = translate_trace(&decoded, &insertions, &env, &mut self.scratch).map_err(Stop::Error)?;
+            let tr = translate_trace(&decoded, &insertions, &env, &mut self.scratch)
+                .map_err(Stop::Error)?;
             if tr.code.len() <= room && self.cache.exits.len() + tr.exits.len() < (1 << 24) {
                 break tr;
             }
@@ -395,8 +410,13 @@ impl Engine {
                 ExitSpec::Sensitive(s) => ExitKind::Sensitive(s),
                 ExitSpec::Attention => ExitKind::Attention,
                 ExitSpec::PaMismatch => ExitKind::PaMismatch,
-                ExitSpec::BufferFull { resume_off } => ExitKind::BufferFull { resume: at(resume_off) },
-                ExitSpec::Call { call, resume_off } => ExitKind::Call { call, resume: at(resume_off) },
+                ExitSpec::BufferFull { resume_off } => ExitKind::BufferFull {
+                    resume: at(resume_off),
+                },
+                ExitSpec::Call { call, resume_off } => ExitKind::Call {
+                    call,
+                    resume: at(resume_off),
+                },
             };
             self.cache.exits.push(ExitRecord { fragment: id, kind });
         }
@@ -407,6 +427,7 @@ impl Engine {
             base,
             len: tr.code.len(),
             checked_entry: at(tr.checked_entry),
+            ret_entry: at(tr.ret_entry),
             entry: at(tr.entry),
             body: at(tr.body),
             marks: tr.marks,
@@ -423,7 +444,12 @@ impl Engine {
 
     /// Translates (if needed) the trace at `va` without running it; returns the number of
     /// guest bytes the trace covers (for pre-translation and throughput measurement).
-    pub fn pretranslate(&mut self, mem: &mut dyn GuestMemory, tool: &mut dyn Tool, va: GuestVirt) -> Result<u64, Stop> {
+    pub fn pretranslate(
+        &mut self,
+        mem: &mut dyn GuestMemory,
+        tool: &mut dyn Tool,
+        va: GuestVirt,
+    ) -> Result<u64, Stop> {
         let before = self.stats.guest_bytes;
         self.fragment_for(mem, tool, va)?;
         Ok(self.stats.guest_bytes - before)
@@ -442,16 +468,23 @@ impl Engine {
         let regs = &self.ctx().regs;
         out.clear();
         let mut ea = |m: &crate::instrument::MemOperand| {
-            m.effective_address(regs).wrapping_add(platform.segment_base(m.seg))
+            m.effective_address(regs)
+                .wrapping_add(platform.segment_base(m.seg))
         };
         for a in &c.args {
             let v = match *a {
                 IArg::InstPtr => c.ins.address.0,
                 IArg::MemEa(n) => c.ins.mem.get(usize::from(n)).map_or(0, &mut ea),
-                IArg::MemPa(n) => c.ins.mem.get(usize::from(n)).map_or(u64::MAX, |m| {
-                    resolve_pa(mem, self.config.mode, ea(m))
-                }),
-                IArg::MemSize(n) => c.ins.mem.get(usize::from(n)).map_or(0, |m| u64::from(m.size)),
+                IArg::MemPa(n) => c
+                    .ins
+                    .mem
+                    .get(usize::from(n))
+                    .map_or(u64::MAX, |m| resolve_pa(mem, self.config.mode, ea(m))),
+                IArg::MemSize(n) => c
+                    .ins
+                    .mem
+                    .get(usize::from(n))
+                    .map_or(0, |m| u64::from(m.size)),
                 IArg::Reg(r) => regs.get(r),
                 IArg::Const(k) => k,
             };
@@ -461,13 +494,23 @@ impl Engine {
     }
 
     /// Runs the guest from `rip()` under translation until it stops.
-    pub fn run(&mut self, mem: &mut dyn GuestMemory, platform: &mut dyn Platform, tool: &mut dyn Tool) -> Stop {
+    pub fn run(
+        &mut self,
+        mem: &mut dyn GuestMemory,
+        platform: &mut dyn Platform,
+        tool: &mut dyn Tool,
+    ) -> Stop {
         let stop = self.run_inner(mem, platform, tool);
         self.deliver_buffer(mem, tool);
         stop
     }
 
-    fn run_inner(&mut self, mem: &mut dyn GuestMemory, platform: &mut dyn Platform, tool: &mut dyn Tool) -> Stop {
+    fn run_inner(
+        &mut self,
+        mem: &mut dyn GuestMemory,
+        platform: &mut dyn Platform,
+        tool: &mut dyn Tool,
+    ) -> Stop {
         let mut args = Vec::new();
         let mut next = Next::Lookup;
         loop {
@@ -498,7 +541,10 @@ impl Engine {
                     Some((guest_pc, regs)) => {
                         self.ctx_mut().regs = regs;
                         self.rip = guest_pc;
-                        Stop::Fault { guest_pc, cache_pc: pc }
+                        Stop::Fault {
+                            guest_pc,
+                            cache_pc: pc,
+                        }
                     }
                     None => Stop::Error(EngineError::UnboundLabel),
                 };
@@ -509,11 +555,18 @@ impl Engine {
                 match self.fragment_for(mem, tool, va) {
                     Ok(id) => {
                         let f = &self.cache.fragments[id as usize];
-                        let (entry, body) = (f.entry, f.body);
+                        let (entry, body, ret_entry) = (f.entry, f.body, f.ret_entry);
                         if self.config.fill_ibl {
                             self.cache.ibl_insert(va, entry);
+                            if self.config.return_cache {
+                                self.cache.rc_insert(va, ret_entry);
+                            }
                         }
-                        next = if self.ctx().attention != 0 { Next::Lookup } else { Next::Enter(body) };
+                        next = if self.ctx().attention != 0 {
+                            Next::Lookup
+                        } else {
+                            Next::Enter(body)
+                        };
                     }
                     Err(s) => return s,
                 }
@@ -524,7 +577,12 @@ impl Engine {
             };
             let frag_start = self.cache.fragments[rec.fragment as usize].start;
             next = match (kind, rec.kind) {
-                (EXIT_DIRECT, ExitKind::Direct { target, patch_at, .. }) => {
+                (
+                    EXIT_DIRECT,
+                    ExitKind::Direct {
+                        target, patch_at, ..
+                    },
+                ) => {
                     self.rip = target;
                     let gen = self.cache.generation;
                     match self.fragment_for(mem, tool, target) {
@@ -574,13 +632,19 @@ impl Engine {
     }
 
     fn link(&mut self, exit: u32, from: u32, to: u32, patch_at: CachePc) {
-        let (src, dst): (&Fragment, &Fragment) =
-            (&self.cache.fragments[from as usize], &self.cache.fragments[to as usize]);
+        let (src, dst): (&Fragment, &Fragment) = (
+            &self.cache.fragments[from as usize],
+            &self.cache.fragments[to as usize],
+        );
         if src.mode != dst.mode {
             return;
         }
         let same_page = src.start.page() == dst.start.page() && src.pa.page() == dst.pa.page();
-        let target = if same_page { dst.entry } else { dst.checked_entry };
+        let target = if same_page {
+            dst.entry
+        } else {
+            dst.checked_entry
+        };
         // SAFETY: `patch_at` is the rel32 of a branch of fragment `from`, inside the
         // cache; nothing executes in the cache while the dispatcher runs.
         unsafe { patch_branch(patch_at, target) };

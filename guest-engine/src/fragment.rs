@@ -3,12 +3,12 @@
 //! Invariants: a fragment's code occupies `[base, base+len)`; `checked_entry ≤ entry ≤
 //! body` are addresses inside it; its exit records are contiguous in the cache's exit table.
 
-use alloc::vec::Vec;
 use crate::addr::{CachePc, GuestPhys, GuestVirt};
 use crate::arch::MapMark;
 use crate::guest_memory::Mode;
 use crate::instrument::CallSpec;
 use crate::platform::SensitiveInsn;
+use alloc::vec::Vec;
 
 /// A translated trace.
 #[derive(Debug)]
@@ -19,6 +19,7 @@ pub(crate) struct Fragment {
     pub base: CachePc,
     pub len: usize,
     pub checked_entry: CachePc,
+    pub ret_entry: CachePc,
     pub entry: CachePc,
     pub body: CachePc,
     pub marks: Vec<MapMark>,
@@ -29,7 +30,11 @@ pub(crate) struct Fragment {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ExitKind {
     /// Direct branch to `target`; `patch_at` is the rel32 field linking rewrites.
-    Direct { target: GuestVirt, patch_at: CachePc, linked: bool },
+    Direct {
+        target: GuestVirt,
+        patch_at: CachePc,
+        linked: bool,
+    },
     /// Sensitive instruction.
     Sensitive(SensitiveInsn),
     /// Attention byte set.

@@ -19,7 +19,7 @@
 use alloc::vec::Vec;
 
 use crate::addr::{GuestPhys, GuestVirt};
-use crate::context::{GuestRegs, Gpr};
+use crate::context::{Gpr, GuestRegs};
 use crate::error::EngineError;
 use crate::layout::COUNTER_SLOTS;
 
@@ -66,14 +66,23 @@ impl MemOperand {
     /// FS/GS base (see `Platform::segment_base`).
     pub fn effective_address(&self, regs: &GuestRegs) -> u64 {
         let b = self.base.map_or(0, |r| regs.get(r));
-        let i = self.index.map_or(0, |r| regs.get(r).wrapping_mul(u64::from(self.scale)));
+        let i = self
+            .index
+            .map_or(0, |r| regs.get(r).wrapping_mul(u64::from(self.scale)));
         b.wrapping_add(i).wrapping_add(self.disp)
     }
 }
 
 impl MemOperand {
-    const EMPTY: MemOperand =
-        MemOperand { base: None, index: None, scale: 1, disp: 0, size: 0, access: 0, seg: SegBase::Flat };
+    const EMPTY: MemOperand = MemOperand {
+        base: None,
+        index: None,
+        scale: 1,
+        disp: 0,
+        size: 0,
+        access: 0,
+        seg: SegBase::Flat,
+    };
 }
 
 /// Most memory operands one x86 instruction has (explicit + implicit, e.g. `push [m]`).
@@ -88,7 +97,10 @@ pub struct MemOps {
 
 impl Default for MemOps {
     fn default() -> Self {
-        Self { ops: [MemOperand::EMPTY; MAX_MEM_OPERANDS], len: 0 }
+        Self {
+            ops: [MemOperand::EMPTY; MAX_MEM_OPERANDS],
+            len: 0,
+        }
     }
 }
 
@@ -263,7 +275,14 @@ impl<'a> TraceInstrumenter<'a> {
         bbls: &'a [Bbl],
         counters: &'a mut CounterAlloc,
     ) -> Self {
-        Self { address, insns, bbls, counters, insertions: Vec::new(), calls: Vec::new() }
+        Self {
+            address,
+            insns,
+            bbls,
+            counters,
+            insertions: Vec::new(),
+            calls: Vec::new(),
+        }
     }
 
     /// Guest address of the trace's first instruction.
@@ -293,7 +312,11 @@ impl<'a> TraceInstrumenter<'a> {
     /// Adds `amount` to counter `id` at `point` of instruction `ins`.
     pub fn insert_counter(&mut self, ins: usize, point: IPoint, id: CounterId, amount: i32) {
         if ins < self.insns.len() {
-            self.insertions.push(Insertion { ins, point, action: Action::Counter { id, amount } });
+            self.insertions.push(Insertion {
+                ins,
+                point,
+                action: Action::Counter { id, amount },
+            });
         }
     }
 
@@ -318,10 +341,20 @@ impl<'a> TraceInstrumenter<'a> {
 
     /// Calls `Tool::analyze(routine, args)` at `point` of instruction `ins`.
     pub fn insert_call(&mut self, ins: usize, point: IPoint, routine: u32, args: &[IArg]) {
-        let Some(info) = self.insns.get(ins) else { return };
-        self.calls.push(CallSpec { routine, args: args.to_vec(), ins: info.clone() });
+        let Some(info) = self.insns.get(ins) else {
+            return;
+        };
+        self.calls.push(CallSpec {
+            routine,
+            args: args.to_vec(),
+            ins: info.clone(),
+        });
         let idx = self.calls.len() - 1;
-        self.insertions.push(Insertion { ins, point, action: Action::Call(idx) });
+        self.insertions.push(Insertion {
+            ins,
+            point,
+            action: Action::Call(idx),
+        });
     }
 }
 
@@ -354,5 +387,6 @@ pub(crate) fn resolve_pa<M: crate::guest_memory::GuestMemory + ?Sized>(
     va: u64,
 ) -> u64 {
     let page = GuestVirt(va).page();
-    mem.translate(page, mode).map_or(u64::MAX, |p: GuestPhys| p.0 + (va - page.0))
+    mem.translate(page, mode)
+        .map_or(u64::MAX, |p: GuestPhys| p.0 + (va - page.0))
 }

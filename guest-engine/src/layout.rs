@@ -6,6 +6,7 @@
 //! |------------------------|------------------------------|---------------------------------|
 //! | 0                      | [`CONTEXT_BYTES`]            | `CacheContext` (guest regs, spill slots, attention byte, buffer pointers) and XSAVE areas |
 //! | [`IBL_OFFSET`]         | [`IBL_TABLE_BYTES`]          | indirect-branch lookup table    |
+//! | [`RC_OFFSET`]          | [`RC_BYTES`]                 | return cache (landing pads)     |
 //! | [`SOFTTLB_OFFSET`]     | [`SOFTTLB_BYTES`]            | SoftTLB mirror for PA checks    |
 //! | [`COUNTERS_OFFSET`]    | [`COUNTER_SLOTS`] × 8        | inline instrumentation counters |
 //! | [`GENCODE_OFFSET`]     | [`GENCODE_BYTES`]            | enter / exit / IBL-miss routines|
@@ -34,10 +35,16 @@ pub const IBL_ENTRY_BYTES: usize = 16;
 pub const IBL_OFFSET: usize = CONTEXT_BYTES;
 /// Bytes of the IBL table.
 pub const IBL_TABLE_BYTES: usize = IBL_ENTRIES * IBL_ENTRY_BYTES;
+/// Number of return-cache slots, indexed by the low 16 bits of the return address.
+pub const RC_ENTRIES: usize = 1 << 16;
+/// Offset of the return cache: slots of `ret_entry` cache PCs (0 = empty).
+pub const RC_OFFSET: usize = (IBL_OFFSET + IBL_TABLE_BYTES + 4095) & !4095;
+/// Bytes of the return cache.
+pub const RC_BYTES: usize = RC_ENTRIES * 8;
 /// Number of SoftTLB mirror slots (direct mapped by virtual page number).
 pub const SOFTTLB_ENTRIES: usize = 256;
 /// Offset of the SoftTLB mirror: slots of `[va_page: u64, pa_page: u64]`.
-pub const SOFTTLB_OFFSET: usize = (IBL_OFFSET + IBL_TABLE_BYTES + 4095) & !4095;
+pub const SOFTTLB_OFFSET: usize = RC_OFFSET + RC_BYTES;
 /// Bytes of the SoftTLB mirror.
 pub const SOFTTLB_BYTES: usize = SOFTTLB_ENTRIES * 16;
 /// Number of 8-byte inline counters tools may allocate.

@@ -25,7 +25,7 @@ pub mod native;
 pub mod platform;
 
 pub use addr::{CachePc, GuestPhys, GuestVirt};
-pub use context::{GuestRegs, Gpr};
+pub use context::{Gpr, GuestRegs};
 pub use dispatch::{AttentionHandle, Config, Engine, FaultRedirect, Recovered, Stats, Stop};
 pub use error::EngineError;
 pub use guest_memory::{GuestMemory, Mode};

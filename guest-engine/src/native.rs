@@ -20,7 +20,11 @@ impl NativeRunner {
 
     /// # Safety
     /// `base..base+REGION_BYTES` must be RWX memory owned by the runner, page aligned.
-    pub unsafe fn new(base: *mut u8, len: usize, save_extended_state: bool) -> Result<Self, EngineError> {
+    pub unsafe fn new(
+        base: *mut u8,
+        len: usize,
+        save_extended_state: bool,
+    ) -> Result<Self, EngineError> {
         if len < Self::REGION_BYTES {
             return Err(EngineError::RegionSize(len));
         }
@@ -32,7 +36,7 @@ impl NativeRunner {
             host: base as u64 + XSAVE_HOST_OFFSET as u64,
         });
         // SAFETY: the gencode area follows the context inside the RWX region.
-        let gen = unsafe { emit_gencode(base.add(CONTEXT_BYTES), &ctx, xs) };
+        let gen = unsafe { emit_gencode(base.add(CONTEXT_BYTES), &ctx, xs, None) };
         Ok(Self { base, gen })
     }
 

@@ -10,7 +10,10 @@ use common::{Region, Rig};
 use guest_engine::{Config, NullTool};
 
 fn cases() -> u64 {
-    std::env::var("KPIN_DIFF_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(3000)
+    std::env::var("KPIN_DIFF_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3000)
 }
 
 #[test]
@@ -22,25 +25,37 @@ fn test_random_programs_match_native() {
         check_case(&mut rig, &block, seed, 40, &mut NullTool);
     }
     let s = rig.engine.stats();
-    common::report(&format!("{n} differential cases (random programs, null tool); stats {s:?}"));
+    common::report(&format!(
+        "{n} differential cases (random programs, null tool); stats {s:?}"
+    ));
 }
 
 #[test]
 fn test_random_programs_without_linking_match_native() {
-    let cfg = Config { link_direct: false, fill_ibl: false, ..Config::default() };
+    let cfg = Config {
+        link_direct: false,
+        fill_ibl: false,
+        ..Config::default()
+    };
     let mut rig = Rig::new(cfg);
     let block = Region::map(1 << 20, 0);
     let n = cases() / 10;
     for seed in 100_000..100_000 + n {
         check_case(&mut rig, &block, seed, 30, &mut NullTool);
     }
-    common::report(&format!("{n} differential cases (random programs, no linking, no IBL)"));
+    common::report(&format!(
+        "{n} differential cases (random programs, no linking, no IBL)"
+    ));
 }
 
 #[test]
 fn test_instrumented_random_programs_match_native() {
     // A small buffer so that BUFFER_FULL exits happen mid-trace.
-    let cfg = Config { record_buffer_records: 7, records_need_pa: true, ..Config::default() };
+    let cfg = Config {
+        record_buffer_records: 7,
+        records_need_pa: true,
+        ..Config::default()
+    };
     let mut rig = Rig::new(cfg);
     let block = Region::map(1 << 20, 0);
     let n = cases() / 3;
@@ -49,7 +64,9 @@ fn test_instrumented_random_programs_match_native() {
         check_case(&mut rig, &block, seed, 40, &mut tool);
     }
     assert!(tool.calls > 0 && tool.mem.count > 0);
-    common::report(&format!("{n} differential cases (random programs, heavy instrumentation)"));
+    common::report(&format!(
+        "{n} differential cases (random programs, heavy instrumentation)"
+    ));
 }
 
 /// Debug aid: `KPIN_SEED=n KPIN_TOOL=bbl|mem|heavy|null cargo test ... debug_one -- --ignored`.
@@ -58,7 +75,10 @@ fn test_instrumented_random_programs_match_native() {
 fn debug_one() {
     use iced_x86::Formatter;
     let seed: u64 = std::env::var("KPIN_SEED").unwrap().parse().unwrap();
-    let cfg = Config { record_buffer_records: 7, ..Config::default() };
+    let cfg = Config {
+        record_buffer_records: 7,
+        ..Config::default()
+    };
     let mut rig = Rig::new(cfg);
     let block = Region::map(1 << 20, 0);
     let p = common::gen::program(seed, block.addr(), 40);

@@ -8,7 +8,9 @@ mod common;
 use common::{HostMemory, HostPlatform, Region, Rig};
 use guest_engine::attention::reason;
 use guest_engine::exit_code::EXIT_PA_MISMATCH;
-use guest_engine::{Config, GuestMemory, GuestPhys, GuestVirt, Gpr, Mode, NullTool, SensitiveKind, Stop};
+use guest_engine::{
+    Config, Gpr, GuestMemory, GuestPhys, GuestVirt, Mode, NullTool, SensitiveKind, Stop,
+};
 use iced_x86::code_asm::*;
 
 fn asm(ip: u64, f: impl FnOnce(&mut CodeAssembler)) -> Vec<u8> {
@@ -57,15 +59,29 @@ fn test_attention_stops_a_linked_loop_at_trace_entry() {
             std::thread::sleep(std::time::Duration::from_millis(30));
             h.set(reason::REQUEST);
         });
-        let stop = rig.engine.run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
+        let stop = rig
+            .engine
+            .run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
         t.join().unwrap();
-        assert_eq!(stop, Stop::Attention(GuestVirt(base)), "flags_live={flags_live}");
-        assert!(rig.engine.regs().get(Gpr::Rax) > 1000, "the loop ran linked");
-        assert_eq!(rig.engine.stats().exits[guest_engine::exit_code::EXIT_ATTENTION as usize], 1);
+        assert_eq!(
+            stop,
+            Stop::Attention(GuestVirt(base)),
+            "flags_live={flags_live}"
+        );
+        assert!(
+            rig.engine.regs().get(Gpr::Rax) > 1000,
+            "the loop ran linked"
+        );
+        assert_eq!(
+            rig.engine.stats().exits[guest_engine::exit_code::EXIT_ATTENTION as usize],
+            1
+        );
         // Clear it and leave the loop.
         rig.engine.set_attention(0);
         rig.engine.set_rip(GuestVirt(base + 0x100));
-        let stop = rig.engine.run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
+        let stop = rig
+            .engine
+            .run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
         assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
     }
 }
@@ -87,7 +103,9 @@ impl GuestMemory for Remapped {
     fn read(&mut self, pa: GuestPhys, out: &mut [u8]) -> bool {
         if pa.page().0 == self.frame {
             // SAFETY: the alias frame is a live host page.
-            unsafe { std::ptr::copy_nonoverlapping(pa.0 as *const u8, out.as_mut_ptr(), out.len()) };
+            unsafe {
+                std::ptr::copy_nonoverlapping(pa.0 as *const u8, out.as_mut_ptr(), out.len())
+            };
             return true;
         }
         self.inner.read(pa, out)
@@ -101,10 +119,14 @@ fn test_cross_page_link_revalidates_pa_after_remap() {
     let alias = Region::map(4096, 0);
     let (a, b) = (block.addr(), block.addr() + 4096);
     let exit = rig.native.exit_address();
-    put(&block, 0, &asm(a, |x| {
-        x.mov(rax, 0i64).unwrap();
-        x.jmp(b).unwrap();
-    }));
+    put(
+        &block,
+        0,
+        &asm(a, |x| {
+            x.mov(rax, 0i64).unwrap();
+            x.jmp(b).unwrap();
+        }),
+    );
     let page_b = |k: i32| {
         asm(b, |x| {
             x.add(rax, k).unwrap();
@@ -119,18 +141,30 @@ fn test_cross_page_link_revalidates_pa_after_remap() {
     let mut mem = HostMemory::new(vec![(a, a + 2 * 4096)]);
     for _ in 0..2 {
         rig.engine.set_rip(GuestVirt(a));
-        let stop = rig.engine.run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
+        let stop = rig
+            .engine
+            .run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
         assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
         assert_eq!(rig.engine.regs().get(Gpr::Rax), 1);
     }
     assert!(rig.engine.stats().links >= 1, "A was linked to B");
     // The guest remaps B's page to another frame with different code.
-    let mut remapped = Remapped { inner: mem, page: b, frame: alias.addr() };
+    let mut remapped = Remapped {
+        inner: mem,
+        page: b,
+        frame: alias.addr(),
+    };
     rig.engine.invalidate_page(GuestVirt(b));
     rig.engine.set_rip(GuestVirt(a));
-    let stop = rig.engine.run(&mut remapped, &mut HostPlatform::default(), &mut NullTool);
+    let stop = rig
+        .engine
+        .run(&mut remapped, &mut HostPlatform::default(), &mut NullTool);
     assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
-    assert_eq!(rig.engine.regs().get(Gpr::Rax), 5, "the new frame's code ran");
+    assert_eq!(
+        rig.engine.regs().get(Gpr::Rax),
+        5,
+        "the new frame's code ran"
+    );
     assert_eq!(rig.engine.stats().exits[EXIT_PA_MISMATCH as usize], 1);
 }
 

@@ -8,7 +8,7 @@ mod common;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use common::{HostMemory, HostPlatform, Region, Rig};
-use guest_engine::{Config, GuestVirt, Gpr, NullTool, Stop};
+use guest_engine::{Config, Gpr, GuestVirt, NullTool, Stop};
 
 static REDIRECT: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
 
@@ -17,7 +17,10 @@ extern "C" fn on_segv(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut l
     // SAFETY: the kernel passes a valid ucontext to an SA_SIGINFO handler.
     unsafe {
         let rip = (*uc).uc_mcontext.gregs[libc::REG_RIP as usize] as u64;
-        let (lo, hi) = (REDIRECT[4].load(Ordering::SeqCst), REDIRECT[5].load(Ordering::SeqCst));
+        let (lo, hi) = (
+            REDIRECT[4].load(Ordering::SeqCst),
+            REDIRECT[5].load(Ordering::SeqCst),
+        );
         if rip < lo || rip >= hi {
             libc::signal(libc::SIGSEGV, libc::SIG_DFL);
             return;
@@ -30,13 +33,27 @@ extern "C" fn on_segv(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut l
 
 fn install(rig: &Rig) {
     let r = rig.engine.fault_redirect();
-    for (i, v) in [r.fault_pc, r.exit_word_at, r.exit_word, r.exit_routine, r.region.0, r.region.1].iter().enumerate() {
+    for (i, v) in [
+        r.fault_pc,
+        r.exit_word_at,
+        r.exit_word,
+        r.exit_routine,
+        r.region.0,
+        r.region.1,
+    ]
+    .iter()
+    .enumerate()
+    {
         REDIRECT[i].store(*v, Ordering::SeqCst);
     }
     let alt = Box::leak(vec![0u8; 64 * 1024].into_boxed_slice());
     // SAFETY: installing a signal handler and an alternate stack for this process.
     unsafe {
-        let ss = libc::stack_t { ss_sp: alt.as_mut_ptr().cast(), ss_flags: 0, ss_size: alt.len() };
+        let ss = libc::stack_t {
+            ss_sp: alt.as_mut_ptr().cast(),
+            ss_flags: 0,
+            ss_size: alt.len(),
+        };
         libc::sigaltstack(&ss, std::ptr::null_mut());
         let mut sa: libc::sigaction = std::mem::zeroed();
         sa.sa_sigaction = on_segv as *const () as usize;
@@ -68,22 +85,36 @@ fn test_faults_in_cache_map_back_to_the_guest_instruction() {
     rig.engine.regs_mut().gpr = [0x1111; 16];
     rig.engine.regs_mut().set(Gpr::Rsp, base + 4096);
     rig.engine.set_rip(GuestVirt(base));
-    let stop = rig.engine.run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
-    let Stop::Fault { guest_pc, .. } = stop else { panic!("unexpected stop {stop:?}") };
+    let stop = rig
+        .engine
+        .run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
+    let Stop::Fault { guest_pc, .. } = stop else {
+        panic!("unexpected stop {stop:?}")
+    };
     assert_eq!(guest_pc, GuestVirt(rip_rel_at));
     let r = rig.engine.regs();
-    assert_eq!(r.get(Gpr::Rcx), 7, "the spilled scratch register is restored");
+    assert_eq!(
+        r.get(Gpr::Rcx),
+        7,
+        "the spilled scratch register is restored"
+    );
     assert_eq!(r.get(Gpr::Rdx), 9);
     assert_eq!(r.get(Gpr::Rax), 0x1111);
     assert_eq!(r.get(Gpr::R10), 0x1111);
 
     // A verbatim instruction faulting: mov r9, [rdi] with rdi in the bad page.
-    let code2 = [0x48, 0xC7, 0xC6, 5, 0, 0, 0, 0x4C, 0x8B, 0x0F, 0x49, 0xC7, 0xC2, 1, 0, 0, 0];
+    let code2 = [
+        0x48, 0xC7, 0xC6, 5, 0, 0, 0, 0x4C, 0x8B, 0x0F, 0x49, 0xC7, 0xC2, 1, 0, 0, 0,
+    ];
     block.slice()[0x400..0x400 + code2.len()].copy_from_slice(&code2);
     rig.engine.regs_mut().set(Gpr::Rdi, bad + 8);
     rig.engine.set_rip(GuestVirt(base + 0x400));
-    let stop = rig.engine.run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
-    let Stop::Fault { guest_pc, .. } = stop else { panic!("unexpected stop {stop:?}") };
+    let stop = rig
+        .engine
+        .run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
+    let Stop::Fault { guest_pc, .. } = stop else {
+        panic!("unexpected stop {stop:?}")
+    };
     assert_eq!(guest_pc, GuestVirt(base + 0x407));
     assert_eq!(rig.engine.regs().get(Gpr::Rsi), 5);
     assert_eq!(rig.engine.regs().get(Gpr::Rdi), bad + 8);

@@ -24,9 +24,26 @@ fn is_rep_string(i: &Instruction) -> bool {
     (i.has_rep_prefix() || i.has_repne_prefix())
         && matches!(
             format!("{:?}", i.mnemonic()).as_str(),
-            "Movsb" | "Movsw" | "Movsd" | "Movsq" | "Stosb" | "Stosw" | "Stosd" | "Stosq" | "Lodsb"
-                | "Lodsw" | "Lodsd" | "Lodsq" | "Cmpsb" | "Cmpsw" | "Cmpsd" | "Cmpsq" | "Scasb"
-                | "Scasw" | "Scasd" | "Scasq"
+            "Movsb"
+                | "Movsw"
+                | "Movsd"
+                | "Movsq"
+                | "Stosb"
+                | "Stosw"
+                | "Stosd"
+                | "Stosq"
+                | "Lodsb"
+                | "Lodsw"
+                | "Lodsd"
+                | "Lodsq"
+                | "Cmpsb"
+                | "Cmpsw"
+                | "Cmpsd"
+                | "Cmpsq"
+                | "Scasb"
+                | "Scasw"
+                | "Scasd"
+                | "Scasq"
         )
 }
 
@@ -78,7 +95,11 @@ fn reference_records(steps: &[Step]) -> Vec<MemRecord> {
             // one iteration = the instruction without its prefix
             // SAFETY: rip is executed code in a mapping shared with the parent.
             let b = unsafe { std::slice::from_raw_parts(s.rip as *const u8, i.len()) };
-            let stripped: Vec<u8> = b.iter().copied().filter(|x| *x != 0xF2 && *x != 0xF3).collect();
+            let stripped: Vec<u8> = b
+                .iter()
+                .copied()
+                .filter(|x| *x != 0xF2 && *x != 0xF3)
+                .collect();
             i = Decoder::with_ip(64, &stripped, s.rip, DecoderOptions::NONE).decode();
         }
         let size_hint = i.memory_size().size() as u32;
@@ -94,7 +115,13 @@ fn reference_records(steps: &[Step]) -> Vec<MemRecord> {
                 0 => size_hint,
                 n => n as u32,
             };
-            out.push(MemRecord { ip: s.rip, ea, size, access: acc, pa: 0 });
+            out.push(MemRecord {
+                ip: s.rip,
+                ea,
+                size,
+                access: acc,
+                pa: 0,
+            });
         }
     }
     out
@@ -102,7 +129,10 @@ fn reference_records(steps: &[Step]) -> Vec<MemRecord> {
 
 #[test]
 fn test_bbl_counts_and_records_match_single_step_on_random_programs() {
-    let mut rig = Rig::new(Config { record_buffer_records: 64, ..Config::default() });
+    let mut rig = Rig::new(Config {
+        record_buffer_records: 64,
+        ..Config::default()
+    });
     let block = Region::map(1 << 20, 0);
     let mut insns = 0usize;
     let seeds = 150;
@@ -115,9 +145,16 @@ fn test_bbl_counts_and_records_match_single_step_on_random_programs() {
 
         let mut bbl = BblCount::default();
         prep.run_translated(&mut rig, &block, &mut bbl);
-        assert_eq!(bbl.per_instruction(&rig.engine), reference_counts(&steps), "seed {seed}: block counts");
+        assert_eq!(
+            bbl.per_instruction(&rig.engine),
+            reference_counts(&steps),
+            "seed {seed}: block counts"
+        );
 
-        let mut mt = MemTrace { keep: true, ..MemTrace::default() };
+        let mut mt = MemTrace {
+            keep: true,
+            ..MemTrace::default()
+        };
         prep.run_translated(&mut rig, &block, &mut mt);
         let want = reference_records(&steps);
         assert_eq!(mt.records.len(), want.len(), "seed {seed}: record count");
@@ -135,14 +172,20 @@ fn test_bbl_counts_and_records_match_single_step_on_random_programs() {
             })
             .map(|s| (s.rip, s.gpr[4], s.gpr[0]))
             .collect();
-        assert!(tc.seen == want, "seed {seed}: analysis-call arguments differ");
+        assert!(
+            tc.seen == want,
+            "seed {seed}: analysis-call arguments differ"
+        );
     }
     common::report(&format!("{seeds} programs, {insns} single-stepped instructions: block counts, records and call arguments equal"));
 }
 
 #[test]
 fn test_bbl_counts_and_records_match_single_step_on_corpus() {
-    let mut h = Harness::new(Config { record_buffer_records: 1000, ..Config::default() });
+    let mut h = Harness::new(Config {
+        record_buffer_records: 1000,
+        ..Config::default()
+    });
     for (name, f) in corpus() {
         let n = 14;
         let steps = h.single_step(f, 5, n);
@@ -150,11 +193,18 @@ fn test_bbl_counts_and_records_match_single_step_on_corpus() {
         h.run(f, 5, n, &mut bbl);
         let got = bbl.per_instruction(&h.rig.engine);
         assert_eq!(got, reference_counts(&steps), "{name}: block counts");
-        let mut mt = MemTrace { keep: true, ..MemTrace::default() };
+        let mut mt = MemTrace {
+            keep: true,
+            ..MemTrace::default()
+        };
         h.run(f, 5, n, &mut mt);
         let want = reference_records(&steps);
         assert_eq!(mt.records.len(), want.len(), "{name}: record count");
         assert!(mt.records == want, "{name}: records differ");
-        println!("{name}: {} instructions, {} records match the single-step reference", steps.len(), want.len());
+        println!(
+            "{name}: {} instructions, {} records match the single-step reference",
+            steps.len(),
+            want.len()
+        );
     }
 }

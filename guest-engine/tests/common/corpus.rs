@@ -34,7 +34,9 @@ pub extern "sysv64" fn quicksort_fn(buf: *mut u64, n: u64) -> u64 {
         qs(b);
     }
     qs(v);
-    v.iter().enumerate().fold(0u64, |h, (i, x)| h.wrapping_mul(31).wrapping_add(x ^ i as u64))
+    v.iter().enumerate().fold(0u64, |h, (i, x)| {
+        h.wrapping_mul(31).wrapping_add(x ^ i as u64)
+    })
 }
 
 #[inline(never)]
@@ -58,7 +60,11 @@ pub extern "sysv64" fn hash_fn(buf: *mut u64, n: u64) -> u64 {
     for b in v {
         crc ^= u32::from(*b);
         for _ in 0..8 {
-            crc = if crc & 1 != 0 { (crc >> 1) ^ 0xEDB8_8320 } else { crc >> 1 };
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
         }
     }
     let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -69,7 +75,11 @@ pub extern "sysv64" fn hash_fn(buf: *mut u64, n: u64) -> u64 {
 #[inline(never)]
 pub extern "sysv64" fn recursion_fn(buf: *mut u64, n: u64) -> u64 {
     fn fib(n: u64) -> u64 {
-        if n < 2 { n } else { fib(n - 1) + fib(n - 2) }
+        if n < 2 {
+            n
+        } else {
+            fib(n - 1) + fib(n - 2)
+        }
     }
     fn ack(m: u64, n: u64) -> u64 {
         match (m, n) {
@@ -79,10 +89,18 @@ pub extern "sysv64" fn recursion_fn(buf: *mut u64, n: u64) -> u64 {
         }
     }
     fn even(n: u64) -> bool {
-        if n == 0 { true } else { odd(n - 1) }
+        if n == 0 {
+            true
+        } else {
+            odd(n - 1)
+        }
     }
     fn odd(n: u64) -> bool {
-        if n == 0 { false } else { even(n - 1) }
+        if n == 0 {
+            false
+        } else {
+            even(n - 1)
+        }
     }
     let k = std::hint::black_box(n % 7 + 14);
     // SAFETY: as above.
@@ -202,7 +220,11 @@ pub struct Harness {
 
 impl Harness {
     pub fn new(config: Config) -> Self {
-        Harness { rig: Rig::new(config), stack: Region::map(1 << 20, 0), buf: Region::map(BUF_WORDS * 8, 0) }
+        Harness {
+            rig: Rig::new(config),
+            stack: Region::map(1 << 20, 0),
+            buf: Region::map(BUF_WORDS * 8, 0),
+        }
     }
 
     fn fill(&self, seed: u64) {
@@ -219,7 +241,10 @@ impl Harness {
         // return address slot: the function "returns" to the exit routine.
         // SAFETY: inside the stack mapping.
         unsafe { *((top - 8) as *mut u64) = exit };
-        let mut g = GuestRegs { gpr: [0x5a5a_0000; 16], rflags: 0x202 };
+        let mut g = GuestRegs {
+            gpr: [0x5a5a_0000; 16],
+            rflags: 0x202,
+        };
         g.gpr[7] = self.buf.addr();
         g.gpr[6] = n;
         g.gpr[4] = top - 8;
@@ -235,7 +260,13 @@ impl Harness {
     }
 
     /// Returns (native regs, native buf), (translated regs, translated buf).
-    pub fn run(&mut self, f: Work, seed: u64, n: u64, tool: &mut dyn Tool) -> ((GuestRegs, Vec<u8>), (GuestRegs, Vec<u8>)) {
+    pub fn run(
+        &mut self,
+        f: Work,
+        seed: u64,
+        n: u64,
+        tool: &mut dyn Tool,
+    ) -> ((GuestRegs, Vec<u8>), (GuestRegs, Vec<u8>)) {
         let exit = self.rig.native.exit_address();
         self.fill(seed);
         *self.rig.native.regs_mut() = self.init(n, exit);
@@ -253,7 +284,10 @@ impl Harness {
         mem.ranges.retain(|&(s, _)| s != self.rig.cache.addr());
         let mut plat = HostPlatform::default();
         let stop = self.rig.engine.run(&mut mem, &mut plat, tool);
-        if let Stop::Error(guest_engine::EngineError::Encode(va) | guest_engine::EngineError::Unsupported(va)) = stop {
+        if let Stop::Error(
+            guest_engine::EngineError::Encode(va) | guest_engine::EngineError::Unsupported(va),
+        ) = stop
+        {
             // SAFETY: the address is in the test binary's text.
             let b = unsafe { std::slice::from_raw_parts(va.0 as *const u8, 15) };
             let mut d = iced_x86::Decoder::with_ip(64, b, va.0, 0);
@@ -266,4 +300,3 @@ impl Harness {
         ((native, nbuf), (tr, self.buf.slice().to_vec()))
     }
 }
-

@@ -28,9 +28,18 @@ impl Prepared {
         assert!(p.bytes.len() + 2 * STACK_WINDOW < block.len);
         block.slice()[..p.bytes.len()].copy_from_slice(&p.bytes);
         let stack_top = base + block.len as u64 - 4096;
-        let mut init = GuestRegs { gpr: p.init_regs, rflags: p.init_flags };
+        let mut init = GuestRegs {
+            gpr: p.init_regs,
+            rflags: p.init_flags,
+        };
         init.gpr[4] = stack_top;
-        Prepared { p, init, stack_top, base, exit: rig.native.exit_address() }
+        Prepared {
+            p,
+            init,
+            stack_top,
+            base,
+            exit: rig.native.exit_address(),
+        }
     }
 
     pub fn reset(&self, block: &Region) {
@@ -49,7 +58,11 @@ impl Prepared {
         let st = (self.stack_top - self.base) as usize;
         let mut regs = regs;
         regs.rflags &= FLAGS_MASK;
-        Outcome { regs, data: mem[d..d + DATA_BYTES].to_vec(), stack: mem[st - STACK_WINDOW..st + 64].to_vec() }
+        Outcome {
+            regs,
+            data: mem[d..d + DATA_BYTES].to_vec(),
+            stack: mem[st - STACK_WINDOW..st + 64].to_vec(),
+        }
     }
 
     pub fn run_native(&self, rig: &mut Rig, block: &Region) -> Outcome {
@@ -68,7 +81,11 @@ impl Prepared {
         let mut gm = HostMemory::new(vec![(self.base, self.base + self.p.bytes.len() as u64)]);
         let mut plat = HostPlatform::default();
         let stop = rig.engine.run(&mut gm, &mut plat, tool);
-        assert_eq!(stop, Stop::FetchFault(GuestVirt(self.exit)), "unexpected stop");
+        assert_eq!(
+            stop,
+            Stop::FetchFault(GuestVirt(self.exit)),
+            "unexpected stop"
+        );
         self.capture(block, *rig.engine.regs())
     }
 }
@@ -80,10 +97,16 @@ pub fn check_case(rig: &mut Rig, block: &Region, seed: u64, items: usize, tool: 
     if n.regs != t.regs {
         for i in 0..16 {
             if n.regs.gpr[i] != t.regs.gpr[i] {
-                eprintln!("seed {seed}: gpr{i} native {:#x} translated {:#x}", n.regs.gpr[i], t.regs.gpr[i]);
+                eprintln!(
+                    "seed {seed}: gpr{i} native {:#x} translated {:#x}",
+                    n.regs.gpr[i], t.regs.gpr[i]
+                );
             }
         }
-        eprintln!("seed {seed}: flags native {:#x} translated {:#x}", n.regs.rflags, t.regs.rflags);
+        eprintln!(
+            "seed {seed}: flags native {:#x} translated {:#x}",
+            n.regs.rflags, t.regs.rflags
+        );
     }
     assert_eq!(n.regs, t.regs, "seed {seed}: registers differ");
     assert!(n.data == t.data, "seed {seed}: data memory differs");

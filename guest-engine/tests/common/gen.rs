@@ -29,10 +29,18 @@ impl Rng {
 
 pub const DATA_BYTES: usize = 4096;
 
-const R64: [AsmRegister64; 13] = [rax, rcx, rdx, rsi, rdi, rbp, r8, r9, r10, r11, r12, r13, r14];
-const R32: [AsmRegister32; 13] = [eax, ecx, edx, esi, edi, ebp, r8d, r9d, r10d, r11d, r12d, r13d, r14d];
-const R16: [AsmRegister16; 13] = [ax, cx, dx, si, di, bp, r8w, r9w, r10w, r11w, r12w, r13w, r14w];
-const R8: [AsmRegister8; 13] = [al, cl, dl, sil, dil, bpl, r8b, r9b, r10b, r11b, r12b, r13b, r14b];
+const R64: [AsmRegister64; 13] = [
+    rax, rcx, rdx, rsi, rdi, rbp, r8, r9, r10, r11, r12, r13, r14,
+];
+const R32: [AsmRegister32; 13] = [
+    eax, ecx, edx, esi, edi, ebp, r8d, r9d, r10d, r11d, r12d, r13d, r14d,
+];
+const R16: [AsmRegister16; 13] = [
+    ax, cx, dx, si, di, bp, r8w, r9w, r10w, r11w, r12w, r13w, r14w,
+];
+const R8: [AsmRegister8; 13] = [
+    al, cl, dl, sil, dil, bpl, r8b, r9b, r10b, r11b, r12b, r13b, r14b,
+];
 /// Index 1 is RCX; loops and string ops own it.
 const NO_RCX: [usize; 12] = [0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12];
 
@@ -84,32 +92,70 @@ macro_rules! shift {
     };
 }
 
-
 /// setcc / cmovcc / jcc over all 16 conditions.
 macro_rules! paste_cc {
     ($a:expr, $k:expr, set, $x:expr) => {
         match $k % 16 {
-            0 => $a.seto($x), 1 => $a.setno($x), 2 => $a.setb($x), 3 => $a.setae($x),
-            4 => $a.sete($x), 5 => $a.setne($x), 6 => $a.setbe($x), 7 => $a.seta($x),
-            8 => $a.sets($x), 9 => $a.setns($x), 10 => $a.setp($x), 11 => $a.setnp($x),
-            12 => $a.setl($x), 13 => $a.setge($x), 14 => $a.setle($x), _ => $a.setg($x),
-        }.unwrap()
+            0 => $a.seto($x),
+            1 => $a.setno($x),
+            2 => $a.setb($x),
+            3 => $a.setae($x),
+            4 => $a.sete($x),
+            5 => $a.setne($x),
+            6 => $a.setbe($x),
+            7 => $a.seta($x),
+            8 => $a.sets($x),
+            9 => $a.setns($x),
+            10 => $a.setp($x),
+            11 => $a.setnp($x),
+            12 => $a.setl($x),
+            13 => $a.setge($x),
+            14 => $a.setle($x),
+            _ => $a.setg($x),
+        }
+        .unwrap()
     };
     ($a:expr, $k:expr, cmov, $x:expr, $y:expr) => {
         match $k % 16 {
-            0 => $a.cmovo($x, $y), 1 => $a.cmovno($x, $y), 2 => $a.cmovb($x, $y), 3 => $a.cmovae($x, $y),
-            4 => $a.cmove($x, $y), 5 => $a.cmovne($x, $y), 6 => $a.cmovbe($x, $y), 7 => $a.cmova($x, $y),
-            8 => $a.cmovs($x, $y), 9 => $a.cmovns($x, $y), 10 => $a.cmovp($x, $y), 11 => $a.cmovnp($x, $y),
-            12 => $a.cmovl($x, $y), 13 => $a.cmovge($x, $y), 14 => $a.cmovle($x, $y), _ => $a.cmovg($x, $y),
-        }.unwrap()
+            0 => $a.cmovo($x, $y),
+            1 => $a.cmovno($x, $y),
+            2 => $a.cmovb($x, $y),
+            3 => $a.cmovae($x, $y),
+            4 => $a.cmove($x, $y),
+            5 => $a.cmovne($x, $y),
+            6 => $a.cmovbe($x, $y),
+            7 => $a.cmova($x, $y),
+            8 => $a.cmovs($x, $y),
+            9 => $a.cmovns($x, $y),
+            10 => $a.cmovp($x, $y),
+            11 => $a.cmovnp($x, $y),
+            12 => $a.cmovl($x, $y),
+            13 => $a.cmovge($x, $y),
+            14 => $a.cmovle($x, $y),
+            _ => $a.cmovg($x, $y),
+        }
+        .unwrap()
     };
     ($a:expr, $k:expr, j, $x:expr) => {
         match $k % 16 {
-            0 => $a.jo($x), 1 => $a.jno($x), 2 => $a.jb($x), 3 => $a.jae($x),
-            4 => $a.je($x), 5 => $a.jne($x), 6 => $a.jbe($x), 7 => $a.ja($x),
-            8 => $a.js($x), 9 => $a.jns($x), 10 => $a.jp($x), 11 => $a.jnp($x),
-            12 => $a.jl($x), 13 => $a.jge($x), 14 => $a.jle($x), _ => $a.jg($x),
-        }.unwrap()
+            0 => $a.jo($x),
+            1 => $a.jno($x),
+            2 => $a.jb($x),
+            3 => $a.jae($x),
+            4 => $a.je($x),
+            5 => $a.jne($x),
+            6 => $a.jbe($x),
+            7 => $a.ja($x),
+            8 => $a.js($x),
+            9 => $a.jns($x),
+            10 => $a.jp($x),
+            11 => $a.jnp($x),
+            12 => $a.jl($x),
+            13 => $a.jge($x),
+            14 => $a.jle($x),
+            _ => $a.jg($x),
+        }
+        .unwrap()
     };
 }
 
@@ -274,8 +320,14 @@ impl G<'_> {
                 _ => self.a.cdq().unwrap(),
             },
             31 => match self.r.below(3) {
-                0 => self.a.shld(R64[x], R64[y], (self.r.below(64)) as u32).unwrap(),
-                1 => self.a.shrd(R32[x], R32[y], (self.r.below(32)) as u32).unwrap(),
+                0 => self
+                    .a
+                    .shld(R64[x], R64[y], (self.r.below(64)) as u32)
+                    .unwrap(),
+                1 => self
+                    .a
+                    .shrd(R32[x], R32[y], (self.r.below(32)) as u32)
+                    .unwrap(),
                 _ if !no_rcx => self.a.shld(R64[x], R64[y], cl).unwrap(),
                 _ => self.a.nop().unwrap(),
             },
@@ -331,7 +383,9 @@ impl G<'_> {
                 let hw: [u8; 13] = [0, 1, 2, 6, 7, 5, 8, 9, 10, 11, 12, 13, 14];
                 let r = hw[x];
                 let rex = 0x48 | if r >= 8 { 4 } else { 0 };
-                self.a.db(&[0x64, rex, 0x8B, 0x04 | ((r & 7) << 3), 0x25, 0, 0, 0, 0]).unwrap();
+                self.a
+                    .db(&[0x64, rex, 0x8B, 0x04 | ((r & 7) << 3), 0x25, 0, 0, 0, 0])
+                    .unwrap();
             }
             38 => {
                 let d = self.mem_disp(2);
@@ -498,7 +552,15 @@ pub fn program(seed: u64, base: u64, len_items: usize) -> Program {
     let fn_table = a.create_label();
     let nsubs = 1 + rng.below(4) as usize;
     let subs: Vec<CodeLabel> = (0..nsubs).map(|_| a.create_label()).collect();
-    let mut g = G { a, r: &mut rng, data_labels, subs: subs.clone(), tables: Vec::new(), fn_table, push_depth: 0 };
+    let mut g = G {
+        a,
+        r: &mut rng,
+        data_labels,
+        subs: subs.clone(),
+        tables: Vec::new(),
+        fn_table,
+        push_depth: 0,
+    };
     let mut end_slot = g.a.create_label();
     let mut entry = g.a.create_label();
     g.a.set_label(&mut entry).unwrap();
@@ -550,7 +612,9 @@ pub fn program(seed: u64, base: u64, len_items: usize) -> Program {
         *r = g.r.next() >> g.r.below(64);
     }
     let init_flags = 0x202 | (g.r.next() & 0x8D5);
-    let res = g.a.assemble_options(base, BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS).unwrap();
+    let res =
+        g.a.assemble_options(base, BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)
+            .unwrap();
     let mut bytes = res.inner.code_buffer.clone();
     let ip = |l: &CodeLabel| res.label_ip(l).unwrap();
     for (t, targets) in &tables {
@@ -565,5 +629,13 @@ pub fn program(seed: u64, base: u64, len_items: usize) -> Program {
     }
     let data = ip(&labels[0]);
     init_regs[3] = data; // RBX = data base
-    Program { entry: ip(&entry), data, end_slot: ip(&end_slot), bytes, init_regs, init_flags, data_image }
+    Program {
+        entry: ip(&entry),
+        data,
+        end_slot: ip(&end_slot),
+        bytes,
+        init_regs,
+        init_flags,
+        data_image,
+    }
 }

@@ -6,15 +6,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use guest_engine::native::NativeRunner;
 use guest_engine::{
-    Config, Emulation, Engine, GuestMemory, GuestPhys, GuestRegs, GuestVirt, Gpr, Mode, Platform,
+    Config, Emulation, Engine, Gpr, GuestMemory, GuestPhys, GuestRegs, GuestVirt, Mode, Platform,
     SensitiveInsn, SensitiveKind,
 };
 
 pub mod corpus;
 pub mod diff;
+pub mod gen;
 pub mod ptrace;
 pub mod tools;
-pub mod gen;
 
 /// An anonymous RWX mapping.
 pub struct Region {
@@ -46,7 +46,10 @@ impl Region {
         let hint = NEXT_CACHE_HINT.fetch_add(0x1_0000_0000, Ordering::Relaxed);
         let r = Region::map(len, hint);
         let text = map_far_check as *const () as u64;
-        assert!((r.ptr as u64).abs_diff(text) > (4u64 << 30), "cache too close to code");
+        assert!(
+            (r.ptr as u64).abs_diff(text) > (4u64 << 30),
+            "cache too close to code"
+        );
         r
     }
 
@@ -87,12 +90,17 @@ impl HostMemory {
         let mut ranges = Vec::new();
         for l in maps.lines() {
             let mut it = l.split_whitespace();
-            let (Some(r), Some(p)) = (it.next(), it.next()) else { continue };
+            let (Some(r), Some(p)) = (it.next(), it.next()) else {
+                continue;
+            };
             if p != "r-xp" {
                 continue;
             }
             let (a, b) = r.split_once('-').expect("range");
-            ranges.push((u64::from_str_radix(a, 16).unwrap(), u64::from_str_radix(b, 16).unwrap()));
+            ranges.push((
+                u64::from_str_radix(a, 16).unwrap(),
+                u64::from_str_radix(b, 16).unwrap(),
+            ));
         }
         Self { ranges }
     }
@@ -129,7 +137,10 @@ impl Platform for HostPlatform {
     fn emulate(&mut self, insn: &SensitiveInsn, regs: &mut GuestRegs) -> Emulation {
         match insn.kind {
             SensitiveKind::Cpuid => {
-                let r = std::arch::x86_64::__cpuid_count(regs.get(Gpr::Rax) as u32, regs.get(Gpr::Rcx) as u32);
+                let r = std::arch::x86_64::__cpuid_count(
+                    regs.get(Gpr::Rax) as u32,
+                    regs.get(Gpr::Rcx) as u32,
+                );
                 regs.set(Gpr::Rax, u64::from(r.eax));
                 regs.set(Gpr::Rbx, u64::from(r.ebx));
                 regs.set(Gpr::Rcx, u64::from(r.ecx));
@@ -182,13 +193,23 @@ impl Rig {
 
     pub fn with_cache_bytes(config: Config, bytes: usize) -> Rig {
         let cache = Region::map_cache(bytes);
-        let config = Config { save_extended_state: true, clock_ns: Some(now_ns), ..config };
+        let config = Config {
+            save_extended_state: true,
+            clock_ns: Some(now_ns),
+            ..config
+        };
         // SAFETY: the region is a fresh RWX mapping owned by the rig.
         let engine = unsafe { Engine::new(cache.ptr, cache.len, config) }.expect("engine");
         let native_region = Region::map(NativeRunner::REGION_BYTES, 0);
         // SAFETY: fresh RWX mapping owned by the rig.
-        let native = unsafe { NativeRunner::new(native_region.ptr, native_region.len, true) }.expect("native");
-        Rig { cache, engine, native_region, native }
+        let native = unsafe { NativeRunner::new(native_region.ptr, native_region.len, true) }
+            .expect("native");
+        Rig {
+            cache,
+            engine,
+            native_region,
+            native,
+        }
     }
 }
 

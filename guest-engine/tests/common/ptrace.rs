@@ -12,7 +12,10 @@ pub struct Step {
 }
 
 fn gprs(r: &libc::user_regs_struct) -> [u64; 16] {
-    [r.rax, r.rcx, r.rdx, r.rbx, r.rsp, r.rbp, r.rsi, r.rdi, r.r8, r.r9, r.r10, r.r11, r.r12, r.r13, r.r14, r.r15]
+    [
+        r.rax, r.rcx, r.rdx, r.rbx, r.rsp, r.rbp, r.rsi, r.rdi, r.r8, r.r9, r.r10, r.r11, r.r12,
+        r.r13, r.r14, r.r15,
+    ]
 }
 
 /// Runs `native` at `entry` in a forked child, single-stepping every instruction from the
@@ -51,7 +54,12 @@ pub fn single_step(native: &mut NativeRunner, entry: u64) -> Vec<Step> {
                 break;
             }
             if started {
-                steps.push(Step { rip: regs.rip, gpr: gprs(&regs), fs_base: regs.fs_base, gs_base: regs.gs_base });
+                steps.push(Step {
+                    rip: regs.rip,
+                    gpr: gprs(&regs),
+                    fs_base: regs.fs_base,
+                    gs_base: regs.gs_base,
+                });
             }
         }
         libc::kill(pid, libc::SIGKILL);

@@ -3,7 +3,9 @@
 
 use std::collections::BTreeMap;
 
-use guest_engine::{CounterId, Engine, Gpr, IArg, IPoint, InsKind, MemRecord, Tool, TraceInstrumenter};
+use guest_engine::{
+    CounterId, Engine, Gpr, IArg, IPoint, InsKind, MemRecord, Tool, TraceInstrumenter,
+};
 
 /// Counts basic-block executions with one inline counter per block.
 #[derive(Default)]
@@ -21,7 +23,10 @@ impl Tool for BblCount {
                 Some((id, _)) => *id,
                 None => {
                     let id = t.alloc_counter().expect("counter slots");
-                    let addrs = t.instructions()[b.first..b.first + b.count].iter().map(|i| i.address.0).collect();
+                    let addrs = t.instructions()[b.first..b.first + b.count]
+                        .iter()
+                        .map(|i| i.address.0)
+                        .collect();
                     self.blocks.insert(key, (id, addrs));
                     id
                 }
@@ -85,7 +90,12 @@ pub struct TraceCalls {
 impl Tool for TraceCalls {
     fn instrument_trace(&mut self, t: &mut TraceInstrumenter<'_>) {
         for k in 0..t.instructions().len() {
-            t.insert_call(k, IPoint::Before, 7, &[IArg::InstPtr, IArg::Reg(Gpr::Rsp), IArg::Reg(Gpr::Rax)]);
+            t.insert_call(
+                k,
+                IPoint::Before,
+                7,
+                &[IArg::InstPtr, IArg::Reg(Gpr::Rsp), IArg::Reg(Gpr::Rax)],
+            );
         }
     }
     fn analyze(&mut self, routine: u32, args: &[u64]) {
@@ -108,14 +118,27 @@ impl Tool for Heavy {
     fn instrument_trace(&mut self, t: &mut TraceInstrumenter<'_>) {
         self.bbl.instrument_trace(t);
         self.mem.instrument_trace(t);
-        let id = *self.insns_after.get_or_insert_with(|| t.alloc_counter().expect("slot"));
+        let id = *self
+            .insns_after
+            .get_or_insert_with(|| t.alloc_counter().expect("slot"));
         let insns = t.instructions().to_vec();
         for (k, i) in insns.iter().enumerate() {
             if matches!(i.kind, InsKind::Plain | InsKind::CondBranch) {
                 t.insert_counter(k, IPoint::After, id, 1);
             }
             if k % 5 == 0 && !i.mem.is_empty() {
-                t.insert_call(k, IPoint::Before, 1, &[IArg::InstPtr, IArg::MemEa(0), IArg::MemSize(0), IArg::MemPa(0), IArg::Const(42)]);
+                t.insert_call(
+                    k,
+                    IPoint::Before,
+                    1,
+                    &[
+                        IArg::InstPtr,
+                        IArg::MemEa(0),
+                        IArg::MemSize(0),
+                        IArg::MemPa(0),
+                        IArg::Const(42),
+                    ],
+                );
             }
         }
     }

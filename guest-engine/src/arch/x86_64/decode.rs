@@ -115,12 +115,8 @@ pub(crate) fn sensitive_kind(i: &Instruction) -> Option<SensitiveKind> {
         }
         M::Lar | M::Lsl | M::Verr | M::Verw => K::SegmentQuery,
         M::Rdmsr | M::Wrmsr => K::Msr,
-        M::In | M::Out | M::Insb | M::Insw | M::Insd | M::Outsb | M::Outsw | M::Outsd => {
-            K::PortIo
-        }
-        M::Hlt | M::Monitor | M::Mwait | M::Monitorx | M::Mwaitx | M::Umwait | M::Tpause => {
-            K::Halt
-        }
+        M::In | M::Out | M::Insb | M::Insw | M::Insd | M::Outsb | M::Outsw | M::Outsd => K::PortIo,
+        M::Hlt | M::Monitor | M::Mwait | M::Monitorx | M::Mwaitx | M::Umwait | M::Tpause => K::Halt,
         M::Invlpg | M::Invpcid | M::Invd | M::Wbinvd | M::Invlpga | M::Invlpgb | M::Tlbsync => {
             K::TlbOrCache
         }
@@ -131,12 +127,43 @@ pub(crate) fn sensitive_kind(i: &Instruction) -> Option<SensitiveKind> {
         M::Rdpkru | M::Wrpkru => K::ProtectionKeys,
         M::Rdtscp | M::Rdpid | M::Rdpmc => K::Timestamp,
         M::Lss | M::Lfs | M::Lgs | M::Lds | M::Les => K::SegmentRegister,
-        M::Xbegin | M::Xend | M::Xabort | M::Xtest | M::Vmcall | M::Vmmcall | M::Vmfunc
-        | M::Getsec | M::Clac | M::Stac | M::Encls | M::Enclu | M::Stui | M::Clui
-        | M::Senduipi | M::Uiret | M::Xsaves | M::Xrstors | M::Jmpe | M::Rsm | M::Skinit
-        | M::Invept | M::Invvpid | M::Vmlaunch | M::Vmresume | M::Vmxon | M::Vmxoff
-        | M::Vmptrld | M::Vmptrst | M::Vmread | M::Vmwrite | M::Vmclear | M::Vmrun
-        | M::Vmload | M::Vmsave | M::Stgi | M::Clgi => K::Other,
+        M::Xbegin
+        | M::Xend
+        | M::Xabort
+        | M::Xtest
+        | M::Vmcall
+        | M::Vmmcall
+        | M::Vmfunc
+        | M::Getsec
+        | M::Clac
+        | M::Stac
+        | M::Encls
+        | M::Enclu
+        | M::Stui
+        | M::Clui
+        | M::Senduipi
+        | M::Uiret
+        | M::Xsaves
+        | M::Xrstors
+        | M::Jmpe
+        | M::Rsm
+        | M::Skinit
+        | M::Invept
+        | M::Invvpid
+        | M::Vmlaunch
+        | M::Vmresume
+        | M::Vmxon
+        | M::Vmxoff
+        | M::Vmptrld
+        | M::Vmptrst
+        | M::Vmread
+        | M::Vmwrite
+        | M::Vmclear
+        | M::Vmrun
+        | M::Vmload
+        | M::Vmsave
+        | M::Stgi
+        | M::Clgi => K::Other,
         _ => {
             for n in 0..i.op_count() {
                 if i.op_kind(n) == OpKind::Register {
@@ -152,13 +179,17 @@ pub(crate) fn sensitive_kind(i: &Instruction) -> Option<SensitiveKind> {
                     }
                 }
             }
-            if matches!(i.flow_control(), FlowControl::IndirectBranch | FlowControl::IndirectCall)
-                && !matches!(i.code(), Code::Jmp_rm64 | Code::Call_rm64)
+            if matches!(
+                i.flow_control(),
+                FlowControl::IndirectBranch | FlowControl::IndirectCall
+            ) && !matches!(i.code(), Code::Jmp_rm64 | Code::Call_rm64)
             {
                 return Some(K::FarTransfer);
             }
-            if matches!(i.flow_control(), FlowControl::UnconditionalBranch | FlowControl::Call)
-                && i.op0_kind() == OpKind::FarBranch32
+            if matches!(
+                i.flow_control(),
+                FlowControl::UnconditionalBranch | FlowControl::Call
+            ) && i.op0_kind() == OpKind::FarBranch32
             {
                 return Some(K::FarTransfer);
             }
@@ -181,15 +212,24 @@ fn classify(i: &Instruction) -> Class {
                 | Mnemonic::Jcxz => Class::LoopLike { target },
                 _ => {
                     let cc = i.condition_code() as u32 - ConditionCode::o as u32;
-                    Class::Jcc { cc: cc as u8, target }
+                    Class::Jcc {
+                        cc: cc as u8,
+                        target,
+                    }
                 }
             }
         }
-        FlowControl::UnconditionalBranch => Class::Jmp { target: i.near_branch_target() },
-        FlowControl::Call => Class::Call { target: i.near_branch_target() },
+        FlowControl::UnconditionalBranch => Class::Jmp {
+            target: i.near_branch_target(),
+        },
+        FlowControl::Call => Class::Call {
+            target: i.near_branch_target(),
+        },
         FlowControl::IndirectBranch => Class::JmpInd,
         FlowControl::IndirectCall => Class::CallInd,
-        FlowControl::Return => Class::Ret { pop: i.immediate16() },
+        FlowControl::Return => Class::Ret {
+            pop: i.immediate16(),
+        },
         _ if i.is_ip_rel_memory_operand() => Class::RipRel,
         _ => Class::Plain,
     }
@@ -220,9 +260,8 @@ pub(crate) fn is_string_op(i: &Instruction) -> bool {
             | M::Scasd
             | M::Scasq
     ) && i.op_count() <= 2
-        && (0..i.op_count()).all(|n| {
-            !matches!(i.op_kind(n), OpKind::Register) || i.op_register(n).is_gpr()
-        })
+        && (0..i.op_count())
+            .all(|n| !matches!(i.op_kind(n), OpKind::Register) || i.op_register(n).is_gpr())
 }
 
 /// Strips `F2`/`F3` from the legacy prefixes of a string instruction.
@@ -234,7 +273,11 @@ pub(crate) fn strip_rep(bytes: &[u8]) -> ([u8; MAX_INSN_BYTES], usize) {
         if in_prefix && matches!(b, 0xF2 | 0xF3) {
             continue;
         }
-        if in_prefix && !matches!(b, 0x66 | 0x67 | 0x2E | 0x36 | 0x3E | 0x26 | 0x64 | 0x65 | 0xF0)
+        if in_prefix
+            && !matches!(
+                b,
+                0x66 | 0x67 | 0x2E | 0x36 | 0x3E | 0x26 | 0x64 | 0x65 | 0xF0
+            )
         {
             in_prefix = false;
         }
@@ -333,7 +376,9 @@ pub(crate) struct Scratch {
 
 impl Scratch {
     pub(crate) fn new() -> Self {
-        Self { factory: InstructionInfoFactory::new() }
+        Self {
+            factory: InstructionInfoFactory::new(),
+        }
     }
 }
 
@@ -416,16 +461,28 @@ pub(crate) fn decode_trace(
             rep,
             opcode: instr.mnemonic() as u16,
         });
-        t.insns.push(DecodedInsn { instr, bytes, class });
+        t.insns.push(DecodedInsn {
+            instr,
+            bytes,
+            class,
+        });
         off += len;
         t.guest_bytes += len as u64;
         match class {
             Class::Jcc { .. } | Class::LoopLike { .. } => {
                 let n = t.insns.len();
-                t.bbls.push(Bbl { first: bbl_first, count: n - bbl_first, address: t.info[bbl_first].address });
+                t.bbls.push(Bbl {
+                    first: bbl_first,
+                    count: n - bbl_first,
+                    address: t.info[bbl_first].address,
+                });
                 bbl_first = n;
             }
-            Class::Jmp { .. } | Class::Call { .. } | Class::JmpInd | Class::CallInd | Class::Ret { .. } => {
+            Class::Jmp { .. }
+            | Class::Call { .. }
+            | Class::JmpInd
+            | Class::CallInd
+            | Class::Ret { .. } => {
                 t.end = TraceEnd::Transfer;
                 break;
             }
@@ -434,7 +491,11 @@ pub(crate) fn decode_trace(
     }
     if bbl_first < t.insns.len() {
         let n = t.insns.len();
-        t.bbls.push(Bbl { first: bbl_first, count: n - bbl_first, address: t.info[bbl_first].address });
+        t.bbls.push(Bbl {
+            first: bbl_first,
+            count: n - bbl_first,
+            address: t.info[bbl_first].address,
+        });
     }
     Ok(t)
 }
@@ -549,9 +610,20 @@ mod tests {
         for (bytes, kind) in cases {
             let i = Decoder::with_ip(64, bytes, 0x1000, DecoderOptions::NONE).decode();
             assert!(!i.is_invalid(), "{bytes:02x?} does not decode");
-            assert_eq!(sensitive_kind(&i), Some(*kind), "{bytes:02x?} ({:?})", i.mnemonic());
+            assert_eq!(
+                sensitive_kind(&i),
+                Some(*kind),
+                "{bytes:02x?} ({:?})",
+                i.mnemonic()
+            );
         }
-        for bytes in [&[0x48u8, 0x01, 0xC8][..], &[0x0F, 0x31], &[0xFF, 0xE0], &[0xC3], &[0x8B, 0x05, 0, 0, 0, 0]] {
+        for bytes in [
+            &[0x48u8, 0x01, 0xC8][..],
+            &[0x0F, 0x31],
+            &[0xFF, 0xE0],
+            &[0xC3],
+            &[0x8B, 0x05, 0, 0, 0, 0],
+        ] {
             let i = Decoder::with_ip(64, bytes, 0x1000, DecoderOptions::NONE).decode();
             assert_eq!(sensitive_kind(&i), None, "{bytes:02x?}");
         }

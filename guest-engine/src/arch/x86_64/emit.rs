@@ -115,7 +115,11 @@ impl Asm {
                 return;
             }
         }
-        self.marks.push(MapMark { offset, guest_pc: self.guest_pc, spilled: self.spilled });
+        self.marks.push(MapMark {
+            offset,
+            guest_pc: self.guest_pc,
+            spilled: self.spilled,
+        });
     }
 
     pub(crate) fn spilled(&self) -> u16 {
@@ -160,9 +164,15 @@ impl Asm {
 
     fn fixup(&mut self, width: u8, label: Label) {
         let at = self.buf.len();
-        self.buf.extend(core::iter::repeat_n(0u8, usize::from(width)));
+        self.buf
+            .extend(core::iter::repeat_n(0u8, usize::from(width)));
         let end = self.buf.len();
-        self.fixups.push(Fixup { at, width, end, label });
+        self.fixups.push(Fixup {
+            at,
+            width,
+            end,
+            label,
+        });
     }
 
     /// Resolves label fixups and returns the code bytes.
@@ -247,7 +257,13 @@ impl Asm {
 
     /// `mov qword [rip+target], imm32` (sign-extended).
     pub(crate) fn mov_m64_imm32(&mut self, target: u64, imm: i32) {
-        self.riprel(Some(rex(true, 0, 0, 0)), &[0xC7], 0, target, &imm.to_le_bytes());
+        self.riprel(
+            Some(rex(true, 0, 0, 0)),
+            &[0xC7],
+            0,
+            target,
+            &imm.to_le_bytes(),
+        );
     }
 
     /// `add qword [rip+target], imm` — WRITES EFLAGS.
@@ -255,7 +271,13 @@ impl Asm {
         if let Ok(b) = i8::try_from(imm) {
             self.riprel(Some(rex(true, 0, 0, 0)), &[0x83], 0, target, &[b as u8]);
         } else {
-            self.riprel(Some(rex(true, 0, 0, 0)), &[0x81], 0, target, &imm.to_le_bytes());
+            self.riprel(
+                Some(rex(true, 0, 0, 0)),
+                &[0x81],
+                0,
+                target,
+                &imm.to_le_bytes(),
+            );
         }
     }
 
@@ -266,7 +288,11 @@ impl Asm {
 
     /// `movzx ecx, byte [rip+target]`.
     pub(crate) fn movzx_r32_m8(&mut self, r: u8, target: u64) {
-        let rx = if r >= 8 { Some(rex(false, r, 0, 0)) } else { None };
+        let rx = if r >= 8 {
+            Some(rex(false, r, 0, 0))
+        } else {
+            None
+        };
         self.riprel(rx, &[0x0F, 0xB6], r, target, &[]);
     }
 
@@ -370,6 +396,25 @@ impl Asm {
         self.mem_base_disp(dst, base, disp);
     }
 
+    /// `mov dst, [base + index*(1<<scale_log2)]`.
+    pub(crate) fn mov_r_mbi(&mut self, dst: u8, base: u8, index: u8, scale_log2: u8) {
+        self.bytes(&[rex(true, dst, index, base), 0x8B]);
+        let sib = (scale_log2 << 6) | ((index & 7) << 3) | (base & 7);
+        if base & 7 == 5 {
+            self.bytes(&[modrm(1, dst, 4), sib, 0]);
+        } else {
+            self.bytes(&[modrm(0, dst, 4), sib]);
+        }
+    }
+
+    /// `jmp r64`.
+    pub(crate) fn jmp_r(&mut self, r: u8) {
+        if r >= 8 {
+            self.buf.push(rex(false, 0, 0, r));
+        }
+        self.bytes(&[0xFF, modrm(3, 4, r)]);
+    }
+
     /// `mov [base + disp32], src`.
     pub(crate) fn mov_mb_r(&mut self, base: u8, disp: i32, src: u8) {
         self.bytes(&[rex(true, src, 0, base), 0x89]);
@@ -457,6 +502,9 @@ mod tests {
         a.pop_r(reg::RBX);
         a.jmp_m(base + 0x300);
         a.mov_r_r(reg::RDX, reg::R13);
+        a.mov_r_mbi(reg::RCX, reg::RDX, reg::RCX, 3);
+        a.jmp_r(reg::RCX);
+        a.jmp_r(reg::R13);
         let (code, _) = a.finish().expect("no labels");
         let text = dis(base, &code);
         let expect = [
@@ -483,6 +531,9 @@ mod tests {
             "pop rbx",
             "jmp qword [rel 700000000300h]",
             "mov rdx,r13",
+            "mov rcx,[rdx+rcx*8]",
+            "jmp rcx",
+            "jmp r13",
         ];
         assert_eq!(text, expect);
     }

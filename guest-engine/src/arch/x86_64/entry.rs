@@ -89,6 +89,7 @@ pub(crate) struct CtxAddrs {
     pub spill: u64,
     pub exit_word: u64,
     pub ibl_target: u64,
+    pub ret_target: u64,
     pub jump_target: u64,
     pub enter_target: u64,
     pub host_rsp: u64,
@@ -110,6 +111,7 @@ impl CtxAddrs {
             spill: o(offset_of!(CacheContext, spill)),
             exit_word: o(offset_of!(CacheContext, exit_word)),
             ibl_target: o(offset_of!(CacheContext, ibl_target)),
+            ret_target: o(offset_of!(CacheContext, ret_target)),
             jump_target: o(offset_of!(CacheContext, jump_target)),
             enter_target: o(offset_of!(CacheContext, enter_target)),
             host_rsp: o(offset_of!(CacheContext, host_rsp)),
@@ -128,6 +130,9 @@ pub(crate) struct Gencode {
     pub enter: u64,
     pub exit: u64,
     pub ibl_miss: u64,
+    /// Shared hash lookup (RDX = target, RCX/RDX spilled), used after return-cache misses;
+    /// 0 when the region has no IBL table (native runner).
+    pub ibl_shared: u64,
 }
 
 /// Addresses of the two 64-byte aligned XSAVE areas (guest, host) used when the engine
@@ -146,7 +151,12 @@ const HOST_SAVED: [u8; 6] = [reg::RBX, reg::RBP, reg::R12, reg::R13, 14, reg::R1
 /// # Safety
 /// `at` must be writable and executable for `GENCODE_BYTES` bytes and `ctx` must
 /// be a `CacheContext` within ±2 GiB of `at`.
-pub(crate) unsafe fn emit_gencode(at: *mut u8, ctx: &CtxAddrs, xsave: Option<XsaveAreas>) -> Gencode {
+pub(crate) unsafe fn emit_gencode(
+    at: *mut u8,
+    ctx: &CtxAddrs,
+    xsave: Option<XsaveAreas>,
+    ibl_table: Option<u64>,
+) -> Gencode {
     let base = at as u64;
     let mut a = Asm::new(base, ctx.spill);
 
@@ -200,12 +210,60 @@ pub(crate) unsafe fn emit_gencode(at: *mut u8, ctx: &CtxAddrs, xsave: Option<Xsa
     a.mov_m64_imm32(ctx.exit_word, exit_word(EXIT_IBL_MISS, 0));
     a.jmp_abs(exit);
 
-    let (code, _) = a.finish().expect("gencode uses no labels");
-    assert!(code.len() <= GENCODE_BYTES, "gencode exceeds its reserved area");
+    let ibl_shared = match ibl_table {
+        Some(table) => {
+            let pc = a.pc();
+            a.set_spilled(1 << reg::RCX | 1 << reg::RDX);
+            emit_ibl_lookup(&mut a, ctx, table, ibl_miss);
+            pc
+        }
+        None => 0,
+    };
+
+    let (code, _) = a.finish().expect("gencode labels are all bound");
+    assert!(
+        code.len() <= GENCODE_BYTES,
+        "gencode exceeds its reserved area"
+    );
     // SAFETY: the caller guarantees `at` is writable for GENCODE_BYTES bytes, and the
     // code was just checked to fit.
     unsafe { core::ptr::copy_nonoverlapping(code.as_ptr(), at, code.len()) };
-    Gencode { enter, exit, ibl_miss }
+    Gencode {
+        enter,
+        exit,
+        ibl_miss,
+        ibl_shared,
+    }
+}
+
+/// The indirect-branch lookup: RDX = guest target, RCX/RDX spilled (RAX is spilled here).
+/// Two probes of the `[-va, cache_pc]` table keyed by the low 16 bits of the target,
+/// compared flag-free with `lea` + `jrcxz`; a hit restores RAX/RCX/RDX and jumps through
+/// `ctx.jump_target`, a miss goes to `ibl_miss`.
+pub(crate) fn emit_ibl_lookup(a: &mut Asm, c: &CtxAddrs, ibl_table: u64, ibl_miss: u64) {
+    a.emit_spill(reg::RAX);
+    let hit = a.new_label();
+    let hit2 = a.new_label();
+    a.movzx_r32_r16(reg::RAX, reg::RDX);
+    a.lea_r_bi(reg::RAX, reg::RAX, reg::RAX, 0);
+    a.lea_r_rip(reg::RCX, ibl_table);
+    a.lea_r_bi(reg::RAX, reg::RCX, reg::RAX, 3);
+    a.mov_r_mb(reg::RCX, reg::RAX, 0);
+    a.lea_r_bi(reg::RCX, reg::RCX, reg::RDX, 0);
+    a.jrcxz_label(hit);
+    a.mov_r_mb(reg::RCX, reg::RAX, 16);
+    a.lea_r_bi(reg::RCX, reg::RCX, reg::RDX, 0);
+    a.jrcxz_label(hit2);
+    a.jmp_abs(ibl_miss);
+    a.bind(hit2);
+    a.lea_r_disp(reg::RAX, reg::RAX, 16);
+    a.bind(hit);
+    a.mov_r_mb(reg::RAX, reg::RAX, 8);
+    a.mov_m_r(c.jump_target, reg::RAX);
+    a.emit_unspill(reg::RAX);
+    a.emit_unspill(reg::RCX);
+    a.emit_unspill(reg::RDX);
+    a.jmp_m(c.jump_target);
 }
 
 /// Runs translated code: loads the guest state from the context and jumps to `target`.

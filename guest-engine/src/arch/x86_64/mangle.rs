@@ -17,12 +17,16 @@
 
 use alloc::vec::Vec;
 
-use iced_x86::{Code, Encoder, Instruction, InstructionInfoFactory, MemoryOperand, OpKind, Register};
+use iced_x86::{
+    Code, Encoder, Instruction, InstructionInfoFactory, MemoryOperand, OpKind, Register,
+};
 
-use super::decode::{flags_liveness, strip_rep, Class, DecodedInsn, DecodedTrace, Scratch, TraceEnd};
+use super::decode::{
+    flags_liveness, strip_rep, Class, DecodedInsn, DecodedTrace, Scratch, TraceEnd,
+};
 use super::emit::{reg, Asm, Label, MapMark};
 use super::entry::{
-    exit_word, CtxAddrs, Gencode, EXIT_ANALYSIS_CALL, EXIT_ATTENTION, EXIT_BUFFER_FULL,
+    emit_ibl_lookup, exit_word, CtxAddrs, Gencode, EXIT_ANALYSIS_CALL, EXIT_ATTENTION, EXIT_BUFFER_FULL,
     EXIT_DIRECT, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
 };
 use crate::addr::GuestVirt;
@@ -43,6 +47,9 @@ pub(crate) struct EmitEnv {
     pub softtlb_slot: u64,
     pub counters: u64,
     pub count_ibl: bool,
+    /// Return cache table (`ret` goes through it when `return_cache`).
+    pub rc_table: u64,
+    pub return_cache: bool,
     /// Exit-record index of this trace's first exit.
     pub exit_base: u32,
 }
@@ -69,6 +76,7 @@ pub(crate) enum ExitSpec {
 pub(crate) struct Translated {
     pub code: Vec<u8>,
     pub checked_entry: usize,
+    pub ret_entry: usize,
     pub entry: usize,
     pub body: usize,
     pub exits: Vec<ExitSpec>,
@@ -97,7 +105,9 @@ fn hw(r: Register) -> u8 {
 
 fn reg_of(n: u8) -> Register {
     // SAFETY-free conversion: RAX..R15 are contiguous in iced's Register enum.
-    Register::values().nth(Register::RAX as usize + usize::from(n)).unwrap_or(Register::RAX)
+    Register::values()
+        .nth(Register::RAX as usize + usize::from(n))
+        .unwrap_or(Register::RAX)
 }
 
 impl Tx<'_> {
@@ -110,14 +120,27 @@ impl Tx<'_> {
         let label = self.a.new_label();
         let word = exit_word(kind, self.exit_index());
         self.exits.push(spec);
-        self.stubs.push(Stub { label, word, restore, guest_pc });
+        self.stubs.push(Stub {
+            label,
+            word,
+            restore,
+            guest_pc,
+        });
         label
     }
 
     /// Emits a direct exit: `jmp rel32` (or `jcc rel32` when `cc` is given) to a stub.
     fn emit_direct_exit(&mut self, cc: Option<u8>, target: u64, guest_pc: u64) {
         let idx = self.exits.len();
-        let l = self.new_stub(EXIT_DIRECT, ExitSpec::Direct { target, patch_off: 0 }, 0, guest_pc);
+        let l = self.new_stub(
+            EXIT_DIRECT,
+            ExitSpec::Direct {
+                target,
+                patch_off: 0,
+            },
+            0,
+            guest_pc,
+        );
         let patch_off = match cc {
             Some(c) => self.a.jcc_label(c, l),
             None => self.a.jmp_label(l),
@@ -135,7 +158,8 @@ impl Tx<'_> {
 
     fn encode(&self, i: &Instruction, guest_pc: u64) -> Result<Vec<u8>, EngineError> {
         let mut enc = Encoder::new(64);
-        enc.encode(i, self.a.pc()).map_err(|_| EngineError::Encode(GuestVirt(guest_pc)))?;
+        enc.encode(i, self.a.pc())
+            .map_err(|_| EngineError::Encode(GuestVirt(guest_pc)))?;
         Ok(enc.take_buffer())
     }
 
@@ -148,7 +172,9 @@ impl Tx<'_> {
                 used |= 1 << hw(r);
             }
         }
-        (0..16u8).find(|r| used & (1 << r) == 0).ok_or(EngineError::Unsupported(GuestVirt(i.ip())))
+        (0..16u8)
+            .find(|r| used & (1 << r) == 0)
+            .ok_or(EngineError::Unsupported(GuestVirt(i.ip())))
     }
 
     // ---- entry checks ------------------------------------------------------------------
@@ -165,7 +191,10 @@ impl Tx<'_> {
             1 << a_rcx | 1 << a_rdx,
             guest_pc,
         );
-        for (slot, expect) in [(self.env.softtlb_slot, va_page), (self.env.softtlb_slot + 8, pa_page)] {
+        for (slot, expect) in [
+            (self.env.softtlb_slot, va_page),
+            (self.env.softtlb_slot + 8, pa_page),
+        ] {
             let ok = self.a.new_label();
             self.a.mov_r_m(a_rcx, slot);
             self.a.mov_r_imm64(a_rdx, expect.wrapping_neg());
@@ -213,9 +242,18 @@ impl Tx<'_> {
     fn insert_analysis_call(&mut self, call: usize) {
         let resume = self.a.new_label();
         let idx = self.exits.len();
-        self.emit_exit_inline(EXIT_ANALYSIS_CALL, ExitSpec::Call { call, resume_off: 0 });
+        self.emit_exit_inline(
+            EXIT_ANALYSIS_CALL,
+            ExitSpec::Call {
+                call,
+                resume_off: 0,
+            },
+        );
         self.a.bind(resume);
-        self.exits[idx] = ExitSpec::Call { call, resume_off: self.a.offset() };
+        self.exits[idx] = ExitSpec::Call {
+            call,
+            resume_off: self.a.offset(),
+        };
     }
 
     /// `lea rcx, [operand]` computed from the (unmodified) guest registers, plus the FS/GS
@@ -229,7 +267,15 @@ impl Tx<'_> {
                 let index = x.map_or(Register::None, |r| reg_of(r as u8));
                 let disp = m.disp as i64;
                 let displ_size = if disp == 0 { 0 } else { 1 };
-                let mo = MemoryOperand::new(base, index, u32::from(m.scale.max(1)), disp, displ_size, false, Register::None);
+                let mo = MemoryOperand::new(
+                    base,
+                    index,
+                    u32::from(m.scale.max(1)),
+                    disp,
+                    displ_size,
+                    false,
+                    Register::None,
+                );
                 let i = Instruction::with2(Code::Lea_r64_m, Register::RCX, mo)
                     .map_err(|_| EngineError::Encode(GuestVirt(ip)))?;
                 let b = self.encode(&i, ip)?;
@@ -263,7 +309,8 @@ impl Tx<'_> {
             self.a.mov_mb_r(reg::RAX, 8, reg::RCX);
             self.a.mov_mb32_imm32(reg::RAX, 16, m.size);
             self.a.mov_mb32_imm32(reg::RAX, 20, m.access);
-            self.a.lea_r_disp(reg::RAX, reg::RAX, MEM_RECORD_BYTES as i32);
+            self.a
+                .lea_r_disp(reg::RAX, reg::RAX, MEM_RECORD_BYTES as i32);
             self.a.mov_m_r(c.buf_ptr, reg::RAX);
             self.a.mov_r_m(reg::RCX, c.buf_neg_end);
             self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
@@ -286,7 +333,9 @@ impl Tx<'_> {
             let rel = self.a.offset() - (at + 1);
             self.a.buf[at] = u8::try_from(rel).map_err(|_| EngineError::BranchOutOfRange)?;
             self.a.bind(resume);
-            self.exits[idx] = ExitSpec::BufferFull { resume_off: self.a.offset() };
+            self.exits[idx] = ExitSpec::BufferFull {
+                resume_off: self.a.offset(),
+            };
         }
         Ok(())
     }
@@ -380,38 +429,58 @@ impl Tx<'_> {
         Ok(())
     }
 
-    /// Inline indirect-branch lookup: RDX = guest target, RCX/RDX spilled.
-    /// Two probes of the hash table (`[-va, cache_pc]` pairs), flag-free.
-    fn emit_ibl(&mut self) {
-        let c = self.env.ctx;
-        self.a.emit_spill(reg::RAX);
+    fn emit_count_lookup(&mut self) {
         if self.env.count_ibl {
+            let c = self.env.ctx;
             self.a.mov_r_m(reg::RCX, c.ibl_lookups);
             self.a.lea_r_disp(reg::RCX, reg::RCX, 1);
             self.a.mov_m_r(c.ibl_lookups, reg::RCX);
         }
-        let hit = self.a.new_label();
-        let hit2 = self.a.new_label();
-        self.a.movzx_r32_r16(reg::RAX, reg::RDX);
-        self.a.lea_r_bi(reg::RAX, reg::RAX, reg::RAX, 0);
-        self.a.lea_r_rip(reg::RCX, self.env.ibl_table);
-        self.a.lea_r_bi(reg::RAX, reg::RCX, reg::RAX, 3);
-        self.a.mov_r_mb(reg::RCX, reg::RAX, 0);
+    }
+
+    /// Inline indirect-branch lookup: RDX = guest target, RCX/RDX spilled. Inlined per
+    /// site so that each site ends in its own indirect jump (its own prediction).
+    fn emit_ibl(&mut self) {
+        self.emit_count_lookup();
+        let (ctx, table, miss) = (self.env.ctx, self.env.ibl_table, self.env.gen.ibl_miss);
+        emit_ibl_lookup(&mut self.a, &ctx, table, miss);
+    }
+
+    /// Return through the return cache (HDTrans-style): RDX = popped guest return address,
+    /// RCX/RDX spilled. The slot for the low 16 bits of the address holds the `ret_entry`
+    /// landing pad of the fragment last seen at such an address; the pad checks the full
+    /// address. Empty slots and wrong pads fall back to the shared hash lookup.
+    fn emit_return_cache(&mut self) {
+        let c = self.env.ctx;
+        self.emit_count_lookup();
+        let miss = self.a.new_label();
+        self.a.mov_m_r(c.ret_target, reg::RDX);
+        self.a.movzx_r32_r16(reg::RCX, reg::RDX);
+        self.a.lea_r_rip(reg::RDX, self.env.rc_table);
+        self.a.mov_r_mbi(reg::RCX, reg::RDX, reg::RCX, 3);
+        self.a.jrcxz_label(miss);
+        self.a.jmp_r(reg::RCX);
+        self.a.bind(miss);
+        self.a.mov_r_m(reg::RDX, c.ret_target);
+        self.a.jmp_abs(self.env.gen.ibl_shared);
+    }
+
+    /// The landing pad a return-cache hit jumps to: checks that the popped address is this
+    /// fragment's start, else continues in the shared hash lookup.
+    fn emit_ret_entry(&mut self, start: u64) {
+        let c = self.env.ctx;
+        self.a.mark_guest(start);
+        self.a.set_spilled(1 << reg::RCX | 1 << reg::RDX);
+        let ok = self.a.new_label();
+        self.a.mov_r_m(reg::RCX, c.ret_target);
+        self.a.mov_r_imm64(reg::RDX, start.wrapping_neg());
         self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RDX, 0);
-        self.a.jrcxz_label(hit);
-        self.a.mov_r_mb(reg::RCX, reg::RAX, 16);
-        self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RDX, 0);
-        self.a.jrcxz_label(hit2);
-        self.a.jmp_abs(self.env.gen.ibl_miss);
-        self.a.bind(hit2);
-        self.a.lea_r_disp(reg::RAX, reg::RAX, 16);
-        self.a.bind(hit);
-        self.a.mov_r_mb(reg::RAX, reg::RAX, 8);
-        self.a.mov_m_r(c.jump_target, reg::RAX);
-        self.a.emit_unspill(reg::RAX);
+        self.a.jrcxz_label(ok);
+        self.a.mov_r_m(reg::RDX, c.ret_target);
+        self.a.jmp_abs(self.env.gen.ibl_shared);
+        self.a.bind(ok);
         self.a.emit_unspill(reg::RCX);
         self.a.emit_unspill(reg::RDX);
-        self.a.jmp_m(c.jump_target);
     }
 
     fn mangle_indirect(&mut self, d: &DecodedInsn) -> Result<(), EngineError> {
@@ -431,12 +500,20 @@ impl Tx<'_> {
             }
             _ => self.emit_load_target_rdx(i)?,
         }
-        self.emit_ibl();
+        if matches!(d.class, Class::Ret { .. }) && self.env.return_cache {
+            self.emit_return_cache();
+        } else {
+            self.emit_ibl();
+        }
         Ok(())
     }
 
     /// `rep` string instruction with per-iteration records: an explicit loop.
-    fn mangle_rep_string(&mut self, d: &DecodedInsn, ops: &[MemOperand]) -> Result<(), EngineError> {
+    fn mangle_rep_string(
+        &mut self,
+        d: &DecodedInsn,
+        ops: &[MemOperand],
+    ) -> Result<(), EngineError> {
         let i = &d.instr;
         let (one, n) = strip_rep(d.bytes());
         let top = self.a.new_label();
@@ -473,7 +550,11 @@ impl Tx<'_> {
         Ok(())
     }
 
-    fn mangle_insn(&mut self, d: &DecodedInsn, rep_records: Option<&[MemOperand]>) -> Result<(), EngineError> {
+    fn mangle_insn(
+        &mut self,
+        d: &DecodedInsn,
+        rep_records: Option<&[MemOperand]>,
+    ) -> Result<(), EngineError> {
         let i = &d.instr;
         let pc = i.ip();
         match d.class {
@@ -534,6 +615,11 @@ pub(crate) fn translate_trace(
     let start = t.start.0;
     let checked_entry = tx.a.offset();
     tx.emit_pa_check(t.start.page().0, t.pa.page().0, start);
+    let entry_label = tx.a.new_label();
+    tx.a.jmp_label(entry_label);
+    let ret_entry = tx.a.offset();
+    tx.emit_ret_entry(start);
+    tx.a.bind(entry_label);
     let entry = tx.a.offset();
     tx.emit_attention_check(live[0] == 0, start);
     let body = tx.a.offset();
@@ -556,8 +642,10 @@ pub(crate) fn translate_trace(
         tx.insert_actions(&before, &info.mem, pc, live[k] == 0, rep_loop)?;
         tx.a.mark_guest(pc);
         tx.mangle_insn(d, if rep_loop { Some(&info.mem) } else { None })?;
-        let falls_through =
-            matches!(d.class, Class::Plain | Class::RipRel | Class::Jcc { .. } | Class::LoopLike { .. });
+        let falls_through = matches!(
+            d.class,
+            Class::Plain | Class::RipRel | Class::Jcc { .. } | Class::LoopLike { .. }
+        );
         if falls_through && !after.is_empty() {
             let next = d.instr.next_ip();
             tx.a.mark_guest(next);
@@ -578,7 +666,15 @@ pub(crate) fn translate_trace(
     tx.emit_stubs();
     let exits = core::mem::take(&mut tx.exits);
     let (code, marks) = tx.a.finish()?;
-    Ok(Translated { code, checked_entry, entry, body, exits, marks })
+    Ok(Translated {
+        code,
+        checked_entry,
+        ret_entry,
+        entry,
+        body,
+        exits,
+        marks,
+    })
 }
 
 #[cfg(test)]
@@ -587,7 +683,15 @@ mod tests {
 
     #[test]
     fn test_encode_mov_rdx_mem() {
-        let mo = MemoryOperand::new(Register::RBX, Register::None, 1, 8, 1, false, Register::None);
+        let mo = MemoryOperand::new(
+            Register::RBX,
+            Register::None,
+            1,
+            8,
+            1,
+            false,
+            Register::None,
+        );
         let l = Instruction::with2(Code::Mov_r64_rm64, Register::RDX, mo).expect("create");
         let mut enc = Encoder::new(64);
         let r = enc.encode(&l, 0x7000_0000_0000);
