@@ -63,9 +63,9 @@ impl CodeCache {
             guest: base as u64 + XSAVE_GUEST_OFFSET as u64,
             host: base as u64 + XSAVE_HOST_OFFSET as u64,
         });
-        // SAFETY: GENCODE_OFFSET..+GENCODE_BYTES lies in the region, which is RWX, and
-        // the context is at the region start (< 2 GiB away).
         let ibl = base as u64 + IBL_OFFSET as u64;
+        // SAFETY: GENCODE_OFFSET..+GENCODE_BYTES lies in the region, which is RWX, and
+        // the context and IBL table are in the same region (< 2 GiB away).
         let gen = unsafe { emit_gencode(base.add(GENCODE_OFFSET), &ctx, xs, Some(ibl)) };
         let mut c = Self {
             base,
