@@ -4,7 +4,10 @@
 //! visible `SKIPPED: no /dev/kvm` line and return, so a run without KVM says what it did
 //! not test instead of passing silently.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use host_daemon::{Daemon, DaemonStats};
+use vmm::{RunReport, Vm, VmConfig};
 
 /// Whether `/dev/kvm` can be opened; prints `SKIPPED: no /dev/kvm (<test>)` if not.
 pub fn kvm_available(test: &str) -> bool {
@@ -20,6 +23,16 @@ pub fn kvm_available(test: &str) -> bool {
             false
         }
     }
+}
+
+/// Boots `cfg` and runs it to the end, serving its I/O ring into `out`.
+pub fn run_guest(cfg: &VmConfig, out: &Path) -> (RunReport, DaemonStats) {
+    let mut daemon = Daemon::new(out);
+    let report = Vm::new(cfg)
+        .expect("create VM")
+        .run(&mut daemon)
+        .expect("run VM");
+    (report, daemon.finish().expect("finish output files"))
 }
 
 /// Load address of the tiny test guests.

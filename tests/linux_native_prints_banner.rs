@@ -7,9 +7,9 @@
 
 use std::time::Duration;
 
-use kpin_tests::{kvm_available, scratch_dir};
+use kpin_tests::{kvm_available, run_guest, scratch_dir};
 use vmm::guests::LINUX_CMDLINE;
-use vmm::{Vm, VmConfig};
+use vmm::VmConfig;
 
 /// The banner appears after ~11 s here; the timeout leaves room for a slower machine.
 const BOOT_BUDGET: Duration = Duration::from_secs(45);
@@ -34,7 +34,7 @@ fn test_linux_native_boot_prints_version_banner() {
         echo_console: false,
         system_map: Some(linux.system_map),
     };
-    let report = Vm::new(&cfg).expect("create VM").run().expect("run VM");
+    let (report, _) = run_guest(&cfg, &dir);
     let log = std::fs::read_to_string(&console).expect("console log");
     let banner = format!("Linux version {}", linux.kernel_version);
     assert!(

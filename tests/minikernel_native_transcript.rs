@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use kpin_tests::{compare_minikernel_transcript, kvm_available, scratch_dir};
+use kpin_tests::{compare_minikernel_transcript, kvm_available, run_guest, scratch_dir};
 use vmm::guests::MINIKERNEL_NATIVE_CMDLINE;
-use vmm::{Outcome, Vm, VmConfig};
+use vmm::{Outcome, VmConfig};
 
 #[test]
 fn test_minikernel_native_transcript_matches_expected() {
@@ -28,7 +28,7 @@ fn test_minikernel_native_transcript_matches_expected() {
         echo_console: false,
         system_map: None,
     };
-    let report = Vm::new(&cfg).expect("create VM").run().expect("run VM");
+    let (report, _) = run_guest(&cfg, &dir);
     let log = std::fs::read_to_string(&console).expect("console log");
     assert_eq!(
         report.outcome,

@@ -2,8 +2,8 @@
 //! a triple fault and an unhandled port each end the run with the right outcome, and
 //! every crash carries a guest-state dump.
 
-use kpin_tests::{kvm_available, scratch_dir, tiny_elf};
-use vmm::{Outcome, Vm, VmConfig};
+use kpin_tests::{kvm_available, run_guest, scratch_dir, tiny_elf};
+use vmm::{Outcome, VmConfig};
 
 /// `mov dx,0x3f8; mov al,'O'; out dx,al; mov al,'K'; out dx,al; mov al,10; out dx,al`
 const PRINT_OK: &[u8] = &[
@@ -27,7 +27,7 @@ fn run(name: &str, code: &[u8]) -> (vmm::RunReport, String) {
         echo_console: false,
         system_map: None,
     };
-    let report = Vm::new(&cfg).unwrap().run().unwrap();
+    let (report, _) = run_guest(&cfg, &dir);
     let text = std::fs::read_to_string(console).unwrap();
     (report, text)
 }
@@ -94,7 +94,7 @@ fn test_spinning_guest_times_out() {
         echo_console: false,
         system_map: None,
     };
-    let report = Vm::new(&cfg).unwrap().run().unwrap();
+    let (report, _) = run_guest(&cfg, &dir);
     assert_eq!(report.outcome, Outcome::Timeout);
     assert!(report.dump.unwrap().contains("jmp"));
 }

@@ -14,8 +14,10 @@
 /// Virtual base of the engine window: PML4 slot 256, the start of the range Linux
 /// leaves to hypervisors (`0xffff_8000_0000_0000`–`0xffff_87ff_ffff_ffff`).
 pub const WINDOW_VA: u64 = 0xffff_8000_0000_0000;
-/// Virtual base at which the engine's boot page tables map all guest-physical memory
-/// (guest RAM and the stolen region) with 1 GiB pages: PML4 slot 258.
+/// Virtual base at which the engine maps all guest-physical memory (guest RAM and the
+/// stolen region): PML4 slot 258. Use 2 MiB pages: this KVM offers no 1 GiB pages
+/// (`pdpe1gb` is absent from `KVM_GET_SUPPORTED_CPUID`, and a 1 GiB PDPT entry faults
+/// with the reserved-bit error code).
 pub const PHYSMAP_VA: u64 = 0xffff_8100_0000_0000;
 /// Attach block offset.
 pub const ATTACH_OFFSET: u64 = 0;
@@ -27,7 +29,12 @@ pub const BOOT_PT_OFFSET: u64 = 0x8000;
 pub const BOOT_PT_BYTES: u64 = 0x8000;
 /// Offset of the host I/O ring (header, then data).
 pub const IO_RING_OFFSET: u64 = 0x10_0000;
-/// Bytes of the host I/O ring, header included.
-pub const IO_RING_BYTES: u64 = 0x10_0000;
+/// Bytes of the host I/O ring: a 4 KiB header and 512 KiB of data (the data area must be
+/// a power of two).
+pub const IO_RING_BYTES: u64 = 0x1000 + 0x8_0000;
 /// Offset at which the engine image is linked and loaded.
 pub const ENGINE_OFFSET: u64 = 0x20_0000;
+
+const _: () = assert!(IO_RING_OFFSET + IO_RING_BYTES <= ENGINE_OFFSET);
+const _: () = assert!(BOOT_PT_OFFSET + BOOT_PT_BYTES <= IO_RING_OFFSET);
+const _: () = assert!(ATTACH_OFFSET + ATTACH_BYTES <= BOOT_PT_OFFSET);

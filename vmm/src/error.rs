@@ -64,6 +64,12 @@ pub enum VmmError {
     /// The console file could not be created.
     #[error("cannot create console file {}", .0.display())]
     ConsoleFile(PathBuf, #[source] std::io::Error),
+    /// The host I/O ring could not be set up in the stolen region.
+    #[error("cannot set up the host I/O ring ({0:?})")]
+    Ring(kpin_abi::io_ring::RingError),
+    /// The host daemon failed while serving the ring.
+    #[error("host daemon failed")]
+    Daemon(#[source] host_daemon::DaemonError),
     /// An eventfd or signal handler could not be set up.
     #[error("host setup failed: {0}")]
     Host(&'static str, #[source] std::io::Error),

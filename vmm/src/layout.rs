@@ -43,3 +43,6 @@ pub const MAX_MEM_MIB: u64 = 64 << 10;
 /// Guest-physical addresses below this are reserved for the boot structures above and
 /// are never handed out for an initrd.
 pub const INITRD_ALIGN_BYTES: u64 = 0x1000;
+/// Fill level of the host I/O ring at which the engine rings the doorbell: a busy tool
+/// exits to the VMM once per this many bytes, not once per write.
+pub const IO_RING_BATCH_BYTES: u32 = 128 << 10;

@@ -119,6 +119,11 @@ struct Summary<'a> {
     exits_io_out: u64,
     exits_io_absent: u64,
     exits_interrupted: u64,
+    ring_doorbells: u64,
+    ring_records: u64,
+    files_written: u64,
+    files_refused: u64,
+    engine_log_lines: u64,
 }
 
 fn main() -> ExitCode {
@@ -217,7 +222,11 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         vm.boot.format,
         args.mem
     ));
-    let report = vm.run()?;
+    let mut daemon = host_daemon::Daemon::new(&out);
+    let report = vm.run(&mut daemon)?;
+    let ring = daemon
+        .finish()
+        .context("cannot finish the run's output files")?;
 
     if let Some(dump) = &report.dump {
         eprint!("{dump}");
@@ -239,6 +248,11 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         exits_io_out: report.exits.io_out,
         exits_io_absent: report.exits.io_absent,
         exits_interrupted: report.exits.interrupted,
+        ring_doorbells: report.exits.doorbells,
+        ring_records: ring.records,
+        files_written: ring.files_opened,
+        files_refused: ring.files_refused,
+        engine_log_lines: ring.log_lines,
     };
     let json = serde_json::to_string_pretty(&summary).context("cannot encode the run summary")?;
     std::fs::write(out.join("run.json"), json + "\n")

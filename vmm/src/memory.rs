@@ -142,6 +142,14 @@ impl GuestMemory {
         self.ram_bytes.min(MMIO_GAP_START)
     }
 
+    /// Host address of `offset` bytes into the stolen region.
+    pub fn stolen_host_address(&self, offset: u64) -> Result<*mut u8> {
+        let base = stolen_base(self.ram_bytes);
+        self.stolen
+            .get_host_address(GuestAddress(base + offset))
+            .map_err(|e| VmmError::GuestAccess(base + offset, e))
+    }
+
     /// Reads guest-physical memory (RAM or stolen region) into `buf`, failing if any byte
     /// is outside both.
     pub fn read(&self, gpa: u64, buf: &mut [u8]) -> Result<()> {

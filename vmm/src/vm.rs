@@ -9,6 +9,9 @@ use std::path::PathBuf;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
+use host_daemon::Daemon;
+use kpin_abi::io_ring::{self, Consumer};
+use kpin_abi::stolen::{IO_RING_BYTES, IO_RING_OFFSET};
 use kvm_bindings::{kvm_pit_config, CpuId, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 use vm_superio::Serial;
@@ -17,12 +20,14 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::boot::{self, BootInfo};
 use crate::cpuid;
 use crate::devices::bus::{DeviceAction, PortBus, Routed};
+use crate::devices::engine_ports::{EnginePorts, ENGINE_PORTS_BASE, ENGINE_PORTS_SPAN};
 use crate::devices::i8042::{I8042, I8042_DATA_PORT, I8042_PORT_SPAN};
 use crate::devices::serial::{
     Com1, ConsoleSink, ConsoleWatch, IrqTrigger, COM1_IRQ, COM1_PORT, COM1_PORT_SPAN,
 };
 use crate::dump;
 use crate::error::{Result, VmmError};
+use crate::layout::IO_RING_BATCH_BYTES;
 use crate::memory::GuestMemory;
 use crate::symbols::Symbols;
 use crate::watchdog::Watchdog;
@@ -100,6 +105,8 @@ pub enum Outcome {
     },
     /// Another exit kpin does not expect.
     UnexpectedExit(String),
+    /// The engine reported a failure through its failure port.
+    EngineFailure,
     /// The run's timeout expired.
     Timeout,
 }
@@ -130,6 +137,7 @@ impl Outcome {
                 if *write { "write" } else { "read" }
             ),
             Outcome::UnexpectedExit(what) => format!("unexpected exit: {what}"),
+            Outcome::EngineFailure => "the engine reported a failure (see engine.log)".into(),
             Outcome::Timeout => "timeout expired".into(),
         }
     }
@@ -154,6 +162,8 @@ pub struct ExitCounters {
     pub io_in: u64,
     /// Accesses to known-absent legacy ports.
     pub io_absent: u64,
+    /// I/O-ring doorbells.
+    pub doorbells: u64,
     /// Returns from `KVM_RUN` because of a signal.
     pub interrupted: u64,
     /// All `KVM_RUN` returns.
@@ -180,6 +190,7 @@ pub struct Vm {
     // Field order matters: the vCPU and VM fds drop before the memory they map.
     vcpu: VcpuFd,
     _vm: VmFd,
+    ring: Consumer,
     mem: GuestMemory,
     bus: PortBus,
     console: Rc<ConsoleWatch>,
@@ -209,6 +220,16 @@ impl Vm {
             .map_err(|e| VmmError::Kvm("KVM_CREATE_PIT2", e))?;
         let mem = GuestMemory::new(&vm, cfg.mem_mib)?;
         let boot = boot::load(&mem, &cfg.kernel, cfg.initrd.as_deref(), &cfg.cmdline)?;
+        let ring_base = mem.stolen_host_address(IO_RING_OFFSET)?;
+        let ring_bytes = usize::try_from(IO_RING_BYTES).expect("the ring size fits usize");
+        // SAFETY: the ring lies inside the stolen region's mapping (IO_RING_OFFSET +
+        // IO_RING_BYTES is within STOLEN_SIZE_BYTES), which `mem` keeps mapped for the VM's
+        // lifetime and which is page-aligned; nothing is attached to the ring yet.
+        unsafe { io_ring::format(ring_base, ring_bytes, IO_RING_BATCH_BYTES) }
+            .map_err(VmmError::Ring)?;
+        // SAFETY: as above; the VMM is the ring's only consumer, and `ring` is declared
+        // before `mem` in `Vm`, so it is dropped before the mapping is.
+        let ring = unsafe { Consumer::attach(ring_base, ring_bytes) }.map_err(VmmError::Ring)?;
 
         let vcpu = vm
             .create_vcpu(0)
@@ -244,6 +265,7 @@ impl Vm {
             Box::new(Com1(Serial::new(IrqTrigger(irq), sink))),
         );
         bus.insert(I8042_DATA_PORT, I8042_PORT_SPAN, Box::new(I8042::default()));
+        bus.insert(ENGINE_PORTS_BASE, ENGINE_PORTS_SPAN, Box::new(EnginePorts));
 
         let symbols = match &cfg.system_map {
             Some(p) => Some(Symbols::load(p).map_err(|e| VmmError::ReadFile(p.clone(), e))?),
@@ -252,6 +274,7 @@ impl Vm {
         Ok(Vm {
             vcpu,
             _vm: vm,
+            ring,
             mem,
             bus,
             console,
@@ -262,8 +285,9 @@ impl Vm {
         })
     }
 
-    /// Runs the guest until it powers off, crashes, or the timeout expires.
-    pub fn run(mut self) -> Result<RunReport> {
+    /// Runs the guest until it powers off, crashes, or the timeout expires. `daemon`
+    /// serves the host I/O ring on every doorbell and once more at the end.
+    pub fn run(mut self, daemon: &mut Daemon) -> Result<RunReport> {
         let watchdog = Watchdog::arm(self.timeout)?;
         let start = Instant::now();
         let mut exits = ExitCounters::default();
@@ -285,6 +309,13 @@ impl Vm {
             }
             match step {
                 Step::Continue => {}
+                Step::DrainRing => {
+                    exits.doorbells += 1;
+                    if let Err(e) = daemon.serve(&mut self.ring) {
+                        watchdog.finish();
+                        return Err(VmmError::Daemon(e));
+                    }
+                }
                 Step::InternalError => {
                     let run = self.vcpu.get_kvm_run();
                     // SAFETY: KVM filled the `internal` member of the exit union for a
@@ -301,6 +332,8 @@ impl Vm {
         };
         watchdog.finish();
         let wall = start.elapsed();
+        // Whatever the engine wrote before the end (its last log lines on a failure).
+        daemon.serve(&mut self.ring).map_err(VmmError::Daemon)?;
         let dump = (!outcome.is_clean()).then(|| {
             dump::guest_state(
                 &outcome.describe(),
@@ -322,6 +355,8 @@ impl Vm {
 /// What the loop does after one exit.
 enum Step {
     Continue,
+    /// Drain the I/O ring, then continue.
+    DrainRing,
     /// Read the internal-error details from the run structure, then end.
     InternalError,
     End(Outcome),
@@ -336,6 +371,8 @@ fn handle_exit(
     let step = match exit {
         Ok(VcpuExit::IoOut(port, data)) => match bus.write(port, data) {
             Routed::Device(DeviceAction::Reset) => Step::End(Outcome::Poweroff),
+            Routed::Device(DeviceAction::DrainRing) => Step::DrainRing,
+            Routed::Device(DeviceAction::EngineFailure) => Step::End(Outcome::EngineFailure),
             Routed::Device(DeviceAction::None) => {
                 exits.io_out += 1;
                 Step::Continue

@@ -11,6 +11,10 @@ pub enum DeviceAction {
     None,
     /// The guest asked for a machine reset (used as poweroff).
     Reset,
+    /// The engine rang the I/O-ring doorbell: drain the ring.
+    DrainRing,
+    /// The engine reported a failure: drain the ring, then end the run as a crash.
+    EngineFailure,
 }
 
 /// A device reached through port I/O.

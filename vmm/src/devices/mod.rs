@@ -1,8 +1,10 @@
 //! Emulated devices and the port-I/O bus that reaches them.
 //!
-//! Only what a PC guest needs to boot and talk: COM1 and the i8042's reset line. The PIC,
+//! Only what a PC guest needs to boot and talk: COM1 and the i8042's reset line, plus the
+//! engine's doorbell and failure ports. The PIC,
 //! PIT and local APIC are KVM's in-kernel devices and never reach this bus.
 
 pub mod bus;
+pub mod engine_ports;
 pub mod i8042;
 pub mod serial;
