@@ -8,8 +8,9 @@
 
 /// `magic` of a valid block: "KPINATCH".
 pub const MAGIC: u64 = u64::from_le_bytes(*b"KPINATCH");
-/// Layout version; bump on any change.
-pub const VERSION: u32 = 1;
+/// Layout version; bump on any change. 2: the window the block is reached through moved to
+/// the lower half (`stolen::WINDOW_VA`).
+pub const VERSION: u32 = 2;
 /// Capacity of [`AttachBlock::msrs`].
 pub const MAX_MSRS: usize = 32;
 /// Capacity of [`AttachBlock::cpuid`].
