@@ -7,10 +7,12 @@
 //!   initramfs.cpio                                           newc archive, uncompressed
 //!   minikernel.elf                                           the mini-kernel guest
 //!   minikernel-target/                                       cargo's target dir for it
+//!   kpin-engine.elf                                          the engine image
+//!   engine-target/                                           cargo's target dir for it
 //!   downloads/                                               verified .debs (the big -dbg one is deleted)
 //!   .stamps/                                                 cache stamps (see cache.rs)
 //!   .scratch/                                                extraction space, emptied after use
-//!   .lock-linux, .lock-minikernel                            job locks
+//!   .lock-linux, .lock-minikernel, .lock-engine              job locks
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -50,6 +52,16 @@ pub(crate) fn minikernel_elf(out_dir: &Path) -> PathBuf {
 /// Cargo's target directory for the mini-kernel build.
 pub(crate) fn minikernel_target_dir(out_dir: &Path) -> PathBuf {
     out_dir.join("minikernel-target")
+}
+
+/// Where the engine image ELF is copied.
+pub(crate) fn engine_elf(out_dir: &Path) -> PathBuf {
+    out_dir.join("kpin-engine.elf")
+}
+
+/// Cargo's target directory for the engine image build.
+pub(crate) fn engine_target_dir(out_dir: &Path) -> PathBuf {
+    out_dir.join("engine-target")
 }
 
 /// File names inside [`kernel_dir`].

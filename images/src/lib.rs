@@ -17,11 +17,13 @@ mod cache;
 mod command;
 mod cpio;
 mod debian;
+mod engine;
 mod initramfs;
 mod layout;
 mod linux;
 mod lz4_legacy;
 mod minikernel;
+mod nostd;
 mod pins;
 mod workload;
 
@@ -139,36 +141,44 @@ pub enum ImagesError {
         #[source]
         source: CpioError,
     },
-    /// The mini-kernel crate is not in the repository.
-    #[error("the mini-kernel sources are missing: {} does not exist", manifest.display())]
-    MinikernelMissing {
+    /// A no_std crate (the mini-kernel, the engine image) is not in the repository.
+    #[error("the sources of {what} are missing: {} does not exist", manifest.display())]
+    NoStdMissing {
+        /// Which crate.
+        what: &'static str,
         /// Where its manifest should be.
         manifest: PathBuf,
     },
-    /// The mini-kernel cannot be built because the Rust target is not installed.
+    /// A no_std crate cannot be built because the Rust target is not installed.
     #[error(
         "the Rust target x86_64-unknown-none is not installed: run \
          `rustup target add x86_64-unknown-none` (`{command}` failed)"
     )]
-    MinikernelTargetMissing {
+    NoStdTargetMissing {
+        /// Which crate.
+        what: &'static str,
         /// The build command.
         command: String,
         /// How it failed.
         #[source]
         source: CommandError,
     },
-    /// Building the mini-kernel failed.
-    #[error("could not build the mini-kernel: `{command}` failed")]
-    MinikernelBuild {
+    /// Building a no_std crate failed.
+    #[error("could not build {what}: `{command}` failed")]
+    NoStdBuild {
+        /// Which crate.
+        what: &'static str,
         /// The build command.
         command: String,
         /// How it failed.
         #[source]
         source: CommandError,
     },
-    /// The mini-kernel build produced something that is not an x86-64 ELF.
-    #[error("the mini-kernel build output {} is not an x86-64 ELF file", path.display())]
-    MinikernelNotElf {
+    /// A no_std build produced something that is not an x86-64 ELF.
+    #[error("the build output of {what}, {}, is not an x86-64 ELF file", path.display())]
+    NoStdNotElf {
+        /// Which crate.
+        what: &'static str,
         /// The build output.
         path: PathBuf,
     },
@@ -207,6 +217,16 @@ pub fn ensure_minikernel(
     progress: &mut dyn FnMut(&str),
 ) -> Result<PathBuf, ImagesError> {
     minikernel::ensure(out_dir, progress)
+}
+
+/// Builds the engine image (`guest-engine/image`, for `x86_64-unknown-none`, linked at
+/// its window address) and returns the path of its ELF, `out_dir/kpin-engine.elf`. Cheap
+/// when nothing changed (cargo's incremental build).
+pub fn ensure_engine(
+    out_dir: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<PathBuf, ImagesError> {
+    engine::ensure(out_dir, progress)
 }
 
 #[cfg(test)]

@@ -1,0 +1,447 @@
+//! All hand-written ring-0 assembly of the engine: the boot entry, the IDT stubs, the
+//! ring-0 gate and the path that turns an unexpected exception into a CPL-3 fault report.
+//! Ring-0 code runs through KVM's instruction emulator here (~1–2 µs per instruction, and
+//! some instructions fail there), so it is kept short and to plain integer instructions.
+//!
+//! **Entry** (`_start`, from the VMM): ring 0, long mode, the VMM's boot page tables
+//! (stolen region at `WINDOW_VA`, user-accessible; guest RAM at `PHYSMAP_VA`), RSP = a
+//! boot stack below the image, RDI = the attach block, interrupts off, no IDT. `_start`
+//! switches to the ring-0 stack, calls `ring0_setup` (Rust: fills the GDT, TSS and IDT),
+//! loads GDTR/IDTR/TR, remaps the PIC to vectors 0x20–0x2f with every IRQ masked, and
+//! `iretq`s to `engine_main(attach)` at CPL 3 with IF = 1 on the main stack.
+//!
+//! **Register convention of the gate** (`kpin_gate`, called from CPL 3): RAX = operation
+//! (`layout::gate_op`), RDI = first argument, RSI = second; returns RAX; clobbers RDX and
+//! flags; every other register is preserved. The gate is the `hlt` at `kpin_gate_insn`:
+//! at CPL 3 it raises #GP(0); the #GP stub compares the faulting RIP with
+//! `kpin_gate_insn`, performs the operation at ring 0, adds 1 to the saved RIP and
+//! `iretq`s. Operations: NOP, OUT8 (port RDI, value RSI), IN8 (port RDI), LOAD_CR3 (RDI),
+//! WRMSR (index RDI, value RSI), RDMSR (index RDI), INVLPG (RDI), HLT (`sti; hlt`: back
+//! after one interrupt was handled). An unknown operation returns `u64::MAX`.
+//!
+//! **IDT vectors**: 0–31 exception stubs (a zero error code is pushed where the CPU pushes
+//! none, then the vector), 32–47 PIC interrupts (master 0x20–0x27, slave 0x28–0x2f). Every
+//! entry is a DPL-0 interrupt gate (so `int n` from CPL 3 is a #GP, never a gate).
+//! An interrupt stub counts the IRQ in `kpin_irq_counts[irq]` (and in `kpin_irq_at_cpl3`
+//! when it interrupted CPL 3), sends the PIC an EOI and `iretq`s.
+//!
+//! **IST stacks**: IST1 #DF, IST2 NMI, IST3 #MC. TSS.RSP0 = the ring-0 stack
+//! (`kpin_ring0_stack_top`, also the boot stack after the first instruction).
+//!
+//! **Unexpected exceptions** (every exception vector but the gate's #GP): `kpin_trap_common`
+//! saves the GPRs, vector, error code, iret frame and CR2 into `FAULT` and `iretq`s to
+//! `kpin_fault_report` at CPL 3 (IF = 0, on the fault stack), which logs the record to the
+//! I/O ring and reports through the failure port. A fault while a report is in progress
+//! writes the failure port directly from ring 0 (`kpin_trap_nested`): never a hang.
+
+use core::arch::global_asm;
+use core::cell::UnsafeCell;
+use core::mem::offset_of;
+
+use kpin_abi::ports::ENGINE_FAILURE_PORT;
+
+use crate::layout::{
+    gate_op, FAULT_STACK_BYTES, IST_STACK_BYTES, MAIN_STACK_BYTES, PIC1_CMD, PIC1_DATA, PIC2_CMD,
+    PIC2_DATA, PIC2_VECTOR_BASE, PIC_EOI, PIC_VECTOR_BASE, RFLAGS_FIXED, RFLAGS_IF,
+    RING0_STACK_BYTES, TSS_SEL, USER_CS, USER_DS, VEC_GP,
+};
+
+/// What the ring-0 trap path saved about an unexpected exception.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FaultRecord {
+    /// RAX, RBX, RCX, RDX, RSI, RDI, RBP, R8–R15, in that order.
+    pub gprs: [u64; 15],
+    /// Exception vector.
+    pub vector: u64,
+    /// Error code (0 when the exception has none).
+    pub error: u64,
+    /// Faulting RIP.
+    pub rip: u64,
+    /// CS at the fault.
+    pub cs: u64,
+    /// RFLAGS at the fault.
+    pub rflags: u64,
+    /// RSP at the fault.
+    pub rsp: u64,
+    /// SS at the fault.
+    pub ss: u64,
+    /// CR2 when the trap path ran.
+    pub cr2: u64,
+}
+
+/// Names of [`FaultRecord::gprs`], in order.
+pub const GPR_NAMES: [&str; 15] = [
+    "rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "r8", "r9", "r10", "r11", "r12", "r13", "r14",
+    "r15",
+];
+
+/// The fault record, written by ring-0 asm and read by the CPL-3 reporter.
+#[repr(transparent)]
+pub struct FaultCell(pub UnsafeCell<FaultRecord>);
+// SAFETY: one vCPU; the ring-0 path writes the record only while no report is in progress
+// (`kpin_fault_active`), and the reporter reads it only after that write.
+unsafe impl Sync for FaultCell {}
+
+/// The one fault record.
+pub static FAULT: FaultCell = FaultCell(UnsafeCell::new(FaultRecord {
+    gprs: [0; 15],
+    vector: 0,
+    error: 0,
+    rip: 0,
+    cs: 0,
+    rflags: 0,
+    rsp: 0,
+    ss: 0,
+    cr2: 0,
+}));
+
+extern "C" {
+    /// The gate; see the module header. Never call it directly: use `crate::gate`.
+    pub fn kpin_gate();
+    /// IRQ counts per PIC line (16 entries).
+    pub static kpin_irq_counts: [u64; 16];
+    /// Interrupts that arrived while the CPU was at CPL 3.
+    pub static kpin_irq_at_cpl3: u64;
+    /// TSC read by `_start` at its first instruction.
+    pub static kpin_boot_tsc: u64;
+    /// Stub addresses for IDT vectors 0..48.
+    pub static kpin_idt_stubs: [u64; crate::layout::IDT_VECTORS];
+    /// Top of the ring-0 stack (TSS.RSP0).
+    pub static kpin_ring0_stack_top: u8;
+    /// Top of the IST1 (#DF) stack.
+    pub static kpin_ist1_top: u8;
+    /// Top of the IST2 (NMI) stack.
+    pub static kpin_ist2_top: u8;
+    /// Top of the IST3 (#MC) stack.
+    pub static kpin_ist3_top: u8;
+}
+
+// Boot entry: ring 0 → CPL 3.
+global_asm!(
+    r#"
+    .pushsection .text.entry, "ax"
+    .global _start
+_start:
+    cli
+    cld
+    mov r12, rdi
+    rdtsc
+    shl rdx, 32
+    or rax, rdx
+    mov [rip + kpin_boot_tsc], rax
+    lea rsp, [rip + kpin_ring0_stack_top]
+    call {setup}
+    lgdt [rip + {gdtr}]
+    lidt [rip + {idtr}]
+    mov ax, {tss_sel}
+    ltr ax
+    xor eax, eax
+    mov ds, ax
+    mov es, ax
+    mov fs, ax
+    mov gs, ax
+    mov al, 0x11
+    out {pic1_cmd}, al
+    out {pic2_cmd}, al
+    mov al, {pic1_base}
+    out {pic1_data}, al
+    mov al, {pic2_base}
+    out {pic2_data}, al
+    mov al, 4
+    out {pic1_data}, al
+    mov al, 2
+    out {pic2_data}, al
+    mov al, 1
+    out {pic1_data}, al
+    out {pic2_data}, al
+    mov al, 0xff
+    out {pic1_data}, al
+    out {pic2_data}, al
+    push {user_ds}
+    lea rax, [rip + kpin_main_stack_top]
+    push rax
+    push {rflags}
+    push {user_cs}
+    lea rax, [rip + {main}]
+    push rax
+    mov rdi, r12
+    iretq
+    .popsection
+"#,
+    setup = sym crate::descriptors::ring0_setup,
+    gdtr = sym crate::descriptors::GDTR,
+    idtr = sym crate::descriptors::IDTR,
+    tss_sel = const TSS_SEL,
+    pic1_base = const PIC_VECTOR_BASE,
+    pic1_cmd = const PIC1_CMD,
+    pic1_data = const PIC1_DATA,
+    pic2_cmd = const PIC2_CMD,
+    pic2_data = const PIC2_DATA,
+    pic2_base = const PIC2_VECTOR_BASE,
+    user_ds = const USER_DS,
+    user_cs = const USER_CS,
+    rflags = const RFLAGS_IF | RFLAGS_FIXED,
+    main = sym crate::bringup::engine_main,
+);
+
+// Exception and interrupt stubs, the stub table.
+global_asm!(
+    r#"
+    .pushsection .text, "ax"
+.macro kpin_exc n, err
+kpin_exc_\n:
+  .if \err == 0
+    push 0
+  .endif
+    push \n
+    jmp kpin_trap_common
+.endm
+
+.macro kpin_irq n
+kpin_irq_\n:
+    push rax
+    inc qword ptr [rip + kpin_irq_counts + 8 * \n]
+    test byte ptr [rsp + 16], 3
+    jz 1f
+    inc qword ptr [rip + kpin_irq_at_cpl3]
+1:
+    mov al, {eoi}
+  .if \n >= 8
+    out {pic2_cmd}, al
+  .endif
+    out {pic1_cmd}, al
+    pop rax
+    iretq
+.endm
+
+.irp n, 0,1,2,3,4,5,6,7,9,15,16,18,19,20,22,23,24,25,26,27,28,31
+    kpin_exc \n, 0
+.endr
+.irp n, 8,10,11,12,14,17,21,29,30
+    kpin_exc \n, 1
+.endr
+.irp n, 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15
+    kpin_irq \n
+.endr
+
+    // #GP: the gate, or an unexpected #GP.
+kpin_exc_13:
+    push rax
+    lea rax, [rip + kpin_gate_insn]
+    cmp rax, [rsp + 16]
+    pop rax
+    je kpin_gate_entry
+    push {vec_gp}
+    jmp kpin_trap_common
+
+    // Stack: error code, RIP, CS, RFLAGS, RSP, SS.
+kpin_gate_entry:
+    add rsp, 8
+    add qword ptr [rsp], 1
+    cmp rax, {op_nop}
+    je 20f
+    cmp rax, {op_out8}
+    je 21f
+    cmp rax, {op_in8}
+    je 22f
+    cmp rax, {op_cr3}
+    je 23f
+    cmp rax, {op_wrmsr}
+    je 24f
+    cmp rax, {op_rdmsr}
+    je 25f
+    cmp rax, {op_invlpg}
+    je 26f
+    cmp rax, {op_hlt}
+    je 27f
+    mov rax, -1
+    iretq
+20:
+    xor eax, eax
+    iretq
+21:
+    mov edx, edi
+    mov eax, esi
+    out dx, al
+    xor eax, eax
+    iretq
+22:
+    mov edx, edi
+    xor eax, eax
+    in al, dx
+    iretq
+23:
+    mov cr3, rdi
+    xor eax, eax
+    iretq
+24:
+    push rcx
+    mov ecx, edi
+    mov eax, esi
+    mov rdx, rsi
+    shr rdx, 32
+    wrmsr
+    pop rcx
+    xor eax, eax
+    iretq
+25:
+    push rcx
+    mov ecx, edi
+    rdmsr
+    shl rdx, 32
+    or rax, rdx
+    pop rcx
+    iretq
+26:
+    invlpg [rdi]
+    xor eax, eax
+    iretq
+27:
+    sti
+    hlt
+    cli
+    xor eax, eax
+    iretq
+
+    // Stack: vector, error code, RIP, CS, RFLAGS, RSP, SS.
+kpin_trap_common:
+    cmp qword ptr [rip + kpin_fault_active], 0
+    jne kpin_trap_nested
+    mov qword ptr [rip + kpin_fault_active], 1
+    mov [rip + {rec} + 0], rax
+    mov [rip + {rec} + 8], rbx
+    mov [rip + {rec} + 16], rcx
+    mov [rip + {rec} + 24], rdx
+    mov [rip + {rec} + 32], rsi
+    mov [rip + {rec} + 40], rdi
+    mov [rip + {rec} + 48], rbp
+    mov [rip + {rec} + 56], r8
+    mov [rip + {rec} + 64], r9
+    mov [rip + {rec} + 72], r10
+    mov [rip + {rec} + 80], r11
+    mov [rip + {rec} + 88], r12
+    mov [rip + {rec} + 96], r13
+    mov [rip + {rec} + 104], r14
+    mov [rip + {rec} + 112], r15
+    mov rax, [rsp]
+    mov [rip + {rec} + {off_vector}], rax
+    mov rax, [rsp + 8]
+    mov [rip + {rec} + {off_error}], rax
+    mov rax, [rsp + 16]
+    mov [rip + {rec} + {off_rip}], rax
+    mov rax, [rsp + 24]
+    mov [rip + {rec} + {off_cs}], rax
+    mov rax, [rsp + 32]
+    mov [rip + {rec} + {off_rflags}], rax
+    mov rax, [rsp + 40]
+    mov [rip + {rec} + {off_rsp}], rax
+    mov rax, [rsp + 48]
+    mov [rip + {rec} + {off_ss}], rax
+    mov rax, cr2
+    mov [rip + {rec} + {off_cr2}], rax
+    add rsp, 16
+    lea rax, [rip + {report}]
+    mov [rsp], rax
+    mov qword ptr [rsp + 8], {user_cs}
+    mov qword ptr [rsp + 16], {rflags}
+    lea rax, [rip + kpin_fault_stack_top]
+    mov [rsp + 24], rax
+    mov qword ptr [rsp + 32], {user_ds}
+    iretq
+
+kpin_trap_nested:
+    mov dx, {fail_port}
+    mov al, 2
+    out dx, al
+2:
+    cli
+    hlt
+    jmp 2b
+
+    // The gate (CPL 3 only).
+    .global kpin_gate
+    .global kpin_gate_insn
+kpin_gate:
+kpin_gate_insn:
+    hlt
+    ret
+    .popsection
+
+    .pushsection .rodata, "a"
+    .balign 8
+    .global kpin_idt_stubs
+kpin_idt_stubs:
+.irp n, 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31
+    .quad kpin_exc_\n
+.endr
+.irp n, 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15
+    .quad kpin_irq_\n
+.endr
+    .popsection
+
+    .pushsection .bss, "aw", @nobits
+    .balign 16
+    .global kpin_irq_counts
+kpin_irq_counts:
+    .skip 8 * 16
+    .global kpin_irq_at_cpl3
+kpin_irq_at_cpl3:
+    .skip 8
+    .global kpin_boot_tsc
+kpin_boot_tsc:
+    .skip 8
+kpin_fault_active:
+    .skip 8
+    .balign 4096
+    .skip {ring0_stack}
+    .global kpin_ring0_stack_top
+kpin_ring0_stack_top:
+    .skip {ist_stack}
+    .global kpin_ist1_top
+kpin_ist1_top:
+    .skip {ist_stack}
+    .global kpin_ist2_top
+kpin_ist2_top:
+    .skip {ist_stack}
+    .global kpin_ist3_top
+kpin_ist3_top:
+    .skip {main_stack}
+kpin_main_stack_top:
+    .skip {fault_stack}
+kpin_fault_stack_top:
+    .popsection
+"#,
+    eoi = const PIC_EOI,
+    pic1_cmd = const PIC1_CMD,
+    pic2_cmd = const PIC2_CMD,
+    vec_gp = const VEC_GP,
+    op_nop = const gate_op::NOP,
+    op_out8 = const gate_op::OUT8,
+    op_in8 = const gate_op::IN8,
+    op_cr3 = const gate_op::LOAD_CR3,
+    op_wrmsr = const gate_op::WRMSR,
+    op_rdmsr = const gate_op::RDMSR,
+    op_invlpg = const gate_op::INVLPG,
+    op_hlt = const gate_op::HLT,
+    rec = sym FAULT,
+    off_vector = const offset_of!(FaultRecord, vector),
+    off_error = const offset_of!(FaultRecord, error),
+    off_rip = const offset_of!(FaultRecord, rip),
+    off_cs = const offset_of!(FaultRecord, cs),
+    off_rflags = const offset_of!(FaultRecord, rflags),
+    off_rsp = const offset_of!(FaultRecord, rsp),
+    off_ss = const offset_of!(FaultRecord, ss),
+    off_cr2 = const offset_of!(FaultRecord, cr2),
+    report = sym crate::fault::kpin_fault_report,
+    user_cs = const USER_CS,
+    user_ds = const USER_DS,
+    rflags = const RFLAGS_FIXED,
+    fail_port = const ENGINE_FAILURE_PORT,
+    ring0_stack = const RING0_STACK_BYTES,
+    ist_stack = const IST_STACK_BYTES,
+    main_stack = const MAIN_STACK_BYTES,
+    fault_stack = const FAULT_STACK_BYTES,
+);
+
+const _: () = assert!(offset_of!(FaultRecord, vector) == 120);

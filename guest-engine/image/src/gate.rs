@@ -1,0 +1,79 @@
+//! The ring-0 gate from CPL 3 (protocol in `entry.rs`'s header): safe wrappers, one per
+//! operation. Each call is one #GP round trip through the ring-0 stub.
+
+use core::arch::asm;
+
+use crate::entry::kpin_gate;
+use crate::layout::gate_op;
+
+/// One gate call: `op` with arguments `a` and `b`; returns RAX.
+#[inline(always)]
+fn call(op: u64, a: u64, b: u64) -> u64 {
+    let ret: u64;
+    // SAFETY: `kpin_gate` is the gate of entry.rs: it preserves every register but RAX
+    // (result) and RDX, and the stack below RSP (the call pushes a return address; the
+    // target has no red zone). Memory is treated as clobbered (CR3/MSR changes).
+    unsafe {
+        asm!(
+            "call {gate}",
+            gate = sym kpin_gate,
+            inout("rax") op => ret,
+            in("rdi") a,
+            in("rsi") b,
+            out("rdx") _,
+        );
+    }
+    ret
+}
+
+/// A round trip that does nothing.
+pub fn nop() {
+    call(gate_op::NOP, 0, 0);
+}
+
+/// `out port, value`.
+pub fn out8(port: u16, value: u8) {
+    call(gate_op::OUT8, u64::from(port), u64::from(value));
+}
+
+/// `in port`.
+pub fn in8(port: u16) -> u8 {
+    call(gate_op::IN8, u64::from(port), 0) as u8
+}
+
+/// Loads CR3.
+///
+/// # Safety
+/// `root` is a page-table root that maps the engine window, stacks and tables exactly as
+/// the current one does.
+pub unsafe fn load_cr3(root: u64) {
+    call(gate_op::LOAD_CR3, root, 0);
+}
+
+/// Writes an MSR.
+///
+/// # Safety
+/// Writing `index` with `value` does not break the engine (e.g. EFER, the APIC base).
+pub unsafe fn wrmsr(index: u32, value: u64) {
+    call(gate_op::WRMSR, u64::from(index), value);
+}
+
+/// Reads an MSR (an unknown index is a #GP at ring 0, reported as an engine fault).
+pub fn rdmsr(index: u32) -> u64 {
+    call(gate_op::RDMSR, u64::from(index), 0)
+}
+
+/// Invalidates the TLB entry for `va`.
+pub fn invlpg(va: u64) {
+    call(gate_op::INVLPG, va, 0);
+}
+
+/// Halts until an interrupt has been handled (with IF enabled for the halt).
+pub fn hlt() {
+    call(gate_op::HLT, 0, 0);
+}
+
+/// Calls an operation number the stub does not know; returns what the stub answered.
+pub fn unknown(op: u64) -> u64 {
+    call(op, 0, 0)
+}

@@ -1,0 +1,31 @@
+//! kpin's guest engine image: a no_std binary for `x86_64-unknown-none`, linked at
+//! `kpin_abi::stolen::WINDOW_VA + ENGINE_OFFSET`, loaded by the VMM into the stolen region
+//! and entered at `_start` (see `entry.rs`) with the attach block in RDI.
+//!
+//! Today it brings itself up — its own GDT, TSS with IST stacks, IDT, the ring-0 gate, the
+//! I/O-ring log — measures the gate and the timer at CPL 3, and reports that running guest
+//! code is not implemented yet. TODO(#4): link the translator (`guest-engine`) here.
+#![no_std]
+#![no_main]
+#![deny(missing_docs)]
+
+mod bringup;
+mod descriptors;
+mod entry;
+mod fault;
+mod gate;
+mod layout;
+mod log;
+mod timer;
+
+/// The address `link.ld` links the image at; it must be where the VMM loads it.
+const LINK_BASE: u64 = 0x0000_6000_0020_0000;
+const _: () = assert!(
+    LINK_BASE == kpin_abi::stolen::WINDOW_VA + kpin_abi::stolen::ENGINE_OFFSET,
+    "link.ld and kpin-abi disagree on the engine's address"
+);
+
+#[panic_handler]
+fn panic(info: &core::panic::PanicInfo<'_>) -> ! {
+    fault::panic(info)
+}
