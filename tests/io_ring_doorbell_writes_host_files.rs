@@ -82,6 +82,7 @@ fn run(name: &str, code: &[u8]) -> (vmm::RunReport, host_daemon::DaemonStats, st
         console_file: None,
         echo_console: false,
         system_map: None,
+        engine: None,
     };
     let (report, stats) = run_guest(&cfg, &dir);
     (report, stats, dir)

@@ -33,6 +33,7 @@ fn test_linux_native_boot_prints_version_banner() {
         console_file: Some(console.clone()),
         echo_console: false,
         system_map: Some(linux.system_map),
+        engine: None,
     };
     let (report, _) = run_guest(&cfg, &dir);
     let log = std::fs::read_to_string(&console).expect("console log");

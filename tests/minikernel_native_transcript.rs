@@ -27,6 +27,7 @@ fn test_minikernel_native_transcript_matches_expected() {
         console_file: Some(console.clone()),
         echo_console: false,
         system_map: None,
+        engine: None,
     };
     let (report, _) = run_guest(&cfg, &dir);
     let log = std::fs::read_to_string(&console).expect("console log");

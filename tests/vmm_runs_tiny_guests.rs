@@ -26,6 +26,7 @@ fn run(name: &str, code: &[u8]) -> (vmm::RunReport, String) {
         console_file: Some(console.clone()),
         echo_console: false,
         system_map: None,
+        engine: None,
     };
     let (report, _) = run_guest(&cfg, &dir);
     let text = std::fs::read_to_string(console).unwrap();
@@ -93,6 +94,7 @@ fn test_spinning_guest_times_out() {
         console_file: None,
         echo_console: false,
         system_map: None,
+        engine: None,
     };
     let (report, _) = run_guest(&cfg, &dir);
     assert_eq!(report.outcome, Outcome::Timeout);

@@ -70,6 +70,29 @@ pub enum VmmError {
     /// The host daemon failed while serving the ring.
     #[error("host daemon failed")]
     Daemon(#[source] host_daemon::DaemonError),
+    /// The engine image is not loadable.
+    #[error("cannot load the engine image {}", .0.display())]
+    EngineImage(PathBuf, #[source] crate::engine_loader::EngineLoadError),
+    /// Guest RAM spans more guest-physical space than the engine's boot tables map.
+    #[error(
+        "instrumented runs map at most {mapped} GiB-slots of guest-physical memory at boot; \
+         guest RAM ends at {ram_end:#x}: lower --mem"
+    )]
+    EngineRam {
+        /// End of the RAM range that did not fit.
+        ram_end: u64,
+        /// GiB-slots the boot tables can map.
+        mapped: u64,
+    },
+    /// A table does not fit in the attach block.
+    #[error("the guest's {0} table has {1} entries; the attach block holds {2}")]
+    AttachTable(&'static str, usize, usize),
+    /// The tool name is empty, too long, or has characters other than `[A-Za-z0-9_-]`.
+    #[error("bad tool name {0:?}: 1 to {1} characters of [A-Za-z0-9_-]")]
+    ToolName(String, usize),
+    /// The tool options are too long or not printable ASCII.
+    #[error("tool options must be printable ASCII of at most {0} bytes")]
+    ToolOptions(usize),
     /// An eventfd or signal handler could not be set up.
     #[error("host setup failed: {0}")]
     Host(&'static str, #[source] std::io::Error),

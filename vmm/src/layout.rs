@@ -36,6 +36,15 @@ pub const MMIO_GAP_END: u64 = 0x1_0000_0000;
 pub const STOLEN_ALIGN_BYTES: u64 = 0x4000_0000;
 /// Size of the stolen region (engine image, heap, code cache, shadow tables, I/O ring).
 pub const STOLEN_SIZE_BYTES: u64 = 64 << 20;
+/// Initial RSP of the engine (a window virtual address): the top of the free gap between
+/// the host I/O ring and the engine image in the stolen region. The engine's first
+/// instructions switch to a stack of its own.
+pub const ENGINE_BOOT_STACK_TOP: u64 =
+    kpin_abi::stolen::WINDOW_VA + kpin_abi::stolen::ENGINE_OFFSET;
+const _: () = assert!(
+    kpin_abi::stolen::IO_RING_OFFSET + kpin_abi::stolen::IO_RING_BYTES + 0x1000
+        <= kpin_abi::stolen::ENGINE_OFFSET
+);
 /// Smallest guest RAM `kpin run` accepts.
 pub const MIN_MEM_MIB: u64 = 16;
 /// Largest guest RAM `kpin run` accepts.

@@ -3,10 +3,13 @@
 //! every unexpected exit. The `kpin` binary (`src/main.rs`) is its command-line front end.
 #![deny(missing_docs)]
 
+pub mod attach;
 pub mod boot;
 pub mod cpuid;
 pub mod devices;
 pub mod dump;
+pub mod engine_boot;
+pub mod engine_loader;
 pub mod error;
 pub mod guests;
 pub mod layout;
@@ -16,5 +19,6 @@ pub mod symbols;
 pub mod vm;
 pub mod watchdog;
 
+pub use engine_boot::EngineConfig;
 pub use error::{Result, VmmError};
 pub use vm::{Outcome, RunReport, Vm, VmConfig};

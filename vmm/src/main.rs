@@ -1,4 +1,4 @@
-//! `kpin`: run a guest under kpin's VMM, natively or (once the engine lands) instrumented.
+//! `kpin`: run a guest under kpin's VMM, natively or under the guest engine (`--tool`).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -26,8 +26,10 @@ const EXIT_TIMEOUT: u8 = 4;
     version,
     about = "Whole-system dynamic binary instrumentation for x86-64 Linux guests on KVM",
     long_about = "Whole-system dynamic binary instrumentation for x86-64 Linux guests on KVM.\n\n\
-        Today kpin boots guests natively under its own VMM; instrumentation (--tool) arrives \
-        with the guest engine.\n\n\
+        kpin boots guests natively under its own VMM. With --tool the vCPU starts in the guest \
+        engine instead, which today only brings itself up (attach block, ring-0 stubs, gate, \
+        timer, I/O-ring log into engine.log) and then reports that running guest code is not \
+        implemented yet (exit status 3).\n\n\
         Exit status of `kpin run`: 0 the guest powered off cleanly; 1 kpin failed (bad input, \
         no /dev/kvm, images could not be built); 2 bad command line; 3 the guest crashed \
         (triple fault, KVM emulation failure, unhandled I/O, kernel panic); 4 the timeout \
@@ -41,7 +43,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Fetch and build the guest images (Debian kernel, busybox initramfs, mini-kernel)
-    /// into the image directory; cached, so a second run is fast.
+    /// and the engine image into the image directory; cached, so a second run is fast.
     Images {
         /// Image directory [default: images/out in the source tree].
         #[arg(long)]
@@ -91,9 +93,15 @@ struct RunArgs {
     /// Output directory for the run's console log and summary [default: kpin-out/run-<time>-<pid>].
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Instrument the guest with this tool (not available yet: the engine is not built).
+    /// Start the vCPU in the guest engine with this tool. Engine bring-up only so far: the
+    /// engine starts, logs to <out>/engine.log, and stops with status 3 before running
+    /// guest code.
     #[arg(long)]
     tool: Option<String>,
+    /// A tool option KEY=VALUE for --tool (repeatable), e.g. bringup.crash=pf to make the
+    /// engine fault on purpose.
+    #[arg(long, requires = "tool", value_name = "KEY=VALUE")]
+    tool_option: Vec<String>,
     /// Image directory for --guest [default: images/out in the source tree].
     #[arg(long)]
     images: Option<PathBuf>,
@@ -112,6 +120,7 @@ struct Summary<'a> {
     cmdline: &'a str,
     mem_mib: u64,
     entry: String,
+    tool: Option<&'a str>,
     wall_seconds: f64,
     console_bytes: u64,
     exits_total: u64,
@@ -149,21 +158,24 @@ fn images(dir: Option<PathBuf>) -> anyhow::Result<()> {
     let dir = dir.unwrap_or_else(kpin_images::default_out_dir);
     let linux = kpin_images::ensure_linux(&dir, &mut progress)?;
     let mk = kpin_images::ensure_minikernel(&dir, &mut progress)?;
+    let engine = kpin_images::ensure_engine(&dir, &mut progress)?;
     println!("kernel (bzImage): {}", linux.bzimage.display());
     println!("kernel (vmlinux): {}", linux.vmlinux.display());
     println!("System.map:       {}", linux.system_map.display());
     println!("config:           {}", linux.config.display());
     println!("initramfs:        {}", linux.initramfs.display());
     println!("mini-kernel:      {}", mk.display());
+    println!("engine image:     {}", engine.display());
     Ok(())
 }
 
 fn run(args: RunArgs) -> anyhow::Result<u8> {
-    if let Some(tool) = &args.tool {
-        bail!(
-            "instrumentation is not available yet: --tool {tool} needs the guest engine, \
-             which is not built yet; run without --tool to boot the guest natively"
-        );
+    if let Some(bad) = args
+        .tool_option
+        .iter()
+        .find(|o| !o.contains('=') || o.contains(' '))
+    {
+        bail!("bad --tool-option {bad:?}: expected KEY=VALUE without spaces");
     }
     let image_dir = args
         .images
@@ -200,6 +212,15 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         cmdline.push_str(extra);
     }
 
+    let engine = match &args.tool {
+        Some(tool) => Some(vmm::EngineConfig {
+            image: kpin_images::ensure_engine(&image_dir, &mut progress)?,
+            tool: tool.clone(),
+            options: args.tool_option.join(" "),
+        }),
+        None => None,
+    };
+
     let out = args.out.clone().unwrap_or_else(default_run_dir);
     std::fs::create_dir_all(&out)
         .with_context(|| format!("cannot create output directory {}", out.display()))?;
@@ -213,6 +234,7 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         console_file: Some(args.console.clone().unwrap_or_else(|| console_log.clone())),
         echo_console: !args.quiet,
         system_map,
+        engine,
     };
     let vm = Vm::new(&cfg)?;
     let entry = vm.boot.entry;
@@ -222,6 +244,12 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         vm.boot.format,
         args.mem
     ));
+    if let (Some(e), Some(tool)) = (&vm.engine, &args.tool) {
+        progress(&format!(
+            "starting the engine at {:#x} (CR3 {:#x}) with tool {tool}; guest RIP {:#x}, CR3 {:#x} in the attach block",
+            e.entry, e.cr3, e.guest_rip, e.guest_cr3
+        ));
+    }
     let mut daemon = host_daemon::Daemon::new(&out);
     let report = vm.run(&mut daemon)?;
     let ring = daemon
@@ -241,6 +269,7 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         cmdline: &cmdline,
         mem_mib: args.mem,
         entry: format!("{entry:#x}"),
+        tool: args.tool.as_deref(),
         wall_seconds: report.wall.as_secs_f64(),
         console_bytes: report.console_bytes,
         exits_total: report.exits.total,

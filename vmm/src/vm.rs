@@ -26,6 +26,7 @@ use crate::devices::serial::{
     Com1, ConsoleSink, ConsoleWatch, IrqTrigger, COM1_IRQ, COM1_PORT, COM1_PORT_SPAN,
 };
 use crate::dump;
+use crate::engine_boot::{self, EngineConfig, EngineEntry};
 use crate::error::{Result, VmmError};
 use crate::layout::IO_RING_BATCH_BYTES;
 use crate::memory::GuestMemory;
@@ -62,6 +63,9 @@ pub struct VmConfig {
     pub echo_console: bool,
     /// Kernel `System.map`, to name addresses in the guest-state dump.
     pub system_map: Option<PathBuf>,
+    /// Run the guest under the engine (`--tool`): the vCPU starts in the engine, which
+    /// finds the guest's boot state in the attach block.
+    pub engine: Option<EngineConfig>,
 }
 
 /// How a run ended, from the guest's point of view.
@@ -200,6 +204,8 @@ pub struct Vm {
     pub boot: BootInfo,
     /// The CPUID table the guest sees.
     pub cpuid: CpuId,
+    /// Where the engine was entered, when instrumenting.
+    pub engine: Option<EngineEntry>,
 }
 
 impl Vm {
@@ -247,6 +253,11 @@ impl Vm {
         vcpu.set_fpu(&boot::initial_fpu())
             .map_err(|e| VmmError::Kvm("KVM_SET_FPU", e))?;
         set_lint_pins(&vcpu)?;
+        // The guest's state is now exactly its native boot state; the engine gets a copy.
+        let engine = match &cfg.engine {
+            Some(e) => Some(engine_boot::enter(&vcpu, &mem, &cpuid, e)?),
+            None => None,
+        };
 
         let console = Rc::new(ConsoleWatch::default());
         let file = match &cfg.console_file {
@@ -282,6 +293,7 @@ impl Vm {
             symbols,
             boot,
             cpuid,
+            engine,
         })
     }
 

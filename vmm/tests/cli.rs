@@ -146,10 +146,57 @@ fn test_timeout_exits_4() {
 }
 
 #[test]
-fn test_tool_says_instrumentation_is_not_available_yet() {
+fn test_bad_tool_option_is_one_line_error() {
+    let dir = scratch_dir("cli-tool-option");
+    let o = kpin(
+        &[
+            "run",
+            "--guest",
+            "minikernel",
+            "--tool",
+            "null",
+            "--tool-option",
+            "no-equals-sign",
+        ],
+        &dir,
+    );
+    assert_one_line_error(&o, "bad --tool-option");
+}
+
+#[test]
+fn test_tool_starts_the_engine_which_says_guest_code_is_not_implemented_yet() {
+    if !kvm_available("test_tool_starts_the_engine_which_says_guest_code_is_not_implemented_yet") {
+        return;
+    }
     let dir = scratch_dir("cli-tool");
-    let o = kpin(&["run", "--guest", "minikernel", "--tool", "null"], &dir);
-    assert_one_line_error(&o, "instrumentation is not available yet");
+    let o = kpin(
+        &[
+            "run",
+            "--guest",
+            "minikernel",
+            "-q",
+            "--timeout",
+            "60",
+            "--tool",
+            "null",
+        ],
+        &dir,
+    );
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("bring-up complete (tool null); running guest code is not implemented yet"),
+        "{err}"
+    );
+    assert!(dir.join("dump.txt").is_file());
+
+    let dir = scratch_dir("cli-tool-name");
+    let o = kpin(
+        &["run", "--guest", "minikernel", "-q", "--tool", "no/such"],
+        &dir,
+    );
+    assert_one_line_error(&o, "bad tool name");
 }
 
 #[test]

@@ -1,0 +1,153 @@
+//! The engine image boots in the stolen region (issue #4, bring-up slice): the VMM boots
+//! the guest as natively, captures that state into the attach block and enters the
+//! engine, which logs the guest's RIP/CR3 as it read them, measures the ring-0 gate and
+//! takes PIT ticks at CPL 3 through its ring-0 stubs, then reports that running guest
+//! code is not implemented yet. A deliberate engine fault (#PF, #UD, #DF on its IST stack)
+//! ends the run as an engine failure with the fault report in `engine.log` — never a hang.
+
+use std::time::Duration;
+
+use kpin_tests::{kvm_available, run_guest, scratch_dir, tiny_elf, TINY_LOAD_ADDR};
+use vmm::layout::BOOT_PML4_START;
+use vmm::{EngineConfig, Outcome, VmConfig};
+
+/// Boots a tiny guest kernel under the engine with `options`; returns the outcome, the
+/// dump and `engine.log`.
+fn run_engine(name: &str, options: &str) -> (vmm::RunReport, String) {
+    let dir = scratch_dir(name);
+    let image =
+        kpin_images::ensure_engine(&kpin_images::default_out_dir(), &mut |l| eprintln!("{l}"))
+            .expect("build the engine image");
+    let kernel = dir.join("guest.elf");
+    // The guest never runs: the engine stops before guest code.
+    std::fs::write(&kernel, tiny_elf(&[0xf4; 16])).unwrap();
+    let cfg = VmConfig {
+        kernel,
+        initrd: None,
+        cmdline: String::new(),
+        mem_mib: 64,
+        timeout: Some(Duration::from_secs(60)),
+        console_file: None,
+        echo_console: false,
+        system_map: None,
+        engine: Some(EngineConfig {
+            image,
+            tool: "null".into(),
+            options: options.into(),
+        }),
+    };
+    let (report, _) = run_guest(&cfg, &dir);
+    let log = std::fs::read_to_string(dir.join(host_daemon::ENGINE_LOG)).unwrap_or_default();
+    (report, log)
+}
+
+/// The number just before `marker` in `text` (`"... 17 of"` → 17 for `" of"`).
+fn number_before(text: &str, marker: &str) -> Option<u64> {
+    let end = text.find(marker)?;
+    let start = text[..end].rfind(|c: char| !c.is_ascii_digit())? + 1;
+    text[start..end].parse().ok()
+}
+
+#[test]
+fn test_engine_boots_measures_gate_and_timer_then_stops_cleanly() {
+    if !kvm_available("test_engine_boots_measures_gate_and_timer_then_stops_cleanly") {
+        return;
+    }
+    let (report, log) = run_engine("engine-boot", "bringup.gates=500 bringup.ticks=10");
+    assert_eq!(
+        report.outcome,
+        Outcome::EngineFailure,
+        "{log}\n{:?}",
+        report.dump
+    );
+    // The attach block carries the guest's native entry state.
+    assert!(
+        log.contains(&format!(
+            "guest RIP={TINY_LOAD_ADDR:#x} RSP=0x8ff0 RSI=0x7000"
+        )),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!(" CR3={BOOT_PML4_START:#x} ")),
+        "{log}"
+    );
+    assert!(log.contains("EFER=0x500 CS=0x10 (L=1)"), "{log}");
+    assert!(log.contains("tool \"null\""), "{log}");
+    // The gate works, N round trips of it.
+    assert!(log.contains("gate: 500 NOP round trips in "), "{log}");
+    assert!(log.contains("KERNEL_GS_BASE round-trips"), "{log}");
+    // Timer ticks interrupted CPL 3 and came back through the ring-0 stub.
+    let ticks_line = log
+        .lines()
+        .find(|l| l.contains("timer: ") && l.contains("PIT ticks"))
+        .unwrap_or_else(|| panic!("no timer line: {log}"));
+    assert_eq!(
+        number_before(ticks_line, " PIT ticks"),
+        Some(10),
+        "{ticks_line}"
+    );
+    let at_cpl3 = number_before(ticks_line, " of ").expect("CPL-3 count");
+    assert!(at_cpl3 >= 10, "{ticks_line}");
+    assert!(log.contains("3 HLT gates woke"), "{log}");
+    assert!(
+        log.contains("[Error] engine: bring-up complete (tool null); running guest code is not implemented yet"),
+        "{log}"
+    );
+    assert!(report.dump.is_some());
+    assert!(report.wall < Duration::from_secs(30), "{:?}", report.wall);
+}
+
+#[test]
+fn test_engine_faults_are_reported_with_vector_rip_cr2_and_never_hang() {
+    if !kvm_available("test_engine_faults_are_reported_with_vector_rip_cr2_and_never_hang") {
+        return;
+    }
+    for (crash, want) in [
+        (
+            "pf",
+            "unexpected exception #PF (vector 14) in the engine: error code 0x4",
+        ),
+        ("ud", "unexpected exception #UD (vector 6)"),
+        ("gp", "unexpected exception #GP (vector 13)"),
+        ("df", "unexpected exception #DF (vector 8)"),
+    ] {
+        let (report, log) = run_engine(
+            &format!("engine-crash-{crash}"),
+            &format!("bringup.gates=10 bringup.ticks=2 bringup.crash={crash}"),
+        );
+        assert_eq!(report.outcome, Outcome::EngineFailure, "{crash}: {log}");
+        assert!(log.contains(want), "{crash}: {log}");
+        assert!(log.contains("RIP 0x6000002"), "{crash}: {log}");
+        assert!(log.contains("rax=0x"), "{crash}: registers missing: {log}");
+        assert!(!log.contains("bring-up complete"), "{crash}: {log}");
+        assert!(report.dump.is_some());
+        assert!(
+            report.wall < Duration::from_secs(30),
+            "{crash}: {:?}",
+            report.wall
+        );
+        if crash == "pf" {
+            assert!(log.contains("CR2 0x1000"), "{log}");
+            assert!(
+                log.contains("not-present page on a read access from CPL 3"),
+                "{log}"
+            );
+        }
+        if crash == "df" {
+            assert!(log.contains("#DF taken on its IST stack"), "{log}");
+        }
+    }
+}
+
+#[test]
+fn test_bad_bringup_option_is_reported_by_the_engine() {
+    if !kvm_available("test_bad_bringup_option_is_reported_by_the_engine") {
+        return;
+    }
+    let (report, log) = run_engine("engine-badopt", "bringup.nonsense=1");
+    assert_eq!(report.outcome, Outcome::EngineFailure);
+    assert!(
+        log.contains("bad bring-up option \"bringup.nonsense=1\""),
+        "{log}"
+    );
+}
