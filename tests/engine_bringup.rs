@@ -89,6 +89,13 @@ fn test_engine_boots_measures_gate_and_timer_then_stops_cleanly() {
     let at_cpl3 = number_before(ticks_line, " of ").expect("CPL-3 count");
     assert!(at_cpl3 >= 10, "{ticks_line}");
     assert!(log.contains("3 HLT gates woke"), "{log}");
+    // The address-space probe ran; reading through the window's own slot works.
+    assert!(
+        log.contains(
+            "probe: PML4 slots 257-257 (0xffff808000000000-0xffff80ffffffffff): CPL-3 reads work"
+        ),
+        "{log}"
+    );
     assert!(
         log.contains("[Error] engine: bring-up complete (tool null); running guest code is not implemented yet"),
         "{log}"
@@ -113,11 +120,11 @@ fn test_engine_faults_are_reported_with_vector_rip_cr2_and_never_hang() {
     ] {
         let (report, log) = run_engine(
             &format!("engine-crash-{crash}"),
-            &format!("bringup.gates=10 bringup.ticks=2 bringup.crash={crash}"),
+            &format!("bringup.gates=10 bringup.ticks=2 bringup.probe=false bringup.crash={crash}"),
         );
         assert_eq!(report.outcome, Outcome::EngineFailure, "{crash}: {log}");
         assert!(log.contains(want), "{crash}: {log}");
-        assert!(log.contains("RIP 0x6000002"), "{crash}: {log}");
+        assert!(log.contains("RIP 0xffff8080002"), "{crash}: {log}");
         assert!(log.contains("rax=0x"), "{crash}: registers missing: {log}");
         assert!(!log.contains("bring-up complete"), "{crash}: {log}");
         assert!(report.dump.is_some());

@@ -8,9 +8,9 @@
 
 /// `magic` of a valid block: "KPINATCH".
 pub const MAGIC: u64 = u64::from_le_bytes(*b"KPINATCH");
-/// Layout version; bump on any change. 2: the window the block is reached through moved to
-/// the lower half (`stolen::WINDOW_VA`).
-pub const VERSION: u32 = 2;
+/// Layout version; bump on any change. 3: the window the block is reached through is PML4
+/// slot 257 (`stolen::WINDOW_VA`; 2 had it in the lower half, 1 in slot 256).
+pub const VERSION: u32 = 3;
 /// Capacity of [`AttachBlock::msrs`].
 pub const MAX_MSRS: usize = 32;
 /// Capacity of [`AttachBlock::cpuid`].

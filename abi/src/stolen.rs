@@ -11,22 +11,21 @@
 //! The engine image is linked at `WINDOW_VA + ENGINE_OFFSET`; the VMM loads each ELF
 //! segment at `stolen_base + (p_vaddr - WINDOW_VA)`.
 
-/// Virtual base of the engine window: PML4 slot 192, in the *lower* half.
+/// Virtual base of the engine window: PML4 slot 257, inside the range Linux leaves to
+/// hypervisors (`0xffff_8000_0000_0000`–`0xffff_87ff_ffff_ffff`, slots 256–271), so no
+/// guest mapping collides with it.
 ///
-/// Measured here: on this KVM (the `kvm_pvm` module) code running at hardware CPL 3 —
-/// where the engine runs — gets a #PF with the reserved-bit error code (0x1d on a fetch)
-/// for any address in PML4 slots 256 and 258 (`0xffff_8000_0000_0000`, the range Linux
-/// leaves to hypervisors, where the design first put the window), however the page
-/// tables look; the same image linked in the lower half runs. Linux user processes map
-/// top-down from just below `0x7fff_ffff_f000` and bottom-up from the program
-/// (`0x55xx_…`), so slot 192 is normally free; a guest mapping that collides with the
-/// window must be handled by the engine (TODO(#4)).
-pub const WINDOW_VA: u64 = 0x0000_6000_0000_0000;
-/// Virtual base at which the engine maps all guest-physical memory: PML4 slot 193, next
-/// to the window (lower half, for the same reason). Use 2 MiB pages: this KVM offers no 1 GiB pages
+/// Not slot 256, where the design first put it: measured here (the engine's bring-up
+/// probe reads through every PML4 slot at CPL 3), on this KVM (`kvm_pvm`) code at
+/// hardware CPL 3 — where the engine runs — gets a #PF with the reserved-bit error code
+/// (0xd on a read, 0x1d on a fetch) for any address in slot 256 whatever the page tables
+/// say; every other slot, lower and upper half, works.
+pub const WINDOW_VA: u64 = 0xffff_8080_0000_0000;
+/// Virtual base at which the engine maps all guest-physical memory: PML4 slot 258. Use
+/// 2 MiB pages: this KVM offers no 1 GiB pages
 /// (`pdpe1gb` is absent from `KVM_GET_SUPPORTED_CPUID`, and a 1 GiB PDPT entry faults
 /// with the reserved-bit error code).
-pub const PHYSMAP_VA: u64 = 0x0000_6080_0000_0000;
+pub const PHYSMAP_VA: u64 = 0xffff_8100_0000_0000;
 /// Attach block offset.
 pub const ATTACH_OFFSET: u64 = 0;
 /// Bytes reserved for the attach block.

@@ -5,17 +5,18 @@
 //! Tool options read here (`key=value`, separated by spaces; other keys belong to the tool):
 //! * `bringup.gates=N` — gate round trips to measure (default [`DEFAULT_GATES`]);
 //! * `bringup.ticks=N` — PIT ticks to await at CPL 3 (default [`DEFAULT_TICKS`]);
+//! * `bringup.probe=true|false` — probe which PML4 slots CPL-3 code can read (default true);
 //! * `bringup.crash=pf|gp|ud|de|df` — fault on purpose after the measurements.
 
 use core::arch::asm;
 
 use kpin_abi::attach::{AttachBlock, MAGIC, VERSION};
-use kpin_abi::stolen::{BOOT_PT_OFFSET, IO_RING_OFFSET, WINDOW_VA};
+use kpin_abi::stolen::{BOOT_PT_OFFSET, ENGINE_OFFSET, IO_RING_OFFSET, WINDOW_VA};
 
 use crate::entry::kpin_boot_tsc;
 use crate::layout::{gate_op, DEFAULT_GATES, DEFAULT_TICKS, PIC1_DATA, TIMER_HZ};
 use crate::log::fail;
-use crate::{descriptors, gate, log, timer};
+use crate::{descriptors, gate, log, probe, timer};
 
 /// MSR used to check the WRMSR/RDMSR gates (the guest has not run, so nothing depends
 /// on its value yet).
@@ -36,6 +37,7 @@ enum Crash {
 }
 
 struct Options {
+    probe: bool,
     gates: u64,
     ticks: u64,
     crash: Option<Crash>,
@@ -44,6 +46,7 @@ struct Options {
 /// Parses the `bringup.*` options; an unknown `bringup.` key or a bad value is an error.
 fn parse_options(text: &str) -> Result<Options, &str> {
     let mut o = Options {
+        probe: true,
         gates: DEFAULT_GATES,
         ticks: DEFAULT_TICKS,
         crash: None,
@@ -55,6 +58,7 @@ fn parse_options(text: &str) -> Result<Options, &str> {
         let (key, value) = rest.split_once('=').ok_or(word)?;
         match key {
             "gates" => o.gates = value.parse().map_err(|_| word)?,
+            "probe" => o.probe = value.parse().map_err(|_| word)?,
             "ticks" => o.ticks = value.parse::<u64>().map_err(|_| word)?.max(1),
             "crash" => {
                 o.crash = Some(match value {
@@ -115,7 +119,7 @@ pub extern "C" fn engine_main(attach: *const AttachBlock) -> ! {
     let opts = match parse_options(options) {
         Ok(o) => o,
         Err(word) => {
-            log!(Error, "engine: bad bring-up option {word:?} (known: bringup.gates=N bringup.ticks=N bringup.crash=pf|gp|ud|de|df)");
+            log!(Error, "engine: bad bring-up option {word:?} (known: bringup.gates=N bringup.ticks=N bringup.probe=BOOL bringup.crash=pf|gp|ud|de|df)");
             fail();
         }
     };
@@ -125,6 +129,10 @@ pub extern "C" fn engine_main(attach: *const AttachBlock) -> ! {
     log::flush();
     measure_gates(block, opts.gates, tsc_hz);
     log::flush();
+    if opts.probe {
+        probe_address_space(block.stolen_base);
+        log::flush();
+    }
     if let Some(c) = opts.crash {
         crash(c);
     }
@@ -273,6 +281,63 @@ fn measure_gates(b: &AttachBlock, n: u64, tsc_hz: u64) {
     if back != probe || unknown != gate_op::UNKNOWN {
         fail();
     }
+}
+
+/// Probes every PML4 slot (but the physmap's) and logs, as ranges of slots, where CPL-3
+/// reads work and where they fault.
+fn probe_address_space(stolen_base: u64) {
+    let window_slot = (WINDOW_VA >> 39) & 0x1ff;
+    let physmap_slot = (kpin_abi::stolen::PHYSMAP_VA >> 39) & 0x1ff;
+    // SAFETY: the first quadword of the image is code, readable in the window.
+    let expected = unsafe { core::ptr::read_volatile((WINDOW_VA + ENGINE_OFFSET) as *const u64) };
+    let classify = |slot: u64| {
+        let outcome = if slot == window_slot {
+            probe::read(probe::slot_va(slot, ENGINE_OFFSET))
+        } else {
+            // SAFETY: still on the boot tables, and `slot` is neither window nor physmap.
+            unsafe { probe::probe_slot(stolen_base, slot) }
+        };
+        match outcome {
+            probe::Outcome::Read(v) if v == expected => probe::Outcome::Read(0),
+            other => other,
+        }
+    };
+    let mut run: Option<(u64, u64, probe::Outcome)> = None;
+    let report = |first: u64, last: u64, o: probe::Outcome| {
+        let (a, b) = (
+            probe::slot_va(first, 0),
+            probe::slot_va(last, 0) + (1 << 39) - 1,
+        );
+        match o {
+            probe::Outcome::Read(0) => {
+                log!(Info, "probe: PML4 slots {first}-{last} ({a:#x}-{b:#x}): CPL-3 reads work")
+            }
+            probe::Outcome::Read(v) => log!(
+                Warn,
+                "probe: PML4 slots {first}-{last} ({a:#x}-{b:#x}): CPL-3 reads return {v:#x}, not the mapped page"
+            ),
+            probe::Outcome::Fault(vector, error) => log!(
+                Info,
+                "probe: PML4 slots {first}-{last} ({a:#x}-{b:#x}): CPL-3 reads fault: vector {vector}, error code {error:#x}{}",
+                if vector == 14 && error & 8 != 0 { " (reserved bit)" } else { "" }
+            ),
+        }
+    };
+    for slot in (0..probe::SLOTS).filter(|&s| s != physmap_slot) {
+        let o = classify(slot);
+        run = match run {
+            Some((first, last, prev)) if prev == o && last + 1 == slot => Some((first, slot, o)),
+            Some((first, last, prev)) => {
+                report(first, last, prev);
+                Some((slot, slot, o))
+            }
+            None => Some((slot, slot, o)),
+        };
+    }
+    if let Some((first, last, o)) = run {
+        report(first, last, o);
+    }
+    log!(Info, "probe: slot {physmap_slot} (the physmap) not probed");
 }
 
 fn crash(c: Crash) -> ! {

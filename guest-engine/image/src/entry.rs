@@ -28,6 +28,11 @@
 //! **IST stacks**: IST1 #DF, IST2 NMI, IST3 #MC. TSS.RSP0 = the ring-0 stack
 //! (`kpin_ring0_stack_top`, also the boot stack after the first instruction).
 //!
+//! **The probe** (`kpin_probe_read`, CPL 3): RDI = an address; the `mov rdx, [rdi]` at
+//! `kpin_probe_insn` either reads (RAX = 0, RDX = the value) or faults, and then
+//! `kpin_trap_common` — first thing — sees that RIP and resumes at `kpin_probe_fault`
+//! with RDX = vector and RCX = error code (RAX = 1). Clobbers RAX, RCX, RDX.
+//!
 //! **Unexpected exceptions** (every exception vector but the gate's #GP): `kpin_trap_common`
 //! saves the GPRs, vector, error code, iret frame and CR2 into `FAULT` and `iretq`s to
 //! `kpin_fault_report` at CPL 3 (IF = 0, on the fault stack), which logs the record to the
@@ -99,6 +104,8 @@ pub static FAULT: FaultCell = FaultCell(UnsafeCell::new(FaultRecord {
 extern "C" {
     /// The gate; see the module header. Never call it directly: use `crate::gate`.
     pub fn kpin_gate();
+    /// The probe; see the module header. Use `crate::probe`.
+    pub fn kpin_probe_read();
     /// IRQ counts per PIC line (16 entries).
     pub static kpin_irq_counts: [u64; 16];
     /// Interrupts that arrived while the CPU was at CPL 3.
@@ -306,6 +313,19 @@ kpin_gate_entry:
 
     // Stack: vector, error code, RIP, CS, RFLAGS, RSP, SS.
 kpin_trap_common:
+    push rax
+    lea rax, [rip + kpin_probe_insn]
+    cmp rax, [rsp + 24]
+    jne 3f
+    lea rax, [rip + kpin_probe_fault]
+    mov [rsp + 24], rax
+    mov rdx, [rsp + 8]
+    mov rcx, [rsp + 16]
+    pop rax
+    add rsp, 16
+    iretq
+3:
+    pop rax
     cmp qword ptr [rip + kpin_fault_active], 0
     jne kpin_trap_nested
     mov qword ptr [rip + kpin_fault_active], 1
@@ -358,6 +378,18 @@ kpin_trap_nested:
     cli
     hlt
     jmp 2b
+
+    // The probe (CPL 3): RDI = address. Returns RAX = 0 and RDX = the quadword read, or
+    // RAX = 1, RDX = vector, RCX = error code when the read faulted.
+    .global kpin_probe_read
+kpin_probe_read:
+    xor eax, eax
+kpin_probe_insn:
+    mov rdx, [rdi]
+    ret
+kpin_probe_fault:
+    mov eax, 1
+    ret
 
     // The gate (CPL 3 only).
     .global kpin_gate

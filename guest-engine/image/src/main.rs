@@ -16,10 +16,11 @@ mod fault;
 mod gate;
 mod layout;
 mod log;
+mod probe;
 mod timer;
 
 /// The address `link.ld` links the image at; it must be where the VMM loads it.
-const LINK_BASE: u64 = 0x0000_6000_0020_0000;
+const LINK_BASE: u64 = 0xffff_8080_0020_0000;
 const _: () = assert!(
     LINK_BASE == kpin_abi::stolen::WINDOW_VA + kpin_abi::stolen::ENGINE_OFFSET,
     "link.ld and kpin-abi disagree on the engine's address"
