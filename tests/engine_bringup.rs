@@ -1,7 +1,8 @@
 //! The engine image boots in the stolen region (issue #4, bring-up slice): the VMM boots
 //! the guest as natively, captures that state into the attach block and enters the
 //! engine, which logs the guest's RIP/CR3 as it read them, measures the ring-0 gate and
-//! takes PIT ticks at CPL 3 through its ring-0 stubs, then reports that running guest
+//! takes PIT ticks at CPL 3 through its ring-0 stubs, switches to page tables of its own
+//! (whose physmap reads the guest's zero page), then reports that running guest
 //! code is not implemented yet. A deliberate engine fault (#PF, #UD, #DF on its IST stack)
 //! ends the run as an engine failure with the fault report in `engine.log` — never a hang.
 
@@ -96,6 +97,16 @@ fn test_engine_boots_measures_gate_and_timer_then_stops_cleanly() {
         ),
         "{log}"
     );
+    // The engine switched to page tables of its own; its physmap reaches guest RAM.
+    assert!(
+        log.contains("paging: running on the engine's own page tables"),
+        "{log}"
+    );
+    assert!(
+        log.contains("the guest's zero page at 0x7000: header magic \"HdrS\""),
+        "{log}"
+    );
+    assert!(log.contains("engine: bring-up took "), "{log}");
     assert!(
         log.contains("[Error] engine: bring-up complete (tool null); running guest code is not implemented yet"),
         "{log}"

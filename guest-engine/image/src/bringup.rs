@@ -11,18 +11,20 @@
 use core::arch::asm;
 
 use kpin_abi::attach::{AttachBlock, MAGIC, VERSION};
-use kpin_abi::stolen::{BOOT_PT_OFFSET, ENGINE_OFFSET, IO_RING_OFFSET, WINDOW_VA};
+use kpin_abi::stolen::{BOOT_PT_OFFSET, ENGINE_OFFSET, IO_RING_OFFSET, PHYSMAP_VA, WINDOW_VA};
 
 use crate::entry::kpin_boot_tsc;
 use crate::layout::{gate_op, DEFAULT_GATES, DEFAULT_TICKS, PIC1_DATA, TIMER_HZ};
 use crate::log::fail;
-use crate::{descriptors, gate, log, probe, timer};
+use crate::{descriptors, gate, log, paging, probe, timer};
 
 /// MSR used to check the WRMSR/RDMSR gates (the guest has not run, so nothing depends
 /// on its value yet).
 const MSR_KERNEL_GS_BASE: u32 = 0xc000_0102;
 /// Upper bound on the wait for timer ticks, in TSC cycles (seconds at any real TSC rate).
 const TICK_WAIT_CYCLES: u64 = 20_000_000_000;
+/// Offset of the boot protocol's "HdrS" magic in the zero page.
+const HDRS_OFFSET: u64 = 0x202;
 /// An address the boot page tables leave unmapped (PML4 slot 0 is empty).
 const UNMAPPED_VA: u64 = 0x1000;
 
@@ -133,9 +135,18 @@ pub extern "C" fn engine_main(attach: *const AttachBlock) -> ! {
         probe_address_space(block.stolen_base);
         log::flush();
     }
+    switch_to_own_page_tables(block);
+    log::flush();
     if let Some(c) = opts.crash {
         crash(c);
     }
+    let us = |cycles: u64| cycles.saturating_mul(1_000_000) / tsc_hz.max(1);
+    log!(
+        Info,
+        "engine: bring-up took {} us from _start (ring-0 setup {} us, before the first CPL-3 instruction)",
+        us(timer::tsc().wrapping_sub(boot_tsc)),
+        us(main_tsc.wrapping_sub(boot_tsc))
+    );
     log!(
         Error,
         "engine: bring-up complete (tool {tool}); running guest code is not implemented yet"
@@ -280,6 +291,32 @@ fn measure_gates(b: &AttachBlock, n: u64, tsc_hz: u64) {
     );
     if back != probe || unknown != gate_op::UNKNOWN {
         fail();
+    }
+}
+
+/// Loads the engine's own page tables and checks the physmap against the guest's zero
+/// page (the boot protocol's "HdrS" magic at offset 0x202), which the VMM wrote.
+fn switch_to_own_page_tables(b: &AttachBlock) {
+    let m = paging::build_and_load(b);
+    log!(
+        Info,
+        "paging: running on the engine's own page tables (CR3 {:#x}): window {} x 2 MiB, physmap {} x 2 MiB{}",
+        m.cr3,
+        m.window_pages,
+        m.physmap_pages,
+        if m.unmapped_bytes > 0 { " (guest memory beyond 8 GiB of physical space NOT mapped)" } else { "" }
+    );
+    let zero_page = b.regs.rsi;
+    if zero_page != 0 && zero_page < b.ram_bytes {
+        // SAFETY: the physmap maps every e820 range, and the zero page is guest RAM.
+        let magic = unsafe {
+            core::ptr::read_volatile((PHYSMAP_VA + zero_page + HDRS_OFFSET) as *const u32)
+        };
+        log!(
+            Info,
+            "paging: physmap reads the guest's zero page at {zero_page:#x}: header magic {:?}",
+            core::str::from_utf8(&magic.to_le_bytes()).unwrap_or("?")
+        );
     }
 }
 

@@ -16,6 +16,7 @@ mod fault;
 mod gate;
 mod layout;
 mod log;
+mod paging;
 mod probe;
 mod timer;
 
