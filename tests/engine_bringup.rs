@@ -158,6 +158,24 @@ fn test_engine_faults_are_reported_with_vector_rip_cr2_and_never_hang() {
 }
 
 #[test]
+fn test_fault_while_reporting_a_fault_ends_the_run_from_ring_0() {
+    if !kvm_available("test_fault_while_reporting_a_fault_ends_the_run_from_ring_0") {
+        return;
+    }
+    let (report, log) = run_engine(
+        "engine-crash-nested",
+        "bringup.gates=10 bringup.ticks=2 bringup.probe=false bringup.crash=nested",
+    );
+    assert_eq!(report.outcome, Outcome::EngineFailure, "{log}");
+    assert!(log.contains("faulting on purpose"), "{log}");
+    assert!(!log.contains("unexpected exception"), "{log}");
+    let dump = report.dump.expect("a dump");
+    // The vCPU stopped in the ring-0 nested-fault path (CPL 0), not in a loop at CPL 3.
+    assert!(dump.contains("CS  sel=0008"), "{dump}");
+    assert!(report.wall < Duration::from_secs(30), "{:?}", report.wall);
+}
+
+#[test]
 fn test_bad_bringup_option_is_reported_by_the_engine() {
     if !kvm_available("test_bad_bringup_option_is_reported_by_the_engine") {
         return;

@@ -6,7 +6,8 @@
 //! * `bringup.gates=N` — gate round trips to measure (default [`DEFAULT_GATES`]);
 //! * `bringup.ticks=N` — PIT ticks to await at CPL 3 (default [`DEFAULT_TICKS`]);
 //! * `bringup.probe=true|false` — probe which PML4 slots CPL-3 code can read (default true);
-//! * `bringup.crash=pf|gp|ud|de|df` — fault on purpose after the measurements.
+//! * `bringup.crash=pf|gp|ud|de|df|nested` — fault on purpose after the measurements
+//!   (`nested`: the fault reporter faults too, so ring 0 writes the failure port itself).
 
 use core::arch::asm;
 
@@ -36,6 +37,7 @@ enum Crash {
     Ud,
     De,
     Df,
+    Nested,
 }
 
 struct Options {
@@ -69,6 +71,7 @@ fn parse_options(text: &str) -> Result<Options, &str> {
                     "ud" => Crash::Ud,
                     "de" => Crash::De,
                     "df" => Crash::Df,
+                    "nested" => Crash::Nested,
                     _ => return Err(word),
                 })
             }
@@ -121,7 +124,7 @@ pub extern "C" fn engine_main(attach: *const AttachBlock) -> ! {
     let opts = match parse_options(options) {
         Ok(o) => o,
         Err(word) => {
-            log!(Error, "engine: bad bring-up option {word:?} (known: bringup.gates=N bringup.ticks=N bringup.probe=BOOL bringup.crash=pf|gp|ud|de|df)");
+            log!(Error, "engine: bad bring-up option {word:?} (known: bringup.gates=N bringup.ticks=N bringup.probe=BOOL bringup.crash=pf|gp|ud|de|df|nested)");
             fail();
         }
     };
@@ -391,6 +394,10 @@ fn crash(c: Crash) -> ! {
             Crash::Ud => asm!("ud2"),
             Crash::De => {
                 asm!("xor edx, edx", "xor eax, eax", "div rcx", in("rcx") 0u64, out("rax") _, out("rdx") _)
+            }
+            Crash::Nested => {
+                crate::fault::fault_while_reporting();
+                asm!("ud2");
             }
             Crash::Df => {
                 // With TSS.RSP0 unmapped the #UD frame cannot be pushed (#PF), nor can the

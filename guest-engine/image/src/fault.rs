@@ -2,6 +2,7 @@
 //! trap path in `entry.rs`, with interrupts off, on its own stack) and panics.
 
 use core::arch::asm;
+use core::sync::atomic::{AtomicBool, Ordering};
 
 use crate::entry::{FaultRecord, FAULT, GPR_NAMES};
 use crate::layout::{VEC_DF, VEC_PF};
@@ -14,8 +15,21 @@ const NAMES: [&str; 32] = [
     "RES25", "RES26", "RES27", "#HV", "#VC", "#SX", "RES31",
 ];
 
+/// Set by `bringup.crash=nested`: the reporter faults before reporting.
+static FAULT_WHILE_REPORTING: AtomicBool = AtomicBool::new(false);
+
+/// Makes the next fault report fault itself (tests the nested path of `entry.rs`).
+pub fn fault_while_reporting() {
+    FAULT_WHILE_REPORTING.store(true, Ordering::Relaxed);
+}
+
 /// Entered from `kpin_trap_common` (never called); logs the fault record and fails.
 pub extern "C" fn kpin_fault_report() -> ! {
+    if FAULT_WHILE_REPORTING.load(Ordering::Relaxed) {
+        // SAFETY: a deliberate #UD; the trap path sees a report in progress and ends the
+        // run through the failure port from ring 0.
+        unsafe { asm!("ud2") };
+    }
     // SAFETY: the ring-0 trap path finished writing the record before `iretq`ing here,
     // and nothing writes it again (a second fault takes the nested path).
     let f: FaultRecord = unsafe { core::ptr::read_volatile(FAULT.0.get()) };
