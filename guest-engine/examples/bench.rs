@@ -131,6 +131,29 @@ extern "sysv64" fn interpreter(buf: *mut u64, n: u64) -> u64 {
 
 const BUF_WORDS: usize = 8192;
 
+/// Counts basic blocks with an inline analysis call per block (Pin's classic `docount`).
+#[derive(Default)]
+struct BblCalls {
+    count: u64,
+}
+
+impl Tool for BblCalls {
+    fn instrument_trace(&mut self, t: &mut guest_engine::TraceInstrumenter<'_>) {
+        let firsts: Vec<usize> = t.bbls().iter().map(|b| b.first).collect();
+        for f in firsts {
+            t.insert_call(
+                f,
+                guest_engine::IPoint::Before,
+                0,
+                &[guest_engine::IArg::InstPtr],
+            );
+        }
+    }
+    fn analyze(&mut self, _routine: u32, args: &[u64]) {
+        self.count = self.count.wrapping_add(args[0] & 1).wrapping_add(1);
+    }
+}
+
 struct Bench {
     rig: Rig,
     stack: Region,
@@ -245,7 +268,7 @@ fn main() {
         return;
     }
     let workloads: [(&str, Work, u64); 4] = [
-        ("compute_loop", compute_loop, 200_000_000),
+        ("compute_loop", compute_loop, 100_000_000),
         ("sieve", sieve, 2000),
         ("quicksort", quicksort, 300),
         ("interpreter", interpreter, 12_000),
@@ -278,9 +301,10 @@ fn main() {
         for _ in 0..2 {
             tn = tn.min(b.native(f, n).0);
         }
-        for tool_name in ["null", "bbcount", "memtrace"] {
+        for tool_name in ["null", "bbcount", "memtrace", "bbcall", "bbcall-nv"] {
+            // bbcall-nv: the analysis routine is declared vector-free (no XSAVE per call).
             let cfg = Config {
-                count_ibl_lookups: false,
+                analysis_preserves_vector_state: tool_name == "bbcall-nv",
                 ..Config::default()
             };
             b.rig = Rig::new(cfg);
@@ -290,7 +314,8 @@ fn main() {
             let mut tool: Box<dyn Tool> = match tool_name {
                 "null" => Box::new(NullTool),
                 "bbcount" => Box::new(BblCount::default()),
-                _ => Box::new(MemTrace::default()),
+                "memtrace" => Box::new(MemTrace::default()),
+                _ => Box::new(BblCalls::default()),
             };
             let (t1, r1) = b.translated(f, n, &mut *tool);
             let s = b.rig.engine.stats();
@@ -305,7 +330,7 @@ fn main() {
             // IBL hit rate in a separate counting run (the counting costs cycles).
             b.rig = Rig::new(Config {
                 count_ibl_lookups: true,
-                ..Config::default()
+                ..cfg
             });
             let cache = b.rig.cache.addr();
             b.mem.ranges.retain(|&(s, _)| s != cache);

@@ -145,6 +145,10 @@ impl CodeCache {
         }
     }
 
+    pub(crate) fn xsave_guest(&self) -> u64 {
+        self.addr(XSAVE_GUEST_OFFSET)
+    }
+
     pub(crate) fn rc_table(&self) -> u64 {
         self.addr(RC_OFFSET)
     }

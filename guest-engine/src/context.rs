@@ -103,6 +103,14 @@ pub struct CacheContext {
     /// Non-zero when the dispatcher wants control at the next trace entry
     /// (interrupt pending, detach, invalidation); see `attention`.
     pub attention: u64,
+    /// Guest RSP saved by an inline analysis call while it runs on the engine stack.
+    pub call_rsp: u64,
+    /// Guest RFLAGS saved by an inline analysis call.
+    pub call_flags: u64,
+    /// Arguments of an inline analysis call.
+    pub call_args: [u64; 8],
+    /// `*mut &mut dyn Tool` of the running `Engine::run` (for the analysis trampoline).
+    pub tool: u64,
     /// Cache PC of a synchronous fault, written by the fault handler that redirected
     /// the faulting code to the exit routine with the `FAULT` exit word.
     pub fault_pc: u64,

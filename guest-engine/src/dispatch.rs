@@ -32,6 +32,12 @@ pub struct Config {
     pub link_direct: bool,
     /// Fill the indirect-branch lookup table (off: every indirect branch misses).
     pub fill_ibl: bool,
+    /// Run analysis calls without leaving the cache (calls with `IArg::MemPa` always exit).
+    pub inline_calls: bool,
+    /// The tool's analysis routines leave x87/SSE/AVX state alone, so inline calls need
+    /// not save it even when `save_extended_state` is set (always true for the soft-float
+    /// in-guest build; on the host only for routines that provably use no vector code).
+    pub analysis_preserves_vector_state: bool,
     /// Translate `ret` through the return cache (else through the hash lookup).
     pub return_cache: bool,
     /// Count IBL lookups in generated code (costs a few instructions per lookup).
@@ -55,6 +61,8 @@ impl Default for Config {
             link_direct: true,
             fill_ibl: true,
             return_cache: true,
+            inline_calls: true,
+            analysis_preserves_vector_state: false,
             count_ibl_lookups: false,
             save_extended_state: false,
             mode: Mode(0),
@@ -384,9 +392,13 @@ impl Engine {
                 count_ibl: self.config.count_ibl_lookups,
                 rc_table: self.cache.rc_table(),
                 return_cache: self.config.return_cache,
+                inline_calls: self.config.inline_calls,
+                call_xsave: (self.config.save_extended_state
+                    && !self.config.analysis_preserves_vector_state)
+                    .then(|| self.cache.xsave_guest()),
                 exit_base: self.cache.exits.len() as u32,
             };
-            let tr = translate_trace(&decoded, &insertions, &env, &mut self.scratch)
+            let tr = translate_trace(&decoded, &insertions, &calls, &env, &mut self.scratch)
                 .map_err(Stop::Error)?;
             if tr.code.len() <= room && self.cache.exits.len() + tr.exits.len() < (1 << 24) {
                 break tr;
@@ -500,8 +512,16 @@ impl Engine {
         platform: &mut dyn Platform,
         tool: &mut dyn Tool,
     ) -> Stop {
-        let stop = self.run_inner(mem, platform, tool);
-        self.deliver_buffer(mem, tool);
+        // Inline analysis calls reach the tool through this holder while the cache runs;
+        // the dispatcher only forms short-lived references to it between cache entries.
+        let mut holder: &mut dyn Tool = tool;
+        let tp: *mut &mut dyn Tool = &mut holder;
+        self.ctx_mut().tool = tp as u64;
+        let stop = self.run_inner(mem, platform, tp);
+        self.ctx_mut().tool = 0;
+        // SAFETY: `tp` points at `holder`, live for this whole function; no other
+        // reference to it exists now that the cache is not running.
+        self.deliver_buffer(mem, unsafe { &mut **tp });
         stop
     }
 
@@ -509,8 +529,10 @@ impl Engine {
         &mut self,
         mem: &mut dyn GuestMemory,
         platform: &mut dyn Platform,
-        tool: &mut dyn Tool,
+        tp: *mut &mut dyn Tool,
     ) -> Stop {
+        // SAFETY (for every `&mut **tp` below): `tp` is live for the whole run, and each
+        // reference ends before the next cache entry, the only other user of the tool.
         let mut args = Vec::new();
         let mut next = Next::Lookup;
         loop {
@@ -519,7 +541,8 @@ impl Engine {
                     if self.ctx().attention != 0 {
                         return Stop::Attention(self.rip);
                     }
-                    match self.fragment_for(mem, tool, self.rip) {
+                    // SAFETY: see the top of `run_inner`.
+                    match self.fragment_for(mem, unsafe { &mut **tp }, self.rip) {
                         Ok(id) => self.cache.fragments[id as usize].body,
                         Err(s) => return s,
                     }
@@ -552,7 +575,8 @@ impl Engine {
             if kind == EXIT_IBL_MISS {
                 let va = GuestVirt(self.ctx().ibl_target);
                 self.rip = va;
-                match self.fragment_for(mem, tool, va) {
+                // SAFETY: see the top of `run_inner`.
+                match self.fragment_for(mem, unsafe { &mut **tp }, va) {
                     Ok(id) => {
                         let f = &self.cache.fragments[id as usize];
                         let (entry, body, ret_entry) = (f.entry, f.body, f.ret_entry);
@@ -585,7 +609,8 @@ impl Engine {
                 ) => {
                     self.rip = target;
                     let gen = self.cache.generation;
-                    match self.fragment_for(mem, tool, target) {
+                    // SAFETY: see the top of `run_inner`.
+                    match self.fragment_for(mem, unsafe { &mut **tp }, target) {
                         Ok(id) => {
                             if self.config.link_direct && gen == self.cache.generation {
                                 self.link(idx, rec.fragment, id, patch_at);
@@ -618,12 +643,14 @@ impl Engine {
                     Next::Lookup
                 }
                 (EXIT_BUFFER_FULL, ExitKind::BufferFull { resume }) => {
-                    self.deliver_buffer(mem, tool);
+                    // SAFETY: see the top of `run_inner`.
+                    self.deliver_buffer(mem, unsafe { &mut **tp });
                     Next::Enter(resume)
                 }
                 (EXIT_ANALYSIS_CALL, ExitKind::Call { call, resume }) => {
                     let routine = self.eval_args(mem, platform, rec.fragment, call, &mut args);
-                    tool.analyze(routine, &args);
+                    // SAFETY: see the top of `run_inner`.
+                    unsafe { (**tp).analyze(routine, &args) };
                     Next::Enter(resume)
                 }
                 _ => return Stop::Error(EngineError::UnboundLabel),

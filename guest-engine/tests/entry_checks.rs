@@ -206,35 +206,54 @@ fn test_return_cache_collisions_fall_back_to_the_hash_lookup() {
     // Two call sites whose return addresses share their low 16 bits alternate calls to
     // one subroutine: each return finds the other site's landing pad in the return-cache
     // slot, which must reject it and continue in the hash lookup.
-    let mut rig = Rig::new(Config { count_ibl_lookups: true, ..Config::default() });
+    let mut rig = Rig::new(Config {
+        count_ibl_lookups: true,
+        ..Config::default()
+    });
     let block = Region::map(0x30000, 0);
     let base = block.addr();
     let exit = rig.native.exit_address();
     let sub = base + 0x20000;
     let (a, b) = (base, base + 0x10000);
     // A: loop 50 times { inc r8; call sub; jmp B }, B: call sub; dec rcx; jnz A; exit
-    put(&block, 0, &asm(a, |x| {
-        x.inc(r8).unwrap();
-        x.call(sub).unwrap();
-        x.jmp(b).unwrap();
-    }));
-    put(&block, 0x10000, &asm(b, |x| {
-        let mut slot = x.create_label();
-        x.nop().unwrap();
-        x.nop().unwrap();
-        x.nop().unwrap();
-        x.call(sub).unwrap();
-        x.dec(rcx).unwrap();
-        x.jne(a).unwrap();
-        x.jmp(qword_ptr(slot)).unwrap();
-        x.set_label(&mut slot).unwrap();
-        x.db(&exit.to_le_bytes()).unwrap();
-    }));
-    put(&block, 0x20000, &asm(sub, |x| {
-        x.add(rax, r8).unwrap();
-        x.ret().unwrap();
-    }));
-    assert_eq!((a + 3 + 5) & 0xFFFF, (b + 3 + 5) & 0xFFFF, "return addresses collide");
+    put(
+        &block,
+        0,
+        &asm(a, |x| {
+            x.inc(r8).unwrap();
+            x.call(sub).unwrap();
+            x.jmp(b).unwrap();
+        }),
+    );
+    put(
+        &block,
+        0x10000,
+        &asm(b, |x| {
+            let mut slot = x.create_label();
+            x.nop().unwrap();
+            x.nop().unwrap();
+            x.nop().unwrap();
+            x.call(sub).unwrap();
+            x.dec(rcx).unwrap();
+            x.jne(a).unwrap();
+            x.jmp(qword_ptr(slot)).unwrap();
+            x.set_label(&mut slot).unwrap();
+            x.db(&exit.to_le_bytes()).unwrap();
+        }),
+    );
+    put(
+        &block,
+        0x20000,
+        &asm(sub, |x| {
+            x.add(rax, r8).unwrap();
+            x.ret().unwrap();
+        }),
+    );
+    assert_eq!(
+        (a + 3 + 5) & 0xFFFF,
+        (b + 3 + 5) & 0xFFFF,
+        "return addresses collide"
+    );
     let stack = Region::map(1 << 16, 0);
     let init = |regs: &mut guest_engine::GuestRegs| {
         regs.gpr = [0; 16];
@@ -249,7 +268,9 @@ fn test_return_cache_collisions_fall_back_to_the_hash_lookup() {
     let mut mem = HostMemory::new(vec![(base, base + 0x30000)]);
     init(rig.engine.regs_mut());
     rig.engine.set_rip(GuestVirt(a));
-    let stop = rig.engine.run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
+    let stop = rig
+        .engine
+        .run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
     assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
     let mut got = *rig.engine.regs();
     want.rflags &= common::FLAGS_MASK;
@@ -257,5 +278,8 @@ fn test_return_cache_collisions_fall_back_to_the_hash_lookup() {
     assert_eq!(got, want);
     assert_eq!(got.get(Gpr::Rax), (1..=50).map(|k| 2 * k).sum::<u64>());
     let misses = rig.engine.stats().exits[guest_engine::exit_code::EXIT_IBL_MISS as usize];
-    assert!(misses <= 4, "the hash lookup caught the collisions ({misses} misses)");
+    assert!(
+        misses <= 4,
+        "the hash lookup caught the collisions ({misses} misses)"
+    );
 }

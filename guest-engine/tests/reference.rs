@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use common::corpus::{corpus, Harness};
 use common::diff::Prepared;
 use common::ptrace::{single_step, Step};
-use common::tools::{BblCount, MemTrace, TraceCalls};
+use common::tools::{BblCount, EaCalls, MemTrace, TraceCalls};
 use common::{Region, Rig};
 use guest_engine::instrument::access;
 use guest_engine::{Config, MemRecord};
@@ -175,6 +175,21 @@ fn test_bbl_counts_and_records_match_single_step_on_random_programs() {
         assert!(
             tc.seen == want,
             "seed {seed}: analysis-call arguments differ"
+        );
+
+        let mut ec = EaCalls::default();
+        prep.run_translated(&mut rig, &block, &mut ec);
+        let want: Vec<(u64, u64, u64)> = steps
+            .iter()
+            .filter(|s| !is_rep_string(&decode_at(s.rip)))
+            .filter_map(|s| {
+                let r = reference_records(std::slice::from_ref(s));
+                r.first().map(|m| (m.ip, m.ea, u64::from(m.size)))
+            })
+            .collect();
+        assert!(
+            ec.seen == want,
+            "seed {seed}: effective-address arguments differ"
         );
     }
     common::report(&format!("{seeds} programs, {insns} single-stepped instructions: block counts, records and call arguments equal"));

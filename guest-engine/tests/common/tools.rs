@@ -150,3 +150,29 @@ impl Tool for Heavy {
         self.mem.buffer_full(records);
     }
 }
+
+/// Calls an analysis routine with (ip, EA, size) of the first memory operand of every
+/// non-`rep` instruction that has one.
+#[derive(Default)]
+pub struct EaCalls {
+    pub seen: Vec<(u64, u64, u64)>,
+}
+
+impl Tool for EaCalls {
+    fn instrument_trace(&mut self, t: &mut TraceInstrumenter<'_>) {
+        let insns = t.instructions().to_vec();
+        for (k, i) in insns.iter().enumerate() {
+            if !i.mem.is_empty() && !i.rep {
+                t.insert_call(
+                    k,
+                    IPoint::Before,
+                    3,
+                    &[IArg::InstPtr, IArg::MemEa(0), IArg::MemSize(0)],
+                );
+            }
+        }
+    }
+    fn analyze(&mut self, _routine: u32, args: &[u64]) {
+        self.seen.push((args[0], args[1], args[2]));
+    }
+}

@@ -354,9 +354,19 @@ impl Asm {
         self.buf.push(0xC3);
     }
 
+    /// `cld`.
+    pub(crate) fn cld(&mut self) {
+        self.buf.push(0xFC);
+    }
+
     /// `xsave64 [rip+target]` (component mask in EDX:EAX).
     pub(crate) fn xsave64_m(&mut self, target: u64) {
         self.riprel(Some(rex(true, 0, 0, 0)), &[0x0F, 0xAE], 4, target, &[]);
+    }
+
+    /// `xsaveopt64 [rip+target]` (skips components in their init state).
+    pub(crate) fn xsaveopt64_m(&mut self, target: u64) {
+        self.riprel(Some(rex(true, 0, 0, 0)), &[0x0F, 0xAE], 6, target, &[]);
     }
 
     /// `xrstor64 [rip+target]` (component mask in EDX:EAX).

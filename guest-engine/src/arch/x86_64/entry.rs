@@ -41,6 +41,14 @@
 //! | 6    | `ANALYSIS_CALL` | exit record            | call an analysis routine; resume at record's PC |
 //! | 7    | `FAULT`         | 0 (PC in `ctx.fault_pc`) | a fault handler redirected faulting cache code to the exit routine |
 //!
+//! # Inline analysis calls
+//!
+//! An analysis call without physical-address arguments runs without leaving the cache:
+//! the caller-saved GPRs go to `ctx.regs`, the arguments to `ctx.call_args`, RSP switches
+//! to the engine stack below `ctx.host_rsp`, RFLAGS go to `ctx.call_flags` (and x87/SSE/AVX
+//! state to the guest XSAVE area when the engine uses vector registers), then
+//! `analysis_trampoline(ctx.tool, routine, &ctx.call_args, n)` is called (`sysv64`).
+//!
 //! # Faults inside the cache
 //!
 //! A synchronous fault in translated code is turned into an exit by its handler (the host
@@ -98,6 +106,10 @@ pub(crate) struct CtxAddrs {
     pub ibl_lookups: u64,
     pub attention: u64,
     pub fault_pc: u64,
+    pub call_rsp: u64,
+    pub call_flags: u64,
+    pub call_args: u64,
+    pub tool: u64,
 }
 
 impl CtxAddrs {
@@ -120,6 +132,10 @@ impl CtxAddrs {
             ibl_lookups: o(offset_of!(CacheContext, ibl_lookups)),
             attention: o(offset_of!(CacheContext, attention)),
             fault_pc: o(offset_of!(CacheContext, fault_pc)),
+            call_rsp: o(offset_of!(CacheContext, call_rsp)),
+            call_flags: o(offset_of!(CacheContext, call_flags)),
+            call_args: o(offset_of!(CacheContext, call_args)),
+            tool: o(offset_of!(CacheContext, tool)),
         }
     }
 }
@@ -264,6 +280,25 @@ pub(crate) fn emit_ibl_lookup(a: &mut Asm, c: &CtxAddrs, ibl_table: u64, ibl_mis
     a.emit_unspill(reg::RCX);
     a.emit_unspill(reg::RDX);
     a.jmp_m(c.jump_target);
+}
+
+/// Called from generated code for inline analysis calls.
+///
+/// # Safety
+/// `tool` must be the `*mut &mut dyn Tool` that `Engine::run` stored in the context for
+/// the duration of the run, and `args..args+n` must be readable.
+pub(crate) unsafe extern "sysv64" fn analysis_trampoline(
+    tool: *mut &mut dyn crate::instrument::Tool,
+    routine: u64,
+    args: *const u64,
+    n: u64,
+) {
+    // SAFETY: per the contract, `tool` is live and not otherwise borrowed while the cache
+    // runs, and the argument array is in the context.
+    unsafe {
+        let a = core::slice::from_raw_parts(args, n as usize);
+        (**tool).analyze(routine as u32, a);
+    }
 }
 
 /// Runs translated code: loads the guest state from the context and jumps to `target`.

@@ -26,13 +26,14 @@ use super::decode::{
 };
 use super::emit::{reg, Asm, Label, MapMark};
 use super::entry::{
-    emit_ibl_lookup, exit_word, CtxAddrs, Gencode, EXIT_ANALYSIS_CALL, EXIT_ATTENTION, EXIT_BUFFER_FULL,
-    EXIT_DIRECT, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
+    analysis_trampoline, emit_ibl_lookup, exit_word, CtxAddrs, Gencode, EXIT_ANALYSIS_CALL,
+    EXIT_ATTENTION, EXIT_BUFFER_FULL, EXIT_DIRECT, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
 };
 use crate::addr::GuestVirt;
 use crate::error::EngineError;
-use crate::instrument::{Action, IPoint, Insertion, MemOperand, SegBase};
+use crate::instrument::{Action, CallSpec, IArg, IPoint, Insertion, MemOperand, SegBase};
 use crate::layout::MEM_RECORD_BYTES;
+use crate::layout::XSAVE_MASK;
 use crate::platform::SensitiveInsn;
 
 /// Everything the translator needs to know about where the trace will live.
@@ -50,6 +51,10 @@ pub(crate) struct EmitEnv {
     /// Return cache table (`ret` goes through it when `return_cache`).
     pub rc_table: u64,
     pub return_cache: bool,
+    /// Run analysis calls inline (else every call is an exit through the dispatcher).
+    pub inline_calls: bool,
+    /// XSAVE area for inline calls, when the engine itself uses vector state.
+    pub call_xsave: Option<u64>,
     /// Exit-record index of this trace's first exit.
     pub exit_base: u32,
 }
@@ -93,6 +98,7 @@ struct Stub {
 struct Tx<'e> {
     a: Asm,
     env: &'e EmitEnv,
+    calls: &'e [CallSpec],
     exits: Vec<ExitSpec>,
     /// Direct exits whose patch offset is filled once the branch is emitted.
     stubs: Vec<Stub>,
@@ -239,6 +245,89 @@ impl Tx<'_> {
         }
     }
 
+    /// An analysis call that stays in the cache (see `entry.rs`, "Inline analysis calls").
+    fn insert_inline_call(
+        &mut self,
+        routine: u32,
+        args: &[IArg],
+        mem: &[MemOperand],
+        ip: u64,
+    ) -> Result<(), EngineError> {
+        const CALLER_SAVED: [u8; 9] = [0, 1, 2, 6, 7, 8, 9, 10, 11];
+        let c = self.env.ctx;
+        let saved = |r: u8| c.regs + 8 * u64::from(r);
+        for r in CALLER_SAVED {
+            self.a.mov_m_r(saved(r), r);
+        }
+        for (k, arg) in args.iter().enumerate() {
+            let slot = c.call_args + 8 * k as u64;
+            match *arg {
+                IArg::InstPtr => {
+                    self.a.mov_r_imm64(reg::RAX, ip);
+                    self.a.mov_m_r(slot, reg::RAX);
+                }
+                IArg::Const(v) => {
+                    self.a.mov_r_imm64(reg::RAX, v);
+                    self.a.mov_m_r(slot, reg::RAX);
+                }
+                IArg::MemSize(n) => {
+                    let size = mem.get(usize::from(n)).map_or(0, |m| m.size);
+                    self.a.mov_m64_imm32(slot, size as i32);
+                }
+                IArg::Reg(r) => {
+                    let r = r as u8;
+                    if CALLER_SAVED.contains(&r) {
+                        self.a.mov_r_m(reg::RAX, saved(r));
+                        self.a.mov_m_r(slot, reg::RAX);
+                    } else {
+                        self.a.mov_m_r(slot, r);
+                    }
+                }
+                IArg::MemEa(n) => {
+                    self.a.mov_r_m(reg::RAX, saved(reg::RAX));
+                    self.a.mov_r_m(reg::RCX, saved(reg::RCX));
+                    match mem.get(usize::from(n)) {
+                        Some(m) => self.emit_ea_rcx(m, ip)?,
+                        None => self.a.mov_r_imm64(reg::RCX, 0),
+                    }
+                    self.a.mov_m_r(slot, reg::RCX);
+                }
+                IArg::MemPa(_) => return Err(EngineError::Unsupported(GuestVirt(ip))),
+            }
+        }
+        self.a.mov_m_r(c.call_rsp, reg::RSP);
+        self.a.mov_r_m(reg::RSP, c.host_rsp);
+        self.a.lea_r_disp(reg::RSP, reg::RSP, -256);
+        self.a.pushfq();
+        self.a.pop_m(c.call_flags);
+        self.a.bytes(&[0x48, 0x83, 0xE4, 0xF0]); // and rsp, -16 (flags are saved)
+        self.a.cld(); // the ABI wants DF clear; the guest may have set it
+        if let Some(area) = self.env.call_xsave {
+            self.a.mov_r_imm64(reg::RAX, u64::from(XSAVE_MASK));
+            self.a.mov_r_imm64(reg::RDX, 0);
+            self.a.xsaveopt64_m(area);
+        }
+        self.a.mov_r_m(7, c.tool);
+        self.a.mov_r_imm64(6, u64::from(routine));
+        self.a.lea_r_rip(reg::RDX, c.call_args);
+        self.a.mov_r_imm64(reg::RCX, args.len() as u64);
+        self.a
+            .mov_r_imm64(reg::RAX, analysis_trampoline as *const () as u64);
+        self.a.bytes(&[0xFF, 0xD0]); // call rax
+        if let Some(area) = self.env.call_xsave {
+            self.a.mov_r_imm64(reg::RAX, u64::from(XSAVE_MASK));
+            self.a.mov_r_imm64(reg::RDX, 0);
+            self.a.xrstor64_m(area);
+        }
+        self.a.push_m(c.call_flags);
+        self.a.popfq();
+        self.a.mov_r_m(reg::RSP, c.call_rsp);
+        for r in CALLER_SAVED {
+            self.a.mov_r_m(r, saved(r));
+        }
+        Ok(())
+    }
+
     fn insert_analysis_call(&mut self, call: usize) {
         let resume = self.a.new_label();
         let idx = self.exits.len();
@@ -356,7 +445,18 @@ impl Tx<'_> {
                 }
                 Action::MemRecords if !skip_records => self.insert_mem_records(ops, ip)?,
                 Action::MemRecords => {}
-                Action::Call(c) => self.insert_analysis_call(*c),
+                Action::Call(c) => {
+                    let spec = &self.calls[*c];
+                    let inline = self.env.inline_calls
+                        && spec.args.len() <= 8
+                        && !spec.args.iter().any(|a| a.needs_pa());
+                    if inline {
+                        let (routine, args, mem) = (spec.routine, spec.args.clone(), spec.ins.mem);
+                        self.insert_inline_call(routine, &args, &mem, ip)?;
+                    } else {
+                        self.insert_analysis_call(*c);
+                    }
+                }
             }
         }
         Ok(())
@@ -601,12 +701,14 @@ impl Tx<'_> {
 pub(crate) fn translate_trace(
     t: &DecodedTrace,
     insertions: &[Insertion],
+    calls: &[CallSpec],
     env: &EmitEnv,
     scratch: &mut Scratch,
 ) -> Result<Translated, EngineError> {
     let mut tx = Tx {
         a: Asm::new(env.base, env.ctx.spill),
         env,
+        calls,
         exits: Vec::new(),
         stubs: Vec::new(),
         factory: &mut scratch.factory,
