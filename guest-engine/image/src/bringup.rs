@@ -262,8 +262,22 @@ fn measure_gates(b: &AttachBlock, n: u64, tsc_hz: u64) {
         per_ns % 1000,
         1_000_000_000_u64.checked_div(per_ns).unwrap_or(0)
     );
-    let root = b.stolen_base + BOOT_PT_OFFSET;
     let m = (n / 4).max(1);
+    let t0 = timer::tsc();
+    let mut faults = 0;
+    for _ in 0..m {
+        if let probe::Outcome::Fault(..) = probe::read(UNMAPPED_VA) {
+            faults += 1;
+        }
+    }
+    let fault_ns = ns(timer::tsc() - t0) / m;
+    log!(
+        Info,
+        "fault: {faults} of {m} #PF round trips (CPL 3 -> ring-0 trap path -> iretq) in {}.{:03} us each",
+        fault_ns / 1000,
+        fault_ns % 1000
+    );
+    let root = b.stolen_base + BOOT_PT_OFFSET;
     let t0 = timer::tsc();
     for _ in 0..m {
         // SAFETY: `root` is the root the VMM entered the engine with and still uses.

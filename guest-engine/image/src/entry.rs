@@ -38,6 +38,10 @@
 //! `kpin_fault_report` at CPL 3 (IF = 0, on the fault stack), which logs the record to the
 //! I/O ring and reports through the failure port. A fault while a report is in progress
 //! writes the failure port directly from ring 0 (`kpin_trap_nested`): never a hang.
+//!
+//! **Failure codes** (the byte written to the failure port, `layout::fail_code`): 1 the
+//! CPL-3 engine reported through `engine.log`; 2 a fault during a fault report (ring 0);
+//! 3 a panic at ring 0.
 
 use core::arch::global_asm;
 use core::cell::UnsafeCell;
@@ -372,7 +376,7 @@ kpin_trap_common:
 
 kpin_trap_nested:
     mov dx, {fail_port}
-    mov al, 2
+    mov al, {nested_code}
     out dx, al
 2:
     cli
@@ -470,6 +474,7 @@ kpin_fault_stack_top:
     user_ds = const USER_DS,
     rflags = const RFLAGS_FIXED,
     fail_port = const ENGINE_FAILURE_PORT,
+    nested_code = const crate::layout::fail_code::NESTED_FAULT,
     ring0_stack = const RING0_STACK_BYTES,
     ist_stack = const IST_STACK_BYTES,
     main_stack = const MAIN_STACK_BYTES,

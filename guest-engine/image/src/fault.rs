@@ -107,7 +107,7 @@ pub fn panic(info: &core::panic::PanicInfo<'_>) -> ! {
     if cs & 3 == 0 {
         // SAFETY: at ring 0 `out` is allowed; the VMM ends the run on this port.
         unsafe {
-            asm!("out dx, al", in("dx") kpin_abi::ports::ENGINE_FAILURE_PORT, in("al") 3u8, options(nostack));
+            asm!("out dx, al", in("dx") kpin_abi::ports::ENGINE_FAILURE_PORT, in("al") crate::layout::fail_code::RING0_PANIC, options(nostack));
         }
         loop {
             core::hint::spin_loop();

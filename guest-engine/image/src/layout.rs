@@ -69,6 +69,17 @@ pub mod gate_op {
     pub const UNKNOWN: u64 = u64::MAX;
 }
 
+/// Byte written to the failure port (`kpin_abi::ports::ENGINE_FAILURE_PORT`), for the
+/// dump reader; the VMM ends the run whatever the value.
+pub mod fail_code {
+    /// Reported through the log at CPL 3 (`log::fail`): see `engine.log`.
+    pub const REPORTED: u8 = 1;
+    /// A fault while a fault report was in progress, written from ring 0.
+    pub const NESTED_FAULT: u8 = 2;
+    /// A panic at ring 0 (in `ring0_setup`), written from ring 0.
+    pub const RING0_PANIC: u8 = 3;
+}
+
 /// Master PIC command port.
 pub const PIC1_CMD: u16 = 0x20;
 /// Master PIC data (mask) port.

@@ -11,6 +11,7 @@ use kpin_abi::ports::{DOORBELL_PORT, ENGINE_FAILURE_PORT};
 use kpin_abi::stolen::{IO_RING_BYTES, IO_RING_OFFSET, WINDOW_VA};
 
 use crate::gate;
+use crate::layout::fail_code;
 
 /// Longest log line in bytes.
 const LINE_BYTES: usize = 480;
@@ -95,7 +96,7 @@ pub fn write(level: LogLevel, args: fmt::Arguments<'_>) {
 /// engine's final report (exit status 3).
 pub fn fail() -> ! {
     flush();
-    gate::out8(ENGINE_FAILURE_PORT, 1);
+    gate::out8(ENGINE_FAILURE_PORT, fail_code::REPORTED);
     loop {
         core::hint::spin_loop();
     }
