@@ -3,7 +3,8 @@
 //! engine, which logs the guest's RIP/CR3 as it read them, measures the ring-0 gate and
 //! takes PIT ticks at CPL 3 through its ring-0 stubs, switches to page tables of its own
 //! (whose physmap reads the guest's zero page), then reports that running guest
-//! code is not implemented yet. A deliberate engine fault (#PF, #UD, #DF on its IST stack)
+//! code is not implemented yet. A deliberate engine fault (#PF, #UD, #GP at CPL 3 or in a
+//! ring-0 stub, #DF on its IST stack)
 //! ends the run as an engine failure with the fault report in `engine.log` — never a hang.
 
 use std::time::Duration;
@@ -128,6 +129,10 @@ fn test_engine_faults_are_reported_with_vector_rip_cr2_and_never_hang() {
         ("ud", "unexpected exception #UD (vector 6)"),
         ("gp", "unexpected exception #GP (vector 13)"),
         ("df", "unexpected exception #DF (vector 8)"),
+        (
+            "ring0",
+            "unexpected exception #GP (vector 13) in the engine: error code 0x0",
+        ),
     ] {
         let (report, log) = run_engine(
             &format!("engine-crash-{crash}"),
@@ -150,6 +155,9 @@ fn test_engine_faults_are_reported_with_vector_rip_cr2_and_never_hang() {
                 log.contains("not-present page on a read access from CPL 3"),
                 "{log}"
             );
+        }
+        if crash == "ring0" {
+            assert!(log.contains("CS 0x8 (CPL 0)"), "{log}");
         }
         if crash == "df" {
             assert!(log.contains("#DF taken on its IST stack"), "{log}");

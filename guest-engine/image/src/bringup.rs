@@ -6,8 +6,9 @@
 //! * `bringup.gates=N` — gate round trips to measure (default [`DEFAULT_GATES`]);
 //! * `bringup.ticks=N` — PIT ticks to await at CPL 3 (default [`DEFAULT_TICKS`]);
 //! * `bringup.probe=true|false` — probe which PML4 slots CPL-3 code can read (default true);
-//! * `bringup.crash=pf|gp|ud|de|df|nested` — fault on purpose after the measurements
-//!   (`nested`: the fault reporter faults too, so ring 0 writes the failure port itself).
+//! * `bringup.crash=pf|gp|ud|de|df|nested|ring0` — fault on purpose after the measurements
+//!   (`nested`: the fault reporter faults too, so ring 0 writes the failure port itself;
+//!   `ring0`: a RDMSR gate on a nonexistent MSR faults inside the ring-0 stub).
 
 use core::arch::asm;
 
@@ -24,6 +25,8 @@ use crate::{descriptors, gate, log, paging, probe, timer};
 const MSR_KERNEL_GS_BASE: u32 = 0xc000_0102;
 /// Upper bound on the wait for timer ticks, in TSC cycles (seconds at any real TSC rate).
 const TICK_WAIT_CYCLES: u64 = 20_000_000_000;
+/// An MSR index no CPU implements: RDMSR of it is a #GP at ring 0.
+const NO_SUCH_MSR: u32 = 0xdead_beef;
 /// Offset of the boot protocol's "HdrS" magic in the zero page.
 const HDRS_OFFSET: u64 = 0x202;
 /// An address the boot page tables leave unmapped (PML4 slot 0 is empty).
@@ -38,6 +41,7 @@ enum Crash {
     De,
     Df,
     Nested,
+    Ring0,
 }
 
 struct Options {
@@ -72,6 +76,7 @@ fn parse_options(text: &str) -> Result<Options, &str> {
                     "de" => Crash::De,
                     "df" => Crash::Df,
                     "nested" => Crash::Nested,
+                    "ring0" => Crash::Ring0,
                     _ => return Err(word),
                 })
             }
@@ -124,7 +129,7 @@ pub extern "C" fn engine_main(attach: *const AttachBlock) -> ! {
     let opts = match parse_options(options) {
         Ok(o) => o,
         Err(word) => {
-            log!(Error, "engine: bad bring-up option {word:?} (known: bringup.gates=N bringup.ticks=N bringup.probe=BOOL bringup.crash=pf|gp|ud|de|df|nested)");
+            log!(Error, "engine: bad bring-up option {word:?} (known: bringup.gates=N bringup.ticks=N bringup.probe=BOOL bringup.crash=pf|gp|ud|de|df|nested|ring0)");
             fail();
         }
     };
@@ -408,6 +413,9 @@ fn crash(c: Crash) -> ! {
             Crash::Ud => asm!("ud2"),
             Crash::De => {
                 asm!("xor edx, edx", "xor eax, eax", "div rcx", in("rcx") 0u64, out("rax") _, out("rdx") _)
+            }
+            Crash::Ring0 => {
+                gate::rdmsr(NO_SUCH_MSR);
             }
             Crash::Nested => {
                 crate::fault::fault_while_reporting();
