@@ -83,13 +83,11 @@ fn test_engine_boots_measures_gate_and_timer_then_stops_cleanly() {
         .lines()
         .find(|l| l.contains("timer: ") && l.contains("PIT ticks"))
         .unwrap_or_else(|| panic!("no timer line: {log}"));
-    assert_eq!(
-        number_before(ticks_line, " PIT ticks"),
-        Some(10),
-        "{ticks_line}"
-    );
+    // At least the 10 asked for: under host load two ticks can land between two polls.
+    let ticks = number_before(ticks_line, " PIT ticks").expect("tick count");
+    assert!(ticks >= 10, "{ticks_line}");
     let at_cpl3 = number_before(ticks_line, " of ").expect("CPL-3 count");
-    assert!(at_cpl3 >= 10, "{ticks_line}");
+    assert!(at_cpl3 >= ticks, "{ticks_line}");
     assert!(log.contains("3 HLT gates woke"), "{log}");
     // The address-space probe ran; reading through the window's own slot works.
     assert!(
