@@ -14,7 +14,7 @@ use std::fs::File;
 use std::io::Read;
 use std::path::Path;
 
-use kvm_bindings::{kvm_fpu, kvm_regs, kvm_segment, kvm_sregs};
+use kvm_bindings::{kvm_fpu, kvm_regs, kvm_sregs};
 use linux_loader::loader::{bzimage::BzImage, elf::Elf, KernelLoader};
 use vm_memory::{Bytes, GuestAddress};
 
@@ -25,6 +25,10 @@ use crate::layout::{
     ZERO_PAGE_START,
 };
 use crate::memory::{e820_map, GuestMemory};
+use crate::x86::{
+    set_flat_long_mode_segments, CR0_ET, CR0_MP, CR0_NE, CR0_PE, CR0_PG, CR4_PAE, EFER_LMA,
+    EFER_LME, PTE_PAGE_SIZE, PTE_PRESENT, PTE_WRITABLE, RFLAGS_RESERVED, TWO_MIB,
+};
 
 /// Offsets inside the zero page (`struct boot_params`), from `arch/x86/include/uapi/asm/bootparam.h`.
 mod zp {
@@ -65,24 +69,6 @@ const BZIMAGE_ENTRY64_OFFSET: u64 = 0x200;
 const ELF_INITRD_ADDR_MAX: u64 = 0x7fff_ffff;
 /// Default kernel alignment advertised for ELF kernels (Linux's CONFIG_PHYSICAL_ALIGN).
 const DEFAULT_KERNEL_ALIGNMENT: u32 = 0x20_0000;
-
-/// Page-table entry bits.
-const PTE_PRESENT: u64 = 1 << 0;
-const PTE_WRITABLE: u64 = 1 << 1;
-const PTE_PAGE_SIZE: u64 = 1 << 7;
-const TWO_MIB: u64 = 0x20_0000;
-
-/// Control-register and EFER bits set at entry.
-const CR0_PE: u64 = 1 << 0;
-const CR0_MP: u64 = 1 << 1;
-const CR0_ET: u64 = 1 << 4;
-const CR0_NE: u64 = 1 << 5;
-const CR0_PG: u64 = 1 << 31;
-const CR4_PAE: u64 = 1 << 5;
-const EFER_LME: u64 = 1 << 8;
-const EFER_LMA: u64 = 1 << 10;
-/// RFLAGS bit 1 is always set.
-const RFLAGS_RESERVED: u64 = 1 << 1;
 
 /// Boot GDT: null, null, 64-bit code (selector 0x10), data (0x18), as Linux's boot code uses.
 const BOOT_GDT: [u64; 4] = [0, 0, 0x00af_9b00_0000_ffff, 0x00cf_9300_0000_ffff];
@@ -286,34 +272,7 @@ pub fn initial_regs(entry: u64) -> kvm_regs {
 
 /// Long-mode system registers at the entry point, starting from KVM's reset values.
 pub fn initial_sregs(mut s: kvm_sregs) -> kvm_sregs {
-    let code = kvm_segment {
-        base: 0,
-        limit: 0xffff_ffff,
-        selector: BOOT_CS,
-        type_: 0xb,
-        present: 1,
-        dpl: 0,
-        db: 0,
-        s: 1,
-        l: 1,
-        g: 1,
-        avl: 0,
-        unusable: 0,
-        padding: 0,
-    };
-    let data = kvm_segment {
-        selector: BOOT_DS,
-        type_: 0x3,
-        db: 1,
-        l: 0,
-        ..code
-    };
-    s.cs = code;
-    s.ds = data;
-    s.es = data;
-    s.fs = data;
-    s.gs = data;
-    s.ss = data;
+    set_flat_long_mode_segments(&mut s, BOOT_CS, BOOT_DS);
     s.gdt.base = BOOT_GDT_START;
     s.gdt.limit = u16::try_from(BOOT_GDT.len() * 8 - 1).expect("4 descriptors");
     s.idt.base = 0;

@@ -16,7 +16,7 @@
 use std::path::PathBuf;
 
 use kpin_abi::stolen::{ATTACH_OFFSET, BOOT_PT_BYTES, BOOT_PT_OFFSET, PHYSMAP_VA, WINDOW_VA};
-use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs, CpuId};
+use kvm_bindings::{kvm_regs, kvm_sregs, CpuId};
 use kvm_ioctls::VcpuFd;
 use vm_memory::{Address, Bytes, GuestAddress};
 
@@ -25,6 +25,10 @@ use crate::engine_loader;
 use crate::error::{Result, VmmError};
 use crate::layout::{ENGINE_BOOT_STACK_TOP, STOLEN_SIZE_BYTES};
 use crate::memory::{e820_map, ram_ranges, stolen_base, GuestMemory};
+use crate::x86::{
+    set_flat_long_mode_segments, CR0_ET, CR0_MP, CR0_NE, CR0_PE, CR0_PG, CR0_WP, CR4_PAE, EFER_LMA,
+    EFER_LME, PTE_PAGE_SIZE, PTE_PRESENT, PTE_USER, PTE_WRITABLE, RFLAGS_RESERVED, TWO_MIB,
+};
 
 /// What to run in the engine.
 #[derive(Clone, Debug)]
@@ -55,12 +59,7 @@ const ENGINE_CS: u16 = 0x08;
 /// Selector of the engine's ring-0 data segment (its GDT's entry 2).
 const ENGINE_DS: u16 = 0x10;
 
-const PTE_PRESENT: u64 = 1 << 0;
-const PTE_WRITABLE: u64 = 1 << 1;
-const PTE_USER: u64 = 1 << 2;
-const PTE_PAGE_SIZE: u64 = 1 << 7;
 const TABLE_FLAGS: u64 = PTE_PRESENT | PTE_WRITABLE | PTE_USER;
-const TWO_MIB: u64 = 0x20_0000;
 const ONE_GIB: u64 = 0x4000_0000;
 const TABLE_BYTES: usize = 4096;
 /// Boot tables: PML4, window PDPT, window PD, physmap PDPT, then physmap PDs.
@@ -70,17 +69,6 @@ const WINDOW_PD: usize = 2;
 const PHYSMAP_PDPT: usize = 3;
 const FIRST_PHYSMAP_PD: usize = 4;
 const TABLES: usize = (BOOT_PT_BYTES as usize) / TABLE_BYTES;
-
-const CR0_PE: u64 = 1 << 0;
-const CR0_MP: u64 = 1 << 1;
-const CR0_ET: u64 = 1 << 4;
-const CR0_NE: u64 = 1 << 5;
-const CR0_WP: u64 = 1 << 16;
-const CR0_PG: u64 = 1 << 31;
-const CR4_PAE: u64 = 1 << 5;
-const EFER_LME: u64 = 1 << 8;
-const EFER_LMA: u64 = 1 << 10;
-const RFLAGS_RESERVED: u64 = 1 << 1;
 
 fn pml4_index(va: u64) -> usize {
     ((va >> 39) & 0x1ff) as usize
@@ -201,34 +189,7 @@ pub fn engine_regs(entry: u64) -> kvm_regs {
 /// System registers at the engine's entry: flat ring-0 segments, no IDT, paging on the
 /// boot tables at `cr3`.
 pub fn engine_sregs(mut s: kvm_sregs, cr3: u64) -> kvm_sregs {
-    let code = kvm_segment {
-        base: 0,
-        limit: 0xffff_ffff,
-        selector: ENGINE_CS,
-        type_: 0xb,
-        present: 1,
-        dpl: 0,
-        db: 0,
-        s: 1,
-        l: 1,
-        g: 1,
-        avl: 0,
-        unusable: 0,
-        padding: 0,
-    };
-    let data = kvm_segment {
-        selector: ENGINE_DS,
-        type_: 0x3,
-        db: 1,
-        l: 0,
-        ..code
-    };
-    s.cs = code;
-    s.ds = data;
-    s.es = data;
-    s.fs = data;
-    s.gs = data;
-    s.ss = data;
+    set_flat_long_mode_segments(&mut s, ENGINE_CS, ENGINE_DS);
     s.gdt.base = 0;
     s.gdt.limit = 0;
     s.idt.base = 0;

@@ -18,6 +18,7 @@ pub mod paging;
 pub mod symbols;
 pub mod vm;
 pub mod watchdog;
+pub mod x86;
 
 pub use engine_boot::EngineConfig;
 pub use error::{Result, VmmError};

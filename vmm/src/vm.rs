@@ -381,39 +381,14 @@ fn handle_exit(
     exits: &mut ExitCounters,
 ) -> Result<Step> {
     let step = match exit {
-        Ok(VcpuExit::IoOut(port, data)) => match bus.write(port, data) {
-            Routed::Device(DeviceAction::Reset) => Step::End(Outcome::Poweroff),
-            Routed::Device(DeviceAction::DrainRing) => Step::DrainRing,
-            Routed::Device(DeviceAction::EngineFailure) => Step::End(Outcome::EngineFailure),
-            Routed::Device(DeviceAction::None) => {
-                exits.io_out += 1;
-                Step::Continue
-            }
-            Routed::Absent => {
-                exits.io_absent += 1;
-                Step::Continue
-            }
-            Routed::Unhandled => Step::End(Outcome::UnhandledPort {
-                port,
-                write: true,
-                size: data.len(),
-            }),
-        },
-        Ok(VcpuExit::IoIn(port, data)) => match bus.read(port, data) {
-            Routed::Device(_) => {
-                exits.io_in += 1;
-                Step::Continue
-            }
-            Routed::Absent => {
-                exits.io_absent += 1;
-                Step::Continue
-            }
-            Routed::Unhandled => Step::End(Outcome::UnhandledPort {
-                port,
-                write: false,
-                size: data.len(),
-            }),
-        },
+        Ok(VcpuExit::IoOut(port, data)) => {
+            let size = data.len();
+            port_step(bus.write(port, data), port, true, size, exits)
+        }
+        Ok(VcpuExit::IoIn(port, data)) => {
+            let size = data.len();
+            port_step(bus.read(port, data), port, false, size, exits)
+        }
         Ok(VcpuExit::MmioRead(addr, data)) => Step::End(Outcome::UnhandledMmio {
             addr,
             write: false,
@@ -444,6 +419,34 @@ fn handle_exit(
         Err(e) => return Err(VmmError::Kvm("KVM_RUN", e)),
     };
     Ok(step)
+}
+
+/// What a routed port access means for the run loop.
+fn port_step(
+    routed: Routed,
+    port: u16,
+    write: bool,
+    size: usize,
+    exits: &mut ExitCounters,
+) -> Step {
+    match routed {
+        Routed::Device(DeviceAction::Reset) => Step::End(Outcome::Poweroff),
+        Routed::Device(DeviceAction::DrainRing) => Step::DrainRing,
+        Routed::Device(DeviceAction::EngineFailure) => Step::End(Outcome::EngineFailure),
+        Routed::Device(DeviceAction::None) => {
+            if write {
+                exits.io_out += 1;
+            } else {
+                exits.io_in += 1;
+            }
+            Step::Continue
+        }
+        Routed::Absent => {
+            exits.io_absent += 1;
+            Step::Continue
+        }
+        Routed::Unhandled => Step::End(Outcome::UnhandledPort { port, write, size }),
+    }
 }
 
 /// Wires the local APIC's LINT0 to the 8259 (ExtINT) and LINT1 to NMI, as a PC BIOS
