@@ -33,6 +33,9 @@ pub(crate) enum Class {
     LoopLike { target: u64 },
     /// Direct `jmp`.
     Jmp { target: u64 },
+    /// Direct `jmp` that trace formation followed (same page, forward in the trace):
+    /// it emits no code; the trace continues at `target`.
+    JmpElided { target: u64 },
     /// Direct `call`.
     Call { target: u64 },
     /// `jmp r/m64`.
@@ -330,13 +333,16 @@ fn ins_kind(c: Class) -> InsKind {
     match c {
         Class::Plain | Class::RipRel => InsKind::Plain,
         Class::Jcc { .. } | Class::LoopLike { .. } => InsKind::CondBranch,
-        Class::Jmp { .. } => InsKind::Jump,
+        Class::Jmp { .. } | Class::JmpElided { .. } => InsKind::Jump,
         Class::Call { .. } => InsKind::Call,
         Class::JmpInd => InsKind::IndirectJump,
         Class::CallInd => InsKind::IndirectCall,
         Class::Ret { .. } => InsKind::Return,
     }
 }
+
+/// Direct jumps one trace may follow.
+const MAX_FOLLOWED_JUMPS: usize = 4;
 
 /// Bytes a trace can span: `MAX_TRACE_INSNS` maximal instructions.
 const MAX_TRACE_BYTES: usize = MAX_TRACE_INSNS * MAX_INSN_BYTES;
@@ -405,9 +411,13 @@ pub(crate) fn decode_trace(
     let mut off = 0usize;
     let mut bbl_first = 0usize;
     let mut instr = Instruction::default();
+    let mut followed = 0usize;
     loop {
         let pc = va.0.wrapping_add(off as u64);
-        if off >= in_page || t.insns.len() >= MAX_TRACE_INSNS {
+        // Stop at the page end, at the size limit, or where a followed jump moved the
+        // decoder past the fetched window (a partial-page fetch).
+        let window_end = avail < in_page && off + MAX_INSN_BYTES > avail;
+        if off >= in_page || t.insns.len() >= MAX_TRACE_INSNS || window_end {
             t.end = TraceEnd::FallThrough(pc);
             break;
         }
@@ -443,7 +453,19 @@ pub(crate) fn decode_trace(
             });
             break;
         }
-        let class = classify(&instr);
+        let mut class = classify(&instr);
+        if let Class::Jmp { target } = class {
+            // Follow a direct jump that stays on the trace's page and does not loop back
+            // into the trace (at most `MAX_FOLLOWED_JUMPS` per trace).
+            let fits = target.checked_sub(va.0).is_some_and(|toff| {
+                toff as usize + MAX_INSN_BYTES <= avail && (toff as usize) < in_page
+            });
+            let seen = target == pc || t.info.iter().any(|i| i.address.0 == target);
+            if fits && !seen && followed < MAX_FOLLOWED_JUMPS {
+                class = Class::JmpElided { target };
+                followed += 1;
+            }
+        }
         let rep = (instr.has_rep_prefix() || instr.has_repne_prefix()) && is_string_op(&instr);
         let mut mem_ops = mem_operands(factory, &instr);
         if rep {
@@ -469,6 +491,19 @@ pub(crate) fn decode_trace(
         off += len;
         t.guest_bytes += len as u64;
         match class {
+            Class::JmpElided { target } => {
+                let n = t.insns.len();
+                t.bbls.push(Bbl {
+                    first: bbl_first,
+                    count: n - bbl_first,
+                    address: t.info[bbl_first].address,
+                });
+                bbl_first = n;
+                off = target.wrapping_sub(va.0) as usize;
+                dec.set_ip(target);
+                dec.set_position(off)
+                    .map_err(|_| FetchFault(GuestVirt(target)))?;
+            }
             Class::Jcc { .. } | Class::LoopLike { .. } => {
                 let n = t.insns.len();
                 t.bbls.push(Bbl {

@@ -671,6 +671,7 @@ impl Tx<'_> {
                 self.emit_direct_exit(None, target, pc);
             }
             Class::Jmp { target } => self.emit_direct_exit(None, target, pc),
+            Class::JmpElided { .. } => {}
             Class::Call { target } => {
                 self.a.push_imm64(i.next_ip());
                 self.emit_direct_exit(None, target, pc);
