@@ -3,4 +3,5 @@
 pub(crate) mod decode;
 pub(crate) mod emit;
 pub mod entry;
+pub(crate) mod insert;
 pub(crate) mod mangle;

@@ -1,0 +1,251 @@
+//! Inline instrumentation (`insert_*`): counters, memory-reference records, analysis
+//! calls, emitted around a guest instruction's translation.
+//!
+//! Invariants: an insertion never changes guest-visible state: counters use `add` only
+//! where all status flags are dead, records and inline calls restore every register they
+//! use, and every exit they take is resumable at the point right after it.
+
+use iced_x86::{Code, Instruction, MemoryOperand, Register};
+
+use super::emit::reg;
+use super::entry::{analysis_trampoline, EXIT_ANALYSIS_CALL, EXIT_BUFFER_FULL};
+use super::mangle::{reg_of, ExitSpec, Tx};
+use crate::addr::GuestVirt;
+use crate::error::EngineError;
+use crate::instrument::{Action, IArg, Insertion, MemOperand, SegBase};
+use crate::layout::{MEM_RECORD_BYTES, XSAVE_MASK};
+
+impl Tx<'_> {
+    pub(super) fn insert_counter(&mut self, slot: u64, amount: i32, flags_dead: bool) {
+        if flags_dead {
+            self.a.add_m64_imm(slot, amount);
+        } else {
+            self.a.emit_spill(reg::RAX);
+            self.a.mov_r_m(reg::RAX, slot);
+            self.a.lea_r_disp(reg::RAX, reg::RAX, amount);
+            self.a.mov_m_r(slot, reg::RAX);
+            self.a.emit_unspill(reg::RAX);
+        }
+    }
+
+    /// An analysis call that stays in the cache (see `entry.rs`, "Inline analysis calls").
+    fn insert_inline_call(
+        &mut self,
+        routine: u32,
+        args: &[IArg],
+        mem: &[MemOperand],
+        ip: u64,
+    ) -> Result<(), EngineError> {
+        const CALLER_SAVED: [u8; 9] = [0, 1, 2, 6, 7, 8, 9, 10, 11];
+        let c = self.env.ctx;
+        let saved = |r: u8| c.regs + 8 * u64::from(r);
+        for r in CALLER_SAVED {
+            self.a.mov_m_r(saved(r), r);
+        }
+        for (k, arg) in args.iter().enumerate() {
+            let slot = c.call_args + 8 * k as u64;
+            match *arg {
+                IArg::InstPtr => {
+                    self.a.mov_r_imm64(reg::RAX, ip);
+                    self.a.mov_m_r(slot, reg::RAX);
+                }
+                IArg::Const(v) => {
+                    self.a.mov_r_imm64(reg::RAX, v);
+                    self.a.mov_m_r(slot, reg::RAX);
+                }
+                IArg::MemSize(n) => {
+                    let size = mem.get(usize::from(n)).map_or(0, |m| m.size);
+                    self.a.mov_m64_imm32(slot, size as i32);
+                }
+                IArg::Reg(r) => {
+                    let r = r as u8;
+                    if CALLER_SAVED.contains(&r) {
+                        self.a.mov_r_m(reg::RAX, saved(r));
+                        self.a.mov_m_r(slot, reg::RAX);
+                    } else {
+                        self.a.mov_m_r(slot, r);
+                    }
+                }
+                IArg::MemEa(n) => {
+                    self.a.mov_r_m(reg::RAX, saved(reg::RAX));
+                    self.a.mov_r_m(reg::RCX, saved(reg::RCX));
+                    match mem.get(usize::from(n)) {
+                        Some(m) => self.emit_ea_rcx(m, ip)?,
+                        None => self.a.mov_r_imm64(reg::RCX, 0),
+                    }
+                    self.a.mov_m_r(slot, reg::RCX);
+                }
+                IArg::MemPa(_) => return Err(EngineError::Unsupported(GuestVirt(ip))),
+            }
+        }
+        self.a.mov_m_r(c.call_rsp, reg::RSP);
+        self.a.mov_r_m(reg::RSP, c.host_rsp);
+        self.a.lea_r_disp(reg::RSP, reg::RSP, -256);
+        self.a.pushfq();
+        self.a.pop_m(c.call_flags);
+        self.a.bytes(&[0x48, 0x83, 0xE4, 0xF0]); // and rsp, -16 (flags are saved)
+        self.a.cld(); // the ABI wants DF clear; the guest may have set it
+        if let Some(area) = self.env.call_xsave {
+            self.a.mov_r_imm64(reg::RAX, u64::from(XSAVE_MASK));
+            self.a.mov_r_imm64(reg::RDX, 0);
+            self.a.xsaveopt64_m(area);
+        }
+        self.a.mov_r_m(7, c.tool);
+        self.a.mov_r_imm64(6, u64::from(routine));
+        self.a.lea_r_rip(reg::RDX, c.call_args);
+        self.a.mov_r_imm64(reg::RCX, args.len() as u64);
+        self.a
+            .mov_r_imm64(reg::RAX, analysis_trampoline as *const () as u64);
+        self.a.bytes(&[0xFF, 0xD0]); // call rax
+        if let Some(area) = self.env.call_xsave {
+            self.a.mov_r_imm64(reg::RAX, u64::from(XSAVE_MASK));
+            self.a.mov_r_imm64(reg::RDX, 0);
+            self.a.xrstor64_m(area);
+        }
+        self.a.push_m(c.call_flags);
+        self.a.popfq();
+        self.a.mov_r_m(reg::RSP, c.call_rsp);
+        for r in CALLER_SAVED {
+            self.a.mov_r_m(r, saved(r));
+        }
+        Ok(())
+    }
+
+    fn insert_analysis_call(&mut self, call: usize) {
+        let resume = self.a.new_label();
+        let idx = self.exits.len();
+        self.emit_exit_inline(
+            EXIT_ANALYSIS_CALL,
+            ExitSpec::Call {
+                call,
+                resume_off: 0,
+            },
+        );
+        self.a.bind(resume);
+        self.exits[idx] = ExitSpec::Call {
+            call,
+            resume_off: self.a.offset(),
+        };
+    }
+
+    /// `lea rcx, [operand]` computed from the (unmodified) guest registers, plus the FS/GS
+    /// base (`rdfsbase`/`rdgsbase` into RAX, which must be spilled) for segment-relative
+    /// operands: the hardware bases are the guest's while it runs in the cache.
+    pub(super) fn emit_ea_rcx(&mut self, m: &MemOperand, ip: u64) -> Result<(), EngineError> {
+        match (m.base, m.index) {
+            (None, None) => self.a.mov_r_imm64(reg::RCX, m.disp),
+            (b, x) => {
+                let base = b.map_or(Register::None, |r| reg_of(r as u8));
+                let index = x.map_or(Register::None, |r| reg_of(r as u8));
+                let disp = m.disp as i64;
+                let displ_size = if disp == 0 { 0 } else { 1 };
+                let mo = MemoryOperand::new(
+                    base,
+                    index,
+                    u32::from(m.scale.max(1)),
+                    disp,
+                    displ_size,
+                    false,
+                    Register::None,
+                );
+                let i = Instruction::with2(Code::Lea_r64_m, Register::RCX, mo)
+                    .map_err(|_| EngineError::Encode(GuestVirt(ip)))?;
+                let b = self.encode(&i, ip)?;
+                self.a.bytes(&b);
+            }
+        }
+        match m.seg {
+            SegBase::Flat => {}
+            SegBase::Fs => {
+                self.a.bytes(&[0xF3, 0x48, 0x0F, 0xAE, 0xC0]); // rdfsbase rax
+                self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
+            }
+            SegBase::Gs => {
+                self.a.bytes(&[0xF3, 0x48, 0x0F, 0xAE, 0xC8]); // rdgsbase rax
+                self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends one record per operand to the buffer; exits when it fills up.
+    pub(super) fn insert_mem_records(
+        &mut self,
+        ops: &[MemOperand],
+        ip: u64,
+    ) -> Result<(), EngineError> {
+        let c = self.env.ctx;
+        for m in ops {
+            self.a.emit_spill(reg::RAX);
+            self.a.emit_spill(reg::RCX);
+            self.emit_ea_rcx(m, ip)?;
+            self.a.mov_r_m(reg::RAX, c.buf_ptr);
+            self.a.mov_mb32_imm32(reg::RAX, 0, ip as u32);
+            self.a.mov_mb32_imm32(reg::RAX, 4, (ip >> 32) as u32);
+            self.a.mov_mb_r(reg::RAX, 8, reg::RCX);
+            self.a.mov_mb32_imm32(reg::RAX, 16, m.size);
+            self.a.mov_mb32_imm32(reg::RAX, 20, m.access);
+            self.a
+                .lea_r_disp(reg::RAX, reg::RAX, MEM_RECORD_BYTES as i32);
+            self.a.mov_m_r(c.buf_ptr, reg::RAX);
+            self.a.mov_r_m(reg::RCX, c.buf_neg_end);
+            self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
+            let full = self.a.new_label();
+            let resume = self.a.new_label();
+            self.a.jrcxz_label(full);
+            self.a.emit_unspill(reg::RAX);
+            self.a.emit_unspill(reg::RCX);
+            // jmp short resume
+            self.a.bytes(&[0xEB]);
+            let at = self.a.offset();
+            self.a.bytes(&[0]);
+            self.a.bind(full);
+            let spilled = self.a.spilled();
+            self.a.set_spilled(spilled | 1 << reg::RAX | 1 << reg::RCX);
+            self.a.emit_unspill(reg::RAX);
+            self.a.emit_unspill(reg::RCX);
+            let idx = self.exits.len();
+            self.emit_exit_inline(EXIT_BUFFER_FULL, ExitSpec::BufferFull { resume_off: 0 });
+            let rel = self.a.offset() - (at + 1);
+            self.a.buf[at] = u8::try_from(rel).map_err(|_| EngineError::BranchOutOfRange)?;
+            self.a.bind(resume);
+            self.exits[idx] = ExitSpec::BufferFull {
+                resume_off: self.a.offset(),
+            };
+        }
+        Ok(())
+    }
+
+    pub(super) fn insert_actions(
+        &mut self,
+        acts: &[&Insertion],
+        ops: &[MemOperand],
+        ip: u64,
+        flags_dead: bool,
+        skip_records: bool,
+    ) -> Result<(), EngineError> {
+        for ins in acts {
+            match &ins.action {
+                Action::Counter { id, amount } => {
+                    let slot = self.env.counters + 8 * u64::from(id.0);
+                    self.insert_counter(slot, *amount, flags_dead);
+                }
+                Action::MemRecords if !skip_records => self.insert_mem_records(ops, ip)?,
+                Action::MemRecords => {}
+                Action::Call(c) => {
+                    let spec = &self.calls[*c];
+                    let inline = self.env.inline_calls
+                        && spec.args.len() <= 8
+                        && !spec.args.iter().any(|a| a.needs_pa());
+                    if inline {
+                        let (routine, args, mem) = (spec.routine, spec.args.clone(), spec.ins.mem);
+                        self.insert_inline_call(routine, &args, &mem, ip)?;
+                    } else {
+                        self.insert_analysis_call(*c);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
