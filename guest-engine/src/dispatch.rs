@@ -22,7 +22,7 @@ use crate::instrument::{
     resolve_pa, CounterAlloc, CounterId, IArg, MemRecord, Tool, TraceInstrumenter,
 };
 use crate::layout::{COUNTER_SLOTS, MEM_RECORD_BYTES};
-use crate::link::patch_branch;
+use crate::link::{branch_target, patch_branch, unpatch_branch};
 use crate::platform::{Emulation, Platform, SensitiveInsn};
 
 /// Engine configuration.
@@ -417,6 +417,9 @@ impl Engine {
                 ExitSpec::Direct { target, patch_off } => ExitKind::Direct {
                     target: GuestVirt(target),
                     patch_at: at(patch_off),
+                    // SAFETY: the freshly committed branch's rel32 lies in the cache and
+                    // still points at its stub.
+                    stub: unsafe { branch_target(at(patch_off)) },
                     linked: false,
                 },
                 ExitSpec::Sensitive(s) => ExitKind::Sensitive(s),
@@ -444,6 +447,7 @@ impl Engine {
             body: at(tr.body),
             marks: tr.marks,
             calls,
+            incoming: Vec::new(),
         });
         self.cache.by_key.insert((va.0, pa.0, mode.0), id);
         self.stats.fragments += 1;
@@ -639,6 +643,9 @@ impl Engine {
                     return Stop::Attention(frag_start);
                 }
                 (EXIT_PA_MISMATCH, ExitKind::PaMismatch) => {
+                    // The links that brought us here are stale: route them through the
+                    // dispatcher again so that they get relinked to the right fragment.
+                    self.unlink_incoming(rec.fragment);
                     self.rip = frag_start;
                     Next::Lookup
                 }
@@ -680,6 +687,53 @@ impl Engine {
                 *linked = true;
             }
         }
+        self.cache.fragments[to as usize].incoming.push(exit);
         self.stats.links += 1;
+    }
+
+    /// Points every branch linked to fragment `id` back at its exit stub.
+    fn unlink_incoming(&mut self, id: u32) {
+        let incoming = core::mem::take(&mut self.cache.fragments[id as usize].incoming);
+        for e in incoming {
+            if let Some(r) = self.cache.exits.get_mut(e as usize) {
+                if let ExitKind::Direct {
+                    patch_at,
+                    stub,
+                    linked,
+                    ..
+                } = &mut r.kind
+                {
+                    if *linked {
+                        // SAFETY: `patch_at` is a rel32 inside the cache; the cache is not
+                        // running while the dispatcher does this.
+                        unsafe { unpatch_branch(*patch_at, *stub) };
+                        *linked = false;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The guest wrote to (or unmapped) the code frame `pa_page`: every fragment translated
+    /// from it is dropped from lookup, links into it are undone and the IBL tables are
+    /// cleared. Returns the number of fragments invalidated. (Fragments whose last
+    /// instruction straddles into the frame from the previous page are not found.)
+    pub fn invalidate_code_page(&mut self, pa_page: GuestPhys) -> usize {
+        let page = pa_page.page();
+        let victims: Vec<u32> = self
+            .cache
+            .by_key
+            .iter()
+            .filter(|(k, _)| GuestPhys(k.1).page() == page)
+            .map(|(_, v)| *v)
+            .collect();
+        for id in &victims {
+            let f = &self.cache.fragments[*id as usize];
+            let key = (f.start.0, f.pa.0, f.mode.0);
+            self.cache.by_key.remove(&key);
+            self.unlink_incoming(*id);
+        }
+        self.cache.clear_ibl();
+        victims.len()
     }
 }

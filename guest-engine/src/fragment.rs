@@ -24,6 +24,8 @@ pub(crate) struct Fragment {
     pub body: CachePc,
     pub marks: Vec<MapMark>,
     pub calls: Vec<CallSpec>,
+    /// Exit records currently linked to this fragment (undone by `unlink_incoming`).
+    pub incoming: Vec<u32>,
 }
 
 /// What an exit record does when its stub is reached.
@@ -33,6 +35,8 @@ pub(crate) enum ExitKind {
     Direct {
         target: GuestVirt,
         patch_at: CachePc,
+        /// The exit stub the branch reaches when unlinked.
+        stub: CachePc,
         linked: bool,
     },
     /// Sensitive instruction.

@@ -3,8 +3,9 @@
 //!
 //! Invariants: links only join fragments of the same mode; a link between fragments on
 //! different guest pages targets the `checked_entry` (PA validation), a same-page link
-//! targets `entry` (attention check only). Links are never undone except by a whole-cache
-//! flush. The patched field lies inside the cache region.
+//! targets `entry` (attention check only). `unpatch_*` points a branch back at its exit
+//! stub (when the target fragment is invalidated or failed its PA check); a whole-cache
+//! flush drops everything. The patched field lies inside the cache region.
 
 use crate::addr::CachePc;
 
@@ -17,4 +18,23 @@ pub(crate) unsafe fn patch_branch(at: CachePc, target: CachePc) {
     let rel = target.0.wrapping_sub(at.0 + 4) as u32;
     // SAFETY: the caller guarantees the four bytes are a writable rel32 field.
     unsafe { core::ptr::write_unaligned(at.0 as *mut [u8; 4], rel.to_le_bytes()) };
+}
+
+/// Where the rel32 branch whose displacement is at `at` currently goes.
+///
+/// # Safety
+/// `at..at+4` must be a rel32 field inside the code cache.
+pub(crate) unsafe fn branch_target(at: CachePc) -> CachePc {
+    // SAFETY: the caller guarantees the four bytes are a readable rel32 field.
+    let rel = unsafe { core::ptr::read_unaligned(at.0 as *const i32) };
+    CachePc((at.0 + 4).wrapping_add(rel as i64 as u64))
+}
+
+/// Points a linked branch back at its exit stub.
+///
+/// # Safety
+/// As for [`patch_branch`].
+pub(crate) unsafe fn unpatch_branch(at: CachePc, stub: CachePc) {
+    // SAFETY: forwarded contract.
+    unsafe { patch_branch(at, stub) };
 }

@@ -166,6 +166,16 @@ fn test_cross_page_link_revalidates_pa_after_remap() {
         "the new frame's code ran"
     );
     assert_eq!(rig.engine.stats().exits[EXIT_PA_MISMATCH as usize], 1);
+    // The stale link was undone and relinked to the new fragment: no further mismatch.
+    let links = rig.engine.stats().links;
+    rig.engine.set_rip(GuestVirt(a));
+    let stop = rig
+        .engine
+        .run(&mut remapped, &mut HostPlatform::default(), &mut NullTool);
+    assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+    assert_eq!(rig.engine.regs().get(Gpr::Rax), 5);
+    assert_eq!(rig.engine.stats().exits[EXIT_PA_MISMATCH as usize], 1);
+    assert!(rig.engine.stats().links > links || links >= 2);
 }
 
 #[test]
@@ -282,4 +292,50 @@ fn test_return_cache_collisions_fall_back_to_the_hash_lookup() {
         misses <= 4,
         "the hash lookup caught the collisions ({misses} misses)"
     );
+}
+
+#[test]
+fn test_invalidate_code_page_retranslates_modified_code() {
+    let mut rig = Rig::new(Config::default());
+    let block = Region::map(2 * 4096, 0);
+    let (a, b) = (block.addr(), block.addr() + 4096);
+    let exit = rig.native.exit_address();
+    let page_a = |k: i32| {
+        asm(a, |x| {
+            x.mov(eax, k).unwrap();
+            x.jmp(b).unwrap();
+        })
+    };
+    let page_b = |k: i32| {
+        asm(b, |x| {
+            let mut slot = x.create_label();
+            x.add(eax, k).unwrap();
+            x.jmp(qword_ptr(slot)).unwrap();
+            x.set_label(&mut slot).unwrap();
+            x.db(&exit.to_le_bytes()).unwrap();
+        })
+    };
+    put(&block, 0, &page_a(1));
+    put(&block, 4096, &page_b(10));
+    let mut mem = HostMemory::new(vec![(a, a + 2 * 4096)]);
+    let mut run = |rig: &mut Rig| {
+        rig.engine.set_rip(GuestVirt(a));
+        let stop = rig
+            .engine
+            .run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
+        assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+        rig.engine.regs().get(Gpr::Rax)
+    };
+    assert_eq!(run(&mut rig), 11);
+    assert_eq!(run(&mut rig), 11);
+    // Self-modifying code: B changes in place; without invalidation the stale
+    // translation would still run.
+    put(&block, 4096, &page_b(20));
+    assert_eq!(run(&mut rig), 11, "stale until invalidated");
+    assert_eq!(rig.engine.invalidate_code_page(GuestPhys(b)), 1);
+    assert_eq!(run(&mut rig), 21);
+    put(&block, 0, &page_a(2));
+    assert_eq!(rig.engine.invalidate_code_page(GuestPhys(a)), 1);
+    assert_eq!(run(&mut rig), 22);
+    assert_eq!(run(&mut rig), 22);
 }
