@@ -177,6 +177,7 @@ struct G<'a> {
     /// (label of a table, targets) to be filled after assembly.
     tables: Vec<(CodeLabel, Vec<CodeLabel>)>,
     fn_table: CodeLabel,
+    ret8: CodeLabel,
     push_depth: u32,
 }
 
@@ -506,8 +507,14 @@ impl G<'_> {
             return;
         }
         let s = self.r.pick(&self.subs);
-        match self.r.below(3) {
+        match self.r.below(4) {
             0 => self.a.call(s).unwrap(),
+            3 => {
+                // an argument on the stack, popped by the callee's `ret 8`
+                let imm = self.r.next() as i32;
+                self.a.push(imm).unwrap();
+                self.a.call(self.ret8).unwrap();
+            }
             1 => {
                 let k = self.r.below(self.subs.len() as u64) as i32;
                 let z = self.reg(true);
@@ -552,6 +559,7 @@ pub fn program(seed: u64, base: u64, len_items: usize) -> Program {
     let fn_table = a.create_label();
     let nsubs = 1 + rng.below(4) as usize;
     let subs: Vec<CodeLabel> = (0..nsubs).map(|_| a.create_label()).collect();
+    let ret8 = a.create_label();
     let mut g = G {
         a,
         r: &mut rng,
@@ -559,6 +567,7 @@ pub fn program(seed: u64, base: u64, len_items: usize) -> Program {
         subs: subs.clone(),
         tables: Vec::new(),
         fn_table,
+        ret8,
         push_depth: 0,
     };
     let mut end_slot = g.a.create_label();
@@ -586,6 +595,13 @@ pub fn program(seed: u64, base: u64, len_items: usize) -> Program {
         g.push_depth = saved_depth;
         g.a.ret().unwrap();
     }
+    // A callee that pops its stack argument: `add rax, [rsp+8]; ret 8`.
+    let mut ret8 = g.ret8;
+    g.a.set_label(&mut ret8).unwrap();
+    g.a.add(rax, qword_ptr(rsp + 8)).unwrap();
+    g.push_depth = 24; // no push/pop in the callee
+    g.simple(false);
+    g.a.ret_1(8).unwrap();
     // Tables then data.
     let mut tables = std::mem::take(&mut g.tables);
     for (t, targets) in tables.iter_mut() {

@@ -1,0 +1,38 @@
+//! The platform seam of the shadow MMU: guest-physical memory and the frames for shadow
+//! tables. The host tests implement it over a map of frames; the in-guest engine over the
+//! physmap window (`kpin_abi::stolen::PHYSMAP_VA`) and a frame allocator in the stolen
+//! region.
+//!
+//! Invariant: shadow tables live in guest-physical memory too (the stolen region), so the
+//! same `read_u64` / `write_u64` reach guest tables and shadow tables.
+
+use crate::addr::GuestPhys;
+
+/// What the shadow MMU needs from its embedder.
+pub trait PhysMem {
+    /// Reads the naturally aligned `u64` at `pa`; `None` if `pa` is not backed.
+    fn read_u64(&mut self, pa: GuestPhys) -> Option<u64>;
+    /// Writes the naturally aligned `u64` at `pa`; `false` if `pa` is not backed.
+    ///
+    /// Used for shadow entries and for the guest's A/D bits. With one vCPU a plain
+    /// store is what hardware does; with several, the embedder must make A/D updates
+    /// atomic (override [`PhysMem::or_u64`]).
+    fn write_u64(&mut self, pa: GuestPhys, value: u64) -> bool;
+    /// Sets `bits` in the `u64` at `pa` (the guest's A/D bits); `false` if not backed.
+    fn or_u64(&mut self, pa: GuestPhys, bits: u64) -> bool {
+        match self.read_u64(pa) {
+            Some(v) => self.write_u64(pa, v | bits),
+            None => false,
+        }
+    }
+    /// Allocates a zeroed 4 KiB frame for a shadow table; `None` when none is left.
+    fn alloc_table(&mut self) -> Option<GuestPhys>;
+    /// Returns a frame obtained from [`PhysMem::alloc_table`].
+    fn free_table(&mut self, frame: GuestPhys);
+    /// Whether the guest may map `frame` (false for the stolen region and anything else
+    /// the engine owns). A guest mapping of such a frame is refused, never installed.
+    fn guest_may_map(&self, frame: GuestPhys) -> bool {
+        let _ = frame;
+        true
+    }
+}
