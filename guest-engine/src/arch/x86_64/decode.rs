@@ -402,9 +402,9 @@ pub(crate) fn decode_trace(
     let mut t = DecodedTrace {
         start: va,
         pa,
-        insns: Vec::new(),
-        info: Vec::new(),
-        bbls: Vec::new(),
+        insns: Vec::with_capacity(24),
+        info: Vec::with_capacity(24),
+        bbls: Vec::with_capacity(4),
         end: TraceEnd::Transfer,
         guest_bytes: 0,
     };

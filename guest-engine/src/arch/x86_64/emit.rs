@@ -72,11 +72,11 @@ fn modrm(md: u8, r: u8, rm: u8) -> u8 {
 impl Asm {
     pub(crate) fn new(base: u64, spill_base: u64) -> Self {
         Self {
-            buf: Vec::with_capacity(512),
+            buf: Vec::with_capacity(1024),
             base,
-            labels: Vec::new(),
-            fixups: Vec::new(),
-            marks: Vec::new(),
+            labels: Vec::with_capacity(16),
+            fixups: Vec::with_capacity(16),
+            marks: Vec::with_capacity(64),
             guest_pc: 0,
             spilled: 0,
             spill_base,

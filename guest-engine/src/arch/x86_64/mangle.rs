@@ -483,8 +483,8 @@ pub(crate) fn translate_trace(
         a: Asm::new(env.base, env.ctx.spill),
         env,
         calls,
-        exits: Vec::new(),
-        stubs: Vec::new(),
+        exits: Vec::with_capacity(8),
+        stubs: Vec::with_capacity(8),
         factory: &mut scratch.factory,
     };
     let live = flags_liveness(t);

@@ -1,0 +1,732 @@
+//! The shadow MMU: a virtual TLB made of page tables the engine owns.
+//!
+//! All translated guest code (kernel and user) runs at hardware CPL 3 under *shadow*
+//! tables filled on demand from the guest's tables when a shadow miss faults
+//! ([`ShadowMmu::fill`]) and dropped when the guest does what would drop a real TLB entry
+//! ([`ShadowMmu::write_cr3`], [`ShadowMmu::invlpg`], a CR4.PGE / CR0.WP / EFER.NXE /
+//! CR4.SMEP change via [`ShadowMmu::set_control`]). Each guest address space (keyed by the
+//! guest CR3's PML4 frame) has two shadow roots, one per [`View`]; a small LRU cache keeps
+//! the roots of recently used spaces.
+//!
+//! Invariants:
+//! * every shadow root carries the engine's PML4 slots ([`ENGINE_SLOTS`]) copied from the
+//!   engine's template root, and no guest mapping is ever installed in
+//!   [`RESERVED_SLOTS`] (256–258; slot 256 faults at CPL 3 on this KVM);
+//! * every shadow leaf has U = 1 and G = 0 (the engine reloads CR3 between views);
+//!   intermediate shadow entries are P|W|U and only the leaf restricts;
+//! * a shadow leaf is writable only if the guest allows the write in that view, the
+//!   guest leaf is dirty, and the frame is not a protected code frame;
+//! * the user view never maps a guest supervisor page;
+//! * every present shadow leaf is in the [`ReverseMap`];
+//! * guest page tables are written only to set A/D bits, as hardware would.
+//!
+//! Guest code is never executed at its own VA (only its translation in the code cache),
+//! so instruction-fetch permission is checked in software ([`ShadowMmu::translate`] with
+//! [`Access::Fetch`]); with [`ShadowConfig::hw_nx`] shadow leaves are also NX.
+
+mod phys;
+mod pte;
+mod softtlb;
+mod walk;
+
+use alloc::vec::Vec;
+use core::ops::RangeInclusive;
+
+pub use phys::PhysMem;
+pub use walk::{GuestLeaf, PF_FETCH, PF_PRESENT, PF_RESERVED, PF_USER, PF_VECTOR, PF_WRITE};
+
+use crate::addr::{GuestPhys, GuestVirt};
+use crate::reverse_map::{ReverseMap, ShadowMapping};
+
+/// PML4 slots that belong to the engine and are copied from the template into every
+/// shadow root: 257 = engine window (`kpin_abi::stolen::WINDOW_VA`), 258 = physmap
+/// (`kpin_abi::stolen::PHYSMAP_VA`).
+pub const ENGINE_SLOTS: RangeInclusive<usize> = 257..=258;
+/// PML4 slots a guest may not use: the engine slots and slot 256, which faults with a
+/// reserved-bit error at CPL 3 on this KVM (`kvm_pvm`).
+pub const RESERVED_SLOTS: RangeInclusive<usize> = 256..=258;
+/// Most hardware-flush VAs remembered before [`HwFlush`] degrades to a full flush.
+pub const MAX_HW_FLUSH_PAGES: usize = 16;
+
+/// A kind of memory access.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Access {
+    /// Data read.
+    Read,
+    /// Data write.
+    Write,
+    /// Instruction fetch.
+    Fetch,
+}
+
+/// Which shadow view: chosen by the *virtual* CPL of the guest code that runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum View {
+    /// Virtual CPL 0–2: guest supervisor and user pages are reachable.
+    Kernel,
+    /// Virtual CPL 3: guest supervisor pages are not present.
+    User,
+}
+
+impl View {
+    /// The view for virtual CPL `cpl`.
+    pub fn for_cpl(cpl: u8) -> View {
+        if cpl == 3 {
+            View::User
+        } else {
+            View::Kernel
+        }
+    }
+}
+
+/// The guest control bits that change translations.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PagingControl {
+    /// CR0.WP: supervisor writes honour R/W.
+    pub wp: bool,
+    /// EFER.NXE: XD bits are honoured (else bit 63 is reserved).
+    pub nxe: bool,
+    /// CR4.PGE: global leaves survive CR3 writes.
+    pub pge: bool,
+    /// CR4.SMEP: supervisor fetches from user pages fault.
+    pub smep: bool,
+}
+
+/// Fixed parameters of the shadow MMU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShadowConfig {
+    /// The engine's own PML4; its [`ENGINE_SLOTS`] are copied into every shadow root.
+    pub template_root: GuestPhys,
+    /// Most shadow roots kept (two per address space); at least 2.
+    pub max_roots: usize,
+    /// MAXPHYADDR the guest sees (CPUID 0x8000_0008 EAX[7:0]); higher address bits in a
+    /// guest entry are reserved.
+    pub phys_addr_bits: u32,
+    /// Set NX on every shadow leaf (requires the real EFER.NXE = 1).
+    pub hw_nx: bool,
+}
+
+/// A page fault the guest must see, as a real CPU at the virtual CPL would raise it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GuestFault {
+    /// Exception vector (always [`PF_VECTOR`]).
+    pub vector: u8,
+    /// Error code (`PF_*` bits).
+    pub error_code: u32,
+    /// The faulting linear address (the guest's CR2).
+    pub cr2: GuestVirt,
+}
+
+impl GuestFault {
+    /// A #PF at `va` with `error_code`.
+    pub fn page_fault(va: GuestVirt, error_code: u32) -> Self {
+        GuestFault {
+            vector: PF_VECTOR,
+            error_code,
+            cr2: va,
+        }
+    }
+}
+
+/// What a fill did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FillOutcome {
+    /// The shadow now maps the page; `pa` is the translation of the faulting address.
+    Mapped {
+        /// Guest-physical address of `va`.
+        pa: GuestPhys,
+    },
+    /// The guest's tables forbid the access: deliver this fault to the guest.
+    GuestFault(GuestFault),
+    /// A write to a protected code frame: invalidate the frame's traces, call
+    /// [`ShadowMmu::unprotect_code_frame`] and re-execute the write. The guest's A/D bits
+    /// are already set; the shadow maps the page read-only.
+    ProtectedCode {
+        /// The protected 4 KiB frame.
+        frame: GuestPhys,
+        /// Guest-physical address of `va`.
+        pa: GuestPhys,
+    },
+}
+
+/// Hardware TLB invalidation the embedder owes before guest code runs again, because
+/// shadow entries of the loaded root were dropped or lost their W bit.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum HwFlush {
+    /// Nothing to do.
+    #[default]
+    None,
+    /// `invlpg` each of these pages (or reload CR3).
+    Pages(Vec<GuestVirt>),
+    /// Reload CR3.
+    All,
+}
+
+/// Failures of the shadow MMU itself (guest faults are [`FillOutcome::GuestFault`]).
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum ShadowError {
+    /// The guest address lies in PML4 slots 256–258, which the engine reserves.
+    #[error("guest address {0:?} lies in a PML4 slot reserved for the engine (256-258)")]
+    ReservedSlot(GuestVirt),
+    /// The guest address is not canonical (the guest gets #GP, not #PF).
+    #[error("guest address {0:?} is not canonical")]
+    NonCanonical(GuestVirt),
+    /// A guest paging-structure entry lies outside backed guest memory.
+    #[error("guest paging-structure entry at {0:?} is not backed")]
+    GuestTableUnbacked(GuestPhys),
+    /// The guest maps a frame it may not map (e.g. the stolen region).
+    #[error("guest maps {va:?} to frame {frame:?}, which the guest may not map")]
+    ForbiddenFrame {
+        /// The guest virtual address.
+        va: GuestVirt,
+        /// The frame the guest's tables name.
+        frame: GuestPhys,
+    },
+    /// No frame left for a shadow table.
+    #[error("out of frames for shadow page tables")]
+    OutOfTables,
+    /// A shadow table or the template root is not backed.
+    #[error("shadow table entry at {0:?} is not backed")]
+    ShadowTableUnbacked(GuestPhys),
+    /// [`ShadowConfig::max_roots`] is below 2.
+    #[error("shadow root cache must hold at least the two views of one space")]
+    TooFewRoots,
+}
+
+/// Counters of the shadow MMU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ShadowStats {
+    /// Fills that installed a shadow leaf.
+    pub fills: u64,
+    /// Guest faults reflected (from fills and translations).
+    pub guest_faults: u64,
+    /// Guest entries whose A or D bit was set.
+    pub ad_updates: u64,
+    /// Invalidation requests: CR3 writes, `invlpg`s, full flushes.
+    pub invalidations: u64,
+    /// Shadow leaves dropped by invalidations and evictions.
+    pub leaves_dropped: u64,
+    /// Writes that faulted on a protected code frame.
+    pub write_protect_faults: u64,
+    /// Shadow roots evicted from the cache.
+    pub roots_evicted: u64,
+    /// Shadow tables currently allocated (roots included).
+    pub tables: u64,
+}
+
+/// One cached shadow root.
+#[derive(Clone, Copy, Debug)]
+struct RootSlot {
+    /// The guest space: PML4 frame of the guest CR3.
+    space: u64,
+    view: View,
+    root: GuestPhys,
+    last_use: u64,
+}
+
+/// The shadow MMU of one vCPU.
+pub struct ShadowMmu<M: PhysMem> {
+    mem: M,
+    config: ShadowConfig,
+    control: PagingControl,
+    cr3: u64,
+    roots: Vec<RootSlot>,
+    clock: u64,
+    rmap: ReverseMap,
+    stats: ShadowStats,
+    hw_flush: HwFlush,
+}
+
+impl<M: PhysMem> ShadowMmu<M> {
+    /// A shadow MMU for a guest whose CR3 is `cr3`; no root is built until one is asked for.
+    pub fn new(
+        mem: M,
+        config: ShadowConfig,
+        control: PagingControl,
+        cr3: u64,
+    ) -> Result<Self, ShadowError> {
+        if config.max_roots < 2 {
+            return Err(ShadowError::TooFewRoots);
+        }
+        let mut mmu = ShadowMmu {
+            mem,
+            config,
+            control,
+            cr3,
+            roots: Vec::new(),
+            clock: 0,
+            rmap: ReverseMap::new(),
+            stats: ShadowStats::default(),
+            hw_flush: HwFlush::None,
+        };
+        for slot in ENGINE_SLOTS {
+            mmu.read(Self::slot_addr(config.template_root, slot))?;
+        }
+        Ok(mmu)
+    }
+
+    /// The platform.
+    pub fn mem(&self) -> &M {
+        &self.mem
+    }
+
+    /// The platform, mutably (the guest's memory is the embedder's).
+    pub fn mem_mut(&mut self) -> &mut M {
+        &mut self.mem
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> ShadowStats {
+        self.stats
+    }
+
+    /// The reverse map (read-only).
+    pub fn reverse_map(&self) -> &ReverseMap {
+        &self.rmap
+    }
+
+    /// Number of protected code frames.
+    pub fn protected_frames(&self) -> usize {
+        self.rmap.protected_count()
+    }
+
+    /// The guest's CR3.
+    pub fn cr3(&self) -> u64 {
+        self.cr3
+    }
+
+    /// The guest control bits in force.
+    pub fn control(&self) -> PagingControl {
+        self.control
+    }
+
+    /// Takes the hardware TLB invalidation owed since the last call.
+    pub fn take_hw_flush(&mut self) -> HwFlush {
+        core::mem::take(&mut self.hw_flush)
+    }
+
+    /// The shadow root to load into the real CR3 for the current space and `view`,
+    /// built (engine slots copied, nothing else mapped) if it is not cached.
+    pub fn root(&mut self, view: View) -> Result<GuestPhys, ShadowError> {
+        let space = self.cr3 & pte::ADDR_MASK;
+        self.clock += 1;
+        let clock = self.clock;
+        if let Some(r) = self
+            .roots
+            .iter_mut()
+            .find(|r| r.space == space && r.view == view)
+        {
+            r.last_use = clock;
+            return Ok(r.root);
+        }
+        while self.roots.len() >= self.config.max_roots {
+            self.evict_lru(space)?;
+        }
+        let root = self.alloc_table()?;
+        for slot in ENGINE_SLOTS {
+            let e = self.read(Self::slot_addr(self.config.template_root, slot))?;
+            self.write(Self::slot_addr(root, slot), e)?;
+        }
+        self.roots.push(RootSlot {
+            space,
+            view,
+            root,
+            last_use: clock,
+        });
+        Ok(root)
+    }
+
+    /// The guest writes CR3: switch spaces and drop the new space's non-global shadow
+    /// leaves (all of them if CR4.PGE = 0), as the real TLB would be flushed.
+    pub fn write_cr3(&mut self, cr3: u64) -> Result<(), ShadowError> {
+        self.stats.invalidations += 1;
+        self.cr3 = cr3;
+        let space = cr3 & pte::ADDR_MASK;
+        let keep_global = self.control.pge;
+        let roots: Vec<GuestPhys> = self
+            .roots
+            .iter()
+            .filter(|r| r.space == space)
+            .map(|r| r.root)
+            .collect();
+        for root in roots {
+            self.zap_table(root, pte::LEVELS, keep_global)?;
+        }
+        self.hw_flush = HwFlush::All;
+        Ok(())
+    }
+
+    /// The guest changes CR0.WP, EFER.NXE, CR4.PGE or CR4.SMEP: if anything changed, every
+    /// shadow leaf (global ones too) is dropped.
+    pub fn set_control(&mut self, control: PagingControl) -> Result<(), ShadowError> {
+        if control != self.control {
+            self.control = control;
+            self.flush_all()?;
+        }
+        Ok(())
+    }
+
+    /// The guest executes `invlpg va`: drop `va`'s leaves in both views of the current
+    /// space, and its global leaves in every other cached space.
+    pub fn invlpg(&mut self, va: GuestVirt) -> Result<(), ShadowError> {
+        self.stats.invalidations += 1;
+        if !pte::is_canonical(va.0) || RESERVED_SLOTS.contains(&pte::index(va.0, 4)) {
+            return Ok(());
+        }
+        let space = self.cr3 & pte::ADDR_MASK;
+        let roots: Vec<(GuestPhys, bool)> = self
+            .roots
+            .iter()
+            .map(|r| (r.root, r.space == space))
+            .collect();
+        for (root, current) in roots {
+            let Some(slot) = self.shadow_slot(root, va)? else {
+                continue;
+            };
+            let e = self.read(slot)?;
+            if current || e & pte::SW_GLOBAL != 0 {
+                self.zap_leaf(slot, e, va.page())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops every shadow leaf of every cached root (global ones too); tables are freed,
+    /// roots kept.
+    pub fn flush_all(&mut self) -> Result<(), ShadowError> {
+        self.stats.invalidations += 1;
+        let roots: Vec<GuestPhys> = self.roots.iter().map(|r| r.root).collect();
+        for root in roots {
+            self.zap_table(root, pte::LEVELS, false)?;
+        }
+        self.hw_flush = HwFlush::All;
+        Ok(())
+    }
+
+    /// Handles a shadow miss: walks the guest tables for `access` to `va` in `view`,
+    /// sets A/D bits as hardware would, and installs the shadow leaf, or says which guest
+    /// fault to deliver.
+    pub fn fill(
+        &mut self,
+        va: GuestVirt,
+        access: Access,
+        view: View,
+    ) -> Result<FillOutcome, ShadowError> {
+        Self::check_va(va)?;
+        let leaf = match walk::walk(
+            &mut self.mem,
+            &self.control,
+            self.config.phys_addr_bits,
+            self.cr3,
+            va,
+            access,
+            view,
+        )? {
+            Ok(leaf) => leaf,
+            Err(fault) => {
+                self.stats.guest_faults += 1;
+                return Ok(FillOutcome::GuestFault(fault));
+            }
+        };
+        self.stats.ad_updates += u64::from(leaf.ad_updates);
+        if !self.mem.guest_may_map(leaf.frame) {
+            return Err(ShadowError::ForbiddenFrame {
+                va,
+                frame: leaf.frame,
+            });
+        }
+        let root = self.root(view)?;
+        let slot = self.shadow_slot_alloc(root, va)?;
+        let new = self.shadow_leaf(&leaf, view);
+        let old = self.read(slot)?;
+        if old & pte::PRESENT != 0 {
+            let old_frame = GuestPhys(old & pte::ADDR_MASK);
+            if old_frame != leaf.frame {
+                self.rmap.remove(old_frame, slot);
+                self.note_hw_flush(va.page());
+            } else if old & pte::WRITABLE != 0 && new & pte::WRITABLE == 0 {
+                self.note_hw_flush(va.page());
+            }
+        }
+        self.write(slot, new)?;
+        self.rmap.insert(
+            leaf.frame,
+            ShadowMapping {
+                slot,
+                va: va.page(),
+            },
+        );
+        self.stats.fills += 1;
+        let pa = GuestPhys(leaf.frame.0 | (va.0 & (pte::TABLE_BYTES - 1)));
+        if access == Access::Write && self.rmap.is_protected(leaf.frame) {
+            self.stats.write_protect_faults += 1;
+            return Ok(FillOutcome::ProtectedCode {
+                frame: leaf.frame,
+                pa,
+            });
+        }
+        Ok(FillOutcome::Mapped { pa })
+    }
+
+    /// Handles a hardware #PF taken by guest code at `va` with hardware error code
+    /// `hw_error_code` while `view` was loaded: the access kind comes from the W and I/D
+    /// bits, then this is [`ShadowMmu::fill`]. A write to a protected code frame (through
+    /// any alias) is reported as [`FillOutcome::ProtectedCode`].
+    pub fn on_page_fault(
+        &mut self,
+        va: GuestVirt,
+        hw_error_code: u32,
+        view: View,
+    ) -> Result<FillOutcome, ShadowError> {
+        let access = if hw_error_code & PF_FETCH != 0 {
+            Access::Fetch
+        } else if hw_error_code & PF_WRITE != 0 {
+            Access::Write
+        } else {
+            Access::Read
+        };
+        self.fill(va, access, view)
+    }
+
+    /// Marks `frame` as holding translated code: every shadow leaf mapping it (in every
+    /// root and view) loses W now, and future fills map it read-only. `true` if newly
+    /// protected.
+    pub fn protect_code_frame(&mut self, frame: GuestPhys) -> Result<bool, ShadowError> {
+        if !self.rmap.protect(frame) {
+            return Ok(false);
+        }
+        let mappings: Vec<ShadowMapping> = self.rmap.mappings(frame).to_vec();
+        for m in mappings {
+            let e = self.read(m.slot)?;
+            if e & pte::WRITABLE != 0 {
+                self.write(m.slot, e & !pte::WRITABLE)?;
+                self.note_hw_flush(m.va);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Drops the protection of `frame` (after its traces were invalidated): every shadow
+    /// leaf whose guest entry allows the write regains W. `true` if it was protected.
+    pub fn unprotect_code_frame(&mut self, frame: GuestPhys) -> Result<bool, ShadowError> {
+        if !self.rmap.unprotect(frame) {
+            return Ok(false);
+        }
+        let mappings: Vec<ShadowMapping> = self.rmap.mappings(frame).to_vec();
+        for m in mappings {
+            let e = self.read(m.slot)?;
+            if e & pte::SW_WRITABLE != 0 {
+                self.write(m.slot, e | pte::WRITABLE)?;
+            }
+        }
+        Ok(true)
+    }
+
+    /// Whether `frame` is protected.
+    pub fn is_code_frame_protected(&self, frame: GuestPhys) -> bool {
+        self.rmap.is_protected(frame)
+    }
+
+    /// The raw shadow leaf mapping `va` in `view` of the current space, if any (for
+    /// diagnostics and tests).
+    pub fn shadow_entry(&mut self, va: GuestVirt, view: View) -> Result<Option<u64>, ShadowError> {
+        let space = self.cr3 & pte::ADDR_MASK;
+        let Some(root) = self
+            .roots
+            .iter()
+            .find(|r| r.space == space && r.view == view)
+            .map(|r| r.root)
+        else {
+            return Ok(None);
+        };
+        let Some(slot) = self.shadow_slot(root, va)? else {
+            return Ok(None);
+        };
+        let e = self.read(slot)?;
+        Ok((e & pte::PRESENT != 0).then_some(e))
+    }
+
+    // ---- internals ----
+
+    /// The shadow leaf for a guest leaf in `view`.
+    fn shadow_leaf(&self, leaf: &GuestLeaf, view: View) -> u64 {
+        let write_allowed = match view {
+            View::User => leaf.user && leaf.writable,
+            View::Kernel => leaf.writable || !self.control.wp,
+        };
+        let mut e = leaf.frame.0 | pte::PRESENT | pte::USER | leaf.cache_bits;
+        if write_allowed && leaf.dirty {
+            e |= pte::SW_WRITABLE;
+            if !self.rmap.is_protected(leaf.frame) {
+                e |= pte::WRITABLE;
+            }
+        }
+        if leaf.global && self.control.pge {
+            e |= pte::SW_GLOBAL;
+        }
+        if leaf.user {
+            e |= pte::SW_GUEST_USER;
+        }
+        if leaf.no_execute {
+            e |= pte::SW_GUEST_NX;
+        }
+        if self.config.hw_nx {
+            e |= pte::NO_EXECUTE;
+        }
+        e
+    }
+
+    fn check_va(va: GuestVirt) -> Result<(), ShadowError> {
+        if !pte::is_canonical(va.0) {
+            return Err(ShadowError::NonCanonical(va));
+        }
+        if RESERVED_SLOTS.contains(&pte::index(va.0, 4)) {
+            return Err(ShadowError::ReservedSlot(va));
+        }
+        Ok(())
+    }
+
+    fn slot_addr(table: GuestPhys, index: usize) -> GuestPhys {
+        GuestPhys(table.0 + index as u64 * pte::ENTRY_BYTES)
+    }
+
+    fn read(&mut self, pa: GuestPhys) -> Result<u64, ShadowError> {
+        self.mem
+            .read_u64(pa)
+            .ok_or(ShadowError::ShadowTableUnbacked(pa))
+    }
+
+    fn write(&mut self, pa: GuestPhys, value: u64) -> Result<(), ShadowError> {
+        if self.mem.write_u64(pa, value) {
+            Ok(())
+        } else {
+            Err(ShadowError::ShadowTableUnbacked(pa))
+        }
+    }
+
+    fn alloc_table(&mut self) -> Result<GuestPhys, ShadowError> {
+        let t = self.mem.alloc_table().ok_or(ShadowError::OutOfTables)?;
+        self.stats.tables += 1;
+        Ok(t)
+    }
+
+    fn free_table(&mut self, t: GuestPhys) {
+        self.mem.free_table(t);
+        self.stats.tables = self.stats.tables.saturating_sub(1);
+    }
+
+    /// The shadow leaf slot for `va` under `root`, if its tables exist.
+    fn shadow_slot(&mut self, root: GuestPhys, va: GuestVirt) -> Result<Option<GuestPhys>, ShadowError> {
+        let mut table = root;
+        for level in (2..=pte::LEVELS).rev() {
+            let e = self.read(Self::slot_addr(table, pte::index(va.0, level)))?;
+            if e & pte::PRESENT == 0 {
+                return Ok(None);
+            }
+            table = GuestPhys(e & pte::ADDR_MASK);
+        }
+        Ok(Some(Self::slot_addr(table, pte::index(va.0, 1))))
+    }
+
+    /// The shadow leaf slot for `va` under `root`, building missing tables.
+    fn shadow_slot_alloc(&mut self, root: GuestPhys, va: GuestVirt) -> Result<GuestPhys, ShadowError> {
+        let mut table = root;
+        for level in (2..=pte::LEVELS).rev() {
+            let slot = Self::slot_addr(table, pte::index(va.0, level));
+            let e = self.read(slot)?;
+            table = if e & pte::PRESENT != 0 {
+                GuestPhys(e & pte::ADDR_MASK)
+            } else {
+                let t = self.alloc_table()?;
+                self.write(slot, t.0 | pte::PRESENT | pte::WRITABLE | pte::USER)?;
+                t
+            };
+        }
+        Ok(Self::slot_addr(table, pte::index(va.0, 1)))
+    }
+
+    /// Clears the present shadow leaf `e` at `slot` (mapping `va`).
+    fn zap_leaf(&mut self, slot: GuestPhys, e: u64, va: GuestVirt) -> Result<(), ShadowError> {
+        if e & pte::PRESENT == 0 {
+            return Ok(());
+        }
+        self.rmap.remove(GuestPhys(e & pte::ADDR_MASK), slot);
+        self.write(slot, 0)?;
+        self.stats.leaves_dropped += 1;
+        self.note_hw_flush(va);
+        Ok(())
+    }
+
+    /// Drops the leaves under `table` (a `level` table), keeping global ones if
+    /// `keep_global`; frees emptied sub-tables. Returns whether `table` is now empty.
+    /// At the root, the reserved slots are skipped (and the engine slots kept).
+    fn zap_table(&mut self, table: GuestPhys, level: u8, keep_global: bool) -> Result<bool, ShadowError> {
+        let mut empty = true;
+        for i in 0..pte::ENTRIES {
+            if level == pte::LEVELS && RESERVED_SLOTS.contains(&i) {
+                continue;
+            }
+            let slot = Self::slot_addr(table, i);
+            let e = self.read(slot)?;
+            if e & pte::PRESENT == 0 {
+                continue;
+            }
+            if level == 1 {
+                if keep_global && e & pte::SW_GLOBAL != 0 {
+                    empty = false;
+                } else {
+                    self.rmap.remove(GuestPhys(e & pte::ADDR_MASK), slot);
+                    self.write(slot, 0)?;
+                    self.stats.leaves_dropped += 1;
+                }
+            } else {
+                let child = GuestPhys(e & pte::ADDR_MASK);
+                if self.zap_table(child, level - 1, keep_global)? {
+                    self.write(slot, 0)?;
+                    self.free_table(child);
+                } else {
+                    empty = false;
+                }
+            }
+        }
+        Ok(empty)
+    }
+
+    /// Evicts the least recently used root outside `keep_space`, or the oldest at all.
+    fn evict_lru(&mut self, keep_space: u64) -> Result<(), ShadowError> {
+        let pick = self
+            .roots
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.space != keep_space)
+            .min_by_key(|(_, r)| r.last_use)
+            .or_else(|| self.roots.iter().enumerate().min_by_key(|(_, r)| r.last_use))
+            .map(|(i, _)| i);
+        let Some(i) = pick else {
+            return Ok(());
+        };
+        let victim = self.roots.swap_remove(i);
+        self.zap_table(victim.root, pte::LEVELS, false)?;
+        self.free_table(victim.root);
+        self.stats.roots_evicted += 1;
+        self.hw_flush = HwFlush::All;
+        Ok(())
+    }
+
+    fn note_hw_flush(&mut self, va: GuestVirt) {
+        match &mut self.hw_flush {
+            HwFlush::All => {}
+            HwFlush::None => self.hw_flush = HwFlush::Pages(alloc::vec![va]),
+            HwFlush::Pages(pages) => {
+                if pages.len() >= MAX_HW_FLUSH_PAGES {
+                    self.hw_flush = HwFlush::All;
+                } else if !pages.contains(&va) {
+                    pages.push(va);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
