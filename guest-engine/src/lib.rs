@@ -23,6 +23,8 @@ pub mod layout;
 mod link;
 pub mod native;
 pub mod platform;
+pub mod reverse_map;
+pub mod shadow_mmu;
 
 pub use addr::{CachePc, GuestPhys, GuestVirt};
 pub use context::{Gpr, GuestRegs};

@@ -113,7 +113,10 @@ mod tests {
         r.insert(GuestPhys(0x5000), m(0x100, 0x1000));
         r.insert(GuestPhys(0x5123), m(0x208, 0x7000));
         r.insert(GuestPhys(0x5000), m(0x100, 0x1000));
-        assert_eq!(r.mappings(GuestPhys(0x5000)), &[m(0x100, 0x1000), m(0x208, 0x7000)]);
+        assert_eq!(
+            r.mappings(GuestPhys(0x5000)),
+            &[m(0x100, 0x1000), m(0x208, 0x7000)]
+        );
         assert_eq!(r.mapped_frames(), 1);
         assert_eq!(r.mapping_count(), 2);
     }

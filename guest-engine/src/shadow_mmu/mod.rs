@@ -188,6 +188,9 @@ pub enum ShadowError {
     /// A shadow table or the template root is not backed.
     #[error("shadow table entry at {0:?} is not backed")]
     ShadowTableUnbacked(GuestPhys),
+    /// [`ShadowConfig::phys_addr_bits`] is outside 32..=52.
+    #[error("guest physical-address width {0} is outside 32..=52")]
+    PhysAddrBits(u32),
     /// [`ShadowConfig::max_roots`] is below 2.
     #[error("shadow root cache must hold at least the two views of one space")]
     TooFewRoots,
@@ -247,6 +250,9 @@ impl<M: PhysMem> ShadowMmu<M> {
     ) -> Result<Self, ShadowError> {
         if config.max_roots < 2 {
             return Err(ShadowError::TooFewRoots);
+        }
+        if !(pte::MIN_PHYS_ADDR_BITS..=pte::MAX_PHYS_ADDR_BITS).contains(&config.phys_addr_bits) {
+            return Err(ShadowError::PhysAddrBits(config.phys_addr_bits));
         }
         let mut mmu = ShadowMmu {
             mem,
@@ -530,6 +536,7 @@ impl<M: PhysMem> ShadowMmu<M> {
     /// The raw shadow leaf mapping `va` in `view` of the current space, if any (for
     /// diagnostics and tests).
     pub fn shadow_entry(&mut self, va: GuestVirt, view: View) -> Result<Option<u64>, ShadowError> {
+        Self::check_va(va)?;
         let space = self.cr3 & pte::ADDR_MASK;
         let Some(root) = self
             .roots
@@ -616,7 +623,11 @@ impl<M: PhysMem> ShadowMmu<M> {
     }
 
     /// The shadow leaf slot for `va` under `root`, if its tables exist.
-    fn shadow_slot(&mut self, root: GuestPhys, va: GuestVirt) -> Result<Option<GuestPhys>, ShadowError> {
+    fn shadow_slot(
+        &mut self,
+        root: GuestPhys,
+        va: GuestVirt,
+    ) -> Result<Option<GuestPhys>, ShadowError> {
         let mut table = root;
         for level in (2..=pte::LEVELS).rev() {
             let e = self.read(Self::slot_addr(table, pte::index(va.0, level)))?;
@@ -629,7 +640,11 @@ impl<M: PhysMem> ShadowMmu<M> {
     }
 
     /// The shadow leaf slot for `va` under `root`, building missing tables.
-    fn shadow_slot_alloc(&mut self, root: GuestPhys, va: GuestVirt) -> Result<GuestPhys, ShadowError> {
+    fn shadow_slot_alloc(
+        &mut self,
+        root: GuestPhys,
+        va: GuestVirt,
+    ) -> Result<GuestPhys, ShadowError> {
         let mut table = root;
         for level in (2..=pte::LEVELS).rev() {
             let slot = Self::slot_addr(table, pte::index(va.0, level));
@@ -660,7 +675,12 @@ impl<M: PhysMem> ShadowMmu<M> {
     /// Drops the leaves under `table` (a `level` table), keeping global ones if
     /// `keep_global`; frees emptied sub-tables. Returns whether `table` is now empty.
     /// At the root, the reserved slots are skipped (and the engine slots kept).
-    fn zap_table(&mut self, table: GuestPhys, level: u8, keep_global: bool) -> Result<bool, ShadowError> {
+    fn zap_table(
+        &mut self,
+        table: GuestPhys,
+        level: u8,
+        keep_global: bool,
+    ) -> Result<bool, ShadowError> {
         let mut empty = true;
         for i in 0..pte::ENTRIES {
             if level == pte::LEVELS && RESERVED_SLOTS.contains(&i) {
@@ -700,7 +720,12 @@ impl<M: PhysMem> ShadowMmu<M> {
             .enumerate()
             .filter(|(_, r)| r.space != keep_space)
             .min_by_key(|(_, r)| r.last_use)
-            .or_else(|| self.roots.iter().enumerate().min_by_key(|(_, r)| r.last_use))
+            .or_else(|| {
+                self.roots
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|(_, r)| r.last_use)
+            })
             .map(|(i, _)| i);
         let Some(i) = pick else {
             return Ok(());

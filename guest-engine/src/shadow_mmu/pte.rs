@@ -55,6 +55,9 @@ pub const PAGE_SHIFT: u32 = 12;
 pub const LEVELS: u8 = 4;
 /// Highest physical-address width x86-64 allows (bits 51:0).
 pub const MAX_PHYS_ADDR_BITS: u32 = 52;
+/// Lowest physical-address width accepted in [`super::ShadowConfig`] (any x86-64 CPU has
+/// at least 36).
+pub const MIN_PHYS_ADDR_BITS: u32 = 32;
 /// Width of a canonical 4-level virtual address.
 pub const VIRT_ADDR_BITS: u32 = 48;
 

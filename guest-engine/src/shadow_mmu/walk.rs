@@ -62,7 +62,8 @@ pub fn walk<M: PhysMem>(
     access: Access,
     view: View,
 ) -> Result<Result<GuestLeaf, GuestFault>, ShadowError> {
-    let fault = |extra: u32| GuestFault::page_fault(va, access_error_bits(control, access, view) | extra);
+    let fault =
+        |extra: u32| GuestFault::page_fault(va, access_error_bits(control, access, view) | extra);
     let phys_rsvd = pte::phys_reserved_mask(phys_addr_bits);
     let nx_rsvd = if control.nxe { 0 } else { pte::NO_EXECUTE };
 
@@ -106,7 +107,8 @@ pub fn walk<M: PhysMem>(
         (View::User, _) if !user => false,
         (View::User, Access::Write) => writable,
         (View::Kernel, Access::Write) => writable || !control.wp,
-        (_, Access::Fetch) => !no_execute && !(view == View::Kernel && user && control.smep),
+        (View::User, Access::Fetch) => !no_execute,
+        (View::Kernel, Access::Fetch) => !no_execute && (!user || !control.smep),
         (_, Access::Read) => true,
     };
     if !permitted {
