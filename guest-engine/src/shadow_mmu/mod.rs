@@ -182,6 +182,10 @@ pub enum ShadowError {
         /// The frame the guest's tables name.
         frame: GuestPhys,
     },
+    /// A guest paging structure (or CR3) lies in a frame the guest may not map; the walk
+    /// would read, and set A/D bits in, engine memory.
+    #[error("guest paging structure at {0:?} lies in a frame the guest may not map")]
+    ForbiddenTable(GuestPhys),
     /// No frame left for a shadow table.
     #[error("out of frames for shadow page tables")]
     OutOfTables,
@@ -211,6 +215,8 @@ pub struct ShadowStats {
     pub leaves_dropped: u64,
     /// Writes that faulted on a protected code frame.
     pub write_protect_faults: u64,
+    /// Code frames currently protected.
+    pub protected_frames: u64,
     /// Shadow roots evicted from the cache.
     pub roots_evicted: u64,
     /// Shadow tables currently allocated (roots included).
@@ -283,7 +289,10 @@ impl<M: PhysMem> ShadowMmu<M> {
 
     /// Counters.
     pub fn stats(&self) -> ShadowStats {
-        self.stats
+        ShadowStats {
+            protected_frames: self.rmap.protected_count() as u64,
+            ..self.stats
+        }
     }
 
     /// The reverse map (read-only).

@@ -746,6 +746,7 @@ fn test_write_through_alias_to_protected_code_frame_faults_and_is_reported() {
     assert_eq!(mmu.protect_code_frame(GuestPhys(0x20_0000)), Ok(true));
     assert_eq!(mmu.protect_code_frame(GuestPhys(0x20_0000)), Ok(false));
     assert_eq!(mmu.protected_frames(), 1);
+    assert_eq!(mmu.stats().protected_frames, 1);
     assert_eq!(
         entry(&mut mmu, alias_va, View::Kernel).expect("alias") & W,
         0
@@ -910,6 +911,57 @@ fn test_guest_mapping_of_stolen_frame_is_refused() {
         })
     );
     assert_eq!(entry(&mut mmu, USER_VA, View::User), None);
+    // A guest page table in the stolen region is refused before anything is read or set.
+    let pde = s.entry(mmu.mem_mut(), USER_VA + 0x20_0000, 2);
+    mmu.mem_mut()
+        .write_u64(pde, (STOLEN_BASE + 0x10_0000) | P | W | U);
+    assert_eq!(
+        mmu.fill(GuestVirt(USER_VA + 0x20_0000), Access::Read, View::User),
+        Err(ShadowError::ForbiddenTable(GuestPhys(
+            STOLEN_BASE + 0x10_0000
+        )))
+    );
+    let mut mem = MockMem::new();
+    mem.guest_frame();
+    let mut mmu = ShadowMmu::new(mem, config(), control(), STOLEN_BASE).expect("mmu");
+    assert_eq!(
+        mmu.fill(GuestVirt(USER_VA), Access::Read, View::User),
+        Err(ShadowError::ForbiddenTable(GuestPhys(STOLEN_BASE)))
+    );
+}
+
+#[test]
+fn test_hw_flush_degrades_to_full_flush_after_many_pages() {
+    let (mut mmu, s) = setup();
+    let n = MAX_HW_FLUSH_PAGES as u64 + 1;
+    for k in 0..n {
+        map(
+            &mut mmu,
+            &s,
+            USER_VA + k * 0x1000,
+            1,
+            (0x30_0000 + k * 0x1000) | P | W | U | D,
+        );
+        mapped(fill(
+            &mut mmu,
+            USER_VA + k * 0x1000,
+            Access::Read,
+            View::User,
+        ));
+    }
+    assert_eq!(mmu.take_hw_flush(), HwFlush::None, "fills owe no flush");
+    for k in 0..n - 1 {
+        mmu.invlpg(GuestVirt(USER_VA + k * 0x1000)).expect("invlpg");
+    }
+    assert!(matches!(mmu.take_hw_flush(), HwFlush::Pages(p) if p.len() == MAX_HW_FLUSH_PAGES));
+    for k in 0..n {
+        mmu.invlpg(GuestVirt(USER_VA + k * 0x1000)).expect("invlpg");
+    }
+    assert_eq!(
+        mmu.take_hw_flush(),
+        HwFlush::Pages(vec![GuestVirt(USER_VA + (n - 1) * 0x1000)])
+    );
+    assert_eq!(mmu.stats().protected_frames, 0);
 }
 
 #[test]
@@ -1024,4 +1076,30 @@ fn test_unbacked_guest_table_is_an_error() {
         mmu.fill(GuestVirt(USER_VA), Access::Read, View::User),
         Err(ShadowError::GuestTableUnbacked(_))
     ));
+}
+
+#[test]
+fn test_protection_inside_a_2mib_guest_page_is_per_4k_frame() {
+    let (mut mmu, s) = setup();
+    let va = 0x4000_0000;
+    map(&mut mmu, &s, va, 2, 0x60_0000 | P | W | U | PS | D);
+    mapped(fill(&mut mmu, va + 0x3000, Access::Fetch, View::User));
+    mmu.protect_code_frame(GuestPhys(0x60_3000))
+        .expect("protect");
+    let out = fill(&mut mmu, va + 0x3008, Access::Write, View::User);
+    assert!(
+        matches!(out, FillOutcome::ProtectedCode { frame, .. } if frame == GuestPhys(0x60_3000))
+    );
+    assert_eq!(
+        mapped(fill(&mut mmu, va + 0x4008, Access::Write, View::User)),
+        0x60_4008
+    );
+    assert_ne!(
+        entry(&mut mmu, va + 0x4000, View::User).expect("leaf") & W,
+        0
+    );
+    assert_eq!(
+        entry(&mut mmu, va + 0x3000, View::User).expect("leaf") & W,
+        0
+    );
 }

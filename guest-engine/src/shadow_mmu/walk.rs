@@ -4,6 +4,9 @@
 //! CPL with CR0.WP, EFER.NXE and CR4.SMEP semantics, and the page-fault error code a real
 //! CPU would push.
 //!
+//! Every paging structure the guest names must be a frame the guest may map
+//! ([`PhysMem::guest_may_map`]): the A/D updates write into them.
+//!
 //! A/D policy (invariant): Accessed bits are set on every level and Dirty on the leaf
 //! (for a write) only when the translation succeeds; a faulting walk writes nothing. Bits
 //! already set are not rewritten.
@@ -73,6 +76,9 @@ pub fn walk<M: PhysMem>(
     let (mut writable, mut user, mut no_execute) = (true, true, false);
     let mut level = pte::LEVELS;
     let leaf = loop {
+        if !mem.guest_may_map(GuestPhys(table)) {
+            return Err(ShadowError::ForbiddenTable(GuestPhys(table)));
+        }
         let slot = GuestPhys(table + pte::index(va.0, level) as u64 * pte::ENTRY_BYTES);
         let e = mem
             .read_u64(slot)
