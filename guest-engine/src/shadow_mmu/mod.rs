@@ -231,6 +231,9 @@ struct RootSlot {
     view: View,
     root: GuestPhys,
     last_use: u64,
+    /// Leaves were installed since the last CR3-write flush of this root, so the next CR3
+    /// write must walk it (else it holds nothing a CR3 write drops and is skipped).
+    filled: bool,
 }
 
 /// The shadow MMU of one vCPU.
@@ -347,6 +350,7 @@ impl<M: PhysMem> ShadowMmu<M> {
             view,
             root,
             last_use: clock,
+            filled: false,
         });
         Ok(root)
     }
@@ -358,12 +362,15 @@ impl<M: PhysMem> ShadowMmu<M> {
         self.cr3 = cr3;
         let space = cr3 & pte::ADDR_MASK;
         let keep_global = self.control.pge;
-        let roots: Vec<GuestPhys> = self
+        let mut roots = Vec::new();
+        for r in self
             .roots
-            .iter()
-            .filter(|r| r.space == space)
-            .map(|r| r.root)
-            .collect();
+            .iter_mut()
+            .filter(|r| r.space == space && r.filled)
+        {
+            r.filled = false;
+            roots.push(r.root);
+        }
         for root in roots {
             self.zap_table(root, pte::LEVELS, keep_global)?;
         }
@@ -411,6 +418,9 @@ impl<M: PhysMem> ShadowMmu<M> {
     pub fn flush_all(&mut self) -> Result<(), ShadowError> {
         self.stats.invalidations += 1;
         let roots: Vec<GuestPhys> = self.roots.iter().map(|r| r.root).collect();
+        for r in self.roots.iter_mut() {
+            r.filled = false;
+        }
         for root in roots {
             self.zap_table(root, pte::LEVELS, false)?;
         }
@@ -451,6 +461,9 @@ impl<M: PhysMem> ShadowMmu<M> {
             });
         }
         let root = self.root(view)?;
+        if let Some(r) = self.roots.iter_mut().find(|r| r.root == root) {
+            r.filled = true;
+        }
         let slot = self.shadow_slot_alloc(root, va)?;
         let new = self.shadow_leaf(&leaf, view);
         let old = self.read(slot)?;

@@ -32,6 +32,7 @@ struct MockMem {
     next_shadow: u64,
     free_shadow: Vec<u64>,
     allocs_left: Option<usize>,
+    reads: u64,
 }
 
 impl MockMem {
@@ -57,6 +58,7 @@ impl MockMem {
 
 impl PhysMem for MockMem {
     fn read_u64(&mut self, pa: GuestPhys) -> Option<u64> {
+        self.reads += 1;
         let f = self.frames.get(&(pa.0 & !0xfff))?;
         Some(f[((pa.0 & 0xfff) / 8) as usize])
     }
@@ -1102,4 +1104,37 @@ fn test_protection_inside_a_2mib_guest_page_is_per_4k_frame() {
         entry(&mut mmu, va + 0x3000, View::User).expect("leaf") & W,
         0
     );
+}
+
+#[test]
+fn test_cr3_write_skips_roots_with_nothing_to_drop() {
+    let (mut mmu, a) = setup();
+    let b = Space::new(mmu.mem_mut());
+    map(
+        &mut mmu,
+        &a,
+        KERNEL_VA,
+        1,
+        0x20_0000 | P | W | D | pte::GLOBAL,
+    );
+    map(&mut mmu, &a, USER_VA, 1, 0x30_0000 | P | W | U | D);
+    mapped(fill(&mut mmu, KERNEL_VA, Access::Read, View::Kernel));
+    mapped(fill(&mut mmu, USER_VA, Access::Read, View::User));
+    mmu.write_cr3(b.pml4).expect("cr3");
+    mmu.write_cr3(a.pml4).expect("cr3");
+    assert_eq!(mmu.stats().leaves_dropped, 1, "the non-global leaf");
+    // Nothing was filled since: switching away and back reads no shadow table.
+    mmu.write_cr3(b.pml4).expect("cr3");
+    let reads = mmu.mem().reads;
+    mmu.write_cr3(a.pml4).expect("cr3");
+    assert_eq!(mmu.mem().reads, reads);
+    assert!(
+        entry(&mut mmu, KERNEL_VA, View::Kernel).is_some(),
+        "global kept"
+    );
+    // A new fill makes the next CR3 write walk that root again.
+    mapped(fill(&mut mmu, USER_VA, Access::Read, View::User));
+    mmu.write_cr3(a.pml4).expect("cr3");
+    assert_eq!(entry(&mut mmu, USER_VA, View::User), None);
+    assert_eq!(mmu.stats().leaves_dropped, 2);
 }
