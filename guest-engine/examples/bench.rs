@@ -295,7 +295,13 @@ fn main() {
         "cache_B/B",
         "ibl_hit"
     );
+    let only: Option<String> = std::env::args()
+        .skip_while(|a| a != "--only")
+        .nth(1);
     for (name, f, n) in workloads {
+        if only.as_deref().is_some_and(|o| o != name) {
+            continue;
+        }
         // Best of three native runs.
         let (mut tn, rn) = b.native(f, n);
         for _ in 0..2 {
