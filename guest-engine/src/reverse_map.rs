@@ -1,5 +1,6 @@
-//! Reverse map: guest frame → the shadow leaf entries that map it, and the set of frames
-//! protected because they hold translated code.
+//! Reverse map: guest frame → the shadow leaf entries that map it (4 KiB leaves by frame,
+//! 2 MiB leaves by their 2 MiB-aligned base), and the set of frames protected because
+//! they hold translated code.
 //!
 //! Invariants (kept by [`crate::shadow_mmu::ShadowMmu`], which owns the only instance):
 //! * every present shadow leaf is listed exactly once, under the 4 KiB frame it maps;
@@ -25,6 +26,7 @@ pub struct ShadowMapping {
 #[derive(Debug, Default)]
 pub struct ReverseMap {
     mappings: BTreeMap<GuestPhys, Vec<ShadowMapping>>,
+    large: BTreeMap<GuestPhys, Vec<ShadowMapping>>,
     protected: BTreeSet<GuestPhys>,
 }
 
@@ -44,17 +46,33 @@ impl ReverseMap {
 
     /// Forgets the shadow leaf `slot` mapping `frame`; `true` if it was listed.
     pub fn remove(&mut self, frame: GuestPhys, slot: GuestPhys) -> bool {
-        let frame = frame.page();
-        let Some(list) = self.mappings.get_mut(&frame) else {
-            return false;
-        };
-        let before = list.len();
-        list.retain(|m| m.slot != slot);
-        let removed = list.len() != before;
-        if list.is_empty() {
-            self.mappings.remove(&frame);
+        remove_from(&mut self.mappings, frame.page(), slot)
+    }
+
+    /// Records that the 2 MiB shadow leaf `mapping.slot` maps the 2 MiB at `base`.
+    pub fn insert_large(&mut self, base: GuestPhys, mapping: ShadowMapping) {
+        let list = self.large.entry(base).or_default();
+        if !list.iter().any(|m| m.slot == mapping.slot) {
+            list.push(mapping);
         }
-        removed
+    }
+
+    /// Forgets the 2 MiB shadow leaf `slot` mapping `base`; `true` if it was listed.
+    pub fn remove_large(&mut self, base: GuestPhys, slot: GuestPhys) -> bool {
+        remove_from(&mut self.large, base, slot)
+    }
+
+    /// The 2 MiB shadow leaves mapping the 2 MiB at `base`.
+    pub fn large_mappings(&self, base: GuestPhys) -> &[ShadowMapping] {
+        self.large.get(&base).map(Vec::as_slice).unwrap_or(&[])
+    }
+
+    /// Whether any frame in `[base, base + bytes)` is protected.
+    pub fn any_protected_in(&self, base: GuestPhys, bytes: u64) -> bool {
+        self.protected
+            .range(base..GuestPhys(base.0 + bytes))
+            .next()
+            .is_some()
     }
 
     /// The shadow leaves mapping `frame`.
@@ -70,9 +88,13 @@ impl ReverseMap {
         self.mappings.len()
     }
 
-    /// Total number of shadow leaves listed.
+    /// Total number of shadow leaves listed (4 KiB and 2 MiB).
     pub fn mapping_count(&self) -> usize {
-        self.mappings.values().map(Vec::len).sum()
+        self.mappings
+            .values()
+            .chain(self.large.values())
+            .map(Vec::len)
+            .sum()
     }
 
     /// Marks `frame` as holding translated code; `true` if it was not already.
@@ -94,6 +116,24 @@ impl ReverseMap {
     pub fn protected_count(&self) -> usize {
         self.protected.len()
     }
+}
+
+/// Removes `slot` from `map[key]`, dropping the key when its list empties.
+fn remove_from(
+    map: &mut BTreeMap<GuestPhys, Vec<ShadowMapping>>,
+    key: GuestPhys,
+    slot: GuestPhys,
+) -> bool {
+    let Some(list) = map.get_mut(&key) else {
+        return false;
+    };
+    let before = list.len();
+    list.retain(|m| m.slot != slot);
+    let removed = list.len() != before;
+    if list.is_empty() {
+        map.remove(&key);
+    }
+    removed
 }
 
 #[cfg(test)]
@@ -143,5 +183,24 @@ mod tests {
         assert!(r.unprotect(GuestPhys(0x5000)));
         assert!(!r.unprotect(GuestPhys(0x5000)));
         assert_eq!(r.protected_count(), 0);
+    }
+
+    #[test]
+    fn test_reverse_map_large_mappings_and_protected_ranges() {
+        let mut r = ReverseMap::new();
+        r.insert_large(GuestPhys(0x20_0000), m(0x300, 0x4000_0000));
+        r.insert(GuestPhys(0x20_0000), m(0x400, 0x1000));
+        assert_eq!(
+            r.large_mappings(GuestPhys(0x20_0000)),
+            &[m(0x300, 0x4000_0000)]
+        );
+        assert_eq!(r.mapping_count(), 2);
+        assert!(!r.any_protected_in(GuestPhys(0x20_0000), 0x20_0000));
+        r.protect(GuestPhys(0x3f_f000));
+        assert!(r.any_protected_in(GuestPhys(0x20_0000), 0x20_0000));
+        assert!(!r.any_protected_in(GuestPhys(0x40_0000), 0x20_0000));
+        assert!(r.remove_large(GuestPhys(0x20_0000), GuestPhys(0x300)));
+        assert!(r.large_mappings(GuestPhys(0x20_0000)).is_empty());
+        assert_eq!(r.mapping_count(), 1);
     }
 }

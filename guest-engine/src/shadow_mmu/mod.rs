@@ -27,6 +27,7 @@
 mod phys;
 mod pte;
 mod softtlb;
+mod tables;
 mod walk;
 
 use alloc::vec::Vec;
@@ -104,6 +105,10 @@ pub struct ShadowConfig {
     pub phys_addr_bits: u32,
     /// Set NX on every shadow leaf (requires the real EFER.NXE = 1).
     pub hw_nx: bool,
+    /// Shadow a guest 2 MiB or 1 GiB page with 2 MiB shadow leaves where the whole 2 MiB
+    /// has uniform protection (no protected code frame, all of it mappable by the guest);
+    /// otherwise (and when false) with 4 KiB leaves.
+    pub large_pages: bool,
 }
 
 /// A page fault the guest must see, as a real CPU at the virtual CPL would raise it.
@@ -402,12 +407,11 @@ impl<M: PhysMem> ShadowMmu<M> {
             .map(|r| (r.root, r.space == space))
             .collect();
         for (root, current) in roots {
-            let Some(slot) = self.shadow_slot(root, va)? else {
+            let Some(leaf) = self.find_leaf(root, va)? else {
                 continue;
             };
-            let e = self.read(slot)?;
-            if current || e & pte::SW_GLOBAL != 0 {
-                self.zap_leaf(slot, e, va.page())?;
+            if current || leaf.entry & pte::SW_GLOBAL != 0 {
+                self.forget_leaf(leaf.slot, leaf.entry, leaf.level, va)?;
             }
         }
         Ok(())
@@ -464,26 +468,28 @@ impl<M: PhysMem> ShadowMmu<M> {
         if let Some(r) = self.roots.iter_mut().find(|r| r.root == root) {
             r.filled = true;
         }
-        let slot = self.shadow_slot_alloc(root, va)?;
-        let new = self.shadow_leaf(&leaf, view);
+        let large = self.config.large_pages && leaf.level >= 2 && self.large_ok(leaf.frame);
+        let level = if large { 2 } else { 1 };
+        let slot = self.leaf_slot_alloc(root, va, level)?;
+        let new = self.shadow_leaf(&leaf, view, large);
         let old = self.read(slot)?;
         if old & pte::PRESENT != 0 {
-            let old_frame = GuestPhys(old & pte::ADDR_MASK);
-            if old_frame != leaf.frame {
-                self.rmap.remove(old_frame, slot);
+            if pte::leaf_base(old, level) != pte::leaf_base(new, level) {
+                self.unlist_leaf(slot, old, level);
                 self.note_hw_flush(va.page());
             } else if old & pte::WRITABLE != 0 && new & pte::WRITABLE == 0 {
                 self.note_hw_flush(va.page());
             }
         }
         self.write(slot, new)?;
-        self.rmap.insert(
-            leaf.frame,
-            ShadowMapping {
-                slot,
-                va: va.page(),
-            },
-        );
+        let base = GuestPhys(pte::leaf_base(new, level));
+        if large {
+            let va = GuestVirt(va.0 & !(pte::LARGE_PAGE_BYTES - 1));
+            self.rmap.insert_large(base, ShadowMapping { slot, va });
+        } else {
+            let va = va.page();
+            self.rmap.insert(base, ShadowMapping { slot, va });
+        }
         self.stats.fills += 1;
         let pa = GuestPhys(leaf.frame.0 | (va.0 & (pte::TABLE_BYTES - 1)));
         if access == Access::Write && self.rmap.is_protected(leaf.frame) {
@@ -531,6 +537,13 @@ impl<M: PhysMem> ShadowMmu<M> {
                 self.note_hw_flush(m.va);
             }
         }
+        // 2 MiB leaves covering the frame are dropped; refills use 4 KiB leaves.
+        let base = GuestPhys(frame.0 & !(pte::LARGE_PAGE_BYTES - 1));
+        let large: Vec<ShadowMapping> = self.rmap.large_mappings(base).to_vec();
+        for m in large {
+            let e = self.read(m.slot)?;
+            self.forget_leaf(m.slot, e, 2, m.va)?;
+        }
         Ok(true)
     }
 
@@ -555,9 +568,40 @@ impl<M: PhysMem> ShadowMmu<M> {
         self.rmap.is_protected(frame)
     }
 
-    /// The raw shadow leaf mapping `va` in `view` of the current space, if any (for
-    /// diagnostics and tests).
+    /// The shadow leaf mapping `va` in `view` of the current space, if any, as the 4 KiB
+    /// PTE it amounts to (a 2 MiB leaf is narrowed to `va`'s frame, PS dropped, PAT moved
+    /// to bit 7) (for the SoftTLB, diagnostics and tests).
     pub fn shadow_entry(&mut self, va: GuestVirt, view: View) -> Result<Option<u64>, ShadowError> {
+        Ok(self.shadow_leaf_ref(va, view)?.map(|leaf| {
+            if leaf.level == 1 {
+                return leaf.entry;
+            }
+            let e = leaf.entry;
+            let frame = pte::leaf_base(e, 2)
+                + (va.0 & (pte::LARGE_PAGE_BYTES - 1) & !(pte::TABLE_BYTES - 1));
+            let pat = if e & pte::LARGE_PAT != 0 {
+                pte::PTE_PAT
+            } else {
+                0
+            };
+            frame | (e & !pte::ADDR_MASK & !pte::PAGE_SIZE) | pat
+        }))
+    }
+
+    /// The level of the shadow leaf mapping `va` in `view` (1 = 4 KiB, 2 = 2 MiB), if any.
+    pub fn shadow_leaf_level(
+        &mut self,
+        va: GuestVirt,
+        view: View,
+    ) -> Result<Option<u8>, ShadowError> {
+        Ok(self.shadow_leaf_ref(va, view)?.map(|leaf| leaf.level))
+    }
+
+    fn shadow_leaf_ref(
+        &mut self,
+        va: GuestVirt,
+        view: View,
+    ) -> Result<Option<tables::LeafRef>, ShadowError> {
         Self::check_va(va)?;
         let space = self.cr3 & pte::ADDR_MASK;
         let Some(root) = self
@@ -568,22 +612,38 @@ impl<M: PhysMem> ShadowMmu<M> {
         else {
             return Ok(None);
         };
-        let Some(slot) = self.shadow_slot(root, va)? else {
-            return Ok(None);
-        };
-        let e = self.read(slot)?;
-        Ok((e & pte::PRESENT != 0).then_some(e))
+        self.find_leaf(root, va)
+    }
+
+    /// Whether the 2 MiB around `frame` can be one shadow leaf: no protected code frame
+    /// in it, and the guest may map all of it.
+    fn large_ok(&self, frame: GuestPhys) -> bool {
+        let base = GuestPhys(frame.0 & !(pte::LARGE_PAGE_BYTES - 1));
+        !self.rmap.any_protected_in(base, pte::LARGE_PAGE_BYTES)
+            && self.mem.guest_may_map_range(base, pte::LARGE_PAGE_BYTES)
     }
 
     // ---- internals ----
 
-    /// The shadow leaf for a guest leaf in `view`.
-    fn shadow_leaf(&self, leaf: &GuestLeaf, view: View) -> u64 {
+    /// The shadow leaf for a guest leaf in `view`: a 4 KiB PTE for `leaf.frame`, or with
+    /// `large` a 2 MiB PDE for the 2 MiB around it (checked by [`Self::large_ok`]).
+    fn shadow_leaf(&self, leaf: &GuestLeaf, view: View, large: bool) -> u64 {
         let write_allowed = match view {
             View::User => leaf.user && leaf.writable,
             View::Kernel => leaf.writable || !self.control.wp,
         };
-        let mut e = leaf.frame.0 | pte::PRESENT | pte::USER | leaf.cache_bits;
+        let mut e = if large {
+            let base = leaf.frame.0 & !(pte::LARGE_PAGE_BYTES - 1);
+            let pat = if leaf.cache_bits & pte::PTE_PAT != 0 {
+                pte::LARGE_PAT
+            } else {
+                0
+            };
+            base | pte::PAGE_SIZE | (leaf.cache_bits & !pte::PTE_PAT) | pat
+        } else {
+            leaf.frame.0 | leaf.cache_bits
+        };
+        e |= pte::PRESENT | pte::USER;
         if write_allowed && leaf.dirty {
             e |= pte::SW_WRITABLE;
             if !self.rmap.is_protected(leaf.frame) {
@@ -613,165 +673,6 @@ impl<M: PhysMem> ShadowMmu<M> {
             return Err(ShadowError::ReservedSlot(va));
         }
         Ok(())
-    }
-
-    fn slot_addr(table: GuestPhys, index: usize) -> GuestPhys {
-        GuestPhys(table.0 + index as u64 * pte::ENTRY_BYTES)
-    }
-
-    fn read(&mut self, pa: GuestPhys) -> Result<u64, ShadowError> {
-        self.mem
-            .read_u64(pa)
-            .ok_or(ShadowError::ShadowTableUnbacked(pa))
-    }
-
-    fn write(&mut self, pa: GuestPhys, value: u64) -> Result<(), ShadowError> {
-        if self.mem.write_u64(pa, value) {
-            Ok(())
-        } else {
-            Err(ShadowError::ShadowTableUnbacked(pa))
-        }
-    }
-
-    fn alloc_table(&mut self) -> Result<GuestPhys, ShadowError> {
-        let t = self.mem.alloc_table().ok_or(ShadowError::OutOfTables)?;
-        self.stats.tables += 1;
-        Ok(t)
-    }
-
-    fn free_table(&mut self, t: GuestPhys) {
-        self.mem.free_table(t);
-        self.stats.tables = self.stats.tables.saturating_sub(1);
-    }
-
-    /// The shadow leaf slot for `va` under `root`, if its tables exist.
-    fn shadow_slot(
-        &mut self,
-        root: GuestPhys,
-        va: GuestVirt,
-    ) -> Result<Option<GuestPhys>, ShadowError> {
-        let mut table = root;
-        for level in (2..=pte::LEVELS).rev() {
-            let e = self.read(Self::slot_addr(table, pte::index(va.0, level)))?;
-            if e & pte::PRESENT == 0 {
-                return Ok(None);
-            }
-            table = GuestPhys(e & pte::ADDR_MASK);
-        }
-        Ok(Some(Self::slot_addr(table, pte::index(va.0, 1))))
-    }
-
-    /// The shadow leaf slot for `va` under `root`, building missing tables.
-    fn shadow_slot_alloc(
-        &mut self,
-        root: GuestPhys,
-        va: GuestVirt,
-    ) -> Result<GuestPhys, ShadowError> {
-        let mut table = root;
-        for level in (2..=pte::LEVELS).rev() {
-            let slot = Self::slot_addr(table, pte::index(va.0, level));
-            let e = self.read(slot)?;
-            table = if e & pte::PRESENT != 0 {
-                GuestPhys(e & pte::ADDR_MASK)
-            } else {
-                let t = self.alloc_table()?;
-                self.write(slot, t.0 | pte::PRESENT | pte::WRITABLE | pte::USER)?;
-                t
-            };
-        }
-        Ok(Self::slot_addr(table, pte::index(va.0, 1)))
-    }
-
-    /// Clears the present shadow leaf `e` at `slot` (mapping `va`).
-    fn zap_leaf(&mut self, slot: GuestPhys, e: u64, va: GuestVirt) -> Result<(), ShadowError> {
-        if e & pte::PRESENT == 0 {
-            return Ok(());
-        }
-        self.rmap.remove(GuestPhys(e & pte::ADDR_MASK), slot);
-        self.write(slot, 0)?;
-        self.stats.leaves_dropped += 1;
-        self.note_hw_flush(va);
-        Ok(())
-    }
-
-    /// Drops the leaves under `table` (a `level` table), keeping global ones if
-    /// `keep_global`; frees emptied sub-tables. Returns whether `table` is now empty.
-    /// At the root, the reserved slots are skipped (and the engine slots kept).
-    fn zap_table(
-        &mut self,
-        table: GuestPhys,
-        level: u8,
-        keep_global: bool,
-    ) -> Result<bool, ShadowError> {
-        let mut empty = true;
-        for i in 0..pte::ENTRIES {
-            if level == pte::LEVELS && RESERVED_SLOTS.contains(&i) {
-                continue;
-            }
-            let slot = Self::slot_addr(table, i);
-            let e = self.read(slot)?;
-            if e & pte::PRESENT == 0 {
-                continue;
-            }
-            if level == 1 {
-                if keep_global && e & pte::SW_GLOBAL != 0 {
-                    empty = false;
-                } else {
-                    self.rmap.remove(GuestPhys(e & pte::ADDR_MASK), slot);
-                    self.write(slot, 0)?;
-                    self.stats.leaves_dropped += 1;
-                }
-            } else {
-                let child = GuestPhys(e & pte::ADDR_MASK);
-                if self.zap_table(child, level - 1, keep_global)? {
-                    self.write(slot, 0)?;
-                    self.free_table(child);
-                } else {
-                    empty = false;
-                }
-            }
-        }
-        Ok(empty)
-    }
-
-    /// Evicts the least recently used root outside `keep_space`, or the oldest at all.
-    fn evict_lru(&mut self, keep_space: u64) -> Result<(), ShadowError> {
-        let pick = self
-            .roots
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.space != keep_space)
-            .min_by_key(|(_, r)| r.last_use)
-            .or_else(|| {
-                self.roots
-                    .iter()
-                    .enumerate()
-                    .min_by_key(|(_, r)| r.last_use)
-            })
-            .map(|(i, _)| i);
-        let Some(i) = pick else {
-            return Ok(());
-        };
-        let victim = self.roots.swap_remove(i);
-        self.zap_table(victim.root, pte::LEVELS, false)?;
-        self.free_table(victim.root);
-        self.stats.roots_evicted += 1;
-        self.hw_flush = HwFlush::All;
-        Ok(())
-    }
-
-    fn note_hw_flush(&mut self, va: GuestVirt) {
-        match &mut self.hw_flush {
-            HwFlush::All => {}
-            HwFlush::None => self.hw_flush = HwFlush::Pages(alloc::vec![va]),
-            HwFlush::Pages(pages) => {
-                if pages.len() >= MAX_HW_FLUSH_PAGES {
-                    self.hw_flush = HwFlush::All;
-                } else if !pages.contains(&va) {
-                    pages.push(va);
-                }
-            }
-        }
     }
 }
 

@@ -35,4 +35,9 @@ pub trait PhysMem {
         let _ = frame;
         true
     }
+    /// Whether the guest may map every frame of `[base, base + bytes)` (page aligned);
+    /// override with a range check when the default frame-by-frame loop is slow.
+    fn guest_may_map_range(&self, base: GuestPhys, bytes: u64) -> bool {
+        (0..bytes / 4096).all(|k| self.guest_may_map(GuestPhys(base.0 + k * 4096)))
+    }
 }

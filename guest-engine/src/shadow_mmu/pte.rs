@@ -86,3 +86,12 @@ pub const fn phys_reserved_mask(phys_addr_bits: u32) -> u64 {
 pub const LARGE_2M_RESERVED: u64 = ((1 << 21) - 1) & !((1 << 13) - 1);
 /// Reserved bits 29:13 of a 1 GiB leaf.
 pub const LARGE_1G_RESERVED: u64 = ((1 << 30) - 1) & !((1 << 13) - 1);
+
+/// Bytes of a 2 MiB page (the largest shadow leaf: this KVM offers no 1 GiB pages).
+pub const LARGE_PAGE_BYTES: u64 = 1 << 21;
+
+/// The physical base of the leaf `e` at `level` (1 = 4 KiB PTE, 2 = 2 MiB PDE, 3 = 1 GiB
+/// PDPTE); for a large leaf bit 12 (PAT) and the low address bits are not address bits.
+pub const fn leaf_base(e: u64, level: u8) -> u64 {
+    e & ADDR_MASK & !(level_page_bytes(level) - 1)
+}
