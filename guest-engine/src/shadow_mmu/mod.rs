@@ -17,12 +17,27 @@
 //! * a shadow leaf is writable only if the guest allows the write in that view, the
 //!   guest leaf is dirty, and the frame is not a protected code frame;
 //! * the user view never maps a guest supervisor page;
+//! * shadow leaves are 4 KiB, or 2 MiB (with [`ShadowConfig::large_pages`]) where the
+//!   guest maps the whole 2 MiB with one leaf and no frame in it is protected;
 //! * every present shadow leaf is in the [`ReverseMap`];
 //! * guest page tables are written only to set A/D bits, as hardware would.
 //!
 //! Guest code is never executed at its own VA (only its translation in the code cache),
 //! so instruction-fetch permission is checked in software ([`ShadowMmu::translate`] with
 //! [`Access::Fetch`]); with [`ShadowConfig::hw_nx`] shadow leaves are also NX.
+//!
+//! How the engine drives it:
+//! 1. on entering guest code at virtual CPL `c`, load [`ShadowMmu::root`]`(View::for_cpl(c))`
+//!    into the real CR3 (and pay [`ShadowMmu::take_hw_flush`] if the root is already loaded);
+//! 2. on a hardware #PF from guest code, call [`ShadowMmu::on_page_fault`]: `Mapped` →
+//!    re-execute; `GuestFault` → deliver it through the guest IDT (CR2 = `cr2`);
+//!    `ProtectedCode` → invalidate the frame's traces, [`ShadowMmu::unprotect_code_frame`],
+//!    re-execute;
+//! 3. after translating code from a frame, [`ShadowMmu::protect_code_frame`];
+//! 4. on guest `mov cr3` / `invlpg` / control-bit writes, the matching method, then pay
+//!    [`ShadowMmu::take_hw_flush`];
+//! 5. writes the engine itself makes to guest memory through the physmap (emulated
+//!    instructions) bypass the shadow: check [`ShadowMmu::is_code_frame_protected`] first.
 
 mod phys;
 mod pte;
@@ -100,7 +115,7 @@ pub struct ShadowConfig {
     pub template_root: GuestPhys,
     /// Most shadow roots kept (two per address space); at least 2.
     pub max_roots: usize,
-    /// MAXPHYADDR the guest sees (CPUID 0x8000_0008 EAX[7:0]); higher address bits in a
+    /// MAXPHYADDR the guest sees (CPUID 0x8000_0008 EAX bits 7:0); higher address bits in a
     /// guest entry are reserved.
     pub phys_addr_bits: u32,
     /// Set NX on every shadow leaf (requires the real EFER.NXE = 1).
