@@ -2,8 +2,9 @@
 //! the guest as natively, captures that state into the attach block and enters the
 //! engine, which logs the guest's RIP/CR3 as it read them, measures the ring-0 gate and
 //! takes PIT ticks at CPL 3 through its ring-0 stubs, switches to page tables of its own
-//! (whose physmap reads the guest's zero page), then reports that running guest
-//! code is not implemented yet. A deliberate engine fault (#PF, #UD, #GP at CPL 3 or in a
+//! (whose physmap reads the guest's zero page), then runs the guest (here a `hlt` with
+//! interrupts off, which it reports as unsupported; `engine_runs_guest_code.rs` tests
+//! running guest code). A deliberate engine fault (#PF, #UD, #GP at CPL 3 or in a
 //! ring-0 stub, #DF on its IST stack)
 //! ends the run as an engine failure with the fault report in `engine.log` — never a hang.
 
@@ -21,7 +22,7 @@ fn run_engine(name: &str, options: &str) -> (vmm::RunReport, String) {
         kpin_images::ensure_engine(&kpin_images::default_out_dir(), &mut |l| eprintln!("{l}"))
             .expect("build the engine image");
     let kernel = dir.join("guest.elf");
-    // The guest never runs: the engine stops before guest code.
+    // The guest's first instruction, `hlt` with interrupts off, stops the engine.
     std::fs::write(&kernel, tiny_elf(&[0xf4; 16])).unwrap();
     let cfg = VmConfig {
         kernel,
@@ -107,7 +108,11 @@ fn test_engine_boots_measures_gate_and_timer_then_stops_cleanly() {
     );
     assert!(log.contains("engine: bring-up took "), "{log}");
     assert!(
-        log.contains("[Error] engine: bring-up complete (tool null); running guest code is not implemented yet"),
+        log.contains("[Info] engine: bring-up complete (tool null)"),
+        "{log}"
+    );
+    assert!(
+        log.contains("[Error] engine: unsupported sensitive instruction `hlt` (Halt) at guest RIP 0x100000: hlt with interrupts disabled"),
         "{log}"
     );
     assert!(report.dump.is_some());

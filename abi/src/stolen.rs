@@ -6,7 +6,10 @@
 //! | [`ATTACH_OFFSET`]   | [`ATTACH_BYTES`]      | the attach block ([`crate::attach`])      |
 //! | [`BOOT_PT_OFFSET`]  | [`BOOT_PT_BYTES`]     | page tables the VMM builds to enter the engine |
 //! | [`IO_RING_OFFSET`]  | [`IO_RING_BYTES`]     | the host I/O ring ([`crate::io_ring`])    |
-//! | [`ENGINE_OFFSET`]   | up to the region end  | the engine image, then its heap, code cache and shadow tables |
+//! | [`ENGINE_OFFSET`]   | [`ENGINE_BYTES`]      | the engine image (code, data, `.bss`: stacks, its page tables) |
+//! | [`HEAP_OFFSET`]     | [`HEAP_BYTES`]        | the engine's heap (its global allocator)  |
+//! | [`CODE_CACHE_OFFSET`] | [`CODE_CACHE_BYTES`] | the code cache (`guest_engine::Engine::new`'s region: context, lookup tables, traces) |
+//! | [`RESERVED_OFFSET`] | up to the region end (8 MiB) | unused; for the shadow page tables (issue #4) |
 //!
 //! The engine image is linked at `WINDOW_VA + ENGINE_OFFSET`; the VMM loads each ELF
 //! segment at `stolen_base + (p_vaddr - WINDOW_VA)`.
@@ -42,6 +45,24 @@ pub const IO_RING_BYTES: u64 = 0x1000 + 0x8_0000;
 /// Offset at which the engine image is linked and loaded.
 pub const ENGINE_OFFSET: u64 = 0x20_0000;
 
+/// Bytes the engine image may occupy (`link.ld` asserts it).
+pub const ENGINE_BYTES: u64 = 0x60_0000;
+/// Offset of the engine's heap.
+pub const HEAP_OFFSET: u64 = ENGINE_OFFSET + ENGINE_BYTES;
+/// Bytes of the engine's heap.
+pub const HEAP_BYTES: u64 = 0x100_0000;
+/// Offset of the code cache (2 MiB aligned: one run of the window's 2 MiB pages, all
+/// present, writable, user and executable).
+pub const CODE_CACHE_OFFSET: u64 = HEAP_OFFSET + HEAP_BYTES;
+/// Bytes of the code cache.
+pub const CODE_CACHE_BYTES: u64 = 0x200_0000;
+/// Offset of the part nothing uses yet (up to the end of the 64 MiB region).
+pub const RESERVED_OFFSET: u64 = CODE_CACHE_OFFSET + CODE_CACHE_BYTES;
+/// Bytes of the stolen region the layout above assumes (the VMM steals exactly this).
+pub const LAYOUT_BYTES: u64 = 64 << 20;
+
 const _: () = assert!(IO_RING_OFFSET + IO_RING_BYTES <= ENGINE_OFFSET);
+const _: () = assert!(RESERVED_OFFSET <= LAYOUT_BYTES);
+const _: () = assert!(CODE_CACHE_OFFSET.is_multiple_of(2 << 20));
 const _: () = assert!(BOOT_PT_OFFSET + BOOT_PT_BYTES <= IO_RING_OFFSET);
 const _: () = assert!(ATTACH_OFFSET + ATTACH_BYTES <= BOOT_PT_OFFSET);

@@ -1,8 +1,12 @@
 //! The engine's CPL-3 main flow at bring-up: attach to the I/O ring, check and log the
-//! attach block, measure the gate and the timer, optionally fault on purpose, then report
-//! that running guest code is not implemented yet (issue #4's next slices).
+//! attach block, optionally measure the gate and the timer and probe the address space,
+//! switch to the engine's own page tables, optionally fault on purpose, then run the
+//! guest (`run.rs`).
 //!
 //! Tool options read here (`key=value`, separated by spaces; other keys belong to the tool):
+//! * `bringup.checks=true|false` — run the measurements and the probe below (default
+//!   false, so that a normal run starts the guest at once; giving `bringup.gates`,
+//!   `bringup.ticks` or `bringup.probe` turns them on);
 //! * `bringup.gates=N` — gate round trips to measure (default [`DEFAULT_GATES`]);
 //! * `bringup.ticks=N` — PIT ticks to await at CPL 3 (default [`DEFAULT_TICKS`]);
 //! * `bringup.probe=true|false` — probe which PML4 slots CPL-3 code can read (default true);
@@ -45,6 +49,7 @@ enum Crash {
 }
 
 struct Options {
+    checks: bool,
     probe: bool,
     gates: u64,
     ticks: u64,
@@ -54,6 +59,7 @@ struct Options {
 /// Parses the `bringup.*` options; an unknown `bringup.` key or a bad value is an error.
 fn parse_options(text: &str) -> Result<Options, &str> {
     let mut o = Options {
+        checks: false,
         probe: true,
         gates: DEFAULT_GATES,
         ticks: DEFAULT_TICKS,
@@ -65,9 +71,19 @@ fn parse_options(text: &str) -> Result<Options, &str> {
         };
         let (key, value) = rest.split_once('=').ok_or(word)?;
         match key {
-            "gates" => o.gates = value.parse().map_err(|_| word)?,
-            "probe" => o.probe = value.parse().map_err(|_| word)?,
-            "ticks" => o.ticks = value.parse::<u64>().map_err(|_| word)?.max(1),
+            "checks" => o.checks = value.parse().map_err(|_| word)?,
+            "gates" => {
+                o.gates = value.parse().map_err(|_| word)?;
+                o.checks = true;
+            }
+            "probe" => {
+                o.probe = value.parse().map_err(|_| word)?;
+                o.checks = true;
+            }
+            "ticks" => {
+                o.ticks = value.parse::<u64>().map_err(|_| word)?.max(1);
+                o.checks = true;
+            }
             "crash" => {
                 o.crash = Some(match value {
                     "pf" => Crash::Pf,
@@ -129,37 +145,45 @@ pub extern "C" fn engine_main(attach: *const AttachBlock) -> ! {
     let opts = match parse_options(options) {
         Ok(o) => o,
         Err(word) => {
-            log!(Error, "engine: bad bring-up option {word:?} (known: bringup.gates=N bringup.ticks=N bringup.probe=BOOL bringup.crash=pf|gp|ud|de|df|nested|ring0)");
+            log!(Error, "engine: bad bring-up option {word:?} (known: bringup.checks=BOOL bringup.gates=N bringup.ticks=N bringup.probe=BOOL bringup.crash=pf|gp|ud|de|df|nested|ring0)");
             fail();
         }
     };
     log::flush();
 
-    let tsc_hz = measure_timer(opts.ticks);
-    log::flush();
-    measure_gates(block, opts.gates, tsc_hz);
-    log::flush();
-    if opts.probe {
-        probe_address_space(block.stolen_base);
+    let mut tsc_hz = 0;
+    if opts.checks {
+        tsc_hz = measure_timer(opts.ticks);
         log::flush();
+        measure_gates(block, opts.gates, tsc_hz);
+        log::flush();
+        if opts.probe {
+            probe_address_space(block.stolen_base);
+            log::flush();
+        }
     }
     switch_to_own_page_tables(block);
     log::flush();
     if let Some(c) = opts.crash {
         crash(c);
     }
-    let us = |cycles: u64| cycles.saturating_mul(1_000_000) / tsc_hz.max(1);
-    log!(
-        Info,
-        "engine: bring-up took {} us from _start (ring-0 setup {} us, before the first CPL-3 instruction)",
-        us(timer::tsc().wrapping_sub(boot_tsc)),
-        us(main_tsc.wrapping_sub(boot_tsc))
-    );
-    log!(
-        Error,
-        "engine: bring-up complete (tool {tool}); running guest code is not implemented yet"
-    );
-    fail()
+    let total = timer::tsc().wrapping_sub(boot_tsc);
+    if tsc_hz > 0 {
+        let us = |cycles: u64| cycles.saturating_mul(1_000_000) / tsc_hz;
+        log!(
+            Info,
+            "engine: bring-up took {} us from _start (ring-0 setup {} us, before the first CPL-3 instruction)",
+            us(total),
+            us(main_tsc.wrapping_sub(boot_tsc))
+        );
+    } else {
+        log!(
+            Info,
+            "engine: bring-up took {total} TSC cycles from _start (checks off: bringup.checks=true measures the gate and timer)"
+        );
+    }
+    log!(Info, "engine: bring-up complete (tool {tool})");
+    crate::run::run_guest(block, tool)
 }
 
 fn log_attach(b: &AttachBlock, tool: &str, options: &str) {

@@ -2,23 +2,33 @@
 //! `kpin_abi::stolen::WINDOW_VA + ENGINE_OFFSET`, loaded by the VMM into the stolen region
 //! and entered at `_start` (see `entry.rs`) with the attach block in RDI.
 //!
-//! Today it brings itself up — its own GDT, TSS with IST stacks, IDT, the ring-0 gate, the
-//! I/O-ring log — measures the gate and the timer at CPL 3, and reports that running guest
-//! code is not implemented yet. TODO(#4): link the translator (`guest-engine`) here.
+//! It brings itself up — its own GDT, TSS with IST stacks, IDT, the ring-0 gate, the
+//! I/O-ring log, its own page tables — optionally measures the gate and the timer at
+//! CPL 3, then runs the guest from the code cache with the translator (`guest-engine`)
+//! at hardware CPL 3 (`run.rs`), emulating the sensitive instructions it knows
+//! (`vcpu.rs`) and stopping with a clear report at the first one it does not.
 #![no_std]
 #![no_main]
 #![deny(missing_docs)]
+
+extern crate alloc;
 
 mod bringup;
 mod descriptors;
 mod entry;
 mod fault;
 mod gate;
+mod guest_alias;
+mod guest_mem;
+mod heap;
 mod layout;
 mod log;
 mod paging;
 mod probe;
+mod run;
 mod timer;
+mod tools;
+mod vcpu;
 
 /// The address `link.ld` links the image at; it must be where the VMM loads it.
 const LINK_BASE: u64 = 0xffff_8080_0020_0000;

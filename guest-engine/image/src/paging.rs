@@ -46,6 +46,26 @@ static TABLES: Cell = Cell(UnsafeCell::new(Tables {
     physmap_pd: [[0; ENTRIES]; PHYSMAP_PDS],
 }));
 
+/// Sets entry `slot` of the engine's root (built by [`build_and_load`]) to `entry` and
+/// reloads CR3 so that no stale translation of that slot survives.
+///
+/// # Safety
+/// `slot` is neither the window's nor the physmap's, and `entry` points at tables that
+/// stay valid while the root is in use.
+pub unsafe fn set_root_entry(b: &AttachBlock, slot: usize, entry: u64) {
+    // SAFETY: one vCPU; the tables are written only between accesses through them.
+    let t = unsafe { &mut *TABLES.0.get() };
+    t.pml4[slot & (ENTRIES - 1)] = entry;
+    let root = b.stolen_base + (t.pml4.as_ptr() as u64 - WINDOW_VA);
+    // SAFETY: the window and physmap entries are unchanged (caller contract).
+    unsafe { gate::load_cr3(root) };
+}
+
+/// The guest-physical address of an engine object in the window.
+pub fn window_pa(b: &AttachBlock, va: u64) -> u64 {
+    b.stolen_base + (va - WINDOW_VA)
+}
+
 /// What [`build`] mapped.
 pub struct Mapped {
     /// The new root (guest-physical).

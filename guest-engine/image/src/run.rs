@@ -1,0 +1,231 @@
+//! Running the guest from the code cache: after bring-up, the engine creates the
+//! translator (`guest_engine::Engine`) over the code-cache region of the stolen region,
+//! loads the guest's registers from the attach block, maps guest data through the
+//! slot-0 stand-in (`guest_alias`, until the shadow MMU is wired in) and runs the guest
+//! at hardware CPL 3 under the chosen tool until it stops.
+//!
+//! How a run ends: a guest i8042 reset (`out 0x64, 0xfe`) — the engine first writes its
+//! final report (statistics, the tool's output files), then performs the `out` through
+//! the gate, and the VMM ends the run as a clean poweroff; anything the virtual CPU does
+//! not emulate, a fetch the guest's page tables do not allow, or an engine error — a log
+//! line naming it and the guest RIP, the report, then the failure port (exit status 3).
+
+use alloc::string::String;
+use core::cell::Cell;
+use core::fmt::Write;
+
+use guest_engine::{Config, Engine, GuestVirt, Stop};
+use kpin_abi::attach::AttachBlock;
+use kpin_abi::stolen::{CODE_CACHE_BYTES, CODE_CACHE_OFFSET, LAYOUT_BYTES, WINDOW_VA};
+
+use crate::guest_alias;
+use crate::guest_mem::{PhysmapMemory, MODE_KERNEL};
+use crate::log::fail;
+use crate::tools::Chosen;
+use crate::vcpu::Vcpu;
+use crate::{gate, heap, log, timer};
+
+/// CR0.PG, EFER.LMA: the guest must be in 64-bit long mode (all the translator knows).
+const CR0_PG: u64 = 1 << 31;
+const EFER_LMA: u64 = 1 << 10;
+
+/// Runs the guest described by `block` under tool `tool_name`; never returns.
+pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
+    let Some(mut tool) = Chosen::by_name(tool_name) else {
+        log!(
+            Error,
+            "engine: unknown tool {tool_name:?} (this engine has: null, bbcount)"
+        );
+        fail();
+    };
+    if block.stolen_bytes < LAYOUT_BYTES {
+        log!(
+            Error,
+            "engine: the stolen region has {} bytes; the engine's layout needs {LAYOUT_BYTES}",
+            block.stolen_bytes
+        );
+        fail();
+    }
+    let s = &block.sregs;
+    if s.cr0 & CR0_PG == 0 || s.efer & EFER_LMA == 0 || s.cs.l != 1 {
+        log!(
+            Error,
+            "engine: the guest is not in 64-bit long mode (CR0={:#x} EFER={:#x} CS.L={}); only 64-bit guest code is translated",
+            s.cr0,
+            s.efer,
+            s.cs.l
+        );
+        fail();
+    }
+    if s.cs.dpl != 0 {
+        log!(
+            Error,
+            "engine: the guest is at CPL {}; only CPL-0 guest code is run so far",
+            s.cs.dpl
+        );
+        fail();
+    }
+    let cr3 = Cell::new(s.cr3);
+    let alias = guest_alias::map_slot0(block, cr3.get());
+    log!(
+        Info,
+        "engine: guest data: STAND-IN for the shadow MMU: the guest's PML4 slot 0 copied into the engine's root as {} user-accessible 2 MiB pages ({} writable); {} guest 2 MiB ranges with 4 KiB pages and {} refused leaves NOT mapped",
+        alias.pages,
+        alias.writable,
+        alias.small_ranges,
+        alias.refused
+    );
+    let config = Config {
+        // The image is soft-float (no SSE in engine code): guest vector state stays in
+        // the registers across exits, and analysis routines leave it alone.
+        save_extended_state: false,
+        analysis_preserves_vector_state: true,
+        mode: MODE_KERNEL,
+        ..Config::default()
+    };
+    // SAFETY: the code-cache region lies in the stolen region, which the window maps
+    // present, writable, user and executable (no NX) in 2 MiB pages; nothing else uses
+    // it (see `kpin_abi::stolen`); 32 MiB < 2 GiB; 2 MiB aligned.
+    let engine = unsafe {
+        Engine::new(
+            (WINDOW_VA + CODE_CACHE_OFFSET) as *mut u8,
+            CODE_CACHE_BYTES as usize,
+            config,
+        )
+    };
+    let mut engine = match engine {
+        Ok(e) => e,
+        Err(e) => {
+            log!(Error, "engine: creating the translator failed: {e}");
+            fail();
+        }
+    };
+    let r = &block.regs;
+    let regs = engine.regs_mut();
+    regs.gpr = [
+        r.rax, r.rcx, r.rdx, r.rbx, r.rsp, r.rbp, r.rsi, r.rdi, r.r8, r.r9, r.r10, r.r11, r.r12,
+        r.r13, r.r14, r.r15,
+    ];
+    regs.rflags = r.rflags;
+    engine.set_rip(GuestVirt(r.rip));
+    log!(
+        Info,
+        "engine: running the guest from {:#x} under tool {tool_name} (code cache {} MiB at {:#x})",
+        r.rip,
+        CODE_CACHE_BYTES >> 20,
+        WINDOW_VA + CODE_CACHE_OFFSET
+    );
+    log::flush();
+
+    let mut mem = PhysmapMemory::new(block, &cr3);
+    let mut vcpu = Vcpu::new(block, &cr3);
+    let t0 = timer::tsc();
+    loop {
+        let stop = engine.run(&mut mem, &mut vcpu, tool.as_tool());
+        let cycles = timer::tsc().wrapping_sub(t0);
+        match stop {
+            Stop::Sensitive(insn) if vcpu.final_write.is_some() => {
+                let Some((port, value)) = vcpu.final_write.take() else {
+                    continue;
+                };
+                report(&engine, &vcpu, &tool, cycles);
+                log!(
+                    Info,
+                    "engine: guest RIP {:#x} writes {value:#x} to port {port:#x} (i8042 reset): passing it on",
+                    insn.pc.0
+                );
+                log::flush();
+                gate::out8(port, value);
+                // The VMM normally ends the run here; if not, the guest continues.
+                engine.set_rip(GuestVirt(insn.pc.0 + u64::from(insn.len)));
+            }
+            Stop::Sensitive(insn) => {
+                let mut text = String::new();
+                match vcpu.unsupported {
+                    Some(u) => {
+                        let name = u.mnemonic.map_or(String::from("(undecodable)"), |m| {
+                            let mut n = String::new();
+                            let _ = write!(n, "{m:?}");
+                            n.to_ascii_lowercase()
+                        });
+                        let _ = write!(
+                            text,
+                            "unsupported sensitive instruction `{name}` ({:?}) at guest RIP {:#x}: {}; bytes",
+                            insn.kind, insn.pc.0, u.why
+                        );
+                    }
+                    None => {
+                        let _ = write!(
+                            text,
+                            "sensitive instruction ({:?}) at guest RIP {:#x} stopped the run; bytes",
+                            insn.kind, insn.pc.0
+                        );
+                    }
+                }
+                for b in &insn.bytes[..usize::from(insn.len).min(insn.bytes.len())] {
+                    let _ = write!(text, " {b:02x}");
+                }
+                log!(Error, "engine: {text}");
+                report(&engine, &vcpu, &tool, cycles);
+                fail();
+            }
+            Stop::FetchFault(va) => {
+                log!(
+                    Error,
+                    "engine: the guest fetches code at {:#x}, which its page tables do not map executable (exception delivery to the guest is not implemented)",
+                    va.0
+                );
+                report(&engine, &vcpu, &tool, cycles);
+                fail();
+            }
+            other => {
+                log!(
+                    Error,
+                    "engine: the run stopped at guest RIP {:#x}: {other:?}",
+                    engine.rip().0
+                );
+                report(&engine, &vcpu, &tool, cycles);
+                fail();
+            }
+        }
+    }
+}
+
+/// Logs what the run did and writes the tool's output files.
+fn report(engine: &Engine, vcpu: &Vcpu<'_>, tool: &Chosen, cycles: u64) {
+    let st = engine.stats();
+    let (heap_now, heap_peak) = heap::usage();
+    log!(
+        Info,
+        "engine: stats: {} traces translated ({} guest instructions, {} guest bytes -> {} cache bytes), {} links, exits direct {} ibl-miss {} sensitive {}; emulated: {} out, {} in, {} cpuid; heap {} KiB (peak {} KiB); {} TSC cycles in the run",
+        st.fragments,
+        st.guest_insns,
+        st.guest_bytes,
+        st.cache_bytes,
+        st.links,
+        st.exits[0],
+        st.exits[1],
+        st.exits[2],
+        vcpu.outs,
+        vcpu.ins,
+        vcpu.cpuids,
+        heap_now >> 10,
+        heap_peak >> 10,
+        cycles
+    );
+    if let Chosen::BbCount(b) = tool {
+        log!(
+            Info,
+            "bbcount: {} guest instructions executed in {} block executions; bbcount.csv written{}",
+            b.instructions(engine),
+            b.executions(engine),
+            if b.uncounted > 0 {
+                " (some blocks uncounted: counters exhausted)"
+            } else {
+                ""
+            }
+        );
+        b.write_csv(engine);
+    }
+    log::flush();
+}

@@ -1,0 +1,196 @@
+//! The engine runs guest code from its code cache (issue #4, first slice): a
+//! hand-assembled tiny guest — console output, `cpuid`, a counted loop around a
+//! `call`/`ret`, a store and a load in low memory, a conditional branch, an i8042 reset —
+//! prints under `--tool null` exactly what it prints natively and powers off cleanly;
+//! `bbcount` counts its blocks into `bbcount.csv`; a guest that reaches a sensitive
+//! instruction the virtual CPU does not emulate yet ends as an engine failure naming the
+//! instruction and its RIP — never a hang.
+
+use std::path::Path;
+use std::time::Duration;
+
+use kpin_tests::{kvm_available, run_guest, scratch_dir, tiny_elf, TINY_LOAD_ADDR};
+use vmm::{EngineConfig, Outcome, RunReport, VmConfig};
+
+/// At `TINY_LOAD_ADDR` (offsets in the comments):
+/// ```text
+///  0: mov dx,0x3f8; mov al,'O'; out dx,al; mov al,'K'; out dx,al; mov al,10; out dx,al
+///  d: xor eax,eax; cpuid; mov al,bl; mov dx,0x3f8; out dx,al     ; vendor's first byte
+/// 18: mov ecx,100; xor ebx,ebx
+/// 1f: call add3; dec ecx; jnz 0x1f                               ; 100 iterations
+/// 28: mov [0x200000],rbx; mov rax,[0x200000]; cmp rax,300; jne 0x44
+/// 40: mov al,'Y'; jmp 0x46
+/// 44: mov al,'N'
+/// 46: mov dx,0x3f8; out dx,al; mov al,10; out dx,al; mov al,0xfe; out 0x64,al; hlt
+/// 53: add3: add rbx,3; ret
+/// ```
+const LOOP_GUEST: &[u8] = &[
+    0x66, 0xba, 0xf8, 0x03, 0xb0, 0x4f, 0xee, 0xb0, 0x4b, 0xee, 0xb0, 0x0a, 0xee, 0x31, 0xc0, 0x0f,
+    0xa2, 0x88, 0xd8, 0x66, 0xba, 0xf8, 0x03, 0xee, 0xb9, 0x64, 0x00, 0x00, 0x00, 0x31, 0xdb, 0xe8,
+    0x2f, 0x00, 0x00, 0x00, 0xff, 0xc9, 0x75, 0xf7, 0x48, 0x89, 0x1c, 0x25, 0x00, 0x00, 0x20, 0x00,
+    0x48, 0x8b, 0x04, 0x25, 0x00, 0x00, 0x20, 0x00, 0x48, 0x3d, 0x2c, 0x01, 0x00, 0x00, 0x75, 0x04,
+    0xb0, 0x59, 0xeb, 0x02, 0xb0, 0x4e, 0x66, 0xba, 0xf8, 0x03, 0xee, 0xb0, 0x0a, 0xee, 0xb0, 0xfe,
+    0xe6, 0x64, 0xf4, 0x48, 0x83, 0xc3, 0x03, 0xc3,
+];
+/// Offset of `add3` in [`LOOP_GUEST`].
+const ADD3_OFFSET: u64 = 0x53;
+
+/// `mov dx,0x3f8; mov al,'O'; out dx,al; mov al,'K'; out dx,al; mov al,10; out dx,al`
+const PRINT_OK: &[u8] = &[
+    0x66, 0xba, 0xf8, 0x03, 0xb0, b'O', 0xee, 0xb0, b'K', 0xee, 0xb0, 0x0a, 0xee,
+];
+
+/// Runs `code` natively (`tool` = None) or under the engine; returns the report, the
+/// console and `engine.log`.
+fn run(
+    name: &str,
+    code: &[u8],
+    tool: Option<&str>,
+) -> (RunReport, String, String, std::path::PathBuf) {
+    let dir = scratch_dir(name);
+    let kernel = dir.join("guest.elf");
+    std::fs::write(&kernel, tiny_elf(code)).unwrap();
+    let console = dir.join("console.txt");
+    let engine = tool.map(|t| EngineConfig {
+        image: kpin_images::ensure_engine(&kpin_images::default_out_dir(), &mut |l| {
+            eprintln!("{l}")
+        })
+        .expect("build the engine image"),
+        tool: t.into(),
+        options: String::new(),
+    });
+    let cfg = VmConfig {
+        kernel,
+        initrd: None,
+        cmdline: String::new(),
+        mem_mib: 64,
+        timeout: Some(Duration::from_secs(60)),
+        console_file: Some(console.clone()),
+        echo_console: false,
+        system_map: None,
+        engine,
+    };
+    let (report, _) = run_guest(&cfg, &dir);
+    let text = std::fs::read_to_string(&console).unwrap_or_default();
+    let log = read(&dir.join(host_daemon::ENGINE_LOG));
+    (report, text, log, dir)
+}
+
+fn read(p: &Path) -> String {
+    std::fs::read_to_string(p).unwrap_or_default()
+}
+
+#[test]
+fn test_tiny_guest_under_null_tool_prints_what_it_prints_natively_and_powers_off() {
+    if !kvm_available(
+        "test_tiny_guest_under_null_tool_prints_what_it_prints_natively_and_powers_off",
+    ) {
+        return;
+    }
+    let (native, native_console, _, _) = run("engine-run-native", LOOP_GUEST, None);
+    assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
+    assert!(native_console.starts_with("OK\n"), "{native_console:?}");
+    assert!(native_console.ends_with("Y\n"), "{native_console:?}");
+
+    let (report, console, log, _) = run("engine-run-null", LOOP_GUEST, Some("null"));
+    assert_eq!(
+        report.outcome,
+        Outcome::Poweroff,
+        "{log}\n{:?}",
+        report.dump
+    );
+    assert!(report.dump.is_none());
+    assert_eq!(console, native_console, "{log}");
+    assert!(
+        log.contains("engine: running the guest from 0x100000 under tool null"),
+        "{log}"
+    );
+    assert!(log.contains("STAND-IN for the shadow MMU"), "{log}");
+    let stats = log
+        .lines()
+        .find(|l| l.contains("engine: stats: "))
+        .unwrap_or_else(|| panic!("no stats line: {log}"));
+    assert!(stats.contains(" traces translated ("), "{stats}");
+    assert!(stats.contains("1 cpuid"), "{stats}");
+    assert!(
+        log.contains("writes 0xfe to port 0x64 (i8042 reset)"),
+        "{log}"
+    );
+    assert!(report.wall < Duration::from_secs(30), "{:?}", report.wall);
+    println!("{stats}\nwall {:?} (native {:?})", report.wall, native.wall);
+}
+
+#[test]
+fn test_bbcount_counts_the_loop_blocks_into_a_csv() {
+    if !kvm_available("test_bbcount_counts_the_loop_blocks_into_a_csv") {
+        return;
+    }
+    let (report, console, log, dir) = run("engine-run-bbcount", LOOP_GUEST, Some("bbcount"));
+    assert_eq!(
+        report.outcome,
+        Outcome::Poweroff,
+        "{log}\n{:?}",
+        report.dump
+    );
+    assert!(console.ends_with("Y\n"), "{console:?}");
+    let csv = read(&dir.join("bbcount.csv"));
+    assert!(
+        csv.starts_with("address,instructions,count\n"),
+        "{csv}\n{log}"
+    );
+    // `add3` (2 instructions) ran once per iteration.
+    let add3 = format!("{:#x},2,100\n", TINY_LOAD_ADDR + ADD3_OFFSET);
+    assert!(csv.contains(&add3), "{csv}");
+    assert!(log.contains("bbcount: "), "{log}");
+    assert!(log.contains(" guest instructions executed in "), "{log}");
+}
+
+#[test]
+fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
+    if !kvm_available("test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it") {
+        return;
+    }
+    // lgdt [0x1000]
+    let lgdt = [0x0f, 0x01, 0x14, 0x25, 0x00, 0x10, 0x00, 0x00];
+    // mov cr3, rax
+    let mov_cr3 = [0x0f, 0x22, 0xd8];
+    for (name, code, want) in [
+        (
+            "lgdt",
+            [PRINT_OK, &lgdt[..]].concat(),
+            format!(
+                "unsupported sensitive instruction `lgdt` (DescriptorTable) at guest RIP {:#x}",
+                TINY_LOAD_ADDR + PRINT_OK.len() as u64
+            ),
+        ),
+        (
+            "movcr3",
+            [PRINT_OK, &mov_cr3[..]].concat(),
+            format!(
+                "unsupported sensitive instruction `mov` (ControlRegister) at guest RIP {:#x}",
+                TINY_LOAD_ADDR + PRINT_OK.len() as u64
+            ),
+        ),
+        (
+            "hlt",
+            vec![0xf4],
+            format!(
+                "unsupported sensitive instruction `hlt` (Halt) at guest RIP {TINY_LOAD_ADDR:#x}"
+            ),
+        ),
+    ] {
+        let (report, console, log, _) = run(&format!("engine-run-{name}"), &code, Some("null"));
+        assert_eq!(report.outcome, Outcome::EngineFailure, "{name}: {log}");
+        assert!(log.contains(&want), "{name}: {log}");
+        assert!(log.contains("engine: stats: "), "{name}: {log}");
+        if name != "hlt" {
+            assert_eq!(console, "OK\n", "{name}");
+        }
+        assert!(report.dump.is_some());
+        assert!(
+            report.wall < Duration::from_secs(30),
+            "{name}: {:?}",
+            report.wall
+        );
+    }
+}
