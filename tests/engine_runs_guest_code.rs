@@ -4,7 +4,8 @@
 //! prints under `--tool null` exactly what it prints natively and powers off cleanly;
 //! `bbcount` counts its blocks into `bbcount.csv`; a guest that reaches a sensitive
 //! instruction the virtual CPU does not emulate yet ends as an engine failure naming the
-//! instruction and its RIP — never a hang.
+//! instruction and its RIP, and a fault in translated code is mapped back to the guest
+//! instruction — never a hang.
 
 use std::path::Path;
 use std::time::Duration;
@@ -192,5 +193,37 @@ fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
             "{name}: {:?}",
             report.wall
         );
+    }
+}
+
+#[test]
+fn test_fault_in_translated_code_is_mapped_back_to_the_guest_instruction() {
+    if !kvm_available("test_fault_in_translated_code_is_mapped_back_to_the_guest_instruction") {
+        return;
+    }
+    let at = TINY_LOAD_ADDR + PRINT_OK.len() as u64;
+    // movabs rax, [0x100000000]: 4 GiB, beyond the boot identity map (and the stolen
+    // region's guest-physical address, which the engine never maps for the guest).
+    let load = [0x48, 0xa1, 0x00, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00];
+    // xor ecx, ecx; div ecx
+    let div = [0x31, 0xc9, 0xf7, 0xf1];
+    for (name, code, want) in [
+        (
+            "pf",
+            [PRINT_OK, &load[..]].concat(),
+            format!("the guest instruction at RIP {at:#x} raised #PF (vector 14, error code 0x4, CR2 0x100000000) in translated code"),
+        ),
+        (
+            "de",
+            [PRINT_OK, &div[..]].concat(),
+            format!("the guest instruction at RIP {:#x} raised #DE (vector 0,", at + 2),
+        ),
+    ] {
+        let (report, console, log, _) = run(&format!("engine-run-fault-{name}"), &code, Some("null"));
+        assert_eq!(report.outcome, Outcome::EngineFailure, "{name}: {log}");
+        assert!(log.contains(&want), "{name}: {log}");
+        assert!(!log.contains("unexpected exception"), "{name}: {log}");
+        assert_eq!(console, "OK\n", "{name}");
+        assert!(report.wall < Duration::from_secs(30), "{name}: {:?}", report.wall);
     }
 }

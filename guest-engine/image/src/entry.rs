@@ -33,7 +33,15 @@
 //! `kpin_trap_common` — first thing — sees that RIP and resumes at `kpin_probe_fault`
 //! with RDX = vector and RCX = error code (RAX = 1). Clobbers RAX, RCX, RDX.
 //!
-//! **Unexpected exceptions** (every exception vector but the gate's #GP): `kpin_trap_common`
+//! **Faults in translated code**: when the faulting RIP lies in the code cache
+//! (`kpin_cache_lo`, `kpin_cache_len`, set by `run.rs` from
+//! `guest_engine::Engine::fault_redirect`), `kpin_trap_common` stores that RIP at
+//! `CacheContext::fault_pc`, the FAULT exit word at `CacheContext::exit_word`, the
+//! vector, error code and CR2 in `kpin_cache_fault_*`, and `iretq`s to the cache's exit
+//! routine with the guest's registers untouched: `Engine::run` returns
+//! `Stop::Fault { guest_pc, .. }` with the guest state before the faulting instruction.
+//!
+//! **Unexpected exceptions** (every other exception vector but the gate's #GP): `kpin_trap_common`
 //! saves the GPRs, vector, error code, iret frame and CR2 into `FAULT` and `iretq`s to
 //! `kpin_fault_report` at CPL 3 (IF = 0, on the fault stack), which logs the record to the
 //! I/O ring and reports through the failure port. A fault while a report is in progress
@@ -126,6 +134,25 @@ extern "C" {
     pub static kpin_ist2_top: u8;
     /// Top of the IST3 (#MC) stack.
     pub static kpin_ist3_top: u8;
+    /// Start of the code cache (`guest_engine::FaultRedirect::region`); with
+    /// [`kpin_cache_len`] 0 (until the engine runs guest code) no fault is redirected.
+    pub static mut kpin_cache_lo: u64;
+    /// Bytes of the code cache.
+    pub static mut kpin_cache_len: u64;
+    /// Address of `CacheContext::fault_pc`.
+    pub static mut kpin_cache_fault_pc_at: u64;
+    /// Address of `CacheContext::exit_word`.
+    pub static mut kpin_cache_exit_word_at: u64;
+    /// The FAULT exit word.
+    pub static mut kpin_cache_exit_word: u64;
+    /// The cache's exit routine.
+    pub static mut kpin_cache_exit_routine: u64;
+    /// Vector of the last redirected fault.
+    pub static kpin_cache_fault_vector: u64;
+    /// Error code of the last redirected fault.
+    pub static kpin_cache_fault_error: u64;
+    /// CR2 when the last fault was redirected.
+    pub static kpin_cache_fault_cr2: u64;
 }
 
 // Boot entry: ring 0 → CPL 3.
@@ -329,6 +356,33 @@ kpin_trap_common:
     add rsp, 16
     iretq
 3:
+    // A fault in the code cache (translated guest code): redirect it to the cache's
+    // exit routine as a FAULT exit (see "Faults in translated code" above).
+    mov rax, [rsp + 24]
+    sub rax, [rip + kpin_cache_lo]
+    cmp rax, [rip + kpin_cache_len]
+    jae 4f
+    // Stack: rbx, rax, vector, error code, RIP, CS, RFLAGS, RSP, SS.
+    push rbx
+    mov rax, [rsp + 32]
+    mov rbx, [rip + kpin_cache_fault_pc_at]
+    mov [rbx], rax
+    mov rbx, [rip + kpin_cache_exit_word_at]
+    mov rax, [rip + kpin_cache_exit_word]
+    mov [rbx], rax
+    mov rax, [rsp + 16]
+    mov [rip + kpin_cache_fault_vector], rax
+    mov rax, [rsp + 24]
+    mov [rip + kpin_cache_fault_error], rax
+    mov rax, cr2
+    mov [rip + kpin_cache_fault_cr2], rax
+    mov rax, [rip + kpin_cache_exit_routine]
+    mov [rsp + 32], rax
+    pop rbx
+    pop rax
+    add rsp, 16
+    iretq
+4:
     pop rax
     cmp qword ptr [rip + kpin_fault_active], 0
     jne kpin_trap_nested
@@ -428,6 +482,33 @@ kpin_irq_at_cpl3:
 kpin_boot_tsc:
     .skip 8
 kpin_fault_active:
+    .skip 8
+    .global kpin_cache_lo
+kpin_cache_lo:
+    .skip 8
+    .global kpin_cache_len
+kpin_cache_len:
+    .skip 8
+    .global kpin_cache_fault_pc_at
+kpin_cache_fault_pc_at:
+    .skip 8
+    .global kpin_cache_exit_word_at
+kpin_cache_exit_word_at:
+    .skip 8
+    .global kpin_cache_exit_word
+kpin_cache_exit_word:
+    .skip 8
+    .global kpin_cache_exit_routine
+kpin_cache_exit_routine:
+    .skip 8
+    .global kpin_cache_fault_vector
+kpin_cache_fault_vector:
+    .skip 8
+    .global kpin_cache_fault_error
+kpin_cache_fault_error:
+    .skip 8
+    .global kpin_cache_fault_cr2
+kpin_cache_fault_cr2:
     .skip 8
     .balign 4096
     .skip {ring0_stack}

@@ -15,6 +15,11 @@ const NAMES: [&str; 32] = [
     "RES25", "RES26", "RES27", "#HV", "#VC", "#SX", "RES31",
 ];
 
+/// The mnemonic of exception `vector` (`#PF`), or `?`.
+pub fn vector_name(vector: u64) -> &'static str {
+    NAMES.get(vector as usize).copied().unwrap_or("?")
+}
+
 /// Set by `bringup.crash=nested`: the reporter faults before reporting.
 static FAULT_WHILE_REPORTING: AtomicBool = AtomicBool::new(false);
 

@@ -23,7 +23,7 @@ use crate::guest_mem::{PhysmapMemory, MODE_KERNEL};
 use crate::log::fail;
 use crate::tools::Chosen;
 use crate::vcpu::Vcpu;
-use crate::{gate, heap, log, timer};
+use crate::{entry, gate, heap, log, timer};
 
 /// CR0.PG, EFER.LMA: the guest must be in 64-bit long mode (all the translator knows).
 const CR0_PG: u64 = 1 << 31;
@@ -117,6 +117,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
     );
     log::flush();
 
+    arm_fault_redirect(&engine);
     let mut mem = PhysmapMemory::new(block, &cr3);
     let mut vcpu = Vcpu::new(block, &cr3);
     let t0 = timer::tsc();
@@ -169,6 +170,26 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                 report(&engine, &vcpu, &tool, cycles);
                 fail();
             }
+            Stop::Fault { guest_pc, cache_pc } => {
+                // SAFETY: written by the ring-0 trap path before it redirected the fault
+                // to the exit routine, which ran before `run` returned.
+                let (vector, error, cr2) = unsafe {
+                    (
+                        core::ptr::read_volatile(&raw const entry::kpin_cache_fault_vector),
+                        core::ptr::read_volatile(&raw const entry::kpin_cache_fault_error),
+                        core::ptr::read_volatile(&raw const entry::kpin_cache_fault_cr2),
+                    )
+                };
+                log!(
+                    Error,
+                    "engine: the guest instruction at RIP {:#x} raised {} (vector {vector}, error code {error:#x}, CR2 {cr2:#x}) in translated code (cache PC {:#x}); exception delivery to the guest is not implemented",
+                    guest_pc.0,
+                    crate::fault::vector_name(vector),
+                    cache_pc.0
+                );
+                report(&engine, &vcpu, &tool, cycles);
+                fail();
+            }
             Stop::FetchFault(va) => {
                 log!(
                     Error,
@@ -188,6 +209,25 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                 fail();
             }
         }
+    }
+}
+
+/// Tells the ring-0 trap path where the code cache is, so that a fault in translated
+/// code becomes a FAULT exit of the cache instead of an engine fault report.
+fn arm_fault_redirect(engine: &Engine) {
+    let r = engine.fault_redirect();
+    // SAFETY: plain stores to the trap path's parameters; it reads them only on a fault,
+    // and `kpin_cache_len` (stored last) stays 0 — redirect off — until the rest is set.
+    unsafe {
+        core::ptr::write_volatile(&raw mut entry::kpin_cache_fault_pc_at, r.fault_pc);
+        core::ptr::write_volatile(&raw mut entry::kpin_cache_exit_word_at, r.exit_word_at);
+        core::ptr::write_volatile(&raw mut entry::kpin_cache_exit_word, r.exit_word);
+        core::ptr::write_volatile(&raw mut entry::kpin_cache_exit_routine, r.exit_routine);
+        core::ptr::write_volatile(&raw mut entry::kpin_cache_lo, r.region.0);
+        core::ptr::write_volatile(
+            &raw mut entry::kpin_cache_len,
+            r.region.1.wrapping_sub(r.region.0),
+        );
     }
 }
 
