@@ -19,6 +19,7 @@ use core::cell::UnsafeCell;
 use kpin_abi::attach::AttachBlock;
 use kpin_abi::stolen::PHYSMAP_VA;
 
+use crate::guest_mem::is_ram;
 use crate::paging;
 
 const ENTRIES: usize = 512;
@@ -61,12 +62,13 @@ pub struct Aliased {
     pub refused: u64,
 }
 
+/// Reads a guest page-table entry; a table outside guest RAM reads as not present.
 fn read_pa(b: &AttachBlock, pa: u64) -> u64 {
-    if pa >= b.stolen_base && pa < b.stolen_base + b.stolen_bytes {
+    if !is_ram(b, pa, 8) {
         return 0;
     }
-    // SAFETY: table addresses below the physmap's limit; the physmap maps guest RAM, and
-    // the guest's page tables live there (the caller walks only what the guest built).
+    // SAFETY: `pa` is guest RAM (never the stolen region, absent from e820), which the
+    // physmap maps.
     unsafe { core::ptr::read_volatile((PHYSMAP_VA + pa) as *const u64) }
 }
 

@@ -27,6 +27,16 @@ pub const MODE_KERNEL: Mode = Mode(0);
 /// Translation mode of traces run at virtual CPL 3.
 pub const MODE_USER: Mode = Mode(3);
 
+/// Whether `[pa, pa + len)` lies inside one e820 RAM range of `block` (so the physmap
+/// maps it).
+pub fn is_ram(block: &AttachBlock, pa: u64, len: u64) -> bool {
+    let n = (block.e820_count as usize).min(block.e820.len());
+    let end = pa.saturating_add(len);
+    block.e820[..n]
+        .iter()
+        .any(|e| e.kind == 1 && e.addr <= pa && end <= e.addr.saturating_add(e.size))
+}
+
 /// Guest memory seen through the physmap.
 pub struct PhysmapMemory<'a> {
     /// The guest's CR3 (virtual CPU state).
@@ -48,11 +58,7 @@ impl<'a> PhysmapMemory<'a> {
 
     /// Whether `[pa, pa + len)` lies inside one e820 RAM range (so the physmap maps it).
     pub fn is_ram(&self, pa: u64, len: u64) -> bool {
-        let n = (self.block.e820_count as usize).min(self.block.e820.len());
-        let end = pa.saturating_add(len);
-        self.block.e820[..n]
-            .iter()
-            .any(|e| e.kind == 1 && e.addr <= pa && end <= e.addr.saturating_add(e.size))
+        is_ram(self.block, pa, len)
     }
 
     fn read_u64(&self, pa: u64) -> Option<u64> {
