@@ -227,3 +227,24 @@ fn test_fault_in_translated_code_is_mapped_back_to_the_guest_instruction() {
         assert!(report.wall < Duration::from_secs(30), "{name}: {:?}", report.wall);
     }
 }
+
+#[test]
+fn test_port_reads_through_the_gate_see_what_native_reads() {
+    if !kvm_available("test_port_reads_through_the_gate_see_what_native_reads") {
+        return;
+    }
+    // mov dx,0x3fd; in al,dx (COM1 line status); mov dx,0x3f8; out dx,al; mov al,10;
+    // out dx,al; mov al,0xfe; out 0x64,al; hlt
+    let code = [
+        0x66, 0xba, 0xfd, 0x03, 0xec, 0x66, 0xba, 0xf8, 0x03, 0xee, 0xb0, 0x0a, 0xee, 0xb0, 0xfe,
+        0xe6, 0x64, 0xf4,
+    ];
+    let (native, native_console, _, _) = run("engine-run-in-native", &code, None);
+    assert_eq!(native.outcome, Outcome::Poweroff);
+    assert_eq!(native_console.len(), 2, "{native_console:?}");
+    let (report, console, log, _) = run("engine-run-in-null", &code, Some("null"));
+    assert_eq!(report.outcome, Outcome::Poweroff, "{log}");
+    assert_eq!(console, native_console, "{log}");
+    // Two characters and the reset.
+    assert!(log.contains("3 out, 1 in, 0 cpuid"), "{log}");
+}
