@@ -151,16 +151,16 @@ fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
     if !kvm_available("test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it") {
         return;
     }
-    // lgdt [0x1000]
-    let lgdt = [0x0f, 0x01, 0x14, 0x25, 0x00, 0x10, 0x00, 0x00];
+    // lldt ax
+    let lldt = [0x0f, 0x00, 0xd0];
     // mov cr3, rax
     let mov_cr3 = [0x0f, 0x22, 0xd8];
     for (name, code, want) in [
         (
-            "lgdt",
-            [PRINT_OK, &lgdt[..]].concat(),
+            "lldt",
+            [PRINT_OK, &lldt[..]].concat(),
             format!(
-                "unsupported sensitive instruction `lgdt` (DescriptorTable) at guest RIP {:#x}",
+                "unsupported sensitive instruction `lldt` (DescriptorTable) at guest RIP {:#x}",
                 TINY_LOAD_ADDR + PRINT_OK.len() as u64
             ),
         ),
@@ -247,4 +247,31 @@ fn test_port_reads_through_the_gate_see_what_native_reads() {
     assert_eq!(console, native_console, "{log}");
     // Two characters and the reset.
     assert!(log.contains("3 out, 1 in, 0 cpuid"), "{log}");
+}
+
+#[test]
+fn test_descriptor_table_registers_are_virtual_and_read_back_like_natively() {
+    if !kvm_available("test_descriptor_table_registers_are_virtual_and_read_back_like_natively") {
+        return;
+    }
+    // sgdt [0x3000]; lgdt [0x3000]; sgdt [0x3010]; sidt [0x3020]; print the bytes at
+    // 0x3010 (GDT limit), 0x3013 (GDT base bits 8-15), 0x3020 (IDT limit) and a newline;
+    // mov al,0xfe; out 0x64,al; hlt
+    let code = [
+        0x0f, 0x01, 0x04, 0x25, 0x00, 0x30, 0x00, 0x00, 0x0f, 0x01, 0x14, 0x25, 0x00, 0x30, 0x00,
+        0x00, 0x0f, 0x01, 0x04, 0x25, 0x10, 0x30, 0x00, 0x00, 0x0f, 0x01, 0x0c, 0x25, 0x20, 0x30,
+        0x00, 0x00, 0x66, 0xba, 0xf8, 0x03, 0x8a, 0x04, 0x25, 0x10, 0x30, 0x00, 0x00, 0xee, 0x8a,
+        0x04, 0x25, 0x13, 0x30, 0x00, 0x00, 0xee, 0x8a, 0x04, 0x25, 0x20, 0x30, 0x00, 0x00, 0xee,
+        0xb0, 0x0a, 0xee, 0xb0, 0xfe, 0xe6, 0x64, 0xf4,
+    ];
+    let (native, native_console, _, _) = run("engine-run-gdt-native", &code, None);
+    assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
+    // The VMM's boot GDT: 0x500, limit 0x1f.
+    assert!(
+        native_console.starts_with("\u{1f}\u{5}"),
+        "{native_console:?}"
+    );
+    let (report, console, log, _) = run("engine-run-gdt-null", &code, Some("null"));
+    assert_eq!(report.outcome, Outcome::Poweroff, "{log}");
+    assert_eq!(console, native_console, "{log}");
 }

@@ -186,10 +186,11 @@ fn test_tool_runs_the_minikernel_until_its_first_unsupported_instruction() {
     assert_eq!(o.status.code(), Some(3), "{err}");
     assert!(!err.contains("panicked"), "{err}");
     // The mini-kernel's first instructions run from the code cache (`cli` is emulated);
-    // its `lgdt` is the first sensitive instruction the virtual CPU does not emulate yet.
+    // its far return (`retfq`, after an emulated `lgdt`) is the first sensitive instruction
+    // the virtual CPU does not emulate yet.
     assert!(
         err.contains(
-            "engine: unsupported sensitive instruction `lgdt` (DescriptorTable) at guest RIP 0x"
+            "engine: unsupported sensitive instruction `retf` (FarTransfer) at guest RIP 0x"
         ),
         "{err}"
     );

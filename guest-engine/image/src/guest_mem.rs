@@ -14,6 +14,17 @@ use kpin_abi::attach::AttachBlock;
 use kpin_abi::stolen::PHYSMAP_VA;
 
 const PRESENT: u64 = 1 << 0;
+const WRITABLE: u64 = 1 << 1;
+/// CR0.WP.
+const CR0_WP: u64 = 1 << 16;
+
+/// What a walk checks the entries for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Access {
+    Fetch,
+    Read,
+    Write,
+}
 const USER: u64 = 1 << 2;
 const LARGE: u64 = 1 << 7;
 const NX: u64 = 1 << 63;
@@ -43,6 +54,8 @@ pub struct PhysmapMemory<'a> {
     pub cr3: &'a Cell<u64>,
     /// The guest's EFER (NXE decides whether bit 63 is NX).
     pub efer: u64,
+    /// The guest's CR0 (WP decides whether supervisor writes honour R/W).
+    pub cr0: u64,
     block: &'a AttachBlock,
 }
 
@@ -52,6 +65,7 @@ impl<'a> PhysmapMemory<'a> {
         Self {
             cr3,
             efer: block.sregs.efer,
+            cr0: block.sregs.cr0,
             block,
         }
     }
@@ -74,7 +88,54 @@ impl<'a> PhysmapMemory<'a> {
     /// address, or `None` where the fetch would fault (not present, NX, or a supervisor
     /// page fetched in user mode).
     pub fn walk(&self, va: u64, mode: Mode) -> Option<u64> {
-        let nxe = self.efer & EFER_NXE != 0;
+        self.walk_for(va, mode, true)
+    }
+
+    /// Reads guest virtual memory as a data read in `mode` (no NX check); `false` if a
+    /// byte's page is not mapped for it or not RAM.
+    pub fn read_virt(&self, va: u64, mode: Mode, out: &mut [u8]) -> bool {
+        for (i, b) in out.iter_mut().enumerate() {
+            let Some(pa) = self.walk_for(va.wrapping_add(i as u64), mode, false) else {
+                return false;
+            };
+            if !self.is_ram(pa, 1) {
+                return false;
+            }
+            // SAFETY: `pa` is guest RAM, mapped by the physmap.
+            *b = unsafe { core::ptr::read_volatile((PHYSMAP_VA + pa) as *const u8) };
+        }
+        true
+    }
+
+    /// Writes guest virtual memory as a data write in `mode` (R/W bits checked for user
+    /// mode, and for supervisor mode when CR0.WP is set); `false` — and nothing written —
+    /// if a byte's page does not allow it or is not RAM.
+    pub fn write_virt(&self, va: u64, mode: Mode, data: &[u8]) -> bool {
+        let mut pas = [0u64; 16];
+        if data.len() > pas.len() {
+            return false;
+        }
+        for (i, pa) in pas.iter_mut().enumerate().take(data.len()) {
+            match self.walk_access(va.wrapping_add(i as u64), mode, Access::Write) {
+                Some(p) if self.is_ram(p, 1) => *pa = p,
+                _ => return false,
+            }
+        }
+        for (b, pa) in data.iter().zip(pas) {
+            // SAFETY: `pa` is guest RAM, mapped writable by the physmap.
+            unsafe { core::ptr::write_volatile((PHYSMAP_VA + pa) as *mut u8, *b) };
+        }
+        true
+    }
+
+    fn walk_for(&self, va: u64, mode: Mode, fetch: bool) -> Option<u64> {
+        let access = if fetch { Access::Fetch } else { Access::Read };
+        self.walk_access(va, mode, access)
+    }
+
+    fn walk_access(&self, va: u64, mode: Mode, access: Access) -> Option<u64> {
+        let nxe = access == Access::Fetch && self.efer & EFER_NXE != 0;
+        let check_w = access == Access::Write && (mode == MODE_USER || self.cr0 & CR0_WP != 0);
         let mut table = self.cr3.get() & ADDR_MASK;
         for level in (0..4u32).rev() {
             let shift = 12 + 9 * level;
@@ -82,6 +143,7 @@ impl<'a> PhysmapMemory<'a> {
             if entry & PRESENT == 0
                 || (nxe && entry & NX != 0)
                 || (mode == MODE_USER && entry & USER == 0)
+                || (check_w && entry & WRITABLE == 0)
             {
                 return None;
             }

@@ -5,6 +5,9 @@
 //!   at CPL 3 faults here, even with IOPL 3), so the VMM sees the same port exit a
 //!   native `out` makes — an i8042 reset (`out 0x64, 0xfe`) ends the run as a poweroff;
 //! * `mov r64, cr3` (the virtual CR3; writes are not emulated yet);
+//! * `lgdt`/`lidt`/`sgdt`/`sidt` on the virtual GDTR/IDTR ([`Vcpu::gdtr`],
+//!   [`Vcpu::idtr`]; operands read and written through the guest's page tables; nothing
+//!   else uses them yet);
 //! * `cli`/`sti`, on the virtual IF ([`Vcpu::vif`]; `pushf`/`popf`, which would show
 //!   it, are not emulated yet);
 //! * `cpuid`, answered from the attach block's CPUID table (`AttachBlock::cpuid`), so
@@ -18,10 +21,11 @@
 use core::cell::Cell;
 
 use guest_engine::{Emulation, Gpr, GuestRegs, GuestVirt, Platform, SensitiveInsn, SensitiveKind};
-use iced_x86::{Code, Decoder, DecoderOptions, Mnemonic, Register};
+use iced_x86::{Code, Decoder, DecoderOptions, Instruction, Mnemonic, Register};
 use kpin_abi::attach::AttachBlock;
 
 use crate::gate;
+use crate::guest_mem::{PhysmapMemory, MODE_KERNEL};
 use crate::layout::RFLAGS_IF;
 
 /// Ports whose writes can end the VM (the i8042 command port: 0xfe = reset): the engine
@@ -53,6 +57,10 @@ pub struct Vcpu<'a> {
     /// The virtual RFLAGS.IF (the real IF stays 1 while guest code runs; `cli`/`sti`
     /// change only this; nothing delivers interrupts to the guest yet).
     pub vif: bool,
+    /// The virtual GDTR (loaded by `lgdt`; the engine's own GDT is what the CPU uses).
+    pub gdtr: DescriptorTable,
+    /// The virtual IDTR (loaded by `lidt`; nothing delivers through it yet).
+    pub idtr: DescriptorTable,
     /// Set when emulation stopped.
     pub unsupported: Option<Unsupported>,
     /// A port write that may end the VM (see [`I8042_CMD`]), left to the caller: the
@@ -70,6 +78,14 @@ impl<'a> Vcpu<'a> {
             ins: 0,
             cpuids: 0,
             vif: block.regs.rflags & RFLAGS_IF != 0,
+            gdtr: DescriptorTable {
+                base: block.sregs.gdt.base,
+                limit: block.sregs.gdt.limit,
+            },
+            idtr: DescriptorTable {
+                base: block.sregs.idt.base,
+                limit: block.sregs.idt.limit,
+            },
             unsupported: None,
             final_write: None,
         }
@@ -78,6 +94,37 @@ impl<'a> Vcpu<'a> {
     fn stop(&mut self, mnemonic: Option<Mnemonic>, why: &'static str) -> Emulation {
         self.unsupported = Some(Unsupported { mnemonic, why });
         Emulation::Stop
+    }
+}
+
+/// A virtual GDTR or IDTR.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DescriptorTable {
+    /// Linear base.
+    pub base: u64,
+    /// Limit.
+    pub limit: u16,
+}
+
+impl Vcpu<'_> {
+    /// The linear address of `i`'s memory operand (flat segments; `None` with an FS/GS
+    /// override, whose bases are not virtualised yet).
+    fn data_address(&self, i: &Instruction, regs: &GuestRegs) -> Option<u64> {
+        i.virtual_address(0, 0, |reg, _, _| {
+            if reg.is_segment_register() {
+                return match reg {
+                    Register::FS | Register::GS => None,
+                    _ => Some(0),
+                };
+            }
+            let full = reg.full_register();
+            let n = Gpr::from_number(full.number() as u8)?;
+            if !full.is_gpr64() {
+                return None;
+            }
+            let v = regs.get(n);
+            Some(if reg.is_gpr32() { v & 0xffff_ffff } else { v })
+        })
     }
 }
 
@@ -148,6 +195,51 @@ impl Platform for Vcpu<'_> {
             }
             Code::Sti => {
                 self.vif = true;
+                Emulation::Continue(next)
+            }
+            Code::Lgdt_m1664 | Code::Lidt_m1664 => {
+                let mut bytes = [0u8; 10];
+                let ok = self.data_address(&i, regs).is_some_and(|ea| {
+                    PhysmapMemory::new(self.block, self.cr3).read_virt(ea, MODE_KERNEL, &mut bytes)
+                });
+                if !ok {
+                    return self.stop(
+                        Some(i.mnemonic()),
+                        "its operand is not readable (or uses FS/GS): exception delivery to the guest is not implemented",
+                    );
+                }
+                let limit = u16::from_le_bytes([bytes[0], bytes[1]]);
+                let mut base = [0u8; 8];
+                base.copy_from_slice(&bytes[2..]);
+                let table = DescriptorTable {
+                    base: u64::from_le_bytes(base),
+                    limit,
+                };
+                if i.code() == Code::Lgdt_m1664 {
+                    self.gdtr = table;
+                } else {
+                    self.idtr = table;
+                }
+                Emulation::Continue(next)
+            }
+            Code::Sgdt_m1664 | Code::Sidt_m1664 => {
+                let t = if i.code() == Code::Sgdt_m1664 {
+                    self.gdtr
+                } else {
+                    self.idtr
+                };
+                let mut bytes = [0u8; 10];
+                bytes[..2].copy_from_slice(&t.limit.to_le_bytes());
+                bytes[2..].copy_from_slice(&t.base.to_le_bytes());
+                let ok = self.data_address(&i, regs).is_some_and(|ea| {
+                    PhysmapMemory::new(self.block, self.cr3).write_virt(ea, MODE_KERNEL, &bytes)
+                });
+                if !ok {
+                    return self.stop(
+                        Some(i.mnemonic()),
+                        "its operand is not writable (or uses FS/GS): exception delivery to the guest is not implemented",
+                    );
+                }
                 Emulation::Continue(next)
             }
             Code::Hlt if !self.vif => self.stop(
