@@ -57,7 +57,9 @@ enum Command {
 enum Guest {
     /// The pinned Debian cloud kernel with the busybox initramfs (built by `kpin images`).
     Linux,
-    /// The mini-kernel test guest (built by `kpin images`).
+    /// The mini-kernel test guest (built by `kpin images`). Run natively, its default
+    /// command line skips the steps this KVM cannot run natively (`kpin.skip=native-unsafe`);
+    /// with --tool it runs every step.
     Minikernel,
 }
 
@@ -192,7 +194,12 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
             kpin_images::ensure_minikernel(&image_dir, &mut progress)?,
             None,
             None,
-            MINIKERNEL_NATIVE_CMDLINE.to_string(),
+            // Instrumented, every step must run; natively, skip what this KVM cannot run.
+            if args.tool.is_some() {
+                String::new()
+            } else {
+                MINIKERNEL_NATIVE_CMDLINE.to_string()
+            },
         ),
         (None, Some(Guest::Linux) | None) => {
             let l = kpin_images::ensure_linux(&image_dir, &mut progress)?;

@@ -185,6 +185,8 @@ fn test_tool_runs_the_minikernel_until_its_first_unsupported_instruction() {
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(3), "{err}");
     assert!(!err.contains("panicked"), "{err}");
+    // Instrumented, no step is skipped: the default command line is empty.
+    assert!(err.contains("with 256 MiB, cmdline \"\""), "{err}");
     // The mini-kernel's first instructions run from the code cache (`cli` is emulated);
     // its far return (`retfq`, after an emulated `lgdt`) is the first sensitive instruction
     // the virtual CPU does not emulate yet.
