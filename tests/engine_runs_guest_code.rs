@@ -151,16 +151,16 @@ fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
     if !kvm_available("test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it") {
         return;
     }
-    // lldt ax
-    let lldt = [0x0f, 0x00, 0xd0];
+    // rdmsr
+    let rdmsr = [0x0f, 0x32];
     // mov cr3, rax
     let mov_cr3 = [0x0f, 0x22, 0xd8];
     for (name, code, want) in [
         (
-            "lldt",
-            [PRINT_OK, &lldt[..]].concat(),
+            "rdmsr",
+            [PRINT_OK, &rdmsr[..]].concat(),
             format!(
-                "unsupported sensitive instruction `lldt` (DescriptorTable) at guest RIP {:#x}",
+                "unsupported sensitive instruction `rdmsr` (Msr) at guest RIP {:#x}",
                 TINY_LOAD_ADDR + PRINT_OK.len() as u64
             ),
         ),

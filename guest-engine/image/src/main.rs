@@ -26,6 +26,7 @@ mod log;
 mod paging;
 mod probe;
 mod run;
+mod segments;
 mod timer;
 mod tools;
 mod vcpu;

@@ -149,11 +149,29 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                             let _ = write!(n, "{m:?}");
                             n.to_ascii_lowercase()
                         });
-                        let _ = write!(
-                            text,
-                            "unsupported sensitive instruction `{name}` ({:?}) at guest RIP {:#x}: {}; bytes",
-                            insn.kind, insn.pc.0, u.why
-                        );
+                        match u.fault {
+                            Some(f) => {
+                                let _ = write!(
+                                    text,
+                                    "`{name}` ({:?}) at guest RIP {:#x} would raise {}({:#x}) in the guest (vector {}, error code {:#x}, selector {:#x}): {}; bytes",
+                                    insn.kind,
+                                    insn.pc.0,
+                                    f.name(),
+                                    f.error,
+                                    f.vector,
+                                    f.error,
+                                    f.error,
+                                    u.why
+                                );
+                            }
+                            None => {
+                                let _ = write!(
+                                    text,
+                                    "unsupported sensitive instruction `{name}` ({:?}) at guest RIP {:#x}: {}; bytes",
+                                    insn.kind, insn.pc.0, u.why
+                                );
+                            }
+                        }
                     }
                     None => {
                         let _ = write!(

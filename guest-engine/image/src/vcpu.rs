@@ -11,22 +11,32 @@
 //! * `cli`/`sti`, on the virtual IF ([`Vcpu::vif`]; `pushf`/`popf`, which would show
 //!   it, are not emulated yet);
 //! * `cpuid`, answered from the attach block's CPUID table (`AttachBlock::cpuid`), so
-//!   native and instrumented runs see one CPU.
+//!   native and instrumented runs see one CPU;
+//! * segment state ([`Vcpu::segs`], see `segments.rs`): `mov Sreg, r/m16` (DS/ES/SS/FS/
+//!   GS), `mov r/m16, Sreg`, `push`/`pop fs/gs`, `ltr`/`str`, `lldt`/`sldt` and
+//!   same-privilege `retf` (16/32/64-bit operand size, with or without an immediate) to a
+//!   64-bit code segment, all on virtual selectors and descriptor caches loaded from the
+//!   virtual GDTR; a load that would fault stops naming the exception and selector. An
+//!   FS/GS load that changes the base stops too (the hardware base the translated code
+//!   uses is not switched yet).
 //!
 //! Everything else (16/32-bit port I/O, `hlt` — no interrupt delivery exists yet to wake
-//! a halted guest —, CR writes, MSR and descriptor-table instructions, `pushf`/`popf`,
-//! `iretq`, …) is refused: [`Vcpu::unsupported`] names the instruction and its RIP and
+//! a halted guest —, CR writes — CR3 needs the shadow MMU —, MSRs, `pushf`/`popf`,
+//! `iretq`, far `jmp`/`call`, privilege-changing far returns, …) is refused: [`Vcpu::unsupported`] names the instruction and its RIP and
 //! the engine stops with a failure (never guessing what the guest meant).
 
 use core::cell::Cell;
 
-use guest_engine::{Emulation, Gpr, GuestRegs, GuestVirt, Platform, SensitiveInsn, SensitiveKind};
-use iced_x86::{Code, Decoder, DecoderOptions, Instruction, Mnemonic, Register};
+use guest_engine::{
+    Emulation, Gpr, GuestRegs, GuestVirt, Platform, SegBase, SensitiveInsn, SensitiveKind,
+};
+use iced_x86::{Code, Decoder, DecoderOptions, Instruction, Mnemonic, OpKind, Register};
 use kpin_abi::attach::AttachBlock;
 
 use crate::gate;
 use crate::guest_mem::{PhysmapMemory, MODE_KERNEL};
 use crate::layout::RFLAGS_IF;
+use crate::segments::{GuestFault, Segments, Sreg};
 
 /// Ports whose writes can end the VM (the i8042 command port: 0xfe = reset): the engine
 /// writes its final report before passing such a write on.
@@ -41,6 +51,8 @@ pub struct Unsupported {
     pub mnemonic: Option<Mnemonic>,
     /// What is missing, in words.
     pub why: &'static str,
+    /// The exception the instruction would raise in the guest, if that is why.
+    pub fault: Option<GuestFault>,
 }
 
 /// The virtual CPU's state and counters.
@@ -61,6 +73,8 @@ pub struct Vcpu<'a> {
     pub gdtr: DescriptorTable,
     /// The virtual IDTR (loaded by `lidt`; nothing delivers through it yet).
     pub idtr: DescriptorTable,
+    /// Guest selectors and descriptor caches (see [`Segments`]).
+    pub segs: Segments,
     /// Set when emulation stopped.
     pub unsupported: Option<Unsupported>,
     /// A port write that may end the VM (see [`I8042_CMD`]), left to the caller: the
@@ -86,14 +100,33 @@ impl<'a> Vcpu<'a> {
                 base: block.sregs.idt.base,
                 limit: block.sregs.idt.limit,
             },
+            segs: Segments::new(&block.sregs),
             unsupported: None,
             final_write: None,
         }
     }
 
     fn stop(&mut self, mnemonic: Option<Mnemonic>, why: &'static str) -> Emulation {
-        self.unsupported = Some(Unsupported { mnemonic, why });
+        self.unsupported = Some(Unsupported {
+            mnemonic,
+            why,
+            fault: None,
+        });
         Emulation::Stop
+    }
+
+    /// Stops because the instruction would raise `fault` in the guest.
+    fn fault(&mut self, mnemonic: Mnemonic, fault: GuestFault) -> Emulation {
+        self.unsupported = Some(Unsupported {
+            mnemonic: Some(mnemonic),
+            why: "exception delivery to the guest is not implemented",
+            fault: Some(fault),
+        });
+        Emulation::Stop
+    }
+
+    fn mem(&self) -> PhysmapMemory<'a> {
+        PhysmapMemory::new(self.block, self.cr3)
     }
 }
 
@@ -107,15 +140,15 @@ pub struct DescriptorTable {
 }
 
 impl Vcpu<'_> {
-    /// The linear address of `i`'s memory operand (flat segments; `None` with an FS/GS
-    /// override, whose bases are not virtualised yet).
+    /// The linear address of `i`'s memory operand (FS/GS: their virtual bases).
     fn data_address(&self, i: &Instruction, regs: &GuestRegs) -> Option<u64> {
         i.virtual_address(0, 0, |reg, _, _| {
             if reg.is_segment_register() {
-                return match reg {
-                    Register::FS | Register::GS => None,
-                    _ => Some(0),
-                };
+                return Some(match reg {
+                    Register::FS => self.segs.sregs[Sreg::Fs as usize].base,
+                    Register::GS => self.segs.sregs[Sreg::Gs as usize].base,
+                    _ => 0,
+                });
             }
             let full = reg.full_register();
             let n = Gpr::from_number(full.number() as u8)?;
@@ -125,6 +158,149 @@ impl Vcpu<'_> {
             let v = regs.get(n);
             Some(if reg.is_gpr32() { v & 0xffff_ffff } else { v })
         })
+    }
+}
+
+/// The segment register `r` names.
+fn sreg_of(r: Register) -> Option<Sreg> {
+    Some(match r {
+        Register::ES => Sreg::Es,
+        Register::CS => Sreg::Cs,
+        Register::SS => Sreg::Ss,
+        Register::DS => Sreg::Ds,
+        Register::FS => Sreg::Fs,
+        Register::GS => Sreg::Gs,
+        _ => return None,
+    })
+}
+
+impl<'a> Vcpu<'a> {
+    /// Reads the 16-bit register or memory operand `op` of `i`.
+    fn read_rm16(&self, i: &Instruction, op: u32, regs: &GuestRegs) -> Option<u16> {
+        if i.op_kind(op) == OpKind::Register {
+            let r = i.op_register(op).full_register();
+            let n = Gpr::from_number(r.number() as u8).filter(|_| r.is_gpr64())?;
+            return Some(regs.get(n) as u16);
+        }
+        let ea = self.data_address(i, regs)?;
+        let mut b = [0u8; 2];
+        self.mem()
+            .read_virt(ea, MODE_KERNEL, &mut b)
+            .then_some(u16::from_le_bytes(b))
+    }
+
+    /// Writes `v` to `i`'s first operand: 16 bits to memory or a 16-bit register, the
+    /// zero-extended value to a 32/64-bit register.
+    fn write_rm16(
+        &mut self,
+        i: &Instruction,
+        v: u16,
+        regs: &mut GuestRegs,
+        next: GuestVirt,
+    ) -> Emulation {
+        if i.op0_kind() == OpKind::Register {
+            let r = i.op0_register();
+            let Some(n) = Gpr::from_number(r.full_register().number() as u8)
+                .filter(|_| r.full_register().is_gpr64())
+            else {
+                return self.stop(Some(i.mnemonic()), "unexpected operand");
+            };
+            let old = regs.get(n);
+            regs.set(
+                n,
+                if r.is_gpr16() {
+                    (old & !0xffff) | u64::from(v)
+                } else {
+                    u64::from(v)
+                },
+            );
+            return Emulation::Continue(next);
+        }
+        let ok = self
+            .data_address(i, regs)
+            .is_some_and(|ea| self.mem().write_virt(ea, MODE_KERNEL, &v.to_le_bytes()));
+        if !ok {
+            return self.stop(
+                Some(i.mnemonic()),
+                "its operand is not writable: exception delivery to the guest is not implemented",
+            );
+        }
+        Emulation::Continue(next)
+    }
+
+    /// Loads DS/ES/SS/FS/GS with `sel` (the checks in [`Segments::load_data`]).
+    fn load_sreg(&mut self, i: &Instruction, reg: Sreg, sel: u16, next: GuestVirt) -> Emulation {
+        let old_base = self.segs.sregs[reg as usize].base;
+        let mem = self.mem();
+        if let Err(f) = self.segs.load_data(&mem, self.gdtr, reg, sel) {
+            return self.fault(i.mnemonic(), f);
+        }
+        if matches!(reg, Sreg::Fs | Sreg::Gs) && self.segs.sregs[reg as usize].base != old_base {
+            return self.stop(
+                Some(i.mnemonic()),
+                "the load changes the FS/GS base, and the hardware base translated code uses is not switched yet",
+            );
+        }
+        Emulation::Continue(next)
+    }
+
+    /// `retf` (16/32/64-bit operand size, optional immediate): same privilege only.
+    fn far_return(&mut self, i: &Instruction, regs: &mut GuestRegs) -> Emulation {
+        let size: u64 = match i.code() {
+            Code::Retfw | Code::Retfw_imm16 => 2,
+            Code::Retfd | Code::Retfd_imm16 => 4,
+            _ => 8,
+        };
+        let rsp = regs.get(Gpr::Rsp);
+        let mut b = [0u8; 16];
+        let sz = size as usize;
+        if !self.mem().read_virt(rsp, MODE_KERNEL, &mut b[..2 * sz]) {
+            return self.stop(
+                Some(i.mnemonic()),
+                "the stack is not readable: exception delivery to the guest is not implemented",
+            );
+        }
+        let mut ip = [0u8; 8];
+        ip[..sz].copy_from_slice(&b[..sz]);
+        let rip = u64::from_le_bytes(ip);
+        let sel = u16::from_le_bytes([b[sz], b[sz + 1]]);
+        let mem = self.mem();
+        let (d, c) = match self.segs.check_far_return_cs(&mem, self.gdtr, sel) {
+            Ok(Some(dc)) => dc,
+            Ok(None) => {
+                return self.stop(
+                    Some(i.mnemonic()),
+                    "a far return to an outer privilege level is not emulated yet",
+                )
+            }
+            Err(f) => return self.fault(i.mnemonic(), f),
+        };
+        if c.l == 0 || c.db != 0 {
+            return self.stop(
+                Some(i.mnemonic()),
+                "a far return to a non-64-bit code segment (only 64-bit code is translated)",
+            );
+        }
+        // A non-canonical RIP: #GP(0).
+        if ((rip as i64) << 16 >> 16) as u64 != rip {
+            return self.fault(
+                i.mnemonic(),
+                GuestFault {
+                    vector: crate::segments::GP,
+                    error: 0,
+                },
+            );
+        }
+        if let Err(f) = self.segs.commit_cs(&mem, &d, c) {
+            return self.fault(i.mnemonic(), f);
+        }
+        let imm = if i.op_count() > 0 {
+            u64::from(i.immediate16())
+        } else {
+            0
+        };
+        regs.set(Gpr::Rsp, rsp.wrapping_add(2 * size + imm));
+        Emulation::Continue(GuestVirt(rip))
     }
 }
 
@@ -189,6 +365,10 @@ impl Platform for Vcpu<'_> {
                     _ => self.stop(Some(i.mnemonic()), "unexpected operand"),
                 }
             }
+            Code::Mov_cr_r64 if i.op0_register() == Register::CR3 => self.stop(
+                Some(i.mnemonic()),
+                "a CR3 write (the guest switching to its own page tables) needs the shadow MMU, which is not wired in yet",
+            ),
             Code::Cli => {
                 self.vif = false;
                 Emulation::Continue(next)
@@ -242,6 +422,99 @@ impl Platform for Vcpu<'_> {
                 }
                 Emulation::Continue(next)
             }
+            Code::Mov_Sreg_rm16 | Code::Mov_Sreg_r32m16 | Code::Mov_Sreg_r64m16 => {
+                let Some(reg) = sreg_of(i.op0_register()) else {
+                    return self.stop(Some(i.mnemonic()), "unexpected operand");
+                };
+                if reg == Sreg::Cs {
+                    return self.stop(
+                        Some(i.mnemonic()),
+                        "mov cs raises #UD; exception delivery to the guest is not implemented",
+                    );
+                }
+                let Some(sel) = self.read_rm16(&i, 1, regs) else {
+                    return self.stop(Some(i.mnemonic()), "its operand is not readable: exception delivery to the guest is not implemented");
+                };
+                self.load_sreg(&i, reg, sel, next)
+            }
+            Code::Mov_rm16_Sreg | Code::Mov_r32m16_Sreg | Code::Mov_r64m16_Sreg => {
+                let Some(reg) = sreg_of(i.op1_register()) else {
+                    return self.stop(Some(i.mnemonic()), "unexpected operand");
+                };
+                let sel = self.segs.sregs[reg as usize].selector;
+                self.write_rm16(&i, sel, regs, next)
+            }
+            Code::Str_rm16 | Code::Str_r32m16 | Code::Str_r64m16 => {
+                let sel = self.segs.tr.selector;
+                self.write_rm16(&i, sel, regs, next)
+            }
+            Code::Sldt_rm16 | Code::Sldt_r32m16 | Code::Sldt_r64m16 => {
+                let sel = self.segs.ldtr.selector;
+                self.write_rm16(&i, sel, regs, next)
+            }
+            Code::Ltr_rm16
+            | Code::Ltr_r32m16
+            | Code::Ltr_r64m16
+            | Code::Lldt_rm16
+            | Code::Lldt_r32m16
+            | Code::Lldt_r64m16 => {
+                let Some(sel) = self.read_rm16(&i, 0, regs) else {
+                    return self.stop(Some(i.mnemonic()), "its operand is not readable: exception delivery to the guest is not implemented");
+                };
+                let ldt = i.mnemonic() == Mnemonic::Lldt;
+                let mem = self.mem();
+                match self.segs.load_system(&mem, self.gdtr, sel, ldt) {
+                    Ok(()) => Emulation::Continue(next),
+                    Err(f) => self.fault(i.mnemonic(), f),
+                }
+            }
+            Code::Pushw_FS | Code::Pushq_FS | Code::Pushw_GS | Code::Pushq_GS => {
+                let reg = if matches!(i.code(), Code::Pushw_FS | Code::Pushq_FS) {
+                    Sreg::Fs
+                } else {
+                    Sreg::Gs
+                };
+                let size = if matches!(i.code(), Code::Pushw_FS | Code::Pushw_GS) {
+                    2
+                } else {
+                    8
+                };
+                let v = u64::from(self.segs.sregs[reg as usize].selector).to_le_bytes();
+                let rsp = regs.get(Gpr::Rsp).wrapping_sub(size as u64);
+                if !self.mem().write_virt(rsp, MODE_KERNEL, &v[..size]) {
+                    return self.stop(Some(i.mnemonic()), "the stack is not writable: exception delivery to the guest is not implemented");
+                }
+                regs.set(Gpr::Rsp, rsp);
+                Emulation::Continue(next)
+            }
+            Code::Popw_FS | Code::Popq_FS | Code::Popw_GS | Code::Popq_GS => {
+                let reg = if matches!(i.code(), Code::Popw_FS | Code::Popq_FS) {
+                    Sreg::Fs
+                } else {
+                    Sreg::Gs
+                };
+                let size = if matches!(i.code(), Code::Popw_FS | Code::Popw_GS) {
+                    2
+                } else {
+                    8
+                };
+                let rsp = regs.get(Gpr::Rsp);
+                let mut b = [0u8; 2];
+                if !self.mem().read_virt(rsp, MODE_KERNEL, &mut b) {
+                    return self.stop(Some(i.mnemonic()), "the stack is not readable: exception delivery to the guest is not implemented");
+                }
+                let e = self.load_sreg(&i, reg, u16::from_le_bytes(b), next);
+                if e != Emulation::Stop {
+                    regs.set(Gpr::Rsp, rsp.wrapping_add(size));
+                }
+                e
+            }
+            Code::Retfw
+            | Code::Retfd
+            | Code::Retfq
+            | Code::Retfw_imm16
+            | Code::Retfd_imm16
+            | Code::Retfq_imm16 => self.far_return(&i, regs),
             Code::Hlt if !self.vif => self.stop(
                 Some(i.mnemonic()),
                 "hlt with interrupts disabled: the guest halts for good",
@@ -257,6 +530,14 @@ impl Platform for Vcpu<'_> {
                 };
                 self.stop(Some(i.mnemonic()), why)
             }
+        }
+    }
+
+    fn segment_base(&mut self, seg: SegBase) -> u64 {
+        match seg {
+            SegBase::Fs => self.segs.sregs[Sreg::Fs as usize].base,
+            SegBase::Gs => self.segs.sregs[Sreg::Gs as usize].base,
+            _ => 0,
         }
     }
 }

@@ -1,0 +1,277 @@
+//! The engine's virtual CPU keeps the guest's segment state virtual: a hand-assembled
+//! guest builds its own GDT, `lgdt`s it, far-returns (`retfq`, then a 32-bit `retf`) to
+//! reload CS, loads DS/ES/SS/FS/GS, `ltr`s a TSS (busy-marked in its GDT, as hardware
+//! does), `lldt`s an LDT, moves FS into GS through the stack (`push fs; pop gs`), reads
+//! it all back (`mov ax, sreg`, `str`, `sldt`, `sgdt`, the descriptors' type bytes) and
+//! prints it in hex over COM1 — under `--tool null` exactly as natively. A load that
+//! would fault (a non-present data descriptor, a selector beyond the GDT limit, a code
+//! segment in SS) stops the engine naming the exception, the selector and the RIP.
+
+use std::time::Duration;
+
+use iced_x86::code_asm::{
+    al, ax, byte_ptr, cs, ds, dword_ptr, dx, eax, es, fs, gs, ptr, rax, rsp, ss, CodeAssembler,
+};
+use iced_x86::IcedError;
+use kpin_tests::{kvm_available, run_guest, scratch_dir, tiny_elf, TINY_LOAD_ADDR};
+use vmm::{EngineConfig, Outcome, RunReport, VmConfig};
+
+/// Emits one instruction.
+type Emit = fn(&mut CodeAssembler) -> Result<(), IcedError>;
+/// Emits a segment load.
+type Load = fn(&mut CodeAssembler);
+
+/// Where the guest builds its tables (identity-mapped RAM).
+const GDT: u64 = 0x20_1000;
+const GDTR: u64 = 0x20_0f00;
+const SGDT_OUT: u64 = 0x20_0f10;
+const TSS: u64 = 0x20_2000;
+const LDT: u64 = 0x20_3000;
+const STACK: u64 = 0x20_8000;
+
+const CODE64: u64 = 0x00af_9a00_0000_ffff;
+const DATA: u64 = 0x00cf_9200_0000_ffff;
+const DATA_NOT_PRESENT: u64 = 0x00cf_1200_0000_ffff;
+
+/// `base`/`limit`/`type` into the low half of a 16-byte system descriptor (present).
+fn system_low(base: u64, limit: u64, ty: u64) -> u64 {
+    limit | (base & 0xff_ffff) << 16 | (0x80 | ty) << 40 | (base >> 24 & 0xff) << 56
+}
+
+/// The GDT: null, 0x08 code64, 0x10 data, 0x18 data (not present), 0x20 TSS (16 bytes),
+/// 0x30 LDT (16 bytes).
+fn gdt_entries() -> Vec<u64> {
+    vec![
+        0,
+        CODE64,
+        DATA,
+        DATA_NOT_PRESENT,
+        system_low(TSS, 0x67, 9),
+        0,
+        system_low(LDT, 0xf, 2),
+        0,
+    ]
+}
+
+/// Stores the GDT and the `lgdt` operand, `lgdt`s it and sets a stack.
+fn prologue(a: &mut CodeAssembler) {
+    a.mov(rsp, STACK).unwrap();
+    for (k, e) in gdt_entries().into_iter().enumerate() {
+        a.mov(rax, e).unwrap();
+        a.mov(ptr(GDT + 8 * k as u64), rax).unwrap();
+    }
+    a.mov(rax, (GDT << 16) | (8 * gdt_entries().len() as u64 - 1))
+        .unwrap();
+    a.mov(ptr(GDTR), rax).unwrap();
+    a.mov(rax, GDT >> 48).unwrap();
+    a.mov(ptr(GDTR + 8), rax).unwrap();
+    a.lgdt(ptr(GDTR)).unwrap();
+}
+
+/// `out 0x64, 0xfe; hlt`.
+fn reset(a: &mut CodeAssembler) {
+    a.mov(al, 0xfe_u32).unwrap();
+    a.out(0x64_u32, al).unwrap();
+    a.hlt().unwrap();
+}
+
+fn assemble(a: &mut CodeAssembler) -> Vec<u8> {
+    a.assemble(TINY_LOAD_ADDR).unwrap()
+}
+
+/// The guest that loads everything and prints what it reads back.
+fn segments_guest() -> Vec<u8> {
+    let mut a = CodeAssembler::new(64).unwrap();
+    let mut hex = a.create_label();
+    let mut after_q = a.create_label();
+    let mut after_d = a.create_label();
+    prologue(&mut a);
+    // retfq to 0x08.
+    a.push(0x08).unwrap();
+    a.lea(rax, ptr(after_q)).unwrap();
+    a.push(rax).unwrap();
+    a.db(&[0x48, 0xcb]).unwrap();
+    a.set_label(&mut after_q).unwrap();
+    a.nop().unwrap();
+    // retf (32-bit operand size): EIP and CS as two dwords.
+    a.lea(rax, ptr(after_d)).unwrap();
+    a.sub(rsp, 8).unwrap();
+    a.mov(dword_ptr(rsp), eax).unwrap();
+    a.mov(dword_ptr(rsp + 4), 0x08).unwrap();
+    a.db(&[0xcb]).unwrap();
+    a.set_label(&mut after_d).unwrap();
+    a.nop().unwrap();
+    a.mov(ax, 0x10).unwrap();
+    a.mov(ds, ax).unwrap();
+    a.mov(es, ax).unwrap();
+    a.mov(ss, ax).unwrap();
+    a.mov(fs, ax).unwrap();
+    a.mov(ax, 0x20).unwrap();
+    a.ltr(ax).unwrap();
+    a.mov(ax, 0x30).unwrap();
+    a.lldt(ax).unwrap();
+    a.push(fs).unwrap();
+    a.pop(gs).unwrap();
+    a.sgdt(ptr(SGDT_OUT)).unwrap();
+    // Read back and print.
+    let reads: [Emit; 8] = [
+        |a| a.mov(ax, cs),
+        |a| a.mov(ax, ds),
+        |a| a.mov(ax, es),
+        |a| a.mov(ax, ss),
+        |a| a.mov(ax, fs),
+        |a| a.mov(ax, gs),
+        |a| a.str(ax),
+        |a| a.sldt(ax),
+    ];
+    for read in reads {
+        read(&mut a).unwrap();
+        a.call(hex).unwrap();
+    }
+    // The type bytes: code (accessed), data (accessed), TSS (busy), and the `sgdt`
+    // limit and base bits 8-15.
+    for at in [
+        GDT + 8 + 5,
+        GDT + 16 + 5,
+        GDT + 32 + 5,
+        SGDT_OUT,
+        SGDT_OUT + 3,
+    ] {
+        a.mov(al, byte_ptr(at)).unwrap();
+        a.call(hex).unwrap();
+    }
+    a.mov(dx, 0x3f8).unwrap();
+    a.mov(al, 10).unwrap();
+    a.out(dx, al).unwrap();
+    reset(&mut a);
+    // hex: prints AL as two hex digits.
+    a.set_label(&mut hex).unwrap();
+    a.push(rax).unwrap();
+    a.shr(al, 4).unwrap();
+    nibble(&mut a);
+    a.pop(rax).unwrap();
+    a.and(al, 0xf).unwrap();
+    nibble(&mut a);
+    a.ret().unwrap();
+    assemble(&mut a)
+}
+
+/// Prints the low nibble in AL (0-15) as a hex digit.
+fn nibble(a: &mut CodeAssembler) {
+    let mut digit = a.create_label();
+    a.cmp(al, 10).unwrap();
+    a.jb(digit).unwrap();
+    a.add(al, i32::from(b'a' - b'0' - 10)).unwrap();
+    a.set_label(&mut digit).unwrap();
+    a.add(al, i32::from(b'0')).unwrap();
+    a.mov(dx, 0x3f8).unwrap();
+    a.out(dx, al).unwrap();
+}
+
+fn run(name: &str, code: &[u8], tool: Option<&str>) -> (RunReport, String, String) {
+    let dir = scratch_dir(name);
+    let kernel = dir.join("guest.elf");
+    std::fs::write(&kernel, tiny_elf(code)).unwrap();
+    let console = dir.join("console.txt");
+    let engine = tool.map(|t| EngineConfig {
+        image: kpin_images::ensure_engine(&kpin_images::default_out_dir(), &mut |l| {
+            eprintln!("{l}")
+        })
+        .expect("build the engine image"),
+        tool: t.into(),
+        options: String::new(),
+    });
+    let cfg = VmConfig {
+        kernel,
+        initrd: None,
+        cmdline: String::new(),
+        mem_mib: 64,
+        timeout: Some(Duration::from_secs(60)),
+        console_file: Some(console.clone()),
+        echo_console: false,
+        system_map: None,
+        engine,
+    };
+    let (report, _) = run_guest(&cfg, &dir);
+    let text = std::fs::read_to_string(&console).unwrap_or_default();
+    let log = std::fs::read_to_string(dir.join(host_daemon::ENGINE_LOG)).unwrap_or_default();
+    (report, text, log)
+}
+
+#[test]
+fn test_segment_loads_and_reads_under_the_engine_match_the_native_run() {
+    if !kvm_available("test_segment_loads_and_reads_under_the_engine_match_the_native_run") {
+        return;
+    }
+    let code = segments_guest();
+    let (native, native_console, _) = run("engine-seg-native", &code, None);
+    assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
+    // The low bytes of cs ds es ss fs gs tr ldtr; code 0x9b, data 0x93, TSS busy 0x8b; sgdt limit 0x3f,
+    // base bits 8-15 0x10.
+    assert_eq!(
+        native_console, "08101010101020309b938b3f10\n",
+        "the native reference changed"
+    );
+    let (report, console, log) = run("engine-seg-null", &code, Some("null"));
+    assert_eq!(report.outcome, Outcome::Poweroff, "{log}");
+    assert_eq!(console, native_console, "{log}");
+}
+
+#[test]
+fn test_a_segment_load_that_would_fault_stops_the_engine_naming_the_fault() {
+    if !kvm_available("test_a_segment_load_that_would_fault_stops_the_engine_naming_the_fault") {
+        return;
+    }
+    let cases: [(&str, Load, &str); 4] = [
+        (
+            "np",
+            |a| {
+                a.mov(ax, 0x18).unwrap();
+                a.mov(ds, ax).unwrap();
+            },
+            "would raise #NP(0x18) in the guest (vector 11, error code 0x18, selector 0x18)",
+        ),
+        (
+            "limit",
+            |a| {
+                a.mov(ax, 0x40).unwrap();
+                a.mov(es, ax).unwrap();
+            },
+            "would raise #GP(0x40) in the guest (vector 13, error code 0x40, selector 0x40)",
+        ),
+        (
+            "ss-code",
+            |a| {
+                a.mov(ax, 0x08).unwrap();
+                a.mov(ss, ax).unwrap();
+            },
+            "would raise #GP(0x8) in the guest (vector 13, error code 0x8, selector 0x8)",
+        ),
+        (
+            "ltr-data",
+            |a| {
+                a.mov(ax, 0x10).unwrap();
+                a.ltr(ax).unwrap();
+            },
+            "would raise #GP(0x10) in the guest (vector 13, error code 0x10, selector 0x10)",
+        ),
+    ];
+    for (name, load, want) in cases {
+        let mut p = CodeAssembler::new(64).unwrap();
+        prologue(&mut p);
+        // The load follows the prologue and `mov ax, imm16` (4 bytes).
+        let at = TINY_LOAD_ADDR + assemble(&mut p).len() as u64 + 4;
+        let mut a = CodeAssembler::new(64).unwrap();
+        prologue(&mut a);
+        load(&mut a);
+        reset(&mut a);
+        let code = assemble(&mut a);
+        let (report, _, log) = run(&format!("engine-seg-fault-{name}"), &code, Some("null"));
+        assert_eq!(report.outcome, Outcome::EngineFailure, "{name}: {log}");
+        assert!(log.contains(want), "{name}: {log}");
+        assert!(
+            log.contains(&format!("at guest RIP {at:#x}")),
+            "{name}: {log}"
+        );
+    }
+}
