@@ -10,8 +10,8 @@
 use std::path::Path;
 use std::time::Duration;
 
-use kpin_tests::{kvm_available, run_guest, scratch_dir, tiny_elf, TINY_LOAD_ADDR};
-use vmm::{EngineConfig, Outcome, RunReport, VmConfig};
+use kpin_tests::{kvm_available, run_tiny_guest, TINY_LOAD_ADDR};
+use vmm::Outcome;
 
 /// At `TINY_LOAD_ADDR` (offsets in the comments):
 /// ```text
@@ -41,42 +41,6 @@ const PRINT_OK: &[u8] = &[
     0x66, 0xba, 0xf8, 0x03, 0xb0, b'O', 0xee, 0xb0, b'K', 0xee, 0xb0, 0x0a, 0xee,
 ];
 
-/// Runs `code` natively (`tool` = None) or under the engine; returns the report, the
-/// console and `engine.log`.
-fn run(
-    name: &str,
-    code: &[u8],
-    tool: Option<&str>,
-) -> (RunReport, String, String, std::path::PathBuf) {
-    let dir = scratch_dir(name);
-    let kernel = dir.join("guest.elf");
-    std::fs::write(&kernel, tiny_elf(code)).unwrap();
-    let console = dir.join("console.txt");
-    let engine = tool.map(|t| EngineConfig {
-        image: kpin_images::ensure_engine(&kpin_images::default_out_dir(), &mut |l| {
-            eprintln!("{l}")
-        })
-        .expect("build the engine image"),
-        tool: t.into(),
-        options: String::new(),
-    });
-    let cfg = VmConfig {
-        kernel,
-        initrd: None,
-        cmdline: String::new(),
-        mem_mib: 64,
-        timeout: Some(Duration::from_secs(60)),
-        console_file: Some(console.clone()),
-        echo_console: false,
-        system_map: None,
-        engine,
-    };
-    let (report, _) = run_guest(&cfg, &dir);
-    let text = std::fs::read_to_string(&console).unwrap_or_default();
-    let log = read(&dir.join(host_daemon::ENGINE_LOG));
-    (report, text, log, dir)
-}
-
 fn read(p: &Path) -> String {
     std::fs::read_to_string(p).unwrap_or_default()
 }
@@ -88,12 +52,12 @@ fn test_tiny_guest_under_null_tool_prints_what_it_prints_natively_and_powers_off
     ) {
         return;
     }
-    let (native, native_console, _, _) = run("engine-run-native", LOOP_GUEST, None);
+    let (native, native_console, _, _) = run_tiny_guest("engine-run-native", LOOP_GUEST, None);
     assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
     assert!(native_console.starts_with("OK\n"), "{native_console:?}");
     assert!(native_console.ends_with("Y\n"), "{native_console:?}");
 
-    let (report, console, log, _) = run("engine-run-null", LOOP_GUEST, Some("null"));
+    let (report, console, log, _) = run_tiny_guest("engine-run-null", LOOP_GUEST, Some("null"));
     assert_eq!(
         report.outcome,
         Outcome::Poweroff,
@@ -126,7 +90,8 @@ fn test_bbcount_counts_the_loop_blocks_into_a_csv() {
     if !kvm_available("test_bbcount_counts_the_loop_blocks_into_a_csv") {
         return;
     }
-    let (report, console, log, dir) = run("engine-run-bbcount", LOOP_GUEST, Some("bbcount"));
+    let (report, console, log, dir) =
+        run_tiny_guest("engine-run-bbcount", LOOP_GUEST, Some("bbcount"));
     assert_eq!(
         report.outcome,
         Outcome::Poweroff,
@@ -180,7 +145,8 @@ fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
             ),
         ),
     ] {
-        let (report, console, log, _) = run(&format!("engine-run-{name}"), &code, Some("null"));
+        let (report, console, log, _) =
+            run_tiny_guest(&format!("engine-run-{name}"), &code, Some("null"));
         assert_eq!(report.outcome, Outcome::EngineFailure, "{name}: {log}");
         assert!(log.contains(&want), "{name}: {log}");
         assert!(log.contains("engine: stats: "), "{name}: {log}");
@@ -219,7 +185,7 @@ fn test_fault_in_translated_code_is_mapped_back_to_the_guest_instruction() {
             format!("the guest instruction at RIP {:#x} raised #DE (vector 0,", at + 2),
         ),
     ] {
-        let (report, console, log, _) = run(&format!("engine-run-fault-{name}"), &code, Some("null"));
+        let (report, console, log, _) = run_tiny_guest(&format!("engine-run-fault-{name}"), &code, Some("null"));
         assert_eq!(report.outcome, Outcome::EngineFailure, "{name}: {log}");
         assert!(log.contains(&want), "{name}: {log}");
         assert!(!log.contains("unexpected exception"), "{name}: {log}");
@@ -239,10 +205,10 @@ fn test_port_reads_through_the_gate_see_what_native_reads() {
         0x66, 0xba, 0xfd, 0x03, 0xec, 0x66, 0xba, 0xf8, 0x03, 0xee, 0xb0, 0x0a, 0xee, 0xb0, 0xfe,
         0xe6, 0x64, 0xf4,
     ];
-    let (native, native_console, _, _) = run("engine-run-in-native", &code, None);
+    let (native, native_console, _, _) = run_tiny_guest("engine-run-in-native", &code, None);
     assert_eq!(native.outcome, Outcome::Poweroff);
     assert_eq!(native_console.len(), 2, "{native_console:?}");
-    let (report, console, log, _) = run("engine-run-in-null", &code, Some("null"));
+    let (report, console, log, _) = run_tiny_guest("engine-run-in-null", &code, Some("null"));
     assert_eq!(report.outcome, Outcome::Poweroff, "{log}");
     assert_eq!(console, native_console, "{log}");
     // Two characters and the reset.
@@ -264,14 +230,14 @@ fn test_descriptor_table_registers_are_virtual_and_read_back_like_natively() {
         0x04, 0x25, 0x13, 0x30, 0x00, 0x00, 0xee, 0x8a, 0x04, 0x25, 0x20, 0x30, 0x00, 0x00, 0xee,
         0xb0, 0x0a, 0xee, 0xb0, 0xfe, 0xe6, 0x64, 0xf4,
     ];
-    let (native, native_console, _, _) = run("engine-run-gdt-native", &code, None);
+    let (native, native_console, _, _) = run_tiny_guest("engine-run-gdt-native", &code, None);
     assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
     // The VMM's boot GDT: 0x500, limit 0x1f.
     assert!(
         native_console.starts_with("\u{1f}\u{5}"),
         "{native_console:?}"
     );
-    let (report, console, log, _) = run("engine-run-gdt-null", &code, Some("null"));
+    let (report, console, log, _) = run_tiny_guest("engine-run-gdt-null", &code, Some("null"));
     assert_eq!(report.outcome, Outcome::Poweroff, "{log}");
     assert_eq!(console, native_console, "{log}");
 }

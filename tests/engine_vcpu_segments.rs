@@ -8,14 +8,12 @@
 //! segment in SS, a data descriptor in TR, a far return to RPL 3 through a DPL-0 code
 //! descriptor) stops the engine naming the exception, the selector and the RIP.
 
-use std::time::Duration;
-
 use iced_x86::code_asm::{
     al, ax, byte_ptr, cs, ds, dword_ptr, dx, eax, es, fs, gs, ptr, rax, rsp, ss, CodeAssembler,
 };
 use iced_x86::IcedError;
-use kpin_tests::{kvm_available, run_guest, scratch_dir, tiny_elf, TINY_LOAD_ADDR};
-use vmm::{EngineConfig, Outcome, RunReport, VmConfig};
+use kpin_tests::{kvm_available, run_tiny_guest, TINY_LOAD_ADDR};
+use vmm::Outcome;
 
 /// Emits one instruction.
 type Emit = fn(&mut CodeAssembler) -> Result<(), IcedError>;
@@ -169,43 +167,13 @@ fn nibble(a: &mut CodeAssembler) {
     a.out(dx, al).unwrap();
 }
 
-fn run(name: &str, code: &[u8], tool: Option<&str>) -> (RunReport, String, String) {
-    let dir = scratch_dir(name);
-    let kernel = dir.join("guest.elf");
-    std::fs::write(&kernel, tiny_elf(code)).unwrap();
-    let console = dir.join("console.txt");
-    let engine = tool.map(|t| EngineConfig {
-        image: kpin_images::ensure_engine(&kpin_images::default_out_dir(), &mut |l| {
-            eprintln!("{l}")
-        })
-        .expect("build the engine image"),
-        tool: t.into(),
-        options: String::new(),
-    });
-    let cfg = VmConfig {
-        kernel,
-        initrd: None,
-        cmdline: String::new(),
-        mem_mib: 64,
-        timeout: Some(Duration::from_secs(60)),
-        console_file: Some(console.clone()),
-        echo_console: false,
-        system_map: None,
-        engine,
-    };
-    let (report, _) = run_guest(&cfg, &dir);
-    let text = std::fs::read_to_string(&console).unwrap_or_default();
-    let log = std::fs::read_to_string(dir.join(host_daemon::ENGINE_LOG)).unwrap_or_default();
-    (report, text, log)
-}
-
 #[test]
 fn test_segment_loads_and_reads_under_the_engine_match_the_native_run() {
     if !kvm_available("test_segment_loads_and_reads_under_the_engine_match_the_native_run") {
         return;
     }
     let code = segments_guest();
-    let (native, native_console, _) = run("engine-seg-native", &code, None);
+    let (native, native_console, _, _) = run_tiny_guest("engine-seg-native", &code, None);
     assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
     // The low bytes of cs ds es ss fs gs tr ldtr; code 0x9b, data 0x93, TSS busy 0x8b; sgdt limit 0x3f,
     // base bits 8-15 0x10.
@@ -213,7 +181,7 @@ fn test_segment_loads_and_reads_under_the_engine_match_the_native_run() {
         native_console, "08101010101020309b938b3f10\n",
         "the native reference changed"
     );
-    let (report, console, log) = run("engine-seg-null", &code, Some("null"));
+    let (report, console, log, _) = run_tiny_guest("engine-seg-null", &code, Some("null"));
     assert_eq!(report.outcome, Outcome::Poweroff, "{log}");
     assert_eq!(console, native_console, "{log}");
 }
@@ -284,7 +252,8 @@ fn test_a_segment_load_that_would_fault_stops_the_engine_naming_the_fault() {
         load(&mut a);
         reset(&mut a);
         let code = assemble(&mut a);
-        let (report, _, log) = run(&format!("engine-seg-fault-{name}"), &code, Some("null"));
+        let (report, _, log, _) =
+            run_tiny_guest(&format!("engine-seg-fault-{name}"), &code, Some("null"));
         assert_eq!(report.outcome, Outcome::EngineFailure, "{name}: {log}");
         assert!(log.contains(&want), "{name}: {log}");
     }

@@ -35,6 +35,43 @@ pub fn run_guest(cfg: &VmConfig, out: &Path) -> (RunReport, DaemonStats) {
     (report, daemon.finish().expect("finish output files"))
 }
 
+/// Runs the tiny guest `code` (see [`tiny_elf`]) natively (`tool` = None) or under the
+/// engine with `tool`; returns the report, the console, `engine.log` (empty if none) and
+/// the run's output directory.
+pub fn run_tiny_guest(
+    name: &str,
+    code: &[u8],
+    tool: Option<&str>,
+) -> (RunReport, String, String, PathBuf) {
+    let dir = scratch_dir(name);
+    let kernel = dir.join("guest.elf");
+    std::fs::write(&kernel, tiny_elf(code)).expect("write the tiny guest");
+    let console = dir.join("console.txt");
+    let engine = tool.map(|t| vmm::EngineConfig {
+        image: kpin_images::ensure_engine(&kpin_images::default_out_dir(), &mut |l| {
+            eprintln!("{l}")
+        })
+        .expect("build the engine image"),
+        tool: t.into(),
+        options: String::new(),
+    });
+    let cfg = VmConfig {
+        kernel,
+        initrd: None,
+        cmdline: String::new(),
+        mem_mib: 64,
+        timeout: Some(std::time::Duration::from_secs(60)),
+        console_file: Some(console.clone()),
+        echo_console: false,
+        system_map: None,
+        engine,
+    };
+    let (report, _) = run_guest(&cfg, &dir);
+    let text = std::fs::read_to_string(&console).unwrap_or_default();
+    let log = std::fs::read_to_string(dir.join(host_daemon::ENGINE_LOG)).unwrap_or_default();
+    (report, text, log, dir)
+}
+
 /// Load address of the tiny test guests.
 pub const TINY_LOAD_ADDR: u64 = 0x10_0000;
 
