@@ -9,7 +9,7 @@
 //! | [`ENGINE_OFFSET`]   | [`ENGINE_BYTES`]      | the engine image (code, data, `.bss`: stacks, its page tables) |
 //! | [`HEAP_OFFSET`]     | [`HEAP_BYTES`]        | the engine's heap (its global allocator)  |
 //! | [`CODE_CACHE_OFFSET`] | [`CODE_CACHE_BYTES`] | the code cache (`guest_engine::Engine::new`'s region: context, lookup tables, traces) |
-//! | [`RESERVED_OFFSET`] | up to the region end (8 MiB) | unused; for the shadow page tables (issue #4) |
+//! | [`SHADOW_TABLES_OFFSET`] | [`SHADOW_TABLES_BYTES`] (to the region end) | frames for the shadow page tables (the engine's `shadow.rs` allocates them) |
 //!
 //! The engine image is linked at `WINDOW_VA + ENGINE_OFFSET`; the VMM loads each ELF
 //! segment at `stolen_base + (p_vaddr - WINDOW_VA)`.
@@ -56,13 +56,17 @@ pub const HEAP_BYTES: u64 = 0x100_0000;
 pub const CODE_CACHE_OFFSET: u64 = HEAP_OFFSET + HEAP_BYTES;
 /// Bytes of the code cache.
 pub const CODE_CACHE_BYTES: u64 = 0x200_0000;
-/// Offset of the part nothing uses yet (up to the end of the 64 MiB region).
-pub const RESERVED_OFFSET: u64 = CODE_CACHE_OFFSET + CODE_CACHE_BYTES;
+/// Offset of the frames for the shadow MMU's page tables (4 KiB each, up to the end of
+/// the region).
+pub const SHADOW_TABLES_OFFSET: u64 = CODE_CACHE_OFFSET + CODE_CACHE_BYTES;
 /// Bytes of the stolen region the layout above assumes (the VMM steals exactly this).
 pub const LAYOUT_BYTES: u64 = 64 << 20;
+/// Bytes for shadow page tables: 2048 frames.
+pub const SHADOW_TABLES_BYTES: u64 = LAYOUT_BYTES - SHADOW_TABLES_OFFSET;
 
 const _: () = assert!(IO_RING_OFFSET + IO_RING_BYTES <= ENGINE_OFFSET);
-const _: () = assert!(RESERVED_OFFSET <= LAYOUT_BYTES);
+const _: () = assert!(SHADOW_TABLES_OFFSET < LAYOUT_BYTES);
+const _: () = assert!(SHADOW_TABLES_OFFSET.is_multiple_of(4096));
 const _: () = assert!(CODE_CACHE_OFFSET.is_multiple_of(2 << 20));
 const _: () = assert!(BOOT_PT_OFFSET + BOOT_PT_BYTES <= IO_RING_OFFSET);
 const _: () = assert!(ATTACH_OFFSET + ATTACH_BYTES <= BOOT_PT_OFFSET);

@@ -4,8 +4,8 @@
 //! 1 GiB pages), user-accessible because the engine runs at CPL 3.
 //!
 //! Invariant: the engine's own tables map the window exactly as the boot tables do, so
-//! switching is invisible to the running code. Guest shadow roots will copy the PML4
-//! entries of the window and the physmap (TODO(#4)).
+//! switching is invisible to the running code. Once guest code runs, the real CR3 holds a
+//! shadow root (`shadow.rs`), which copies this root's window and physmap PML4 entries.
 
 use core::cell::UnsafeCell;
 
@@ -46,19 +46,30 @@ static TABLES: Cell = Cell(UnsafeCell::new(Tables {
     physmap_pd: [[0; ENTRIES]; PHYSMAP_PDS],
 }));
 
-/// Sets entry `slot` of the engine's root (built by [`build_and_load`]) to `entry` and
-/// reloads CR3 so that no stale translation of that slot survives.
-///
-/// # Safety
-/// `slot` is neither the window's nor the physmap's, and `entry` points at tables that
-/// stay valid while the root is in use.
-pub unsafe fn set_root_entry(b: &AttachBlock, slot: usize, entry: u64) {
-    // SAFETY: one vCPU; the tables are written only between accesses through them.
-    let t = unsafe { &mut *TABLES.0.get() };
-    t.pml4[slot & (ENTRIES - 1)] = entry;
-    let root = b.stolen_base + (t.pml4.as_ptr() as u64 - WINDOW_VA);
-    // SAFETY: the window and physmap entries are unchanged (caller contract).
-    unsafe { gate::load_cr3(root) };
+/// The guest-physical address of the engine's root (built by [`build_and_load`]): the
+/// shadow MMU's template, whose window and physmap slots every shadow root copies.
+pub fn engine_root(b: &AttachBlock) -> u64 {
+    // SAFETY: only the address of the static is taken.
+    let t = unsafe { &*TABLES.0.get() };
+    window_pa(b, t.pml4.as_ptr() as u64)
+}
+
+/// Whether the physmap maps guest-physical address `pa` (it covers the e820 ranges of the
+/// first [`PHYSMAP_PDS`] GiBs that hold any, in 2 MiB pages).
+pub fn physmap_maps(b: &AttachBlock, pa: u64) -> bool {
+    // SAFETY: the tables are written only by `build_and_load`, before guest code runs.
+    let t = unsafe { &*TABLES.0.get() };
+    let gib = pa / ONE_GIB;
+    let Some(&pdpte) = t.physmap_pdpt.get(gib as usize) else {
+        return false;
+    };
+    if pdpte == 0 {
+        return false;
+    }
+    t.physmap_pd
+        .iter()
+        .find(|pd| window_pa(b, pd.as_ptr() as u64) == pdpte & !0xfff)
+        .is_some_and(|pd| pd[((pa % ONE_GIB) / TWO_MIB) as usize] != 0)
 }
 
 /// The guest-physical address of an engine object in the window.

@@ -1,8 +1,15 @@
-//! Running the guest from the code cache: after bring-up, the engine creates the
-//! translator (`guest_engine::Engine`) over the code-cache region of the stolen region,
-//! loads the guest's registers from the attach block, maps guest data through the
-//! slot-0 stand-in (`guest_alias`, until the shadow MMU is wired in) and runs the guest
-//! at hardware CPL 3 under the chosen tool until it stops.
+//! Running the guest from the code cache: after bring-up, the engine creates the shadow
+//! MMU (`shadow.rs`) and loads the kernel view's shadow root into the real CR3, creates
+//! the translator (`guest_engine::Engine`) over the code-cache region of the stolen
+//! region, loads the guest's registers from the attach block and runs the guest at
+//! hardware CPL 3 under the chosen tool until it stops.
+//!
+//! Around each run of the translator the loop (1) tells the translator what the shadow's
+//! `EngineWork` lists (code frames written, mappings dropped) — before every run, so that
+//! no stale trace or mapping survives into guest code —, (2) after the run, stops on a
+//! shadow-MMU failure, then (3) handles the stop: a hardware #PF goes to `page_fault.rs`
+//! (fill and retry, self-modifying code, or a guest fault), a guest fault to
+//! [`reflect_guest_fault`], an emulation that stopped only for (1) resumes.
 //!
 //! How a run ends: a guest i8042 reset (`out 0x64, 0xfe`) — the engine first writes its
 //! final report (statistics, the tool's output files), then performs the `out` through
@@ -10,20 +17,24 @@
 //! not emulate, a fetch the guest's page tables do not allow, or an engine error — a log
 //! line naming it and the guest RIP, the report, then the failure port (exit status 3).
 
+use alloc::format;
 use alloc::string::String;
-use core::cell::Cell;
+use core::cell::RefCell;
 use core::fmt::Write;
 
+use guest_engine::shadow_mmu::{GuestFault, View};
 use guest_engine::{Config, Engine, GuestVirt, Stop};
 use kpin_abi::attach::AttachBlock;
 use kpin_abi::stolen::{CODE_CACHE_BYTES, CODE_CACHE_OFFSET, LAYOUT_BYTES, WINDOW_VA};
 
-use crate::guest_alias;
 use crate::guest_mem::{PhysmapMemory, MODE_KERNEL};
+use crate::layout::VEC_PF;
 use crate::log::fail;
+use crate::page_fault::{self, Action};
+use crate::shadow::Shadow;
 use crate::tools::Chosen;
 use crate::vcpu::Vcpu;
-use crate::{entry, gate, heap, log, timer};
+use crate::{entry, gate, heap, log, paging, timer};
 
 /// CR0.PG, EFER.LMA: the guest must be in 64-bit long mode (all the translator knows).
 const CR0_PG: u64 = 1 << 31;
@@ -65,15 +76,21 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
         );
         fail();
     }
-    let cr3 = Cell::new(s.cr3);
-    let alias = guest_alias::map_slot0(block, cr3.get());
+    let shadow = match Shadow::new(block, paging::engine_root(block)) {
+        Ok(sh) => RefCell::new(sh),
+        Err(e) => {
+            log!(Error, "engine: creating the shadow MMU failed: {e}");
+            fail();
+        }
+    };
+    if let Err(e) = shadow.borrow_mut().enter(View::Kernel) {
+        log!(Error, "engine: loading the guest's shadow root failed: {e}");
+        fail();
+    }
     log!(
         Info,
-        "engine: guest data: STAND-IN for the shadow MMU: the guest's PML4 slot 0 copied into the engine's root as {} user-accessible 2 MiB pages ({} writable); {} guest 2 MiB ranges with 4 KiB pages and {} refused leaves NOT mapped",
-        alias.pages,
-        alias.writable,
-        alias.small_ranges,
-        alias.refused
+        "engine: guest memory through the shadow MMU: kernel-view shadow root loaded for guest CR3 {:#x}",
+        s.cr3
     );
     let config = Config {
         // The image is soft-float (no SSE in engine code): guest vector state stays in
@@ -118,18 +135,35 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
     log::flush();
 
     arm_fault_redirect(&engine);
-    let mut mem = PhysmapMemory::new(block, &cr3);
-    let mut vcpu = Vcpu::new(block, &cr3);
+    let mut mem = PhysmapMemory::new(&shadow);
+    let mut vcpu = Vcpu::new(block, &shadow);
+    let mut progress = page_fault::Progress::default();
     let t0 = timer::tsc();
     loop {
+        tell_translator(&mut engine, &shadow);
         let stop = engine.run(&mut mem, &mut vcpu, tool.as_tool());
         let cycles = timer::tsc().wrapping_sub(t0);
+        let failure = shadow.borrow().failure().cloned();
+        if let Some(e) = failure {
+            log!(
+                Error,
+                "engine: shadow MMU failure at guest RIP {:#x}: {e}",
+                engine.rip().0
+            );
+            report(&engine, &vcpu, &shadow, &tool, cycles);
+            fail();
+        }
         match stop {
+            Stop::Sensitive(_) if vcpu.resume.is_some() => {
+                if let Some(next) = vcpu.resume.take() {
+                    engine.set_rip(next);
+                }
+            }
             Stop::Sensitive(insn) if vcpu.final_write.is_some() => {
                 let Some((port, value)) = vcpu.final_write.take() else {
                     continue;
                 };
-                report(&engine, &vcpu, &tool, cycles);
+                report(&engine, &vcpu, &shadow, &tool, cycles);
                 log!(
                     Info,
                     "engine: guest RIP {:#x} writes {value:#x} to port {port:#x} (i8042 reset): passing it on",
@@ -185,7 +219,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                     let _ = write!(text, " {b:02x}");
                 }
                 log!(Error, "engine: {text}");
-                report(&engine, &vcpu, &tool, cycles);
+                report(&engine, &vcpu, &shadow, &tool, cycles);
                 fail();
             }
             Stop::Fault { guest_pc, cache_pc } => {
@@ -198,24 +232,61 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                         core::ptr::read_volatile(&raw const entry::kpin_cache_fault_cr2),
                     )
                 };
-                log!(
-                    Error,
-                    "engine: the guest instruction at RIP {:#x} raised {} (vector {vector}, error code {error:#x}, CR2 {cr2:#x}) in translated code (cache PC {:#x}); exception delivery to the guest is not implemented",
-                    guest_pc.0,
-                    crate::fault::vector_name(vector),
-                    cache_pc.0
-                );
-                report(&engine, &vcpu, &tool, cycles);
-                fail();
+                let outcome = if vector == u64::from(VEC_PF) {
+                    let hw = page_fault::HwPageFault {
+                        guest_pc,
+                        cr2,
+                        error: error as u32,
+                    };
+                    page_fault::on_page_fault(
+                        &mut engine,
+                        &shadow,
+                        &vcpu,
+                        &mut progress,
+                        MODE_KERNEL,
+                        hw,
+                    )
+                } else {
+                    Err(format!(
+                        "the guest instruction at RIP {:#x} raised {} (vector {vector}, error code {error:#x}, CR2 {cr2:#x}) in translated code (cache PC {:#x}); exception delivery to the guest is not implemented",
+                        guest_pc.0,
+                        crate::fault::vector_name(vector),
+                        cache_pc.0
+                    ))
+                };
+                let done = match outcome {
+                    Ok(Action::Retry) => {
+                        engine.set_rip(guest_pc);
+                        Ok(())
+                    }
+                    Ok(Action::Resume(next)) => {
+                        engine.set_rip(next);
+                        Ok(())
+                    }
+                    Ok(Action::Reflect(f)) => {
+                        reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, guest_pc)
+                    }
+                    Err(e) => Err(e),
+                };
+                if let Err(why) = done {
+                    log!(Error, "engine: {why}");
+                    report(&engine, &vcpu, &shadow, &tool, cycles);
+                    fail();
+                }
             }
             Stop::FetchFault(va) => {
-                log!(
-                    Error,
-                    "engine: the guest fetches code at {:#x}, which its page tables do not map executable (exception delivery to the guest is not implemented)",
-                    va.0
-                );
-                report(&engine, &vcpu, &tool, cycles);
-                fail();
+                let why = match page_fault::fetch_fault(&shadow, MODE_KERNEL, va) {
+                    Some(f) => reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, va),
+                    None => Err(format!(
+                        "the guest fetches code at {:#x} that the translator cannot decode",
+                        va.0
+                    )),
+                };
+                if let Err(why) = why {
+                    log!(Error, "engine: {why}");
+                    report(&engine, &vcpu, &shadow, &tool, cycles);
+                    fail();
+                }
             }
             other => {
                 log!(
@@ -223,11 +294,56 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                     "engine: the run stopped at guest RIP {:#x}: {other:?}",
                     engine.rip().0
                 );
-                report(&engine, &vcpu, &tool, cycles);
+                report(&engine, &vcpu, &shadow, &tool, cycles);
                 fail();
             }
         }
     }
+}
+
+/// The guest must take `fault` at the instruction `guest_pc` (the engine's registers are
+/// the guest's before it): the one place exception delivery through the guest's IDT will
+/// go. `Ok` means delivered (the engine's RIP and registers are the handler's); `Err`
+/// says why the run must stop.
+pub fn reflect_guest_fault(
+    engine: &mut Engine,
+    vcpu: &mut Vcpu<'_>,
+    shadow: &RefCell<Shadow>,
+    fault: GuestFault,
+    guest_pc: GuestVirt,
+) -> Result<(), String> {
+    let _ = (engine, vcpu);
+    shadow.borrow_mut().counters.reflected += 1;
+    let name = crate::fault::vector_name(u64::from(fault.vector));
+    let cr2 = if fault.vector == guest_engine::shadow_mmu::PF_VECTOR {
+        format!(", CR2 {:#x}", fault.cr2.0)
+    } else {
+        String::new()
+    };
+    Err(format!(
+        "the guest instruction at RIP {:#x} raised {name} (vector {}, error code {:#x}{cr2}): exception delivery to the guest is not implemented yet",
+        guest_pc.0, fault.vector, fault.error_code
+    ))
+}
+
+/// Tells the translator what the shadow MMU did that it must know before guest code runs
+/// again.
+fn tell_translator(engine: &mut Engine, shadow: &RefCell<Shadow>) {
+    let work = shadow.borrow_mut().take_work();
+    if work.all_mappings {
+        // TODO(merge): Engine::invalidate_all_mappings (SoftTLB mirror, IBL and return
+        // cache) instead of dropping every translation.
+        engine.flush();
+    } else {
+        for va in &work.pages {
+            engine.invalidate_page(*va);
+        }
+    }
+    let mut invalidated = 0;
+    for frame in &work.code_frames {
+        invalidated += engine.invalidate_code_page(*frame);
+    }
+    shadow.borrow_mut().counters.fragments_invalidated += invalidated as u64;
 }
 
 /// Tells the ring-0 trap path where the code cache is, so that a fault in translated
@@ -250,7 +366,7 @@ fn arm_fault_redirect(engine: &Engine) {
 }
 
 /// Logs what the run did and writes the tool's output files.
-fn report(engine: &Engine, vcpu: &Vcpu<'_>, tool: &Chosen, cycles: u64) {
+fn report(engine: &Engine, vcpu: &Vcpu<'_>, shadow: &RefCell<Shadow>, tool: &Chosen, cycles: u64) {
     let st = engine.stats();
     let (heap_now, heap_peak) = heap::usage();
     log!(
@@ -271,6 +387,7 @@ fn report(engine: &Engine, vcpu: &Vcpu<'_>, tool: &Chosen, cycles: u64) {
         heap_peak >> 10,
         cycles
     );
+    log!(Info, "engine: shadow: {}", shadow.borrow());
     if let Chosen::BbCount(b) = tool {
         log!(
             Info,

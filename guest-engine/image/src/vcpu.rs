@@ -4,7 +4,11 @@
 //! * `out imm8/dx, al` and `in al, imm8/dx` through the ring-0 gate's OUT8/IN8 (port I/O
 //!   at CPL 3 faults here, even with IOPL 3), so the VMM sees the same port exit a
 //!   native `out` makes — an i8042 reset (`out 0x64, 0xfe`) ends the run as a poweroff;
-//! * `mov r64, cr3` (the virtual CR3; writes are not emulated yet);
+//! * control registers and the TLB, on the shadow MMU (`shadow.rs`): `mov r64, cr0/cr3/cr4`
+//!   (the virtual values), `mov cr3, r64` (the guest switches address spaces: new shadow
+//!   root in the real CR3, every VA → PA mapping the translator holds dropped), `mov
+//!   cr0/cr4, r64` that change only CR0.WP, CR4.PGE or CR4.SMEP (the bits that change
+//!   translations and nothing else the hardware would enforce at CPL 3), `invlpg m`;
 //! * `lgdt`/`lidt`/`sgdt`/`sidt` on the virtual GDTR/IDTR ([`Vcpu::gdtr`],
 //!   [`Vcpu::idtr`]; operands read and written through the guest's page tables; nothing
 //!   else uses them yet);
@@ -21,12 +25,19 @@
 //!   uses is not switched yet).
 //!
 //! Everything else (16/32-bit port I/O, `hlt` — no interrupt delivery exists yet to wake
-//! a halted guest —, CR writes — CR3 needs the shadow MMU —, MSRs, `pushf`/`popf`,
+//! a halted guest —, other CR writes, MSRs, `pushf`/`popf`,
 //! `iretq`, far `jmp`/`call`, privilege-changing far returns, …) is refused: [`Vcpu::unsupported`] names the instruction and its RIP and
 //! the engine stops with a failure (never guessing what the guest meant).
+//!
+//! The translator must hear about some emulations' effects (a CR3 write drops mappings, a
+//! write into a code frame drops its traces) before guest code runs again, and only the
+//! run loop holds the `Engine`: when the shadow has such work after an emulation,
+//! `emulate` stops with [`Vcpu::resume`] set, and the run loop does the work and resumes
+//! there. A shadow-MMU failure stops the run the same way (the run loop reports it).
 
-use core::cell::Cell;
+use core::cell::RefCell;
 
+use guest_engine::shadow_mmu::ShadowError;
 use guest_engine::{
     Emulation, Gpr, GuestRegs, GuestVirt, Platform, SegBase, SensitiveInsn, SensitiveKind,
 };
@@ -37,6 +48,7 @@ use crate::gate;
 use crate::guest_mem::{PhysmapMemory, MODE_KERNEL};
 use crate::layout::RFLAGS_IF;
 use crate::segments::{GuestFault, Segments, Sreg};
+use crate::shadow::{paging_control, Shadow, CR0_WP, CR4_PGE, CR4_SMEP};
 
 /// Ports whose writes can end the VM (the i8042 command port: 0xfe = reset): the engine
 /// writes its final report before passing such a write on.
@@ -58,8 +70,15 @@ pub struct Unsupported {
 /// The virtual CPU's state and counters.
 pub struct Vcpu<'a> {
     block: &'a AttachBlock,
-    /// Guest CR3 (shared with the guest-memory walker).
-    pub cr3: &'a Cell<u64>,
+    /// The shadow MMU (shared with guest memory and the run loop); it holds the virtual
+    /// CR3 ([`Vcpu::cr3`]).
+    shadow: &'a RefCell<Shadow>,
+    /// The virtual CR0.
+    pub cr0: u64,
+    /// The virtual CR4.
+    pub cr4: u64,
+    /// The virtual EFER (after changing it, call [`Vcpu::update_paging_control`]).
+    pub efer: u64,
     /// Emulated instructions, by kind: port writes, port reads, CPUIDs.
     pub outs: u64,
     /// Port reads emulated.
@@ -80,14 +99,20 @@ pub struct Vcpu<'a> {
     /// A port write that may end the VM (see [`I8042_CMD`]), left to the caller: the
     /// emulation stops so that the engine can write its report first, then performs it.
     pub final_write: Option<(u16, u8)>,
+    /// Where the guest continues after an emulation that stopped only so that the run
+    /// loop could do the shadow's `EngineWork` (see the module header).
+    pub resume: Option<GuestVirt>,
 }
 
 impl<'a> Vcpu<'a> {
     /// A virtual CPU for the guest in `block`.
-    pub fn new(block: &'a AttachBlock, cr3: &'a Cell<u64>) -> Self {
+    pub fn new(block: &'a AttachBlock, shadow: &'a RefCell<Shadow>) -> Self {
         Self {
             block,
-            cr3,
+            shadow,
+            cr0: block.sregs.cr0,
+            cr4: block.sregs.cr4,
+            efer: block.sregs.efer,
             outs: 0,
             ins: 0,
             cpuids: 0,
@@ -103,7 +128,22 @@ impl<'a> Vcpu<'a> {
             segs: Segments::new(&block.sregs),
             unsupported: None,
             final_write: None,
+            resume: None,
         }
+    }
+
+    /// The virtual CR3.
+    pub fn cr3(&self) -> u64 {
+        self.shadow.borrow().cr3()
+    }
+
+    /// Tells the shadow MMU the paging-control bits of [`Vcpu::cr0`], [`Vcpu::cr4`] and
+    /// [`Vcpu::efer`] (CR0.WP, CR4.PGE/SMEP, EFER.NXE); a change drops every shadow leaf
+    /// and every mapping the translator holds.
+    pub fn update_paging_control(&mut self) -> Result<(), ShadowError> {
+        self.shadow
+            .borrow_mut()
+            .set_control(paging_control(self.cr0, self.cr4, self.efer))
     }
 
     fn stop(&mut self, mnemonic: Option<Mnemonic>, why: &'static str) -> Emulation {
@@ -126,7 +166,73 @@ impl<'a> Vcpu<'a> {
     }
 
     fn mem(&self) -> PhysmapMemory<'a> {
-        PhysmapMemory::new(self.block, self.cr3)
+        PhysmapMemory::new(self.shadow)
+    }
+
+    /// Continues at `next` if the shadow-MMU operation `r` worked; else records its
+    /// failure, which the run loop reports.
+    fn shadow_done(&mut self, r: Result<(), ShadowError>, next: GuestVirt) -> Emulation {
+        match r {
+            Ok(()) => Emulation::Continue(next),
+            Err(e) => {
+                self.shadow.borrow_mut().record(e);
+                Emulation::Stop
+            }
+        }
+    }
+
+    /// MAXPHYADDR from the CPUID table (36 if it has no leaf 0x8000_0008).
+    fn phys_addr_bits(&self) -> u32 {
+        match self.block.cpuid(0x8000_0008, 0)[0] & 0xff {
+            0 => 36,
+            n => n,
+        }
+    }
+
+    /// `mov crN, r64` for CR0, CR3 and CR4.
+    fn write_cr(&mut self, i: &Instruction, v: u64, next: GuestVirt) -> Emulation {
+        match i.op0_register() {
+            Register::CR3 => {
+                // Bit 63 asks to keep PCID-tagged entries; PCIDs are off (CPUID masks
+                // them), so the write flushes as a plain one.
+                let cr3 = v & !(1 << 63);
+                if cr3 >> self.phys_addr_bits() != 0 {
+                    return self.fault(
+                        i.mnemonic(),
+                        GuestFault {
+                            vector: crate::segments::GP,
+                            error: 0,
+                        },
+                    );
+                }
+                let r = self.shadow.borrow_mut().write_cr3(cr3);
+                self.shadow_done(r, next)
+            }
+            Register::CR0 | Register::CR4 => {
+                let (old, allowed) = if i.op0_register() == Register::CR0 {
+                    (self.cr0, CR0_WP)
+                } else {
+                    (self.cr4, CR4_PGE | CR4_SMEP)
+                };
+                if (old ^ v) & !allowed != 0 {
+                    return self.stop(
+                        Some(i.mnemonic()),
+                        "a CR0/CR4 write that changes bits other than CR0.WP, CR4.PGE and CR4.SMEP is not emulated yet",
+                    );
+                }
+                if i.op0_register() == Register::CR0 {
+                    self.cr0 = v;
+                } else {
+                    self.cr4 = v;
+                }
+                let r = self.update_paging_control();
+                self.shadow_done(r, next)
+            }
+            _ => self.stop(
+                Some(i.mnemonic()),
+                "only CR0, CR3 and CR4 writes are emulated",
+            ),
+        }
     }
 }
 
@@ -141,7 +247,7 @@ pub struct DescriptorTable {
 
 impl Vcpu<'_> {
     /// The linear address of `i`'s memory operand (FS/GS: their virtual bases).
-    fn data_address(&self, i: &Instruction, regs: &GuestRegs) -> Option<u64> {
+    pub fn data_address(&self, i: &Instruction, regs: &GuestRegs) -> Option<u64> {
         i.virtual_address(0, 0, |reg, _, _| {
             if reg.is_segment_register() {
                 return Some(match reg {
@@ -310,6 +416,32 @@ fn set_low8(regs: &mut GuestRegs, r: Gpr, v: u8) {
 
 impl Platform for Vcpu<'_> {
     fn emulate(&mut self, insn: &SensitiveInsn, regs: &mut GuestRegs) -> Emulation {
+        let e = self.emulate_insn(insn, regs);
+        let sh = self.shadow.borrow();
+        if sh.failure().is_some() {
+            return Emulation::Stop;
+        }
+        match e {
+            Emulation::Continue(next) if sh.has_work() => {
+                self.resume = Some(next);
+                Emulation::Stop
+            }
+            e => e,
+        }
+    }
+
+    fn segment_base(&mut self, seg: SegBase) -> u64 {
+        match seg {
+            SegBase::Fs => self.segs.sregs[Sreg::Fs as usize].base,
+            SegBase::Gs => self.segs.sregs[Sreg::Gs as usize].base,
+            _ => 0,
+        }
+    }
+}
+
+impl Vcpu<'_> {
+    /// Emulates one sensitive instruction (see the module header).
+    fn emulate_insn(&mut self, insn: &SensitiveInsn, regs: &mut GuestRegs) -> Emulation {
         let len = usize::from(insn.len).min(insn.bytes.len());
         let mut d = Decoder::with_ip(64, &insn.bytes[..len], insn.pc.0, DecoderOptions::NONE);
         let i = d.decode();
@@ -356,19 +488,36 @@ impl Platform for Vcpu<'_> {
                 self.cpuids += 1;
                 Emulation::Continue(next)
             }
-            Code::Mov_r64_cr if i.op1_register() == Register::CR3 => {
+            Code::Mov_r64_cr
+                if matches!(
+                    i.op1_register(),
+                    Register::CR0 | Register::CR3 | Register::CR4
+                ) =>
+            {
+                let v = match i.op1_register() {
+                    Register::CR0 => self.cr0,
+                    Register::CR4 => self.cr4,
+                    _ => self.cr3(),
+                };
                 match Gpr::from_number(i.op0_register().number() as u8) {
                     Some(r) if i.op0_register().is_gpr64() => {
-                        regs.set(r, self.cr3.get());
+                        regs.set(r, v);
                         Emulation::Continue(next)
                     }
                     _ => self.stop(Some(i.mnemonic()), "unexpected operand"),
                 }
             }
-            Code::Mov_cr_r64 if i.op0_register() == Register::CR3 => self.stop(
-                Some(i.mnemonic()),
-                "a CR3 write (the guest switching to its own page tables) needs the shadow MMU, which is not wired in yet",
-            ),
+            Code::Mov_cr_r64 => match Gpr::from_number(i.op1_register().number() as u8) {
+                Some(r) if i.op1_register().is_gpr64() => self.write_cr(&i, regs.get(r), next),
+                _ => self.stop(Some(i.mnemonic()), "unexpected operand"),
+            },
+            Code::Invlpg_m => match self.data_address(&i, regs) {
+                Some(va) => {
+                    let r = self.shadow.borrow_mut().invlpg(va);
+                    self.shadow_done(r, next)
+                }
+                None => self.stop(Some(i.mnemonic()), "unexpected operand"),
+            },
             Code::Cli => {
                 self.vif = false;
                 Emulation::Continue(next)
@@ -379,9 +528,9 @@ impl Platform for Vcpu<'_> {
             }
             Code::Lgdt_m1664 | Code::Lidt_m1664 => {
                 let mut bytes = [0u8; 10];
-                let ok = self.data_address(&i, regs).is_some_and(|ea| {
-                    PhysmapMemory::new(self.block, self.cr3).read_virt(ea, MODE_KERNEL, &mut bytes)
-                });
+                let ok = self
+                    .data_address(&i, regs)
+                    .is_some_and(|ea| self.mem().read_virt(ea, MODE_KERNEL, &mut bytes));
                 if !ok {
                     return self.stop(
                         Some(i.mnemonic()),
@@ -411,9 +560,9 @@ impl Platform for Vcpu<'_> {
                 let mut bytes = [0u8; 10];
                 bytes[..2].copy_from_slice(&t.limit.to_le_bytes());
                 bytes[2..].copy_from_slice(&t.base.to_le_bytes());
-                let ok = self.data_address(&i, regs).is_some_and(|ea| {
-                    PhysmapMemory::new(self.block, self.cr3).write_virt(ea, MODE_KERNEL, &bytes)
-                });
+                let ok = self
+                    .data_address(&i, regs)
+                    .is_some_and(|ea| self.mem().write_virt(ea, MODE_KERNEL, &bytes));
                 if !ok {
                     return self.stop(
                         Some(i.mnemonic()),
@@ -530,14 +679,6 @@ impl Platform for Vcpu<'_> {
                 };
                 self.stop(Some(i.mnemonic()), why)
             }
-        }
-    }
-
-    fn segment_base(&mut self, seg: SegBase) -> u64 {
-        match seg {
-            SegBase::Fs => self.segs.sregs[Sreg::Fs as usize].base,
-            SegBase::Gs => self.segs.sregs[Sreg::Gs as usize].base,
-            _ => 0,
         }
     }
 }

@@ -1,0 +1,190 @@
+//! Hardware page faults taken by translated guest code, and instruction fetches the
+//! translator could not make: what the shadow MMU says they are.
+//!
+//! A #PF in the code cache (a `Stop::Fault` with vector 14) is one of:
+//! * a shadow miss: the shadow MMU filled the entry → re-execute the instruction;
+//! * a write to a code frame (self-modifying code, through any alias): its traces are
+//!   invalidated, its protection dropped → re-execute the write. If the writing
+//!   instruction's own bytes are in that frame, re-executing would translate (and
+//!   protect) the frame again and fault forever, so the store is emulated instead (plain
+//!   `mov` stores; anything else stops the run naming it);
+//! * a fault the guest itself must see → handed back for delivery.
+//!
+//! Invariant: the same fault (instruction, address, error code) repeating with nothing
+//! else in between means the shadow MMU is not making progress: the run stops instead of
+//! spinning ([`Progress`]).
+
+use alloc::format;
+use alloc::string::String;
+use core::cell::RefCell;
+
+use guest_engine::shadow_mmu::{Access, FillOutcome, GuestFault};
+use guest_engine::{Engine, Gpr, GuestPhys, GuestRegs, GuestVirt, Mode};
+use iced_x86::{Code, Decoder, DecoderOptions, OpKind, Register};
+
+use crate::guest_mem::{view_of, PhysmapMemory};
+use crate::shadow::Shadow;
+use crate::vcpu::Vcpu;
+
+/// Identical faults in a row tolerated before the run stops.
+const MAX_REPEATS: u32 = 3;
+/// Longest x86 instruction.
+const MAX_INSN: usize = 15;
+
+/// What the run loop does next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Re-execute the faulting instruction.
+    Retry,
+    /// Continue at this address (the faulting store was emulated).
+    Resume(GuestVirt),
+    /// The guest takes this fault (at the faulting instruction).
+    Reflect(GuestFault),
+}
+
+/// A hardware #PF raised by translated code, mapped back to the guest instruction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HwPageFault {
+    /// The guest instruction that faulted (the engine's registers are the guest's before
+    /// it).
+    pub guest_pc: GuestVirt,
+    /// The faulting address.
+    pub cr2: u64,
+    /// The hardware error code (taken at CPL 3: the U bit is always set).
+    pub error: u32,
+}
+
+/// The last fault handled, to detect a fault that keeps coming back.
+#[derive(Default)]
+pub struct Progress {
+    last: Option<(u64, u64, u32)>,
+    repeats: u32,
+}
+
+/// Handles the hardware #PF `hw`, taken by guest code translated for `mode`.
+pub fn on_page_fault(
+    engine: &mut Engine,
+    shadow: &RefCell<Shadow>,
+    vcpu: &Vcpu<'_>,
+    progress: &mut Progress,
+    mode: Mode,
+    hw: HwPageFault,
+) -> Result<Action, String> {
+    let HwPageFault {
+        guest_pc,
+        cr2,
+        error,
+    } = hw;
+    let key = (guest_pc.0, cr2, error);
+    if progress.last == Some(key) {
+        progress.repeats += 1;
+        if progress.repeats >= MAX_REPEATS {
+            return Err(format!(
+                "the guest instruction at RIP {:#x} keeps faulting (#PF at {cr2:#x}, hardware error code {error:#x}) although the shadow MMU maps it: no progress",
+                guest_pc.0
+            ));
+        }
+    } else {
+        progress.last = Some(key);
+        progress.repeats = 0;
+    }
+    let outcome = shadow
+        .borrow_mut()
+        .page_fault(cr2, error)
+        .map_err(|e| shadow_failure(guest_pc, &e))?;
+    match outcome {
+        FillOutcome::Mapped { .. } => Ok(Action::Retry),
+        FillOutcome::GuestFault(f) => Ok(Action::Reflect(f)),
+        FillOutcome::ProtectedCode { frame, .. } => {
+            let n = engine.invalidate_code_page(frame);
+            shadow
+                .borrow_mut()
+                .code_invalidated(frame, n)
+                .map_err(|e| shadow_failure(guest_pc, &e))?;
+            if !in_own_frame(shadow, mode, guest_pc, frame) {
+                return Ok(Action::Retry);
+            }
+            emulate_store(engine, shadow, vcpu, mode, guest_pc)
+        }
+    }
+}
+
+/// The fault a fetch at `va` in `mode` takes (the translator's `Stop::FetchFault`): at
+/// `va`, else at the start of the next page (an instruction straddling into it); `None`
+/// if both translate (the bytes do not decode).
+pub fn fetch_fault(shadow: &RefCell<Shadow>, mode: Mode, va: GuestVirt) -> Option<GuestFault> {
+    let mut sh = shadow.borrow_mut();
+    let view = view_of(mode);
+    if let Err(f) = sh.access(va.0, Access::Fetch, view) {
+        return Some(f);
+    }
+    let next = (va.0 | 0xfff).wrapping_add(1);
+    sh.access(next, Access::Fetch, view).err()
+}
+
+fn shadow_failure(guest_pc: GuestVirt, e: &guest_engine::shadow_mmu::ShadowError) -> String {
+    format!("shadow MMU failure at guest RIP {:#x}: {e}", guest_pc.0)
+}
+
+/// Whether any byte of the instruction at `pc` may lie in `frame`.
+fn in_own_frame(shadow: &RefCell<Shadow>, mode: Mode, pc: GuestVirt, frame: GuestPhys) -> bool {
+    let mut sh = shadow.borrow_mut();
+    let view = view_of(mode);
+    let last = pc.0.wrapping_add(MAX_INSN as u64 - 1);
+    [pc.0, last].iter().any(|&va| {
+        sh.access(va, Access::Fetch, view)
+            .is_ok_and(|pa| pa.page() == frame)
+    })
+}
+
+/// Emulates the store at `guest_pc` (a plain `mov` to memory), which writes into its own
+/// code frame; its traces are already invalidated.
+fn emulate_store(
+    engine: &mut Engine,
+    shadow: &RefCell<Shadow>,
+    vcpu: &Vcpu<'_>,
+    mode: Mode,
+    guest_pc: GuestVirt,
+) -> Result<Action, String> {
+    let mem = PhysmapMemory::new(shadow);
+    let mut bytes = [0u8; MAX_INSN];
+    let n = mem.peek_code(guest_pc.0, mode, &mut bytes);
+    let i = Decoder::with_ip(64, &bytes[..n], guest_pc.0, DecoderOptions::NONE).decode();
+    let regs = *engine.regs();
+    let value = match i.code() {
+        Code::Mov_rm8_r8 | Code::Mov_rm16_r16 | Code::Mov_rm32_r32 | Code::Mov_rm64_r64
+            if i.op0_kind() == OpKind::Memory =>
+        {
+            register_value(&regs, i.op1_register())
+        }
+        Code::Mov_rm8_imm8 | Code::Mov_rm16_imm16 | Code::Mov_rm32_imm32 | Code::Mov_rm64_imm32
+            if i.op0_kind() == OpKind::Memory =>
+        {
+            Some(i.immediate(1))
+        }
+        _ => None,
+    };
+    let size = i.memory_size().size();
+    let (Some(value), Some(ea)) = (value, vcpu.data_address(&i, &regs)) else {
+        return Err(format!(
+            "the guest instruction at RIP {:#x} ({:?}) writes into its own code frame; only plain `mov` stores are emulated there",
+            guest_pc.0,
+            i.mnemonic()
+        ));
+    };
+    if let Err(f) = mem.try_write_virt(ea, mode, &value.to_le_bytes()[..size]) {
+        return Ok(Action::Reflect(f));
+    }
+    shadow.borrow_mut().counters.emulated_stores += 1;
+    Ok(Action::Resume(GuestVirt(i.next_ip())))
+}
+
+/// The value of a general-purpose register operand (AH/CH/DH/BH included).
+fn register_value(regs: &GuestRegs, r: Register) -> Option<u64> {
+    let full = r.full_register();
+    let v = regs.get(Gpr::from_number(full.number() as u8).filter(|_| full.is_gpr64())?);
+    Some(match r {
+        Register::AH | Register::CH | Register::DH | Register::BH => v >> 8,
+        _ => v,
+    })
+}
