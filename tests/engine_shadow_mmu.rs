@@ -373,3 +373,20 @@ fn test_write_to_a_read_only_page_with_cr0_wp_stops_naming_the_native_error_code
     );
     println!("{line}");
 }
+
+#[test]
+fn test_jump_to_an_unmapped_page_stops_naming_the_native_error_code_and_cr2() {
+    if !kvm_available("test_jump_to_an_unmapped_page_stops_naming_the_native_error_code_and_cr2") {
+        return;
+    }
+    let code = fault_guest(|a| {
+        a.mov(rax, 0x1_0000_0000_u64).unwrap();
+        a.jmp(rax).unwrap();
+    });
+    let line = fault_run("shadow-pf-fetch", &code);
+    assert!(
+        line.contains("the guest instruction at RIP 0x100000000 raised #PF (vector 14, error code 0x0, CR2 0x100000000)"),
+        "{line}"
+    );
+    println!("{line}");
+}

@@ -10,9 +10,11 @@
 //!   `mov` stores; anything else stops the run naming it);
 //! * a fault the guest itself must see → handed back for delivery.
 //!
-//! Invariant: the same fault (instruction, address, error code) repeating with nothing
-//! else in between means the shadow MMU is not making progress: the run stops instead of
-//! spinning ([`Progress`]).
+//! Invariant: the same fault (instruction, address, error code) repeating while the
+//! translator did nothing else in between (no new trace, no exit but these faults) means
+//! the shadow MMU is not making progress: the run stops instead of spinning
+//! ([`Progress`]). A guest that keeps dropping the page again (`invlpg`, a CR3 write, a
+//! write to its own code) goes through other exits or new traces in between.
 
 use alloc::format;
 use alloc::string::String;
@@ -57,8 +59,24 @@ pub struct HwPageFault {
 /// The last fault handled, to detect a fault that keeps coming back.
 #[derive(Default)]
 pub struct Progress {
-    last: Option<(u64, u64, u32)>,
+    /// (RIP, CR2, error code) and the translator's activity then (see [`activity`]).
+    last: Option<((u64, u64, u32), u64)>,
     repeats: u32,
+}
+
+/// Traces built plus exits of every kind but FAULT: unchanged between two faults means
+/// the guest did nothing but fault.
+fn activity(engine: &Engine) -> u64 {
+    let s = engine.stats();
+    let fault = guest_engine::exit_code::EXIT_FAULT as usize;
+    let exits: u64 = s
+        .exits
+        .iter()
+        .enumerate()
+        .filter(|(k, _)| *k != fault)
+        .map(|(_, n)| n)
+        .sum();
+    s.fragments + exits
 }
 
 /// Handles the hardware #PF `hw`, taken by guest code translated for `mode`.
@@ -75,7 +93,7 @@ pub fn on_page_fault(
         cr2,
         error,
     } = hw;
-    let key = (guest_pc.0, cr2, error);
+    let key = ((guest_pc.0, cr2, error), activity(engine));
     if progress.last == Some(key) {
         progress.repeats += 1;
         if progress.repeats >= MAX_REPEATS {
@@ -109,9 +127,9 @@ pub fn on_page_fault(
     }
 }
 
-/// The fault a fetch at `va` in `mode` takes (the translator's `Stop::FetchFault`): at
-/// `va`, else at the start of the next page (an instruction straddling into it); `None`
-/// if both translate (the bytes do not decode).
+/// The fault a fetch at `va` in `mode` takes (the translator's `Stop::FetchFault(va)`:
+/// `va` is the instruction's address, or the next page's when its first instruction
+/// straddles into it), else at the start of the next page; `None` if both translate.
 pub fn fetch_fault(shadow: &RefCell<Shadow>, mode: Mode, va: GuestVirt) -> Option<GuestFault> {
     let mut sh = shadow.borrow_mut();
     let view = view_of(mode);

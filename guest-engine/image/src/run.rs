@@ -275,8 +275,10 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                 }
             }
             Stop::FetchFault(va) => {
+                // The instruction starts at the engine's RIP (`va` may be its second page).
+                let rip = engine.rip();
                 let why = match page_fault::fetch_fault(&shadow, MODE_KERNEL, va) {
-                    Some(f) => reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, va),
+                    Some(f) => reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, rip),
                     None => Err(format!(
                         "the guest fetches code at {:#x} that the translator cannot decode",
                         va.0
