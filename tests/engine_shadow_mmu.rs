@@ -390,3 +390,85 @@ fn test_jump_to_an_unmapped_page_stops_naming_the_native_error_code_and_cr2() {
     );
     println!("{line}");
 }
+
+/// A guest whose tables alias one frame at the start of 2560 distinct 2 MiB regions
+/// (five 1 GiB entries → one page directory → one page table → the frame) and adds 1
+/// through each: the shadow needs a table per region, more than the engine's 2048.
+fn many_regions_guest() -> Vec<u8> {
+    const REGIONS_VA: u64 = 0x80_0000_0000;
+    let mut a = CodeAssembler::new(64).unwrap();
+    let mut print = a.create_label();
+    let mut fill = a.create_label();
+    let mut touch = a.create_label();
+    a.mov(rsp, STACK).unwrap();
+    a.mov(rdi, PML4).unwrap();
+    a.xor(eax, eax).unwrap();
+    a.mov(ecx, (7 * 512) as u32).unwrap();
+    a.rep().stosq().unwrap();
+    a.mov(rdi, PT_LOW).unwrap();
+    a.mov(eax, 3_u32).unwrap();
+    a.mov(ecx, 512_u32).unwrap();
+    a.set_label(&mut fill).unwrap();
+    a.mov(qword_ptr(rdi), rax).unwrap();
+    a.add(rax, 0x1000_i32).unwrap();
+    a.add(rdi, 8_i32).unwrap();
+    a.dec(ecx).unwrap();
+    a.jnz(fill).unwrap();
+    store_qword(&mut a, PD_LOW, PT_LOW | 3);
+    store_qword(&mut a, PDPT_LOW, PD_LOW | 3);
+    store_qword(&mut a, PML4, PDPT_LOW | 3);
+    store_qword(&mut a, PML4 + 8, PDPT_HIGH | 3);
+    for g in 0..5 {
+        store_qword(&mut a, PDPT_HIGH + g * 8, PD_HIGH | 3);
+    }
+    // Every PD entry → the same page table (RAX = PT_HIGH | 3 from the last store).
+    let mut pd = a.create_label();
+    a.mov(rax, PT_HIGH | 3).unwrap();
+    a.mov(rdi, PD_HIGH).unwrap();
+    a.mov(ecx, 512_u32).unwrap();
+    a.set_label(&mut pd).unwrap();
+    a.mov(qword_ptr(rdi), rax).unwrap();
+    a.add(rdi, 8_i32).unwrap();
+    a.dec(ecx).unwrap();
+    a.jnz(pd).unwrap();
+    store_qword(&mut a, PT_HIGH, FRAME_A | 3);
+    store_qword(&mut a, FRAME_A, 0);
+    a.mov(rax, PML4).unwrap();
+    a.mov(cr3, rax).unwrap();
+    a.mov(rbx, REGIONS_VA).unwrap();
+    a.mov(ecx, 5 * 512_u32).unwrap();
+    a.set_label(&mut touch).unwrap();
+    a.add(qword_ptr(rbx), 1_i32).unwrap();
+    a.add(rbx, 0x20_0000_i32).unwrap();
+    a.dec(ecx).unwrap();
+    a.jnz(touch).unwrap();
+    print_qword_at(&mut a, print, REGIONS_VA);
+    reset(&mut a);
+    emit_print_hex(&mut a, &mut print);
+    a.assemble(TINY_LOAD_ADDR).unwrap()
+}
+
+#[test]
+fn test_running_out_of_shadow_tables_drops_the_shadow_and_carries_on() {
+    if !kvm_available("test_running_out_of_shadow_tables_drops_the_shadow_and_carries_on") {
+        return;
+    }
+    let code = many_regions_guest();
+    let (native, native_console, _, _) = run_tiny_guest("shadow-reclaim-native", &code, None);
+    assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
+    assert_eq!(native_console, "0000000000000a00\n");
+    let (report, console, log, _) = run_tiny_guest("shadow-reclaim-null", &code, Some("null"));
+    assert_eq!(
+        report.outcome,
+        Outcome::Poweroff,
+        "{log}\n{:?}",
+        report.dump
+    );
+    assert_eq!(console, native_console, "{log}");
+    let shadow = log
+        .lines()
+        .find(|l| l.contains("engine: shadow: "))
+        .unwrap_or_else(|| panic!("no shadow stats line: {log}"));
+    assert!(!shadow.contains(" table_reclaims=0 "), "{shadow}");
+    println!("{shadow}");
+}
