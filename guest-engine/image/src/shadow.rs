@@ -34,6 +34,9 @@ use crate::{gate, paging};
 
 /// Shadow roots kept (two views per guest address space).
 const MAX_ROOTS: usize = 16;
+/// Pages per prefetch group: a fill also shadows the group's pages the guest has already
+/// accessed (see `guest_engine::shadow_mmu`), sparing a #PF round trip (~117 µs) each.
+const PREFETCH_PAGES: usize = 16;
 /// MAXPHYADDR assumed when the CPUID table has no leaf 0x8000_0008.
 const DEFAULT_PHYS_ADDR_BITS: u32 = 36;
 const PAGE: u64 = 4096;
@@ -285,6 +288,7 @@ impl Shadow {
             // shadow would buy nothing; fetch rights are checked in software.
             hw_nx: false,
             large_pages: true,
+            prefetch: PREFETCH_PAGES,
         };
         let control = paging_control(s.cr0, s.cr4, s.efer);
         Ok(Self {
@@ -522,8 +526,9 @@ impl fmt::Display for Shadow {
         let c = &self.counters;
         write!(
             f,
-            "fills={} page_faults={} guest_faults_reflected={} write_protect_faults={} code_writes={} fragments_invalidated={} emulated_stores={} protected_frames={} ad_updates={} invalidations={} leaves_dropped={} roots_evicted={} tables={} free_table_frames={} table_reclaims={} hw_invlpgs={} cr3_loads={} guest_cr3_writes={} guest_invlpgs={}",
+            "fills={} prefetched={} page_faults={} guest_faults_reflected={} write_protect_faults={} code_writes={} fragments_invalidated={} emulated_stores={} protected_frames={} ad_updates={} invalidations={} leaves_dropped={} roots_evicted={} tables={} free_table_frames={} table_reclaims={} hw_invlpgs={} cr3_loads={} guest_cr3_writes={} guest_invlpgs={}",
             s.fills,
+            s.prefetched,
             c.page_faults,
             c.reflected,
             s.write_protect_faults,

@@ -8,6 +8,10 @@
 //! guest CR3's PML4 frame) has two shadow roots, one per [`View`]; a small LRU cache keeps
 //! the roots of recently used spaces.
 //!
+//! With [`ShadowConfig::prefetch`], a 4 KiB fill also shadows the other pages of its
+//! aligned group that the guest has already accessed (`prefetch.rs`), so that pages
+//! touched again after a CR3 write do not fault one by one.
+//!
 //! Invariants:
 //! * every shadow root carries the engine's PML4 slots ([`ENGINE_SLOTS`]) copied from the
 //!   engine's template root, and no guest mapping is ever installed in
@@ -40,6 +44,7 @@
 //!    instructions) bypass the shadow: check [`ShadowMmu::is_code_frame_protected`] first.
 
 mod phys;
+mod prefetch;
 mod pte;
 mod softtlb;
 mod tables;
@@ -49,7 +54,9 @@ use alloc::vec::Vec;
 use core::ops::RangeInclusive;
 
 pub use phys::PhysMem;
-pub use walk::{GuestLeaf, PF_FETCH, PF_PRESENT, PF_RESERVED, PF_USER, PF_VECTOR, PF_WRITE};
+pub use walk::{
+    GuestLeaf, Rights, PF_FETCH, PF_PRESENT, PF_RESERVED, PF_USER, PF_VECTOR, PF_WRITE,
+};
 
 use crate::addr::{GuestPhys, GuestVirt};
 use crate::reverse_map::{ReverseMap, ShadowMapping};
@@ -124,6 +131,10 @@ pub struct ShadowConfig {
     /// has uniform protection (no protected code frame, all of it mappable by the guest);
     /// otherwise (and when false) with 4 KiB leaves.
     pub large_pages: bool,
+    /// Pages per prefetch group (0 or 1: no prefetch; else a power of two up to 512):
+    /// a 4 KiB fill also shadows the other pages of its aligned group that the guest has
+    /// already accessed (see `prefetch.rs`).
+    pub prefetch: usize,
 }
 
 /// A page fault the guest must see, as a real CPU at the virtual CPL would raise it.
@@ -218,6 +229,9 @@ pub enum ShadowError {
     /// [`ShadowConfig::max_roots`] is below 2.
     #[error("shadow root cache must hold at least the two views of one space")]
     TooFewRoots,
+    /// [`ShadowConfig::prefetch`] is not 0, 1 or a power of two up to 512.
+    #[error("prefetch group of {0} pages is not a power of two up to 512")]
+    Prefetch(usize),
 }
 
 /// Counters of the shadow MMU.
@@ -225,6 +239,8 @@ pub enum ShadowError {
 pub struct ShadowStats {
     /// Fills that installed a shadow leaf.
     pub fills: u64,
+    /// Shadow leaves installed by prefetch (not counted in `fills`).
+    pub prefetched: u64,
     /// Guest faults reflected (from fills and translations).
     pub guest_faults: u64,
     /// Guest entries whose A or D bit was set.
@@ -282,6 +298,11 @@ impl<M: PhysMem> ShadowMmu<M> {
         }
         if !(pte::MIN_PHYS_ADDR_BITS..=pte::MAX_PHYS_ADDR_BITS).contains(&config.phys_addr_bits) {
             return Err(ShadowError::PhysAddrBits(config.phys_addr_bits));
+        }
+        if config.prefetch > pte::ENTRIES
+            || (config.prefetch > 1 && !config.prefetch.is_power_of_two())
+        {
+            return Err(ShadowError::Prefetch(config.prefetch));
         }
         let mut mmu = ShadowMmu {
             mem,
@@ -506,6 +527,9 @@ impl<M: PhysMem> ShadowMmu<M> {
             self.rmap.insert(base, ShadowMapping { slot, va });
         }
         self.stats.fills += 1;
+        if !large && self.config.prefetch > 1 {
+            self.prefetch(&leaf, view, va, slot)?;
+        }
         let pa = GuestPhys(leaf.frame.0 | (va.0 & (pte::TABLE_BYTES - 1)));
         if access == Access::Write && self.rmap.is_protected(leaf.frame) {
             self.stats.write_protect_faults += 1;
@@ -642,7 +666,7 @@ impl<M: PhysMem> ShadowMmu<M> {
 
     /// The shadow leaf for a guest leaf in `view`: a 4 KiB PTE for `leaf.frame`, or with
     /// `large` a 2 MiB PDE for the 2 MiB around it (checked by [`Self::large_ok`]).
-    fn shadow_leaf(&self, leaf: &GuestLeaf, view: View, large: bool) -> u64 {
+    pub(super) fn shadow_leaf(&self, leaf: &GuestLeaf, view: View, large: bool) -> u64 {
         let write_allowed = match view {
             View::User => leaf.user && leaf.writable,
             View::Kernel => leaf.writable || !self.control.wp,

@@ -30,6 +30,17 @@ pub const PF_FETCH: u32 = 1 << 4;
 /// Vector of the page-fault exception.
 pub const PF_VECTOR: u8 = 14;
 
+/// Rights granted by paging-structure entries: R/W and U/S ANDed, XD ORed (with NXE).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rights {
+    /// R/W = 1 on every entry.
+    pub writable: bool,
+    /// U/S = 1 on every entry.
+    pub user: bool,
+    /// XD = 1 on some entry (and EFER.NXE = 1).
+    pub no_execute: bool,
+}
+
 /// The result of a successful guest walk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GuestLeaf {
@@ -51,6 +62,10 @@ pub struct GuestLeaf {
     pub cache_bits: u64,
     /// Number of guest entries whose A or D bit this walk set.
     pub ad_updates: u32,
+    /// Guest-physical address of the guest's leaf entry.
+    pub slot: GuestPhys,
+    /// The rights of the entries above the leaf (shared by every leaf of its table).
+    pub upper: Rights,
 }
 
 /// Walks the guest tables rooted at `cr3` for `access` to `va` in `view`.
@@ -74,6 +89,7 @@ pub fn walk<M: PhysMem>(
     let mut used = 0usize;
     let mut table = cr3 & pte::ADDR_MASK;
     let (mut writable, mut user, mut no_execute) = (true, true, false);
+    let mut upper: Rights;
     let mut level = pte::LEVELS;
     let leaf = loop {
         if !mem.guest_may_map(GuestPhys(table)) {
@@ -97,6 +113,11 @@ pub fn walk<M: PhysMem>(
         if e & rsvd != 0 {
             return Ok(Err(fault(PF_PRESENT | PF_RESERVED)));
         }
+        upper = Rights {
+            writable,
+            user,
+            no_execute,
+        };
         writable &= e & pte::WRITABLE != 0;
         user &= e & pte::USER != 0;
         no_execute |= control.nxe && e & pte::NO_EXECUTE != 0;
@@ -162,6 +183,8 @@ pub fn walk<M: PhysMem>(
         dirty: leaf & pte::DIRTY != 0 || access == Access::Write,
         cache_bits: (leaf & (pte::PWT | pte::PCD)) | pat,
         ad_updates,
+        slot: entries[used - 1],
+        upper,
     }))
 }
 
