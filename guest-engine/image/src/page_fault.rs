@@ -22,7 +22,7 @@ use core::cell::RefCell;
 
 use guest_engine::shadow_mmu::{Access, FillOutcome, GuestFault};
 use guest_engine::{Engine, Gpr, GuestPhys, GuestRegs, GuestVirt, Mode};
-use iced_x86::{Code, Decoder, DecoderOptions, OpKind, Register};
+use iced_x86::{Code, Decoder, DecoderOptions, Instruction, OpKind, Register};
 
 use crate::guest_mem::{view_of, PhysmapMemory};
 use crate::shadow::Shadow;
@@ -119,10 +119,11 @@ pub fn on_page_fault(
                 .borrow_mut()
                 .code_invalidated(frame, n)
                 .map_err(|e| shadow_failure(guest_pc, &e))?;
-            if !in_own_frame(shadow, mode, guest_pc, frame) {
+            let insn = decode_at(shadow, mode, guest_pc);
+            if !in_own_frame(shadow, mode, guest_pc, &insn, frame) {
                 return Ok(Action::Retry);
             }
-            emulate_store(engine, shadow, vcpu, mode, guest_pc)
+            emulate_store(engine, shadow, vcpu, mode, guest_pc, &insn)
         }
     }
 }
@@ -145,29 +146,43 @@ fn shadow_failure(guest_pc: GuestVirt, e: &guest_engine::shadow_mmu::ShadowError
 }
 
 /// Whether any byte of the instruction at `pc` may lie in `frame`.
-fn in_own_frame(shadow: &RefCell<Shadow>, mode: Mode, pc: GuestVirt, frame: GuestPhys) -> bool {
+/// The guest instruction at `pc` (invalid if its bytes cannot be fetched).
+fn decode_at(shadow: &RefCell<Shadow>, mode: Mode, pc: GuestVirt) -> Instruction {
+    let mut bytes = [0u8; MAX_INSN];
+    let n = PhysmapMemory::new(shadow).peek_code(pc.0, mode, &mut bytes);
+    Decoder::with_ip(64, &bytes[..n], pc.0, DecoderOptions::NONE).decode()
+}
+
+/// Whether a byte of `insn` (at `pc`; all 15 possible bytes if it does not decode) lies
+/// in `frame`.
+fn in_own_frame(
+    shadow: &RefCell<Shadow>,
+    mode: Mode,
+    pc: GuestVirt,
+    insn: &Instruction,
+    frame: GuestPhys,
+) -> bool {
     let mut sh = shadow.borrow_mut();
     let view = view_of(mode);
-    let last = pc.0.wrapping_add(MAX_INSN as u64 - 1);
+    let len = if insn.is_invalid() { MAX_INSN } else { insn.len() };
+    let last = pc.0.wrapping_add(len as u64 - 1);
     [pc.0, last].iter().any(|&va| {
         sh.access(va, Access::Fetch, view)
             .is_ok_and(|pa| pa.page() == frame)
     })
 }
 
-/// Emulates the store at `guest_pc` (a plain `mov` to memory), which writes into its own
-/// code frame; its traces are already invalidated.
+/// Emulates the store `i` at `guest_pc` (a plain `mov` to memory), which writes into its
+/// own code frame; its traces are already invalidated.
 fn emulate_store(
     engine: &mut Engine,
     shadow: &RefCell<Shadow>,
     vcpu: &Vcpu<'_>,
     mode: Mode,
     guest_pc: GuestVirt,
+    i: &Instruction,
 ) -> Result<Action, String> {
     let mem = PhysmapMemory::new(shadow);
-    let mut bytes = [0u8; MAX_INSN];
-    let n = mem.peek_code(guest_pc.0, mode, &mut bytes);
-    let i = Decoder::with_ip(64, &bytes[..n], guest_pc.0, DecoderOptions::NONE).decode();
     let regs = *engine.regs();
     let value = match i.code() {
         Code::Mov_rm8_r8 | Code::Mov_rm16_r16 | Code::Mov_rm32_r32 | Code::Mov_rm64_r64
@@ -183,7 +198,7 @@ fn emulate_store(
         _ => None,
     };
     let size = i.memory_size().size();
-    let (Some(value), Some(ea)) = (value, vcpu.data_address(&i, &regs)) else {
+    let (Some(value), Some(ea)) = (value, vcpu.data_address(i, &regs)) else {
         return Err(format!(
             "the guest instruction at RIP {:#x} ({:?}) writes into its own code frame; only plain `mov` stores are emulated there",
             guest_pc.0,
