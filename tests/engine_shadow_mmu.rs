@@ -472,3 +472,71 @@ fn test_running_out_of_shadow_tables_drops_the_shadow_and_carries_on() {
     assert!(!shadow.contains(" table_reclaims=0 "), "{shadow}");
     println!("{shadow}");
 }
+
+/// Runs `code` under `--tool null` and returns the engine log, asserting an engine
+/// failure (exit status 3 for `kpin run`) with a dump.
+fn engine_failure(name: &str, code: &[u8]) -> String {
+    let (report, _, log, _) = run_tiny_guest(name, code, Some("null"));
+    assert_eq!(report.outcome, Outcome::EngineFailure, "{log}");
+    assert!(report.dump.is_some());
+    assert!(log.contains("engine: stats: "), "{log}");
+    assert!(!log.contains("panic"), "{log}");
+    log
+}
+
+#[test]
+fn test_guest_mapping_the_stolen_region_ends_the_run_naming_the_shadow_failure() {
+    if !kvm_available("test_guest_mapping_the_stolen_region_ends_the_run_naming_the_shadow_failure")
+    {
+        return;
+    }
+    // The guest maps the stolen region's first 2 MiB (at its identity address, through a
+    // page directory of its own) and reads it: the shadow MMU refuses the frame.
+    let stolen = vmm::memory::stolen_base(64 << 20);
+    let extra_pd = 0xf000;
+    let mut a = CodeAssembler::new(64).unwrap();
+    store_qword(&mut a, extra_pd, stolen | 0x83);
+    store_qword(
+        &mut a,
+        vmm::layout::BOOT_PDPT_START + (stolen >> 30) * 8,
+        extra_pd | 3,
+    );
+    a.mov(rax, cr3).unwrap();
+    a.mov(cr3, rax).unwrap();
+    a.mov(rax, stolen).unwrap();
+    a.mov(rax, qword_ptr(rax)).unwrap();
+    reset(&mut a);
+    let code = a.assemble(TINY_LOAD_ADDR).unwrap();
+    let log = engine_failure("shadow-stolen", &code);
+    // The load is the instruction before the reset's 5 bytes.
+    let load_at = TINY_LOAD_ADDR + code.len() as u64 - 5 - 3;
+    let want = format!(
+        "engine: shadow MMU failure at guest RIP {load_at:#x}: guest maps {stolen:#x} to frame {stolen:#x}, which the guest may not map"
+    );
+    assert!(log.contains(&want), "want {want:?}\n{log}");
+}
+
+#[test]
+fn test_a_non_mov_write_into_the_writers_own_code_frame_stops_naming_it() {
+    if !kvm_available("test_a_non_mov_write_into_the_writers_own_code_frame_stops_naming_it") {
+        return;
+    }
+    let mut a = CodeAssembler::new(64).unwrap();
+    let mut target = a.create_label();
+    a.mov(rsp, STACK).unwrap();
+    a.lea(rdi, ptr(target)).unwrap();
+    a.add(dword_ptr(rdi), 1_i32).unwrap();
+    reset(&mut a);
+    a.set_label(&mut target).unwrap();
+    a.dd(&[0]).unwrap();
+    let code = a.assemble(TINY_LOAD_ADDR).unwrap();
+    let (native, _, _, _) = run_tiny_guest("shadow-smc-add-native", &code, None);
+    assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
+    let log = engine_failure("shadow-smc-add-null", &code);
+    assert!(
+        log.contains(
+            "(Add) writes into its own code frame; only plain `mov` stores are emulated there"
+        ),
+        "{log}"
+    );
+}

@@ -197,16 +197,16 @@ pub enum HwFlush {
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum ShadowError {
     /// The guest address lies in PML4 slots 256–258, which the engine reserves.
-    #[error("guest address {0:?} lies in a PML4 slot reserved for the engine (256-258)")]
+    #[error("guest address {:#x} lies in a PML4 slot reserved for the engine (256-258)", .0.0)]
     ReservedSlot(GuestVirt),
     /// The guest address is not canonical (the guest gets #GP, not #PF).
-    #[error("guest address {0:?} is not canonical")]
+    #[error("guest address {:#x} is not canonical", .0.0)]
     NonCanonical(GuestVirt),
     /// A guest paging-structure entry lies outside backed guest memory.
-    #[error("guest paging-structure entry at {0:?} is not backed")]
+    #[error("guest paging-structure entry at {:#x} is not backed", .0.0)]
     GuestTableUnbacked(GuestPhys),
     /// The guest maps a frame it may not map (e.g. the stolen region).
-    #[error("guest maps {va:?} to frame {frame:?}, which the guest may not map")]
+    #[error("guest maps {:#x} to frame {:#x}, which the guest may not map", .va.0, .frame.0)]
     ForbiddenFrame {
         /// The guest virtual address.
         va: GuestVirt,
@@ -215,13 +215,13 @@ pub enum ShadowError {
     },
     /// A guest paging structure (or CR3) lies in a frame the guest may not map; the walk
     /// would read, and set A/D bits in, engine memory.
-    #[error("guest paging structure at {0:?} lies in a frame the guest may not map")]
+    #[error("guest paging structure at {:#x} lies in a frame the guest may not map", .0.0)]
     ForbiddenTable(GuestPhys),
     /// No frame left for a shadow table.
     #[error("out of frames for shadow page tables")]
     OutOfTables,
     /// A shadow table or the template root is not backed.
-    #[error("shadow table entry at {0:?} is not backed")]
+    #[error("shadow table entry at {:#x} is not backed", .0.0)]
     ShadowTableUnbacked(GuestPhys),
     /// [`ShadowConfig::phys_addr_bits`] is outside 32..=52.
     #[error("guest physical-address width {0} is outside 32..=52")]
