@@ -116,6 +116,11 @@ impl ReverseMap {
     pub fn protected_count(&self) -> usize {
         self.protected.len()
     }
+
+    /// The protected frames, in order.
+    pub fn protected_frames(&self) -> impl Iterator<Item = GuestPhys> + '_ {
+        self.protected.iter().copied()
+    }
 }
 
 /// Removes `slot` from `map[key]`, dropping the key when its list empties.

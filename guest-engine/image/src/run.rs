@@ -334,8 +334,13 @@ fn tell_translator(engine: &mut Engine, shadow: &RefCell<Shadow>) {
     let work = shadow.borrow_mut().take_work();
     if work.all_mappings {
         // TODO(merge): Engine::invalidate_all_mappings (SoftTLB mirror, IBL and return
-        // cache) instead of dropping every translation.
+        // cache) instead of dropping every translation — and then keep the protections.
         engine.flush();
+        // No translation is left, so no frame needs protecting.
+        let mut sh = shadow.borrow_mut();
+        if let Err(e) = sh.unprotect_all_code() {
+            sh.record(e);
+        }
     } else {
         for va in &work.pages {
             engine.invalidate_page(*va);

@@ -602,6 +602,16 @@ impl<M: PhysMem> ShadowMmu<M> {
         Ok(true)
     }
 
+    /// Drops every protection (after the embedder dropped every translation); returns
+    /// how many frames were protected.
+    pub fn unprotect_all_code_frames(&mut self) -> Result<usize, ShadowError> {
+        let frames: Vec<GuestPhys> = self.rmap.protected_frames().collect();
+        for f in &frames {
+            self.unprotect_code_frame(*f)?;
+        }
+        Ok(frames.len())
+    }
+
     /// Whether `frame` is protected.
     pub fn is_code_frame_protected(&self, frame: GuestPhys) -> bool {
         self.rmap.is_protected(frame)

@@ -1433,3 +1433,24 @@ fn test_invlpg_and_cr3_write_drop_prefetched_leaves() {
     assert_eq!(entry(&mut mmu, base + 0x1000, View::Kernel), None);
     assert_eq!(mmu.reverse_map().mapping_count(), 0);
 }
+
+#[test]
+fn test_unprotect_all_restores_write_access_to_every_protected_frame() {
+    let (mut mmu, s) = setup();
+    map(&mut mmu, &s, KERNEL_VA, 1, 0x30_0000 | P | W | D);
+    map(&mut mmu, &s, KERNEL_VA + 0x1000, 1, 0x30_1000 | P | W | D);
+    fill(&mut mmu, KERNEL_VA, Access::Write, View::Kernel);
+    fill(&mut mmu, KERNEL_VA + 0x1000, Access::Write, View::Kernel);
+    for f in [0x30_0000, 0x30_1000] {
+        mmu.protect_code_frame(GuestPhys(f)).expect("protect");
+    }
+    assert_eq!(
+        entry(&mut mmu, KERNEL_VA, View::Kernel).expect("leaf") & W,
+        0
+    );
+    assert_eq!(mmu.unprotect_all_code_frames(), Ok(2));
+    assert_eq!(mmu.protected_frames(), 0);
+    for va in [KERNEL_VA, KERNEL_VA + 0x1000] {
+        assert_ne!(entry(&mut mmu, va, View::Kernel).expect("leaf") & W, 0);
+    }
+}
