@@ -1,10 +1,12 @@
 //! The engine runs guest code through the shadow MMU: hand-assembled tiny guests that
 //! build their own page tables (4 KiB pages, a high-half mapping), switch CR3 and read,
 //! write and remap (`invlpg`) through them; that patch their own code (from another page
-//! and from the same page) and run the new code; and that touch an unmapped or read-only
-//! page — each under `--tool null` exactly as natively: the same console output, the same
-//! accessed/dirty bits in their page tables, and a fault reported with the error code
-//! and CR2 a native #PF handler sees.
+//! and from the same page) and run the new code; that touch an unmapped or read-only
+//! page; and that need more shadow tables than the engine has — each under `--tool null`
+//! exactly as natively: the same console output, the same accessed/dirty bits in their
+//! page tables, and a fault reported with the error code and CR2 a native #PF handler
+//! sees. What the engine cannot do (a guest mapping the stolen region, a non-`mov` store
+//! into the storing instruction's own code frame) ends the run naming why, never a hang.
 
 use iced_x86::code_asm::{
     al, cr0, cr2, cr3, dword_ptr, dx, eax, ecx, edi, ptr, qword_ptr, r8, r8d, rax, rbx, rcx, rdi,
