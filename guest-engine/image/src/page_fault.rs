@@ -164,7 +164,11 @@ fn in_own_frame(
 ) -> bool {
     let mut sh = shadow.borrow_mut();
     let view = view_of(mode);
-    let len = if insn.is_invalid() { MAX_INSN } else { insn.len() };
+    let len = if insn.is_invalid() {
+        MAX_INSN
+    } else {
+        insn.len()
+    };
     let last = pc.0.wrapping_add(len as u64 - 1);
     [pc.0, last].iter().any(|&va| {
         sh.access(va, Access::Fetch, view)

@@ -305,8 +305,11 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
 
 /// The guest must take `fault` at the instruction `guest_pc` (the engine's registers are
 /// the guest's before it): the one place exception delivery through the guest's IDT will
-/// go. `Ok` means delivered (the engine's RIP and registers are the handler's); `Err`
-/// says why the run must stop.
+/// go (for a #PF the virtual CR2 becomes `fault.cr2`; a `fault.vector` of 13 is the #GP(0)
+/// of a non-canonical address, without CR2). The shadow's part of a #PF — dropping the
+/// faulting address's leaves, as the CPU drops its TLB entries — is done first. `Ok`
+/// means delivered (the engine's RIP and registers are the handler's); `Err` says why
+/// the run must stop.
 pub fn reflect_guest_fault(
     engine: &mut Engine,
     vcpu: &mut Vcpu<'_>,
@@ -315,7 +318,14 @@ pub fn reflect_guest_fault(
     guest_pc: GuestVirt,
 ) -> Result<(), String> {
     let _ = (engine, vcpu);
-    shadow.borrow_mut().counters.reflected += 1;
+    {
+        let mut sh = shadow.borrow_mut();
+        sh.counters.reflected += 1;
+        if fault.vector == guest_engine::shadow_mmu::PF_VECTOR {
+            sh.page_fault_delivered(fault.cr2.0)
+                .map_err(|e| format!("shadow MMU failure at guest RIP {:#x}: {e}", guest_pc.0))?;
+        }
+    }
     let name = crate::fault::vector_name(u64::from(fault.vector));
     let cr2 = if fault.vector == guest_engine::shadow_mmu::PF_VECTOR {
         format!(", CR2 {:#x}", fault.cr2.0)

@@ -507,6 +507,15 @@ impl Shadow {
         Ok(())
     }
 
+    /// A #PF at `va` is being delivered to the guest: a CPU drops its TLB entries for
+    /// the faulting address when it raises one (a handler may rely on that instead of
+    /// `invlpg`), so the shadow drops its leaves for `va` too.
+    pub fn page_fault_delivered(&mut self, va: u64) -> Result<(), ShadowError> {
+        self.mmu.invlpg(GuestVirt(va))?;
+        self.work.pages.push(GuestVirt(va));
+        self.settle()
+    }
+
     /// The guest executes `invlpg va`.
     pub fn invlpg(&mut self, va: u64) -> Result<(), ShadowError> {
         self.counters.guest_invlpgs += 1;
