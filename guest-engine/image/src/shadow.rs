@@ -110,7 +110,7 @@ impl StolenMem {
     }
 
     /// Whether `[pa, pa + len)` is guest RAM (inside one e820 RAM range the physmap maps).
-    pub fn is_ram(&self, pa: u64, len: u64) -> bool {
+    fn is_ram(&self, pa: u64, len: u64) -> bool {
         let end = pa.saturating_add(len);
         self.ram.iter().any(|&(s, e)| s <= pa && end <= e)
     }
@@ -132,19 +132,13 @@ impl StolenMem {
     }
 
     /// `root` is now in the real CR3: a table frame freed while the previous root was
-    /// loaded may be reused from now on (unless it is `root`).
+    /// loaded (that root itself; never handed out since, so never `root`) may be reused.
     fn pin(&mut self, root: u64) {
         self.pinned = root;
-        if let Some(d) = self.deferred.take() {
-            if d == root {
-                self.deferred = Some(d);
-            } else {
-                self.free.push(d);
-            }
-        }
+        self.free.extend(self.deferred.take());
     }
 
-    /// Table frames never handed out or returned.
+    /// Table frames available (never handed out, or returned).
     fn free_frames(&self) -> u64 {
         (SHADOW_TABLES_BYTES - (self.next - SHADOW_TABLES_OFFSET)) / PAGE + self.free.len() as u64
     }
@@ -162,7 +156,10 @@ impl PhysMem for StolenMem {
     }
 
     fn write_u64(&mut self, pa: GuestPhys, value: u64) -> bool {
-        if !pa.0.is_multiple_of(8) {
+        // Of the stolen region, only the shadow tables are ever written (never the engine).
+        let tables = self.stolen_base + SHADOW_TABLES_OFFSET;
+        let in_tables = pa.0 >= tables && pa.0 < tables + SHADOW_TABLES_BYTES;
+        if !pa.0.is_multiple_of(8) || (!in_tables && !self.is_ram(pa.0, 8)) {
             return false;
         }
         let Some(va) = self.engine_va(pa.0, 8) else {
