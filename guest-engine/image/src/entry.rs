@@ -35,7 +35,8 @@
 //!
 //! **Faults in translated code**: when the faulting RIP lies in the code cache
 //! (`kpin_cache_lo`, `kpin_cache_len`, set by `run.rs` from
-//! `guest_engine::Engine::fault_redirect`), `kpin_trap_common` stores that RIP at
+//! `guest_engine::Engine::fault_redirect`), `kpin_trap_common` — for #PF, the most
+//! frequent (every shadow-MMU fill), its own shorter stub `kpin_exc_14` — stores that RIP at
 //! `CacheContext::fault_pc`, the FAULT exit word at `CacheContext::exit_word`, the
 //! vector, error code and CR2 in `kpin_cache_fault_*`, and `iretq`s to the cache's exit
 //! routine with the guest's registers untouched: `Engine::run` returns
@@ -60,7 +61,7 @@ use kpin_abi::ports::ENGINE_FAILURE_PORT;
 use crate::layout::{
     gate_op, FAULT_STACK_BYTES, IST_STACK_BYTES, MAIN_STACK_BYTES, PIC1_CMD, PIC1_DATA, PIC2_CMD,
     PIC2_DATA, PIC2_VECTOR_BASE, PIC_EOI, PIC_VECTOR_BASE, RFLAGS_FIXED, RFLAGS_IF,
-    RING0_STACK_BYTES, TSS_SEL, USER_CS, USER_DS, VEC_GP,
+    RING0_STACK_BYTES, TSS_SEL, USER_CS, USER_DS, VEC_GP, VEC_PF,
 };
 
 /// What the ring-0 trap path saved about an unexpected exception.
@@ -256,12 +257,45 @@ kpin_irq_\n:
 .irp n, 0,1,2,3,4,5,6,7,9,15,16,18,19,20,22,23,24,25,26,27,28,31
     kpin_exc \n, 0
 .endr
-.irp n, 8,10,11,12,14,17,21,29,30
+.irp n, 8,10,11,12,17,21,29,30
     kpin_exc \n, 1
 .endr
 .irp n, 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15
     kpin_irq \n
 .endr
+
+    // #PF, the most frequent exception (every shadow-MMU fill): a fault in the code cache
+    // is redirected here without the common path's other checks (the same stores as
+    // there, see "Faults in translated code"); anything else takes the common path.
+    // Stack: error code, RIP, CS, RFLAGS, RSP, SS.
+kpin_exc_14:
+    push rax
+    mov rax, [rsp + 16]
+    sub rax, [rip + kpin_cache_lo]
+    cmp rax, [rip + kpin_cache_len]
+    jae 1f
+    push rbx
+    mov rax, [rsp + 24]
+    mov rbx, [rip + kpin_cache_fault_pc_at]
+    mov [rbx], rax
+    mov rbx, [rip + kpin_cache_exit_word_at]
+    mov rax, [rip + kpin_cache_exit_word]
+    mov [rbx], rax
+    mov qword ptr [rip + kpin_cache_fault_vector], {vec_pf}
+    mov rax, [rsp + 16]
+    mov [rip + kpin_cache_fault_error], rax
+    mov rax, cr2
+    mov [rip + kpin_cache_fault_cr2], rax
+    mov rax, [rip + kpin_cache_exit_routine]
+    mov [rsp + 24], rax
+    pop rbx
+    pop rax
+    add rsp, 8
+    iretq
+1:
+    pop rax
+    push {vec_pf}
+    jmp kpin_trap_common
 
     // #GP: the gate, or an unexpected #GP.
 kpin_exc_13:
@@ -533,6 +567,7 @@ kpin_fault_stack_top:
     pic1_cmd = const PIC1_CMD,
     pic2_cmd = const PIC2_CMD,
     vec_gp = const VEC_GP,
+    vec_pf = const VEC_PF,
     op_nop = const gate_op::NOP,
     op_out8 = const gate_op::OUT8,
     op_in8 = const gate_op::IN8,
