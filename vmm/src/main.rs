@@ -135,6 +135,8 @@ struct Summary<'a> {
     files_written: u64,
     files_refused: u64,
     engine_log_lines: u64,
+    /// The engine's `counters.json` (instrumented runs that got far enough to write it).
+    engine_counters: Option<serde_json::Value>,
 }
 
 fn main() -> ExitCode {
@@ -268,6 +270,14 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         std::fs::write(out.join("dump.txt"), dump)
             .with_context(|| format!("cannot write {}", out.join("dump.txt").display()))?;
     }
+    let engine_counters = read_engine_counters(&out);
+    if let Some(c) = &engine_counters {
+        progress(&format!(
+            "engine counters ({}):\n{}",
+            out.join(ENGINE_COUNTERS).display(),
+            serde_json::to_string_pretty(c).unwrap_or_default()
+        ));
+    }
     let summary = Summary {
         outcome: report.outcome.describe(),
         clean: report.outcome.is_clean(),
@@ -289,6 +299,7 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         files_written: ring.files_opened,
         files_refused: ring.files_refused,
         engine_log_lines: ring.log_lines,
+        engine_counters,
     };
     let json = serde_json::to_string_pretty(&summary).context("cannot encode the run summary")?;
     std::fs::write(out.join("run.json"), json + "\n")
@@ -308,6 +319,23 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         Outcome::Timeout => EXIT_TIMEOUT,
         _ => EXIT_GUEST_CRASH,
     })
+}
+
+/// The file the engine writes its counters to, in the output directory.
+const ENGINE_COUNTERS: &str = "counters.json";
+
+/// The engine's counters, if it wrote them; a file that does not parse is reported and
+/// left out (it came from inside the guest).
+fn read_engine_counters(out: &Path) -> Option<serde_json::Value> {
+    let path = out.join(ENGINE_COUNTERS);
+    let text = std::fs::read_to_string(&path).ok()?;
+    match serde_json::from_str(&text) {
+        Ok(v) => Some(v),
+        Err(e) => {
+            progress(&format!("ignoring {}: not JSON ({e})", path.display()));
+            None
+        }
+    }
 }
 
 fn default_run_dir() -> PathBuf {

@@ -14,6 +14,7 @@
 extern crate alloc;
 
 mod bringup;
+mod counters;
 mod descriptors;
 mod entry;
 mod fault;

@@ -14,16 +14,17 @@ use alloc::string::String;
 use core::cell::Cell;
 use core::fmt::Write;
 
-use guest_engine::{Config, Engine, GuestVirt, Stop};
+use guest_engine::{exit_code, Config, Engine, GuestVirt, Stop};
 use kpin_abi::attach::AttachBlock;
 use kpin_abi::stolen::{CODE_CACHE_BYTES, CODE_CACHE_OFFSET, LAYOUT_BYTES, WINDOW_VA};
 
+use crate::counters::JsonObject;
 use crate::guest_alias;
 use crate::guest_mem::{PhysmapMemory, MODE_KERNEL};
 use crate::log::fail;
 use crate::tools::Chosen;
 use crate::vcpu::Vcpu;
-use crate::{entry, gate, heap, log, timer};
+use crate::{entry, gate, heap, log, timer, tools};
 
 /// CR0.PG, EFER.LMA: the guest must be in 64-bit long mode (all the translator knows).
 const CR0_PG: u64 = 1 << 31;
@@ -34,7 +35,8 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
     let Some(mut tool) = Chosen::by_name(tool_name) else {
         log!(
             Error,
-            "engine: unknown tool {tool_name:?} (this engine has: null, bbcount)"
+            "engine: unknown tool {tool_name:?} (this engine has: {})",
+            tools::NAMES
         );
         fail();
     };
@@ -129,7 +131,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                 let Some((port, value)) = vcpu.final_write.take() else {
                     continue;
                 };
-                report(&engine, &vcpu, &tool, cycles);
+                report(&engine, &vcpu, &mut tool, cycles);
                 log!(
                     Info,
                     "engine: guest RIP {:#x} writes {value:#x} to port {port:#x} (i8042 reset): passing it on",
@@ -185,7 +187,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                     let _ = write!(text, " {b:02x}");
                 }
                 log!(Error, "engine: {text}");
-                report(&engine, &vcpu, &tool, cycles);
+                report(&engine, &vcpu, &mut tool, cycles);
                 fail();
             }
             Stop::Fault { guest_pc, cache_pc } => {
@@ -205,7 +207,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                     crate::fault::vector_name(vector),
                     cache_pc.0
                 );
-                report(&engine, &vcpu, &tool, cycles);
+                report(&engine, &vcpu, &mut tool, cycles);
                 fail();
             }
             Stop::FetchFault(va) => {
@@ -214,7 +216,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                     "engine: the guest fetches code at {:#x}, which its page tables do not map executable (exception delivery to the guest is not implemented)",
                     va.0
                 );
-                report(&engine, &vcpu, &tool, cycles);
+                report(&engine, &vcpu, &mut tool, cycles);
                 fail();
             }
             other => {
@@ -223,7 +225,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                     "engine: the run stopped at guest RIP {:#x}: {other:?}",
                     engine.rip().0
                 );
-                report(&engine, &vcpu, &tool, cycles);
+                report(&engine, &vcpu, &mut tool, cycles);
                 fail();
             }
         }
@@ -249,8 +251,8 @@ fn arm_fault_redirect(engine: &Engine) {
     }
 }
 
-/// Logs what the run did and writes the tool's output files.
-fn report(engine: &Engine, vcpu: &Vcpu<'_>, tool: &Chosen, cycles: u64) {
+/// Logs what the run did, writes `counters.json` and lets the tool write its files.
+fn report(engine: &Engine, vcpu: &Vcpu<'_>, tool: &mut Chosen, cycles: u64) {
     let st = engine.stats();
     let (heap_now, heap_peak) = heap::usage();
     log!(
@@ -271,19 +273,40 @@ fn report(engine: &Engine, vcpu: &Vcpu<'_>, tool: &Chosen, cycles: u64) {
         heap_peak >> 10,
         cycles
     );
-    if let Chosen::BbCount(b) = tool {
-        log!(
-            Info,
-            "bbcount: {} guest instructions executed in {} block executions; bbcount.csv written{}",
-            b.instructions(engine),
-            b.executions(engine),
-            if b.uncounted > 0 {
-                " (some blocks uncounted: counters exhausted)"
-            } else {
-                ""
-            }
-        );
-        b.write_csv(engine);
+    tool.finish(engine);
+    let mut j = JsonObject::new();
+    j.begin("translation")
+        .u64("traces", st.fragments)
+        .u64("guest_instructions", st.guest_insns)
+        .u64("guest_bytes", st.guest_bytes)
+        .u64("code_cache_bytes", st.cache_bytes)
+        .u64("code_cache_bytes_in_use", engine.cache_used_bytes() as u64)
+        .u64("code_cache_flushes", st.flushes)
+        .u64("links", st.links)
+        .end();
+    j.begin("exits")
+        .u64("direct", st.exits[exit_code::EXIT_DIRECT as usize])
+        .u64("ibl_miss", st.exits[exit_code::EXIT_IBL_MISS as usize])
+        .u64("sensitive", st.exits[exit_code::EXIT_SENSITIVE as usize])
+        .u64(
+            "pa_mismatch",
+            st.exits[exit_code::EXIT_PA_MISMATCH as usize],
+        )
+        .u64("fault", st.exits[exit_code::EXIT_FAULT as usize])
+        .u64("attention", st.exits[exit_code::EXIT_ATTENTION as usize])
+        .end();
+    j.begin("emulated")
+        .u64("port_out", vcpu.outs)
+        .u64("port_in", vcpu.ins)
+        .u64("cpuid", vcpu.cpuids)
+        .end();
+    j.u64("gate_calls", gate::calls())
+        .u64("ring_doorbells", log::doorbells())
+        .u64("tsc_cycles", cycles)
+        .u64("heap_peak_bytes", heap_peak);
+    let text = j.finish();
+    if let Err(e) = tools::write_file("counters.json", text.as_bytes()) {
+        log!(Error, "engine: cannot write counters.json: {e}");
     }
     log::flush();
 }
