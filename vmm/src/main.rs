@@ -265,7 +265,11 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         .finish()
         .context("cannot finish the run's output files")?;
 
-    if let Some(dump) = &report.dump {
+    let mut dump = report.dump.clone();
+    if let (Outcome::EngineFailure, Some(d)) = (&report.outcome, &mut dump) {
+        append_engine_log_tail(d, &out.join("engine.log"));
+    }
+    if let Some(dump) = &dump {
         eprint!("{dump}");
         std::fs::write(out.join("dump.txt"), dump)
             .with_context(|| format!("cannot write {}", out.join("dump.txt").display()))?;
@@ -319,6 +323,31 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         Outcome::Timeout => EXIT_TIMEOUT,
         _ => EXIT_GUEST_CRASH,
     })
+}
+
+/// Lines of `engine.log` an engine failure's dump ends with: the engine's report (what
+/// stopped it, the guest's virtual state, the recent traces) comes last in the log.
+const ENGINE_LOG_TAIL_LINES: usize = 80;
+
+/// Appends the tail of the engine's log to a dump (the VMM's own dump shows the engine's
+/// vCPU; the engine's report says where the guest was).
+fn append_engine_log_tail(dump: &mut String, log: &Path) {
+    use std::fmt::Write;
+    let Ok(text) = std::fs::read_to_string(log) else {
+        let _ = writeln!(dump, "\n(no engine log at {})", log.display());
+        return;
+    };
+    let lines: Vec<&str> = text.lines().collect();
+    let tail = &lines[lines.len().saturating_sub(ENGINE_LOG_TAIL_LINES)..];
+    let _ = writeln!(
+        dump,
+        "\n--- the engine's report: last {} lines of {} ---",
+        tail.len(),
+        log.display()
+    );
+    for l in tail {
+        let _ = writeln!(dump, "{l}");
+    }
 }
 
 /// The file the engine writes its counters to, in the output directory.

@@ -199,7 +199,14 @@ fn test_tool_runs_the_minikernel_until_its_first_unsupported_instruction() {
     assert!(err.contains("needs the shadow MMU"), "{err}");
     let log = std::fs::read_to_string(dir.join("engine.log")).unwrap();
     assert!(log.contains("engine: stats: "), "{log}");
-    assert!(dir.join("dump.txt").is_file());
+    // The dump ends with the engine's report: where the guest was, not only the engine.
+    let dump = std::fs::read_to_string(dir.join("dump.txt")).unwrap();
+    assert!(dump.contains("--- the engine's report: last "), "{dump}");
+    assert!(dump.contains("guest state: RIP 0x"), "{dump}");
+    assert!(
+        dump.contains("guest state: instruction at RIP: Mov (3 bytes)"),
+        "{dump}"
+    );
 
     let dir = scratch_dir("cli-tool-name");
     let o = kpin(

@@ -20,6 +20,7 @@ mod entry;
 mod fault;
 mod gate;
 mod guest_alias;
+mod guest_dump;
 mod guest_mem;
 mod heap;
 mod layout;

@@ -24,7 +24,7 @@ use crate::guest_mem::{PhysmapMemory, MODE_KERNEL};
 use crate::log::fail;
 use crate::tools::Chosen;
 use crate::vcpu::Vcpu;
-use crate::{entry, gate, heap, log, timer, tools};
+use crate::{entry, gate, guest_dump, heap, log, timer, tools};
 
 /// CR0.PG, EFER.LMA: the guest must be in 64-bit long mode (all the translator knows).
 const CR0_PG: u64 = 1 << 31;
@@ -187,8 +187,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                     let _ = write!(text, " {b:02x}");
                 }
                 log!(Error, "engine: {text}");
-                report(&engine, &vcpu, &mut tool, cycles);
-                fail();
+                give_up(&engine, &vcpu, &mut tool, cycles, &mem);
             }
             Stop::Fault { guest_pc, cache_pc } => {
                 // SAFETY: written by the ring-0 trap path before it redirected the fault
@@ -207,8 +206,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                     crate::fault::vector_name(vector),
                     cache_pc.0
                 );
-                report(&engine, &vcpu, &mut tool, cycles);
-                fail();
+                give_up(&engine, &vcpu, &mut tool, cycles, &mem);
             }
             Stop::FetchFault(va) => {
                 log!(
@@ -216,8 +214,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                     "engine: the guest fetches code at {:#x}, which its page tables do not map executable (exception delivery to the guest is not implemented)",
                     va.0
                 );
-                report(&engine, &vcpu, &mut tool, cycles);
-                fail();
+                give_up(&engine, &vcpu, &mut tool, cycles, &mem);
             }
             other => {
                 log!(
@@ -225,8 +222,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                     "engine: the run stopped at guest RIP {:#x}: {other:?}",
                     engine.rip().0
                 );
-                report(&engine, &vcpu, &mut tool, cycles);
-                fail();
+                give_up(&engine, &vcpu, &mut tool, cycles, &mem);
             }
         }
     }
@@ -249,6 +245,20 @@ fn arm_fault_redirect(engine: &Engine) {
             r.region.1.wrapping_sub(r.region.0),
         );
     }
+}
+
+/// Ends a run the engine cannot continue: the guest's state, the report, then the
+/// failure port (exit status 3).
+fn give_up(
+    engine: &Engine,
+    vcpu: &Vcpu<'_>,
+    tool: &mut Chosen,
+    cycles: u64,
+    mem: &PhysmapMemory<'_>,
+) -> ! {
+    guest_dump::log_guest_state(engine, vcpu, mem);
+    report(engine, vcpu, tool, cycles);
+    fail();
 }
 
 /// Logs what the run did, writes `counters.json` and lets the tool write its files.
