@@ -15,6 +15,44 @@ use kpin_tool::{CounterId, Engine, KpinTool, Tool, TraceInstrumenter};
 
 /// The output file's name.
 pub const CSV_NAME: &str = "bbcount.csv";
+/// The CSV's header line.
+pub const CSV_HEADER: &str = "address,instructions,count";
+
+/// One row of `bbcount.csv`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Row {
+    /// Guest virtual address of the block's first instruction.
+    pub address: u64,
+    /// Instructions in the block.
+    pub instructions: u32,
+    /// Times the block ran.
+    pub count: u64,
+}
+
+/// Parses `bbcount.csv` (for host-side readers: tests, reports); the error is the number
+/// of the first line that is not what the tool writes.
+pub fn parse_csv(text: &str) -> Result<Vec<Row>, usize> {
+    let mut lines = text.lines().enumerate();
+    if lines.next().map(|(_, l)| l) != Some(CSV_HEADER) {
+        return Err(1);
+    }
+    lines
+        .map(|(i, l)| {
+            let mut f = l.split(',');
+            let row = (|| {
+                let address = u64::from_str_radix(f.next()?.strip_prefix("0x")?, 16).ok()?;
+                let instructions = f.next()?.parse().ok()?;
+                let count = f.next()?.parse().ok()?;
+                f.next().is_none().then_some(Row {
+                    address,
+                    instructions,
+                    count,
+                })
+            })();
+            row.ok_or(i + 1)
+        })
+        .collect()
+}
 
 /// One instrumented basic block.
 #[derive(Clone, Copy, Debug)]
@@ -86,7 +124,8 @@ impl KpinTool for BbCount {
 
     fn finish(&mut self, engine: &Engine, host: &mut dyn Sink) -> Result<(), Error> {
         let mut f = File::create(host, CSV_NAME)?;
-        f.write_all(b"address,instructions,count\n")?;
+        f.write_all(CSV_HEADER.as_bytes())?;
+        f.write_all(b"\n")?;
         for (address, insns, count) in self.rows(engine) {
             // A failed write is kept by `File` and returned by `close`.
             let _ = writeln!(f, "{address:#x},{insns},{count}");
@@ -110,5 +149,41 @@ impl KpinTool for BbCount {
             )?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_csv_reads_rows_and_names_the_first_bad_line() {
+        let rows =
+            parse_csv("address,instructions,count\n0x1000,3,99\n0xffffffff81000000,1,0\n").unwrap();
+        assert_eq!(
+            rows,
+            [
+                Row {
+                    address: 0x1000,
+                    instructions: 3,
+                    count: 99
+                },
+                Row {
+                    address: 0xffff_ffff_8100_0000,
+                    instructions: 1,
+                    count: 0
+                }
+            ]
+        );
+        assert_eq!(parse_csv("nope\n"), Err(1));
+        assert_eq!(
+            parse_csv("address,instructions,count\n0x10,1,2\n16,1,2\n"),
+            Err(3)
+        );
+        assert_eq!(
+            parse_csv("address,instructions,count\n0x10,1,2,3\n"),
+            Err(2)
+        );
+        assert_eq!(parse_csv("address,instructions,count\n0x10,1\n"), Err(2));
     }
 }

@@ -6,7 +6,7 @@ use guest_engine::{
 };
 use kpin_tool::host::{Error, Sink};
 use kpin_tool::KpinTool;
-use kpin_tool_bbcount::{BbCount, CSV_NAME};
+use kpin_tool_bbcount::{parse_csv, BbCount, Row, CSV_NAME};
 
 /// An anonymous RWX mapping.
 struct Region(*mut u8, usize);
@@ -126,25 +126,20 @@ fn loop_blocks_are_counted_exactly() {
     let (name, csv, closed) = &files.0[0];
     assert_eq!(name, CSV_NAME);
     assert!(closed);
-    let csv = String::from_utf8(csv.clone()).unwrap();
-    let mut lines = csv.lines();
-    assert_eq!(lines.next(), Some("address,instructions,count"));
-    let rows: Vec<(u64, u32, u64)> = lines
-        .map(|l| {
-            let f: Vec<&str> = l.split(',').collect();
-            (
-                u64::from_str_radix(f[0].trim_start_matches("0x"), 16).unwrap(),
-                f[1].parse().unwrap(),
-                f[2].parse().unwrap(),
-            )
-        })
-        .collect();
+    let rows = parse_csv(std::str::from_utf8(csv).unwrap()).expect("bbcount.csv parses");
     // The loop body's block (add, dec, jnz) runs once per iteration but the first, which
     // is counted in the block that starts at the `mov`.
     assert!(
-        rows.contains(&(base + 5, 3, ITERATIONS - 1)),
+        rows.contains(&Row {
+            address: base + 5,
+            instructions: 3,
+            count: ITERATIONS - 1
+        }),
         "no loop-body row in {rows:?}"
     );
-    let sum: u64 = rows.iter().map(|r| u64::from(r.1) * r.2).sum();
+    let sum: u64 = rows
+        .iter()
+        .map(|r| u64::from(r.instructions) * r.count)
+        .sum();
     assert_eq!(sum, tool.instructions(&engine));
 }
