@@ -57,7 +57,7 @@ fn test_tiny_guest_under_null_tool_prints_what_it_prints_natively_and_powers_off
     assert!(native_console.starts_with("OK\n"), "{native_console:?}");
     assert!(native_console.ends_with("Y\n"), "{native_console:?}");
 
-    let (report, console, log, _) = run_tiny_guest("engine-run-null", LOOP_GUEST, Some("null"));
+    let (report, console, log, dir) = run_tiny_guest("engine-run-null", LOOP_GUEST, Some("null"));
     assert_eq!(
         report.outcome,
         Outcome::Poweroff,
@@ -86,6 +86,23 @@ fn test_tiny_guest_under_null_tool_prints_what_it_prints_natively_and_powers_off
     );
     assert!(report.wall < Duration::from_secs(30), "{:?}", report.wall);
     println!("{stats}\nwall {:?} (native {:?})", report.wall, native.wall);
+
+    // The counters the engine writes at the end of every run.
+    let text = read(&dir.join("counters.json"));
+    let c: serde_json::Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("counters.json: {e}\n{text}"));
+    let n = |path: &str| {
+        c.pointer(path)
+            .and_then(serde_json::Value::as_u64)
+            .unwrap_or_else(|| panic!("no {path} in {text}"))
+    };
+    assert!(n("/translation/traces") > 0, "{text}");
+    assert!(n("/translation/code_cache_bytes") > 0, "{text}");
+    assert_eq!(n("/emulated/cpuid"), 1, "{text}");
+    // 7 console bytes; the final i8042 write is passed on after the report.
+    assert_eq!(n("/emulated/port_out"), 7, "{text}");
+    assert!(n("/gate_calls") >= 7, "{text}");
+    assert!(n("/ring_doorbells") > 0, "{text}");
 }
 
 #[test]

@@ -158,7 +158,7 @@ fn test_guest_page_tables_cr3_write_and_invlpg_behave_as_natively() {
         native_console.ends_with("5555666677778888\n"),
         "{native_console}"
     );
-    let (report, console, log, _) = run_tiny_guest("shadow-pt-null", &code, Some("null"));
+    let (report, console, log, dir) = run_tiny_guest("shadow-pt-null", &code, Some("null"));
     assert_eq!(
         report.outcome,
         Outcome::Poweroff,
@@ -172,6 +172,20 @@ fn test_guest_page_tables_cr3_write_and_invlpg_behave_as_natively() {
         .unwrap_or_else(|| panic!("no shadow stats line: {log}"));
     assert!(shadow.contains(" guest_cr3_writes=1 "), "{shadow}");
     assert!(shadow.contains(" guest_invlpgs=1"), "{shadow}");
+    // The same counters in counters.json.
+    let text = std::fs::read_to_string(dir.join("counters.json")).unwrap_or_default();
+    let c: serde_json::Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("counters.json: {e}\n{text}"));
+    for (name, want) in [("guest_cr3_writes", 1), ("guest_invlpgs", 1)] {
+        let got = c
+            .pointer(&format!("/shadow/{name}"))
+            .and_then(|v| v.as_u64());
+        assert_eq!(got, Some(want), "{name} in {text}");
+    }
+    assert!(
+        c.pointer("/shadow/fills").and_then(|v| v.as_u64()) > Some(0),
+        "{text}"
+    );
     println!("native:\n{native_console}{shadow}");
 }
 

@@ -258,6 +258,11 @@ impl Producer {
         self.raw.header().doorbells.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Doorbells counted so far.
+    pub fn doorbells(&self) -> u64 {
+        self.raw.header().doorbells.load(Ordering::Relaxed)
+    }
+
     /// Appends one record, or fails with `Full` (ring the doorbell, then retry) or
     /// `TooLarge`.
     pub fn push(&mut self, kind: Kind, file: u16, payload: &[u8]) -> Result<(), RingError> {

@@ -6,9 +6,14 @@
 /// into a reset right away (the console watch has already flagged it as a crash);
 /// `noxsave` and the CPUID table keep the kernel off instructions this host's KVM cannot
 /// emulate at ring 0; `pci=off`, `8250.nr_uarts=1` and the i8042 options keep it from
-/// probing hardware that is not there.
+/// probing hardware that is not there. `mitigations=off`: this is a test guest running
+/// trusted code, and the speculative-execution mitigations cost an MSR write or a CR3
+/// switch on every kernel entry — each a ring-0 gate round trip under the engine — while
+/// on this host's CPU model the kernel otherwise picks retpolines and prints
+/// `RETBleed: WARNING: … data leaks possible!`, a console WARNING line on every boot.
 pub const LINUX_CMDLINE: &str = "console=ttyS0 earlyprintk=serial,ttyS0,115200 reboot=k \
-     panic=-1 nokaslr noxsave pci=off 8250.nr_uarts=1 i8042.noaux i8042.nomux i8042.dumbkbd";
+     panic=-1 nokaslr noxsave pci=off 8250.nr_uarts=1 i8042.noaux i8042.nomux i8042.dumbkbd \
+     mitigations=off";
 
 /// Command line of a native mini-kernel run: skip the steps this KVM cannot run natively
 /// (the mini-kernel knows which they are).

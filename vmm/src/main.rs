@@ -135,6 +135,8 @@ struct Summary<'a> {
     files_written: u64,
     files_refused: u64,
     engine_log_lines: u64,
+    /// The engine's `counters.json` (instrumented runs that got far enough to write it).
+    engine_counters: Option<serde_json::Value>,
 }
 
 fn main() -> ExitCode {
@@ -263,10 +265,22 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         .finish()
         .context("cannot finish the run's output files")?;
 
-    if let Some(dump) = &report.dump {
+    let mut dump = report.dump.clone();
+    if let (Outcome::EngineFailure, Some(d)) = (&report.outcome, &mut dump) {
+        append_engine_log_tail(d, &out.join("engine.log"));
+    }
+    if let Some(dump) = &dump {
         eprint!("{dump}");
         std::fs::write(out.join("dump.txt"), dump)
             .with_context(|| format!("cannot write {}", out.join("dump.txt").display()))?;
+    }
+    let engine_counters = read_engine_counters(&out);
+    if let Some(c) = &engine_counters {
+        progress(&format!(
+            "engine counters ({}):\n{}",
+            out.join(ENGINE_COUNTERS).display(),
+            serde_json::to_string_pretty(c).unwrap_or_default()
+        ));
     }
     let summary = Summary {
         outcome: report.outcome.describe(),
@@ -289,6 +303,7 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         files_written: ring.files_opened,
         files_refused: ring.files_refused,
         engine_log_lines: ring.log_lines,
+        engine_counters,
     };
     let json = serde_json::to_string_pretty(&summary).context("cannot encode the run summary")?;
     std::fs::write(out.join("run.json"), json + "\n")
@@ -308,6 +323,48 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         Outcome::Timeout => EXIT_TIMEOUT,
         _ => EXIT_GUEST_CRASH,
     })
+}
+
+/// Lines of `engine.log` an engine failure's dump ends with: the engine's report (what
+/// stopped it, the guest's virtual state, the recent traces) comes last in the log.
+const ENGINE_LOG_TAIL_LINES: usize = 80;
+
+/// Appends the tail of the engine's log to a dump (the VMM's own dump shows the engine's
+/// vCPU; the engine's report says where the guest was).
+fn append_engine_log_tail(dump: &mut String, log: &Path) {
+    use std::fmt::Write;
+    let Ok(text) = std::fs::read_to_string(log) else {
+        let _ = writeln!(dump, "\n(no engine log at {})", log.display());
+        return;
+    };
+    let lines: Vec<&str> = text.lines().collect();
+    let tail = &lines[lines.len().saturating_sub(ENGINE_LOG_TAIL_LINES)..];
+    let _ = writeln!(
+        dump,
+        "\n--- the engine's report: last {} lines of {} ---",
+        tail.len(),
+        log.display()
+    );
+    for l in tail {
+        let _ = writeln!(dump, "{l}");
+    }
+}
+
+/// The file the engine writes its counters to, in the output directory.
+const ENGINE_COUNTERS: &str = "counters.json";
+
+/// The engine's counters, if it wrote them; a file that does not parse is reported and
+/// left out (it came from inside the guest).
+fn read_engine_counters(out: &Path) -> Option<serde_json::Value> {
+    let path = out.join(ENGINE_COUNTERS);
+    let text = std::fs::read_to_string(&path).ok()?;
+    match serde_json::from_str(&text) {
+        Ok(v) => Some(v),
+        Err(e) => {
+            progress(&format!("ignoring {}: not JSON ({e})", path.display()));
+            None
+        }
+    }
 }
 
 fn default_run_dir() -> PathBuf {

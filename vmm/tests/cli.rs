@@ -202,7 +202,11 @@ fn test_tool_runs_the_minikernel_until_its_first_unsupported_instruction() {
     let log = std::fs::read_to_string(dir.join("engine.log")).unwrap();
     assert!(log.contains("engine: stats: "), "{log}");
     assert!(!log.contains(" guest_cr3_writes=0 "), "{log}");
-    assert!(dir.join("dump.txt").is_file());
+    // The dump ends with the engine's report: where the guest was, not only the engine.
+    let dump = std::fs::read_to_string(dir.join("dump.txt")).unwrap();
+    assert!(dump.contains("--- the engine's report: last "), "{dump}");
+    assert!(dump.contains("guest state: RIP 0x"), "{dump}");
+    assert!(dump.contains("guest state: instruction at RIP: "), "{dump}");
 
     let dir = scratch_dir("cli-tool-name");
     let o = kpin(

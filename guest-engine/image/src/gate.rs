@@ -2,13 +2,23 @@
 //! operation. Each call is one #GP round trip through the ring-0 stub.
 
 use core::arch::asm;
+use core::sync::atomic::{AtomicU64, Ordering};
 
 use crate::entry::kpin_gate;
 use crate::layout::gate_op;
 
+/// Gate round trips made (for the run's counters).
+static CALLS: AtomicU64 = AtomicU64::new(0);
+
+/// Gate round trips made so far.
+pub fn calls() -> u64 {
+    CALLS.load(Ordering::Relaxed)
+}
+
 /// One gate call: `op` with arguments `a` and `b`; returns RAX.
 #[inline(always)]
 fn call(op: u64, a: u64, b: u64) -> u64 {
+    CALLS.fetch_add(1, Ordering::Relaxed);
     let ret: u64;
     // SAFETY: `kpin_gate` is the gate of entry.rs: it preserves every register but RAX
     // (result) and RDX, and the stack below RSP (the call pushes a return address; the

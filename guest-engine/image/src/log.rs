@@ -49,6 +49,11 @@ pub fn flush() {
     }
 }
 
+/// Doorbells rung so far (each is one VM exit).
+pub fn doorbells() -> u64 {
+    producer().map_or(0, |p| p.doorbells())
+}
+
 /// Appends one record, ringing the doorbell when the ring is full or past its threshold.
 pub fn push(kind: Kind, file: u16, payload: &[u8]) -> Result<(), RingError> {
     let p = producer().ok_or(RingError::BadHeader)?;

@@ -14,10 +14,12 @@
 extern crate alloc;
 
 mod bringup;
+mod counters;
 mod descriptors;
 mod entry;
 mod fault;
 mod gate;
+mod guest_dump;
 mod guest_mem;
 mod heap;
 mod layout;

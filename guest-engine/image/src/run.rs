@@ -23,10 +23,11 @@ use core::cell::RefCell;
 use core::fmt::Write;
 
 use guest_engine::shadow_mmu::{GuestFault, View};
-use guest_engine::{Config, Engine, GuestVirt, Stop};
+use guest_engine::{exit_code, Config, Engine, GuestVirt, Stop};
 use kpin_abi::attach::AttachBlock;
 use kpin_abi::stolen::{CODE_CACHE_BYTES, CODE_CACHE_OFFSET, LAYOUT_BYTES, WINDOW_VA};
 
+use crate::counters::JsonObject;
 use crate::guest_mem::{PhysmapMemory, MODE_KERNEL};
 use crate::layout::VEC_PF;
 use crate::log::fail;
@@ -34,7 +35,7 @@ use crate::page_fault::{self, Action};
 use crate::shadow::Shadow;
 use crate::tools::Chosen;
 use crate::vcpu::Vcpu;
-use crate::{entry, gate, heap, log, paging, timer};
+use crate::{entry, gate, guest_dump, heap, log, paging, timer, tools};
 
 /// CR0.PG, EFER.LMA: the guest must be in 64-bit long mode (all the translator knows).
 const CR0_PG: u64 = 1 << 31;
@@ -45,7 +46,8 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
     let Some(mut tool) = Chosen::by_name(tool_name) else {
         log!(
             Error,
-            "engine: unknown tool {tool_name:?} (this engine has: null, bbcount)"
+            "engine: unknown tool {tool_name:?} (this engine has: {})",
+            tools::NAMES
         );
         fail();
     };
@@ -150,8 +152,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                 "engine: shadow MMU failure at guest RIP {:#x}: {e}",
                 engine.rip().0
             );
-            report(&engine, &vcpu, &shadow, &tool, cycles);
-            fail();
+            give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
         }
         match stop {
             Stop::Sensitive(_) if vcpu.resume.is_some() => {
@@ -163,7 +164,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                 let Some((port, value)) = vcpu.final_write.take() else {
                     continue;
                 };
-                report(&engine, &vcpu, &shadow, &tool, cycles);
+                report(&engine, &vcpu, &shadow, &mut tool, cycles);
                 log!(
                     Info,
                     "engine: guest RIP {:#x} writes {value:#x} to port {port:#x} (i8042 reset): passing it on",
@@ -219,8 +220,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                     let _ = write!(text, " {b:02x}");
                 }
                 log!(Error, "engine: {text}");
-                report(&engine, &vcpu, &shadow, &tool, cycles);
-                fail();
+                give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
             }
             Stop::Fault { guest_pc, cache_pc } => {
                 // SAFETY: written by the ring-0 trap path before it redirected the fault
@@ -270,8 +270,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                 };
                 if let Err(why) = done {
                     log!(Error, "engine: {why}");
-                    report(&engine, &vcpu, &shadow, &tool, cycles);
-                    fail();
+                    give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
                 }
             }
             Stop::FetchFault(va) => {
@@ -286,8 +285,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                 };
                 if let Err(why) = why {
                     log!(Error, "engine: {why}");
-                    report(&engine, &vcpu, &shadow, &tool, cycles);
-                    fail();
+                    give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
                 }
             }
             other => {
@@ -296,8 +294,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                     "engine: the run stopped at guest RIP {:#x}: {other:?}",
                     engine.rip().0
                 );
-                report(&engine, &vcpu, &shadow, &tool, cycles);
-                fail();
+                give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
             }
         }
     }
@@ -382,8 +379,29 @@ fn arm_fault_redirect(engine: &Engine) {
     }
 }
 
-/// Logs what the run did and writes the tool's output files.
-fn report(engine: &Engine, vcpu: &Vcpu<'_>, shadow: &RefCell<Shadow>, tool: &Chosen, cycles: u64) {
+/// Ends a run the engine cannot continue: the guest's state, the report, then the
+/// failure port (exit status 3).
+fn give_up(
+    engine: &Engine,
+    vcpu: &Vcpu<'_>,
+    shadow: &RefCell<Shadow>,
+    tool: &mut Chosen,
+    cycles: u64,
+    mem: &PhysmapMemory<'_>,
+) -> ! {
+    guest_dump::log_guest_state(engine, vcpu, mem);
+    report(engine, vcpu, shadow, tool, cycles);
+    fail();
+}
+
+/// Logs what the run did, writes `counters.json` and lets the tool write its files.
+fn report(
+    engine: &Engine,
+    vcpu: &Vcpu<'_>,
+    shadow: &RefCell<Shadow>,
+    tool: &mut Chosen,
+    cycles: u64,
+) {
     let st = engine.stats();
     let (heap_now, heap_peak) = heap::usage();
     log!(
@@ -404,20 +422,43 @@ fn report(engine: &Engine, vcpu: &Vcpu<'_>, shadow: &RefCell<Shadow>, tool: &Cho
         heap_peak >> 10,
         cycles
     );
-    log!(Info, "engine: shadow: {}", shadow.borrow());
-    if let Chosen::BbCount(b) = tool {
-        log!(
-            Info,
-            "bbcount: {} guest instructions executed in {} block executions; bbcount.csv written{}",
-            b.instructions(engine),
-            b.executions(engine),
-            if b.uncounted > 0 {
-                " (some blocks uncounted: counters exhausted)"
-            } else {
-                ""
-            }
-        );
-        b.write_csv(engine);
+    let sh = shadow.borrow();
+    log!(Info, "engine: shadow: {}", *sh);
+    tool.finish(engine);
+    let mut j = JsonObject::new();
+    j.begin("translation")
+        .u64("traces", st.fragments)
+        .u64("guest_instructions", st.guest_insns)
+        .u64("guest_bytes", st.guest_bytes)
+        .u64("code_cache_bytes", st.cache_bytes)
+        .u64("code_cache_bytes_in_use", engine.cache_used_bytes() as u64)
+        .u64("code_cache_flushes", st.flushes)
+        .u64("links", st.links)
+        .end();
+    j.begin("exits")
+        .u64("direct", st.exits[exit_code::EXIT_DIRECT as usize])
+        .u64("ibl_miss", st.exits[exit_code::EXIT_IBL_MISS as usize])
+        .u64("sensitive", st.exits[exit_code::EXIT_SENSITIVE as usize])
+        .u64(
+            "pa_mismatch",
+            st.exits[exit_code::EXIT_PA_MISMATCH as usize],
+        )
+        .u64("fault", st.exits[exit_code::EXIT_FAULT as usize])
+        .u64("attention", st.exits[exit_code::EXIT_ATTENTION as usize])
+        .end();
+    j.begin("emulated")
+        .u64("port_out", vcpu.outs)
+        .u64("port_in", vcpu.ins)
+        .u64("cpuid", vcpu.cpuids)
+        .end();
+    sh.write_json(&mut j);
+    j.u64("gate_calls", gate::calls())
+        .u64("ring_doorbells", log::doorbells())
+        .u64("tsc_cycles", cycles)
+        .u64("heap_peak_bytes", heap_peak);
+    let text = j.finish();
+    if let Err(e) = tools::write_file("counters.json", text.as_bytes()) {
+        log!(Error, "engine: cannot write counters.json: {e}");
     }
     log::flush();
 }

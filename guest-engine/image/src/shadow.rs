@@ -30,6 +30,7 @@ use guest_engine::{GuestPhys, GuestVirt};
 use kpin_abi::attach::AttachBlock;
 use kpin_abi::stolen::{PHYSMAP_VA, SHADOW_TABLES_BYTES, SHADOW_TABLES_OFFSET, WINDOW_VA};
 
+use crate::counters::JsonObject;
 use crate::{gate, paging};
 
 /// Shadow roots kept (two views per guest address space).
@@ -531,34 +532,54 @@ impl Shadow {
     }
 }
 
+impl Shadow {
+    /// Every counter, named as in the statistics line and `counters.json`.
+    fn counter_fields(&self) -> [(&'static str, u64); 20] {
+        let s = self.stats();
+        let c = &self.counters;
+        [
+            ("fills", s.fills),
+            ("prefetched", s.prefetched),
+            ("page_faults", c.page_faults),
+            ("guest_faults_reflected", c.reflected),
+            ("write_protect_faults", s.write_protect_faults),
+            ("code_writes", c.code_writes),
+            ("fragments_invalidated", c.fragments_invalidated),
+            ("emulated_stores", c.emulated_stores),
+            ("protected_frames", s.protected_frames),
+            ("ad_updates", s.ad_updates),
+            ("invalidations", s.invalidations),
+            ("leaves_dropped", s.leaves_dropped),
+            ("roots_evicted", s.roots_evicted),
+            ("tables", s.tables),
+            ("free_table_frames", self.mem().free_frames()),
+            ("table_reclaims", c.table_reclaims),
+            ("hw_invlpgs", c.invlpgs),
+            ("cr3_loads", c.cr3_loads),
+            ("guest_cr3_writes", c.guest_cr3_writes),
+            ("guest_invlpgs", c.guest_invlpgs),
+        ]
+    }
+
+    /// Adds the counters to `counters.json` as the object `shadow`.
+    pub fn write_json(&self, j: &mut JsonObject) {
+        j.begin("shadow");
+        for (name, value) in self.counter_fields() {
+            j.u64(name, value);
+        }
+        j.end();
+    }
+}
+
 impl fmt::Display for Shadow {
     /// The statistics line's body: `key=value` pairs.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let s = self.stats();
-        let c = &self.counters;
-        write!(
-            f,
-            "fills={} prefetched={} page_faults={} guest_faults_reflected={} write_protect_faults={} code_writes={} fragments_invalidated={} emulated_stores={} protected_frames={} ad_updates={} invalidations={} leaves_dropped={} roots_evicted={} tables={} free_table_frames={} table_reclaims={} hw_invlpgs={} cr3_loads={} guest_cr3_writes={} guest_invlpgs={}",
-            s.fills,
-            s.prefetched,
-            c.page_faults,
-            c.reflected,
-            s.write_protect_faults,
-            c.code_writes,
-            c.fragments_invalidated,
-            c.emulated_stores,
-            s.protected_frames,
-            s.ad_updates,
-            s.invalidations,
-            s.leaves_dropped,
-            s.roots_evicted,
-            s.tables,
-            self.mem().free_frames(),
-            c.table_reclaims,
-            c.invlpgs,
-            c.cr3_loads,
-            c.guest_cr3_writes,
-            c.guest_invlpgs
-        )
+        for (k, (name, value)) in self.counter_fields().iter().enumerate() {
+            if k > 0 {
+                f.write_str(" ")?;
+            }
+            write!(f, "{name}={value}")?;
+        }
+        Ok(())
     }
 }

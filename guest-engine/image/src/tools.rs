@@ -1,97 +1,25 @@
-//! The tools the engine image offers (`kpin run --tool NAME`): `null` (translation only)
-//! and `bbcount` (an inline counter per basic block; at the end of the run it writes
-//! `bbcount.csv` — `address,instructions,count` per block, in translation order — into
-//! the run's output directory through the host I/O ring).
+//! The tools this image offers (`kpin run --tool NAME`), each a crate under `tools/`:
+//! `null` (translation only) and `bbcount` (an inline counter per basic block, written to
+//! `bbcount.csv`). A tool's files travel as `Open`/`Write`/`Close` records of the host I/O
+//! ring ([`RingSink`]) and land in the run's output directory.
 
-use alloc::vec::Vec;
-use core::fmt::Write;
+use core::fmt;
 
-use guest_engine::{CounterId, Engine, NullTool, Tool, TraceInstrumenter};
 use kpin_abi::io_ring::Kind;
+use kpin_tool::host::{Error, Sink};
+use kpin_tool::{Engine, KpinTool, Tool};
+use kpin_tool_bbcount::BbCount;
+use kpin_tool_null::Null;
 
 use crate::log;
 
-/// File number of `bbcount.csv` in the ring's `Open`/`Write`/`Close` records.
-const BBCOUNT_FILE: u16 = 1;
-/// Bytes per `Write` record of the CSV.
-const CHUNK_BYTES: usize = 2048;
-
-/// One instrumented basic block.
-struct Block {
-    address: u64,
-    insns: u32,
-    counter: CounterId,
-}
-
-/// Counts executions of every basic block with an inline counter.
-#[derive(Default)]
-pub struct BbCount {
-    blocks: Vec<Block>,
-    /// Blocks left uncounted because the counter slots ran out.
-    pub uncounted: u64,
-}
-
-impl Tool for BbCount {
-    fn instrument_trace(&mut self, trace: &mut TraceInstrumenter<'_>) {
-        for (i, b) in trace.bbls().to_vec().iter().enumerate() {
-            match trace.alloc_counter() {
-                Ok(id) => {
-                    trace.insert_bbl_counter(i, id, 1);
-                    self.blocks.push(Block {
-                        address: b.address.0,
-                        insns: b.count as u32,
-                        counter: id,
-                    });
-                }
-                Err(_) => self.uncounted += 1,
-            }
-        }
-    }
-}
-
-impl BbCount {
-    /// Guest instructions executed in counted blocks (a block that left early through a
-    /// fault or a stop in its middle counts whole).
-    pub fn instructions(&self, engine: &Engine) -> u64 {
-        self.blocks
-            .iter()
-            .map(|b| engine.counter(b.counter) * u64::from(b.insns))
-            .sum()
-    }
-
-    /// Block executions.
-    pub fn executions(&self, engine: &Engine) -> u64 {
-        self.blocks.iter().map(|b| engine.counter(b.counter)).sum()
-    }
-
-    /// Writes `bbcount.csv` through the I/O ring.
-    pub fn write_csv(&self, engine: &Engine) {
-        let _ = log::push(Kind::Open, BBCOUNT_FILE, b"bbcount.csv");
-        let mut buf = alloc::string::String::from("address,instructions,count\n");
-        for b in &self.blocks {
-            let _ = writeln!(
-                buf,
-                "{:#x},{},{}",
-                b.address,
-                b.insns,
-                engine.counter(b.counter)
-            );
-            if buf.len() >= CHUNK_BYTES {
-                let _ = log::push(Kind::Write, BBCOUNT_FILE, buf.as_bytes());
-                buf.clear();
-            }
-        }
-        if !buf.is_empty() {
-            let _ = log::push(Kind::Write, BBCOUNT_FILE, buf.as_bytes());
-        }
-        let _ = log::push(Kind::Close, BBCOUNT_FILE, b"");
-    }
-}
+/// The names `--tool` accepts, for messages.
+pub const NAMES: &str = "null, bbcount";
 
 /// A tool chosen by name.
 pub enum Chosen {
     /// `null`.
-    Null(NullTool),
+    Null(Null),
     /// `bbcount`.
     BbCount(BbCount),
 }
@@ -100,17 +28,86 @@ impl Chosen {
     /// The tool called `name`, if the engine has it.
     pub fn by_name(name: &str) -> Option<Self> {
         match name {
-            "null" => Some(Chosen::Null(NullTool)),
+            "null" => Some(Chosen::Null(Null)),
             "bbcount" => Some(Chosen::BbCount(BbCount::default())),
             _ => None,
         }
     }
 
-    /// The tool as the engine drives it.
+    fn tool(&mut self) -> &mut dyn KpinTool {
+        match self {
+            Chosen::Null(t) => t,
+            Chosen::BbCount(t) => t,
+        }
+    }
+
+    /// The tool as the translator drives it.
     pub fn as_tool(&mut self) -> &mut dyn Tool {
         match self {
             Chosen::Null(t) => t,
             Chosen::BbCount(t) => t,
         }
     }
+
+    /// Ends the tool's run: its files, then its summary line in the log.
+    pub fn finish(&mut self, engine: &Engine) {
+        let tool = self.tool();
+        if let Err(e) = tool.finish(engine, &mut RingSink) {
+            log!(
+                Error,
+                "engine: tool {} could not write its files: {e}",
+                tool.name()
+            );
+        }
+        let mut line = Line::default();
+        if tool.summary(engine, &mut line).is_ok() && !line.0.is_empty() {
+            log!(Info, "{}", line.0);
+        }
+    }
+}
+
+/// A summary line.
+#[derive(Default)]
+struct Line(alloc::string::String);
+
+impl fmt::Write for Line {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        self.0.push_str(s);
+        Ok(())
+    }
+}
+
+/// Host files over the I/O ring. File numbers start at 1 (0 is no file) and are never
+/// reused within a run, so the daemon can tell files apart.
+#[derive(Default)]
+pub struct RingSink;
+
+/// The next file number to hand out.
+static NEXT_FILE: core::sync::atomic::AtomicU16 = core::sync::atomic::AtomicU16::new(1);
+
+impl Sink for RingSink {
+    fn open(&mut self, name: &str) -> Result<u16, Error> {
+        let n = NEXT_FILE.fetch_add(1, core::sync::atomic::Ordering::Relaxed);
+        if n == u16::MAX {
+            return Err(Error::TooManyFiles);
+        }
+        log::push(Kind::Open, n, name.as_bytes()).map_err(|_| Error::Transport)?;
+        Ok(n)
+    }
+
+    fn write(&mut self, file: u16, data: &[u8]) -> Result<(), Error> {
+        log::push(Kind::Write, file, data).map_err(|_| Error::Transport)
+    }
+
+    fn close(&mut self, file: u16) -> Result<(), Error> {
+        log::push(Kind::Close, file, b"").map_err(|_| Error::Transport)
+    }
+}
+
+/// Writes `contents` as `name` in the run's output directory.
+pub fn write_file(name: &str, contents: &[u8]) -> Result<(), Error> {
+    let mut sink = RingSink;
+    let mut f = kpin_tool::host::File::create(&mut sink, name)?;
+    f.write_all(contents)?;
+    f.close()
 }

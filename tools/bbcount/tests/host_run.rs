@@ -1,0 +1,145 @@
+//! bbcount on the host: a counted loop run by the translator in this test process (no
+//! VM), then the CSV it writes compared with what the loop must have executed.
+
+use guest_engine::{
+    Config, Engine, Gpr, GuestMemory, GuestPhys, GuestVirt, Mode, Stop, StopPlatform,
+};
+use kpin_tool::host::{Error, Sink};
+use kpin_tool::KpinTool;
+use kpin_tool_bbcount::{parse_csv, BbCount, Row, CSV_NAME};
+
+/// An anonymous RWX mapping.
+struct Region(*mut u8, usize);
+
+impl Region {
+    fn map(len: usize) -> Region {
+        // SAFETY: an anonymous private mapping; nothing else refers to it.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE | libc::PROT_EXEC,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED, "mmap failed");
+        Region(p.cast(), len)
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: the mapping is ours and nothing uses it any more.
+        unsafe { libc::munmap(self.0.cast(), self.1) };
+    }
+}
+
+/// Guest memory = the code page, identity-mapped.
+struct CodePage(u64, usize);
+
+impl GuestMemory for CodePage {
+    fn translate(&mut self, va: GuestVirt, _mode: Mode) -> Option<GuestPhys> {
+        (va.0 >= self.0 && va.0 < self.0 + self.1 as u64).then_some(GuestPhys(va.0))
+    }
+    fn read(&mut self, pa: GuestPhys, out: &mut [u8]) -> bool {
+        if pa.0 < self.0 || pa.0 + out.len() as u64 > self.0 + self.1 as u64 {
+            return false;
+        }
+        // SAFETY: inside the live code mapping (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(pa.0 as *const u8, out.as_mut_ptr(), out.len()) };
+        true
+    }
+}
+
+#[derive(Default)]
+struct Files(Vec<(String, Vec<u8>, bool)>);
+
+impl Sink for Files {
+    fn open(&mut self, name: &str) -> Result<u16, Error> {
+        self.0.push((name.to_string(), Vec::new(), false));
+        Ok(self.0.len() as u16)
+    }
+    fn write(&mut self, file: u16, data: &[u8]) -> Result<(), Error> {
+        self.0[usize::from(file) - 1].1.extend_from_slice(data);
+        Ok(())
+    }
+    fn close(&mut self, file: u16) -> Result<(), Error> {
+        self.0[usize::from(file) - 1].2 = true;
+        Ok(())
+    }
+}
+
+#[test]
+fn loop_blocks_are_counted_exactly() {
+    const ITERATIONS: u64 = 100;
+    const EXIT: u64 = 0x1000; // not in guest memory: the fetch there ends the run
+    let code = Region::map(4096);
+    let mut bytes = vec![
+        0xb9,
+        ITERATIONS as u8,
+        0,
+        0,
+        0, // mov ecx, 100
+        0x48,
+        0x01,
+        0xc8, // l: add rax, rcx
+        0xff,
+        0xc9, // dec ecx
+        0x75,
+        0xf9, // jnz l
+        0xff,
+        0x25,
+        0,
+        0,
+        0,
+        0, // jmp [rip + 0]
+    ];
+    bytes.extend_from_slice(&EXIT.to_le_bytes());
+    // SAFETY: the mapping is 4096 bytes, writable, and nothing runs in it yet.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), code.0, bytes.len()) };
+
+    let cache = Region::map(32 << 20);
+    let config = Config {
+        save_extended_state: true,
+        ..Config::default()
+    };
+    // SAFETY: `cache` is an RWX, page-aligned mapping owned by this test for the engine's
+    // lifetime, smaller than 2 GiB.
+    let mut engine = unsafe { Engine::new(cache.0, cache.1, config) }.expect("engine");
+    let base = code.0 as u64;
+    engine.set_rip(GuestVirt(base));
+    let mut tool = BbCount::default();
+    let stop = engine.run(&mut CodePage(base, 4096), &mut StopPlatform, &mut tool);
+    assert_eq!(stop, Stop::FetchFault(GuestVirt(EXIT)));
+    assert_eq!(
+        engine.regs().get(Gpr::Rax),
+        ITERATIONS * (ITERATIONS + 1) / 2
+    );
+
+    // 1 mov + 3 per iteration + 1 jmp, whatever the block boundaries.
+    assert_eq!(tool.instructions(&engine), 1 + 3 * ITERATIONS + 1);
+    let mut files = Files::default();
+    tool.finish(&engine, &mut files).expect("finish");
+    assert_eq!(files.0.len(), 1);
+    let (name, csv, closed) = &files.0[0];
+    assert_eq!(name, CSV_NAME);
+    assert!(closed);
+    let rows = parse_csv(std::str::from_utf8(csv).unwrap()).expect("bbcount.csv parses");
+    // The loop body's block (add, dec, jnz) runs once per iteration but the first, which
+    // is counted in the block that starts at the `mov`.
+    assert!(
+        rows.contains(&Row {
+            address: base + 5,
+            instructions: 3,
+            count: ITERATIONS - 1
+        }),
+        "no loop-body row in {rows:?}"
+    );
+    let sum: u64 = rows
+        .iter()
+        .map(|r| u64::from(r.instructions) * r.count)
+        .sum();
+    assert_eq!(sum, tool.instructions(&engine));
+}
