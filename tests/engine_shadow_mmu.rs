@@ -556,3 +556,64 @@ fn test_a_non_mov_write_into_the_writers_own_code_frame_stops_naming_it() {
         "{log}"
     );
 }
+
+/// Mini-kernel steps that need more of the virtual CPU than the shadow MMU (flags,
+/// exception and interrupt delivery, MSRs, ring 3): skipped, so that the run reaches the
+/// steps that are about memory.
+const MINIKERNEL_SKIP_ALL_BUT_MEMORY: &str =
+    "kpin.skip=flags,de,ud,gp,pf,timer,msr,syscall,user-pf,hlt,user-priv,user-irq,selectors,sysret";
+
+#[test]
+fn test_minikernel_address_space_and_smc_steps_match_expected_txt_under_the_engine() {
+    if !kvm_available(
+        "test_minikernel_address_space_and_smc_steps_match_expected_txt_under_the_engine",
+    ) {
+        return;
+    }
+    let images = kpin_images::default_out_dir();
+    let kernel = kpin_images::ensure_minikernel(&images, &mut |l| eprintln!("images: {l}"))
+        .expect("build the mini-kernel");
+    let engine = kpin_images::ensure_engine(&images, &mut |l| eprintln!("images: {l}"))
+        .expect("build the engine image");
+    let dir = kpin_tests::scratch_dir("shadow-minikernel");
+    let console = dir.join("console.log");
+    let cfg = vmm::VmConfig {
+        kernel,
+        initrd: None,
+        cmdline: MINIKERNEL_SKIP_ALL_BUT_MEMORY.into(),
+        mem_mib: 256,
+        timeout: Some(std::time::Duration::from_secs(120)),
+        console_file: Some(console.clone()),
+        echo_console: false,
+        system_map: None,
+        engine: Some(vmm::EngineConfig {
+            image: engine,
+            tool: "null".into(),
+            options: String::new(),
+        }),
+    };
+    let (report, _) = kpin_tests::run_guest(&cfg, &dir);
+    let text = std::fs::read_to_string(&console).unwrap_or_default();
+    let log = std::fs::read_to_string(dir.join(host_daemon::ENGINE_LOG)).unwrap_or_default();
+    assert_eq!(report.outcome, Outcome::Poweroff, "{text}\n{log}");
+    let expected = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/guests/minikernel/expected.txt"
+    ))
+    .expect("expected.txt");
+    // Steps 00 (own page tables), 01, 07 (the known loop), 11 (two address spaces, CR3
+    // switched A, B, A, B) and 13 (code patched through a writable alias) run.
+    let skipped = kpin_tests::compare_minikernel_transcript(&text, &expected)
+        .unwrap_or_else(|e| panic!("{e}\n{text}\n{log}"));
+    assert_eq!(skipped, 14, "{text}");
+    for step in ["step 11 cr3: va ", "step 13 smc: call="] {
+        assert!(text.contains(step), "{text}");
+    }
+    let shadow = log
+        .lines()
+        .find(|l| l.contains("engine: shadow: "))
+        .unwrap_or_else(|| panic!("no shadow stats line: {log}"));
+    assert!(!shadow.contains(" write_protect_faults=0 "), "{shadow}");
+    assert!(!shadow.contains(" guest_cr3_writes=0 "), "{shadow}");
+    println!("{shadow}");
+}
