@@ -26,7 +26,9 @@ use crate::instrument::{
     resolve_pa, Action, CounterAlloc, CounterId, IArg, IPoint, Insertion, MemRecord, Tool,
     TraceInstrumenter,
 };
-use crate::layout::{COUNTER_SLOTS, MEM_RECORD_BYTES, MODE_SLOTS, RECENT_TRACES};
+use crate::layout::{
+    COUNTER_SLOTS, INSN_COUNTER_SPREAD, MEM_RECORD_BYTES, MODE_SLOTS, RECENT_TRACES,
+};
 use crate::link::{branch_target, patch_branch, unpatch_branch};
 use crate::platform::{Emulation, Platform, SensitiveInsn};
 
@@ -175,8 +177,9 @@ pub struct Engine {
     /// `mode.slot()`.
     slot: usize,
     counters: CounterAlloc,
-    /// Per mode slot, the counter of executed guest instructions (`Config::count_insns`).
-    insn_counters: Option<[CounterId; MODE_SLOTS]>,
+    /// First of the `MODE_SLOTS × INSN_COUNTER_SPREAD` counters of executed guest
+    /// instructions (`Config::count_insns`).
+    insn_counters: Option<CounterId>,
     /// Fragments last entered from the dispatcher: a ring indexed by `recent_n`.
     recent: [(GuestVirt, Mode); RECENT_TRACES],
     recent_n: usize,
@@ -184,6 +187,14 @@ pub struct Engine {
     rip: GuestVirt,
     stats: Stats,
     scratch: Scratch,
+}
+
+/// Counter `h` of mode slot `m`'s instruction counters (`base`: the first of them). A
+/// mode's count is spread over `INSN_COUNTER_SPREAD` slots chosen by block address, so
+/// that consecutive blocks do not serialize on one memory location (each increment is a
+/// load-add-store through store forwarding).
+fn insn_counter(base: Option<CounterId>, m: usize, h: usize) -> Option<CounterId> {
+    Some(CounterId(base?.0 + (m * INSN_COUNTER_SPREAD + h) as u32))
 }
 
 enum Next {
@@ -211,10 +222,8 @@ impl Engine {
         // allocated before any tool's.
         let mut counters = CounterAlloc::default();
         let insn_counters = config.count_insns.then(|| {
-            core::array::from_fn(|_| {
-                counters.next += 1;
-                CounterId(counters.next - 1)
-            })
+            counters.next = (MODE_SLOTS * INSN_COUNTER_SPREAD) as u32;
+            CounterId(0)
         });
         let mut e = Self {
             cache,
@@ -289,16 +298,18 @@ impl Engine {
     /// platform emulated (`Continue`/`Switch`), minus the not-executed rest of a block a
     /// fault left (`Stop::Fault`). A `rep` string instruction counts once.
     pub fn executed_insns(&self, mode: Mode) -> u64 {
-        match (self.insn_counters, mode.slot()) {
-            (Some(c), Some(m)) => self.counter(c[m]),
-            _ => 0,
+        match mode.slot() {
+            Some(m) => (0..INSN_COUNTER_SPREAD)
+                .filter_map(|h| insn_counter(self.insn_counters, m, h))
+                .fold(0, |sum, id| sum.wrapping_add(self.counter(id))),
+            None => 0,
         }
     }
 
-    /// Adds `n` (two's complement) to mode slot `m`'s instruction counter.
+    /// Adds `n` (two's complement) to mode slot `m`'s instruction count.
     fn add_insns(&mut self, m: usize, n: u64) {
-        if let Some(c) = self.insn_counters {
-            let slot = (self.cache.counters() + 8 * u64::from(c[m].0)) as *mut u64;
+        if let Some(id) = insn_counter(self.insn_counters, m, 0) {
+            let slot = (self.cache.counters() + 8 * u64::from(id.0)) as *mut u64;
             // SAFETY: the slot lies in the counter area; the cache is not running.
             unsafe { slot.write(slot.read().wrapping_add(n)) };
         }
@@ -478,15 +489,18 @@ impl Engine {
         // The engine's own instruction counter goes first at each block start (insertions
         // at one instruction are emitted in order), like a tool's block counter.
         let mut insertions = Vec::new();
-        if let Some(c) = self.insn_counters {
-            insertions.extend(decoded.bbls.iter().map(|b| Insertion {
-                ins: b.first,
-                point: IPoint::Before,
-                action: Action::Counter {
-                    id: c[self.slot],
-                    amount: b.count as i32,
-                },
-            }));
+        for b in &decoded.bbls {
+            let h = (b.address.0 ^ b.address.0 >> 8) as usize % INSN_COUNTER_SPREAD;
+            if let Some(id) = insn_counter(self.insn_counters, self.slot, h) {
+                insertions.push(Insertion {
+                    ins: b.first,
+                    point: IPoint::Before,
+                    action: Action::Counter {
+                        id,
+                        amount: b.count as i32,
+                    },
+                });
+            }
         }
         insertions.append(&mut ti.insertions);
         let calls = core::mem::take(&mut ti.calls);
@@ -782,11 +796,23 @@ impl Engine {
                     return Stop::Attention(frag_start);
                 }
                 (EXIT_PA_MISMATCH, ExitKind::PaMismatch) => {
-                    // The links that brought us here are stale: route them through the
-                    // dispatcher again so that they get relinked to the right fragment.
-                    self.unlink_incoming(rec.fragment);
                     self.rip = frag_start;
-                    Next::Lookup
+                    if self.still_mapped(mem, rec.fragment) {
+                        // Only the mirror entry was gone (a CR3 write, a slot conflict):
+                        // the links stay, and the fragment runs.
+                        if self.ctx().attention != 0 {
+                            Next::Lookup
+                        } else {
+                            self.note_entered(rec.fragment);
+                            Next::Enter(self.cache.fragments[rec.fragment as usize].body)
+                        }
+                    } else {
+                        // The links that brought us here are stale: route them through
+                        // the dispatcher again so that they get relinked to the right
+                        // fragment.
+                        self.unlink_incoming(rec.fragment);
+                        Next::Lookup
+                    }
                 }
                 (EXIT_BUFFER_FULL, ExitKind::BufferFull { resume }) => {
                     // SAFETY: see the top of `run_inner`.
@@ -802,6 +828,22 @@ impl Engine {
                 _ => return Stop::Error(EngineError::UnboundLabel),
             };
         }
+    }
+
+    /// Whether fragment `id` is still what a lookup of its VA finds (its VA maps to its
+    /// PA, and it was not invalidated); if so, the SoftTLB mirror learns the mapping.
+    fn still_mapped(&mut self, mem: &mut dyn GuestMemory, id: u32) -> bool {
+        let f = &self.cache.fragments[id as usize];
+        let (va, pa, mode) = (f.start, f.pa, f.mode);
+        let now = mem.translate(va.page(), mode);
+        if now != Some(pa.page()) || self.cache.lookup(va, pa, mode) != Some(id) {
+            return false;
+        }
+        if self.cache.fill_softtlb(va, pa) {
+            // The mirror held another mapping for this VA: lookups made under it are stale.
+            self.cache.clear_lookups();
+        }
+        true
     }
 
     /// A fault at guest instruction `guest_pc` (cache PC `pc`) left the rest of its basic

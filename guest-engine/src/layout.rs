@@ -75,6 +75,9 @@ pub const MEM_RECORD_BYTES: usize = 32;
 /// Most lookup-table slots whose fills are remembered for a cheap clear
 /// (`invalidate_all_mappings`); beyond this a table is cleared whole.
 pub const FILLED_SLOTS_MAX: usize = 4096;
+/// Counter slots per mode for the engine's own instruction count
+/// (`Config::count_insns`), taken from the counter area before any tool's.
+pub const INSN_COUNTER_SPREAD: usize = 256;
 /// Fragments remembered by `Engine::recent_traces`.
 pub const RECENT_TRACES: usize = 32;
 /// Largest x86 instruction.
