@@ -287,7 +287,7 @@ fn main() {
     println!("kpin guest-engine benchmark: ratios vs native measured in this run");
     println!("  steady_x = best of 2 warm translated runs / best of 3 native runs taken around them; first_x = cold run incl. translation");
     println!(
-        "{:<14} {:<9} {:>9} {:>9} {:>10} {:>12} {:>10} {:>9}",
+        "{:<14} {:<11} {:>9} {:>9} {:>10} {:>12} {:>10} {:>9}",
         "workload",
         "tool",
         "native_s",
@@ -385,7 +385,7 @@ fn main() {
             };
             let mips = s.guest_insns as f64 / (s.translate_ns as f64 / 1e9) / 1e6;
             println!(
-                "{:<14} {:<9} {:>9.3} {:>9.2} {:>10.2} {:>12.2} {:>10.2} {:>9.5}",
+                "{:<14} {:<11} {:>9.3} {:>9.2} {:>10.2} {:>12.2} {:>10.2} {:>9.5}",
                 name,
                 tool_name,
                 tn,

@@ -385,7 +385,7 @@ impl Engine {
     /// every mode's IBL table and return cache are emptied; fragments stay (they are keyed
     /// by PA and found again by the next lookups). Costs O(lookup slots filled since the
     /// last clear), not a 3 MiB clear. Links stay too: a same-page link leaves a fragment
-    /// that was itself entered under the current mappings (see README, "Mappings").
+    /// that was itself entered under the current mappings (README, "Modes and mappings").
     pub fn invalidate_all_mappings(&mut self) {
         self.cache.clear_softtlb();
         self.cache.clear_lookups();
