@@ -2,10 +2,12 @@
 //!
 //! `cargo run --release -p guest-engine --example bench`
 //!
-//! For each workload and tool (none / basic-block counter / memory-reference buffer) it
+//! For each workload and tool (none / basic-block counter / memory-reference buffer /
+//! analysis calls; `+cnt`: the same with the engine's own instruction counting) it
 //! reports, measured in one process run: slowdown vs native (steady state, and including
 //! translation), translation throughput, code-cache bytes per guest code byte, and the
-//! indirect-branch lookup hit rate.
+//! indirect-branch lookup hit rate; then the cost of `invalidate_all_mappings`.
+//! `--only <workload>` and `--tools a,b,...` select rows.
 
 #[path = "../tests/common/mod.rs"]
 #[allow(unused_imports)]
@@ -15,7 +17,7 @@ use std::time::Instant;
 
 use common::tools::{BblCount, MemTrace};
 use common::{HostMemory, HostPlatform, Region, Rig};
-use guest_engine::{Config, GuestRegs, GuestVirt, NullTool, Stop, Tool};
+use guest_engine::{Config, GuestRegs, GuestVirt, Mode, NullTool, Stop, Tool};
 
 type Work = extern "sysv64" fn(*mut u64, u64) -> u64;
 
@@ -285,7 +287,7 @@ fn main() {
     println!("kpin guest-engine benchmark: ratios vs native measured in this run");
     println!("  steady_x = best of 2 warm translated runs / best of 3 native runs taken around them; first_x = cold run incl. translation");
     println!(
-        "{:<14} {:<9} {:>9} {:>9} {:>10} {:>12} {:>10} {:>9}",
+        "{:<14} {:<11} {:>9} {:>9} {:>10} {:>12} {:>10} {:>9}",
         "workload",
         "tool",
         "native_s",
@@ -296,16 +298,33 @@ fn main() {
         "ibl_hit"
     );
     let only: Option<String> = std::env::args().skip_while(|a| a != "--only").nth(1);
+    let tools: Option<String> = std::env::args().skip_while(|a| a != "--tools").nth(1);
+    let mut invalidations = Vec::new();
     for (name, f, n) in workloads {
         if only.as_deref().is_some_and(|o| o != name) {
             continue;
         }
         // Best of three native runs.
         let (tn0, rn) = b.native(f, n);
-        for tool_name in ["null", "bbcount", "memtrace", "bbcall", "bbcall-nv"] {
+        for tool_name in [
+            "null",
+            "null+cnt",
+            "bbcount",
+            "bbcount+cnt",
+            "memtrace",
+            "bbcall",
+            "bbcall-nv",
+        ] {
+            if tools
+                .as_deref()
+                .is_some_and(|t| !t.split(',').any(|t| t == tool_name))
+            {
+                continue;
+            }
             // bbcall-nv: the analysis routine is declared vector-free (no XSAVE per call).
             let cfg = Config {
                 analysis_preserves_vector_state: tool_name == "bbcall-nv",
+                count_insns: tool_name.ends_with("+cnt"),
                 ..Config::default()
             };
             b.rig = Rig::new(cfg);
@@ -313,8 +332,8 @@ fn main() {
             b.mem = HostMemory::executable_mappings();
             b.mem.ranges.retain(|&(s, _)| s != cache);
             let mut tool: Box<dyn Tool> = match tool_name {
-                "null" => Box::new(NullTool),
-                "bbcount" => Box::new(BblCount::default()),
+                "null" | "null+cnt" => Box::new(NullTool),
+                "bbcount" | "bbcount+cnt" => Box::new(BblCount::default()),
                 "memtrace" => Box::new(MemTrace::default()),
                 _ => Box::new(BblCalls::default()),
             };
@@ -326,6 +345,22 @@ fn main() {
             t2 = t2.min(b.translated(f, n, &mut *tool).0);
             // Native again right next to the translated runs (the machine is shared).
             tn = tn.min(b.native(f, n).0);
+            if tool_name == "null+cnt" {
+                let insns = b.rig.engine.executed_insns(Mode::KERNEL);
+                assert_eq!(insns % 3, 0, "{name}: three identical runs");
+            }
+            if tool_name == "null" {
+                // A CR3 write right after the workload filled the lookup tables, then
+                // one right after another (nothing filled in between).
+                let t = Instant::now();
+                b.rig.engine.invalidate_all_mappings();
+                let full = t.elapsed().as_secs_f64();
+                let t = Instant::now();
+                for _ in 0..1000 {
+                    b.rig.engine.invalidate_all_mappings();
+                }
+                invalidations.push((name, full, t.elapsed().as_secs_f64() / 1000.0));
+            }
             assert_eq!(
                 (r1, r2),
                 (rn, rn),
@@ -350,7 +385,7 @@ fn main() {
             };
             let mips = s.guest_insns as f64 / (s.translate_ns as f64 / 1e9) / 1e6;
             println!(
-                "{:<14} {:<9} {:>9.3} {:>9.2} {:>10.2} {:>12.2} {:>10.2} {:>9.5}",
+                "{:<14} {:<11} {:>9.3} {:>9.2} {:>10.2} {:>12.2} {:>10.2} {:>9.5}",
                 name,
                 tool_name,
                 tn,
@@ -361,5 +396,27 @@ fn main() {
                 hit
             );
         }
+    }
+    // What clearing every mode's IBL table and return cache whole would cost.
+    let mut tables = vec![
+        1u8;
+        guest_engine::layout::MODE_SLOTS
+            * (guest_engine::layout::IBL_TABLE_BYTES
+                + guest_engine::layout::RC_BYTES)
+    ];
+    let t = Instant::now();
+    for _ in 0..10 {
+        // SAFETY: writes inside the vector.
+        unsafe { std::ptr::write_bytes(tables.as_mut_ptr(), 0, tables.len()) };
+        std::hint::black_box(&mut tables);
+    }
+    let whole = t.elapsed().as_secs_f64() / 10.0;
+    for (name, full, empty) in invalidations {
+        println!(
+            "invalidate_all_mappings after {name}: {:.2} us (tables filled by the run), {:.2} us (empty); clearing all tables whole: {:.1} us",
+            full * 1e6,
+            empty * 1e6,
+            whole * 1e6
+        );
     }
 }

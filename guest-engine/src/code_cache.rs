@@ -1,12 +1,14 @@
 //! The code cache: the embedder's raw region carved per `layout`, the bump allocator for
-//! fragments, the ⟨VA, PA, mode⟩ fragment map, the exit table, the IBL table and the
-//! SoftTLB mirror.
+//! fragments, the ⟨VA, PA, mode⟩ fragment map, the exit table, the per-mode IBL tables
+//! and return caches, and the SoftTLB mirror.
 //!
 //! Invariants: fragments are allocated in increasing address order between flushes (so a
 //! cache PC maps to a fragment by binary search); a flush drops every fragment, exit, link
-//! and IBL entry at once; IBL entries point at fragment `entry` points and are valid only
-//! while the VA → PA mapping they were inserted under holds (the dispatcher clears the
-//! table whenever the SoftTLB mirror changes a mapping).
+//! and IBL entry at once; a mode's IBL table and return cache only ever point at that
+//! mode's fragments (`entry` / `ret_entry`), and are valid only while the VA → PA mappings
+//! they were inserted under hold (the dispatcher clears all tables whenever the SoftTLB
+//! mirror changes a mapping or the embedder drops all mappings). Every filled slot is
+//! remembered (up to `FILLED_SLOTS_MAX` per table) so that a clear costs O(fills).
 
 use alloc::collections::BTreeMap;
 use alloc::vec::Vec;
@@ -18,13 +20,36 @@ use crate::error::EngineError;
 use crate::fragment::{ExitRecord, Fragment};
 use crate::guest_memory::Mode;
 use crate::layout::{
-    COUNTERS_OFFSET, GENCODE_OFFSET, IBL_ENTRIES, IBL_ENTRY_BYTES, IBL_HASH_BITS, IBL_OFFSET,
-    IBL_TABLE_BYTES, MAX_REGION_BYTES, MIN_REGION_BYTES, RC_BYTES, RC_ENTRIES, RC_OFFSET,
-    SOFTTLB_ENTRIES, SOFTTLB_OFFSET, TRACES_OFFSET, XSAVE_GUEST_OFFSET, XSAVE_HOST_OFFSET,
+    COUNTERS_OFFSET, FILLED_SLOTS_MAX, GENCODE_OFFSET, IBL_ENTRIES, IBL_ENTRY_BYTES, IBL_HASH_BITS,
+    IBL_OFFSET, IBL_STRIDE, IBL_TABLE_BYTES, MAX_REGION_BYTES, MIN_REGION_BYTES, MODE_SLOTS,
+    RC_BYTES, RC_ENTRIES, RC_OFFSET, SOFTTLB_ENTRIES, SOFTTLB_OFFSET, TRACES_OFFSET,
+    XSAVE_GUEST_OFFSET, XSAVE_HOST_OFFSET,
 };
 
 /// Fragment map key.
 pub(crate) type Key = (u64, u64, u32);
+
+/// The slots of one lookup table filled since its last clear.
+#[derive(Debug, Default)]
+struct Filled {
+    slots: Vec<u32>,
+    /// More than `FILLED_SLOTS_MAX` fills: the next clear is a whole-table clear.
+    overflow: bool,
+}
+
+impl Filled {
+    fn note(&mut self, slot: usize) {
+        if self.overflow {
+            return;
+        }
+        if self.slots.len() == FILLED_SLOTS_MAX {
+            self.overflow = true;
+            self.slots = Vec::new();
+        } else {
+            self.slots.push(slot as u32);
+        }
+    }
+}
 
 /// The carved region and its bookkeeping.
 pub(crate) struct CodeCache {
@@ -38,6 +63,8 @@ pub(crate) struct CodeCache {
     pub exits: Vec<ExitRecord>,
     /// Bumped by every flush.
     pub generation: u64,
+    ibl_filled: [Filled; MODE_SLOTS],
+    rc_filled: [Filled; MODE_SLOTS],
 }
 
 impl CodeCache {
@@ -63,9 +90,9 @@ impl CodeCache {
             guest: base as u64 + XSAVE_GUEST_OFFSET as u64,
             host: base as u64 + XSAVE_HOST_OFFSET as u64,
         });
-        let ibl = base as u64 + IBL_OFFSET as u64;
+        let ibl = core::array::from_fn(|m| (base as usize + IBL_OFFSET + m * IBL_STRIDE) as u64);
         // SAFETY: GENCODE_OFFSET..+GENCODE_BYTES lies in the region, which is RWX, and
-        // the context and IBL table are in the same region (< 2 GiB away).
+        // the context and IBL tables are in the same region (< 2 GiB away).
         let gen = unsafe { emit_gencode(base.add(GENCODE_OFFSET), &ctx, xs, Some(ibl)) };
         let mut c = Self {
             base,
@@ -77,6 +104,8 @@ impl CodeCache {
             by_key: BTreeMap::new(),
             exits: Vec::new(),
             generation: 0,
+            ibl_filled: Default::default(),
+            rc_filled: Default::default(),
         };
         c.clear_softtlb();
         Ok(c)
@@ -90,8 +119,9 @@ impl CodeCache {
         self.base as u64 + off as u64
     }
 
-    pub(crate) fn ibl_table(&self) -> u64 {
-        self.addr(IBL_OFFSET)
+    /// The IBL table of mode slot `m`.
+    pub(crate) fn ibl_table(&self, m: usize) -> u64 {
+        self.addr(IBL_OFFSET + m * IBL_STRIDE)
     }
 
     pub(crate) fn counters(&self) -> u64 {
@@ -132,16 +162,45 @@ impl CodeCache {
         self.by_key.clear();
         self.exits.clear();
         self.cursor = TRACES_OFFSET;
-        self.clear_ibl();
+        self.clear_lookups();
         self.generation += 1;
     }
 
-    /// Empties the IBL table and the return cache.
-    pub(crate) fn clear_ibl(&mut self) {
-        // SAFETY: the IBL table and the return cache lie inside the region.
-        unsafe {
-            core::ptr::write_bytes(self.base.add(IBL_OFFSET), 0, IBL_TABLE_BYTES);
-            core::ptr::write_bytes(self.base.add(RC_OFFSET), 0, RC_BYTES);
+    /// Empties every mode's IBL table and return cache, touching only filled slots unless
+    /// a table overflowed its fill list.
+    pub(crate) fn clear_lookups(&mut self) {
+        for m in 0..MODE_SLOTS {
+            let ibl = self.ibl_table(m) as *mut u8;
+            let f = &mut self.ibl_filled[m];
+            if f.overflow {
+                // SAFETY: the table lies inside the region.
+                unsafe { core::ptr::write_bytes(ibl, 0, IBL_TABLE_BYTES) };
+            } else {
+                for &i in &f.slots {
+                    // SAFETY: a fill wrote bucket i or i+1, both inside the table (it has
+                    // one spare bucket).
+                    unsafe {
+                        core::ptr::write_bytes(
+                            ibl.add(i as usize * IBL_ENTRY_BYTES),
+                            0,
+                            2 * IBL_ENTRY_BYTES,
+                        )
+                    };
+                }
+            }
+            *f = Filled::default();
+            let rc = self.rc_table(m) as *mut u64;
+            let f = &mut self.rc_filled[m];
+            if f.overflow {
+                // SAFETY: the return cache lies inside the region.
+                unsafe { core::ptr::write_bytes(rc, 0, RC_ENTRIES) };
+            } else {
+                for &i in &f.slots {
+                    // SAFETY: i < RC_ENTRIES (it was a slot index when filled).
+                    unsafe { rc.add(i as usize).write(0) };
+                }
+            }
+            *f = Filled::default();
         }
     }
 
@@ -149,18 +208,21 @@ impl CodeCache {
         self.addr(XSAVE_GUEST_OFFSET)
     }
 
-    pub(crate) fn rc_table(&self) -> u64 {
-        self.addr(RC_OFFSET)
+    /// The return cache of mode slot `m`.
+    pub(crate) fn rc_table(&self, m: usize) -> u64 {
+        self.addr(RC_OFFSET + m * RC_BYTES)
     }
 
-    /// Points the return-cache slot of `va` at a fragment's `ret_entry`.
-    pub(crate) fn rc_insert(&mut self, va: GuestVirt, ret_entry: CachePc) {
+    /// Points mode slot `m`'s return-cache slot of `va` at a fragment's `ret_entry`.
+    pub(crate) fn rc_insert(&mut self, m: usize, va: GuestVirt, ret_entry: CachePc) {
         let idx = (va.0 as usize) % RC_ENTRIES;
+        self.rc_filled[m].note(idx);
         // SAFETY: the slot lies inside the return cache.
-        unsafe { ((self.rc_table() + 8 * idx as u64) as *mut u64).write(ret_entry.0) };
+        unsafe { ((self.rc_table(m) + 8 * idx as u64) as *mut u64).write(ret_entry.0) };
     }
 
-    fn clear_softtlb(&mut self) {
+    /// Forgets every SoftTLB mirror entry (4 KiB of stores).
+    pub(crate) fn clear_softtlb(&mut self) {
         for i in 0..SOFTTLB_ENTRIES {
             let slot = self.addr(SOFTTLB_OFFSET + i * 16) as *mut u64;
             // SAFETY: the slot lies inside the region; u64::MAX is never a page address.
@@ -199,11 +261,13 @@ impl CodeCache {
         }
     }
 
-    /// Inserts `va → entry` into the IBL table (two-way bucket, first way evicted).
-    pub(crate) fn ibl_insert(&mut self, va: GuestVirt, entry: CachePc) {
+    /// Inserts `va → entry` into mode slot `m`'s IBL table (two-way bucket, first way
+    /// evicted).
+    pub(crate) fn ibl_insert(&mut self, m: usize, va: GuestVirt, entry: CachePc) {
         let idx = (va.0 & ((1 << IBL_HASH_BITS) - 1)) as usize;
         debug_assert!(idx + 1 < IBL_ENTRIES);
-        let e0 = (self.ibl_table() + (idx * IBL_ENTRY_BYTES) as u64) as *mut u64;
+        self.ibl_filled[m].note(idx);
+        let e0 = (self.ibl_table(m) + (idx * IBL_ENTRY_BYTES) as u64) as *mut u64;
         let tag = va.0.wrapping_neg();
         // SAFETY: bucket idx and idx+1 lie inside the table (IBL_ENTRIES has one spare).
         unsafe {

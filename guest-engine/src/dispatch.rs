@@ -1,9 +1,13 @@
 //! The dispatcher: looks up or builds fragments, enters the cache, and handles every exit
 //! (linking, IBL fills, sensitive-instruction emulation, buffers, analysis calls).
 //!
-//! Invariant: whenever control is in the dispatcher, `CacheContext::regs` holds the
+//! Invariants: whenever control is in the dispatcher, `CacheContext::regs` holds the
 //! guest's complete integer state and `Engine::rip` the guest RIP it belongs to (or, for
-//! resumable exits, the state at the recorded resume PC).
+//! resumable exits, the state at the recorded resume PC). Code running in the cache
+//! belongs to fragments of the engine's current mode (a mode changes only while the
+//! dispatcher has control, and lookups and links never cross modes), so an IBL miss fills
+//! the current mode's tables. The dispatcher caches no VA → PA translation of its own:
+//! every lookup asks `GuestMemory::translate`.
 
 use alloc::vec::Vec;
 
@@ -19,9 +23,12 @@ use crate::error::EngineError;
 use crate::fragment::{ExitKind, ExitRecord, Fragment};
 use crate::guest_memory::{GuestMemory, Mode};
 use crate::instrument::{
-    resolve_pa, CounterAlloc, CounterId, IArg, MemRecord, Tool, TraceInstrumenter,
+    resolve_pa, Action, CounterAlloc, CounterId, IArg, IPoint, Insertion, MemRecord, Tool,
+    TraceInstrumenter,
 };
-use crate::layout::{COUNTER_SLOTS, MEM_RECORD_BYTES};
+use crate::layout::{
+    COUNTER_SLOTS, INSN_COUNTER_SPREAD, MEM_RECORD_BYTES, MODE_SLOTS, RECENT_TRACES,
+};
 use crate::link::{branch_target, patch_branch, unpatch_branch};
 use crate::platform::{Emulation, Platform, SensitiveInsn};
 
@@ -45,8 +52,11 @@ pub struct Config {
     /// Swap x87/SSE/AVX state at cache entry/exit (needed when the engine itself uses
     /// vector registers, as host builds do).
     pub save_extended_state: bool,
-    /// Translation mode.
+    /// Initial translation mode (`Engine::set_mode` changes it).
     pub mode: Mode,
+    /// The engine counts the guest instructions it executes, per mode
+    /// (`Engine::executed_insns`): one inline counter increment per basic block.
+    pub count_insns: bool,
     /// Memory-reference buffer capacity in records.
     pub record_buffer_records: usize,
     /// Fill `MemRecord::pa` before handing buffers to the tool.
@@ -65,7 +75,8 @@ impl Default for Config {
             analysis_preserves_vector_state: false,
             count_ibl_lookups: false,
             save_extended_state: false,
-            mode: Mode(0),
+            mode: Mode::KERNEL,
+            count_insns: false,
             record_buffer_records: 4096,
             records_need_pa: false,
             clock_ns: None,
@@ -162,11 +173,28 @@ pub struct Recovered {
 pub struct Engine {
     cache: CodeCache,
     config: Config,
+    mode: Mode,
+    /// `mode.slot()`.
+    slot: usize,
     counters: CounterAlloc,
+    /// First of the `MODE_SLOTS × INSN_COUNTER_SPREAD` counters of executed guest
+    /// instructions (`Config::count_insns`).
+    insn_counters: Option<CounterId>,
+    /// Fragments last entered from the dispatcher: a ring indexed by `recent_n`.
+    recent: [(GuestVirt, Mode); RECENT_TRACES],
+    recent_n: usize,
     buffer: Vec<MemRecord>,
     rip: GuestVirt,
     stats: Stats,
     scratch: Scratch,
+}
+
+/// Counter `h` of mode slot `m`'s instruction counters (`base`: the first of them). A
+/// mode's count is spread over `INSN_COUNTER_SPREAD` slots chosen by block address, so
+/// that consecutive blocks do not serialize on one memory location (each increment is a
+/// load-add-store through store forwarding).
+fn insn_counter(base: Option<CounterId>, m: usize, h: usize) -> Option<CounterId> {
+    Some(CounterId(base?.0 + (m * INSN_COUNTER_SPREAD + h) as u32))
 }
 
 enum Next {
@@ -183,13 +211,29 @@ impl Engine {
     /// The region must be readable, writable and executable, page aligned, owned by the
     /// engine for its lifetime and smaller than 2 GiB.
     pub unsafe fn new(base: *mut u8, len: usize, config: Config) -> Result<Self, EngineError> {
+        let slot = config
+            .mode
+            .slot()
+            .ok_or(EngineError::UnknownMode(config.mode.0))?;
         // SAFETY: forwarded caller contract.
         let cache = unsafe { CodeCache::new(base, len, config.save_extended_state)? };
         let records = config.record_buffer_records.max(1);
+        // The engine's own counters are ordinary counter slots (zeroed with the region),
+        // allocated before any tool's.
+        let mut counters = CounterAlloc::default();
+        let insn_counters = config.count_insns.then(|| {
+            counters.next = (MODE_SLOTS * INSN_COUNTER_SPREAD) as u32;
+            CounterId(0)
+        });
         let mut e = Self {
             cache,
             config,
-            counters: CounterAlloc::default(),
+            mode: config.mode,
+            slot,
+            counters,
+            insn_counters,
+            recent: [(GuestVirt(0), Mode::KERNEL); RECENT_TRACES],
+            recent_n: 0,
             buffer: alloc::vec![MemRecord::default(); records],
             rip: GuestVirt(0),
             stats: Stats::default(),
@@ -233,6 +277,61 @@ impl Engine {
     /// Statistics so far.
     pub fn stats(&self) -> Stats {
         self.stats
+    }
+
+    /// The translation mode of the next lookups and translations.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// Sets the translation mode (the embedder calls this when the guest's virtual CPL
+    /// changes between runs; inside a run, `Emulation::Switch` does it). Cheap: each mode
+    /// has its own lookup tables, nothing is cleared.
+    pub fn set_mode(&mut self, mode: Mode) -> Result<(), EngineError> {
+        self.slot = mode.slot().ok_or(EngineError::UnknownMode(mode.0))?;
+        self.mode = mode;
+        Ok(())
+    }
+
+    /// Guest instructions executed in `mode` so far (0 unless `Config::count_insns`):
+    /// translated instructions counted per basic block, plus sensitive instructions the
+    /// platform emulated (`Continue`/`Switch`), minus the not-executed rest of a block a
+    /// fault left (`Stop::Fault`). A `rep` string instruction counts once.
+    pub fn executed_insns(&self, mode: Mode) -> u64 {
+        match mode.slot() {
+            Some(m) => (0..INSN_COUNTER_SPREAD)
+                .filter_map(|h| insn_counter(self.insn_counters, m, h))
+                .fold(0, |sum, id| sum.wrapping_add(self.counter(id))),
+            None => 0,
+        }
+    }
+
+    /// Adds `n` (two's complement) to mode slot `m`'s instruction count.
+    fn add_insns(&mut self, m: usize, n: u64) {
+        if let Some(id) = insn_counter(self.insn_counters, m, 0) {
+            let slot = (self.cache.counters() + 8 * u64::from(id.0)) as *mut u64;
+            // SAFETY: the slot lies in the counter area; the cache is not running.
+            unsafe { slot.write(slot.read().wrapping_add(n)) };
+        }
+    }
+
+    /// The last (up to `layout::RECENT_TRACES`) fragments the dispatcher entered, oldest
+    /// first, for failure dumps. Transitions inside the cache (links, IBL and
+    /// return-cache hits) are not seen.
+    pub fn recent_traces(&self) -> impl Iterator<Item = (GuestVirt, Mode)> + '_ {
+        let n = self.recent_n;
+        (n.saturating_sub(RECENT_TRACES)..n).map(|i| self.recent[i % RECENT_TRACES])
+    }
+
+    fn note_entered(&mut self, id: u32) {
+        let f = &self.cache.fragments[id as usize];
+        self.recent[self.recent_n % RECENT_TRACES] = (f.start, f.mode);
+        self.recent_n += 1;
+    }
+
+    /// Fragments currently reachable by lookup (all modes).
+    pub fn fragment_count(&self) -> usize {
+        self.cache.by_key.len()
     }
 
     /// IBL lookups counted by generated code (`Config::count_ibl_lookups`).
@@ -279,7 +378,17 @@ impl Engine {
     /// the SoftTLB mirror so that cross-page entries re-validate, and drop IBL entries.
     pub fn invalidate_page(&mut self, va: GuestVirt) {
         self.cache.invalidate_softtlb(va);
-        self.cache.clear_ibl();
+        self.cache.clear_lookups();
+    }
+
+    /// Every VA → PA mapping may have changed (guest CR3 write): the SoftTLB mirror and
+    /// every mode's IBL table and return cache are emptied; fragments stay (they are keyed
+    /// by PA and found again by the next lookups). Costs O(lookup slots filled since the
+    /// last clear), not a 3 MiB clear. Links stay too: a same-page link leaves a fragment
+    /// that was itself entered under the current mappings (README, "Modes and mappings").
+    pub fn invalidate_all_mappings(&mut self) {
+        self.cache.clear_softtlb();
+        self.cache.clear_lookups();
     }
 
     /// Drops every translation (whole-cache flush).
@@ -342,7 +451,7 @@ impl Engine {
             return;
         }
         if self.config.records_need_pa {
-            let mode = self.config.mode;
+            let mode = self.mode;
             for r in &mut self.buffer[..n] {
                 r.pa = resolve_pa(mem, mode, r.ea);
             }
@@ -362,12 +471,12 @@ impl Engine {
         tool: &mut dyn Tool,
         va: GuestVirt,
     ) -> Result<u32, Stop> {
-        let mode = self.config.mode;
+        let mode = self.mode;
         let pa_page = mem.translate(va.page(), mode).ok_or(Stop::FetchFault(va))?;
         let pa = GuestPhys(pa_page.0 + (va.0 - va.page().0));
         if self.cache.fill_softtlb(va, pa) {
             // A mapping changed: IBL entries inserted under the old one are stale.
-            self.cache.clear_ibl();
+            self.cache.clear_lookups();
         }
         if let Some(id) = self.cache.lookup(va, pa, mode) {
             return Ok(id);
@@ -377,7 +486,23 @@ impl Engine {
             .map_err(|f| Stop::FetchFault(f.0))?;
         let mut ti = TraceInstrumenter::new(va, &decoded.info, &decoded.bbls, &mut self.counters);
         tool.instrument_trace(&mut ti);
-        let insertions = core::mem::take(&mut ti.insertions);
+        // The engine's own instruction counter goes first at each block start (insertions
+        // at one instruction are emitted in order), like a tool's block counter.
+        let mut insertions = Vec::new();
+        for b in &decoded.bbls {
+            let h = (b.address.0 ^ b.address.0 >> 8) as usize % INSN_COUNTER_SPREAD;
+            if let Some(id) = insn_counter(self.insn_counters, self.slot, h) {
+                insertions.push(Insertion {
+                    ins: b.first,
+                    point: IPoint::Before,
+                    action: Action::Counter {
+                        id,
+                        amount: b.count as i32,
+                    },
+                });
+            }
+        }
+        insertions.append(&mut ti.insertions);
         let calls = core::mem::take(&mut ti.calls);
         let mut flushed = false;
         let tr = loop {
@@ -386,11 +511,12 @@ impl Engine {
                 base,
                 ctx: self.cache.ctx,
                 gen: self.cache.gen,
-                ibl_table: self.cache.ibl_table(),
+                ibl_table: self.cache.ibl_table(self.slot),
+                ibl_shared: self.cache.gen.ibl_shared[self.slot],
                 softtlb_slot: self.cache.softtlb_slot(va),
                 counters: self.cache.counters(),
                 count_ibl: self.config.count_ibl_lookups,
-                rc_table: self.cache.rc_table(),
+                rc_table: self.cache.rc_table(self.slot),
                 return_cache: self.config.return_cache,
                 inline_calls: self.config.inline_calls,
                 call_xsave: (self.config.save_extended_state
@@ -495,7 +621,7 @@ impl Engine {
                     .ins
                     .mem
                     .get(usize::from(n))
-                    .map_or(u64::MAX, |m| resolve_pa(mem, self.config.mode, ea(m))),
+                    .map_or(u64::MAX, |m| resolve_pa(mem, self.mode, ea(m))),
                 IArg::MemSize(n) => c
                     .ins
                     .mem
@@ -547,7 +673,10 @@ impl Engine {
                     }
                     // SAFETY: see the top of `run_inner`.
                     match self.fragment_for(mem, unsafe { &mut **tp }, self.rip) {
-                        Ok(id) => self.cache.fragments[id as usize].body,
+                        Ok(id) => {
+                            self.note_entered(id);
+                            self.cache.fragments[id as usize].body
+                        }
                         Err(s) => return s,
                     }
                 }
@@ -568,6 +697,7 @@ impl Engine {
                     Some((guest_pc, regs)) => {
                         self.ctx_mut().regs = regs;
                         self.rip = guest_pc;
+                        self.uncount_after_fault(mem, pc, guest_pc);
                         Stop::Fault {
                             guest_pc,
                             cache_pc: pc,
@@ -585,14 +715,15 @@ impl Engine {
                         let f = &self.cache.fragments[id as usize];
                         let (entry, body, ret_entry) = (f.entry, f.body, f.ret_entry);
                         if self.config.fill_ibl {
-                            self.cache.ibl_insert(va, entry);
+                            self.cache.ibl_insert(self.slot, va, entry);
                             if self.config.return_cache {
-                                self.cache.rc_insert(va, ret_entry);
+                                self.cache.rc_insert(self.slot, va, ret_entry);
                             }
                         }
                         next = if self.ctx().attention != 0 {
                             Next::Lookup
                         } else {
+                            self.note_entered(id);
                             Next::Enter(body)
                         };
                     }
@@ -622,6 +753,7 @@ impl Engine {
                             if self.ctx().attention != 0 {
                                 Next::Lookup
                             } else {
+                                self.note_entered(id);
                                 Next::Enter(self.cache.fragments[id as usize].body)
                             }
                         }
@@ -632,7 +764,28 @@ impl Engine {
                     self.rip = s.pc;
                     match platform.emulate(&s, &mut self.ctx_mut().regs) {
                         Emulation::Continue(n) => {
+                            self.add_insns(self.slot, 1);
                             self.rip = n;
+                            Next::Lookup
+                        }
+                        Emulation::Switch {
+                            next,
+                            mode,
+                            invalidate_mappings,
+                        } => {
+                            self.add_insns(self.slot, 1);
+                            self.rip = next;
+                            if mode != self.mode {
+                                // Pending records resolve their PAs in their own mode.
+                                // SAFETY: see the top of `run_inner`.
+                                self.deliver_buffer(mem, unsafe { &mut **tp });
+                                if let Err(e) = self.set_mode(mode) {
+                                    return Stop::Error(e);
+                                }
+                            }
+                            if invalidate_mappings {
+                                self.invalidate_all_mappings();
+                            }
                             Next::Lookup
                         }
                         Emulation::Stop => return Stop::Sensitive(s),
@@ -643,11 +796,23 @@ impl Engine {
                     return Stop::Attention(frag_start);
                 }
                 (EXIT_PA_MISMATCH, ExitKind::PaMismatch) => {
-                    // The links that brought us here are stale: route them through the
-                    // dispatcher again so that they get relinked to the right fragment.
-                    self.unlink_incoming(rec.fragment);
                     self.rip = frag_start;
-                    Next::Lookup
+                    if self.still_mapped(mem, rec.fragment) {
+                        // Only the mirror entry was gone (a CR3 write, a slot conflict):
+                        // the links stay, and the fragment runs.
+                        if self.ctx().attention != 0 {
+                            Next::Lookup
+                        } else {
+                            self.note_entered(rec.fragment);
+                            Next::Enter(self.cache.fragments[rec.fragment as usize].body)
+                        }
+                    } else {
+                        // The links that brought us here are stale: route them through
+                        // the dispatcher again so that they get relinked to the right
+                        // fragment.
+                        self.unlink_incoming(rec.fragment);
+                        Next::Lookup
+                    }
                 }
                 (EXIT_BUFFER_FULL, ExitKind::BufferFull { resume }) => {
                     // SAFETY: see the top of `run_inner`.
@@ -662,6 +827,53 @@ impl Engine {
                 }
                 _ => return Stop::Error(EngineError::UnboundLabel),
             };
+        }
+    }
+
+    /// Whether fragment `id` is still what a lookup of its VA finds (its VA maps to its
+    /// PA, and it was not invalidated); if so, the SoftTLB mirror learns the mapping.
+    fn still_mapped(&mut self, mem: &mut dyn GuestMemory, id: u32) -> bool {
+        let f = &self.cache.fragments[id as usize];
+        let (va, pa, mode) = (f.start, f.pa, f.mode);
+        let now = mem.translate(va.page(), mode);
+        if now != Some(pa.page()) || self.cache.lookup(va, pa, mode) != Some(id) {
+            return false;
+        }
+        if self.cache.fill_softtlb(va, pa) {
+            // The mirror held another mapping for this VA: lookups made under it are stale.
+            self.cache.clear_lookups();
+        }
+        true
+    }
+
+    /// A fault at guest instruction `guest_pc` (cache PC `pc`) left the rest of its basic
+    /// block unexecuted, but the block's instruction count was added at its start: take
+    /// back the faulting instruction and those after it in the block. The block structure
+    /// is re-derived by decoding the fragment's trace again (faults are rare; storing it
+    /// per fragment would cost memory for every trace).
+    fn uncount_after_fault(&mut self, mem: &mut dyn GuestMemory, pc: CachePc, guest_pc: GuestVirt) {
+        if self.insn_counters.is_none() {
+            return;
+        }
+        let Some(f) = self.cache.fragment_at(pc) else {
+            return;
+        };
+        let (start, pa, mode) = (f.start, f.pa, f.mode);
+        let (Some(m), Ok(t)) = (
+            mode.slot(),
+            decode_trace(mem, start, pa, mode, &mut self.scratch),
+        ) else {
+            return;
+        };
+        let Some(k) = t.info.iter().position(|i| i.address == guest_pc) else {
+            return;
+        };
+        if let Some(b) = t
+            .bbls
+            .iter()
+            .find(|b| (b.first..b.first + b.count).contains(&k))
+        {
+            self.add_insns(m, ((b.first + b.count - k) as u64).wrapping_neg());
         }
     }
 
@@ -733,7 +945,7 @@ impl Engine {
             self.cache.by_key.remove(&key);
             self.unlink_incoming(*id);
         }
-        self.cache.clear_ibl();
+        self.cache.clear_lookups();
         victims.len()
     }
 }

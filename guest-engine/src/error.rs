@@ -27,6 +27,9 @@ pub enum EngineError {
     /// An instruction the translator does not support (e.g. 16-bit indirect jump).
     #[error("unsupported instruction at {0:?}")]
     Unsupported(GuestVirt),
+    /// A translation mode the engine has no lookup tables for (`Mode::slot`).
+    #[error("unknown translation mode {0}")]
+    UnknownMode(u32),
     /// The instrumentation counter area is exhausted.
     #[error("out of inline counter slots")]
     CountersExhausted,

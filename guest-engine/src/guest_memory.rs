@@ -11,6 +11,23 @@ use crate::addr::{GuestPhys, GuestVirt};
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Mode(pub u32);
 
+impl Mode {
+    /// Guest kernel code (virtual CPL 0).
+    pub const KERNEL: Mode = Mode(0);
+    /// Guest user code (virtual CPL 3).
+    pub const USER: Mode = Mode(3);
+
+    /// Index of the mode's lookup tables and counters (`layout::MODE_SLOTS`); `None` for a
+    /// mode the engine has no tables for.
+    pub fn slot(self) -> Option<usize> {
+        match self.0 {
+            0 => Some(0),
+            3 => Some(1),
+            _ => None,
+        }
+    }
+}
+
 /// Guest memory as seen by the translator.
 pub trait GuestMemory {
     /// Translates `va` for instruction fetch in `mode`; `None` if the fetch would fault.

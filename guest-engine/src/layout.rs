@@ -5,8 +5,8 @@
 //! | offset                 | size                         | content                         |
 //! |------------------------|------------------------------|---------------------------------|
 //! | 0                      | [`CONTEXT_BYTES`]            | `CacheContext` (guest regs, spill slots, attention byte, buffer pointers) and XSAVE areas |
-//! | [`IBL_OFFSET`]         | [`IBL_TABLE_BYTES`]          | indirect-branch lookup table    |
-//! | [`RC_OFFSET`]          | [`RC_BYTES`]                 | return cache (landing pads)     |
+//! | [`IBL_OFFSET`]         | [`MODE_SLOTS`] × [`IBL_STRIDE`] | one indirect-branch lookup table per mode |
+//! | [`RC_OFFSET`]          | [`MODE_SLOTS`] × [`RC_BYTES`]   | one return cache (landing pads) per mode  |
 //! | [`SOFTTLB_OFFSET`]     | [`SOFTTLB_BYTES`]            | SoftTLB mirror for PA checks    |
 //! | [`COUNTERS_OFFSET`]    | [`COUNTER_SLOTS`] × 8        | inline instrumentation counters |
 //! | [`GENCODE_OFFSET`]     | [`GENCODE_BYTES`]            | enter / exit / IBL-miss routines|
@@ -31,20 +31,27 @@ pub const IBL_HASH_BITS: u32 = 16;
 pub const IBL_ENTRIES: usize = (1 << IBL_HASH_BITS) + 1;
 /// Bytes per IBL entry: `[-guest_va: u64, cache_pc: u64]`.
 pub const IBL_ENTRY_BYTES: usize = 16;
-/// Offset of the IBL table.
+/// Translation modes with their own IBL table and return cache (`Mode(0)` kernel,
+/// `Mode(3)` user; see `Mode::slot`). Each mode's generated lookups embed its own tables,
+/// so a lookup can never hit another mode's fragment and a mode switch clears nothing.
+pub const MODE_SLOTS: usize = 2;
+/// Offset of the first mode's IBL table.
 pub const IBL_OFFSET: usize = CONTEXT_BYTES;
-/// Bytes of the IBL table.
+/// Bytes of one IBL table.
 pub const IBL_TABLE_BYTES: usize = IBL_ENTRIES * IBL_ENTRY_BYTES;
+/// Distance between two modes' IBL tables (page aligned).
+pub const IBL_STRIDE: usize = (IBL_TABLE_BYTES + 4095) & !4095;
 /// Number of return-cache slots, indexed by the low 16 bits of the return address.
 pub const RC_ENTRIES: usize = 1 << 16;
-/// Offset of the return cache: slots of `ret_entry` cache PCs (0 = empty).
-pub const RC_OFFSET: usize = (IBL_OFFSET + IBL_TABLE_BYTES + 4095) & !4095;
-/// Bytes of the return cache.
+/// Offset of the first mode's return cache: slots of `ret_entry` cache PCs (0 = empty).
+pub const RC_OFFSET: usize = IBL_OFFSET + MODE_SLOTS * IBL_STRIDE;
+/// Bytes of one return cache (also the distance between two modes' return caches).
 pub const RC_BYTES: usize = RC_ENTRIES * 8;
 /// Number of SoftTLB mirror slots (direct mapped by virtual page number).
 pub const SOFTTLB_ENTRIES: usize = 256;
-/// Offset of the SoftTLB mirror: slots of `[va_page: u64, pa_page: u64]`.
-pub const SOFTTLB_OFFSET: usize = RC_OFFSET + RC_BYTES;
+/// Offset of the SoftTLB mirror: slots of `[va_page: u64, pa_page: u64]` (shared by all
+/// modes: the kernel and user views of a VA map to the same frame).
+pub const SOFTTLB_OFFSET: usize = RC_OFFSET + MODE_SLOTS * RC_BYTES;
 /// Bytes of the SoftTLB mirror.
 pub const SOFTTLB_BYTES: usize = SOFTTLB_ENTRIES * 16;
 /// Number of 8-byte inline counters tools may allocate.
@@ -57,7 +64,7 @@ pub const GENCODE_OFFSET: usize = COUNTERS_OFFSET + COUNTER_SLOTS * 8;
 pub const GENCODE_BYTES: usize = 4096;
 /// Offset of the first trace.
 pub const TRACES_OFFSET: usize = GENCODE_OFFSET + GENCODE_BYTES;
-/// Smallest usable region: the fixed part plus 64 KiB of traces.
+/// Smallest usable region: the fixed part (about 3.6 MiB) plus 64 KiB of traces.
 pub const MIN_REGION_BYTES: usize = TRACES_OFFSET + 64 * 1024;
 /// Largest region: RIP-relative displacements are signed 32-bit.
 pub const MAX_REGION_BYTES: usize = 1 << 30;
@@ -65,5 +72,13 @@ pub const MAX_REGION_BYTES: usize = 1 << 30;
 pub const MAX_TRACE_INSNS: usize = 96;
 /// Bytes of one memory-reference record (`MemRecord`).
 pub const MEM_RECORD_BYTES: usize = 32;
+/// Most lookup-table slots whose fills are remembered for a cheap clear
+/// (`invalidate_all_mappings`); beyond this a table is cleared whole.
+pub const FILLED_SLOTS_MAX: usize = 4096;
+/// Counter slots per mode for the engine's own instruction count
+/// (`Config::count_insns`), taken from the counter area before any tool's.
+pub const INSN_COUNTER_SPREAD: usize = 256;
+/// Fragments remembered by `Engine::recent_traces`.
+pub const RECENT_TRACES: usize = 32;
 /// Largest x86 instruction.
 pub const MAX_INSN_BYTES: usize = 15;

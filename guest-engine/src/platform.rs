@@ -7,6 +7,7 @@
 
 use crate::addr::GuestVirt;
 use crate::context::GuestRegs;
+use crate::guest_memory::Mode;
 use crate::instrument::SegBase;
 use crate::layout::MAX_INSN_BYTES;
 
@@ -75,6 +76,19 @@ pub struct SensitiveInsn {
 pub enum Emulation {
     /// Emulated; continue at `next` with the (possibly updated) registers.
     Continue(GuestVirt),
+    /// Emulated, and it changed what translations assume (`syscall`/`sysret`/`iretq`
+    /// changing the virtual CPL, a CR3 write): continue at `next` in `mode` (as
+    /// `Engine::set_mode`), after dropping every VA → PA assumption if
+    /// `invalidate_mappings` (as `Engine::invalidate_all_mappings`). An unknown mode stops
+    /// the run with `EngineError::UnknownMode`.
+    Switch {
+        /// Where the guest continues.
+        next: GuestVirt,
+        /// The translation mode from now on.
+        mode: Mode,
+        /// The guest's VA → PA mappings changed (CR3 write).
+        invalidate_mappings: bool,
+    },
     /// Not emulated: stop running and report the instruction.
     Stop,
 }

@@ -35,6 +35,7 @@ fn test_compiled_corpus_matches_native() {
 fn test_instrumented_compiled_corpus_matches_native() {
     let cfg = Config {
         record_buffer_records: 100,
+        count_insns: true,
         ..Config::default()
     };
     let mut h = Harness {

@@ -1,6 +1,6 @@
 //! Differential tests: random programs run natively and under translation (with and
-//! without linking, with and without instrumentation); registers, flags and memory must
-//! be equal.
+//! without linking, with and without instrumentation and engine instruction counting);
+//! registers, flags and memory must be equal.
 
 mod common;
 
@@ -54,6 +54,7 @@ fn test_instrumented_random_programs_match_native() {
     let cfg = Config {
         record_buffer_records: 7,
         records_need_pa: true,
+        count_insns: true,
         ..Config::default()
     };
     let mut rig = Rig::new(cfg);
@@ -64,8 +65,10 @@ fn test_instrumented_random_programs_match_native() {
         check_case(&mut rig, &block, seed, 40, &mut tool);
     }
     assert!(tool.calls > 0 && tool.mem.count > 0);
+    let insns = rig.engine.executed_insns(guest_engine::Mode::KERNEL);
+    assert!(insns > 0);
     common::report(&format!(
-        "{n} differential cases (random programs, heavy instrumentation)"
+        "{n} differential cases (random programs, heavy instrumentation and engine instruction counts: {insns})"
     ));
 }
 

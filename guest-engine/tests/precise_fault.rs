@@ -1,14 +1,15 @@
 //! Precise exceptions: a fault inside translated code (in glue, with a register spilled,
 //! and in a verbatim copy) is redirected by a SIGSEGV handler to the exit routine, and the
 //! engine maps the cache PC back to the guest instruction and restores the guest registers
-//! exactly as they were before that instruction.
+//! exactly as they were before that instruction (and the engine's instruction count excludes
+//! the faulting instruction and the rest of its block).
 
 mod common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use common::{HostMemory, HostPlatform, Region, Rig};
-use guest_engine::{Config, Gpr, GuestVirt, NullTool, Stop};
+use guest_engine::{Config, Gpr, GuestVirt, Mode, NullTool, Stop};
 
 static REDIRECT: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
 
@@ -64,7 +65,10 @@ fn install(rig: &Rig) {
 
 #[test]
 fn test_faults_in_cache_map_back_to_the_guest_instruction() {
-    let mut rig = Rig::new(Config::default());
+    let mut rig = Rig::new(Config {
+        count_insns: true,
+        ..Config::default()
+    });
     install(&rig);
     let block = Region::map(3 * 4096, 0);
     let base = block.addr();
@@ -101,6 +105,11 @@ fn test_faults_in_cache_map_back_to_the_guest_instruction() {
     assert_eq!(r.get(Gpr::Rdx), 9);
     assert_eq!(r.get(Gpr::Rax), 0x1111);
     assert_eq!(r.get(Gpr::R10), 0x1111);
+    assert_eq!(
+        rig.engine.executed_insns(Mode::KERNEL),
+        2,
+        "the faulting load and the rest of its block are not counted"
+    );
 
     // A verbatim instruction faulting: mov r9, [rdi] with rdi in the bad page.
     let code2 = [
@@ -116,6 +125,7 @@ fn test_faults_in_cache_map_back_to_the_guest_instruction() {
         panic!("unexpected stop {stop:?}")
     };
     assert_eq!(guest_pc, GuestVirt(base + 0x407));
+    assert_eq!(rig.engine.executed_insns(Mode::KERNEL), 2 + 1);
     assert_eq!(rig.engine.regs().get(Gpr::Rsi), 5);
     assert_eq!(rig.engine.regs().get(Gpr::Rdi), bad + 8);
 }

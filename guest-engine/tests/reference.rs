@@ -11,7 +11,7 @@ use common::ptrace::{single_step, Step};
 use common::tools::{BblCount, EaCalls, MemTrace, TraceCalls};
 use common::{Region, Rig};
 use guest_engine::instrument::access;
-use guest_engine::{Config, MemRecord};
+use guest_engine::{Config, Engine, MemRecord, Mode};
 use iced_x86::{Decoder, DecoderOptions, Instruction, InstructionInfoFactory, OpAccess, Register};
 
 fn decode_at(rip: u64) -> Instruction {
@@ -59,6 +59,12 @@ fn reference_counts(steps: &[Step]) -> BTreeMap<u64, u64> {
         prev = s.rip;
     }
     m
+}
+
+/// Instructions the engine counted (`Config::count_insns`) since `before`.
+fn counted_since(e: &Engine, before: u64) -> u64 {
+    assert_eq!(e.executed_insns(Mode::USER), 0, "nothing ran in user mode");
+    e.executed_insns(Mode::KERNEL) - before
 }
 
 fn reg_value(s: &Step, r: Register) -> Option<u64> {
@@ -131,6 +137,7 @@ fn reference_records(steps: &[Step]) -> Vec<MemRecord> {
 fn test_bbl_counts_and_records_match_single_step_on_random_programs() {
     let mut rig = Rig::new(Config {
         record_buffer_records: 64,
+        count_insns: true,
         ..Config::default()
     });
     let block = Region::map(1 << 20, 0);
@@ -143,14 +150,23 @@ fn test_bbl_counts_and_records_match_single_step_on_random_programs() {
         let steps = single_step(&mut rig.native, prep.p.entry);
         insns += steps.len();
 
+        let want_counts = reference_counts(&steps);
+        let want_insns: u64 = want_counts.values().sum();
+        let c0 = rig.engine.executed_insns(Mode::KERNEL);
         let mut bbl = BblCount::default();
         prep.run_translated(&mut rig, &block, &mut bbl);
         assert_eq!(
             bbl.per_instruction(&rig.engine),
-            reference_counts(&steps),
+            want_counts,
             "seed {seed}: block counts"
         );
+        assert_eq!(
+            counted_since(&rig.engine, c0),
+            want_insns,
+            "seed {seed}: engine instruction count next to a block-counting tool"
+        );
 
+        let c0 = rig.engine.executed_insns(Mode::KERNEL);
         let mut mt = MemTrace {
             keep: true,
             ..MemTrace::default()
@@ -159,9 +175,12 @@ fn test_bbl_counts_and_records_match_single_step_on_random_programs() {
         let want = reference_records(&steps);
         assert_eq!(mt.records.len(), want.len(), "seed {seed}: record count");
         assert!(mt.records == want, "seed {seed}: records differ");
+        assert_eq!(counted_since(&rig.engine, c0), want_insns, "seed {seed}");
 
+        let c0 = rig.engine.executed_insns(Mode::KERNEL);
         let mut tc = TraceCalls::default();
         prep.run_translated(&mut rig, &block, &mut tc);
+        assert_eq!(counted_since(&rig.engine, c0), want_insns, "seed {seed}");
         let mut prev = u64::MAX;
         let want: Vec<(u64, u64, u64)> = steps
             .iter()
@@ -192,22 +211,38 @@ fn test_bbl_counts_and_records_match_single_step_on_random_programs() {
             "seed {seed}: effective-address arguments differ"
         );
     }
-    common::report(&format!("{seeds} programs, {insns} single-stepped instructions: block counts, records and call arguments equal"));
+    common::report(&format!("{seeds} programs, {insns} single-stepped instructions: block counts, engine instruction counts, records and call arguments equal"));
 }
 
 #[test]
 fn test_bbl_counts_and_records_match_single_step_on_corpus() {
     let mut h = Harness::new(Config {
         record_buffer_records: 1000,
+        count_insns: true,
         ..Config::default()
     });
     for (name, f) in corpus() {
         let n = 14;
         let steps = h.single_step(f, 5, n);
+        let want_counts = reference_counts(&steps);
+        let want_insns: u64 = want_counts.values().sum();
+        let c0 = h.rig.engine.executed_insns(Mode::KERNEL);
         let mut bbl = BblCount::default();
         h.run(f, 5, n, &mut bbl);
         let got = bbl.per_instruction(&h.rig.engine);
-        assert_eq!(got, reference_counts(&steps), "{name}: block counts");
+        assert_eq!(got, want_counts, "{name}: block counts");
+        assert_eq!(
+            counted_since(&h.rig.engine, c0),
+            want_insns,
+            "{name}: engine instruction count next to a block-counting tool"
+        );
+        let c0 = h.rig.engine.executed_insns(Mode::KERNEL);
+        h.run(f, 5, n, &mut guest_engine::NullTool);
+        assert_eq!(
+            counted_since(&h.rig.engine, c0),
+            want_insns,
+            "{name}: engine instruction count alone"
+        );
         let mut mt = MemTrace {
             keep: true,
             ..MemTrace::default()

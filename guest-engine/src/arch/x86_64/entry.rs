@@ -58,7 +58,7 @@
 //! instruction and reloads spilled registers (`Engine::recover_regs`).
 
 use crate::context::CacheContext;
-use crate::layout::{GENCODE_BYTES, XSAVE_MASK};
+use crate::layout::{GENCODE_BYTES, MODE_SLOTS, XSAVE_MASK};
 
 use super::emit::{reg, Asm};
 
@@ -146,9 +146,9 @@ pub(crate) struct Gencode {
     pub enter: u64,
     pub exit: u64,
     pub ibl_miss: u64,
-    /// Shared hash lookup (RDX = target, RCX/RDX spilled), used after return-cache misses;
-    /// 0 when the region has no IBL table (native runner).
-    pub ibl_shared: u64,
+    /// Shared hash lookup per mode slot (RDX = target, RCX/RDX spilled), used after
+    /// return-cache misses; 0 when the region has no IBL tables (native runner).
+    pub ibl_shared: [u64; MODE_SLOTS],
 }
 
 /// Addresses of the two 64-byte aligned XSAVE areas (guest, host) used when the engine
@@ -162,7 +162,7 @@ pub(crate) struct XsaveAreas {
 const HOST_SAVED: [u8; 6] = [reg::RBX, reg::RBP, reg::R12, reg::R13, 14, reg::R15];
 
 /// Emits the enter, exit and IBL-miss routines for the context at `ctx` into the
-/// `GENCODE_BYTES` at `at`.
+/// `GENCODE_BYTES` at `at`, and one shared hash lookup per mode's IBL table.
 ///
 /// # Safety
 /// `at` must be writable and executable for `GENCODE_BYTES` bytes and `ctx` must
@@ -171,7 +171,7 @@ pub(crate) unsafe fn emit_gencode(
     at: *mut u8,
     ctx: &CtxAddrs,
     xsave: Option<XsaveAreas>,
-    ibl_table: Option<u64>,
+    ibl_tables: Option<[u64; MODE_SLOTS]>,
 ) -> Gencode {
     let base = at as u64;
     let mut a = Asm::new(base, ctx.spill);
@@ -226,15 +226,12 @@ pub(crate) unsafe fn emit_gencode(
     a.mov_m64_imm32(ctx.exit_word, exit_word(EXIT_IBL_MISS, 0));
     a.jmp_abs(exit);
 
-    let ibl_shared = match ibl_table {
-        Some(table) => {
-            let pc = a.pc();
-            a.set_spilled(1 << reg::RCX | 1 << reg::RDX);
-            emit_ibl_lookup(&mut a, ctx, table, ibl_miss);
-            pc
-        }
-        None => 0,
-    };
+    let mut ibl_shared = [0; MODE_SLOTS];
+    for (shared, table) in ibl_shared.iter_mut().zip(ibl_tables.iter().flatten()) {
+        *shared = a.pc();
+        a.set_spilled(1 << reg::RCX | 1 << reg::RDX);
+        emit_ibl_lookup(&mut a, ctx, *table, ibl_miss);
+    }
 
     let (code, _) = a.finish().expect("gencode labels are all bound");
     assert!(

@@ -41,12 +41,14 @@ pub(crate) struct EmitEnv {
     pub base: u64,
     pub ctx: CtxAddrs,
     pub gen: Gencode,
+    /// The trace's mode's IBL table and its shared lookup routine.
     pub ibl_table: u64,
+    pub ibl_shared: u64,
     /// SoftTLB mirror slot `[va_page, pa_page]` of the trace's page.
     pub softtlb_slot: u64,
     pub counters: u64,
     pub count_ibl: bool,
-    /// Return cache table (`ret` goes through it when `return_cache`).
+    /// The mode's return cache (`ret` goes through it when `return_cache`).
     pub rc_table: u64,
     pub return_cache: bool,
     /// Run analysis calls inline (else every call is an exit through the dispatcher).
@@ -335,7 +337,7 @@ impl Tx<'_> {
         self.a.jmp_r(reg::RCX);
         self.a.bind(miss);
         self.a.mov_r_m(reg::RDX, c.ret_target);
-        self.a.jmp_abs(self.env.gen.ibl_shared);
+        self.a.jmp_abs(self.env.ibl_shared);
     }
 
     /// The landing pad a return-cache hit jumps to: checks that the popped address is this
@@ -350,7 +352,7 @@ impl Tx<'_> {
         self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RDX, 0);
         self.a.jrcxz_label(ok);
         self.a.mov_r_m(reg::RDX, c.ret_target);
-        self.a.jmp_abs(self.env.gen.ibl_shared);
+        self.a.jmp_abs(self.env.ibl_shared);
         self.a.bind(ok);
         self.a.emit_unspill(reg::RCX);
         self.a.emit_unspill(reg::RDX);
