@@ -340,14 +340,9 @@ pub fn reflect_guest_fault(
 fn tell_translator(engine: &mut Engine, shadow: &RefCell<Shadow>) {
     let work = shadow.borrow_mut().take_work();
     if work.all_mappings {
-        // TODO(merge): Engine::invalidate_all_mappings (SoftTLB mirror, IBL and return
-        // cache) instead of dropping every translation — and then keep the protections.
-        engine.flush();
-        // No translation is left, so no frame needs protecting.
-        let mut sh = shadow.borrow_mut();
-        if let Err(e) = sh.unprotect_all_code() {
-            sh.record(e);
-        }
+        // A CR3 write: every VA→PA assumption of the cache goes (SoftTLB mirror, lookup
+        // tables); translations stay, keyed by frame, and so do the frames' protections.
+        engine.invalidate_all_mappings();
     } else {
         for va in &work.pages {
             engine.invalidate_page(*va);

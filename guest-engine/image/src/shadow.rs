@@ -487,12 +487,6 @@ impl Shadow {
         self.settle()
     }
 
-    /// The translator dropped every translation: no frame needs protecting any more.
-    pub fn unprotect_all_code(&mut self) -> Result<(), ShadowError> {
-        self.mmu.unprotect_all_code_frames()?;
-        self.settle()
-    }
-
     /// The guest writes CR3 (bit 63 already cleared): switch spaces, drop the new space's
     /// non-global leaves, load its root.
     pub fn write_cr3(&mut self, cr3: u64) -> Result<(), ShadowError> {
