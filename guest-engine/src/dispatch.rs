@@ -130,6 +130,12 @@ impl AttentionHandle {
         // SAFETY: points at `CacheContext::attention` of a live engine.
         unsafe { core::ptr::write_volatile(self.0, u64::from(bits)) };
     }
+
+    /// The address of the attention word, for code that cannot hold the handle (e.g. an
+    /// interrupt stub that ORs a reason into its low byte).
+    pub fn address(&self) -> u64 {
+        self.0 as u64
+    }
 }
 
 /// What a fault handler needs to turn a fault in cache code into a `FAULT` exit: store

@@ -13,8 +13,8 @@ pub const TSS_SEL: u16 = 0x28;
 /// GDT entries (8 bytes each).
 pub const GDT_ENTRIES: usize = 7;
 
-/// Vectors with an IDT entry: the 32 exceptions and the 16 PIC interrupts.
-pub const IDT_VECTORS: usize = 48;
+/// Vectors with an IDT entry: all 256 (32 exceptions, 224 interrupts).
+pub const IDT_VECTORS: usize = 256;
 /// First vector of the remapped master PIC (IRQ 0 = the PIT).
 pub const PIC_VECTOR_BASE: u8 = 0x20;
 /// First vector of the remapped slave PIC.

@@ -14,21 +14,27 @@
 extern crate alloc;
 
 mod bringup;
+mod deliver;
 mod descriptors;
 mod entry;
 mod fault;
 mod gate;
+mod guest_access;
 mod guest_alias;
 mod guest_mem;
 mod heap;
+mod irq;
 mod layout;
 mod log;
+mod msr;
 mod paging;
 mod probe;
 mod run;
 mod segments;
 mod timer;
 mod tools;
+mod transitions;
+mod undo;
 mod vcpu;
 
 /// The address `link.ld` links the image at; it must be where the VMM loads it.

@@ -22,8 +22,9 @@ use crate::guest_alias;
 use crate::guest_mem::{PhysmapMemory, MODE_KERNEL};
 use crate::log::fail;
 use crate::tools::Chosen;
+use crate::deliver::{self, Event, Kind};
 use crate::vcpu::Vcpu;
-use crate::{entry, gate, heap, log, timer};
+use crate::{entry, gate, heap, irq, log, timer};
 
 /// CR0.PG, EFER.LMA: the guest must be in 64-bit long mode (all the translator knows).
 const CR0_PG: u64 = 1 << 31;
@@ -121,7 +122,10 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
     let mut mem = PhysmapMemory::new(block, &cr3);
     let mut vcpu = Vcpu::new(block, &cr3);
     let t0 = timer::tsc();
+    irq::hand_over(&engine);
     loop {
+        // TODO(merge): engine.set_mode(vcpu.mode) — the one place the translation mode
+        // follows the virtual CPL (traces are keyed by it).
         let stop = engine.run(&mut mem, &mut vcpu, tool.as_tool());
         let cycles = timer::tsc().wrapping_sub(t0);
         match stop {
@@ -140,6 +144,20 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                 // The VMM normally ends the run here; if not, the guest continues.
                 engine.set_rip(GuestVirt(insn.pc.0 + u64::from(insn.len)));
             }
+            Stop::Sensitive(insn) if vcpu.triple.is_some() => {
+                if let Some(t) = vcpu.triple {
+                    log!(
+                        Error,
+                        "engine: the guest triple-faulted at RIP {:#x}: {} (vector {}, error code {:#x}) while delivering #DF",
+                        insn.pc.0,
+                        crate::fault::vector_name(u64::from(t.last.vector)),
+                        t.last.vector,
+                        t.last.error.unwrap_or(0)
+                    );
+                }
+                report(&engine, &vcpu, &tool, cycles);
+                fail();
+            }
             Stop::Sensitive(insn) => {
                 let mut text = String::new();
                 match vcpu.unsupported {
@@ -149,29 +167,11 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                             let _ = write!(n, "{m:?}");
                             n.to_ascii_lowercase()
                         });
-                        match u.fault {
-                            Some(f) => {
-                                let _ = write!(
-                                    text,
-                                    "`{name}` ({:?}) at guest RIP {:#x} would raise {}({:#x}) in the guest (vector {}, error code {:#x}, selector {:#x}): {}; bytes",
-                                    insn.kind,
-                                    insn.pc.0,
-                                    f.name(),
-                                    f.error,
-                                    f.vector,
-                                    f.error,
-                                    f.error,
-                                    u.why
-                                );
-                            }
-                            None => {
-                                let _ = write!(
-                                    text,
-                                    "unsupported sensitive instruction `{name}` ({:?}) at guest RIP {:#x}: {}; bytes",
-                                    insn.kind, insn.pc.0, u.why
-                                );
-                            }
-                        }
+                        let _ = write!(
+                            text,
+                            "unsupported sensitive instruction `{name}` ({:?}) at guest RIP {:#x}: {}; bytes",
+                            insn.kind, insn.pc.0, u.why
+                        );
                     }
                     None => {
                         let _ = write!(
@@ -188,7 +188,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                 report(&engine, &vcpu, &tool, cycles);
                 fail();
             }
-            Stop::Fault { guest_pc, cache_pc } => {
+            Stop::Fault { guest_pc, .. } => {
                 // SAFETY: written by the ring-0 trap path before it redirected the fault
                 // to the exit routine, which ran before `run` returned.
                 let (vector, error, cr2) = unsafe {
@@ -198,24 +198,34 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                         core::ptr::read_volatile(&raw const entry::kpin_cache_fault_cr2),
                     )
                 };
-                log!(
-                    Error,
-                    "engine: the guest instruction at RIP {:#x} raised {} (vector {vector}, error code {error:#x}, CR2 {cr2:#x}) in translated code (cache PC {:#x}); exception delivery to the guest is not implemented",
-                    guest_pc.0,
-                    crate::fault::vector_name(vector),
-                    cache_pc.0
-                );
-                report(&engine, &vcpu, &tool, cycles);
-                fail();
+                let ev = exception_from_cache(&mut vcpu, vector as u8, error as u32, cr2);
+                deliver_or_fail(&mut engine, &mut vcpu, &tool, cycles, guest_pc.0, ev);
             }
             Stop::FetchFault(va) => {
-                log!(
-                    Error,
-                    "engine: the guest fetches code at {:#x}, which its page tables do not map executable (exception delivery to the guest is not implemented)",
-                    va.0
-                );
-                report(&engine, &vcpu, &tool, cycles);
-                fail();
+                // The fetch faults at the target: #PF with I/D set, RIP = CR2 = the target.
+                vcpu.cr2 = va.0;
+                let user = if vcpu.cpl() == 3 { PF_USER } else { 0 };
+                let present = u32::from(vcpu.mem().walk(va.0, MODE_KERNEL).is_some());
+                let ev = Event::fault(deliver::PF, PF_FETCH | user | present);
+                deliver_or_fail(&mut engine, &mut vcpu, &tool, cycles, va.0, ev);
+            }
+            Stop::Attention(va) => {
+                // State is precise at `va`. Only interrupts set attention so far.
+                engine.set_attention(0);
+                match vcpu.deliver_pending(engine.regs_mut(), va.0) {
+                    Ok(Some(handler)) => engine.set_rip(GuestVirt(handler)),
+                    Ok(None) => engine.set_rip(va),
+                    Err(t) => {
+                        vcpu.triple = Some(t);
+                        log!(
+                            Error,
+                            "engine: the guest triple-faulted delivering an interrupt at RIP {:#x}",
+                            va.0
+                        );
+                        report(&engine, &vcpu, &tool, cycles);
+                        fail();
+                    }
+                }
             }
             other => {
                 log!(
@@ -226,6 +236,54 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                 report(&engine, &vcpu, &tool, cycles);
                 fail();
             }
+        }
+    }
+}
+
+/// #PF error code bits the engine sets itself.
+const PF_USER: u32 = 1 << 2;
+const PF_FETCH: u32 = 1 << 4;
+
+/// The guest exception for a fault the hardware raised in translated code (seen at CPL 3:
+/// a #PF's U bit is replaced by the virtual CPL's; CR2 becomes the guest's).
+fn exception_from_cache(vcpu: &mut Vcpu<'_>, vector: u8, error: u32, cr2: u64) -> Event {
+    let has_error = matches!(vector, 8 | 10..=14 | 17 | 21 | 29 | 30);
+    let error = if vector == deliver::PF {
+        vcpu.cr2 = cr2;
+        (error & !PF_USER) | if vcpu.cpl() == 3 { PF_USER } else { 0 }
+    } else {
+        error
+    };
+    Event {
+        vector,
+        error: has_error.then_some(error),
+        kind: Kind::Exception,
+    }
+}
+
+/// Delivers `ev` at `rip` and continues at the handler; a triple fault ends the run.
+fn deliver_or_fail(
+    engine: &mut Engine,
+    vcpu: &mut Vcpu<'_>,
+    tool: &Chosen,
+    cycles: u64,
+    rip: u64,
+    ev: Event,
+) {
+    match vcpu.deliver(engine.regs_mut(), rip, ev) {
+        Ok(handler) => engine.set_rip(GuestVirt(handler)),
+        Err(t) => {
+            log!(
+                Error,
+                "engine: the guest triple-faulted: {} (vector {}) at RIP {rip:#x}, then {} (vector {}, error code {:#x}) while delivering #DF",
+                crate::fault::vector_name(u64::from(ev.vector)),
+                ev.vector,
+                crate::fault::vector_name(u64::from(t.last.vector)),
+                t.last.vector,
+                t.last.error.unwrap_or(0)
+            );
+            report(engine, vcpu, tool, cycles);
+            fail();
         }
     }
 }
@@ -255,7 +313,7 @@ fn report(engine: &Engine, vcpu: &Vcpu<'_>, tool: &Chosen, cycles: u64) {
     let (heap_now, heap_peak) = heap::usage();
     log!(
         Info,
-        "engine: stats: {} traces translated ({} guest instructions, {} guest bytes -> {} cache bytes), {} links, exits direct {} ibl-miss {} sensitive {}; emulated: {} out, {} in, {} cpuid; heap {} KiB (peak {} KiB); {} TSC cycles in the run",
+        "engine: stats: {} traces translated ({} guest instructions, {} guest bytes -> {} cache bytes), {} links, exits direct {} ibl-miss {} sensitive {} attention {} fault {}; emulated: {} out, {} in, {} cpuid; delivered: {} interrupts, {} int n, exceptions by vector {:?}; {} halts; emulations by kind {:?}; heap {} KiB (peak {} KiB); {} TSC cycles in the run",
         st.fragments,
         st.guest_insns,
         st.guest_bytes,
@@ -264,9 +322,16 @@ fn report(engine: &Engine, vcpu: &Vcpu<'_>, tool: &Chosen, cycles: u64) {
         st.exits[0],
         st.exits[1],
         st.exits[2],
-        vcpu.outs,
-        vcpu.ins,
-        vcpu.cpuids,
+        st.exits[3],
+        st.exits[7],
+        vcpu.stats.outs,
+        vcpu.stats.ins,
+        vcpu.stats.cpuids,
+        vcpu.stats.interrupts,
+        vcpu.stats.software_ints,
+        vcpu.stats.exceptions,
+        vcpu.stats.halts,
+        vcpu.stats.emulated,
         heap_now >> 10,
         heap_peak >> 10,
         cycles
