@@ -14,6 +14,7 @@
 extern crate alloc;
 
 mod bringup;
+mod cr3_standin;
 mod deliver;
 mod descriptors;
 mod entry;
