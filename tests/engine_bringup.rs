@@ -112,7 +112,7 @@ fn test_engine_boots_measures_gate_and_timer_then_stops_cleanly() {
         "{log}"
     );
     assert!(
-        log.contains("[Error] engine: unsupported sensitive instruction `hlt` (Halt) at guest RIP 0x100000: hlt with interrupts disabled"),
+        log.contains("[Error] engine: unsupported sensitive instruction `hlt` (Halt) at guest RIP 0x100000: guest halted with interrupts disabled"),
         "{log}"
     );
     assert!(report.dump.is_some());
