@@ -272,7 +272,13 @@ impl<'a> Vcpu<'a> {
             error: None,
             kind: Kind::External,
         };
-        self.deliver(regs, rip, ev).map(Some)
+        let handler = self.deliver(regs, rip, ev)?;
+        // A trap gate leaves IF set: the next pending vector must not wait for an
+        // IF change.
+        if self.vif {
+            irq::rearm_if_pending();
+        }
+        Ok(Some(handler))
     }
 
     /// Reads guest memory at the current CPL; a #PF (CR2 set) on failure.
