@@ -6,8 +6,8 @@
 //! it cannot (`syscall` from CPL 3 triple-faults here) the test states the values.
 
 use iced_x86::code_asm::{
-    al, ax, bx, byte_ptr, cr2, cr3, cs, ds, dx, eax, ebx, ecx, edx, es, qword_ptr, r11, r14,
-    r15, rax, rbx, rcx, rdi, rdx, rsi, rsp, ss, CodeAssembler, CodeLabel,
+    al, ax, bx, byte_ptr, cr2, cr3, cs, ds, dx, eax, ebx, ecx, edx, es, qword_ptr, r11, r14, r15,
+    rax, rbx, rcx, rdi, rdx, rsi, rsp, ss, CodeAssembler, CodeLabel,
 };
 use kpin_tests::{kvm_available, run_tiny_guest, TINY_LOAD_ADDR};
 use vmm::Outcome;
@@ -75,7 +75,8 @@ impl Guest {
             a.mov(rax, *e).unwrap();
             a.mov(qword_ptr(GDT + 8 * k as u64), rax).unwrap();
         }
-        a.mov(rax, (GDT << 16) | (8 * gdt.len() as u64 - 1)).unwrap();
+        a.mov(rax, (GDT << 16) | (8 * gdt.len() as u64 - 1))
+            .unwrap();
         a.mov(qword_ptr(GDTR), rax).unwrap();
         a.mov(qword_ptr(GDTR + 8), 0).unwrap();
         a.lgdt(qword_ptr(GDTR)).unwrap();
@@ -113,8 +114,11 @@ impl Guest {
         a.shr(rcx, 16).unwrap();
         a.shl(rcx, 48).unwrap();
         a.or(rax, rcx).unwrap();
-        a.mov(rcx, KERNEL_CS << 16 | ist << 32 | (0x80 | dpl << 5 | ty) << 40)
-            .unwrap();
+        a.mov(
+            rcx,
+            KERNEL_CS << 16 | ist << 32 | (0x80 | dpl << 5 | ty) << 40,
+        )
+        .unwrap();
         a.or(rax, rcx).unwrap();
         a.mov(qword_ptr(IDT + 16 * v), rax).unwrap();
         a.mov(qword_ptr(IDT + 16 * v + 8), 0).unwrap();
@@ -222,7 +226,12 @@ fn own_page_tables(g: &mut Guest, unmapped: &[u64]) {
 /// console, which is returned.
 fn same_as_native(name: &str, code: &[u8]) -> String {
     let (native, native_console, _, _) = run_tiny_guest(&format!("{name}-native"), code, None);
-    assert_eq!(native.outcome, Outcome::Poweroff, "{name}: {:?}", native.dump);
+    assert_eq!(
+        native.outcome,
+        Outcome::Poweroff,
+        "{name}: {:?}",
+        native.dump
+    );
     let (report, console, log, _) = run_tiny_guest(&format!("{name}-null"), code, Some("null"));
     assert_eq!(report.outcome, Outcome::Poweroff, "{name}: {log}");
     assert_eq!(console, native_console, "{name}: {log}");
@@ -272,7 +281,9 @@ fn fault(g: &mut Guest, insn: impl FnOnce(&mut CodeAssembler) -> Result<(), iced
 
 #[test]
 fn test_de_ud_gp_and_segment_faults_are_delivered_to_the_guest_handler_and_iretq_resumes() {
-    if !kvm_available("test_de_ud_gp_and_segment_faults_are_delivered_to_the_guest_handler_and_iretq_resumes") {
+    if !kvm_available(
+        "test_de_ud_gp_and_segment_faults_are_delivered_to_the_guest_handler_and_iretq_resumes",
+    ) {
         return;
     }
     // (Only what KVM can run natively here: a non-present data segment in DS or a code
@@ -317,7 +328,9 @@ fn test_de_ud_gp_and_segment_faults_are_delivered_to_the_guest_handler_and_iretq
 
 #[test]
 fn test_faults_kvm_cannot_run_natively_and_int3_are_delivered_with_the_cpus_error_codes() {
-    if !kvm_available("test_faults_kvm_cannot_run_natively_and_int3_are_delivered_with_the_cpus_error_codes") {
+    if !kvm_available(
+        "test_faults_kvm_cannot_run_natively_and_int3_are_delivered_with_the_cpus_error_codes",
+    ) {
         return;
     }
     let mut g = Guest::new();
@@ -527,14 +540,19 @@ fn test_syscall_and_sysretq_round_trip_between_cpl0_and_cpl3() {
     // SS 0x1b, IF 1, RAX = 0x1234 + 0x1111.
     assert_eq!(
         console,
-        format!("S{:04x}{:04x}000000010000U{USER_CS:04x}{USER_DS:04x}00012345\n", KERNEL_CS, KERNEL_DS),
+        format!(
+            "S{:04x}{:04x}000000010000U{USER_CS:04x}{USER_DS:04x}00012345\n",
+            KERNEL_CS, KERNEL_DS
+        ),
         "{log}"
     );
 }
 
 #[test]
 fn test_a_delivery_whose_third_push_faults_is_rolled_back_and_becomes_a_double_fault() {
-    if !kvm_available("test_a_delivery_whose_third_push_faults_is_rolled_back_and_becomes_a_double_fault") {
+    if !kvm_available(
+        "test_a_delivery_whose_third_push_faults_is_rolled_back_and_becomes_a_double_fault",
+    ) {
         return;
     }
     // The stack's top 16 bytes sit at the bottom of a mapped page above an unmapped one:

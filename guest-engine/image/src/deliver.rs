@@ -180,8 +180,13 @@ fn try_deliver(v: &mut Vcpu<'_>, regs: &mut GuestRegs, rip: u64, ev: Event) -> R
         return Err(nested(GP, idt_error));
     }
     let mut gate = [0u8; 16];
-    guest_access::read(&mem, idtr.base.wrapping_add(u64::from(ev.vector) * 16), false, &mut gate)
-        .map_err(pf)?;
+    guest_access::read(
+        &mem,
+        idtr.base.wrapping_add(u64::from(ev.vector) * 16),
+        false,
+        &mut gate,
+    )
+    .map_err(pf)?;
     let lo = u64::from_le_bytes(gate[..8].try_into().unwrap_or_default());
     let hi = u64::from_le_bytes(gate[8..].try_into().unwrap_or_default());
     let ty = (lo >> 40) & 0xf;
@@ -197,7 +202,7 @@ fn try_deliver(v: &mut Vcpu<'_>, regs: &mut GuestRegs, rip: u64, ev: Event) -> R
     }
     let sel = ((lo >> 16) & 0xffff) as u16;
     let target = (lo & 0xffff) | (((lo >> 48) & 0xffff) << 16) | (hi << 32);
-    let ist = ((lo >> 32) & 7) as u64;
+    let ist = (lo >> 32) & 7;
     if sel & 0xfffc == 0 {
         return Err(nested(GP, ext));
     }
@@ -221,7 +226,11 @@ fn try_deliver(v: &mut Vcpu<'_>, regs: &mut GuestRegs, rip: u64, ev: Event) -> R
     let old_rsp = regs.get(Gpr::Rsp);
     let mut rsp = old_rsp;
     if ist != 0 || new_cpl < cpl {
-        let off = if ist != 0 { 0x24 + 8 * (ist - 1) } else { 4 + 8 * u64::from(new_cpl) };
+        let off = if ist != 0 {
+            0x24 + 8 * (ist - 1)
+        } else {
+            4 + 8 * u64::from(new_cpl)
+        };
         let tr = v.segs.tr;
         if tr.present == 0 || off + 7 > u64::from(tr.limit) {
             return Err(nested(TS, u32::from(tr.selector & 0xfffc) + ext));
@@ -329,7 +338,8 @@ pub fn iretq(v: &mut Vcpu<'_>, regs: &mut GuestRegs) -> Result<u64, Event> {
             .read_descriptor(&mem, v.gdtr, ss, 8)
             .map_err(Event::from_guest_fault)?;
         let s = sd.cache(ss);
-        if (ss & 3) as u8 != rpl || s.s == 0 || s.type_ & 8 != 0 || s.type_ & 2 == 0 || s.dpl != rpl {
+        if (ss & 3) as u8 != rpl || s.s == 0 || s.type_ & 8 != 0 || s.type_ & 2 == 0 || s.dpl != rpl
+        {
             return Err(gp(ss));
         }
         if s.present == 0 {

@@ -32,6 +32,12 @@ fn mode(user: bool) -> guest_engine::Mode {
     }
 }
 
+/// A #PF error code from its P, W and U bits.
+fn error_code(present: bool, write: bool, user: bool) -> u32 {
+    let bit = |b: bool, v: u32| if b { v } else { 0 };
+    bit(present, PF_PRESENT) | bit(write, PF_WRITE) | bit(user, PF_USER)
+}
+
 /// The first byte of `[va, va + len)` that the access cannot touch, and its error code.
 fn fault_at(mem: &PhysmapMemory<'_>, va: u64, len: usize, user: bool, write: bool) -> PageFault {
     let mut probe = [0u8; 1];
@@ -48,15 +54,13 @@ fn fault_at(mem: &PhysmapMemory<'_>, va: u64, len: usize, user: bool, write: boo
             let present = mem.read_virt(a, MODE_KERNEL, &mut probe);
             return PageFault {
                 cr2: a,
-                error: u32::from(present) * PF_PRESENT
-                    | u32::from(write) * PF_WRITE
-                    | u32::from(user) * PF_USER,
+                error: error_code(present, write, user),
             };
         }
     }
     PageFault {
         cr2: va,
-        error: u32::from(write) * PF_WRITE | u32::from(user) * PF_USER,
+        error: error_code(false, write, user),
     }
 }
 

@@ -18,11 +18,11 @@ use guest_engine::{Config, Engine, GuestVirt, Stop};
 use kpin_abi::attach::AttachBlock;
 use kpin_abi::stolen::{CODE_CACHE_BYTES, CODE_CACHE_OFFSET, LAYOUT_BYTES, WINDOW_VA};
 
+use crate::deliver::{self, Event, Kind};
 use crate::guest_alias;
 use crate::guest_mem::{PhysmapMemory, MODE_KERNEL};
 use crate::log::fail;
 use crate::tools::Chosen;
-use crate::deliver::{self, Event, Kind};
 use crate::vcpu::Vcpu;
 use crate::{entry, gate, heap, irq, log, timer};
 

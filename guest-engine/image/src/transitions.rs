@@ -13,10 +13,10 @@ use guest_engine::{Gpr, GuestRegs};
 use kpin_abi::attach::Segment;
 
 use crate::deliver::{rflags, Event, UD};
+use crate::gate;
 use crate::msr::{index, EFER_SCE};
 use crate::segments::{Sreg, GP};
 use crate::vcpu::Vcpu;
-use crate::gate;
 
 /// CR4.FSGSBASE.
 const CR4_FSGSBASE: u64 = 1 << 16;

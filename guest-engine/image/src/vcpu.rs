@@ -514,9 +514,7 @@ impl Vcpu<'_> {
         }
         let iopl_ok = cpl <= self.iopl;
         match i.code() {
-            Code::Out_imm8_AL | Code::Out_DX_AL | Code::In_AL_imm8 | Code::In_AL_DX
-                if !iopl_ok =>
-            {
+            Code::Out_imm8_AL | Code::Out_DX_AL | Code::In_AL_imm8 | Code::In_AL_DX if !iopl_ok => {
                 // The TSS I/O bitmap is not consulted: IOPL < CPL always faults.
                 Err(gp0())
             }
@@ -772,7 +770,11 @@ impl Vcpu<'_> {
             }
             Code::Wrmsr => {
                 let v = (regs.get(Gpr::Rdx) << 32) | (regs.get(Gpr::Rax) & 0xffff_ffff);
-                match self.msrs.write(regs.get(Gpr::Rcx) as u32, v).ok_or_else(gp0)? {
+                match self
+                    .msrs
+                    .write(regs.get(Gpr::Rcx) as u32, v)
+                    .ok_or_else(gp0)?
+                {
                     Written::Stored => {}
                     Written::FsBase(b) => {
                         self.segs.sregs[Sreg::Fs as usize].base = b;
@@ -795,9 +797,11 @@ impl Vcpu<'_> {
                 error: None,
                 kind: Kind::Software,
             }),
-            Code::Ud0 | Code::Ud1_r16_rm16 | Code::Ud1_r32_rm32 | Code::Ud1_r64_rm64 | Code::Ud2 => {
-                Err(Event::exception(UD))
-            }
+            Code::Ud0
+            | Code::Ud1_r16_rm16
+            | Code::Ud1_r32_rm32
+            | Code::Ud1_r64_rm64
+            | Code::Ud2 => Err(Event::exception(UD)),
             Code::Hlt => self.halt(regs, next),
             Code::Invlpg_m => {
                 // STAND-IN (drop at merge): the shadow MMU drops one entry.
