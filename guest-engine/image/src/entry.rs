@@ -7,7 +7,7 @@
 //! (stolen region at `WINDOW_VA`, user-accessible; guest RAM at `PHYSMAP_VA`), RSP = a
 //! boot stack below the image, RDI = the attach block, interrupts off, no IDT. `_start`
 //! switches to the ring-0 stack, calls `ring0_setup` (Rust: fills the GDT, TSS and IDT),
-//! loads GDTR/IDTR/TR, remaps the PIC to vectors 0x20–0x2f with every IRQ masked, and
+//! sets CR4.FSGSBASE if CPUID 7.EBX[0] has it (`kpin_fsgsbase`), loads GDTR/IDTR/TR, remaps the PIC to vectors 0x20–0x2f with every IRQ masked, and
 //! `iretq`s to `engine_main(attach)` at CPL 3 with IF = 1 on the main stack.
 //!
 //! **Register convention of the gate** (`kpin_gate`, called from CPL 3): RAX = operation
@@ -126,6 +126,8 @@ extern "C" {
     pub static kpin_irq_counts: [u64; 16];
     /// Interrupts that arrived while the CPU was at CPL 3.
     pub static kpin_irq_at_cpl3: u64;
+    /// Non-zero when `_start` enabled CR4.FSGSBASE (`wrfsbase`/`wrgsbase` work at CPL 3).
+    pub static kpin_fsgsbase: u64;
     /// Non-zero once the guest owns the PIC: vectors 32–255 are recorded in
     /// [`kpin_irq_pending`] and set the attention byte instead of being EOI'd.
     pub static mut kpin_guest_irqs: u64;
@@ -181,6 +183,18 @@ _start:
     mov [rip + kpin_boot_tsc], rax
     lea rsp, [rip + kpin_ring0_stack_top]
     call {setup}
+    // CR4.FSGSBASE when the CPU has it (CPUID 7.0 EBX[0]): CPL-3 code can then switch the
+    // guest's FS/GS bases with `wrfsbase`/`wrgsbase` instead of the gate's WRMSR.
+    mov eax, 7
+    xor ecx, ecx
+    cpuid
+    test ebx, 1
+    jz 5f
+    mov rax, cr4
+    or rax, {cr4_fsgsbase}
+    mov cr4, rax
+    mov qword ptr [rip + kpin_fsgsbase], 1
+5:
     lgdt [rip + {gdtr}]
     lidt [rip + {idtr}]
     mov ax, {tss_sel}
@@ -232,6 +246,7 @@ _start:
     user_cs = const USER_CS,
     rflags = const RFLAGS_IF | RFLAGS_FIXED,
     main = sym crate::bringup::engine_main,
+    cr4_fsgsbase = const 1u64 << 16,
 );
 
 // Exception and interrupt stubs, the stub table.
@@ -525,6 +540,9 @@ kpin_irq_at_cpl3:
     .skip 8
     .global kpin_boot_tsc
 kpin_boot_tsc:
+    .skip 8
+    .global kpin_fsgsbase
+kpin_fsgsbase:
     .skip 8
     .global kpin_guest_irqs
 kpin_guest_irqs:
