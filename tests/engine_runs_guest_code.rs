@@ -120,8 +120,8 @@ fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
     // rdmsr
     // mov dr7, rax
     let mov_dr7 = [0x0f, 0x23, 0xf8];
-    // in ax, dx
-    let in16 = [0x66, 0xed];
+    // outsb
+    let outsb = [0x6e];
     // xor ecx, ecx; rdmsr: MSR 0 does not exist, so #GP(0), which this guest has no IDT
     // for: #GP(0x6a) for the IDT limit, #DF, #GP(0x42): a triple fault.
     let rdmsr0 = [0x31, 0xc9, 0x0f, 0x32];
@@ -133,9 +133,9 @@ fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
             format!("unsupported sensitive instruction `mov` (DebugRegister) at guest RIP {at:#x}"),
         ),
         (
-            "in16",
-            [PRINT_OK, &in16[..]].concat(),
-            format!("unsupported sensitive instruction `in` (PortIo) at guest RIP {at:#x}: only 8-bit in/out to AL are emulated"),
+            "outsb",
+            [PRINT_OK, &outsb[..]].concat(),
+            format!("unsupported sensitive instruction `outsb` (PortIo) at guest RIP {at:#x}: string port I/O is not emulated"),
         ),
         (
             "triple",

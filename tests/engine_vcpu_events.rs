@@ -604,3 +604,40 @@ fn test_a_delivery_whose_third_push_faults_is_rolled_back_and_becomes_a_double_f
         native.outcome
     );
 }
+
+#[test]
+fn test_16_and_32_bit_port_io_reads_and_writes_like_natively() {
+    if !kvm_available("test_16_and_32_bit_port_io_reads_and_writes_like_natively") {
+        return;
+    }
+    // Port 0xcf8 (PCI configuration, absent: reads all ones, writes ignored). `in eax`
+    // zero-extends into RAX, `in ax` keeps RAX's upper bits.
+    let mut g = Guest::new();
+    g.a.mov(dx, 0xcf8).unwrap();
+    g.a.mov(eax, 0x8000_0000u32).unwrap();
+    g.a.out(dx, eax).unwrap();
+    g.a.out(dx, ax).unwrap();
+    g.a.mov(rax, 0x1234_5678_0000_0000u64).unwrap();
+    g.a.in_(eax, dx).unwrap();
+    for shift in [0, 16, 32, 48] {
+        g.a.mov(rbx, rax).unwrap();
+        g.a.shr(rax, shift).unwrap();
+        g.hex();
+        g.a.mov(rax, rbx).unwrap();
+    }
+    g.print(b' ');
+    g.a.mov(rax, 0x1234_5678_0000_0000u64).unwrap();
+    g.a.in_(ax, dx).unwrap();
+    for shift in [0, 16, 32, 48] {
+        g.a.mov(rbx, rax).unwrap();
+        g.a.shr(rax, shift).unwrap();
+        g.hex();
+        g.a.mov(rax, rbx).unwrap();
+    }
+    g.reset();
+    let console = same_as_native("engine-events-port", &g.finish());
+    assert_eq!(
+        console, "ffffffff00000000 ffff000056781234\n",
+        "the native reference changed"
+    );
+}

@@ -15,9 +15,9 @@
 //! flags; every other register is preserved. The gate is the `hlt` at `kpin_gate_insn`:
 //! at CPL 3 it raises #GP(0); the #GP stub compares the faulting RIP with
 //! `kpin_gate_insn`, performs the operation at ring 0, adds 1 to the saved RIP and
-//! `iretq`s. Operations: NOP, OUT8 (port RDI, value RSI), IN8 (port RDI), LOAD_CR3 (RDI),
-//! WRMSR (index RDI, value RSI), RDMSR (index RDI), INVLPG (RDI), HLT (`sti; hlt`: back
-//! after one interrupt was handled). An unknown operation returns `u64::MAX`.
+//! `iretq`s. Operations: NOP, OUT8/OUT16/OUT32 (port RDI, value RSI), IN8/IN16/IN32 (port
+//! RDI), LOAD_CR3 (RDI), WRMSR (index RDI, value RSI), RDMSR (index RDI), INVLPG (RDI),
+//! HLT (`sti; hlt`: back after one interrupt was handled). An unknown operation returns `u64::MAX`.
 //!
 //! **IDT vectors**: 0–31 exception stubs (a zero error code is pushed where the CPU pushes
 //! none, then the vector), 32–255 interrupt stubs. Every entry is a DPL-0 interrupt gate
@@ -347,7 +347,36 @@ kpin_gate_entry:
     je 26f
     cmp rax, {op_hlt}
     je 27f
+    cmp rax, {op_out16}
+    je 29f
+    cmp rax, {op_out32}
+    je 30f
+    cmp rax, {op_in16}
+    je 31f
+    cmp rax, {op_in32}
+    je 32f
     mov rax, -1
+    iretq
+29:
+    mov edx, edi
+    mov eax, esi
+    out dx, ax
+    xor eax, eax
+    iretq
+30:
+    mov edx, edi
+    mov eax, esi
+    out dx, eax
+    xor eax, eax
+    iretq
+31:
+    mov edx, edi
+    xor eax, eax
+    in ax, dx
+    iretq
+32:
+    mov edx, edi
+    in eax, dx
     iretq
 20:
     xor eax, eax
@@ -614,6 +643,10 @@ kpin_fault_stack_top:
     op_rdmsr = const gate_op::RDMSR,
     op_invlpg = const gate_op::INVLPG,
     op_hlt = const gate_op::HLT,
+    op_out16 = const gate_op::OUT16,
+    op_out32 = const gate_op::OUT32,
+    op_in16 = const gate_op::IN16,
+    op_in32 = const gate_op::IN32,
     rec = sym FAULT,
     off_vector = const offset_of!(FaultRecord, vector),
     off_error = const offset_of!(FaultRecord, error),

@@ -65,6 +65,14 @@ pub mod gate_op {
     pub const INVLPG: u64 = 6;
     /// `sti; hlt`: returns after the next interrupt has been handled.
     pub const HLT: u64 = 7;
+    /// `out dx, ax`: RDI = port, RSI = value.
+    pub const OUT16: u64 = 8;
+    /// `out dx, eax`: RDI = port, RSI = value.
+    pub const OUT32: u64 = 9;
+    /// `in ax, dx`: RDI = port; RAX = value.
+    pub const IN16: u64 = 10;
+    /// `in eax, dx`: RDI = port; RAX = value.
+    pub const IN32: u64 = 11;
     /// What an unknown operation returns in RAX.
     pub const UNKNOWN: u64 = u64::MAX;
 }

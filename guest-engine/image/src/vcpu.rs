@@ -2,9 +2,9 @@
 //! emulated at the dispatcher with the faults a CPU would raise, delivered to the guest
 //! through its own IDT (`deliver.rs`):
 //!
-//! * port I/O: `out imm8/dx, al` and `in al, imm8/dx` through the ring-0 gate's OUT8/IN8
-//!   (so the VMM sees the port exit a native `out` makes; an i8042 reset ends the run as
-//!   a poweroff); other widths stop;
+//! * port I/O: `out`/`in` of AL, AX or EAX at an imm8 or DX port through the ring-0
+//!   gate's OUT/IN operations (so the VMM sees the port exit a native `out` makes; an
+//!   i8042 reset ends the run as a poweroff); string port I/O stops;
 //! * `cpuid` from the attach block's table, so native and instrumented runs see one CPU;
 //! * control registers: `mov r64, cr0/cr2/cr3/cr4/cr8` read the virtual values; CR0/CR4
 //!   writes are stored (nothing else follows them yet: the walker keeps its CR0.WP and
@@ -326,10 +326,6 @@ fn sreg_of(r: Register) -> Option<Sreg> {
     })
 }
 
-fn set_low8(regs: &mut GuestRegs, r: Gpr, v: u8) {
-    regs.set(r, (regs.get(r) & !0xff) | u64::from(v));
-}
-
 /// The 64-bit GPR `r` is part of.
 fn gpr(r: Register) -> Option<Gpr> {
     let full = r.full_register();
@@ -514,32 +510,54 @@ impl Vcpu<'_> {
         }
         let iopl_ok = cpl <= self.iopl;
         match i.code() {
-            Code::Out_imm8_AL | Code::Out_DX_AL | Code::In_AL_imm8 | Code::In_AL_DX if !iopl_ok => {
-                // The TSS I/O bitmap is not consulted: IOPL < CPL always faults.
-                Err(gp0())
-            }
-            Code::Out_imm8_AL | Code::Out_DX_AL => {
-                let port = if i.code() == Code::Out_DX_AL {
-                    dx
-                } else {
-                    u16::from(i.immediate8())
-                };
-                self.stats.outs += 1;
-                if port == I8042_CMD && al == I8042_RESET {
-                    self.final_write = Some((port, al));
-                    return Ok(Emulation::Stop);
+            Code::Out_imm8_AL
+            | Code::Out_DX_AL
+            | Code::Out_imm8_AX
+            | Code::Out_DX_AX
+            | Code::Out_imm8_EAX
+            | Code::Out_DX_EAX
+            | Code::In_AL_imm8
+            | Code::In_AL_DX
+            | Code::In_AX_imm8
+            | Code::In_AX_DX
+            | Code::In_EAX_imm8
+            | Code::In_EAX_DX => {
+                if !iopl_ok {
+                    // The TSS I/O bitmap is not consulted: IOPL < CPL always faults.
+                    return Err(gp0());
                 }
-                gate::out8(port, al);
-                go
-            }
-            Code::In_AL_imm8 | Code::In_AL_DX => {
-                let port = if i.code() == Code::In_AL_DX {
-                    dx
-                } else {
-                    u16::from(i.immediate8())
+                let port =
+                    if i.op_kind(0) == OpKind::Immediate8 || i.op_kind(1) == OpKind::Immediate8 {
+                        u16::from(i.immediate8())
+                    } else {
+                        dx
+                    };
+                let size = match i.code() {
+                    Code::Out_imm8_AL | Code::Out_DX_AL | Code::In_AL_imm8 | Code::In_AL_DX => 1,
+                    Code::Out_imm8_AX | Code::Out_DX_AX | Code::In_AX_imm8 | Code::In_AX_DX => 2,
+                    _ => 4,
                 };
-                set_low8(regs, Gpr::Rax, gate::in8(port));
-                self.stats.ins += 1;
+                let rax = regs.get(Gpr::Rax);
+                if i.mnemonic() == Mnemonic::Out {
+                    self.stats.outs += 1;
+                    if size == 1 && port == I8042_CMD && al == I8042_RESET {
+                        self.final_write = Some((port, al));
+                        return Ok(Emulation::Stop);
+                    }
+                    gate::out(port, size, rax as u32);
+                } else {
+                    self.stats.ins += 1;
+                    let v = u64::from(gate::input(port, size));
+                    regs.set(
+                        Gpr::Rax,
+                        match size {
+                            1 => (rax & !0xff) | v,
+                            2 => (rax & !0xffff) | v,
+                            // A 32-bit destination zero-extends.
+                            _ => v,
+                        },
+                    );
+                }
                 go
             }
             Code::Cpuid => {
@@ -810,7 +828,7 @@ impl Vcpu<'_> {
             }
             _ => {
                 let why = match insn.kind {
-                    SensitiveKind::PortIo => "only 8-bit in/out to AL are emulated",
+                    SensitiveKind::PortIo => "string port I/O is not emulated",
                     _ => "not emulated by the virtual CPU yet",
                 };
                 self.stop(Some(i.mnemonic()), why)
