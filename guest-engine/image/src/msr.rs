@@ -4,8 +4,11 @@
 //! GS bases, which translated code uses verbatim (`transitions::sync_hw_bases`).
 //!
 //! Choices: an index not listed here raises #GP(0) in the guest, as a CPU without that
-//! MSR does (never passed through to the host: the engine's own EFER, STAR, APIC… must not
-//! be the guest's). EFER: only SCE and NXE may change (LME/LMA must stay: only 64-bit
+//! MSR does (the engine's own EFER, STAR, APIC… must not be the guest's), except a few
+//! that are passed through to KVM by the gate because their effect concerns only the
+//! guest ([`MsrFile::passes_through`]): the microcode signature (0x8b) and, when the
+//! CPUID table offers kvm-clock, its wall-clock and system-time MSRs (KVM writes the
+//! pvclock data into guest-physical memory, which is the guest's under the engine too). EFER: only SCE and NXE may change (LME/LMA must stay: only 64-bit
 //! code is translated), other bits are reserved → #GP(0). APIC_BASE is read-only here
 //! (the guest's xAPIC stays at its default base); MISC_ENABLE reads the value KVM gives
 //! a fresh vCPU (fast strings) and ignores writes; the TSC reads the hardware TSC.
@@ -79,7 +82,16 @@ pub struct MsrFile {
     pub sysenter: [u64; 3],
     /// PAT.
     pub pat: u64,
+    /// CPUID 0x4000_0001 EAX (KVM paravirtual features), for the kvm-clock MSRs.
+    kvm_features: u32,
 }
+
+/// IA32_BIOS_SIGN_ID (microcode revision, written 0 then read after a CPUID).
+const BIOS_SIGN_ID: u32 = 0x8b;
+/// kvm-clock MSRs, old (0x11/0x12, CPUID 0x4000_0001 EAX bit 0) and new
+/// (0x4b56_4d00/01, bit 3).
+const KVM_CLOCK_OLD: [u32; 2] = [0x11, 0x12];
+const KVM_CLOCK_NEW: [u32; 2] = [0x4b56_4d00, 0x4b56_4d01];
 
 /// What a write did beyond storing the value.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -90,6 +102,20 @@ pub enum Written {
     FsBase(u64),
     /// GS base changed: likewise.
     GsBase(u64),
+}
+
+/// CPUID 0x4000_0001 EAX if leaf 0x4000_0000 names KVM, else 0.
+fn kvm_features(b: &AttachBlock) -> u32 {
+    let [_, ebx, ecx, edx] = b.cpuid(0x4000_0000, 0);
+    let mut sig = [0u8; 12];
+    sig[..4].copy_from_slice(&ebx.to_le_bytes());
+    sig[4..8].copy_from_slice(&ecx.to_le_bytes());
+    sig[8..].copy_from_slice(&edx.to_le_bytes());
+    if &sig == b"KVMKVMKVM\0\0\0" {
+        b.cpuid(0x4000_0001, 0)[0]
+    } else {
+        0
+    }
 }
 
 /// A non-canonical address.
@@ -121,7 +147,15 @@ impl MsrFile {
                 get(index::SYSENTER_EIP, 0),
             ],
             pat: get(index::PAT, PAT_DEFAULT),
+            kvm_features: kvm_features(b),
         }
+    }
+
+    /// Whether `rdmsr`/`wrmsr` of `i` go to KVM through the gate (see the module header).
+    pub fn passes_through(&self, i: u32) -> bool {
+        i == BIOS_SIGN_ID
+            || (KVM_CLOCK_OLD.contains(&i) && self.kvm_features & 1 != 0)
+            || (KVM_CLOCK_NEW.contains(&i) && self.kvm_features & (1 << 3) != 0)
     }
 
     /// `rdmsr`: the value, or `None` for #GP(0). FS/GS base come from the caller.

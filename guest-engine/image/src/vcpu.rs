@@ -775,6 +775,19 @@ impl Vcpu<'_> {
                 transitions::write_base(self, i.code() == Code::Wrfsbase_r64, v)?;
                 go
             }
+            Code::Rdmsr if self.msrs.passes_through(regs.get(Gpr::Rcx) as u32) => {
+                let v = gate::rdmsr(regs.get(Gpr::Rcx) as u32);
+                regs.set(Gpr::Rax, v & 0xffff_ffff);
+                regs.set(Gpr::Rdx, v >> 32);
+                go
+            }
+            Code::Wrmsr if self.msrs.passes_through(regs.get(Gpr::Rcx) as u32) => {
+                let v = (regs.get(Gpr::Rdx) << 32) | (regs.get(Gpr::Rax) & 0xffff_ffff);
+                // SAFETY: `passes_through` lists only MSRs whose effect is the guest's
+                // (microcode signature, kvm-clock pages in guest-physical memory).
+                unsafe { gate::wrmsr(regs.get(Gpr::Rcx) as u32, v) };
+                go
+            }
             Code::Rdmsr => {
                 let fs = self.segs.sregs[Sreg::Fs as usize].base;
                 let gs = self.segs.sregs[Sreg::Gs as usize].base;
