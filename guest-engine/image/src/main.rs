@@ -14,7 +14,6 @@
 extern crate alloc;
 
 mod bringup;
-mod cr3_standin;
 mod deliver;
 mod descriptors;
 mod entry;

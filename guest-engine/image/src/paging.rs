@@ -61,25 +61,6 @@ pub unsafe fn set_root_entry(b: &AttachBlock, slot: usize, entry: u64) {
     unsafe { gate::load_cr3(root) };
 }
 
-/// Sets every entry of the engine's root but those in `keep` from `entries` and reloads
-/// CR3 once (the CR3 stand-in, `cr3_standin.rs`).
-///
-/// # Safety
-/// `keep` holds the window's and the physmap's slots; the other entries point at tables
-/// that stay valid while the root is in use.
-pub unsafe fn set_guest_slots(b: &AttachBlock, entries: &[u64; ENTRIES], keep: &[usize]) {
-    // SAFETY: one vCPU; the tables are written only between accesses through them.
-    let t = unsafe { &mut *TABLES.0.get() };
-    for (s, e) in entries.iter().enumerate() {
-        if !keep.contains(&s) {
-            t.pml4[s] = *e;
-        }
-    }
-    let root = b.stolen_base + (t.pml4.as_ptr() as u64 - WINDOW_VA);
-    // SAFETY: the window and physmap entries are unchanged (caller contract).
-    unsafe { gate::load_cr3(root) };
-}
-
 /// The guest-physical address of an engine object in the window.
 pub fn window_pa(b: &AttachBlock, va: u64) -> u64 {
     b.stolen_base + (va - WINDOW_VA)

@@ -123,7 +123,6 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
     let mut vcpu = Vcpu::new(block, &cr3);
     let t0 = timer::tsc();
     irq::hand_over(&engine);
-    let mut standin_retry = None;
     loop {
         // TODO(merge): engine.set_mode(vcpu.mode) — the one place the translation mode
         // follows the virtual CPL (traces are keyed by it).
@@ -199,18 +198,6 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                         core::ptr::read_volatile(&raw const entry::kpin_cache_fault_cr2),
                     )
                 };
-                // STAND-IN (drop at merge; the shadow MMU fills on demand): a #PF the
-                // guest's tables allow is a mapping the copy predates — copy again and
-                // retry once.
-                if vector == u64::from(deliver::PF)
-                    && standin_retry != Some((guest_pc.0, cr2))
-                    && guest_allows(&vcpu, cr2, error & 2 != 0)
-                {
-                    standin_retry = Some((guest_pc.0, cr2));
-                    crate::cr3_standin::remap(block, cr3.get());
-                    continue;
-                }
-                standin_retry = None;
                 let ev = exception_from_cache(&mut vcpu, vector as u8, error as u32, cr2);
                 deliver_or_fail(&mut engine, &mut vcpu, &tool, cycles, guest_pc.0, ev);
             }
@@ -272,16 +259,6 @@ fn exception_from_cache(vcpu: &mut Vcpu<'_>, vector: u8, error: u32, cr2: u64) -
         error: has_error.then_some(error),
         kind: Kind::Exception,
     }
-}
-
-/// STAND-IN (drop at merge): whether the guest's tables allow a data access to `va` at
-/// the virtual CPL (a write is probed by rewriting the byte it holds).
-fn guest_allows(vcpu: &Vcpu<'_>, va: u64, write: bool) -> bool {
-    let mem = vcpu.mem();
-    let user = vcpu.cpl() == 3;
-    let mut b = [0u8; 1];
-    crate::guest_access::read(&mem, va, user, &mut b).is_ok()
-        && (!write || crate::guest_access::write(&mem, va, user, &b).is_ok())
 }
 
 /// Delivers `ev` at `rip` and continues at the handler; a triple fault ends the run.

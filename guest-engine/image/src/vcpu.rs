@@ -36,7 +36,7 @@ use crate::guest_access;
 use crate::guest_mem::{PhysmapMemory, MODE_KERNEL, MODE_USER};
 use crate::msr::{MsrFile, Written};
 use crate::segments::{Segments, Sreg, GP};
-use crate::{cr3_standin, gate, irq, transitions};
+use crate::{gate, irq, transitions};
 
 /// Ports whose writes can end the VM (the i8042 command port: 0xfe = reset): the engine
 /// writes its final report before passing such a write on.
@@ -592,11 +592,10 @@ impl Vcpu<'_> {
                     Register::CR4 => self.cr4 = v,
                     Register::CR2 => self.cr2 = v,
                     Register::CR8 => {}
-                    Register::CR3 => {
-                        // STAND-IN (drop at merge): the shadow MMU loads the new root.
-                        self.cr3.set(v);
-                        cr3_standin::remap(self.block, v);
-                    }
+                    Register::CR3 => return self.stop(
+                        Some(i.mnemonic()),
+                        "a CR3 write (the guest switching to its own page tables) needs the shadow MMU, which is not wired in yet",
+                    ),
                     _ => return Err(Event::exception(UD)),
                 }
                 go
@@ -834,11 +833,6 @@ impl Vcpu<'_> {
             | Code::Ud1_r64_rm64
             | Code::Ud2 => Err(Event::exception(UD)),
             Code::Hlt => self.halt(regs, next),
-            Code::Invlpg_m => {
-                // STAND-IN (drop at merge): the shadow MMU drops one entry.
-                cr3_standin::remap(self.block, self.cr3.get());
-                go
-            }
             _ => {
                 let why = match insn.kind {
                     SensitiveKind::PortIo => "string port I/O is not emulated",
