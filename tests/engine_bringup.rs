@@ -79,6 +79,9 @@ fn test_engine_boots_measures_gate_and_timer_then_stops_cleanly() {
     // The gate works, N round trips of it.
     assert!(log.contains("gate: 500 NOP round trips in "), "{log}");
     assert!(log.contains("KERNEL_GS_BASE round-trips"), "{log}");
+    // The guest's GS base switched the engine's way (wrgsbase or the gate) reads back.
+    assert!(log.contains("fsgsbase: CR4.FSGSBASE "), "{log}");
+    assert!(log.contains("RDMSR reads it back"), "{log}");
     // Timer ticks interrupted CPL 3 and came back through the ring-0 stub.
     let ticks_line = log
         .lines()
@@ -112,7 +115,7 @@ fn test_engine_boots_measures_gate_and_timer_then_stops_cleanly() {
         "{log}"
     );
     assert!(
-        log.contains("[Error] engine: unsupported sensitive instruction `hlt` (Halt) at guest RIP 0x100000: hlt with interrupts disabled"),
+        log.contains("[Error] engine: unsupported sensitive instruction `hlt` (Halt) at guest RIP 0x100000: guest halted with interrupts disabled"),
         "{log}"
     );
     assert!(report.dump.is_some());

@@ -5,7 +5,8 @@
 //! `bbcount` counts its blocks into `bbcount.csv`; a guest that reaches a sensitive
 //! instruction the virtual CPU does not emulate yet ends as an engine failure naming the
 //! instruction and its RIP, and a fault in translated code is mapped back to the guest
-//! instruction — never a hang.
+//! instruction and delivered there (these guests have no IDT: a triple fault, reported
+//! with that RIP) — never a hang.
 
 use std::path::Path;
 use std::time::Duration;
@@ -136,32 +137,45 @@ fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
     if !kvm_available("test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it") {
         return;
     }
-    // rdmsr
-    let rdmsr = [0x0f, 0x32];
     // mov cr0, rax (RAX = 10: clears CR0.PG)
     let mov_cr0 = [0x0f, 0x22, 0xc0];
+    // mov dr7, rax
+    let mov_dr7 = [0x0f, 0x23, 0xf8];
+    // outsb
+    let outsb = [0x6e];
+    // xor ecx, ecx; rdmsr: MSR 0 does not exist, so #GP(0), which this guest has no IDT
+    // for: #GP(0x6a) for the IDT limit, #DF, #GP(0x42): a triple fault.
+    let rdmsr0 = [0x31, 0xc9, 0x0f, 0x32];
+    let at = TINY_LOAD_ADDR + PRINT_OK.len() as u64;
     for (name, code, want) in [
         (
-            "rdmsr",
-            [PRINT_OK, &rdmsr[..]].concat(),
-            format!(
-                "unsupported sensitive instruction `rdmsr` (Msr) at guest RIP {:#x}",
-                TINY_LOAD_ADDR + PRINT_OK.len() as u64
-            ),
+            "movdr",
+            [PRINT_OK, &mov_dr7[..]].concat(),
+            format!("unsupported sensitive instruction `mov` (DebugRegister) at guest RIP {at:#x}"),
         ),
         (
             "movcr0",
             [PRINT_OK, &mov_cr0[..]].concat(),
+            format!("unsupported sensitive instruction `mov` (ControlRegister) at guest RIP {at:#x}: a CR0/CR4 write that changes bits other than CR0.WP"),
+        ),
+        (
+            "outsb",
+            [PRINT_OK, &outsb[..]].concat(),
+            format!("unsupported sensitive instruction `outsb` (PortIo) at guest RIP {at:#x}: string port I/O is not emulated"),
+        ),
+        (
+            "triple",
+            [PRINT_OK, &rdmsr0[..]].concat(),
             format!(
-                "unsupported sensitive instruction `mov` (ControlRegister) at guest RIP {:#x}",
-                TINY_LOAD_ADDR + PRINT_OK.len() as u64
+                "the guest triple-faulted at RIP {:#x}: #GP (vector 13, error code 0x42) while delivering #DF",
+                at + 2
             ),
         ),
         (
             "hlt",
             vec![0xf4],
             format!(
-                "unsupported sensitive instruction `hlt` (Halt) at guest RIP {TINY_LOAD_ADDR:#x}"
+                "unsupported sensitive instruction `hlt` (Halt) at guest RIP {TINY_LOAD_ADDR:#x}: guest halted with interrupts disabled"
             ),
         ),
     ] {
@@ -197,12 +211,12 @@ fn test_fault_in_translated_code_is_mapped_back_to_the_guest_instruction() {
         (
             "pf",
             [PRINT_OK, &load[..]].concat(),
-            format!("the guest instruction at RIP {at:#x} raised #PF (vector 14, error code 0x0, CR2 0x100000000): exception delivery to the guest is not implemented yet"),
+            format!("the guest triple-faulted: #PF (vector 14) at RIP {at:#x}, then #GP (vector 13, error code 0x42) while delivering #DF"),
         ),
         (
             "de",
             [PRINT_OK, &div[..]].concat(),
-            format!("the guest instruction at RIP {:#x} raised #DE (vector 0,", at + 2),
+            format!("the guest triple-faulted: #DE (vector 0) at RIP {:#x}, then", at + 2),
         ),
     ] {
         let (report, console, log, _) = run_tiny_guest(&format!("engine-run-fault-{name}"), &code, Some("null"));

@@ -103,6 +103,12 @@ pub struct Stats {
     pub links: u64,
     /// Nanoseconds spent translating (if a clock was configured).
     pub translate_ns: u64,
+    /// With `Config::count_insns`: sensitive instructions the platform emulated (counted
+    /// in `Engine::executed_insns`, outside any block counter).
+    pub emulated_insns: u64,
+    /// With `Config::count_insns`: instructions taken back from block counts because a
+    /// fault left the rest of their block unexecuted.
+    pub insns_taken_back: u64,
 }
 
 /// Why `Engine::run` returned. Guest events are values, not errors.
@@ -140,6 +146,12 @@ impl AttentionHandle {
     pub fn set(&self, bits: u8) {
         // SAFETY: points at `CacheContext::attention` of a live engine.
         unsafe { core::ptr::write_volatile(self.0, u64::from(bits)) };
+    }
+
+    /// The address of the attention word, for code that cannot hold the handle (e.g. an
+    /// interrupt stub that ORs a reason into its low byte).
+    pub fn address(&self) -> u64 {
+        self.0 as u64
     }
 }
 
@@ -303,6 +315,14 @@ impl Engine {
                 .filter_map(|h| insn_counter(self.insn_counters, m, h))
                 .fold(0, |sum, id| sum.wrapping_add(self.counter(id))),
             None => 0,
+        }
+    }
+
+    /// Counts one emulated sensitive instruction in the current mode.
+    fn count_emulated(&mut self) {
+        if self.insn_counters.is_some() {
+            self.stats.emulated_insns += 1;
+            self.add_insns(self.slot, 1);
         }
     }
 
@@ -764,7 +784,7 @@ impl Engine {
                     self.rip = s.pc;
                     match platform.emulate(&s, &mut self.ctx_mut().regs) {
                         Emulation::Continue(n) => {
-                            self.add_insns(self.slot, 1);
+                            self.count_emulated();
                             self.rip = n;
                             Next::Lookup
                         }
@@ -773,7 +793,7 @@ impl Engine {
                             mode,
                             invalidate_mappings,
                         } => {
-                            self.add_insns(self.slot, 1);
+                            self.count_emulated();
                             self.rip = next;
                             if mode != self.mode {
                                 // Pending records resolve their PAs in their own mode.
@@ -873,7 +893,9 @@ impl Engine {
             .iter()
             .find(|b| (b.first..b.first + b.count).contains(&k))
         {
-            self.add_insns(m, ((b.first + b.count - k) as u64).wrapping_neg());
+            let n = (b.first + b.count - k) as u64;
+            self.stats.insns_taken_back += n;
+            self.add_insns(m, n.wrapping_neg());
         }
     }
 

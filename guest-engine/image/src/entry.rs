@@ -7,7 +7,7 @@
 //! (stolen region at `WINDOW_VA`, user-accessible; guest RAM at `PHYSMAP_VA`), RSP = a
 //! boot stack below the image, RDI = the attach block, interrupts off, no IDT. `_start`
 //! switches to the ring-0 stack, calls `ring0_setup` (Rust: fills the GDT, TSS and IDT),
-//! loads GDTR/IDTR/TR, remaps the PIC to vectors 0x20–0x2f with every IRQ masked, and
+//! sets CR4.FSGSBASE if CPUID 7.EBX[0] has it (`kpin_fsgsbase`), loads GDTR/IDTR/TR, remaps the PIC to vectors 0x20–0x2f with every IRQ masked, and
 //! `iretq`s to `engine_main(attach)` at CPL 3 with IF = 1 on the main stack.
 //!
 //! **Register convention of the gate** (`kpin_gate`, called from CPL 3): RAX = operation
@@ -15,15 +15,19 @@
 //! flags; every other register is preserved. The gate is the `hlt` at `kpin_gate_insn`:
 //! at CPL 3 it raises #GP(0); the #GP stub compares the faulting RIP with
 //! `kpin_gate_insn`, performs the operation at ring 0, adds 1 to the saved RIP and
-//! `iretq`s. Operations: NOP, OUT8 (port RDI, value RSI), IN8 (port RDI), LOAD_CR3 (RDI),
-//! WRMSR (index RDI, value RSI), RDMSR (index RDI), INVLPG (RDI), HLT (`sti; hlt`: back
-//! after one interrupt was handled). An unknown operation returns `u64::MAX`.
+//! `iretq`s. Operations: NOP, OUT8/OUT16/OUT32 (port RDI, value RSI), IN8/IN16/IN32 (port
+//! RDI), LOAD_CR3 (RDI), WRMSR (index RDI, value RSI), RDMSR (index RDI), INVLPG (RDI),
+//! HLT (`sti; hlt`: back after one interrupt was handled). An unknown operation returns `u64::MAX`.
 //!
 //! **IDT vectors**: 0–31 exception stubs (a zero error code is pushed where the CPU pushes
-//! none, then the vector), 32–47 PIC interrupts (master 0x20–0x27, slave 0x28–0x2f). Every
-//! entry is a DPL-0 interrupt gate (so `int n` from CPL 3 is a #GP, never a gate).
-//! An interrupt stub counts the IRQ in `kpin_irq_counts[irq]` (and in `kpin_irq_at_cpl3`
-//! when it interrupted CPL 3), sends the PIC an EOI and `iretq`s.
+//! none, then the vector), 32–255 interrupt stubs. Every entry is a DPL-0 interrupt gate
+//! (so `int n` from CPL 3 is a #GP, never a gate). Before the guest runs, the PIC is the
+//! engine's (vectors 0x20–0x2f): a stub counts the IRQ in `kpin_irq_counts[irq]` (and in
+//! `kpin_irq_at_cpl3` when it interrupted CPL 3), sends the PIC an EOI and `iretq`s. Once
+//! the guest runs (`kpin_guest_irqs` set by `irq::hand_over`) the guest programs the PIC
+//! itself through the gate, so a stub only records the vector in `kpin_irq_pending`, sets
+//! the translator's attention byte (`kpin_attention_at`) and `iretq`s without an EOI: the
+//! guest's handler sends it. The HLT gate skips its `hlt` if a vector is already pending.
 //!
 //! **IST stacks**: IST1 #DF, IST2 NMI, IST3 #MC. TSS.RSP0 = the ring-0 stack
 //! (`kpin_ring0_stack_top`, also the boot stack after the first instruction).
@@ -123,9 +127,18 @@ extern "C" {
     pub static kpin_irq_counts: [u64; 16];
     /// Interrupts that arrived while the CPU was at CPL 3.
     pub static kpin_irq_at_cpl3: u64;
+    /// Non-zero when `_start` enabled CR4.FSGSBASE (`wrfsbase`/`wrgsbase` work at CPL 3).
+    pub static kpin_fsgsbase: u64;
+    /// Non-zero once the guest owns the PIC: vectors 32–255 are recorded in
+    /// [`kpin_irq_pending`] and set the attention byte instead of being EOI'd.
+    pub static mut kpin_guest_irqs: u64;
+    /// Address of the translator's attention byte (0: none yet).
+    pub static mut kpin_attention_at: u64;
+    /// Pending guest interrupt vectors, a 256-bit bitmap (bit v of word v / 64).
+    pub static kpin_irq_pending: [u64; 4];
     /// TSC read by `_start` at its first instruction.
     pub static kpin_boot_tsc: u64;
-    /// Stub addresses for IDT vectors 0..48.
+    /// Stub addresses for IDT vectors 0..256.
     pub static kpin_idt_stubs: [u64; crate::layout::IDT_VECTORS];
     /// Top of the ring-0 stack (TSS.RSP0).
     pub static kpin_ring0_stack_top: u8;
@@ -171,6 +184,18 @@ _start:
     mov [rip + kpin_boot_tsc], rax
     lea rsp, [rip + kpin_ring0_stack_top]
     call {setup}
+    // CR4.FSGSBASE when the CPU has it (CPUID 7.0 EBX[0]): CPL-3 code can then switch the
+    // guest's FS/GS bases with `wrfsbase`/`wrgsbase` instead of the gate's WRMSR.
+    mov eax, 7
+    xor ecx, ecx
+    cpuid
+    test ebx, 1
+    jz 5f
+    mov rax, cr4
+    or rax, {cr4_fsgsbase}
+    mov cr4, rax
+    mov qword ptr [rip + kpin_fsgsbase], 1
+5:
     lgdt [rip + {gdtr}]
     lidt [rip + {idtr}]
     mov ax, {tss_sel}
@@ -222,6 +247,7 @@ _start:
     user_cs = const USER_CS,
     rflags = const RFLAGS_IF | RFLAGS_FIXED,
     main = sym crate::bringup::engine_main,
+    cr4_fsgsbase = const 1u64 << 16,
 );
 
 // Exception and interrupt stubs, the stub table.
@@ -237,19 +263,24 @@ kpin_exc_\n:
     jmp kpin_trap_common
 .endm
 
-.macro kpin_irq n
-kpin_irq_\n:
+.macro kpin_vec num
+kpin_vec_\num:
     push rax
-    inc qword ptr [rip + kpin_irq_counts + 8 * \n]
+    mov eax, \num
+    cmp qword ptr [rip + kpin_guest_irqs], 0
+    jne kpin_irq_guest
+  .if \num < 48
+    inc qword ptr [rip + kpin_irq_counts + 8 * (\num - 32)]
     test byte ptr [rsp + 16], 3
     jz 1f
     inc qword ptr [rip + kpin_irq_at_cpl3]
 1:
     mov al, {eoi}
-  .if \n >= 8
+    .if \num >= 40
     out {pic2_cmd}, al
-  .endif
+    .endif
     out {pic1_cmd}, al
+  .endif
     pop rax
     iretq
 .endm
@@ -260,8 +291,8 @@ kpin_irq_\n:
 .irp n, 8,10,11,12,17,21,29,30
     kpin_exc \n, 1
 .endr
-.irp n, 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15
-    kpin_irq \n
+.irp n, 32,33,34,35,36,37,38,39,40,41,42,43,44,45,46,47,48,49,50,51,52,53,54,55,56,57,58,59,60,61,62,63,64,65,66,67,68,69,70,71,72,73,74,75,76,77,78,79,80,81,82,83,84,85,86,87,88,89,90,91,92,93,94,95,96,97,98,99,100,101,102,103,104,105,106,107,108,109,110,111,112,113,114,115,116,117,118,119,120,121,122,123,124,125,126,127,128,129,130,131,132,133,134,135,136,137,138,139,140,141,142,143,144,145,146,147,148,149,150,151,152,153,154,155,156,157,158,159,160,161,162,163,164,165,166,167,168,169,170,171,172,173,174,175,176,177,178,179,180,181,182,183,184,185,186,187,188,189,190,191,192,193,194,195,196,197,198,199,200,201,202,203,204,205,206,207,208,209,210,211,212,213,214,215,216,217,218,219,220,221,222,223,224,225,226,227,228,229,230,231,232,233,234,235,236,237,238,239,240,241,242,243,244,245,246,247,248,249,250,251,252,253,254,255
+    kpin_vec \n
 .endr
 
     // #PF, the most frequent exception (every shadow-MMU fill): a fault in the code cache
@@ -297,6 +328,29 @@ kpin_exc_14:
     push {vec_pf}
     jmp kpin_trap_common
 
+    // An interrupt once the guest owns the PIC (`kpin_guest_irqs` set): record vector EAX
+    // as pending for the guest, set the translator's attention byte, no EOI (the guest
+    // sends its own). Stack: saved RAX, then the iret frame.
+kpin_irq_guest:
+    push rcx
+    push rdx
+    mov ecx, eax
+    and ecx, 63
+    mov edx, 1
+    shl rdx, cl
+    shr eax, 6
+    lea rcx, [rip + kpin_irq_pending]
+    or [rcx + rax * 8], rdx
+    mov rcx, [rip + kpin_attention_at]
+    test rcx, rcx
+    jz 1f
+    or byte ptr [rcx], {att_irq}
+1:
+    pop rdx
+    pop rcx
+    pop rax
+    iretq
+
     // #GP: the gate, or an unexpected #GP.
 kpin_exc_13:
     push rax
@@ -327,7 +381,36 @@ kpin_gate_entry:
     je 26f
     cmp rax, {op_hlt}
     je 27f
+    cmp rax, {op_out16}
+    je 29f
+    cmp rax, {op_out32}
+    je 30f
+    cmp rax, {op_in16}
+    je 31f
+    cmp rax, {op_in32}
+    je 32f
     mov rax, -1
+    iretq
+29:
+    mov edx, edi
+    mov eax, esi
+    out dx, ax
+    xor eax, eax
+    iretq
+30:
+    mov edx, edi
+    mov eax, esi
+    out dx, eax
+    xor eax, eax
+    iretq
+31:
+    mov edx, edi
+    xor eax, eax
+    in ax, dx
+    iretq
+32:
+    mov edx, edi
+    in eax, dx
     iretq
 20:
     xor eax, eax
@@ -370,9 +453,15 @@ kpin_gate_entry:
     xor eax, eax
     iretq
 27:
+    mov rax, [rip + kpin_irq_pending]
+    or rax, [rip + kpin_irq_pending + 8]
+    or rax, [rip + kpin_irq_pending + 16]
+    or rax, [rip + kpin_irq_pending + 24]
+    jnz 28f
     sti
     hlt
     cli
+28:
     xor eax, eax
     iretq
 
@@ -499,8 +588,8 @@ kpin_idt_stubs:
 .irp n, 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31
     .quad kpin_exc_\n
 .endr
-.irp n, 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15
-    .quad kpin_irq_\n
+.irp n, 32,33,34,35,36,37,38,39,40,41,42,43,44,45,46,47,48,49,50,51,52,53,54,55,56,57,58,59,60,61,62,63,64,65,66,67,68,69,70,71,72,73,74,75,76,77,78,79,80,81,82,83,84,85,86,87,88,89,90,91,92,93,94,95,96,97,98,99,100,101,102,103,104,105,106,107,108,109,110,111,112,113,114,115,116,117,118,119,120,121,122,123,124,125,126,127,128,129,130,131,132,133,134,135,136,137,138,139,140,141,142,143,144,145,146,147,148,149,150,151,152,153,154,155,156,157,158,159,160,161,162,163,164,165,166,167,168,169,170,171,172,173,174,175,176,177,178,179,180,181,182,183,184,185,186,187,188,189,190,191,192,193,194,195,196,197,198,199,200,201,202,203,204,205,206,207,208,209,210,211,212,213,214,215,216,217,218,219,220,221,222,223,224,225,226,227,228,229,230,231,232,233,234,235,236,237,238,239,240,241,242,243,244,245,246,247,248,249,250,251,252,253,254,255
+    .quad kpin_vec_\n
 .endr
     .popsection
 
@@ -515,6 +604,18 @@ kpin_irq_at_cpl3:
     .global kpin_boot_tsc
 kpin_boot_tsc:
     .skip 8
+    .global kpin_fsgsbase
+kpin_fsgsbase:
+    .skip 8
+    .global kpin_guest_irqs
+kpin_guest_irqs:
+    .skip 8
+    .global kpin_attention_at
+kpin_attention_at:
+    .skip 8
+    .global kpin_irq_pending
+kpin_irq_pending:
+    .skip 32
 kpin_fault_active:
     .skip 8
     .global kpin_cache_lo
@@ -564,6 +665,7 @@ kpin_fault_stack_top:
     .popsection
 "#,
     eoi = const PIC_EOI,
+    att_irq = const guest_engine::attention::reason::INTERRUPT,
     pic1_cmd = const PIC1_CMD,
     pic2_cmd = const PIC2_CMD,
     vec_gp = const VEC_GP,
@@ -576,6 +678,10 @@ kpin_fault_stack_top:
     op_rdmsr = const gate_op::RDMSR,
     op_invlpg = const gate_op::INVLPG,
     op_hlt = const gate_op::HLT,
+    op_out16 = const gate_op::OUT16,
+    op_out32 = const gate_op::OUT32,
+    op_in16 = const gate_op::IN16,
+    op_in32 = const gate_op::IN32,
     rec = sym FAULT,
     off_vector = const offset_of!(FaultRecord, vector),
     off_error = const offset_of!(FaultRecord, error),

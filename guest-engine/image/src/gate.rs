@@ -41,14 +41,34 @@ pub fn nop() {
     call(gate_op::NOP, 0, 0);
 }
 
-/// `out port, value`.
+/// `out port, value` (8 bits).
 pub fn out8(port: u16, value: u8) {
     call(gate_op::OUT8, u64::from(port), u64::from(value));
 }
 
-/// `in port`.
+/// `in port` (8 bits).
 pub fn in8(port: u16) -> u8 {
     call(gate_op::IN8, u64::from(port), 0) as u8
+}
+
+/// `out port, value` of `size` bytes (1, 2 or 4; the low bytes of `value`).
+pub fn out(port: u16, size: u8, value: u32) {
+    let op = match size {
+        1 => gate_op::OUT8,
+        2 => gate_op::OUT16,
+        _ => gate_op::OUT32,
+    };
+    call(op, u64::from(port), u64::from(value));
+}
+
+/// `in port` of `size` bytes (1, 2 or 4), zero-extended.
+pub fn input(port: u16, size: u8) -> u32 {
+    let op = match size {
+        1 => gate_op::IN8,
+        2 => gate_op::IN16,
+        _ => gate_op::IN32,
+    };
+    call(op, u64::from(port), 0) as u32
 }
 
 /// Loads CR3.

@@ -13,8 +13,8 @@ pub const TSS_SEL: u16 = 0x28;
 /// GDT entries (8 bytes each).
 pub const GDT_ENTRIES: usize = 7;
 
-/// Vectors with an IDT entry: the 32 exceptions and the 16 PIC interrupts.
-pub const IDT_VECTORS: usize = 48;
+/// Vectors with an IDT entry: all 256 (32 exceptions, 224 interrupts).
+pub const IDT_VECTORS: usize = 256;
 /// First vector of the remapped master PIC (IRQ 0 = the PIT).
 pub const PIC_VECTOR_BASE: u8 = 0x20;
 /// First vector of the remapped slave PIC.
@@ -65,6 +65,14 @@ pub mod gate_op {
     pub const INVLPG: u64 = 6;
     /// `sti; hlt`: returns after the next interrupt has been handled.
     pub const HLT: u64 = 7;
+    /// `out dx, ax`: RDI = port, RSI = value.
+    pub const OUT16: u64 = 8;
+    /// `out dx, eax`: RDI = port, RSI = value.
+    pub const OUT32: u64 = 9;
+    /// `in ax, dx`: RDI = port; RAX = value.
+    pub const IN16: u64 = 10;
+    /// `in eax, dx`: RDI = port; RAX = value.
+    pub const IN32: u64 = 11;
     /// What an unknown operation returns in RAX.
     pub const UNKNOWN: u64 = u64::MAX;
 }

@@ -15,15 +15,19 @@ extern crate alloc;
 
 mod bringup;
 mod counters;
+mod deliver;
 mod descriptors;
 mod entry;
 mod fault;
 mod gate;
+mod guest_access;
 mod guest_dump;
 mod guest_mem;
 mod heap;
+mod irq;
 mod layout;
 mod log;
+mod msr;
 mod page_fault;
 mod paging;
 mod probe;
@@ -32,6 +36,8 @@ mod segments;
 mod shadow;
 mod timer;
 mod tools;
+mod transitions;
+mod undo;
 mod vcpu;
 
 /// The address `link.ld` links the image at; it must be where the VMM loads it.

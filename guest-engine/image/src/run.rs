@@ -28,14 +28,15 @@ use kpin_abi::attach::AttachBlock;
 use kpin_abi::stolen::{CODE_CACHE_BYTES, CODE_CACHE_OFFSET, LAYOUT_BYTES, WINDOW_VA};
 
 use crate::counters::JsonObject;
-use crate::guest_mem::{PhysmapMemory, MODE_KERNEL};
+use crate::deliver::{Event, Kind};
+use crate::guest_mem::{PhysmapMemory, MODE_KERNEL, MODE_USER};
 use crate::layout::VEC_PF;
 use crate::log::fail;
 use crate::page_fault::{self, Action};
 use crate::shadow::Shadow;
 use crate::tools::Chosen;
 use crate::vcpu::Vcpu;
-use crate::{entry, gate, guest_dump, heap, log, paging, timer, tools};
+use crate::{entry, gate, guest_dump, heap, irq, log, paging, timer, tools};
 
 /// CR0.PG, EFER.LMA: the guest must be in 64-bit long mode (all the translator knows).
 const CR0_PG: u64 = 1 << 31;
@@ -100,6 +101,8 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
         save_extended_state: false,
         analysis_preserves_vector_state: true,
         mode: MODE_KERNEL,
+        // Guest instructions executed per virtual CPL, for counters.json.
+        count_insns: true,
         ..Config::default()
     };
     // SAFETY: the code-cache region lies in the stolen region, which the window maps
@@ -141,8 +144,17 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
     let mut vcpu = Vcpu::new(block, &shadow);
     let mut progress = page_fault::Progress::default();
     let t0 = timer::tsc();
+    irq::hand_over(&engine);
     loop {
         tell_translator(&mut engine, &shadow);
+        // Traces are keyed by mode: it follows the virtual CPL (deliveries in this loop
+        // change it outside `emulate`).
+        if engine.mode() != vcpu.mode {
+            if let Err(e) = engine.set_mode(vcpu.mode) {
+                log!(Error, "engine: switching the translation mode failed: {e}");
+                give_up(&engine, &vcpu, &shadow, &mut tool, 0, &mem);
+            }
+        }
         let stop = engine.run(&mut mem, &mut vcpu, tool.as_tool());
         let cycles = timer::tsc().wrapping_sub(t0);
         let failure = shadow.borrow().failure().cloned();
@@ -175,6 +187,19 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                 // The VMM normally ends the run here; if not, the guest continues.
                 engine.set_rip(GuestVirt(insn.pc.0 + u64::from(insn.len)));
             }
+            Stop::Sensitive(insn) if vcpu.triple.is_some() => {
+                if let Some(t) = vcpu.triple {
+                    log!(
+                        Error,
+                        "engine: the guest triple-faulted at RIP {:#x}: {} (vector {}, error code {:#x}) while delivering #DF",
+                        insn.pc.0,
+                        crate::fault::vector_name(u64::from(t.last.vector)),
+                        t.last.vector,
+                        t.last.error.unwrap_or(0)
+                    );
+                }
+                give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
+            }
             Stop::Sensitive(insn) => {
                 let mut text = String::new();
                 match vcpu.unsupported {
@@ -184,29 +209,11 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                             let _ = write!(n, "{m:?}");
                             n.to_ascii_lowercase()
                         });
-                        match u.fault {
-                            Some(f) => {
-                                let _ = write!(
-                                    text,
-                                    "`{name}` ({:?}) at guest RIP {:#x} would raise {}({:#x}) in the guest (vector {}, error code {:#x}, selector {:#x}): {}; bytes",
-                                    insn.kind,
-                                    insn.pc.0,
-                                    f.name(),
-                                    f.error,
-                                    f.vector,
-                                    f.error,
-                                    f.error,
-                                    u.why
-                                );
-                            }
-                            None => {
-                                let _ = write!(
-                                    text,
-                                    "unsupported sensitive instruction `{name}` ({:?}) at guest RIP {:#x}: {}; bytes",
-                                    insn.kind, insn.pc.0, u.why
-                                );
-                            }
-                        }
+                        let _ = write!(
+                            text,
+                            "unsupported sensitive instruction `{name}` ({:?}) at guest RIP {:#x}: {}; bytes",
+                            insn.kind, insn.pc.0, u.why
+                        );
                     }
                     None => {
                         let _ = write!(
@@ -222,7 +229,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                 log!(Error, "engine: {text}");
                 give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
             }
-            Stop::Fault { guest_pc, cache_pc } => {
+            Stop::Fault { guest_pc, .. } => {
                 // SAFETY: written by the ring-0 trap path before it redirected the fault
                 // to the exit routine, which ran before `run` returned.
                 let (vector, error, cr2) = unsafe {
@@ -232,41 +239,36 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                         core::ptr::read_volatile(&raw const entry::kpin_cache_fault_cr2),
                     )
                 };
-                let outcome = if vector == u64::from(VEC_PF) {
+                let done = if vector == u64::from(VEC_PF) {
                     let hw = page_fault::HwPageFault {
                         guest_pc,
                         cr2,
                         error: error as u32,
                     };
-                    page_fault::on_page_fault(
+                    match page_fault::on_page_fault(
                         &mut engine,
                         &shadow,
                         &vcpu,
                         &mut progress,
-                        MODE_KERNEL,
+                        vcpu.mode,
                         hw,
-                    )
+                    ) {
+                        Ok(Action::Retry) => {
+                            engine.set_rip(guest_pc);
+                            Ok(())
+                        }
+                        Ok(Action::Resume(next)) => {
+                            engine.set_rip(next);
+                            Ok(())
+                        }
+                        Ok(Action::Reflect(f)) => {
+                            reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, guest_pc)
+                        }
+                        Err(e) => Err(e),
+                    }
                 } else {
-                    Err(format!(
-                        "the guest instruction at RIP {:#x} raised {} (vector {vector}, error code {error:#x}, CR2 {cr2:#x}) in translated code (cache PC {:#x}); exception delivery to the guest is not implemented",
-                        guest_pc.0,
-                        crate::fault::vector_name(vector),
-                        cache_pc.0
-                    ))
-                };
-                let done = match outcome {
-                    Ok(Action::Retry) => {
-                        engine.set_rip(guest_pc);
-                        Ok(())
-                    }
-                    Ok(Action::Resume(next)) => {
-                        engine.set_rip(next);
-                        Ok(())
-                    }
-                    Ok(Action::Reflect(f)) => {
-                        reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, guest_pc)
-                    }
-                    Err(e) => Err(e),
+                    let ev = exception_from_cache(vector as u8, error as u32);
+                    deliver_at(&mut engine, &mut vcpu, guest_pc.0, ev)
                 };
                 if let Err(why) = done {
                     log!(Error, "engine: {why}");
@@ -276,7 +278,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
             Stop::FetchFault(va) => {
                 // The instruction starts at the engine's RIP (`va` may be its second page).
                 let rip = engine.rip();
-                let why = match page_fault::fetch_fault(&shadow, MODE_KERNEL, va) {
+                let why = match page_fault::fetch_fault(&shadow, vcpu.mode, va) {
                     Some(f) => reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, rip),
                     None => Err(format!(
                         "the guest fetches code at {:#x} that the translator cannot decode",
@@ -286,6 +288,23 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                 if let Err(why) = why {
                     log!(Error, "engine: {why}");
                     give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
+                }
+            }
+            Stop::Attention(va) => {
+                // State is precise at `va`. Only interrupts set attention so far.
+                engine.set_attention(0);
+                match vcpu.deliver_pending(engine.regs_mut(), va.0) {
+                    Ok(Some(handler)) => engine.set_rip(GuestVirt(handler)),
+                    Ok(None) => engine.set_rip(va),
+                    Err(t) => {
+                        vcpu.triple = Some(t);
+                        log!(
+                            Error,
+                            "engine: the guest triple-faulted delivering an interrupt at RIP {:#x}",
+                            va.0
+                        );
+                        give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
+                    }
                 }
             }
             other => {
@@ -301,12 +320,11 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
 }
 
 /// The guest must take `fault` at the instruction `guest_pc` (the engine's registers are
-/// the guest's before it): the one place exception delivery through the guest's IDT will
-/// go (for a #PF the virtual CR2 becomes `fault.cr2`; a `fault.vector` of 13 is the #GP(0)
-/// of a non-canonical address, without CR2). The shadow's part of a #PF — dropping the
-/// faulting address's leaves, as the CPU drops its TLB entries — is done first. `Ok`
-/// means delivered (the engine's RIP and registers are the handler's); `Err` says why
-/// the run must stop.
+/// the guest's before it). The shadow's part of a #PF — dropping the faulting address's
+/// leaves, as the CPU drops its TLB entries — is done first, then the virtual CR2 is set
+/// and the fault delivered through the guest's IDT (a `fault.vector` of 13 is the #GP(0)
+/// of a non-canonical address, without CR2). `Ok` means delivered (the engine's RIP and
+/// registers are the handler's); `Err` says why the run must stop.
 pub fn reflect_guest_fault(
     engine: &mut Engine,
     vcpu: &mut Vcpu<'_>,
@@ -314,25 +332,24 @@ pub fn reflect_guest_fault(
     fault: GuestFault,
     guest_pc: GuestVirt,
 ) -> Result<(), String> {
-    let _ = (engine, vcpu);
+    let pf = fault.vector == guest_engine::shadow_mmu::PF_VECTOR;
     {
         let mut sh = shadow.borrow_mut();
         sh.counters.reflected += 1;
-        if fault.vector == guest_engine::shadow_mmu::PF_VECTOR {
+        if pf {
             sh.page_fault_delivered(fault.cr2.0)
                 .map_err(|e| format!("shadow MMU failure at guest RIP {:#x}: {e}", guest_pc.0))?;
         }
     }
-    let name = crate::fault::vector_name(u64::from(fault.vector));
-    let cr2 = if fault.vector == guest_engine::shadow_mmu::PF_VECTOR {
-        format!(", CR2 {:#x}", fault.cr2.0)
-    } else {
-        String::new()
-    };
-    Err(format!(
-        "the guest instruction at RIP {:#x} raised {name} (vector {}, error code {:#x}{cr2}): exception delivery to the guest is not implemented yet",
-        guest_pc.0, fault.vector, fault.error_code
-    ))
+    if pf {
+        vcpu.cr2 = fault.cr2.0;
+    }
+    deliver_at(
+        engine,
+        vcpu,
+        guest_pc.0,
+        Event::fault(fault.vector, fault.error_code),
+    )
 }
 
 /// Tells the translator what the shadow MMU did that it must know before guest code runs
@@ -353,6 +370,40 @@ fn tell_translator(engine: &mut Engine, shadow: &RefCell<Shadow>) {
         invalidated += engine.invalidate_code_page(*frame);
     }
     shadow.borrow_mut().counters.fragments_invalidated += invalidated as u64;
+}
+
+/// The guest exception for a fault other than #PF that the hardware raised in
+/// translated code (#PF goes through the shadow MMU first).
+fn exception_from_cache(vector: u8, error: u32) -> Event {
+    let has_error = matches!(vector, 8 | 10..=14 | 17 | 21 | 29 | 30);
+    Event {
+        vector,
+        error: has_error.then_some(error),
+        kind: Kind::Exception,
+    }
+}
+
+/// Delivers `ev` with return address `rip` and continues at the handler; `Err` (the run
+/// must end) on a guest triple fault.
+fn deliver_at(engine: &mut Engine, vcpu: &mut Vcpu<'_>, rip: u64, ev: Event) -> Result<(), String> {
+    match vcpu.deliver(engine.regs_mut(), rip, ev) {
+        Ok(handler) => {
+            engine.set_rip(GuestVirt(handler));
+            Ok(())
+        }
+        Err(t) => {
+            let why = format!(
+                "the guest triple-faulted: {} (vector {}) at RIP {rip:#x}, then {} (vector {}, error code {:#x}) while delivering #DF",
+                crate::fault::vector_name(u64::from(ev.vector)),
+                ev.vector,
+                crate::fault::vector_name(u64::from(t.last.vector)),
+                t.last.vector,
+                t.last.error.unwrap_or(0)
+            );
+            vcpu.triple = Some(t);
+            Err(why)
+        }
+    }
 }
 
 /// Tells the ring-0 trap path where the code cache is, so that a fault in translated
@@ -401,7 +452,7 @@ fn report(
     let (heap_now, heap_peak) = heap::usage();
     log!(
         Info,
-        "engine: stats: {} traces translated ({} guest instructions, {} guest bytes -> {} cache bytes), {} links, exits direct {} ibl-miss {} sensitive {}; emulated: {} out, {} in, {} cpuid; heap {} KiB (peak {} KiB); {} TSC cycles in the run",
+        "engine: stats: {} traces translated ({} guest instructions, {} guest bytes -> {} cache bytes), {} links, exits direct {} ibl-miss {} sensitive {} attention {} fault {}; emulated: {} out, {} in, {} cpuid; delivered: {} interrupts, {} int n, exceptions by vector {:?}; {} halts; emulations by kind {:?}; heap {} KiB (peak {} KiB); {} TSC cycles in the run",
         st.fragments,
         st.guest_insns,
         st.guest_bytes,
@@ -410,9 +461,16 @@ fn report(
         st.exits[0],
         st.exits[1],
         st.exits[2],
-        vcpu.outs,
-        vcpu.ins,
-        vcpu.cpuids,
+        st.exits[3],
+        st.exits[7],
+        vcpu.stats.outs,
+        vcpu.stats.ins,
+        vcpu.stats.cpuids,
+        vcpu.stats.interrupts,
+        vcpu.stats.software_ints,
+        vcpu.stats.exceptions,
+        vcpu.stats.halts,
+        vcpu.stats.emulated,
         heap_now >> 10,
         heap_peak >> 10,
         cycles
@@ -441,10 +499,30 @@ fn report(
         .u64("fault", st.exits[exit_code::EXIT_FAULT as usize])
         .u64("attention", st.exits[exit_code::EXIT_ATTENTION as usize])
         .end();
+    j.begin("guest_instructions")
+        .u64("cpl0", engine.executed_insns(MODE_KERNEL))
+        .u64("cpl3", engine.executed_insns(MODE_USER))
+        // Of those, emulated outside the cache (no block counter sees them) ...
+        .u64("emulated", st.emulated_insns)
+        // ... and block counts taken back after faults cut a block short.
+        .u64("taken_back_after_faults", st.insns_taken_back)
+        .end();
+    let v = &vcpu.stats;
     j.begin("emulated")
-        .u64("port_out", vcpu.outs)
-        .u64("port_in", vcpu.ins)
-        .u64("cpuid", vcpu.cpuids)
+        .u64("total", v.emulated.iter().sum())
+        .u64("port_out", v.outs)
+        .u64("port_in", v.ins)
+        .u64("cpuid", v.cpuids)
+        .end();
+    j.begin("events")
+        .u64("interrupts_delivered", v.interrupts)
+        .u64("exceptions_delivered", v.exceptions.iter().sum())
+        .u64("software_interrupts", v.software_ints)
+        .u64("halts", v.halts)
+        .end();
+    j.begin("smc")
+        .u64("frames_invalidated", sh.counters.code_writes)
+        .u64("traces_invalidated", sh.counters.fragments_invalidated)
         .end();
     sh.write_json(&mut j);
     j.u64("gate_calls", gate::calls())

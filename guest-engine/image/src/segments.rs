@@ -5,8 +5,7 @@
 //!
 //! Loads make the checks a CPU makes in 64-bit mode at CPL 0 (Intel SDM vol. 2, `MOV`,
 //! `POP`, `RET`, `LTR`, `LLDT`); a load that would fault returns the [`GuestFault`] it
-//! would raise, and the caller stops the engine naming it (exception delivery to the
-//! guest does not exist yet).
+//! raises, which the virtual CPU delivers to the guest (`deliver.rs`).
 
 use kpin_abi::attach::Segment;
 
@@ -27,18 +26,6 @@ pub struct GuestFault {
     pub vector: u8,
     /// Error code (the selector with RPL cleared, or 0).
     pub error: u16,
-}
-
-impl GuestFault {
-    /// The mnemonic of the vector.
-    pub fn name(&self) -> &'static str {
-        match self.vector {
-            NP => "#NP",
-            SS_FAULT => "#SS",
-            GP => "#GP",
-            _ => "#?",
-        }
-    }
 }
 
 fn gp(sel: u16) -> GuestFault {

@@ -1,60 +1,63 @@
-//! The virtual CPU, first slice: `guest_engine::Platform` for the sensitive instructions
-//! the tiny test guests need, emulated faithfully at the dispatcher:
+//! The virtual CPU: `guest_engine::Platform` for the guest's sensitive instructions,
+//! emulated at the dispatcher with the faults a CPU would raise, delivered to the guest
+//! through its own IDT (`deliver.rs`):
 //!
-//! * `out imm8/dx, al` and `in al, imm8/dx` through the ring-0 gate's OUT8/IN8 (port I/O
-//!   at CPL 3 faults here, even with IOPL 3), so the VMM sees the same port exit a
-//!   native `out` makes — an i8042 reset (`out 0x64, 0xfe`) ends the run as a poweroff;
-//! * control registers and the TLB, on the shadow MMU (`shadow.rs`): `mov r64, cr0/cr3/cr4`
-//!   (the virtual values), `mov cr3, r64` (the guest switches address spaces: new shadow
-//!   root in the real CR3, every VA → PA mapping the translator holds dropped), `mov
-//!   cr0/cr4, r64` that change only CR0.WP, CR4.PGE or CR4.SMEP (the bits that change
-//!   translations and nothing else the hardware would enforce at CPL 3), `invlpg m`;
-//! * `lgdt`/`lidt`/`sgdt`/`sidt` on the virtual GDTR/IDTR ([`Vcpu::gdtr`],
-//!   [`Vcpu::idtr`]; operands read and written through the guest's page tables; nothing
-//!   else uses them yet);
-//! * `cli`/`sti`, on the virtual IF ([`Vcpu::vif`]; `pushf`/`popf`, which would show
-//!   it, are not emulated yet);
-//! * `cpuid`, answered from the attach block's CPUID table (`AttachBlock::cpuid`), so
-//!   native and instrumented runs see one CPU;
-//! * segment state ([`Vcpu::segs`], see `segments.rs`): `mov Sreg, r/m16` (DS/ES/SS/FS/
-//!   GS), `mov r/m16, Sreg`, `push`/`pop fs/gs`, `ltr`/`str`, `lldt`/`sldt` and
-//!   same-privilege `retf` (16/32/64-bit operand size, with or without an immediate) to a
-//!   64-bit code segment, all on virtual selectors and descriptor caches loaded from the
-//!   virtual GDTR; a load that would fault stops naming the exception and selector. An
-//!   FS/GS load that changes the base stops too (the hardware base the translated code
-//!   uses is not switched yet).
+//! * port I/O: `out`/`in` of AL, AX or EAX at an imm8 or DX port through the ring-0
+//!   gate's OUT/IN operations (so the VMM sees the port exit a native `out` makes; an
+//!   i8042 reset ends the run as a poweroff); string port I/O stops;
+//! * `cpuid` from the attach block's table, so native and instrumented runs see one CPU;
+//! * control registers and the TLB, on the shadow MMU (`shadow.rs`): `mov r64,
+//!   cr0/cr2/cr3/cr4/cr8` read the virtual values; `mov cr3, r64` switches the guest's
+//!   address space (new shadow root in the real CR3, every VA → PA mapping the translator
+//!   holds dropped); `mov cr0/cr4, r64` that change only CR0.WP, CR4.PGE or CR4.SMEP (the
+//!   bits that change translations and nothing else the hardware would enforce at CPL 3;
+//!   any other change stops); `invlpg m`;
+//! * flags: `cli`/`sti`/`pushfq`/`popfq` on the virtual IF and IOPL (IOPL-sensitive at
+//!   CPL 3); TF is never set in the real RFLAGS (single-stepping is not virtualized);
+//! * `lgdt`/`lidt`/`sgdt`/`sidt`, segment state (`segments.rs`), `ltr`/`lldt`/`str`/
+//!   `sldt`, same-privilege `retf`;
+//! * events: `int n`, `int3`, `ud2` and undecodable bytes (#UD), `iretq` (`deliver.rs`);
+//! * `syscall`/`sysretq`/`swapgs`/`rd/wr{fs,gs}base` (`transitions.rs`), `rdmsr`/`wrmsr`
+//!   on the virtual MSR file (`msr.rs`);
+//! * `hlt` at virtual CPL 0 with IF = 1: the gate's HLT until an interrupt is pending,
+//!   then delivery with RIP after the `hlt`; with IF = 0 the run ends ("guest halted with
+//!   interrupts disabled").
 //!
-//! Everything else (16/32-bit port I/O, `hlt` — no interrupt delivery exists yet to wake
-//! a halted guest —, other CR writes, MSRs, `pushf`/`popf`,
-//! `iretq`, far `jmp`/`call`, privilege-changing far returns, …) is refused: [`Vcpu::unsupported`] names the instruction and its RIP and
-//! the engine stops with a failure (never guessing what the guest meant).
+//! Privileged instructions at virtual CPL 3 raise #GP(0). Anything else stops the run
+//! naming the instruction ([`Vcpu::unsupported`]): never a guess.
 //!
 //! The translator must hear about some emulations' effects (a CR3 write drops mappings, a
 //! write into a code frame drops its traces) before guest code runs again, and only the
 //! run loop holds the `Engine`: when the shadow has such work after an emulation,
 //! `emulate` stops with [`Vcpu::resume`] set, and the run loop does the work and resumes
-//! there. A shadow-MMU failure stops the run the same way (the run loop reports it).
+//! there. A CPL change returns `Emulation::Switch` (traces are keyed by mode); the shadow
+//! view follows the CPL at once ([`Vcpu::cpl_changed`]).
 
 use core::cell::RefCell;
 
-use guest_engine::shadow_mmu::ShadowError;
+use guest_engine::shadow_mmu::{ShadowError, View};
 use guest_engine::{
-    Emulation, Gpr, GuestRegs, GuestVirt, Platform, SegBase, SensitiveInsn, SensitiveKind,
+    Emulation, Gpr, GuestRegs, GuestVirt, Mode, Platform, SegBase, SensitiveInsn, SensitiveKind,
 };
 use iced_x86::{Code, Decoder, DecoderOptions, Instruction, Mnemonic, OpKind, Register};
 use kpin_abi::attach::AttachBlock;
 
-use crate::gate;
-use crate::guest_mem::{PhysmapMemory, MODE_KERNEL};
-use crate::layout::RFLAGS_IF;
-use crate::segments::{GuestFault, Segments, Sreg};
+use crate::deliver::{self, rflags, Event, Kind, TripleFault, BP, PF, UD};
+use crate::guest_access;
+use crate::guest_mem::{PhysmapMemory, MODE_KERNEL, MODE_USER};
+use crate::msr::{index, MsrFile, Written};
+use crate::segments::{Segments, Sreg, GP};
 use crate::shadow::{paging_control, Shadow, CR0_WP, CR4_PGE, CR4_SMEP};
+use crate::{gate, irq, transitions};
 
 /// Ports whose writes can end the VM (the i8042 command port: 0xfe = reset): the engine
 /// writes its final report before passing such a write on.
 pub const I8042_CMD: u16 = 0x64;
 /// The i8042 command that resets (for the VMM: powers off) the machine.
 pub const I8042_RESET: u8 = 0xfe;
+
+/// Number of `SensitiveKind` variants (for the per-kind counters).
+const KINDS: usize = 21;
 
 /// Why the virtual CPU stopped.
 #[derive(Clone, Copy)]
@@ -63,60 +66,95 @@ pub struct Unsupported {
     pub mnemonic: Option<Mnemonic>,
     /// What is missing, in words.
     pub why: &'static str,
-    /// The exception the instruction would raise in the guest, if that is why.
-    pub fault: Option<GuestFault>,
+}
+
+/// Counters for the run report.
+#[derive(Default)]
+pub struct VcpuStats {
+    /// Emulated sensitive instructions by `SensitiveKind` (declaration order).
+    pub emulated: [u64; KINDS],
+    /// Port writes, port reads, CPUIDs.
+    pub outs: u64,
+    /// Port reads.
+    pub ins: u64,
+    /// CPUIDs.
+    pub cpuids: u64,
+    /// External interrupts delivered to the guest.
+    pub interrupts: u64,
+    /// Exceptions delivered, by vector (0–31).
+    pub exceptions: [u64; 32],
+    /// `int n` delivered.
+    pub software_ints: u64,
+    /// `hlt`s that waited in the gate.
+    pub halts: u64,
 }
 
 /// The virtual CPU's state and counters.
 pub struct Vcpu<'a> {
     block: &'a AttachBlock,
     /// The shadow MMU (shared with guest memory and the run loop); it holds the virtual
-    /// CR3 ([`Vcpu::cr3`]).
+    /// CR3 ([`Vcpu::cr3`]) and the view that follows the CPL.
     shadow: &'a RefCell<Shadow>,
-    /// The virtual CR0.
+    /// Guest CR0.
     pub cr0: u64,
-    /// The virtual CR4.
+    /// Guest CR2 (set when a #PF is delivered).
+    pub cr2: u64,
+    /// Guest CR4.
     pub cr4: u64,
-    /// The virtual EFER (after changing it, call [`Vcpu::update_paging_control`]).
-    pub efer: u64,
-    /// Emulated instructions, by kind: port writes, port reads, CPUIDs.
-    pub outs: u64,
-    /// Port reads emulated.
-    pub ins: u64,
-    /// CPUIDs emulated.
-    pub cpuids: u64,
-    /// The virtual RFLAGS.IF (the real IF stays 1 while guest code runs; `cli`/`sti`
-    /// change only this; nothing delivers interrupts to the guest yet).
+    /// The virtual RFLAGS.IF (the real IF stays 1 while guest code runs).
     pub vif: bool,
+    /// The virtual RFLAGS.IOPL (the real one stays 0).
+    pub iopl: u8,
+    /// The translation mode the current virtual CPL wants (`MODE_KERNEL`/`MODE_USER`);
+    /// run.rs applies it to the translator.
+    pub mode: Mode,
     /// The virtual GDTR (loaded by `lgdt`; the engine's own GDT is what the CPU uses).
     pub gdtr: DescriptorTable,
-    /// The virtual IDTR (loaded by `lidt`; nothing delivers through it yet).
+    /// The virtual IDTR (loaded by `lidt`; events are delivered through it).
     pub idtr: DescriptorTable,
     /// Guest selectors and descriptor caches (see [`Segments`]).
     pub segs: Segments,
+    /// The virtual MSRs.
+    pub msrs: MsrFile,
+    /// Counters.
+    pub stats: VcpuStats,
     /// Set when emulation stopped.
     pub unsupported: Option<Unsupported>,
+    /// Set when a delivery triple-faulted (the run must end).
+    pub triple: Option<TripleFault>,
+    /// RIP after the last emulated `sti`, while no other instruction was emulated since
+    /// (the interrupt shadow, see [`Vcpu::deliver_pending`]).
+    sti_next: Option<u64>,
     /// A port write that may end the VM (see [`I8042_CMD`]), left to the caller: the
     /// emulation stops so that the engine can write its report first, then performs it.
     pub final_write: Option<(u16, u8)>,
     /// Where the guest continues after an emulation that stopped only so that the run
-    /// loop could do the shadow's `EngineWork` (see the module header).
+    /// loop could do the shadow's `EngineWork` (a CR3 write drops mappings, a write into
+    /// a code frame drops its traces) before guest code runs again.
     pub resume: Option<GuestVirt>,
 }
 
+/// The result of emulating one instruction: where to go on, a stop, or an exception to
+/// raise at the instruction (registers as before it).
+type Step = Result<Emulation, Event>;
+
 impl<'a> Vcpu<'a> {
-    /// A virtual CPU for the guest in `block`.
+    /// A virtual CPU for the guest in `block`; makes the hardware FS/GS bases the
+    /// guest's.
     pub fn new(block: &'a AttachBlock, shadow: &'a RefCell<Shadow>) -> Self {
-        Self {
+        let v = Self {
             block,
             shadow,
             cr0: block.sregs.cr0,
+            cr2: block.sregs.cr2,
             cr4: block.sregs.cr4,
-            efer: block.sregs.efer,
-            outs: 0,
-            ins: 0,
-            cpuids: 0,
-            vif: block.regs.rflags & RFLAGS_IF != 0,
+            vif: block.regs.rflags & rflags::IF != 0,
+            iopl: ((block.regs.rflags & rflags::IOPL) >> 12) as u8,
+            mode: if block.sregs.cs.selector & 3 == 3 {
+                MODE_USER
+            } else {
+                MODE_KERNEL
+            },
             gdtr: DescriptorTable {
                 base: block.sregs.gdt.base,
                 limit: block.sregs.gdt.limit,
@@ -126,10 +164,26 @@ impl<'a> Vcpu<'a> {
                 limit: block.sregs.idt.limit,
             },
             segs: Segments::new(&block.sregs),
+            msrs: MsrFile::new(block),
+            stats: VcpuStats::default(),
             unsupported: None,
+            triple: None,
+            sti_next: None,
             final_write: None,
             resume: None,
-        }
+        };
+        transitions::sync_hw_bases(&v);
+        v
+    }
+
+    fn stop(&mut self, mnemonic: Option<Mnemonic>, why: &'static str) -> Step {
+        self.unsupported = Some(Unsupported { mnemonic, why });
+        Ok(Emulation::Stop)
+    }
+
+    /// Guest memory through the shadow MMU's walk of the guest's page tables.
+    pub fn mem(&self) -> PhysmapMemory<'a> {
+        PhysmapMemory::new(self.shadow)
     }
 
     /// The virtual CR3.
@@ -137,46 +191,23 @@ impl<'a> Vcpu<'a> {
         self.shadow.borrow().cr3()
     }
 
-    /// Tells the shadow MMU the paging-control bits of [`Vcpu::cr0`], [`Vcpu::cr4`] and
-    /// [`Vcpu::efer`] (CR0.WP, CR4.PGE/SMEP, EFER.NXE); a change drops every shadow leaf
-    /// and every mapping the translator holds.
+    /// Tells the shadow MMU the paging-control bits of CR0, CR4 and EFER (CR0.WP,
+    /// CR4.PGE/SMEP, EFER.NXE); a change drops every shadow leaf and every mapping the
+    /// translator holds.
     pub fn update_paging_control(&mut self) -> Result<(), ShadowError> {
         self.shadow
             .borrow_mut()
-            .set_control(paging_control(self.cr0, self.cr4, self.efer))
-    }
-
-    fn stop(&mut self, mnemonic: Option<Mnemonic>, why: &'static str) -> Emulation {
-        self.unsupported = Some(Unsupported {
-            mnemonic,
-            why,
-            fault: None,
-        });
-        Emulation::Stop
-    }
-
-    /// Stops because the instruction would raise `fault` in the guest.
-    fn fault(&mut self, mnemonic: Mnemonic, fault: GuestFault) -> Emulation {
-        self.unsupported = Some(Unsupported {
-            mnemonic: Some(mnemonic),
-            why: "exception delivery to the guest is not implemented",
-            fault: Some(fault),
-        });
-        Emulation::Stop
-    }
-
-    fn mem(&self) -> PhysmapMemory<'a> {
-        PhysmapMemory::new(self.shadow)
+            .set_control(paging_control(self.cr0, self.cr4, self.msrs.efer))
     }
 
     /// Continues at `next` if the shadow-MMU operation `r` worked; else records its
     /// failure, which the run loop reports.
-    fn shadow_done(&mut self, r: Result<(), ShadowError>, next: GuestVirt) -> Emulation {
+    fn shadow_done(&mut self, r: Result<(), ShadowError>, next: GuestVirt) -> Step {
         match r {
-            Ok(()) => Emulation::Continue(next),
+            Ok(()) => Ok(Emulation::Continue(next)),
             Err(e) => {
                 self.shadow.borrow_mut().record(e);
-                Emulation::Stop
+                Ok(Emulation::Stop)
             }
         }
     }
@@ -189,21 +220,15 @@ impl<'a> Vcpu<'a> {
         }
     }
 
-    /// `mov crN, r64` for CR0, CR3 and CR4.
-    fn write_cr(&mut self, i: &Instruction, v: u64, next: GuestVirt) -> Emulation {
+    /// `mov crN, r64` (CPL 0 checked by the caller).
+    fn write_cr(&mut self, i: &Instruction, v: u64, next: GuestVirt) -> Step {
         match i.op0_register() {
             Register::CR3 => {
                 // Bit 63 asks to keep PCID-tagged entries; PCIDs are off (CPUID masks
                 // them), so the write flushes as a plain one.
                 let cr3 = v & !(1 << 63);
                 if cr3 >> self.phys_addr_bits() != 0 {
-                    return self.fault(
-                        i.mnemonic(),
-                        GuestFault {
-                            vector: crate::segments::GP,
-                            error: 0,
-                        },
-                    );
+                    return Err(gp0());
                 }
                 let r = self.shadow.borrow_mut().write_cr3(cr3);
                 self.shadow_done(r, next)
@@ -228,11 +253,147 @@ impl<'a> Vcpu<'a> {
                 let r = self.update_paging_control();
                 self.shadow_done(r, next)
             }
-            _ => self.stop(
-                Some(i.mnemonic()),
-                "only CR0, CR3 and CR4 writes are emulated",
-            ),
+            Register::CR2 => {
+                self.cr2 = v;
+                Ok(Emulation::Continue(next))
+            }
+            // The TPR: no local APIC is virtualized yet, so nothing reads it.
+            Register::CR8 => Ok(Emulation::Continue(next)),
+            _ => Err(Event::exception(UD)),
         }
+    }
+
+    /// The virtual CPL (CS.RPL).
+    pub fn cpl(&self) -> u8 {
+        self.segs.cpl()
+    }
+
+    /// The RFLAGS the guest sees: the real arithmetic flags with the virtual IF and IOPL
+    /// (RF and VM clear).
+    pub fn rflags_image(&self, real: u64) -> u64 {
+        (real & !(rflags::IF | rflags::IOPL | rflags::RF | rflags::VM))
+            | (u64::from(self.vif) << 9)
+            | (u64::from(self.iopl) << 12)
+    }
+
+    /// Loads RFLAGS from a guest value (`popfq`, `iretq`, `sysretq`) as an instruction
+    /// executed at `cpl` may: IOPL only at CPL 0, IF at CPL ≤ IOPL. Re-arms the attention
+    /// byte if IF became 1 with an interrupt pending. (`iret` is true for `iretq`, which
+    /// also loads RF.)
+    pub fn load_rflags(&mut self, regs: &mut GuestRegs, value: u64, cpl: u8, iret: bool) {
+        let was = self.vif;
+        if cpl == 0 {
+            self.iopl = ((value & rflags::IOPL) >> 12) as u8;
+        }
+        if cpl <= self.iopl {
+            self.vif = value & rflags::IF != 0;
+        }
+        let keep = rflags::LOADABLE & !(rflags::IF | rflags::IOPL | rflags::TF);
+        let rf = if iret { value & rflags::RF } else { 0 };
+        regs.rflags = (value & keep) | rf | 2 | rflags::IF;
+        if self.vif && !was {
+            irq::rearm_if_pending();
+        }
+    }
+
+    /// Called after anything that may change the CPL (delivery, `iretq`, `syscall`,
+    /// `sysretq`) with the CPL before it.
+    pub fn cpl_changed(&mut self, old: u8) {
+        let new = self.cpl();
+        if new != old {
+            self.mode = if new == 3 { MODE_USER } else { MODE_KERNEL };
+            self.on_cpl_change(new);
+        }
+    }
+
+    /// The shadow view follows the CPL (user at CPL 3, kernel otherwise): its root goes
+    /// into the real CR3. A failure is recorded for the run loop to report.
+    fn on_cpl_change(&mut self, new_cpl: u8) {
+        let mut sh = self.shadow.borrow_mut();
+        if let Err(e) = sh.enter(View::for_cpl(new_cpl)) {
+            sh.record(e);
+        }
+    }
+
+    /// Delivers `ev` to the guest with return address `rip`; the handler's RIP.
+    pub fn deliver(
+        &mut self,
+        regs: &mut GuestRegs,
+        rip: u64,
+        ev: Event,
+    ) -> Result<u64, TripleFault> {
+        deliver::deliver_event(self, regs, rip, ev)
+    }
+
+    /// Counts a delivered event.
+    pub fn count_delivery(&mut self, ev: Event) {
+        match ev.kind {
+            Kind::External => self.stats.interrupts += 1,
+            Kind::Software => self.stats.software_ints += 1,
+            Kind::Exception | Kind::SoftException => {
+                if let Some(c) = self.stats.exceptions.get_mut(usize::from(ev.vector)) {
+                    *c += 1;
+                }
+            }
+        }
+    }
+
+    /// Delivers the highest pending external interrupt if the virtual IF allows it;
+    /// `Some(handler)` if one was delivered.
+    pub fn deliver_pending(
+        &mut self,
+        regs: &mut GuestRegs,
+        rip: u64,
+    ) -> Result<Option<u64>, TripleFault> {
+        if !self.vif {
+            return Ok(None);
+        }
+        let Some(vector) = irq::highest() else {
+            return Ok(None);
+        };
+        irq::take(vector);
+        // `sti; hlt` with the interrupt arriving between them: hardware takes it on the
+        // `hlt`, returning after it.
+        let mut b = [0u8; 1];
+        let rip = if self.sti_next == Some(rip)
+            && self.mem().read_virt(rip, self.mode, &mut b)
+            && b[0] == 0xf4
+        {
+            rip + 1
+        } else {
+            rip
+        };
+        self.sti_next = None;
+        let ev = Event {
+            vector,
+            error: None,
+            kind: Kind::External,
+        };
+        let handler = self.deliver(regs, rip, ev)?;
+        // A trap gate leaves IF set: the next pending vector must not wait for an
+        // IF change.
+        if self.vif {
+            irq::rearm_if_pending();
+        }
+        Ok(Some(handler))
+    }
+
+    /// Reads guest memory at the current CPL; a #PF (CR2 set) on failure.
+    fn read(&mut self, va: u64, out: &mut [u8]) -> Result<(), Event> {
+        let user = self.cpl() == 3;
+        guest_access::read(&self.mem(), va, user, out).map_err(|f| {
+            self.cr2 = f.cr2;
+            Event::fault(PF, f.error)
+        })
+    }
+
+    /// Writes guest memory at the current CPL; a #PF (CR2 set) on failure.
+    fn write(&mut self, va: u64, data: &[u8]) -> Result<(), Event> {
+        let user = self.cpl() == 3;
+        guest_access::write(&self.mem(), va, user, data).map_err(|f| {
+            self.cr2 = f.cr2;
+            Event::fault(PF, f.error)
+        })
     }
 }
 
@@ -245,26 +406,8 @@ pub struct DescriptorTable {
     pub limit: u16,
 }
 
-impl Vcpu<'_> {
-    /// The linear address of `i`'s memory operand (FS/GS: their virtual bases).
-    pub fn data_address(&self, i: &Instruction, regs: &GuestRegs) -> Option<u64> {
-        i.virtual_address(0, 0, |reg, _, _| {
-            if reg.is_segment_register() {
-                return Some(match reg {
-                    Register::FS => self.segs.sregs[Sreg::Fs as usize].base,
-                    Register::GS => self.segs.sregs[Sreg::Gs as usize].base,
-                    _ => 0,
-                });
-            }
-            let full = reg.full_register();
-            let n = Gpr::from_number(full.number() as u8)?;
-            if !full.is_gpr64() {
-                return None;
-            }
-            let v = regs.get(n);
-            Some(if reg.is_gpr32() { v & 0xffff_ffff } else { v })
-        })
-    }
+fn gp0() -> Event {
+    Event::fault(GP, 0)
 }
 
 /// The segment register `r` names.
@@ -280,78 +423,85 @@ fn sreg_of(r: Register) -> Option<Sreg> {
     })
 }
 
-impl<'a> Vcpu<'a> {
+/// The 64-bit GPR `r` is part of.
+fn gpr(r: Register) -> Option<Gpr> {
+    let full = r.full_register();
+    Gpr::from_number(full.number() as u8).filter(|_| full.is_gpr64())
+}
+
+impl Vcpu<'_> {
+    /// The linear address of `i`'s memory operand (FS/GS: their virtual bases).
+    pub fn data_address(&self, i: &Instruction, regs: &GuestRegs) -> Option<u64> {
+        i.virtual_address(0, 0, |reg, _, _| {
+            if reg.is_segment_register() {
+                return Some(match reg {
+                    Register::FS => self.segs.sregs[Sreg::Fs as usize].base,
+                    Register::GS => self.segs.sregs[Sreg::Gs as usize].base,
+                    _ => 0,
+                });
+            }
+            let v = regs.get(gpr(reg)?);
+            Some(if reg.is_gpr32() { v & 0xffff_ffff } else { v })
+        })
+    }
+
+    /// The memory operand's address, or #GP(0) if it is non-canonical.
+    fn operand_address(&self, i: &Instruction, regs: &GuestRegs) -> Result<u64, Event> {
+        self.data_address(i, regs)
+            .filter(|&a| ((a as i64) << 16 >> 16) as u64 == a)
+            .ok_or_else(gp0)
+    }
+
     /// Reads the 16-bit register or memory operand `op` of `i`.
-    fn read_rm16(&self, i: &Instruction, op: u32, regs: &GuestRegs) -> Option<u16> {
+    fn read_rm16(&mut self, i: &Instruction, op: u32, regs: &GuestRegs) -> Result<u16, Event> {
         if i.op_kind(op) == OpKind::Register {
-            let r = i.op_register(op).full_register();
-            let n = Gpr::from_number(r.number() as u8).filter(|_| r.is_gpr64())?;
-            return Some(regs.get(n) as u16);
+            return Ok(gpr(i.op_register(op)).map_or(0, |n| regs.get(n) as u16));
         }
-        let ea = self.data_address(i, regs)?;
+        let ea = self.operand_address(i, regs)?;
         let mut b = [0u8; 2];
-        self.mem()
-            .read_virt(ea, MODE_KERNEL, &mut b)
-            .then_some(u16::from_le_bytes(b))
+        self.read(ea, &mut b)?;
+        Ok(u16::from_le_bytes(b))
     }
 
     /// Writes `v` to `i`'s first operand: 16 bits to memory or a 16-bit register, the
     /// zero-extended value to a 32/64-bit register.
-    fn write_rm16(
-        &mut self,
-        i: &Instruction,
-        v: u16,
-        regs: &mut GuestRegs,
-        next: GuestVirt,
-    ) -> Emulation {
+    fn write_rm16(&mut self, i: &Instruction, v: u16, regs: &mut GuestRegs) -> Result<(), Event> {
         if i.op0_kind() == OpKind::Register {
             let r = i.op0_register();
-            let Some(n) = Gpr::from_number(r.full_register().number() as u8)
-                .filter(|_| r.full_register().is_gpr64())
-            else {
-                return self.stop(Some(i.mnemonic()), "unexpected operand");
-            };
-            let old = regs.get(n);
-            regs.set(
-                n,
-                if r.is_gpr16() {
-                    (old & !0xffff) | u64::from(v)
-                } else {
-                    u64::from(v)
-                },
-            );
-            return Emulation::Continue(next);
+            if let Some(n) = gpr(r) {
+                let old = regs.get(n);
+                regs.set(
+                    n,
+                    if r.is_gpr16() {
+                        (old & !0xffff) | u64::from(v)
+                    } else {
+                        u64::from(v)
+                    },
+                );
+            }
+            return Ok(());
         }
-        let ok = self
-            .data_address(i, regs)
-            .is_some_and(|ea| self.mem().write_virt(ea, MODE_KERNEL, &v.to_le_bytes()));
-        if !ok {
-            return self.stop(
-                Some(i.mnemonic()),
-                "its operand is not writable: exception delivery to the guest is not implemented",
-            );
-        }
-        Emulation::Continue(next)
+        let ea = self.operand_address(i, regs)?;
+        self.write(ea, &v.to_le_bytes())
     }
 
-    /// Loads DS/ES/SS/FS/GS with `sel` (the checks in [`Segments::load_data`]).
-    fn load_sreg(&mut self, i: &Instruction, reg: Sreg, sel: u16, next: GuestVirt) -> Emulation {
+    /// Loads DS/ES/SS/FS/GS with `sel` (the checks in [`Segments::load_data`]); an FS/GS
+    /// base change goes to the hardware base too.
+    fn load_sreg(&mut self, reg: Sreg, sel: u16) -> Result<(), Event> {
         let old_base = self.segs.sregs[reg as usize].base;
         let mem = self.mem();
-        if let Err(f) = self.segs.load_data(&mem, self.gdtr, reg, sel) {
-            return self.fault(i.mnemonic(), f);
+        self.segs
+            .load_data(&mem, self.gdtr, reg, sel)
+            .map_err(Event::from_guest_fault)?;
+        let base = self.segs.sregs[reg as usize].base;
+        if matches!(reg, Sreg::Fs | Sreg::Gs) && base != old_base {
+            transitions::set_hw_base(reg == Sreg::Fs, base);
         }
-        if matches!(reg, Sreg::Fs | Sreg::Gs) && self.segs.sregs[reg as usize].base != old_base {
-            return self.stop(
-                Some(i.mnemonic()),
-                "the load changes the FS/GS base, and the hardware base translated code uses is not switched yet",
-            );
-        }
-        Emulation::Continue(next)
+        Ok(())
     }
 
     /// `retf` (16/32/64-bit operand size, optional immediate): same privilege only.
-    fn far_return(&mut self, i: &Instruction, regs: &mut GuestRegs) -> Emulation {
+    fn far_return(&mut self, i: &Instruction, regs: &mut GuestRegs) -> Step {
         let size: u64 = match i.code() {
             Code::Retfw | Code::Retfw_imm16 => 2,
             Code::Retfd | Code::Retfd_imm16 => 4,
@@ -360,12 +510,7 @@ impl<'a> Vcpu<'a> {
         let rsp = regs.get(Gpr::Rsp);
         let mut b = [0u8; 16];
         let sz = size as usize;
-        if !self.mem().read_virt(rsp, MODE_KERNEL, &mut b[..2 * sz]) {
-            return self.stop(
-                Some(i.mnemonic()),
-                "the stack is not readable: exception delivery to the guest is not implemented",
-            );
-        }
+        self.read(rsp, &mut b[..2 * sz])?;
         let mut ip = [0u8; 8];
         ip[..sz].copy_from_slice(&b[..sz]);
         let rip = u64::from_le_bytes(ip);
@@ -379,7 +524,7 @@ impl<'a> Vcpu<'a> {
                     "a far return to an outer privilege level is not emulated yet",
                 )
             }
-            Err(f) => return self.fault(i.mnemonic(), f),
+            Err(f) => return Err(Event::from_guest_fault(f)),
         };
         if c.l == 0 || c.db != 0 {
             return self.stop(
@@ -387,95 +532,130 @@ impl<'a> Vcpu<'a> {
                 "a far return to a non-64-bit code segment (only 64-bit code is translated)",
             );
         }
-        // A non-canonical RIP: #GP(0).
         if ((rip as i64) << 16 >> 16) as u64 != rip {
-            return self.fault(
-                i.mnemonic(),
-                GuestFault {
-                    vector: crate::segments::GP,
-                    error: 0,
-                },
-            );
+            return Err(gp0());
         }
-        if let Err(f) = self.segs.commit_cs(&mem, &d, c) {
-            return self.fault(i.mnemonic(), f);
-        }
+        self.segs
+            .commit_cs(&mem, &d, c)
+            .map_err(Event::from_guest_fault)?;
         let imm = if i.op_count() > 0 {
             u64::from(i.immediate16())
         } else {
             0
         };
         regs.set(Gpr::Rsp, rsp.wrapping_add(2 * size + imm));
-        Emulation::Continue(GuestVirt(rip))
+        Ok(Emulation::Continue(GuestVirt(rip)))
     }
-}
 
-fn set_low8(regs: &mut GuestRegs, r: Gpr, v: u8) {
-    regs.set(r, (regs.get(r) & !0xff) | u64::from(v));
-}
-
-impl Platform for Vcpu<'_> {
-    fn emulate(&mut self, insn: &SensitiveInsn, regs: &mut GuestRegs) -> Emulation {
-        let e = self.emulate_insn(insn, regs);
-        let sh = self.shadow.borrow();
-        if sh.failure().is_some() {
-            return Emulation::Stop;
+    /// `hlt` at CPL 0 with IF = 1: waits in the gate until an interrupt is pending, then
+    /// delivers it with RIP after the `hlt`.
+    fn halt(&mut self, regs: &mut GuestRegs, next: GuestVirt) -> Step {
+        if !self.vif {
+            return self.stop(
+                Some(Mnemonic::Hlt),
+                "guest halted with interrupts disabled (nothing can wake it)",
+            );
         }
-        match e {
-            Emulation::Continue(next) if sh.has_work() => {
-                self.resume = Some(next);
-                Emulation::Stop
+        loop {
+            match self.deliver_pending(regs, next.0) {
+                Ok(Some(handler)) => return Ok(Emulation::Continue(GuestVirt(handler))),
+                Ok(None) => {
+                    self.stats.halts += 1;
+                    gate::hlt();
+                }
+                Err(t) => {
+                    self.triple = Some(t);
+                    return Ok(Emulation::Stop);
+                }
             }
-            e => e,
         }
     }
 
-    fn segment_base(&mut self, seg: SegBase) -> u64 {
-        match seg {
-            SegBase::Fs => self.segs.sregs[Sreg::Fs as usize].base,
-            SegBase::Gs => self.segs.sregs[Sreg::Gs as usize].base,
-            _ => 0,
-        }
-    }
-}
-
-impl Vcpu<'_> {
-    /// Emulates one sensitive instruction (see the module header).
-    fn emulate_insn(&mut self, insn: &SensitiveInsn, regs: &mut GuestRegs) -> Emulation {
-        let len = usize::from(insn.len).min(insn.bytes.len());
-        let mut d = Decoder::with_ip(64, &insn.bytes[..len], insn.pc.0, DecoderOptions::NONE);
-        let i = d.decode();
-        if len == 0 || i.is_invalid() {
-            return self.stop(None, "the bytes do not decode");
-        }
-        let next = GuestVirt(insn.pc.0.wrapping_add(len as u64));
+    /// The emulation of one decoded instruction.
+    fn emulate_insn(
+        &mut self,
+        insn: &SensitiveInsn,
+        i: &Instruction,
+        regs: &mut GuestRegs,
+        next: GuestVirt,
+    ) -> Step {
+        let cpl = self.cpl();
         let dx = regs.get(Gpr::Rdx) as u16;
         let al = regs.get(Gpr::Rax) as u8;
+        let go = Ok(Emulation::Continue(next));
+        // Instructions that need CPL 0 (IOPL-sensitive ones are checked below).
+        let privileged = matches!(
+            i.mnemonic(),
+            Mnemonic::Hlt
+                | Mnemonic::Lgdt
+                | Mnemonic::Lidt
+                | Mnemonic::Ltr
+                | Mnemonic::Lldt
+                | Mnemonic::Mov
+                | Mnemonic::Rdmsr
+                | Mnemonic::Wrmsr
+                | Mnemonic::Swapgs
+                | Mnemonic::Sysretq
+                | Mnemonic::Invlpg
+                | Mnemonic::Wbinvd
+                | Mnemonic::Invd
+                | Mnemonic::Clts
+                | Mnemonic::Lmsw
+        ) && insn.kind != SensitiveKind::SegmentRegister;
+        if privileged && cpl != 0 {
+            return Err(gp0());
+        }
+        let iopl_ok = cpl <= self.iopl;
         match i.code() {
-            Code::Out_imm8_AL | Code::Out_DX_AL => {
-                let port = if i.code() == Code::Out_DX_AL {
-                    dx
-                } else {
-                    u16::from(i.immediate8())
-                };
-                if port == I8042_CMD && al == I8042_RESET {
-                    self.final_write = Some((port, al));
-                    self.outs += 1;
-                    return Emulation::Stop;
+            Code::Out_imm8_AL
+            | Code::Out_DX_AL
+            | Code::Out_imm8_AX
+            | Code::Out_DX_AX
+            | Code::Out_imm8_EAX
+            | Code::Out_DX_EAX
+            | Code::In_AL_imm8
+            | Code::In_AL_DX
+            | Code::In_AX_imm8
+            | Code::In_AX_DX
+            | Code::In_EAX_imm8
+            | Code::In_EAX_DX => {
+                if !iopl_ok {
+                    // The TSS I/O bitmap is not consulted: IOPL < CPL always faults.
+                    return Err(gp0());
                 }
-                gate::out8(port, al);
-                self.outs += 1;
-                Emulation::Continue(next)
-            }
-            Code::In_AL_imm8 | Code::In_AL_DX => {
-                let port = if i.code() == Code::In_AL_DX {
-                    dx
-                } else {
-                    u16::from(i.immediate8())
+                let port =
+                    if i.op_kind(0) == OpKind::Immediate8 || i.op_kind(1) == OpKind::Immediate8 {
+                        u16::from(i.immediate8())
+                    } else {
+                        dx
+                    };
+                let size = match i.code() {
+                    Code::Out_imm8_AL | Code::Out_DX_AL | Code::In_AL_imm8 | Code::In_AL_DX => 1,
+                    Code::Out_imm8_AX | Code::Out_DX_AX | Code::In_AX_imm8 | Code::In_AX_DX => 2,
+                    _ => 4,
                 };
-                set_low8(regs, Gpr::Rax, gate::in8(port));
-                self.ins += 1;
-                Emulation::Continue(next)
+                let rax = regs.get(Gpr::Rax);
+                if i.mnemonic() == Mnemonic::Out {
+                    self.stats.outs += 1;
+                    if size == 1 && port == I8042_CMD && al == I8042_RESET {
+                        self.final_write = Some((port, al));
+                        return Ok(Emulation::Stop);
+                    }
+                    gate::out(port, size, rax as u32);
+                } else {
+                    self.stats.ins += 1;
+                    let v = u64::from(gate::input(port, size));
+                    regs.set(
+                        Gpr::Rax,
+                        match size {
+                            1 => (rax & !0xff) | v,
+                            2 => (rax & !0xffff) | v,
+                            // A 32-bit destination zero-extends.
+                            _ => v,
+                        },
+                    );
+                }
+                go
             }
             Code::Cpuid => {
                 let [a, b, c, d] = self
@@ -485,58 +665,71 @@ impl Vcpu<'_> {
                 regs.set(Gpr::Rbx, u64::from(b));
                 regs.set(Gpr::Rcx, u64::from(c));
                 regs.set(Gpr::Rdx, u64::from(d));
-                self.cpuids += 1;
-                Emulation::Continue(next)
+                self.stats.cpuids += 1;
+                go
             }
-            Code::Mov_r64_cr
-                if matches!(
-                    i.op1_register(),
-                    Register::CR0 | Register::CR3 | Register::CR4
-                ) =>
-            {
+            Code::Mov_r64_cr => {
                 let v = match i.op1_register() {
                     Register::CR0 => self.cr0,
+                    Register::CR2 => self.cr2,
+                    Register::CR3 => self.cr3(),
                     Register::CR4 => self.cr4,
-                    _ => self.cr3(),
+                    Register::CR8 => 0,
+                    _ => return Err(Event::exception(UD)),
                 };
-                match Gpr::from_number(i.op0_register().number() as u8) {
-                    Some(r) if i.op0_register().is_gpr64() => {
-                        regs.set(r, v);
-                        Emulation::Continue(next)
-                    }
-                    _ => self.stop(Some(i.mnemonic()), "unexpected operand"),
+                if let Some(r) = gpr(i.op0_register()) {
+                    regs.set(r, v);
                 }
+                go
             }
-            Code::Mov_cr_r64 => match Gpr::from_number(i.op1_register().number() as u8) {
-                Some(r) if i.op1_register().is_gpr64() => self.write_cr(&i, regs.get(r), next),
-                _ => self.stop(Some(i.mnemonic()), "unexpected operand"),
-            },
-            Code::Invlpg_m => match self.data_address(&i, regs) {
-                Some(va) => {
-                    let r = self.shadow.borrow_mut().invlpg(va);
-                    self.shadow_done(r, next)
-                }
-                None => self.stop(Some(i.mnemonic()), "unexpected operand"),
-            },
+            Code::Mov_cr_r64 => {
+                let v = gpr(i.op1_register()).map_or(0, |r| regs.get(r));
+                self.write_cr(i, v, next)
+            }
+            Code::Invlpg_m => {
+                // A non-canonical operand is a no-op on hardware (no #GP for invlpg).
+                let va = self.data_address(i, regs).unwrap_or(0);
+                let r = self.shadow.borrow_mut().invlpg(va);
+                self.shadow_done(r, next)
+            }
+            Code::Cli | Code::Sti if !iopl_ok => Err(gp0()),
             Code::Cli => {
                 self.vif = false;
-                Emulation::Continue(next)
+                go
             }
             Code::Sti => {
+                let was = self.vif;
                 self.vif = true;
-                Emulation::Continue(next)
+                self.sti_next = Some(next.0);
+                // The interrupt shadow, approximated: `sti; hlt` delivers from the `hlt`
+                // (RIP after it, as hardware does); any other instruction after `sti`
+                // may see the interrupt before it runs (no one-instruction shadow).
+                let mut b = [0u8; 1];
+                let hlt_next = self.mem().read_virt(next.0, self.mode, &mut b) && b[0] == 0xf4;
+                if !was && !hlt_next {
+                    irq::rearm_if_pending();
+                }
+                go
+            }
+            Code::Pushfq => {
+                let image = self.rflags_image(regs.rflags);
+                let rsp = regs.get(Gpr::Rsp).wrapping_sub(8);
+                self.write(rsp, &image.to_le_bytes())?;
+                regs.set(Gpr::Rsp, rsp);
+                go
+            }
+            Code::Popfq => {
+                let rsp = regs.get(Gpr::Rsp);
+                let mut b = [0u8; 8];
+                self.read(rsp, &mut b)?;
+                self.load_rflags(regs, u64::from_le_bytes(b), cpl, false);
+                regs.set(Gpr::Rsp, rsp.wrapping_add(8));
+                go
             }
             Code::Lgdt_m1664 | Code::Lidt_m1664 => {
+                let ea = self.operand_address(i, regs)?;
                 let mut bytes = [0u8; 10];
-                let ok = self
-                    .data_address(&i, regs)
-                    .is_some_and(|ea| self.mem().read_virt(ea, MODE_KERNEL, &mut bytes));
-                if !ok {
-                    return self.stop(
-                        Some(i.mnemonic()),
-                        "its operand is not readable (or uses FS/GS): exception delivery to the guest is not implemented",
-                    );
-                }
+                self.read(ea, &mut bytes)?;
                 let limit = u16::from_le_bytes([bytes[0], bytes[1]]);
                 let mut base = [0u8; 8];
                 base.copy_from_slice(&bytes[2..]);
@@ -549,7 +742,7 @@ impl Vcpu<'_> {
                 } else {
                     self.idtr = table;
                 }
-                Emulation::Continue(next)
+                go
             }
             Code::Sgdt_m1664 | Code::Sidt_m1664 => {
                 let t = if i.code() == Code::Sgdt_m1664 {
@@ -560,46 +753,35 @@ impl Vcpu<'_> {
                 let mut bytes = [0u8; 10];
                 bytes[..2].copy_from_slice(&t.limit.to_le_bytes());
                 bytes[2..].copy_from_slice(&t.base.to_le_bytes());
-                let ok = self
-                    .data_address(&i, regs)
-                    .is_some_and(|ea| self.mem().write_virt(ea, MODE_KERNEL, &bytes));
-                if !ok {
-                    return self.stop(
-                        Some(i.mnemonic()),
-                        "its operand is not writable (or uses FS/GS): exception delivery to the guest is not implemented",
-                    );
-                }
-                Emulation::Continue(next)
+                let ea = self.operand_address(i, regs)?;
+                self.write(ea, &bytes)?;
+                go
             }
             Code::Mov_Sreg_rm16 | Code::Mov_Sreg_r32m16 | Code::Mov_Sreg_r64m16 => {
-                let Some(reg) = sreg_of(i.op0_register()) else {
-                    return self.stop(Some(i.mnemonic()), "unexpected operand");
+                let Some(reg) = sreg_of(i.op0_register()).filter(|&r| r != Sreg::Cs) else {
+                    return Err(Event::exception(UD));
                 };
-                if reg == Sreg::Cs {
-                    return self.stop(
-                        Some(i.mnemonic()),
-                        "mov cs raises #UD; exception delivery to the guest is not implemented",
-                    );
-                }
-                let Some(sel) = self.read_rm16(&i, 1, regs) else {
-                    return self.stop(Some(i.mnemonic()), "its operand is not readable: exception delivery to the guest is not implemented");
-                };
-                self.load_sreg(&i, reg, sel, next)
+                let sel = self.read_rm16(i, 1, regs)?;
+                self.load_sreg(reg, sel)?;
+                go
             }
             Code::Mov_rm16_Sreg | Code::Mov_r32m16_Sreg | Code::Mov_r64m16_Sreg => {
                 let Some(reg) = sreg_of(i.op1_register()) else {
-                    return self.stop(Some(i.mnemonic()), "unexpected operand");
+                    return Err(Event::exception(UD));
                 };
                 let sel = self.segs.sregs[reg as usize].selector;
-                self.write_rm16(&i, sel, regs, next)
+                self.write_rm16(i, sel, regs)?;
+                go
             }
             Code::Str_rm16 | Code::Str_r32m16 | Code::Str_r64m16 => {
                 let sel = self.segs.tr.selector;
-                self.write_rm16(&i, sel, regs, next)
+                self.write_rm16(i, sel, regs)?;
+                go
             }
             Code::Sldt_rm16 | Code::Sldt_r32m16 | Code::Sldt_r64m16 => {
                 let sel = self.segs.ldtr.selector;
-                self.write_rm16(&i, sel, regs, next)
+                self.write_rm16(i, sel, regs)?;
+                go
             }
             Code::Ltr_rm16
             | Code::Ltr_r32m16
@@ -607,15 +789,13 @@ impl Vcpu<'_> {
             | Code::Lldt_rm16
             | Code::Lldt_r32m16
             | Code::Lldt_r64m16 => {
-                let Some(sel) = self.read_rm16(&i, 0, regs) else {
-                    return self.stop(Some(i.mnemonic()), "its operand is not readable: exception delivery to the guest is not implemented");
-                };
+                let sel = self.read_rm16(i, 0, regs)?;
                 let ldt = i.mnemonic() == Mnemonic::Lldt;
                 let mem = self.mem();
-                match self.segs.load_system(&mem, self.gdtr, sel, ldt) {
-                    Ok(()) => Emulation::Continue(next),
-                    Err(f) => self.fault(i.mnemonic(), f),
-                }
+                self.segs
+                    .load_system(&mem, self.gdtr, sel, ldt)
+                    .map_err(Event::from_guest_fault)?;
+                go
             }
             Code::Pushw_FS | Code::Pushq_FS | Code::Pushw_GS | Code::Pushq_GS => {
                 let reg = if matches!(i.code(), Code::Pushw_FS | Code::Pushq_FS) {
@@ -630,11 +810,9 @@ impl Vcpu<'_> {
                 };
                 let v = u64::from(self.segs.sregs[reg as usize].selector).to_le_bytes();
                 let rsp = regs.get(Gpr::Rsp).wrapping_sub(size as u64);
-                if !self.mem().write_virt(rsp, MODE_KERNEL, &v[..size]) {
-                    return self.stop(Some(i.mnemonic()), "the stack is not writable: exception delivery to the guest is not implemented");
-                }
+                self.write(rsp, &v[..size])?;
                 regs.set(Gpr::Rsp, rsp);
-                Emulation::Continue(next)
+                go
             }
             Code::Popw_FS | Code::Popq_FS | Code::Popw_GS | Code::Popq_GS => {
                 let reg = if matches!(i.code(), Code::Popw_FS | Code::Popq_FS) {
@@ -649,36 +827,184 @@ impl Vcpu<'_> {
                 };
                 let rsp = regs.get(Gpr::Rsp);
                 let mut b = [0u8; 2];
-                if !self.mem().read_virt(rsp, MODE_KERNEL, &mut b) {
-                    return self.stop(Some(i.mnemonic()), "the stack is not readable: exception delivery to the guest is not implemented");
-                }
-                let e = self.load_sreg(&i, reg, u16::from_le_bytes(b), next);
-                if e != Emulation::Stop {
-                    regs.set(Gpr::Rsp, rsp.wrapping_add(size));
-                }
-                e
+                self.read(rsp, &mut b)?;
+                self.load_sreg(reg, u16::from_le_bytes(b))?;
+                regs.set(Gpr::Rsp, rsp.wrapping_add(size));
+                go
             }
             Code::Retfw
             | Code::Retfd
             | Code::Retfq
             | Code::Retfw_imm16
             | Code::Retfd_imm16
-            | Code::Retfq_imm16 => self.far_return(&i, regs),
-            Code::Hlt if !self.vif => self.stop(
-                Some(i.mnemonic()),
-                "hlt with interrupts disabled: the guest halts for good",
-            ),
-            Code::Hlt => self.stop(
-                Some(i.mnemonic()),
-                "hlt: interrupt delivery to the guest is not implemented, nothing could wake it",
-            ),
+            | Code::Retfq_imm16 => self.far_return(i, regs),
+            Code::Iretq => {
+                let rip = deliver::iretq(self, regs)?;
+                Ok(Emulation::Continue(GuestVirt(rip)))
+            }
+            Code::Syscall => {
+                let rip = transitions::syscall(self, regs, next.0)?;
+                Ok(Emulation::Continue(GuestVirt(rip)))
+            }
+            Code::Sysretq => {
+                let rip = transitions::sysretq(self, regs)?;
+                Ok(Emulation::Continue(GuestVirt(rip)))
+            }
+            Code::Swapgs => {
+                transitions::swapgs(self)?;
+                go
+            }
+            Code::Rdfsbase_r64 | Code::Rdgsbase_r64 => {
+                let v = transitions::read_base(self, i.code() == Code::Rdfsbase_r64)?;
+                if let Some(r) = gpr(i.op0_register()) {
+                    regs.set(r, v);
+                }
+                go
+            }
+            Code::Wrfsbase_r64 | Code::Wrgsbase_r64 => {
+                let v = gpr(i.op0_register()).map_or(0, |r| regs.get(r));
+                transitions::write_base(self, i.code() == Code::Wrfsbase_r64, v)?;
+                go
+            }
+            Code::Rdmsr if self.msrs.passes_through(regs.get(Gpr::Rcx) as u32) => {
+                let v = gate::rdmsr(regs.get(Gpr::Rcx) as u32);
+                regs.set(Gpr::Rax, v & 0xffff_ffff);
+                regs.set(Gpr::Rdx, v >> 32);
+                go
+            }
+            Code::Wrmsr if self.msrs.passes_through(regs.get(Gpr::Rcx) as u32) => {
+                let v = (regs.get(Gpr::Rdx) << 32) | (regs.get(Gpr::Rax) & 0xffff_ffff);
+                // SAFETY: `passes_through` lists only MSRs whose effect is the guest's
+                // (microcode signature, kvm-clock pages in guest-physical memory).
+                unsafe { gate::wrmsr(regs.get(Gpr::Rcx) as u32, v) };
+                go
+            }
+            Code::Rdmsr => {
+                let fs = self.segs.sregs[Sreg::Fs as usize].base;
+                let gs = self.segs.sregs[Sreg::Gs as usize].base;
+                let v = self
+                    .msrs
+                    .read(regs.get(Gpr::Rcx) as u32, fs, gs)
+                    .ok_or_else(gp0)?;
+                regs.set(Gpr::Rax, v & 0xffff_ffff);
+                regs.set(Gpr::Rdx, v >> 32);
+                go
+            }
+            Code::Wrmsr => {
+                let v = (regs.get(Gpr::Rdx) << 32) | (regs.get(Gpr::Rax) & 0xffff_ffff);
+                match self
+                    .msrs
+                    .write(regs.get(Gpr::Rcx) as u32, v)
+                    .ok_or_else(gp0)?
+                {
+                    Written::Stored if regs.get(Gpr::Rcx) as u32 == index::EFER => {
+                        if let Err(e) = self.update_paging_control() {
+                            self.shadow.borrow_mut().record(e);
+                            return Ok(Emulation::Stop);
+                        }
+                    }
+                    Written::Stored => {}
+                    Written::FsBase(b) => {
+                        self.segs.sregs[Sreg::Fs as usize].base = b;
+                        transitions::set_hw_base(true, b);
+                    }
+                    Written::GsBase(b) => {
+                        self.segs.sregs[Sreg::Gs as usize].base = b;
+                        transitions::set_hw_base(false, b);
+                    }
+                }
+                go
+            }
+            Code::Int3 => Err(Event {
+                vector: BP,
+                error: None,
+                kind: Kind::SoftException,
+            }),
+            Code::Int_imm8 => Err(Event {
+                vector: i.immediate8(),
+                error: None,
+                kind: Kind::Software,
+            }),
+            Code::Ud0
+            | Code::Ud1_r16_rm16
+            | Code::Ud1_r32_rm32
+            | Code::Ud1_r64_rm64
+            | Code::Ud2 => Err(Event::exception(UD)),
+            Code::Hlt => self.halt(regs, next),
             _ => {
                 let why = match insn.kind {
-                    SensitiveKind::PortIo => "only 8-bit in/out to AL are emulated",
+                    SensitiveKind::PortIo => "string port I/O is not emulated",
                     _ => "not emulated by the virtual CPU yet",
                 };
                 self.stop(Some(i.mnemonic()), why)
             }
+        }
+    }
+}
+
+impl Platform for Vcpu<'_> {
+    fn emulate(&mut self, insn: &SensitiveInsn, regs: &mut GuestRegs) -> Emulation {
+        if let Some(c) = self.stats.emulated.get_mut(insn.kind as usize) {
+            *c += 1;
+        }
+        let len = usize::from(insn.len).min(insn.bytes.len());
+        let mut d = Decoder::with_ip(64, &insn.bytes[..len], insn.pc.0, DecoderOptions::NONE);
+        let i = d.decode();
+        let next = GuestVirt(insn.pc.0.wrapping_add(len as u64));
+        let before = *regs;
+        let mode_before = self.mode;
+        self.sti_next = None;
+        let step = if len == 0 || i.is_invalid() {
+            Err(Event::exception(UD))
+        } else {
+            self.emulate_insn(insn, &i, regs, next)
+        };
+        let e = match step {
+            Ok(e) => e,
+            Err(ev) => {
+                // Precise: the exception sees the registers from before the instruction;
+                // software interrupts return after it.
+                *regs = before;
+                let rip = if matches!(ev.kind, Kind::Software | Kind::SoftException) {
+                    next.0
+                } else {
+                    insn.pc.0
+                };
+                match self.deliver(regs, rip, ev) {
+                    Ok(handler) => Emulation::Continue(GuestVirt(handler)),
+                    Err(t) => {
+                        self.triple = Some(t);
+                        Emulation::Stop
+                    }
+                }
+            }
+        };
+        // The translator must hear about the shadow's work before guest code runs
+        // again, and only the run loop holds the engine: stop there and resume.
+        let sh = self.shadow.borrow();
+        if sh.failure().is_some() {
+            return Emulation::Stop;
+        }
+        match e {
+            Emulation::Continue(next) if sh.has_work() => {
+                self.resume = Some(next);
+                Emulation::Stop
+            }
+            // The CPL changed: traces are keyed by mode (the shadow view already follows).
+            Emulation::Continue(next) if self.mode != mode_before => Emulation::Switch {
+                next,
+                mode: self.mode,
+                invalidate_mappings: false,
+            },
+            e => e,
+        }
+    }
+
+    fn segment_base(&mut self, seg: SegBase) -> u64 {
+        match seg {
+            SegBase::Fs => self.segs.sregs[Sreg::Fs as usize].base,
+            SegBase::Gs => self.segs.sregs[Sreg::Gs as usize].base,
+            _ => 0,
         }
     }
 }

@@ -134,10 +134,12 @@ user_prog_irq:
     .balign 16
     .global user_prog_selectors
 user_prog_selectors:
-    xor eax, eax
-    mov ax, ss
+    // The assembler encodes `mov ax, sreg` as `mov eax, sreg` (8C /r without 66), which
+    // zero-extends into RAX: read the two selectors into separate registers.
+    mov eax, ss
     shl eax, 16
-    mov ax, cs
+    mov ecx, cs
+    or eax, ecx
     pushfq
     pop rbx
     and ebx, 0x200

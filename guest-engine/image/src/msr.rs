@@ -1,0 +1,211 @@
+//! The virtual MSR file: what `rdmsr`/`wrmsr` at virtual CPL 0 read and write. Values
+//! start from the attach block (the MSRs the VMM captured, EFER from the system
+//! registers) and live only here; the hardware MSRs are the engine's, except the FS and
+//! GS bases, which translated code uses verbatim (`transitions::sync_hw_bases`).
+//!
+//! Choices: an index not listed here raises #GP(0) in the guest, as a CPU without that
+//! MSR does (the engine's own EFER, STAR, APIC… must not be the guest's), except a few
+//! that are passed through to KVM by the gate because their effect concerns only the
+//! guest ([`MsrFile::passes_through`]): the microcode signature (0x8b) and, when the
+//! CPUID table offers kvm-clock, its wall-clock and system-time MSRs (KVM writes the
+//! pvclock data into guest-physical memory, which is the guest's under the engine too). EFER: only SCE and NXE may change (LME/LMA must stay: only 64-bit
+//! code is translated), other bits are reserved → #GP(0). APIC_BASE is read-only here
+//! (the guest's xAPIC stays at its default base); MISC_ENABLE reads the value KVM gives
+//! a fresh vCPU (fast strings) and ignores writes; the TSC reads the hardware TSC.
+
+use kpin_abi::attach::AttachBlock;
+
+/// MSR indices.
+pub mod index {
+    /// Time-stamp counter.
+    pub const TSC: u32 = 0x10;
+    /// Local APIC base.
+    pub const APIC_BASE: u32 = 0x1b;
+    /// SYSENTER_CS.
+    pub const SYSENTER_CS: u32 = 0x174;
+    /// SYSENTER_ESP.
+    pub const SYSENTER_ESP: u32 = 0x175;
+    /// SYSENTER_EIP.
+    pub const SYSENTER_EIP: u32 = 0x176;
+    /// MISC_ENABLE.
+    pub const MISC_ENABLE: u32 = 0x1a0;
+    /// PAT.
+    pub const PAT: u32 = 0x277;
+    /// EFER.
+    pub const EFER: u32 = 0xc000_0080;
+    /// STAR.
+    pub const STAR: u32 = 0xc000_0081;
+    /// LSTAR.
+    pub const LSTAR: u32 = 0xc000_0082;
+    /// CSTAR.
+    pub const CSTAR: u32 = 0xc000_0083;
+    /// SFMASK.
+    pub const SFMASK: u32 = 0xc000_0084;
+    /// FS base.
+    pub const FS_BASE: u32 = 0xc000_0100;
+    /// GS base.
+    pub const GS_BASE: u32 = 0xc000_0101;
+    /// KERNEL_GS_BASE (swapped with GS base by `swapgs`).
+    pub const KERNEL_GS_BASE: u32 = 0xc000_0102;
+    /// TSC_AUX (`rdtscp`, `rdpid`).
+    pub const TSC_AUX: u32 = 0xc000_0103;
+}
+
+/// EFER.SCE: `syscall`/`sysret` enabled.
+pub const EFER_SCE: u64 = 1 << 0;
+/// EFER.NXE.
+const EFER_NXE: u64 = 1 << 11;
+/// The xAPIC default base, enabled, BSP.
+const APIC_BASE_DEFAULT: u64 = 0xfee0_0900;
+/// MISC_ENABLE as KVM resets it (fast strings).
+const MISC_ENABLE_DEFAULT: u64 = 1;
+/// PAT at reset.
+const PAT_DEFAULT: u64 = 0x0007_0406_0007_0406;
+
+/// The MSRs the virtual CPU keeps (FS/GS base live in the segment caches).
+pub struct MsrFile {
+    /// EFER.
+    pub efer: u64,
+    /// STAR.
+    pub star: u64,
+    /// LSTAR.
+    pub lstar: u64,
+    /// CSTAR.
+    pub cstar: u64,
+    /// SFMASK.
+    pub sfmask: u64,
+    /// KERNEL_GS_BASE.
+    pub kernel_gs_base: u64,
+    /// TSC_AUX.
+    pub tsc_aux: u64,
+    /// SYSENTER_CS/ESP/EIP.
+    pub sysenter: [u64; 3],
+    /// PAT.
+    pub pat: u64,
+    /// CPUID 0x4000_0001 EAX (KVM paravirtual features), for the kvm-clock MSRs.
+    kvm_features: u32,
+}
+
+/// IA32_BIOS_SIGN_ID (microcode revision, written 0 then read after a CPUID).
+const BIOS_SIGN_ID: u32 = 0x8b;
+/// kvm-clock MSRs, old (0x11/0x12, CPUID 0x4000_0001 EAX bit 0) and new
+/// (0x4b56_4d00/01, bit 3).
+const KVM_CLOCK_OLD: [u32; 2] = [0x11, 0x12];
+const KVM_CLOCK_NEW: [u32; 2] = [0x4b56_4d00, 0x4b56_4d01];
+
+/// What a write did beyond storing the value.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Written {
+    /// Stored.
+    Stored,
+    /// FS base changed: the caller updates the segment cache and the hardware base.
+    FsBase(u64),
+    /// GS base changed: likewise.
+    GsBase(u64),
+}
+
+/// CPUID 0x4000_0001 EAX if leaf 0x4000_0000 names KVM, else 0.
+fn kvm_features(b: &AttachBlock) -> u32 {
+    let [_, ebx, ecx, edx] = b.cpuid(0x4000_0000, 0);
+    let mut sig = [0u8; 12];
+    sig[..4].copy_from_slice(&ebx.to_le_bytes());
+    sig[4..8].copy_from_slice(&ecx.to_le_bytes());
+    sig[8..].copy_from_slice(&edx.to_le_bytes());
+    if &sig == b"KVMKVMKVM\0\0\0" {
+        b.cpuid(0x4000_0001, 0)[0]
+    } else {
+        0
+    }
+}
+
+/// A non-canonical address.
+fn canonical(v: u64) -> bool {
+    ((v as i64) << 16 >> 16) as u64 == v
+}
+
+impl MsrFile {
+    /// The MSRs the VMM captured at attach.
+    pub fn new(b: &AttachBlock) -> Self {
+        let n = (b.msr_count as usize).min(b.msrs.len());
+        let get = |i: u32, default: u64| {
+            b.msrs[..n]
+                .iter()
+                .find(|m| m.index == i)
+                .map_or(default, |m| m.value)
+        };
+        Self {
+            efer: b.sregs.efer,
+            star: get(index::STAR, 0),
+            lstar: get(index::LSTAR, 0),
+            cstar: get(index::CSTAR, 0),
+            sfmask: get(index::SFMASK, 0),
+            kernel_gs_base: get(index::KERNEL_GS_BASE, 0),
+            tsc_aux: get(index::TSC_AUX, 0),
+            sysenter: [
+                get(index::SYSENTER_CS, 0),
+                get(index::SYSENTER_ESP, 0),
+                get(index::SYSENTER_EIP, 0),
+            ],
+            pat: get(index::PAT, PAT_DEFAULT),
+            kvm_features: kvm_features(b),
+        }
+    }
+
+    /// Whether `rdmsr`/`wrmsr` of `i` go to KVM through the gate (see the module header).
+    pub fn passes_through(&self, i: u32) -> bool {
+        i == BIOS_SIGN_ID
+            || (KVM_CLOCK_OLD.contains(&i) && self.kvm_features & 1 != 0)
+            || (KVM_CLOCK_NEW.contains(&i) && self.kvm_features & (1 << 3) != 0)
+    }
+
+    /// `rdmsr`: the value, or `None` for #GP(0). FS/GS base come from the caller.
+    pub fn read(&self, i: u32, fs_base: u64, gs_base: u64) -> Option<u64> {
+        Some(match i {
+            index::TSC => crate::timer::tsc(),
+            index::APIC_BASE => APIC_BASE_DEFAULT,
+            index::SYSENTER_CS => self.sysenter[0],
+            index::SYSENTER_ESP => self.sysenter[1],
+            index::SYSENTER_EIP => self.sysenter[2],
+            index::MISC_ENABLE => MISC_ENABLE_DEFAULT,
+            index::PAT => self.pat,
+            index::EFER => self.efer,
+            index::STAR => self.star,
+            index::LSTAR => self.lstar,
+            index::CSTAR => self.cstar,
+            index::SFMASK => self.sfmask,
+            index::FS_BASE => fs_base,
+            index::GS_BASE => gs_base,
+            index::KERNEL_GS_BASE => self.kernel_gs_base,
+            index::TSC_AUX => self.tsc_aux,
+            _ => return None,
+        })
+    }
+
+    /// `wrmsr`: `None` for #GP(0) (unknown index, reserved bits, non-canonical address).
+    pub fn write(&mut self, i: u32, v: u64) -> Option<Written> {
+        let addr = |v: u64| canonical(v).then_some(v);
+        match i {
+            index::EFER => {
+                if (v ^ self.efer) & !(EFER_SCE | EFER_NXE) != 0 {
+                    return None;
+                }
+                self.efer = v;
+            }
+            index::STAR => self.star = v,
+            index::LSTAR => self.lstar = addr(v)?,
+            index::CSTAR => self.cstar = addr(v)?,
+            index::SFMASK => self.sfmask = v & 0xffff_ffff,
+            index::KERNEL_GS_BASE => self.kernel_gs_base = addr(v)?,
+            index::TSC_AUX => self.tsc_aux = v & 0xffff_ffff,
+            index::SYSENTER_CS => self.sysenter[0] = v,
+            index::SYSENTER_ESP => self.sysenter[1] = addr(v)?,
+            index::SYSENTER_EIP => self.sysenter[2] = addr(v)?,
+            index::PAT => self.pat = v,
+            index::MISC_ENABLE | index::APIC_BASE => {}
+            index::FS_BASE => return Some(Written::FsBase(addr(v)?)),
+            index::GS_BASE => return Some(Written::GsBase(addr(v)?)),
+            _ => return None,
+        }
+        Some(Written::Stored)
+    }
+}
