@@ -122,6 +122,54 @@ fn test_triple_fault_exits_3_with_dump() {
 }
 
 #[test]
+fn test_guest_triple_fault_under_the_engine_exits_3_with_the_guests_state_and_last_traces() {
+    if !kvm_available(
+        "test_guest_triple_fault_under_the_engine_exits_3_with_the_guests_state_and_last_traces",
+    ) {
+        return;
+    }
+    let dir = scratch_dir("cli-triple-engine");
+    // A call and a return (two traces entered from the dispatcher), then ud2: #UD with
+    // no IDT, #GP for the IDT limit, #DF, #GP again: a triple fault.
+    let code = [
+        0xe8, 0x03, 0x00, 0x00, 0x00, // call +3
+        0x0f, 0x0b, // ud2
+        0xf4, // (not reached)
+        0xc3, // ret
+    ];
+    let kernel = dir.join("ud2.elf");
+    std::fs::write(&kernel, tiny_elf(&code)).unwrap();
+    let o = kpin(
+        &[
+            "run",
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--mem",
+            "64",
+            "--tool",
+            "null",
+        ],
+        &dir,
+    );
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    let dump = std::fs::read_to_string(dir.join("dump.txt")).expect("dump.txt");
+    assert!(dump.contains("--- the engine's report: last "), "{dump}");
+    assert!(
+        dump.contains("engine: the guest triple-faulted at RIP 0x100005: #GP (vector 13, error code 0x42) while delivering #DF"),
+        "{dump}"
+    );
+    assert!(dump.contains("guest state: RIP 0x0000000000100005"), "{dump}");
+    assert!(dump.contains("guest state: instruction at RIP: Ud2 (2 bytes)"), "{dump}");
+    assert!(dump.contains("traces entered from the dispatcher"), "{dump}");
+    assert!(dump.contains(" 0x0000000000100000/0"), "{dump}");
+    assert!(dump.contains(" 0x0000000000100008/0"), "{dump}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("run.json")).unwrap()).unwrap();
+    assert!(summary["engine_counters"]["translation"]["traces"].as_u64() > Some(0), "{summary}");
+}
+
+#[test]
 fn test_timeout_exits_4() {
     if !kvm_available("test_timeout_exits_4") {
         return;

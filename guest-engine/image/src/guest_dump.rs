@@ -1,5 +1,5 @@
 //! The virtual guest's state, logged when the engine gives up on a run: what a developer
-//! needs to see where the *guest* was (the VMM's own dump shows the engine's vCPU, which
+//! needs to see where the *guest* was and how it got there (the VMM's own dump shows the engine's vCPU, which
 //! at a failure is inside the engine, not the guest). The lines go to `engine.log`; the
 //! VMM appends that log's tail to `dump.txt`.
 
@@ -77,39 +77,64 @@ pub fn log_guest_state(engine: &Engine, vcpu: &Vcpu<'_>, mem: &PhysmapMemory<'_>
         vcpu.idtr.limit
     );
     log_code_at(rip, mem);
+    log_recent_traces(engine);
 }
 
-/// Logs the guest bytes around `rip` and the instruction there, or why they cannot be read.
+/// Logs the guest bytes around `rip` (`??` where the guest cannot read them) and the
+/// instruction there, or why it cannot be read.
 fn log_code_at(rip: u64, mem: &PhysmapMemory<'_>) {
     let start = rip.saturating_sub(BYTES_AROUND_RIP);
     let mut bytes = [0u8; 2 * BYTES_AROUND_RIP as usize];
     let mut line = alloc::string::String::new();
-    let mut readable = 0;
+    // Bytes readable from RIP on without a gap (the instruction's bytes).
+    let mut at_rip = 0;
     for (i, b) in bytes.iter_mut().enumerate() {
         let va = start + i as u64;
-        if !mem.read_virt(va, MODE_KERNEL, core::slice::from_mut(b)) {
-            break;
+        let ok = mem.read_virt(va, MODE_KERNEL, core::slice::from_mut(b));
+        let mark = if va == rip { " >" } else { " " };
+        if ok {
+            let _ = write!(line, "{mark}{b:02x}");
+        } else {
+            let _ = write!(line, "{mark}??");
         }
-        readable += 1;
-        let _ = write!(line, "{}{b:02x}", if va == rip { " >" } else { " " });
+        if ok && va == rip + at_rip as u64 {
+            at_rip += 1;
+        }
     }
-    if readable == 0 {
+    log!(Error, "guest state: code at {start:#x}:{line}");
+    if at_rip == 0 {
         log!(
             Error,
-            "guest state: code at {start:#x}: not mapped by the guest's page tables"
+            "guest state: RIP is not readable through the guest's page tables"
         );
         return;
     }
-    log!(Error, "guest state: code at {start:#x}:{line}");
-    let at = (rip - start) as usize;
-    if at < readable {
-        let mut d = Decoder::with_ip(64, &bytes[at..readable], rip, DecoderOptions::NONE);
-        let i = d.decode();
-        log!(
-            Error,
-            "guest state: instruction at RIP: {:?} ({} bytes)",
-            i.mnemonic(),
-            i.len()
-        );
+    let from = (rip - start) as usize;
+    let mut d = Decoder::with_ip(64, &bytes[from..from + at_rip], rip, DecoderOptions::NONE);
+    let i = d.decode();
+    log!(
+        Error,
+        "guest state: instruction at RIP: {:?} ({} bytes)",
+        i.mnemonic(),
+        i.len()
+    );
+}
+
+/// Logs the traces the dispatcher entered last, oldest first, four to a line (links and
+/// lookup-table hits inside the cache are not seen: each entry is where the guest came
+/// back to the dispatcher).
+fn log_recent_traces(engine: &Engine) {
+    let traces: alloc::vec::Vec<_> = engine.recent_traces().collect();
+    log!(
+        Error,
+        "guest state: last {} traces entered from the dispatcher (oldest first; VA/CPL):",
+        traces.len()
+    );
+    for row in traces.chunks(4) {
+        let mut line = alloc::string::String::from("guest state:  ");
+        for (va, mode) in row {
+            let _ = write!(line, " {:#018x}/{}", va.0, mode.0);
+        }
+        log!(Error, "{line}");
     }
 }
