@@ -95,9 +95,11 @@ struct RunArgs {
     /// Output directory for the run's console log and summary [default: kpin-out/run-<time>-<pid>].
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Start the vCPU in the guest engine with this tool. Engine bring-up only so far: the
-    /// engine starts, logs to <out>/engine.log, and stops with status 3 before running
-    /// guest code.
+    /// Run the guest fully instrumented from its first instruction: the engine runs every
+    /// guest instruction from its code cache under this tool (null: translation only;
+    /// bbcount: per-basic-block counts in <out>/bbcount.csv). It logs to <out>/engine.log
+    /// and writes <out>/counters.json; an instruction or device it cannot handle yet ends
+    /// the run with status 3 and the guest's state in dump.txt.
     #[arg(long)]
     tool: Option<String>,
     /// A tool option KEY=VALUE for --tool (repeatable), e.g. bringup.crash=pf to make the
