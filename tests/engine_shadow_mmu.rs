@@ -80,9 +80,9 @@ fn store_qword(a: &mut CodeAssembler, addr: u64, value: u64) {
     a.mov(qword_ptr(rdi), rax).unwrap();
 }
 
-/// Builds the guest's tables (0–2 MiB identity with 4 KiB pages; `HIGH_VA` → FRAME_A
-/// writable, `HIGH_VA + 0x1000` → FRAME_A read-only) and loads CR3 with them.
-fn build_tables_and_switch(a: &mut CodeAssembler) {
+/// Sets up the stack, zeroes the guest's seven tables and maps 0–2 MiB identically with
+/// 4 KiB pages (PML4 slot 0 still to be linked by the caller).
+fn identity_map_low_2mib(a: &mut CodeAssembler) {
     let mut fill = a.create_label();
     a.mov(rsp, STACK).unwrap();
     a.mov(rdi, PML4).unwrap();
@@ -100,6 +100,12 @@ fn build_tables_and_switch(a: &mut CodeAssembler) {
     a.jnz(fill).unwrap();
     store_qword(a, PD_LOW, PT_LOW | 3);
     store_qword(a, PDPT_LOW, PD_LOW | 3);
+}
+
+/// Builds the guest's tables (0–2 MiB identity with 4 KiB pages; `HIGH_VA` → FRAME_A
+/// writable, `HIGH_VA + 0x1000` → FRAME_A read-only) and loads CR3 with them.
+fn build_tables_and_switch(a: &mut CodeAssembler) {
+    identity_map_low_2mib(a);
     store_qword(a, PML4, PDPT_LOW | 3);
     store_qword(a, PML4 + 511 * 8, PDPT_HIGH | 3);
     store_qword(a, PDPT_HIGH + 510 * 8, PD_HIGH | 3);
@@ -398,24 +404,8 @@ fn many_regions_guest() -> Vec<u8> {
     const REGIONS_VA: u64 = 0x80_0000_0000;
     let mut a = CodeAssembler::new(64).unwrap();
     let mut print = a.create_label();
-    let mut fill = a.create_label();
     let mut touch = a.create_label();
-    a.mov(rsp, STACK).unwrap();
-    a.mov(rdi, PML4).unwrap();
-    a.xor(eax, eax).unwrap();
-    a.mov(ecx, (7 * 512) as u32).unwrap();
-    a.rep().stosq().unwrap();
-    a.mov(rdi, PT_LOW).unwrap();
-    a.mov(eax, 3_u32).unwrap();
-    a.mov(ecx, 512_u32).unwrap();
-    a.set_label(&mut fill).unwrap();
-    a.mov(qword_ptr(rdi), rax).unwrap();
-    a.add(rax, 0x1000_i32).unwrap();
-    a.add(rdi, 8_i32).unwrap();
-    a.dec(ecx).unwrap();
-    a.jnz(fill).unwrap();
-    store_qword(&mut a, PD_LOW, PT_LOW | 3);
-    store_qword(&mut a, PDPT_LOW, PD_LOW | 3);
+    identity_map_low_2mib(&mut a);
     store_qword(&mut a, PML4, PDPT_LOW | 3);
     store_qword(&mut a, PML4 + 8, PDPT_HIGH | 3);
     for g in 0..5 {
