@@ -181,6 +181,13 @@ fn test_minikernel_bbcount_sums_to_engine_count_and_counts_known_loop_exactly() 
         .sum();
     let engine = counter(&c, "/guest_instructions/cpl0") + counter(&c, "/guest_instructions/cpl3");
     assert!(blocks > 0, "{c}");
+    // Both virtual CPLs have counted blocks (steps 10, 12, 15-18 run user code).
+    for cpl in [0, 3] {
+        assert!(
+            rows.iter().any(|r| r.cpl == cpl && r.count > 0),
+            "no CPL {cpl} block ran"
+        );
+    }
     assert_eq!(
         blocks + counter(&c, "/guest_instructions/emulated")
             - counter(&c, "/guest_instructions/taken_back_after_faults"),
@@ -205,6 +212,7 @@ fn test_minikernel_bbcount_sums_to_engine_count_and_counts_known_loop_exactly() 
         address,
         instructions,
         count,
+        ..
     } in &rows
     {
         if address < func || address >= func + size {
