@@ -75,7 +75,8 @@ struct RunArgs {
     /// Initrd for --kernel.
     #[arg(long, requires = "kernel")]
     initrd: Option<PathBuf>,
-    /// System.map for --kernel, to name code addresses in the guest-state dump.
+    /// System.map for --kernel, to name code addresses in the guest-state dump and the
+    /// bbcount report (without it, an ELF kernel's own symbols name them in the report).
     #[arg(long, requires = "kernel")]
     system_map: Option<PathBuf>,
     /// Replace the guest's default kernel command line.
