@@ -12,6 +12,7 @@ use std::time::Duration;
 use iced_x86::{Decoder, DecoderOptions, FlowControl};
 use kpin_tests::{compare_minikernel_transcript, kvm_available, run_guest, scratch_dir};
 use kpin_tool_bbcount::{parse_csv, Row};
+use vmm::symbols::Symbols;
 use vmm::{Outcome, RunReport, VmConfig};
 
 fn expected() -> String {
@@ -106,37 +107,6 @@ fn test_minikernel_under_null_tool_prints_every_step_of_expected_txt() {
     assert!(counter(&c, "/gate_calls") > 0, "{c}");
 }
 
-/// The address of `name` in the ELF symbol table of `elf`, and its size.
-fn elf_symbol(elf: &[u8], name: &str) -> Option<(u64, u64)> {
-    let u16_at = |o: usize| u16::from_le_bytes(elf[o..o + 2].try_into().unwrap());
-    let u32_at = |o: usize| u32::from_le_bytes(elf[o..o + 4].try_into().unwrap());
-    let u64_at = |o: usize| u64::from_le_bytes(elf[o..o + 8].try_into().unwrap());
-    let shoff = u64_at(0x28) as usize;
-    let shentsize = usize::from(u16_at(0x3a));
-    let shnum = usize::from(u16_at(0x3c));
-    let section = |i: usize| shoff + i * shentsize;
-    for i in 0..shnum {
-        let sh = section(i);
-        if u32_at(sh + 4) != 2 {
-            continue; // not SHT_SYMTAB
-        }
-        let (off, size, link) = (
-            u64_at(sh + 0x18) as usize,
-            u64_at(sh + 0x20) as usize,
-            u32_at(sh + 0x28) as usize,
-        );
-        let strtab = u64_at(section(link) + 0x18) as usize;
-        for s in (off..off + size).step_by(24) {
-            let n = strtab + u32_at(s) as usize;
-            let end = n + elf[n..].iter().position(|&b| b == 0)?;
-            if &elf[n..end] == name.as_bytes() {
-                return Some((u64_at(s + 8), u64_at(s + 16)));
-            }
-        }
-    }
-    None
-}
-
 /// The bytes of the loaded image at `va` (the mini-kernel's PT_LOAD segments).
 fn code_at(elf: &[u8], va: u64, len: usize) -> Option<&[u8]> {
     let u16_at = |o: usize| u16::from_le_bytes(elf[o..o + 2].try_into().unwrap());
@@ -181,6 +151,13 @@ fn test_minikernel_bbcount_sums_to_engine_count_and_counts_known_loop_exactly() 
         .sum();
     let engine = counter(&c, "/guest_instructions/cpl0") + counter(&c, "/guest_instructions/cpl3");
     assert!(blocks > 0, "{c}");
+    // Both virtual CPLs have counted blocks (steps 10, 12, 15-18 run user code).
+    for cpl in [0, 3] {
+        assert!(
+            rows.iter().any(|r| r.cpl == cpl && r.count > 0),
+            "no CPL {cpl} block ran"
+        );
+    }
     assert_eq!(
         blocks + counter(&c, "/guest_instructions/emulated")
             - counter(&c, "/guest_instructions/taken_back_after_faults"),
@@ -190,7 +167,11 @@ fn test_minikernel_bbcount_sums_to_engine_count_and_counts_known_loop_exactly() 
 
     // The loop body starts at the target of the function's only backward `jnz`.
     let elf = std::fs::read(minikernel()).expect("read the mini-kernel");
-    let (func, size) = elf_symbol(&elf, "known_loop_1000").expect("known_loop_1000 symbol");
+    let symbols = Symbols::from_elf(&elf).expect("the mini-kernel's symbol table");
+    let known = symbols
+        .find("known_loop_1000")
+        .expect("known_loop_1000 symbol");
+    let (func, size) = (known.address, known.size.expect("known_loop_1000's size"));
     let code = code_at(&elf, func, size as usize).expect("known_loop_1000's bytes");
     let body = Decoder::with_ip(64, code, func, DecoderOptions::NONE)
         .into_iter()
@@ -205,6 +186,7 @@ fn test_minikernel_bbcount_sums_to_engine_count_and_counts_known_loop_exactly() 
         address,
         instructions,
         count,
+        ..
     } in &rows
     {
         if address < func || address >= func + size {

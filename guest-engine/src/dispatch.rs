@@ -504,7 +504,8 @@ impl Engine {
         let t0 = self.now();
         let decoded = decode_trace(mem, va, pa, mode, &mut self.scratch)
             .map_err(|f| Stop::FetchFault(f.0))?;
-        let mut ti = TraceInstrumenter::new(va, &decoded.info, &decoded.bbls, &mut self.counters);
+        let mut ti =
+            TraceInstrumenter::new(va, mode, &decoded.info, &decoded.bbls, &mut self.counters);
         tool.instrument_trace(&mut ti);
         // The engine's own instruction counter goes first at each block start (insertions
         // at one instruction are emitted in order), like a tool's block counter.

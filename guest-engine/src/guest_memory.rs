@@ -17,6 +17,12 @@ impl Mode {
     /// Guest user code (virtual CPL 3).
     pub const USER: Mode = Mode(3);
 
+    /// The virtual CPL the mode translates for (its low two bits; other bits, should a
+    /// mode ever need them, say something else).
+    pub fn cpl(self) -> u8 {
+        (self.0 & 3) as u8
+    }
+
     /// Index of the mode's lookup tables and counters (`layout::MODE_SLOTS`); `None` for a
     /// mode the engine has no tables for.
     pub fn slot(self) -> Option<usize> {

@@ -21,6 +21,7 @@ use alloc::vec::Vec;
 use crate::addr::{GuestPhys, GuestVirt};
 use crate::context::{Gpr, GuestRegs};
 use crate::error::EngineError;
+use crate::guest_memory::Mode;
 use crate::layout::COUNTER_SLOTS;
 
 /// Memory access bits of a [`MemOperand`] / [`MemRecord`].
@@ -261,6 +262,7 @@ pub(crate) struct CounterAlloc {
 /// The view of one trace handed to a tool, and the sink of its insertions.
 pub struct TraceInstrumenter<'a> {
     address: GuestVirt,
+    mode: Mode,
     insns: &'a [InsInfo],
     bbls: &'a [Bbl],
     counters: &'a mut CounterAlloc,
@@ -271,12 +273,14 @@ pub struct TraceInstrumenter<'a> {
 impl<'a> TraceInstrumenter<'a> {
     pub(crate) fn new(
         address: GuestVirt,
+        mode: Mode,
         insns: &'a [InsInfo],
         bbls: &'a [Bbl],
         counters: &'a mut CounterAlloc,
     ) -> Self {
         Self {
             address,
+            mode,
             insns,
             bbls,
             counters,
@@ -288,6 +292,12 @@ impl<'a> TraceInstrumenter<'a> {
     /// Guest address of the trace's first instruction.
     pub fn address(&self) -> GuestVirt {
         self.address
+    }
+
+    /// The mode the trace is translated for (its virtual CPL: [`Mode::cpl`]); the same
+    /// code translated in another mode is another trace.
+    pub fn mode(&self) -> Mode {
+        self.mode
     }
 
     /// The trace's instructions in order.
@@ -383,7 +393,7 @@ impl Tool for NullTool {}
 /// Physical address resolution used for `IArg::MemPa` and records.
 pub(crate) fn resolve_pa<M: crate::guest_memory::GuestMemory + ?Sized>(
     mem: &mut M,
-    mode: crate::guest_memory::Mode,
+    mode: Mode,
     va: u64,
 ) -> u64 {
     let page = GuestVirt(va).page();

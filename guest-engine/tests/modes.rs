@@ -136,17 +136,17 @@ impl Program {
     }
 }
 
-/// Counts block executions into one counter per "mode" label the test sets between runs
+/// Counts block executions into one counter per mode, which the instrumenter names
 /// (translations of the same code differ per mode).
 #[derive(Default)]
 struct PerModeCount {
-    label: usize,
     ids: [Option<CounterId>; 2],
 }
 
 impl Tool for PerModeCount {
     fn instrument_trace(&mut self, t: &mut TraceInstrumenter<'_>) {
-        let id = *self.ids[self.label].get_or_insert_with(|| t.alloc_counter().unwrap());
+        let slot = t.mode().slot().unwrap();
+        let id = *self.ids[slot].get_or_insert_with(|| t.alloc_counter().unwrap());
         for k in 0..t.bbls().len() {
             t.insert_bbl_counter(k, id, 1);
         }
@@ -168,7 +168,6 @@ fn test_modes_have_their_own_fragments_and_lookup_tables() {
         for (label, mode) in [(0, Mode::KERNEL), (1, Mode::USER)] {
             rig.engine.set_mode(mode).unwrap();
             assert_eq!(rig.engine.mode(), mode);
-            tool.label = label;
             let m0 = misses(&rig);
             assert_eq!(p.run(&mut rig, &mut mem, &mut tool), LOOPS + 100);
             per_mode_misses[label] += misses(&rig) - m0;

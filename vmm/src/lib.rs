@@ -15,6 +15,7 @@ pub mod guests;
 pub mod layout;
 pub mod memory;
 pub mod paging;
+pub mod report;
 pub mod symbols;
 pub mod vm;
 pub mod watchdog;

@@ -8,6 +8,7 @@ use anyhow::{bail, Context};
 use clap::{Parser, Subcommand, ValueEnum};
 use serde::Serialize;
 use vmm::guests::{LINUX_CMDLINE, MINIKERNEL_NATIVE_CMDLINE};
+use vmm::report::{BbcountSummary, KernelSymbols, DEFAULT_TOP};
 use vmm::{Outcome, Vm, VmConfig};
 
 /// Exit status of a clean guest poweroff.
@@ -27,9 +28,9 @@ const EXIT_TIMEOUT: u8 = 4;
     about = "Whole-system dynamic binary instrumentation for x86-64 Linux guests on KVM",
     long_about = "Whole-system dynamic binary instrumentation for x86-64 Linux guests on KVM.\n\n\
         kpin boots guests natively under its own VMM. With --tool the vCPU starts in the guest \
-        engine instead, which today only brings itself up (attach block, ring-0 stubs, gate, \
-        timer, I/O-ring log into engine.log) and then reports that running guest code is not \
-        implemented yet (exit status 3).\n\n\
+        engine instead, which runs all guest code, kernel and user, from its code cache under \
+        the tool (null or bbcount) and logs to engine.log; guests that need what the engine \
+        does not emulate yet stop with exit status 3 and the engine naming it.\n\n\
         Exit status of `kpin run`: 0 the guest powered off cleanly; 1 kpin failed (bad input, \
         no /dev/kvm, images could not be built); 2 bad command line; 3 the guest crashed \
         (triple fault, KVM emulation failure, unhandled I/O, kernel panic); 4 the timeout \
@@ -74,7 +75,8 @@ struct RunArgs {
     /// Initrd for --kernel.
     #[arg(long, requires = "kernel")]
     initrd: Option<PathBuf>,
-    /// System.map for --kernel, to name code addresses in the guest-state dump.
+    /// System.map for --kernel, to name code addresses in the guest-state dump and the
+    /// bbcount report (without it, an ELF kernel's own symbols name them in the report).
     #[arg(long, requires = "kernel")]
     system_map: Option<PathBuf>,
     /// Replace the guest's default kernel command line.
@@ -96,16 +98,21 @@ struct RunArgs {
     #[arg(long)]
     out: Option<PathBuf>,
     /// Run the guest fully instrumented from its first instruction: the engine runs every
-    /// guest instruction from its code cache under this tool (null: translation only;
-    /// bbcount: per-basic-block counts in <out>/bbcount.csv). It logs to <out>/engine.log
-    /// and writes <out>/counters.json; an instruction or device it cannot handle yet ends
-    /// the run with status 3 and the guest's state in dump.txt.
+    /// guest instruction from its code cache under this tool: null (translation only) or
+    /// bbcount (per-block counts in <out>/bbcount.csv, and <out>/bbcount-report.txt: the
+    /// user/kernel split and the hottest blocks named from the System.map or the kernel
+    /// ELF's symbols). It logs to <out>/engine.log and writes <out>/counters.json; an
+    /// instruction or device it cannot handle yet ends the run with status 3 and the
+    /// guest's state in dump.txt.
     #[arg(long)]
     tool: Option<String>,
     /// A tool option KEY=VALUE for --tool (repeatable), e.g. bringup.crash=pf to make the
     /// engine fault on purpose.
     #[arg(long, requires = "tool", value_name = "KEY=VALUE")]
     tool_option: Vec<String>,
+    /// How many of the hottest blocks bbcount-report.txt lists (--tool bbcount).
+    #[arg(long, requires = "tool", value_name = "N", default_value_t = DEFAULT_TOP)]
+    top: usize,
     /// Image directory for --guest [default: images/out in the source tree].
     #[arg(long)]
     images: Option<PathBuf>,
@@ -139,6 +146,9 @@ struct Summary<'a> {
     engine_log_lines: u64,
     /// The engine's `counters.json` (instrumented runs that got far enough to write it).
     engine_counters: Option<serde_json::Value>,
+    /// The user/kernel split and hottest blocks (`--tool bbcount` runs that wrote
+    /// `bbcount.csv`).
+    bbcount: Option<BbcountSummary>,
 }
 
 fn main() -> ExitCode {
@@ -244,7 +254,7 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         timeout: (args.timeout > 0).then(|| Duration::from_secs(args.timeout)),
         console_file: Some(args.console.clone().unwrap_or_else(|| console_log.clone())),
         echo_console: !args.quiet,
-        system_map,
+        system_map: system_map.clone(),
         engine,
     };
     let vm = Vm::new(&cfg)?;
@@ -284,6 +294,7 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
             serde_json::to_string_pretty(c).unwrap_or_default()
         ));
     }
+    let bbcount = bbcount_report(&out, &kernel, system_map.as_deref(), args.top);
     let summary = Summary {
         outcome: report.outcome.describe(),
         clean: report.outcome.is_clean(),
@@ -306,6 +317,7 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         files_refused: ring.files_refused,
         engine_log_lines: ring.log_lines,
         engine_counters,
+        bbcount,
     };
     let json = serde_json::to_string_pretty(&summary).context("cannot encode the run summary")?;
     std::fs::write(out.join("run.json"), json + "\n")
@@ -364,6 +376,32 @@ fn read_engine_counters(out: &Path) -> Option<serde_json::Value> {
         Ok(v) => Some(v),
         Err(e) => {
             progress(&format!("ignoring {}: not JSON ({e})", path.display()));
+            None
+        }
+    }
+}
+
+/// Writes and prints the bbcount report if the run left a `bbcount.csv`; a report that
+/// cannot be made is said and left out (the CSV came from inside the guest).
+fn bbcount_report(
+    out: &Path,
+    kernel: &Path,
+    system_map: Option<&Path>,
+    top: usize,
+) -> Option<BbcountSummary> {
+    if !out.join(kpin_tool_bbcount::CSV_NAME).exists() {
+        return None;
+    }
+    let made = KernelSymbols::load(kernel, system_map)
+        .and_then(|symbols| vmm::report::write_report(out, symbols.as_ref(), top));
+    match made {
+        Ok(Some((summary, path))) => {
+            progress(&format!("{}:\n{}", path.display(), summary.render()));
+            Some(summary)
+        }
+        Ok(None) => None,
+        Err(e) => {
+            progress(&format!("no bbcount report: {e:#}"));
             None
         }
     }

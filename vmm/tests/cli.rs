@@ -254,6 +254,86 @@ fn test_tool_runs_the_minikernel_to_its_poweroff() {
 }
 
 #[test]
+fn test_bbcount_report_splits_user_and_kernel_and_names_known_loop_1000() {
+    if !kvm_available("test_bbcount_report_splits_user_and_kernel_and_names_known_loop_1000") {
+        return;
+    }
+    let dir = scratch_dir("cli-bbcount-report");
+    let o = kpin(
+        &[
+            "run",
+            "--guest",
+            "minikernel",
+            "-q",
+            "--timeout",
+            "60",
+            "--tool",
+            "bbcount",
+        ],
+        &dir,
+    );
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let report = std::fs::read_to_string(dir.join("bbcount-report.txt")).expect("the report");
+    assert!(err.contains(&report), "the report is printed too: {err}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("run.json")).unwrap()).unwrap();
+    let b = &summary["bbcount"];
+    let n = |v: &serde_json::Value| v.as_u64().unwrap_or_else(|| panic!("{b}"));
+    // The mini-kernel runs user programs at virtual CPL 3 (steps 10, 12, 15-18).
+    let (cpl0, cpl3) = (n(&b["cpl0"]), n(&b["cpl3"]));
+    assert!(cpl0 > 0 && cpl3 > 0, "{b}");
+    assert_eq!(cpl0 + cpl3, n(&b["total"]), "{b}");
+    // Names come from the mini-kernel's own ELF symbols (it has no System.map).
+    assert!(
+        b["symbols"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("ELF symbol table of ")),
+        "{b}"
+    );
+    let top = b["top"].as_array().expect("top");
+    assert_eq!(top.len(), 20, "{b}");
+    assert!(
+        top.windows(2)
+            .all(|w| n(&w[0]["executed"]) >= n(&w[1]["executed"])),
+        "hottest first: {b}"
+    );
+    // known_loop_1000's body (1000 iterations) is among the hottest kernel blocks.
+    let known = top
+        .iter()
+        .find(|t| {
+            t["symbol"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("known_loop_1000+0x"))
+        })
+        .unwrap_or_else(|| panic!("known_loop_1000 not among the hottest blocks:\n{report}"));
+    assert_eq!(known["cpl"], 0, "{known}");
+    assert!(n(&known["count"]) >= 999, "{known}");
+    assert!(report.contains("  known_loop_1000+0x"), "{report}");
+    assert!(report.contains("  kernel (CPL 0): "), "{report}");
+    assert!(report.contains("  user   (CPL 3): "), "{report}");
+
+    // --top picks how many blocks are listed.
+    let dir = scratch_dir("cli-bbcount-report-top");
+    let o = kpin(
+        &[
+            "run",
+            "--guest",
+            "minikernel",
+            "-q",
+            "--tool",
+            "bbcount",
+            "--top",
+            "3",
+        ],
+        &dir,
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let report = std::fs::read_to_string(dir.join("bbcount-report.txt")).expect("the report");
+    assert!(report.contains("hottest 3 blocks "), "{report}");
+}
+
+#[test]
 fn test_help_documents_exit_statuses_and_run_options() {
     let o = Command::new(env!("CARGO_BIN_EXE_kpin"))
         .arg("--help")
@@ -277,6 +357,7 @@ fn test_help_documents_exit_statuses_and_run_options() {
         "--console",
         "--out",
         "--tool",
+        "--top",
     ] {
         assert!(text.contains(flag), "run --help lacks {flag}");
     }

@@ -1,7 +1,8 @@
 //! `--tool bbcount`: an inline counter per basic block (one `add` to a counter slot in the
 //! code cache, no call), and at the end of the run `bbcount.csv` in the output directory:
-//! `address,instructions,count` per block, in translation order. A block translated twice
-//! (in two traces, or again after its code changed) has two rows.
+//! `address,cpl,instructions,count` per block, in translation order, where `cpl` is the
+//! virtual CPL the block was translated for (0 kernel, 3 user). A block translated twice
+//! (in two traces, in both modes, or again after its code changed) has two rows.
 #![no_std]
 #![deny(missing_docs)]
 
@@ -16,13 +17,15 @@ use kpin_tool::{CounterId, Engine, KpinTool, Tool, TraceInstrumenter};
 /// The output file's name.
 pub const CSV_NAME: &str = "bbcount.csv";
 /// The CSV's header line.
-pub const CSV_HEADER: &str = "address,instructions,count";
+pub const CSV_HEADER: &str = "address,cpl,instructions,count";
 
 /// One row of `bbcount.csv`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Row {
     /// Guest virtual address of the block's first instruction.
     pub address: u64,
+    /// Virtual CPL the block ran at (0 kernel, 3 user).
+    pub cpl: u8,
     /// Instructions in the block.
     pub instructions: u32,
     /// Times the block ran.
@@ -41,10 +44,12 @@ pub fn parse_csv(text: &str) -> Result<Vec<Row>, usize> {
             let mut f = l.split(',');
             let row = (|| {
                 let address = u64::from_str_radix(f.next()?.strip_prefix("0x")?, 16).ok()?;
+                let cpl = f.next()?.parse().ok().filter(|c| *c <= 3)?;
                 let instructions = f.next()?.parse().ok()?;
                 let count = f.next()?.parse().ok()?;
                 f.next().is_none().then_some(Row {
                     address,
+                    cpl,
                     instructions,
                     count,
                 })
@@ -58,6 +63,7 @@ pub fn parse_csv(text: &str) -> Result<Vec<Row>, usize> {
 #[derive(Clone, Copy, Debug)]
 struct Block {
     address: u64,
+    cpl: u8,
     insns: u32,
     counter: CounterId,
 }
@@ -79,6 +85,7 @@ impl Tool for BbCount {
                     trace.insert_bbl_counter(i, counter, 1);
                     self.blocks.push(Block {
                         address: b.address.0,
+                        cpl: trace.mode().cpl(),
                         insns: b.count as u32,
                         counter,
                     });
@@ -99,6 +106,15 @@ impl BbCount {
             .sum()
     }
 
+    /// Guest instructions executed in counted blocks at virtual CPL `cpl`.
+    pub fn instructions_at(&self, engine: &Engine, cpl: u8) -> u64 {
+        self.blocks
+            .iter()
+            .filter(|b| b.cpl == cpl)
+            .map(|b| engine.counter(b.counter) * u64::from(b.insns))
+            .sum()
+    }
+
     /// Block executions.
     pub fn executions(&self, engine: &Engine) -> u64 {
         self.blocks.iter().map(|b| engine.counter(b.counter)).sum()
@@ -109,11 +125,14 @@ impl BbCount {
         self.uncounted
     }
 
-    /// `(address, instructions, count)` of every counted block, in translation order.
-    pub fn rows<'a>(&'a self, engine: &'a Engine) -> impl Iterator<Item = (u64, u32, u64)> + 'a {
-        self.blocks
-            .iter()
-            .map(|b| (b.address, b.insns, engine.counter(b.counter)))
+    /// The row of every counted block, in translation order.
+    pub fn rows<'a>(&'a self, engine: &'a Engine) -> impl Iterator<Item = Row> + 'a {
+        self.blocks.iter().map(|b| Row {
+            address: b.address,
+            cpl: b.cpl,
+            instructions: b.insns,
+            count: engine.counter(b.counter),
+        })
     }
 }
 
@@ -126,9 +145,13 @@ impl KpinTool for BbCount {
         let mut f = File::create(host, CSV_NAME)?;
         f.write_all(CSV_HEADER.as_bytes())?;
         f.write_all(b"\n")?;
-        for (address, insns, count) in self.rows(engine) {
+        for r in self.rows(engine) {
             // A failed write is kept by `File` and returned by `close`.
-            let _ = writeln!(f, "{address:#x},{insns},{count}");
+            let _ = writeln!(
+                f,
+                "{:#x},{},{},{}",
+                r.address, r.cpl, r.instructions, r.count
+            );
         }
         f.close()
     }
@@ -136,8 +159,10 @@ impl KpinTool for BbCount {
     fn summary(&self, engine: &Engine, out: &mut dyn fmt::Write) -> fmt::Result {
         write!(
             out,
-            "bbcount: {} guest instructions executed in {} block executions of {} blocks; {CSV_NAME} written",
+            "bbcount: {} guest instructions executed (CPL 0: {}, CPL 3: {}) in {} block executions of {} blocks; {CSV_NAME} written",
             self.instructions(engine),
+            self.instructions_at(engine, 0),
+            self.instructions_at(engine, 3),
             self.executions(engine),
             self.blocks.len()
         )?;
@@ -155,35 +180,38 @@ impl KpinTool for BbCount {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use alloc::format;
 
     #[test]
     fn parse_csv_reads_rows_and_names_the_first_bad_line() {
-        let rows =
-            parse_csv("address,instructions,count\n0x1000,3,99\n0xffffffff81000000,1,0\n").unwrap();
+        let rows = parse_csv(
+            "address,cpl,instructions,count\n0x401000,3,3,99\n0xffffffff81000000,0,1,0\n",
+        )
+        .unwrap();
         assert_eq!(
             rows,
             [
                 Row {
-                    address: 0x1000,
+                    address: 0x40_1000,
+                    cpl: 3,
                     instructions: 3,
                     count: 99
                 },
                 Row {
                     address: 0xffff_ffff_8100_0000,
+                    cpl: 0,
                     instructions: 1,
                     count: 0
                 }
             ]
         );
         assert_eq!(parse_csv("nope\n"), Err(1));
-        assert_eq!(
-            parse_csv("address,instructions,count\n0x10,1,2\n16,1,2\n"),
-            Err(3)
-        );
-        assert_eq!(
-            parse_csv("address,instructions,count\n0x10,1,2,3\n"),
-            Err(2)
-        );
-        assert_eq!(parse_csv("address,instructions,count\n0x10,1\n"), Err(2));
+        // The old header, without `cpl`, is not this format.
+        assert_eq!(parse_csv("address,instructions,count\n0x10,1,2\n"), Err(1));
+        let bad = |row: &str| parse_csv(&format!("{CSV_HEADER}\n0x10,0,1,2\n{row}\n"));
+        assert_eq!(bad("16,0,1,2"), Err(3), "address without 0x");
+        assert_eq!(bad("0x10,0,1,2,3"), Err(3), "a fifth field");
+        assert_eq!(bad("0x10,0,1"), Err(3), "a missing field");
+        assert_eq!(bad("0x10,4,1,2"), Err(3), "no CPL 4");
     }
 }

@@ -1,5 +1,6 @@
 //! bbcount on the host: a counted loop run by the translator in this test process (no
-//! VM), then the CSV it writes compared with what the loop must have executed.
+//! VM), as kernel code and then as user code, then the CSV it writes (with each block's
+//! CPL) and its summary's user/kernel split compared with what the loop must have executed.
 
 use guest_engine::{
     Config, Engine, Gpr, GuestMemory, GuestPhys, GuestVirt, Mode, Stop, StopPlatform,
@@ -109,17 +110,24 @@ fn loop_blocks_are_counted_exactly() {
     // lifetime, smaller than 2 GiB.
     let mut engine = unsafe { Engine::new(cache.0, cache.1, config) }.expect("engine");
     let base = code.0 as u64;
-    engine.set_rip(GuestVirt(base));
     let mut tool = BbCount::default();
-    let stop = engine.run(&mut CodePage(base, 4096), &mut StopPlatform, &mut tool);
-    assert_eq!(stop, Stop::FetchFault(GuestVirt(EXIT)));
-    assert_eq!(
-        engine.regs().get(Gpr::Rax),
-        ITERATIONS * (ITERATIONS + 1) / 2
-    );
+    // The same code once as kernel code, then as user code: two translations, whose rows
+    // carry their own CPL.
+    for (mode, cpl) in [(Mode::KERNEL, 0), (Mode::USER, 3)] {
+        engine.set_mode(mode).expect("mode");
+        engine.set_rip(GuestVirt(base));
+        engine.regs_mut().set(Gpr::Rax, 0);
+        let stop = engine.run(&mut CodePage(base, 4096), &mut StopPlatform, &mut tool);
+        assert_eq!(stop, Stop::FetchFault(GuestVirt(EXIT)));
+        assert_eq!(
+            engine.regs().get(Gpr::Rax),
+            ITERATIONS * (ITERATIONS + 1) / 2
+        );
+        // 1 mov + 3 per iteration + 1 jmp, whatever the block boundaries.
+        assert_eq!(tool.instructions_at(&engine, cpl), 1 + 3 * ITERATIONS + 1);
+    }
+    assert_eq!(tool.instructions(&engine), 2 * (1 + 3 * ITERATIONS + 1));
 
-    // 1 mov + 3 per iteration + 1 jmp, whatever the block boundaries.
-    assert_eq!(tool.instructions(&engine), 1 + 3 * ITERATIONS + 1);
     let mut files = Files::default();
     tool.finish(&engine, &mut files).expect("finish");
     assert_eq!(files.0.len(), 1);
@@ -129,17 +137,28 @@ fn loop_blocks_are_counted_exactly() {
     let rows = parse_csv(std::str::from_utf8(csv).unwrap()).expect("bbcount.csv parses");
     // The loop body's block (add, dec, jnz) runs once per iteration but the first, which
     // is counted in the block that starts at the `mov`.
+    for cpl in [0, 3] {
+        assert!(
+            rows.contains(&Row {
+                address: base + 5,
+                cpl,
+                instructions: 3,
+                count: ITERATIONS - 1
+            }),
+            "no CPL {cpl} loop-body row in {rows:?}"
+        );
+        let sum: u64 = rows
+            .iter()
+            .filter(|r| r.cpl == cpl)
+            .map(|r| u64::from(r.instructions) * r.count)
+            .sum();
+        assert_eq!(sum, tool.instructions_at(&engine, cpl));
+    }
+    let mut summary = String::new();
+    tool.summary(&engine, &mut summary).unwrap();
     assert!(
-        rows.contains(&Row {
-            address: base + 5,
-            instructions: 3,
-            count: ITERATIONS - 1
-        }),
-        "no loop-body row in {rows:?}"
+        summary
+            .starts_with("bbcount: 604 guest instructions executed (CPL 0: 302, CPL 3: 302) in "),
+        "{summary}"
     );
-    let sum: u64 = rows
-        .iter()
-        .map(|r| u64::from(r.instructions) * r.count)
-        .sum();
-    assert_eq!(sum, tool.instructions(&engine));
 }
