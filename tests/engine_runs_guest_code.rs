@@ -156,7 +156,7 @@ fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
         (
             "movcr0",
             [PRINT_OK, &mov_cr0[..]].concat(),
-            format!("unsupported sensitive instruction `mov` (ControlRegister) at guest RIP {at:#x}: a CR0/CR4 write that changes bits other than CR0.WP"),
+            format!("unsupported sensitive instruction `mov` (ControlRegister) at guest RIP {at:#x}: a CR0 write that changes PE or PG"),
         ),
         (
             "outsb",

@@ -17,7 +17,9 @@
 //! `kpin_gate_insn`, performs the operation at ring 0, adds 1 to the saved RIP and
 //! `iretq`s. Operations: NOP, OUT8/OUT16/OUT32 (port RDI, value RSI), IN8/IN16/IN32 (port
 //! RDI), LOAD_CR3 (RDI), WRMSR (index RDI, value RSI), RDMSR (index RDI), INVLPG (RDI),
-//! HLT (`sti; hlt`: back after one interrupt was handled). An unknown operation returns `u64::MAX`.
+//! HLT (`sti; hlt`: back after one interrupt was handled), CR4_SSE (CR4.OSFXSR and
+//! CR4.OSXMMEXCPT := those bits of RDI, which holds no others: the guest's SSE enables,
+//! mirrored because translated code runs its SSE instructions verbatim). An unknown operation returns `u64::MAX`.
 //!
 //! **IDT vectors**: 0–31 exception stubs (a zero error code is pushed where the CPU pushes
 //! none, then the vector), 32–255 interrupt stubs. Every entry is a DPL-0 interrupt gate
@@ -389,7 +391,16 @@ kpin_gate_entry:
     je 31f
     cmp rax, {op_in32}
     je 32f
+    cmp rax, {op_cr4_sse}
+    je 33f
     mov rax, -1
+    iretq
+33:
+    mov rax, cr4
+    and rax, {cr4_sse_clear}
+    or rax, rdi
+    mov cr4, rax
+    xor eax, eax
     iretq
 29:
     mov edx, edi
@@ -682,6 +693,8 @@ kpin_fault_stack_top:
     op_out32 = const gate_op::OUT32,
     op_in16 = const gate_op::IN16,
     op_in32 = const gate_op::IN32,
+    op_cr4_sse = const gate_op::CR4_SSE,
+    cr4_sse_clear = const !(crate::layout::CR4_SSE_BITS as i64) as i32,
     rec = sym FAULT,
     off_vector = const offset_of!(FaultRecord, vector),
     off_error = const offset_of!(FaultRecord, error),

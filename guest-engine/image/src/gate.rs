@@ -98,6 +98,11 @@ pub fn invlpg(va: u64) {
     call(gate_op::INVLPG, va, 0);
 }
 
+/// Sets CR4.OSFXSR/OSXMMEXCPT to those bits of `bits` (the guest's SSE enables).
+pub fn cr4_sse(bits: u64) {
+    call(gate_op::CR4_SSE, bits & crate::layout::CR4_SSE_BITS, 0);
+}
+
 /// Halts until an interrupt has been handled (with IF enabled for the halt).
 pub fn hlt() {
     call(gate_op::HLT, 0, 0);

@@ -47,7 +47,8 @@ use crate::guest_access;
 use crate::guest_mem::{PhysmapMemory, MODE_KERNEL, MODE_USER};
 use crate::msr::{index, MsrFile, Written};
 use crate::segments::{Segments, Sreg, GP};
-use crate::shadow::{paging_control, Shadow, CR0_WP, CR4_PGE, CR4_SMEP};
+use crate::layout::CR4_SSE_BITS;
+use crate::shadow::{paging_control, Shadow, CR4_PGE, CR4_SMEP};
 use crate::{gate, irq, transitions};
 
 /// Ports whose writes can end the VM (the i8042 command port: 0xfe = reset): the engine
@@ -55,6 +56,27 @@ use crate::{gate, irq, transitions};
 pub const I8042_CMD: u16 = 0x64;
 /// The i8042 command that resets (for the VMM: powers off) the machine.
 pub const I8042_RESET: u8 = 0xfe;
+
+const CR0_PE: u64 = 1 << 0;
+const CR0_EM: u64 = 1 << 2;
+const CR0_TS: u64 = 1 << 3;
+const CR0_ET: u64 = 1 << 4;
+const CR0_NW: u64 = 1 << 29;
+const CR0_CD: u64 = 1 << 30;
+const CR0_PG: u64 = 1 << 31;
+const CR4_VME: u64 = 1 << 0;
+const CR4_PVI: u64 = 1 << 1;
+const CR4_TSD: u64 = 1 << 2;
+const CR4_DE: u64 = 1 << 3;
+const CR4_PSE: u64 = 1 << 4;
+const CR4_PAE: u64 = 1 << 5;
+const CR4_MCE: u64 = 1 << 6;
+const CR4_PCE: u64 = 1 << 8;
+const CR4_OSFXSR: u64 = 1 << 9;
+const CR4_OSXMMEXCPT: u64 = 1 << 10;
+/// CR4.UMIP: `sgdt`/`sidt`/`sldt`/`str`/`smsw` at CPL > 0 raise #GP(0).
+pub const CR4_UMIP: u64 = 1 << 11;
+const CR4_FSGSBASE: u64 = 1 << 16;
 
 /// Number of `SensitiveKind` variants (for the per-kind counters).
 const KINDS: usize = 21;
@@ -173,6 +195,9 @@ impl<'a> Vcpu<'a> {
             resume: None,
         };
         transitions::sync_hw_bases(&v);
+        if v.cr4 & CR4_SSE_BITS != 0 {
+            gate::cr4_sse(v.cr4);
+        }
         v
     }
 
@@ -220,6 +245,74 @@ impl<'a> Vcpu<'a> {
         }
     }
 
+    /// The CR4 bits a write may set without #GP: those whose feature the CPUID table
+    /// offers (CPUID masks PCIDE, LA57, OSXSAVE, SMAP, PKE, so setting them is #GP as
+    /// on a CPU without them). VMXE/SMXE/CET are never offered.
+    fn cr4_writable(&self) -> u64 {
+        let [_, _, _, edx1] = self.block.cpuid(1, 0);
+        let [_, ebx7, ecx7, _] = self.block.cpuid(7, 0);
+        let mut m = CR4_PAE | CR4_MCE | CR4_PCE | CR4_TSD;
+        let bit = |r: u32, b: u32| r & (1 << b) != 0;
+        if bit(edx1, 1) {
+            m |= CR4_VME | CR4_PVI;
+        }
+        if bit(edx1, 2) {
+            m |= CR4_DE;
+        }
+        if bit(edx1, 3) {
+            m |= CR4_PSE;
+        }
+        if bit(edx1, 13) {
+            m |= CR4_PGE;
+        }
+        if bit(edx1, 24) {
+            m |= CR4_OSFXSR;
+        }
+        if bit(edx1, 25) {
+            m |= CR4_OSXMMEXCPT;
+        }
+        if bit(ecx7, 2) {
+            m |= CR4_UMIP;
+        }
+        if bit(ebx7, 0) {
+            m |= CR4_FSGSBASE;
+        }
+        if bit(ebx7, 7) {
+            m |= CR4_SMEP;
+        }
+        m
+    }
+
+    /// `mov cr0, r64` or `lmsw` (CPL 0 checked by the caller).
+    fn write_cr0(&mut self, i: &Instruction, v: u64, next: GuestVirt) -> Step {
+        let old = self.cr0;
+        if v >> 32 != 0
+            || (v & CR0_PG != 0 && v & CR0_PE == 0)
+            || (v & CR0_NW != 0 && v & CR0_CD == 0)
+        {
+            return Err(gp0());
+        }
+        if (old ^ v) & (CR0_PE | CR0_PG) != 0 {
+            return self.stop(
+                Some(i.mnemonic()),
+                "a CR0 write that changes PE or PG (leaving 64-bit paged mode) is not emulated",
+            );
+        }
+        if v & (CR0_EM | CR0_TS) != 0 {
+            return self.stop(
+                Some(i.mnemonic()),
+                "a CR0 write that sets EM or TS (x87/SSE traps: #NM is not virtualized) is not emulated",
+            );
+        }
+        // The rest is stored: WP goes to the shadow MMU; MP/NE/ET are what the
+        // real CR0 has; AM only matters at CPL 3 with RFLAGS.AC (user-space
+        // alignment checks are not virtualized: the real AM stays clear); CD/NW
+        // change caching only, which a VM cannot observe.
+        self.cr0 = v | CR0_ET;
+        let r = self.update_paging_control();
+        self.shadow_done(r, next)
+    }
+
     /// `mov crN, r64` (CPL 0 checked by the caller).
     fn write_cr(&mut self, i: &Instruction, v: u64, next: GuestVirt) -> Step {
         match i.op0_register() {
@@ -233,22 +326,27 @@ impl<'a> Vcpu<'a> {
                 let r = self.shadow.borrow_mut().write_cr3(cr3);
                 self.shadow_done(r, next)
             }
-            Register::CR0 | Register::CR4 => {
-                let (old, allowed) = if i.op0_register() == Register::CR0 {
-                    (self.cr0, CR0_WP)
-                } else {
-                    (self.cr4, CR4_PGE | CR4_SMEP)
-                };
-                if (old ^ v) & !allowed != 0 {
+            Register::CR0 => self.write_cr0(i, v, next),
+            Register::CR4 => {
+                let old = self.cr4;
+                if v & !self.cr4_writable() != 0 {
+                    return Err(gp0());
+                }
+                if (old ^ v) & CR4_PAE != 0 {
                     return self.stop(
                         Some(i.mnemonic()),
-                        "a CR0/CR4 write that changes bits other than CR0.WP, CR4.PGE and CR4.SMEP is not emulated yet",
+                        "a CR4 write that clears PAE (leaving long mode) is not emulated",
                     );
                 }
-                if i.op0_register() == Register::CR0 {
-                    self.cr0 = v;
-                } else {
-                    self.cr4 = v;
+                if v & CR4_TSD != 0 {
+                    return self.stop(
+                        Some(i.mnemonic()),
+                        "CR4.TSD (rdtsc faulting at CPL 3) is not virtualized",
+                    );
+                }
+                self.cr4 = v;
+                if (old ^ v) & CR4_SSE_BITS != 0 {
+                    gate::cr4_sse(v);
                 }
                 let r = self.update_paging_control();
                 self.shadow_done(r, next)
@@ -606,7 +704,70 @@ impl Vcpu<'_> {
             return Err(gp0());
         }
         let iopl_ok = cpl <= self.iopl;
+        // CR4.UMIP: the store-descriptor-table instructions need CPL 0.
+        if cpl != 0
+            && self.cr4 & CR4_UMIP != 0
+            && matches!(
+                i.mnemonic(),
+                Mnemonic::Sgdt | Mnemonic::Sidt | Mnemonic::Sldt | Mnemonic::Str | Mnemonic::Smsw
+            )
+        {
+            return Err(gp0());
+        }
         match i.code() {
+            Code::Smsw_rm16 | Code::Smsw_r32m16 | Code::Smsw_r64m16 => {
+                // A register destination gets the whole CR0 (bits above 15 are
+                // undefined for 32/64-bit operands; real CPUs give CR0).
+                if i.op0_kind() == OpKind::Register {
+                    let r = i.op0_register();
+                    if let Some(n) = gpr(r) {
+                        let old = regs.get(n);
+                        regs.set(
+                            n,
+                            if r.is_gpr16() {
+                                (old & !0xffff) | (self.cr0 & 0xffff)
+                            } else {
+                                self.cr0
+                            },
+                        );
+                    }
+                    return go;
+                }
+                self.write_rm16(i, self.cr0 as u16, regs)?;
+                go
+            }
+            // CR0.TS is always clear here (setting it stops), so `clts` changes nothing.
+            Code::Clts => go,
+            Code::Lmsw_rm16 | Code::Lmsw_r32m16 => {
+                // Loads MP, EM, TS and may set (never clear) PE.
+                let w = u64::from(self.read_rm16(i, 0, regs)?) & 0xf;
+                let v = (self.cr0 & !0xe) | w | (self.cr0 & CR0_PE);
+                self.write_cr0(i, v, next)
+            }
+            // Caches are invisible to the guest in a VM: write-back and invalidation
+            // have nothing to do.
+            Code::Wbinvd | Code::Invd => go,
+            // CR4.OSXSAVE can never be set (CPUID hides XSAVE), so both are #UD.
+            Code::Xgetbv | Code::Xsetbv => Err(Event::exception(UD)),
+            Code::Rdtscp => {
+                if self.block.cpuid(0x8000_0001, 0)[3] & (1 << 27) == 0 {
+                    return Err(Event::exception(UD));
+                }
+                let t = crate::timer::tsc();
+                regs.set(Gpr::Rax, t & 0xffff_ffff);
+                regs.set(Gpr::Rdx, t >> 32);
+                regs.set(Gpr::Rcx, self.msrs.tsc_aux & 0xffff_ffff);
+                go
+            }
+            Code::Rdpid_r64 => {
+                if self.block.cpuid(7, 0)[2] & (1 << 22) == 0 {
+                    return Err(Event::exception(UD));
+                }
+                if let Some(r) = gpr(i.op0_register()) {
+                    regs.set(r, self.msrs.tsc_aux & 0xffff_ffff);
+                }
+                go
+            }
             Code::Out_imm8_AL
             | Code::Out_DX_AL
             | Code::Out_imm8_AX
