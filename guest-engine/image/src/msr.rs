@@ -6,11 +6,14 @@
 //! Choices: an index not listed here raises #GP(0) in the guest, as a CPU without that
 //! MSR does (the engine's own EFER, STAR, APIC… must not be the guest's), except a few
 //! that are passed through to KVM by the gate because their effect concerns only the
-//! guest ([`MsrFile::passes_through`]): the microcode signature (0x8b) and, when the
+//! guest ([`MsrFile::passes_through`]): the microcode signature (0x8b); the local APIC's
+//! (APIC_BASE, TSC_DEADLINE, the x2APIC registers 0x800–0x8ff when CPUID offers x2APIC):
+//! the engine's interrupts come through the 8259, so KVM's in-kernel local APIC is the
+//! guest's, and its page is mapped into the shadow as it is (`shadow.rs`); an APIC_BASE
+//! write that moves the base stops (`vcpu.rs`); and, when the
 //! CPUID table offers kvm-clock, its wall-clock and system-time MSRs (KVM writes the
 //! pvclock data into guest-physical memory, which is the guest's under the engine too). EFER: only SCE and NXE may change (LME/LMA must stay: only 64-bit
-//! code is translated), other bits are reserved → #GP(0). APIC_BASE is read-only here
-//! (the guest's xAPIC stays at its default base); MISC_ENABLE reads the value KVM gives
+//! code is translated), other bits are reserved → #GP(0). MISC_ENABLE reads the value KVM gives
 //! a fresh vCPU (fast strings) and ignores writes; the TSC reads the hardware TSC.
 
 use kpin_abi::attach::AttachBlock;
@@ -21,6 +24,8 @@ pub mod index {
     pub const TSC: u32 = 0x10;
     /// Local APIC base.
     pub const APIC_BASE: u32 = 0x1b;
+    /// The local APIC timer's TSC deadline.
+    pub const TSC_DEADLINE: u32 = 0x6e0;
     /// SYSENTER_CS.
     pub const SYSENTER_CS: u32 = 0x174;
     /// SYSENTER_ESP.
@@ -55,8 +60,6 @@ pub mod index {
 pub const EFER_SCE: u64 = 1 << 0;
 /// EFER.NXE.
 const EFER_NXE: u64 = 1 << 11;
-/// The xAPIC default base, enabled, BSP.
-const APIC_BASE_DEFAULT: u64 = 0xfee0_0900;
 /// MISC_ENABLE as KVM resets it (fast strings).
 const MISC_ENABLE_DEFAULT: u64 = 1;
 /// PAT at reset.
@@ -84,10 +87,14 @@ pub struct MsrFile {
     pub pat: u64,
     /// CPUID 0x4000_0001 EAX (KVM paravirtual features), for the kvm-clock MSRs.
     kvm_features: u32,
+    /// CPUID offers the x2APIC.
+    x2apic: bool,
 }
 
 /// IA32_BIOS_SIGN_ID (microcode revision, written 0 then read after a CPUID).
 const BIOS_SIGN_ID: u32 = 0x8b;
+/// The x2APIC register MSRs (CPUID 1.ECX[21]).
+const X2APIC: core::ops::RangeInclusive<u32> = 0x800..=0x8ff;
 /// kvm-clock MSRs, old (0x11/0x12, CPUID 0x4000_0001 EAX bit 0) and new
 /// (0x4b56_4d00/01, bit 3).
 const KVM_CLOCK_OLD: [u32; 2] = [0x11, 0x12];
@@ -148,12 +155,16 @@ impl MsrFile {
             ],
             pat: get(index::PAT, PAT_DEFAULT),
             kvm_features: kvm_features(b),
+            x2apic: b.cpuid(1, 0)[2] & (1 << 21) != 0,
         }
     }
 
     /// Whether `rdmsr`/`wrmsr` of `i` go to KVM through the gate (see the module header).
     pub fn passes_through(&self, i: u32) -> bool {
         i == BIOS_SIGN_ID
+            || i == index::APIC_BASE
+            || i == index::TSC_DEADLINE
+            || (X2APIC.contains(&i) && self.x2apic)
             || (KVM_CLOCK_OLD.contains(&i) && self.kvm_features & 1 != 0)
             || (KVM_CLOCK_NEW.contains(&i) && self.kvm_features & (1 << 3) != 0)
     }
@@ -162,7 +173,6 @@ impl MsrFile {
     pub fn read(&self, i: u32, fs_base: u64, gs_base: u64) -> Option<u64> {
         Some(match i {
             index::TSC => crate::timer::tsc(),
-            index::APIC_BASE => APIC_BASE_DEFAULT,
             index::SYSENTER_CS => self.sysenter[0],
             index::SYSENTER_ESP => self.sysenter[1],
             index::SYSENTER_EIP => self.sysenter[2],
@@ -201,7 +211,7 @@ impl MsrFile {
             index::SYSENTER_ESP => self.sysenter[1] = addr(v)?,
             index::SYSENTER_EIP => self.sysenter[2] = addr(v)?,
             index::PAT => self.pat = v,
-            index::MISC_ENABLE | index::APIC_BASE => {}
+            index::MISC_ENABLE => {}
             index::FS_BASE => return Some(Written::FsBase(addr(v)?)),
             index::GS_BASE => return Some(Written::GsBase(addr(v)?)),
             _ => return None,

@@ -80,6 +80,11 @@ pub struct StolenMem {
     deferred: Option<u64>,
 }
 
+/// The local APIC's default base (APIC_BASE cannot move it: see `msr.rs`).
+pub const LAPIC_FRAME: u64 = 0xfee0_0000;
+/// The IOAPIC's default base.
+pub const IOAPIC_FRAME: u64 = 0xfec0_0000;
+
 impl StolenMem {
     fn new(b: &AttachBlock) -> Self {
         let mut ram: Vec<(u64, u64)> = Vec::new();
@@ -214,6 +219,14 @@ impl PhysMem for StolenMem {
 
     fn guest_may_map_range(&self, base: GuestPhys, bytes: u64) -> bool {
         self.is_ram(base.0, bytes)
+    }
+
+    /// The local APIC and IOAPIC pages at their default bases: KVM's in-kernel devices
+    /// (the VMM creates the in-kernel irqchip), which emulate an access from CPL 3 as
+    /// from ring 0, so the guest's accesses in translated code go to them unchanged.
+    /// (The engine itself uses neither: its interrupts come through the 8259.)
+    fn guest_may_map_device(&self, frame: GuestPhys) -> bool {
+        frame.0 == LAPIC_FRAME || frame.0 == IOAPIC_FRAME
     }
 }
 

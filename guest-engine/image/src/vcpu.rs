@@ -1033,10 +1033,20 @@ impl Vcpu<'_> {
                 regs.set(Gpr::Rdx, v >> 32);
                 go
             }
+            Code::Wrmsr
+                if regs.get(Gpr::Rcx) as u32 == index::APIC_BASE
+                    && regs.get(Gpr::Rax) & 0xffff_f000 != crate::shadow::LAPIC_FRAME =>
+            {
+                self.stop(
+                    Some(i.mnemonic()),
+                    "an APIC_BASE write that moves the local APIC from 0xfee00000 is not emulated (the shadow MMU maps only the default page)",
+                )
+            }
             Code::Wrmsr if self.msrs.passes_through(regs.get(Gpr::Rcx) as u32) => {
                 let v = (regs.get(Gpr::Rdx) << 32) | (regs.get(Gpr::Rax) & 0xffff_ffff);
                 // SAFETY: `passes_through` lists only MSRs whose effect is the guest's
-                // (microcode signature, kvm-clock pages in guest-physical memory).
+                // (microcode signature, the local APIC the engine does not use, kvm-clock
+                // pages in guest-physical memory; APIC_BASE cannot move, checked above).
                 unsafe { gate::wrmsr(regs.get(Gpr::Rcx) as u32, v) };
                 go
             }
