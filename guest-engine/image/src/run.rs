@@ -25,7 +25,11 @@ use core::fmt::Write;
 use guest_engine::shadow_mmu::{GuestFault, View};
 use guest_engine::{exit_code, Config, Engine, GuestVirt, Stop};
 use kpin_abi::attach::AttachBlock;
-use kpin_abi::stolen::{CODE_CACHE_BYTES, CODE_CACHE_OFFSET, LAYOUT_BYTES, WINDOW_VA};
+use kpin_abi::stolen::{CODE_CACHE_BYTES, CODE_CACHE_OFFSET, HEAP_BYTES, LAYOUT_BYTES, WINDOW_VA};
+
+/// Heap bytes in use past which the run loop flushes the code cache (the rest is room
+/// for the tables' doubling and the shadow MMU's reverse map).
+const HEAP_FLUSH_BYTES: u64 = HEAP_BYTES * 3 / 8;
 
 use crate::counters::JsonObject;
 use crate::deliver::{Event, Kind};
@@ -145,8 +149,22 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
     let mut progress = page_fault::Progress::default();
     let t0 = timer::tsc();
     irq::hand_over(&engine);
+    let mut heap_flushes = 0u64;
     loop {
         tell_translator(&mut engine, &shadow);
+        // The translator's tables live on the heap and keep invalidated fragments until
+        // a flush (Linux patches its text thousands of times at boot: alternatives,
+        // ftrace, static keys): past a heap budget, flush the code cache whole, as when
+        // the cache itself fills.
+        if crate::heap::usage().0 > HEAP_FLUSH_BYTES {
+            engine.flush();
+            heap_flushes += 1;
+            log!(
+                Info,
+                "engine: code cache flushed for heap space (flush {heap_flushes}; heap {} KiB in use after it)",
+                crate::heap::usage().0 >> 10
+            );
+        }
         // Traces are keyed by mode: it follows the virtual CPL (deliveries in this loop
         // change it outside `emulate`).
         if engine.mode() != vcpu.mode {

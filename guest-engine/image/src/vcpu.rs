@@ -78,6 +78,11 @@ const CR4_OSXMMEXCPT: u64 = 1 << 10;
 pub const CR4_UMIP: u64 = 1 << 11;
 const CR4_FSGSBASE: u64 = 1 << 16;
 
+/// DR6 at reset.
+const DR6_INIT: u64 = 0xffff_0ff0;
+/// DR7 at reset.
+const DR7_INIT: u64 = 0x400;
+
 /// Number of `SensitiveKind` variants (for the per-kind counters).
 const KINDS: usize = 21;
 
@@ -123,6 +128,13 @@ pub struct Vcpu<'a> {
     pub cr2: u64,
     /// Guest CR4.
     pub cr4: u64,
+    /// Guest DR0–DR3, DR6, DR7 (stored only: breakpoints are not virtualized, so a DR7
+    /// write that enables one stops).
+    pub dr: [u64; 4],
+    /// Guest DR6.
+    pub dr6: u64,
+    /// Guest DR7.
+    pub dr7: u64,
     /// The virtual RFLAGS.IF (the real IF stays 1 while guest code runs).
     pub vif: bool,
     /// The virtual RFLAGS.IOPL (the real one stays 0).
@@ -170,6 +182,9 @@ impl<'a> Vcpu<'a> {
             cr0: block.sregs.cr0,
             cr2: block.sregs.cr2,
             cr4: block.sregs.cr4,
+            dr: [0; 4],
+            dr6: DR6_INIT,
+            dr7: DR7_INIT,
             vif: block.regs.rflags & rflags::IF != 0,
             iopl: ((block.regs.rflags & rflags::IOPL) >> 12) as u8,
             mode: if block.sregs.cs.selector & 3 == 3 {
@@ -840,6 +855,57 @@ impl Vcpu<'_> {
                 };
                 if let Some(r) = gpr(i.op0_register()) {
                     regs.set(r, v);
+                }
+                go
+            }
+            Code::Mov_r64_dr => {
+                let v = match i.op1_register() {
+                    Register::DR0 => self.dr[0],
+                    Register::DR1 => self.dr[1],
+                    Register::DR2 => self.dr[2],
+                    Register::DR3 => self.dr[3],
+                    Register::DR4 | Register::DR5 if self.cr4 & CR4_DE != 0 => {
+                        return Err(Event::exception(UD))
+                    }
+                    Register::DR4 | Register::DR6 => self.dr6,
+                    Register::DR5 | Register::DR7 => self.dr7,
+                    _ => return Err(Event::exception(UD)),
+                };
+                if let Some(r) = gpr(i.op0_register()) {
+                    regs.set(r, v);
+                }
+                go
+            }
+            Code::Mov_dr_r64 => {
+                let v = gpr(i.op1_register()).map_or(0, |r| regs.get(r));
+                match i.op0_register() {
+                    r @ (Register::DR0 | Register::DR1 | Register::DR2 | Register::DR3) => {
+                        self.dr[(r as usize) - (Register::DR0 as usize)] = v;
+                    }
+                    Register::DR4 | Register::DR5 if self.cr4 & CR4_DE != 0 => {
+                        return Err(Event::exception(UD))
+                    }
+                    Register::DR4 | Register::DR6 => {
+                        if v >> 32 != 0 {
+                            return Err(gp0());
+                        }
+                        // B0–B3, BD, BS, BT are writable; the rest reads fixed.
+                        self.dr6 = (v & 0xe00f) | DR6_INIT;
+                    }
+                    Register::DR5 | Register::DR7 => {
+                        if v >> 32 != 0 {
+                            return Err(gp0());
+                        }
+                        // L0–L3/G0–G3 enable breakpoints, GD the general-detect trap.
+                        if v & 0x20ff != 0 {
+                            return self.stop(
+                                Some(i.mnemonic()),
+                                "a DR7 write that enables a hardware breakpoint (or general detect) is not virtualized",
+                            );
+                        }
+                        self.dr7 = (v & !0xd800) | DR7_INIT;
+                    }
+                    _ => return Err(Event::exception(UD)),
                 }
                 go
             }
