@@ -6,7 +6,8 @@
 //! Choices: an index not listed here raises #GP(0) in the guest, as a CPU without that
 //! MSR does (the engine's own EFER, STAR, APIC… must not be the guest's), except a few
 //! that are passed through to KVM by the gate because their effect concerns only the
-//! guest ([`MsrFile::passes_through`]): the microcode signature (0x8b); the local APIC's
+//! guest ([`MsrFile::passes_through`]): the microcode signature (0x8b); IA32_ARCH_CAPABILITIES
+//! (read only); IA32_TSC_ADJUST; KVM's steal-time, PV-EOI and poll-control MSRs when CPUID offers them; the local APIC's
 //! (APIC_BASE, TSC_DEADLINE, the x2APIC registers 0x800–0x8ff when CPUID offers x2APIC):
 //! the engine's interrupts come through the 8259, so KVM's in-kernel local APIC is the
 //! guest's, and its page is mapped into the shadow as it is (`shadow.rs`); an APIC_BASE
@@ -89,6 +90,10 @@ pub struct MsrFile {
     kvm_features: u32,
     /// CPUID offers the x2APIC.
     x2apic: bool,
+    /// CPUID offers IA32_TSC_ADJUST.
+    tsc_adjust: bool,
+    /// CPUID offers IA32_ARCH_CAPABILITIES.
+    arch_capabilities: bool,
 }
 
 /// IA32_BIOS_SIGN_ID (microcode revision, written 0 then read after a CPUID).
@@ -99,6 +104,17 @@ const X2APIC: core::ops::RangeInclusive<u32> = 0x800..=0x8ff;
 /// (0x4b56_4d00/01, bit 3).
 const KVM_CLOCK_OLD: [u32; 2] = [0x11, 0x12];
 const KVM_CLOCK_NEW: [u32; 2] = [0x4b56_4d00, 0x4b56_4d01];
+/// Other KVM paravirtual MSRs whose effect is the guest's own, with their CPUID
+/// 0x4000_0001 EAX feature bit: steal time (5; KVM writes the record into guest memory),
+/// PV EOI (6; KVM and the guest's EOI path share a flag in guest memory), poll control
+/// (12; host-side halt polling). (Async page faults are hidden by the VMM's CPUID table:
+/// KVM would inject them as #PF into the engine at CPL 3.)
+const KVM_PV: [(u32, u32); 3] = [(0x4b56_4d03, 5), (0x4b56_4d04, 6), (0x4b56_4d05, 12)];
+/// IA32_TSC_ADJUST (CPUID 7.EBX[1]): KVM's, moving the guest's TSC (the engine reads
+/// the TSC only to measure).
+const TSC_ADJUST: u32 = 0x3b;
+/// IA32_ARCH_CAPABILITIES (read-only; CPUID 7.EDX[29]): read from KVM.
+const ARCH_CAPABILITIES: u32 = 0x10a;
 
 /// What a write did beyond storing the value.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -156,6 +172,8 @@ impl MsrFile {
             pat: get(index::PAT, PAT_DEFAULT),
             kvm_features: kvm_features(b),
             x2apic: b.cpuid(1, 0)[2] & (1 << 21) != 0,
+            arch_capabilities: b.cpuid(7, 0)[3] & (1 << 29) != 0,
+            tsc_adjust: b.cpuid(7, 0)[1] & (1 << 1) != 0,
         }
     }
 
@@ -165,8 +183,18 @@ impl MsrFile {
             || i == index::APIC_BASE
             || i == index::TSC_DEADLINE
             || (X2APIC.contains(&i) && self.x2apic)
+            || (i == TSC_ADJUST && self.tsc_adjust)
             || (KVM_CLOCK_OLD.contains(&i) && self.kvm_features & 1 != 0)
             || (KVM_CLOCK_NEW.contains(&i) && self.kvm_features & (1 << 3) != 0)
+            || KVM_PV
+                .iter()
+                .any(|&(m, bit)| m == i && self.kvm_features & (1 << bit) != 0)
+    }
+
+    /// Whether `rdmsr` of `i` goes to KVM: [`MsrFile::passes_through`] and the read-only
+    /// MSRs KVM models (a write to them is #GP(0), as on hardware).
+    pub fn read_passes_through(&self, i: u32) -> bool {
+        self.passes_through(i) || (i == ARCH_CAPABILITIES && self.arch_capabilities)
     }
 
     /// `rdmsr`: the value, or `None` for #GP(0). FS/GS base come from the caller.
@@ -217,5 +245,34 @@ impl MsrFile {
             _ => return None,
         }
         Some(Written::Stored)
+    }
+}
+
+/// Up to 32 MSR indices remembered, for logging each once.
+pub struct LogOnce([core::sync::atomic::AtomicU64; 32]);
+
+impl LogOnce {
+    /// Nothing remembered.
+    pub const fn new() -> Self {
+        #[allow(clippy::declare_interior_mutable_const)]
+        const E: core::sync::atomic::AtomicU64 = core::sync::atomic::AtomicU64::new(0);
+        Self([E; 32])
+    }
+
+    /// `true` the first time `index` is seen (and whenever the table is full).
+    pub fn first(&self, index: u32) -> bool {
+        use core::sync::atomic::Ordering::Relaxed;
+        let key = u64::from(index) | 1 << 32;
+        for slot in &self.0 {
+            match slot.load(Relaxed) {
+                0 => {
+                    slot.store(key, Relaxed);
+                    return true;
+                }
+                k if k == key => return false,
+                _ => {}
+            }
+        }
+        true
     }
 }

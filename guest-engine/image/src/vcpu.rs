@@ -49,7 +49,7 @@ use crate::msr::{index, MsrFile, Written};
 use crate::segments::{Segments, Sreg, GP};
 use crate::layout::CR4_SSE_BITS;
 use crate::shadow::{paging_control, Shadow, CR4_PGE, CR4_SMEP};
-use crate::{gate, irq, transitions};
+use crate::{gate, irq, log, transitions};
 
 /// Ports whose writes can end the VM (the i8042 command port: 0xfe = reset): the engine
 /// writes its final report before passing such a write on.
@@ -517,6 +517,25 @@ pub struct DescriptorTable {
     pub base: u64,
     /// Limit.
     pub limit: u16,
+}
+
+/// MSR indices whose #GP was already logged (so a guest probing in a loop logs once).
+static MSR_GP_LOGGED: crate::msr::LogOnce = crate::msr::LogOnce::new();
+
+impl Vcpu<'_> {
+    /// The #GP(0) an `rdmsr`/`wrmsr` of an index the virtual CPU does not have raises;
+    /// logged once per index (the guest handles it, but a difference from native is
+    /// worth seeing in engine.log).
+    fn msr_gp(&self, index: u32, write: bool) -> Event {
+        if MSR_GP_LOGGED.first(index) {
+            log!(
+                Info,
+                "engine: guest {} of MSR {index:#x} raises #GP(0) (not in the virtual MSR file)",
+                if write { "wrmsr" } else { "rdmsr" }
+            );
+        }
+        gp0()
+    }
 }
 
 fn gp0() -> Event {
@@ -1093,7 +1112,7 @@ impl Vcpu<'_> {
                 transitions::write_base(self, i.code() == Code::Wrfsbase_r64, v)?;
                 go
             }
-            Code::Rdmsr if self.msrs.passes_through(regs.get(Gpr::Rcx) as u32) => {
+            Code::Rdmsr if self.msrs.read_passes_through(regs.get(Gpr::Rcx) as u32) => {
                 let v = gate::rdmsr(regs.get(Gpr::Rcx) as u32);
                 regs.set(Gpr::Rax, v & 0xffff_ffff);
                 regs.set(Gpr::Rdx, v >> 32);
@@ -1122,7 +1141,7 @@ impl Vcpu<'_> {
                 let v = self
                     .msrs
                     .read(regs.get(Gpr::Rcx) as u32, fs, gs)
-                    .ok_or_else(gp0)?;
+                    .ok_or_else(|| self.msr_gp(regs.get(Gpr::Rcx) as u32, false))?;
                 regs.set(Gpr::Rax, v & 0xffff_ffff);
                 regs.set(Gpr::Rdx, v >> 32);
                 go
@@ -1132,7 +1151,7 @@ impl Vcpu<'_> {
                 match self
                     .msrs
                     .write(regs.get(Gpr::Rcx) as u32, v)
-                    .ok_or_else(gp0)?
+                    .ok_or_else(|| self.msr_gp(regs.get(Gpr::Rcx) as u32, true))?
                 {
                     Written::Stored if regs.get(Gpr::Rcx) as u32 == index::EFER => {
                         if let Err(e) = self.update_paging_control() {
