@@ -93,6 +93,25 @@ pub fn rdmsr(index: u32) -> u64 {
     call(gate_op::RDMSR, u64::from(index), 0)
 }
 
+/// Reads an MSR, `None` if the `rdmsr` raised #GP (KVM does not have it).
+pub fn rdmsr_safe(index: u32) -> Option<u64> {
+    CALLS.fetch_add(1, Ordering::Relaxed);
+    let value: u64;
+    let failed: u64;
+    // SAFETY: as in `call`; this operation also returns RDX (0 = read, 1 = #GP).
+    unsafe {
+        asm!(
+            "call {gate}",
+            gate = sym kpin_gate,
+            inout("rax") gate_op::RDMSR_SAFE => value,
+            in("rdi") u64::from(index),
+            in("rsi") 0u64,
+            out("rdx") failed,
+        );
+    }
+    (failed == 0).then_some(value)
+}
+
 /// Invalidates the TLB entry for `va`.
 pub fn invlpg(va: u64) {
     call(gate_op::INVLPG, va, 0);

@@ -79,6 +79,8 @@ pub mod gate_op {
     pub const IN32: u64 = 11;
     /// CR4.OSFXSR/OSXMMEXCPT := RDI's (RDI holds only those bits, `CR4_SSE_BITS`).
     pub const CR4_SSE: u64 = 12;
+    /// `rdmsr` that survives a #GP: RDI = index; RAX = value, RDX = 0, or RDX = 1 on #GP.
+    pub const RDMSR_SAFE: u64 = 13;
     /// What an unknown operation returns in RAX.
     pub const UNKNOWN: u64 = u64::MAX;
 }

@@ -35,6 +35,8 @@ pub mod index {
     pub const SYSENTER_EIP: u32 = 0x176;
     /// MISC_ENABLE.
     pub const MISC_ENABLE: u32 = 0x1a0;
+    /// MISC_FEATURES_ENABLES (bit 0: CPUID faulting).
+    pub const MISC_FEATURES_ENABLES: u32 = 0x140;
     /// PAT.
     pub const PAT: u32 = 0x277;
     /// EFER.
@@ -86,6 +88,9 @@ pub struct MsrFile {
     pub sysenter: [u64; 3],
     /// PAT.
     pub pat: u64,
+    /// MISC_FEATURES_ENABLES: bit 0, CPUID faulting (`cpuid` at CPL > 0 is #GP(0)),
+    /// emulated by the virtual CPU's `cpuid`.
+    pub misc_features: u64,
     /// CPUID 0x4000_0001 EAX (KVM paravirtual features), for the kvm-clock MSRs.
     kvm_features: u32,
     /// CPUID offers the x2APIC.
@@ -170,6 +175,7 @@ impl MsrFile {
                 get(index::SYSENTER_EIP, 0),
             ],
             pat: get(index::PAT, PAT_DEFAULT),
+            misc_features: 0,
             kvm_features: kvm_features(b),
             x2apic: b.cpuid(1, 0)[2] & (1 << 21) != 0,
             arch_capabilities: b.cpuid(7, 0)[3] & (1 << 29) != 0,
@@ -206,6 +212,7 @@ impl MsrFile {
             index::SYSENTER_EIP => self.sysenter[2],
             index::MISC_ENABLE => MISC_ENABLE_DEFAULT,
             index::PAT => self.pat,
+            index::MISC_FEATURES_ENABLES => self.misc_features,
             index::EFER => self.efer,
             index::STAR => self.star,
             index::LSTAR => self.lstar,
@@ -239,6 +246,8 @@ impl MsrFile {
             index::SYSENTER_ESP => self.sysenter[1] = addr(v)?,
             index::SYSENTER_EIP => self.sysenter[2] = addr(v)?,
             index::PAT => self.pat = v,
+            // CPUID faulting only (ring-3 MWAIT is not offered).
+            index::MISC_FEATURES_ENABLES if v & !1 == 0 => self.misc_features = v,
             index::MISC_ENABLE => {}
             index::FS_BASE => return Some(Written::FsBase(addr(v)?)),
             index::GS_BASE => return Some(Written::GsBase(addr(v)?)),

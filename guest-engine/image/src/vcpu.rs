@@ -852,6 +852,7 @@ impl Vcpu<'_> {
                 }
                 go
             }
+            Code::Cpuid if cpl != 0 && self.msrs.misc_features & 1 != 0 => Err(gp0()),
             Code::Cpuid => {
                 let [a, b, c, d] = self
                     .block
@@ -1138,10 +1139,14 @@ impl Vcpu<'_> {
             Code::Rdmsr => {
                 let fs = self.segs.sregs[Sreg::Fs as usize].base;
                 let gs = self.segs.sregs[Sreg::Gs as usize].base;
-                let v = self
-                    .msrs
-                    .read(regs.get(Gpr::Rcx) as u32, fs, gs)
-                    .ok_or_else(|| self.msr_gp(regs.get(Gpr::Rcx) as u32, false))?;
+                let idx = regs.get(Gpr::Rcx) as u32;
+                // An index the virtual CPU does not keep reads what KVM answers a native
+                // guest (MTRRs, FEATURE_CONTROL, platform info, …): reading changes
+                // nothing, and every MSR the engine itself depends on is virtual above.
+                let v = match self.msrs.read(idx, fs, gs) {
+                    Some(v) => v,
+                    None => gate::rdmsr_safe(idx).ok_or_else(|| self.msr_gp(idx, false))?,
+                };
                 regs.set(Gpr::Rax, v & 0xffff_ffff);
                 regs.set(Gpr::Rdx, v >> 32);
                 go
