@@ -6,6 +6,7 @@
 //! it cannot (`syscall` from CPL 3 triple-faults here) the test states the values.
 
 use iced_x86::code_asm::{
+    cr0, cr4, dr0, dr6, dr7, dword_ptr, xmm0, xmm1,
     al, ax, bx, byte_ptr, cr2, cr3, cs, ds, dx, eax, ebx, ecx, edx, es, qword_ptr, r11, r14, r15,
     rax, rbx, rcx, rdi, rdx, rsi, rsp, ss, CodeAssembler, CodeLabel,
 };
@@ -640,4 +641,96 @@ fn test_16_and_32_bit_port_io_reads_and_writes_like_natively() {
         console, "ffffffff00000000 ffff000056781234\n",
         "the native reference changed"
     );
+}
+
+#[test]
+fn test_control_and_debug_registers_msrs_the_local_apic_and_string_self_patching_match_the_native_run(
+) {
+    if !kvm_available(
+        "test_control_and_debug_registers_msrs_the_local_apic_and_string_self_patching_match_the_native_run",
+    ) {
+        return;
+    }
+    // What Linux's boot does to the virtual CPU before it reaches user space: CR0.AM/WP,
+    // CR4.OSFXSR/OSXMMEXCPT (then SSE must run: the engine mirrors them into the real
+    // CR4), debug registers, `smsw`, MSRs the virtual CPU
+    // does not keep (read from KVM: MTRRcap; FEATURE_CONTROL is a #GP there too), the
+    // local APIC's version register through its MMIO page (KVM's in-kernel APIC serves
+    // the CPL-3 access under the engine), and a `rep movsb` that patches an instruction
+    // in its own code page (`text_poke`'s `memcpy`).
+    let mut g = Guest::new();
+    let mut main = g.a.create_label();
+    g.a.jmp(main).unwrap();
+    let stubs = exception_handlers(&mut g, &[(6, false), (13, true)]);
+    g.a.set_label(&mut main).unwrap();
+    for (v, stub) in [6u64, 13].into_iter().zip(stubs) {
+        g.gate(v, stub, 0, 0, false);
+    }
+    g.a.mov(rsp, KERNEL_STACK - 0x108).unwrap();
+    // CR0.WP | CR0.AM.
+    g.a.mov(rax, cr0).unwrap();
+    g.a.or(rax, 0x5_0000).unwrap();
+    g.a.mov(cr0, rax).unwrap();
+    g.a.mov(rax, cr0).unwrap();
+    g.a.shr(rax, 16).unwrap();
+    g.hex();
+    g.print(b' ');
+    // CR4.OSFXSR | CR4.OSXMMEXCPT, then an SSE instruction.
+    g.a.mov(rax, cr4).unwrap();
+    g.a.or(rax, 0x600).unwrap();
+    g.a.mov(cr4, rax).unwrap();
+    g.a.movaps(xmm1, xmm0).unwrap();
+    g.a.mov(rax, cr4).unwrap();
+    g.hex();
+    g.print(b' ');
+    // (Setting CR4.OSXSAVE, which CPUID hides, is #GP(0) under the engine as the SDM
+    // says; this KVM's ring-0 emulation accepts it, so it is not compared here.)
+    g.print(b'a');
+    // DR0 round trip, DR6 and DR7 at reset.
+    g.a.mov(rax, 0x1234_u64).unwrap();
+    g.a.mov(dr0, rax).unwrap();
+    g.a.xor(eax, eax).unwrap();
+    g.a.mov(rax, dr0).unwrap();
+    g.hex();
+    g.print(b' ');
+    g.a.mov(rax, dr6).unwrap();
+    g.hex();
+    g.print(b' ');
+    g.a.mov(rax, dr7).unwrap();
+    g.hex();
+    g.print(b' ');
+    // smsw: CR0's low bits.
+    g.a.smsw(eax).unwrap();
+    g.hex();
+    g.print(b' ');
+    // MTRRcap (0xfe) from KVM.
+    g.a.mov(ecx, 0xfe).unwrap();
+    g.a.rdmsr().unwrap();
+    g.hex();
+    g.print(b' ');
+    // FEATURE_CONTROL (0x3a): KVM has none for this vCPU, #GP(0).
+    g.a.mov(ecx, 0x3a).unwrap();
+    fault(&mut g, |a| a.rdmsr());
+    g.print(b'b');
+    // The local APIC's version register.
+    g.a.mov(eax, dword_ptr(0xfee0_0030_u64)).unwrap();
+    g.hex();
+    g.print(b' ');
+    // rep movsb patches the immediate of the `mov al, imm8` at `site` (same page).
+    let mut site = g.a.create_label();
+    g.a.mov(byte_ptr(0x20_0f40_u64), u32::from(b'P')).unwrap();
+    g.a.mov(rsi, 0x20_0f40_u64).unwrap();
+    g.a.lea(rdi, qword_ptr(site)).unwrap();
+    g.a.inc(rdi).unwrap();
+    g.a.mov(ecx, 1).unwrap();
+    g.a.rep().movsb().unwrap();
+    g.a.set_label(&mut site).unwrap();
+    g.a.mov(al, u32::from(b'X')).unwrap();
+    g.a.call(g.putc).unwrap();
+    g.reset();
+    let console = same_as_native("engine-vcpu-control", &g.finish());
+    // CR0 bits 16-31 (PG, AM, WP), CR4's low bits (OSXMMEXCPT, OSFXSR, PAE).
+    assert!(console.starts_with("8005 0620 "), "{console}");
+    assert!(console.contains("a1234 0ff0 0400 0033 "), "{console}");
+    assert!(console.ends_with("P\n"), "{console}");
 }
