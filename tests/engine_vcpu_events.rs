@@ -734,3 +734,60 @@ fn test_control_and_debug_registers_msrs_the_local_apic_and_string_self_patching
     assert!(console.contains("a1234 0ff0 0400 0033 "), "{console}");
     assert!(console.ends_with("P\n"), "{console}");
 }
+
+/// Known difference (2026-11-22): natively, KVM here answers leaf 1 ECX 0xf7f81203 /
+/// EDX 0x1f8bfbff (HT, SSE3…SSE4.2, POPCNT, XSAVE, AVX), leaf 7 EBX 0xf1bf2bfb and leaf
+/// 0xd EBX 0x240, while the table the VMM builds from `KVM_GET_SUPPORTED_CPUID` (and
+/// gives both KVM and the engine) says ECX 0x81200000 / EDX 0x0f8bfbff, EBX 0x01802852,
+/// 0xa80: KVM's ring-0 emulation does not answer from the table it was given, so the two
+/// runs see different CPUs (Linux prints `CPU0: Hyper-Threading is disabled` only
+/// natively). Which CPU both should see is the VMM's decision; until then this test
+/// documents the difference.
+#[test]
+#[ignore = "native CPUID differs from the VMM's table (see the comment)"]
+fn test_cpuid_leaves_read_the_same_as_natively() {
+    if !kvm_available("test_cpuid_leaves_read_the_same_as_natively") {
+        return;
+    }
+    // The engine answers CPUID from the table the VMM gives KVM; KVM adjusts some
+    // leaves at run time (APIC and OSXSAVE bits, topology), which the guest must see
+    // the same under the engine.
+    let mut g = Guest::new();
+    let leaves: &[(u32, u32)] = &[
+        (0, 0),
+        (1, 0),
+        (4, 0),
+        (6, 0),
+        (7, 0),
+        (0xb, 0),
+        (0xb, 1),
+        (0xd, 0),
+        (0x1f, 0),
+        (0x4000_0000, 0),
+        (0x4000_0001, 0),
+        (0x8000_0000, 0),
+        (0x8000_0001, 0),
+        (0x8000_0008, 0),
+        (0x99, 0),
+    ];
+    for &(leaf, sub) in leaves {
+        g.a.mov(eax, leaf).unwrap();
+        g.a.mov(ecx, sub).unwrap();
+        g.a.cpuid().unwrap();
+        for r in [eax, ebx, ecx, edx] {
+            g.a.push(rax).unwrap();
+            g.a.mov(eax, r).unwrap();
+            g.a.shr(eax, 16).unwrap();
+            g.hex();
+            g.a.pop(rax).unwrap();
+            g.a.push(rax).unwrap();
+            g.a.mov(eax, r).unwrap();
+            g.hex();
+            g.a.pop(rax).unwrap();
+            g.print(b' ');
+        }
+        g.print(b'|');
+    }
+    g.reset();
+    same_as_native("engine-cpuid", &g.finish());
+}
