@@ -146,9 +146,11 @@ fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
     let mov_dr7 = [0x0f, 0x23, 0xf8];
     // outsb
     let outsb = [0x6e];
-    // xor ecx, ecx; rdmsr: MSR 0 does not exist, so #GP(0), which this guest has no IDT
-    // for: #GP(0x6a) for the IDT limit, #DF, #GP(0x42): a triple fault.
-    let rdmsr0 = [0x31, 0xc9, 0x0f, 0x32];
+    // mov ecx, 0x3a; rdmsr: FEATURE_CONTROL, which neither the virtual CPU nor KVM has
+    // for this vCPU (the engine asks KVM for MSRs it does not keep), so #GP(0), which
+    // this guest has no IDT for: #GP(0x6a) for the IDT limit, #DF, #GP(0x42): a triple
+    // fault.
+    let rdmsr0 = [0xb9, 0x3a, 0x00, 0x00, 0x00, 0x0f, 0x32];
     let at = TINY_LOAD_ADDR + PRINT_OK.len() as u64;
     for (name, code, want) in [
         (
@@ -159,7 +161,7 @@ fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
         (
             "movcr0",
             [PRINT_OK, &mov_cr0[..]].concat(),
-            format!("unsupported sensitive instruction `mov` (ControlRegister) at guest RIP {at:#x}: a CR0/CR4 write that changes bits other than CR0.WP"),
+            format!("unsupported sensitive instruction `mov` (ControlRegister) at guest RIP {at:#x}: a CR0 write that changes PE or PG"),
         ),
         (
             "outsb",
@@ -171,7 +173,7 @@ fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
             [PRINT_OK, &rdmsr0[..]].concat(),
             format!(
                 "the guest triple-faulted at RIP {:#x}: #GP (vector 13, error code 0x42) while delivering #DF",
-                at + 2
+                at + 5
             ),
         ),
         (

@@ -525,7 +525,7 @@ fn test_a_non_mov_write_into_the_writers_own_code_frame_stops_naming_it() {
     let log = engine_failure("shadow-smc-add-null", &code);
     assert!(
         log.contains(
-            "(Add) writes into its own code frame; only plain `mov` stores are emulated there"
+            "(Add) writes into its own code frame; only plain `mov` and `movs`/`stos` stores are emulated there"
         ),
         "{log}"
     );

@@ -49,8 +49,9 @@ pub const ENGINE_OFFSET: u64 = 0x20_0000;
 pub const ENGINE_BYTES: u64 = 0x60_0000;
 /// Offset of the engine's heap.
 pub const HEAP_OFFSET: u64 = ENGINE_OFFSET + ENGINE_BYTES;
-/// Bytes of the engine's heap.
-pub const HEAP_BYTES: u64 = 0x100_0000;
+/// Bytes of the engine's heap (64 MiB: Linux's boot translates tens of thousands of
+/// traces, whose fragment and exit tables live here; 16 MiB ran out during `ftrace:`).
+pub const HEAP_BYTES: u64 = 0x400_0000;
 /// Offset of the code cache (2 MiB aligned: one run of the window's 2 MiB pages, all
 /// present, writable, user and executable).
 pub const CODE_CACHE_OFFSET: u64 = HEAP_OFFSET + HEAP_BYTES;
@@ -60,7 +61,7 @@ pub const CODE_CACHE_BYTES: u64 = 0x200_0000;
 /// the region).
 pub const SHADOW_TABLES_OFFSET: u64 = CODE_CACHE_OFFSET + CODE_CACHE_BYTES;
 /// Bytes of the stolen region the layout above assumes (the VMM steals exactly this).
-pub const LAYOUT_BYTES: u64 = 64 << 20;
+pub const LAYOUT_BYTES: u64 = 112 << 20;
 /// Bytes for shadow page tables: 2048 frames.
 pub const SHADOW_TABLES_BYTES: u64 = LAYOUT_BYTES - SHADOW_TABLES_OFFSET;
 

@@ -63,6 +63,10 @@ pub struct Config {
     pub records_need_pa: bool,
     /// Optional monotonic clock in nanoseconds, used for translation-time statistics.
     pub clock_ns: Option<fn() -> u64>,
+    /// Optional memory-pressure test, asked before each new translation: `true` flushes
+    /// the cache whole first, as a full cache does (an embedder with a fixed heap bounds
+    /// the fragment and exit tables, which keep invalidated fragments until a flush).
+    pub memory_pressure: Option<fn() -> bool>,
 }
 
 impl Default for Config {
@@ -80,6 +84,7 @@ impl Default for Config {
             record_buffer_records: 4096,
             records_need_pa: false,
             clock_ns: None,
+            memory_pressure: None,
         }
     }
 }
@@ -97,6 +102,8 @@ pub struct Stats {
     pub cache_bytes: u64,
     /// Whole-cache flushes.
     pub flushes: u64,
+    /// Of them, flushes for `Config::memory_pressure`.
+    pub pressure_flushes: u64,
     /// Exits by kind (index = exit code).
     pub exits: [u64; 8],
     /// Direct links made.
@@ -500,6 +507,10 @@ impl Engine {
         }
         if let Some(id) = self.cache.lookup(va, pa, mode) {
             return Ok(id);
+        }
+        if self.config.memory_pressure.is_some_and(|f| f()) {
+            self.flush();
+            self.stats.pressure_flushes += 1;
         }
         let t0 = self.now();
         let decoded = decode_trace(mem, va, pa, mode, &mut self.scratch)

@@ -16,6 +16,8 @@ use crate::error::{Result, VmmError};
 /// A CPUID register.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reg {
+    /// EAX.
+    Eax,
     /// EBX.
     Ebx,
     /// ECX.
@@ -108,6 +110,22 @@ pub const MASKED_FEATURES: &[MaskedFeature] = &[
         name: "la57",
         why: "this KVM rejects CR4.LA57",
     },
+    MaskedFeature {
+        leaf: 0x4000_0001,
+        subleaf: 0,
+        reg: Reg::Eax,
+        bit: 4,
+        name: "kvm-asyncpf",
+        why: "under the engine all guest code runs at CPL 3, where KVM would inject its async-page-fault #PF into the engine, which cannot tell it from a shadow-MMU fault",
+    },
+    MaskedFeature {
+        leaf: 0x4000_0001,
+        subleaf: 0,
+        reg: Reg::Eax,
+        bit: 14,
+        name: "kvm-asyncpf-int",
+        why: "follows kvm-asyncpf",
+    },
 ];
 
 /// Builds the guest CPUID table for a single-vCPU guest with APIC ID 0.
@@ -132,6 +150,7 @@ pub fn apply_policy(entries: &mut [kvm_bindings::kvm_cpuid_entry2]) {
             .filter(|m| m.leaf == e.function && m.subleaf == e.index)
         {
             let reg = match m.reg {
+                Reg::Eax => &mut e.eax,
                 Reg::Ebx => &mut e.ebx,
                 Reg::Ecx => &mut e.ecx,
                 Reg::Edx => &mut e.edx,

@@ -35,7 +35,7 @@ pub const MMIO_GAP_END: u64 = 0x1_0000_0000;
 /// with one large page-directory-pointer entry in a shadow root).
 pub const STOLEN_ALIGN_BYTES: u64 = 0x4000_0000;
 /// Size of the stolen region (engine image, heap, code cache, shadow tables, I/O ring).
-pub const STOLEN_SIZE_BYTES: u64 = 64 << 20;
+pub const STOLEN_SIZE_BYTES: u64 = kpin_abi::stolen::LAYOUT_BYTES;
 /// Initial RSP of the engine (a window virtual address): the top of the free gap between
 /// the host I/O ring and the engine image in the stolen region. The engine's first
 /// instructions switch to a stack of its own.

@@ -17,7 +17,11 @@
 //! `kpin_gate_insn`, performs the operation at ring 0, adds 1 to the saved RIP and
 //! `iretq`s. Operations: NOP, OUT8/OUT16/OUT32 (port RDI, value RSI), IN8/IN16/IN32 (port
 //! RDI), LOAD_CR3 (RDI), WRMSR (index RDI, value RSI), RDMSR (index RDI), INVLPG (RDI),
-//! HLT (`sti; hlt`: back after one interrupt was handled). An unknown operation returns `u64::MAX`.
+//! HLT (`sti; hlt`: back after one interrupt was handled), CR4_SSE (CR4.OSFXSR and
+//! CR4.OSXMMEXCPT := those bits of RDI, which holds no others: the guest's SSE enables,
+//! mirrored because translated code runs its SSE instructions verbatim), RDMSR_SAFE (index
+//! RDI; RAX = value and RDX = 0, or RDX = 1 if the `rdmsr` raised #GP, which the #GP stub
+//! recognises by its RIP, `kpin_gate_rdmsr_insn`). An unknown operation returns `u64::MAX`.
 //!
 //! **IDT vectors**: 0–31 exception stubs (a zero error code is pushed where the CPU pushes
 //! none, then the vector), 32–255 interrupt stubs. Every entry is a DPL-0 interrupt gate
@@ -358,6 +362,19 @@ kpin_exc_13:
     cmp rax, [rsp + 16]
     pop rax
     je kpin_gate_entry
+    // A #GP from the RDMSR_SAFE operation's `rdmsr` (ring 0, nested in the gate):
+    // resume at its fault path, which reports the failure.
+    push rax
+    lea rax, [rip + kpin_gate_rdmsr_insn]
+    cmp rax, [rsp + 16]
+    jne 1f
+    lea rax, [rip + kpin_gate_rdmsr_fault]
+    mov [rsp + 16], rax
+    pop rax
+    add rsp, 8
+    iretq
+1:
+    pop rax
     push {vec_gp}
     jmp kpin_trap_common
 
@@ -389,7 +406,32 @@ kpin_gate_entry:
     je 31f
     cmp rax, {op_in32}
     je 32f
+    cmp rax, {op_cr4_sse}
+    je 33f
+    cmp rax, {op_rdmsr_safe}
+    je 34f
     mov rax, -1
+    iretq
+34:
+    push rcx
+    mov ecx, edi
+kpin_gate_rdmsr_insn:
+    rdmsr
+    shl rdx, 32
+    or rax, rdx
+    pop rcx
+    xor edx, edx
+    iretq
+kpin_gate_rdmsr_fault:
+    pop rcx
+    mov edx, 1
+    iretq
+33:
+    mov rax, cr4
+    and rax, {cr4_sse_clear}
+    or rax, rdi
+    mov cr4, rax
+    xor eax, eax
     iretq
 29:
     mov edx, edi
@@ -682,6 +724,9 @@ kpin_fault_stack_top:
     op_out32 = const gate_op::OUT32,
     op_in16 = const gate_op::IN16,
     op_in32 = const gate_op::IN32,
+    op_cr4_sse = const gate_op::CR4_SSE,
+    op_rdmsr_safe = const gate_op::RDMSR_SAFE,
+    cr4_sse_clear = const !(crate::layout::CR4_SSE_BITS as i64) as i32,
     rec = sym FAULT,
     off_vector = const offset_of!(FaultRecord, vector),
     off_error = const offset_of!(FaultRecord, error),

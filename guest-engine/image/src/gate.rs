@@ -93,9 +93,33 @@ pub fn rdmsr(index: u32) -> u64 {
     call(gate_op::RDMSR, u64::from(index), 0)
 }
 
+/// Reads an MSR, `None` if the `rdmsr` raised #GP (KVM does not have it).
+pub fn rdmsr_safe(index: u32) -> Option<u64> {
+    CALLS.fetch_add(1, Ordering::Relaxed);
+    let value: u64;
+    let failed: u64;
+    // SAFETY: as in `call`; this operation also returns RDX (0 = read, 1 = #GP).
+    unsafe {
+        asm!(
+            "call {gate}",
+            gate = sym kpin_gate,
+            inout("rax") gate_op::RDMSR_SAFE => value,
+            in("rdi") u64::from(index),
+            in("rsi") 0u64,
+            out("rdx") failed,
+        );
+    }
+    (failed == 0).then_some(value)
+}
+
 /// Invalidates the TLB entry for `va`.
 pub fn invlpg(va: u64) {
     call(gate_op::INVLPG, va, 0);
+}
+
+/// Sets CR4.OSFXSR/OSXMMEXCPT to those bits of `bits` (the guest's SSE enables).
+pub fn cr4_sse(bits: u64) {
+    call(gate_op::CR4_SSE, bits & crate::layout::CR4_SSE_BITS, 0);
 }
 
 /// Halts until an interrupt has been handled (with IF enabled for the halt).

@@ -9,7 +9,7 @@
 //!   walked for the virtual CPL's view with A/D bits and permissions as hardware would; a
 //!   write into a code frame lists the frame for trace invalidation first.
 //!
-//! Only guest RAM the e820 map lists is reached; anything else (the stolen region, holes)
+//! Only guest memory the e820 map lists (RAM or reserved) is reached; anything else (the stolen region, MMIO)
 //! is refused by the shadow MMU as an engine failure, never read.
 
 use core::cell::RefCell;

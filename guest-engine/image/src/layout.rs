@@ -47,6 +47,10 @@ pub const MAIN_STACK_BYTES: usize = 128 << 10;
 /// The CPL-3 stack the fault reporter runs on.
 pub const FAULT_STACK_BYTES: usize = 32 << 10;
 
+/// CR4.OSFXSR | CR4.OSXMMEXCPT: the CR4 bits the guest's writes reach the real CR4 with
+/// (gate operation `CR4_SSE`), because translated guest code runs SSE verbatim.
+pub const CR4_SSE_BITS: u64 = (1 << 9) | (1 << 10);
+
 /// Gate operations, passed in RAX (see `entry.rs`).
 pub mod gate_op {
     /// Do nothing (measures the round trip).
@@ -73,6 +77,10 @@ pub mod gate_op {
     pub const IN16: u64 = 10;
     /// `in eax, dx`: RDI = port; RAX = value.
     pub const IN32: u64 = 11;
+    /// CR4.OSFXSR/OSXMMEXCPT := RDI's (RDI holds only those bits, `CR4_SSE_BITS`).
+    pub const CR4_SSE: u64 = 12;
+    /// `rdmsr` that survives a #GP: RDI = index; RAX = value, RDX = 0, or RDX = 1 on #GP.
+    pub const RDMSR_SAFE: u64 = 13;
     /// What an unknown operation returns in RAX.
     pub const UNKNOWN: u64 = u64::MAX;
 }

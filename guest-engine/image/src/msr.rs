@@ -6,11 +6,15 @@
 //! Choices: an index not listed here raises #GP(0) in the guest, as a CPU without that
 //! MSR does (the engine's own EFER, STAR, APIC… must not be the guest's), except a few
 //! that are passed through to KVM by the gate because their effect concerns only the
-//! guest ([`MsrFile::passes_through`]): the microcode signature (0x8b) and, when the
+//! guest ([`MsrFile::passes_through`]): the microcode signature (0x8b); IA32_ARCH_CAPABILITIES
+//! (read only); IA32_TSC_ADJUST; KVM's steal-time, PV-EOI and poll-control MSRs when CPUID offers them; the local APIC's
+//! (APIC_BASE, TSC_DEADLINE, the x2APIC registers 0x800–0x8ff when CPUID offers x2APIC):
+//! the engine's interrupts come through the 8259, so KVM's in-kernel local APIC is the
+//! guest's, and its page is mapped into the shadow as it is (`shadow.rs`); an APIC_BASE
+//! write that moves the base stops (`vcpu.rs`); and, when the
 //! CPUID table offers kvm-clock, its wall-clock and system-time MSRs (KVM writes the
 //! pvclock data into guest-physical memory, which is the guest's under the engine too). EFER: only SCE and NXE may change (LME/LMA must stay: only 64-bit
-//! code is translated), other bits are reserved → #GP(0). APIC_BASE is read-only here
-//! (the guest's xAPIC stays at its default base); MISC_ENABLE reads the value KVM gives
+//! code is translated), other bits are reserved → #GP(0). MISC_ENABLE reads the value KVM gives
 //! a fresh vCPU (fast strings) and ignores writes; the TSC reads the hardware TSC.
 
 use kpin_abi::attach::AttachBlock;
@@ -21,6 +25,8 @@ pub mod index {
     pub const TSC: u32 = 0x10;
     /// Local APIC base.
     pub const APIC_BASE: u32 = 0x1b;
+    /// The local APIC timer's TSC deadline.
+    pub const TSC_DEADLINE: u32 = 0x6e0;
     /// SYSENTER_CS.
     pub const SYSENTER_CS: u32 = 0x174;
     /// SYSENTER_ESP.
@@ -29,6 +35,8 @@ pub mod index {
     pub const SYSENTER_EIP: u32 = 0x176;
     /// MISC_ENABLE.
     pub const MISC_ENABLE: u32 = 0x1a0;
+    /// MISC_FEATURES_ENABLES (bit 0: CPUID faulting).
+    pub const MISC_FEATURES_ENABLES: u32 = 0x140;
     /// PAT.
     pub const PAT: u32 = 0x277;
     /// EFER.
@@ -55,8 +63,6 @@ pub mod index {
 pub const EFER_SCE: u64 = 1 << 0;
 /// EFER.NXE.
 const EFER_NXE: u64 = 1 << 11;
-/// The xAPIC default base, enabled, BSP.
-const APIC_BASE_DEFAULT: u64 = 0xfee0_0900;
 /// MISC_ENABLE as KVM resets it (fast strings).
 const MISC_ENABLE_DEFAULT: u64 = 1;
 /// PAT at reset.
@@ -82,16 +88,38 @@ pub struct MsrFile {
     pub sysenter: [u64; 3],
     /// PAT.
     pub pat: u64,
+    /// MISC_FEATURES_ENABLES: bit 0, CPUID faulting (`cpuid` at CPL > 0 is #GP(0)),
+    /// emulated by the virtual CPU's `cpuid`.
+    pub misc_features: u64,
     /// CPUID 0x4000_0001 EAX (KVM paravirtual features), for the kvm-clock MSRs.
     kvm_features: u32,
+    /// CPUID offers the x2APIC.
+    x2apic: bool,
+    /// CPUID offers IA32_TSC_ADJUST.
+    tsc_adjust: bool,
+    /// CPUID offers IA32_ARCH_CAPABILITIES.
+    arch_capabilities: bool,
 }
 
 /// IA32_BIOS_SIGN_ID (microcode revision, written 0 then read after a CPUID).
 const BIOS_SIGN_ID: u32 = 0x8b;
+/// The x2APIC register MSRs (CPUID 1.ECX[21]).
+const X2APIC: core::ops::RangeInclusive<u32> = 0x800..=0x8ff;
 /// kvm-clock MSRs, old (0x11/0x12, CPUID 0x4000_0001 EAX bit 0) and new
 /// (0x4b56_4d00/01, bit 3).
 const KVM_CLOCK_OLD: [u32; 2] = [0x11, 0x12];
 const KVM_CLOCK_NEW: [u32; 2] = [0x4b56_4d00, 0x4b56_4d01];
+/// Other KVM paravirtual MSRs whose effect is the guest's own, with their CPUID
+/// 0x4000_0001 EAX feature bit: steal time (5; KVM writes the record into guest memory),
+/// PV EOI (6; KVM and the guest's EOI path share a flag in guest memory), poll control
+/// (12; host-side halt polling). (Async page faults are hidden by the VMM's CPUID table:
+/// KVM would inject them as #PF into the engine at CPL 3.)
+const KVM_PV: [(u32, u32); 3] = [(0x4b56_4d03, 5), (0x4b56_4d04, 6), (0x4b56_4d05, 12)];
+/// IA32_TSC_ADJUST (CPUID 7.EBX[1]): KVM's, moving the guest's TSC (the engine reads
+/// the TSC only to measure).
+const TSC_ADJUST: u32 = 0x3b;
+/// IA32_ARCH_CAPABILITIES (read-only; CPUID 7.EDX[29]): read from KVM.
+const ARCH_CAPABILITIES: u32 = 0x10a;
 
 /// What a write did beyond storing the value.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -147,27 +175,44 @@ impl MsrFile {
                 get(index::SYSENTER_EIP, 0),
             ],
             pat: get(index::PAT, PAT_DEFAULT),
+            misc_features: 0,
             kvm_features: kvm_features(b),
+            x2apic: b.cpuid(1, 0)[2] & (1 << 21) != 0,
+            arch_capabilities: b.cpuid(7, 0)[3] & (1 << 29) != 0,
+            tsc_adjust: b.cpuid(7, 0)[1] & (1 << 1) != 0,
         }
     }
 
     /// Whether `rdmsr`/`wrmsr` of `i` go to KVM through the gate (see the module header).
     pub fn passes_through(&self, i: u32) -> bool {
         i == BIOS_SIGN_ID
+            || i == index::APIC_BASE
+            || i == index::TSC_DEADLINE
+            || (X2APIC.contains(&i) && self.x2apic)
+            || (i == TSC_ADJUST && self.tsc_adjust)
             || (KVM_CLOCK_OLD.contains(&i) && self.kvm_features & 1 != 0)
             || (KVM_CLOCK_NEW.contains(&i) && self.kvm_features & (1 << 3) != 0)
+            || KVM_PV
+                .iter()
+                .any(|&(m, bit)| m == i && self.kvm_features & (1 << bit) != 0)
+    }
+
+    /// Whether `rdmsr` of `i` goes to KVM: [`MsrFile::passes_through`] and the read-only
+    /// MSRs KVM models (a write to them is #GP(0), as on hardware).
+    pub fn read_passes_through(&self, i: u32) -> bool {
+        self.passes_through(i) || (i == ARCH_CAPABILITIES && self.arch_capabilities)
     }
 
     /// `rdmsr`: the value, or `None` for #GP(0). FS/GS base come from the caller.
     pub fn read(&self, i: u32, fs_base: u64, gs_base: u64) -> Option<u64> {
         Some(match i {
             index::TSC => crate::timer::tsc(),
-            index::APIC_BASE => APIC_BASE_DEFAULT,
             index::SYSENTER_CS => self.sysenter[0],
             index::SYSENTER_ESP => self.sysenter[1],
             index::SYSENTER_EIP => self.sysenter[2],
             index::MISC_ENABLE => MISC_ENABLE_DEFAULT,
             index::PAT => self.pat,
+            index::MISC_FEATURES_ENABLES => self.misc_features,
             index::EFER => self.efer,
             index::STAR => self.star,
             index::LSTAR => self.lstar,
@@ -201,11 +246,42 @@ impl MsrFile {
             index::SYSENTER_ESP => self.sysenter[1] = addr(v)?,
             index::SYSENTER_EIP => self.sysenter[2] = addr(v)?,
             index::PAT => self.pat = v,
-            index::MISC_ENABLE | index::APIC_BASE => {}
+            // CPUID faulting only (ring-3 MWAIT is not offered).
+            index::MISC_FEATURES_ENABLES if v & !1 == 0 => self.misc_features = v,
+            index::MISC_ENABLE => {}
             index::FS_BASE => return Some(Written::FsBase(addr(v)?)),
             index::GS_BASE => return Some(Written::GsBase(addr(v)?)),
             _ => return None,
         }
         Some(Written::Stored)
+    }
+}
+
+/// Up to 32 MSR indices remembered, for logging each once.
+pub struct LogOnce([core::sync::atomic::AtomicU64; 32]);
+
+impl LogOnce {
+    /// Nothing remembered.
+    pub const fn new() -> Self {
+        #[allow(clippy::declare_interior_mutable_const)]
+        const E: core::sync::atomic::AtomicU64 = core::sync::atomic::AtomicU64::new(0);
+        Self([E; 32])
+    }
+
+    /// `true` the first time `index` is seen (and whenever the table is full).
+    pub fn first(&self, index: u32) -> bool {
+        use core::sync::atomic::Ordering::Relaxed;
+        let key = u64::from(index) | 1 << 32;
+        for slot in &self.0 {
+            match slot.load(Relaxed) {
+                0 => {
+                    slot.store(key, Relaxed);
+                    return true;
+                }
+                k if k == key => return false,
+                _ => {}
+            }
+        }
+        true
     }
 }

@@ -188,6 +188,12 @@ fn emulate_store(
 ) -> Result<Action, String> {
     let mem = PhysmapMemory::new(shadow);
     let regs = *engine.regs();
+    if let Some(r) = emulate_string_store(engine, &mem, mode, i) {
+        if matches!(r, Action::Resume(_)) {
+            shadow.borrow_mut().counters.emulated_stores += 1;
+        }
+        return Ok(r);
+    }
     let value = match i.code() {
         Code::Mov_rm8_r8 | Code::Mov_rm16_r16 | Code::Mov_rm32_r32 | Code::Mov_rm64_r64
             if i.op0_kind() == OpKind::Memory =>
@@ -204,7 +210,7 @@ fn emulate_store(
     let size = i.memory_size().size();
     let (Some(value), Some(ea)) = (value, vcpu.data_address(i, &regs)) else {
         return Err(format!(
-            "the guest instruction at RIP {:#x} ({:?}) writes into its own code frame; only plain `mov` stores are emulated there",
+            "the guest instruction at RIP {:#x} ({:?}) writes into its own code frame; only plain `mov` and `movs`/`stos` stores are emulated there",
             guest_pc.0,
             i.mnemonic()
         ));
@@ -214,6 +220,69 @@ fn emulate_store(
     }
     shadow.borrow_mut().counters.emulated_stores += 1;
     Ok(Action::Resume(GuestVirt(i.next_ip())))
+}
+
+/// Emulates `movs`/`stos` (byte … quadword, with or without `rep`, 64-bit addressing, no
+/// segment override) element by element as the CPU does: RSI/RDI/RCX advance per
+/// element, and a fault leaves them at the faulting element (the guest's handler sees a
+/// restartable `rep`). `None` if `i` is not one of them. (Linux's `text_poke` copies with
+/// `memcpy`'s `rep movsb`, which may lie in the very frame it patches.)
+fn emulate_string_store(
+    engine: &mut Engine,
+    mem: &PhysmapMemory<'_>,
+    mode: Mode,
+    i: &Instruction,
+) -> Option<Action> {
+    let (size, movs) = match i.code() {
+        Code::Movsb_m8_m8 => (1, true),
+        Code::Movsw_m16_m16 => (2, true),
+        Code::Movsd_m32_m32 => (4, true),
+        Code::Movsq_m64_m64 => (8, true),
+        Code::Stosb_m8_AL => (1, false),
+        Code::Stosw_m16_AX => (2, false),
+        Code::Stosd_m32_EAX => (4, false),
+        Code::Stosq_m64_RAX => (8, false),
+        _ => return None,
+    };
+    if i.memory_size().size() != size
+        || i.op0_kind() != OpKind::MemoryESRDI
+        || i.has_repne_prefix()
+        || (movs && !matches!(i.segment_prefix(), Register::None | Register::DS))
+    {
+        return None;
+    }
+    let rep = i.has_rep_prefix();
+    let regs = engine.regs_mut();
+    let step = if regs.rflags & (1 << 10) != 0 {
+        (size as u64).wrapping_neg()
+    } else {
+        size as u64
+    };
+    loop {
+        if rep && regs.get(Gpr::Rcx) == 0 {
+            break;
+        }
+        let mut b = [0u8; 8];
+        if movs {
+            if let Err(f) = mem.try_read_virt(regs.get(Gpr::Rsi), mode, &mut b[..size]) {
+                return Some(Action::Reflect(f));
+            }
+        } else {
+            b = regs.get(Gpr::Rax).to_le_bytes();
+        }
+        if let Err(f) = mem.try_write_virt(regs.get(Gpr::Rdi), mode, &b[..size]) {
+            return Some(Action::Reflect(f));
+        }
+        if movs {
+            regs.set(Gpr::Rsi, regs.get(Gpr::Rsi).wrapping_add(step));
+        }
+        regs.set(Gpr::Rdi, regs.get(Gpr::Rdi).wrapping_add(step));
+        if !rep {
+            break;
+        }
+        regs.set(Gpr::Rcx, regs.get(Gpr::Rcx) - 1);
+    }
+    Some(Action::Resume(GuestVirt(i.next_ip())))
 }
 
 /// The value of a general-purpose register operand (AH/CH/DH/BH included).

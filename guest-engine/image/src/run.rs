@@ -25,7 +25,20 @@ use core::fmt::Write;
 use guest_engine::shadow_mmu::{GuestFault, View};
 use guest_engine::{exit_code, Config, Engine, GuestVirt, Stop};
 use kpin_abi::attach::AttachBlock;
-use kpin_abi::stolen::{CODE_CACHE_BYTES, CODE_CACHE_OFFSET, LAYOUT_BYTES, WINDOW_VA};
+use kpin_abi::stolen::{CODE_CACHE_BYTES, CODE_CACHE_OFFSET, HEAP_BYTES, LAYOUT_BYTES, WINDOW_VA};
+
+/// Heap bytes in use past which the translator flushes the code cache before its next
+/// translation (the rest is room for the tables' doubling and the shadow MMU's reverse
+/// map).
+const HEAP_FLUSH_BYTES: u64 = HEAP_BYTES * 3 / 8;
+
+/// `Config::memory_pressure`: the translator's tables live on the heap and keep
+/// invalidated fragments until a flush (Linux patches its text thousands of times at
+/// boot: alternatives, ftrace, static keys), so past a heap budget the cache is flushed
+/// whole, as when it fills.
+fn heap_pressure() -> bool {
+    heap::usage().0 > HEAP_FLUSH_BYTES
+}
 
 use crate::counters::JsonObject;
 use crate::deliver::{Event, Kind};
@@ -103,6 +116,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
         mode: MODE_KERNEL,
         // Guest instructions executed per virtual CPL, for counters.json.
         count_insns: true,
+        memory_pressure: Some(heap_pressure),
         ..Config::default()
     };
     // SAFETY: the code-cache region lies in the stolen region, which the window maps
@@ -486,6 +500,7 @@ fn report(
         .u64("code_cache_bytes", st.cache_bytes)
         .u64("code_cache_bytes_in_use", engine.cache_used_bytes() as u64)
         .u64("code_cache_flushes", st.flushes)
+        .u64("code_cache_flushes_for_heap", st.pressure_flushes)
         .u64("links", st.links)
         .end();
     j.begin("exits")

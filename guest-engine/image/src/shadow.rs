@@ -69,7 +69,8 @@ pub fn paging_control(cr0: u64, cr4: u64, efer: u64) -> PagingControl {
 pub struct StolenMem {
     stolen_base: u64,
     stolen_bytes: u64,
-    /// Guest RAM the guest may map and the physmap reaches: `[start, end)`, sorted.
+    /// Guest memory (e820 ranges of any type) the guest may map and the physmap reaches:
+    /// `[start, end)`, sorted.
     ram: Vec<(u64, u64)>,
     /// Offset (in the stolen region) of the next never-used table frame.
     next: u64,
@@ -79,11 +80,20 @@ pub struct StolenMem {
     deferred: Option<u64>,
 }
 
+/// The local APIC's default base (APIC_BASE cannot move it: see `msr.rs`).
+pub const LAPIC_FRAME: u64 = 0xfee0_0000;
+/// The IOAPIC's default base.
+pub const IOAPIC_FRAME: u64 = 0xfec0_0000;
+
 impl StolenMem {
     fn new(b: &AttachBlock) -> Self {
         let mut ram: Vec<(u64, u64)> = Vec::new();
         let n = (b.e820_count as usize).min(b.e820.len());
-        for e in b.e820[..n].iter().filter(|e| e.kind == 1) {
+        // Every e820 range, RAM or reserved: a reserved range the VMM lists (the BIOS
+        // hole, 0x9fc00–0x100000) is backed by the RAM memslot, and a native guest reads
+        // it as memory (Linux scans it for the EBDA, iBFT, MP tables). The stolen region
+        // is never listed; MMIO (the local APIC, the IOAPIC) is not in the map.
+        for e in &b.e820[..n] {
             let end = e.addr.saturating_add(e.size);
             let mut at = e.addr;
             // Only what the physmap maps (it covers whole 2 MiB pages of e820 ranges).
@@ -209,6 +219,14 @@ impl PhysMem for StolenMem {
 
     fn guest_may_map_range(&self, base: GuestPhys, bytes: u64) -> bool {
         self.is_ram(base.0, bytes)
+    }
+
+    /// The local APIC and IOAPIC pages at their default bases: KVM's in-kernel devices
+    /// (the VMM creates the in-kernel irqchip), which emulate an access from CPL 3 as
+    /// from ring 0, so the guest's accesses in translated code go to them unchanged.
+    /// (The engine itself uses neither: its interrupts come through the 8259.)
+    fn guest_may_map_device(&self, frame: GuestPhys) -> bool {
+        frame.0 == LAPIC_FRAME || frame.0 == IOAPIC_FRAME
     }
 }
 

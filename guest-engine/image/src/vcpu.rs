@@ -47,14 +47,41 @@ use crate::guest_access;
 use crate::guest_mem::{PhysmapMemory, MODE_KERNEL, MODE_USER};
 use crate::msr::{index, MsrFile, Written};
 use crate::segments::{Segments, Sreg, GP};
-use crate::shadow::{paging_control, Shadow, CR0_WP, CR4_PGE, CR4_SMEP};
-use crate::{gate, irq, transitions};
+use crate::layout::CR4_SSE_BITS;
+use crate::shadow::{paging_control, Shadow, CR4_PGE, CR4_SMEP};
+use crate::{gate, irq, log, transitions};
 
 /// Ports whose writes can end the VM (the i8042 command port: 0xfe = reset): the engine
 /// writes its final report before passing such a write on.
 pub const I8042_CMD: u16 = 0x64;
 /// The i8042 command that resets (for the VMM: powers off) the machine.
 pub const I8042_RESET: u8 = 0xfe;
+
+const CR0_PE: u64 = 1 << 0;
+const CR0_EM: u64 = 1 << 2;
+const CR0_TS: u64 = 1 << 3;
+const CR0_ET: u64 = 1 << 4;
+const CR0_NW: u64 = 1 << 29;
+const CR0_CD: u64 = 1 << 30;
+const CR0_PG: u64 = 1 << 31;
+const CR4_VME: u64 = 1 << 0;
+const CR4_PVI: u64 = 1 << 1;
+const CR4_TSD: u64 = 1 << 2;
+const CR4_DE: u64 = 1 << 3;
+const CR4_PSE: u64 = 1 << 4;
+const CR4_PAE: u64 = 1 << 5;
+const CR4_MCE: u64 = 1 << 6;
+const CR4_PCE: u64 = 1 << 8;
+const CR4_OSFXSR: u64 = 1 << 9;
+const CR4_OSXMMEXCPT: u64 = 1 << 10;
+/// CR4.UMIP: `sgdt`/`sidt`/`sldt`/`str`/`smsw` at CPL > 0 raise #GP(0).
+pub const CR4_UMIP: u64 = 1 << 11;
+const CR4_FSGSBASE: u64 = 1 << 16;
+
+/// DR6 at reset.
+const DR6_INIT: u64 = 0xffff_0ff0;
+/// DR7 at reset.
+const DR7_INIT: u64 = 0x400;
 
 /// Number of `SensitiveKind` variants (for the per-kind counters).
 const KINDS: usize = 21;
@@ -101,6 +128,13 @@ pub struct Vcpu<'a> {
     pub cr2: u64,
     /// Guest CR4.
     pub cr4: u64,
+    /// Guest DR0–DR3, DR6, DR7 (stored only: breakpoints are not virtualized, so a DR7
+    /// write that enables one stops).
+    pub dr: [u64; 4],
+    /// Guest DR6.
+    pub dr6: u64,
+    /// Guest DR7.
+    pub dr7: u64,
     /// The virtual RFLAGS.IF (the real IF stays 1 while guest code runs).
     pub vif: bool,
     /// The virtual RFLAGS.IOPL (the real one stays 0).
@@ -148,6 +182,9 @@ impl<'a> Vcpu<'a> {
             cr0: block.sregs.cr0,
             cr2: block.sregs.cr2,
             cr4: block.sregs.cr4,
+            dr: [0; 4],
+            dr6: DR6_INIT,
+            dr7: DR7_INIT,
             vif: block.regs.rflags & rflags::IF != 0,
             iopl: ((block.regs.rflags & rflags::IOPL) >> 12) as u8,
             mode: if block.sregs.cs.selector & 3 == 3 {
@@ -173,6 +210,9 @@ impl<'a> Vcpu<'a> {
             resume: None,
         };
         transitions::sync_hw_bases(&v);
+        if v.cr4 & CR4_SSE_BITS != 0 {
+            gate::cr4_sse(v.cr4);
+        }
         v
     }
 
@@ -220,6 +260,74 @@ impl<'a> Vcpu<'a> {
         }
     }
 
+    /// The CR4 bits a write may set without #GP: those whose feature the CPUID table
+    /// offers (CPUID masks PCIDE, LA57, OSXSAVE, SMAP, PKE, so setting them is #GP as
+    /// on a CPU without them). VMXE/SMXE/CET are never offered.
+    fn cr4_writable(&self) -> u64 {
+        let [_, _, _, edx1] = self.block.cpuid(1, 0);
+        let [_, ebx7, ecx7, _] = self.block.cpuid(7, 0);
+        let mut m = CR4_PAE | CR4_MCE | CR4_PCE | CR4_TSD;
+        let bit = |r: u32, b: u32| r & (1 << b) != 0;
+        if bit(edx1, 1) {
+            m |= CR4_VME | CR4_PVI;
+        }
+        if bit(edx1, 2) {
+            m |= CR4_DE;
+        }
+        if bit(edx1, 3) {
+            m |= CR4_PSE;
+        }
+        if bit(edx1, 13) {
+            m |= CR4_PGE;
+        }
+        if bit(edx1, 24) {
+            m |= CR4_OSFXSR;
+        }
+        if bit(edx1, 25) {
+            m |= CR4_OSXMMEXCPT;
+        }
+        if bit(ecx7, 2) {
+            m |= CR4_UMIP;
+        }
+        if bit(ebx7, 0) {
+            m |= CR4_FSGSBASE;
+        }
+        if bit(ebx7, 7) {
+            m |= CR4_SMEP;
+        }
+        m
+    }
+
+    /// `mov cr0, r64` or `lmsw` (CPL 0 checked by the caller).
+    fn write_cr0(&mut self, i: &Instruction, v: u64, next: GuestVirt) -> Step {
+        let old = self.cr0;
+        if v >> 32 != 0
+            || (v & CR0_PG != 0 && v & CR0_PE == 0)
+            || (v & CR0_NW != 0 && v & CR0_CD == 0)
+        {
+            return Err(gp0());
+        }
+        if (old ^ v) & (CR0_PE | CR0_PG) != 0 {
+            return self.stop(
+                Some(i.mnemonic()),
+                "a CR0 write that changes PE or PG (leaving 64-bit paged mode) is not emulated",
+            );
+        }
+        if v & (CR0_EM | CR0_TS) != 0 {
+            return self.stop(
+                Some(i.mnemonic()),
+                "a CR0 write that sets EM or TS (x87/SSE traps: #NM is not virtualized) is not emulated",
+            );
+        }
+        // The rest is stored: WP goes to the shadow MMU; MP/NE/ET are what the
+        // real CR0 has; AM only matters at CPL 3 with RFLAGS.AC (user-space
+        // alignment checks are not virtualized: the real AM stays clear); CD/NW
+        // change caching only, which a VM cannot observe.
+        self.cr0 = v | CR0_ET;
+        let r = self.update_paging_control();
+        self.shadow_done(r, next)
+    }
+
     /// `mov crN, r64` (CPL 0 checked by the caller).
     fn write_cr(&mut self, i: &Instruction, v: u64, next: GuestVirt) -> Step {
         match i.op0_register() {
@@ -233,22 +341,27 @@ impl<'a> Vcpu<'a> {
                 let r = self.shadow.borrow_mut().write_cr3(cr3);
                 self.shadow_done(r, next)
             }
-            Register::CR0 | Register::CR4 => {
-                let (old, allowed) = if i.op0_register() == Register::CR0 {
-                    (self.cr0, CR0_WP)
-                } else {
-                    (self.cr4, CR4_PGE | CR4_SMEP)
-                };
-                if (old ^ v) & !allowed != 0 {
+            Register::CR0 => self.write_cr0(i, v, next),
+            Register::CR4 => {
+                let old = self.cr4;
+                if v & !self.cr4_writable() != 0 {
+                    return Err(gp0());
+                }
+                if (old ^ v) & CR4_PAE != 0 {
                     return self.stop(
                         Some(i.mnemonic()),
-                        "a CR0/CR4 write that changes bits other than CR0.WP, CR4.PGE and CR4.SMEP is not emulated yet",
+                        "a CR4 write that clears PAE (leaving long mode) is not emulated",
                     );
                 }
-                if i.op0_register() == Register::CR0 {
-                    self.cr0 = v;
-                } else {
-                    self.cr4 = v;
+                if v & CR4_TSD != 0 {
+                    return self.stop(
+                        Some(i.mnemonic()),
+                        "CR4.TSD (rdtsc faulting at CPL 3) is not virtualized",
+                    );
+                }
+                self.cr4 = v;
+                if (old ^ v) & CR4_SSE_BITS != 0 {
+                    gate::cr4_sse(v);
                 }
                 let r = self.update_paging_control();
                 self.shadow_done(r, next)
@@ -404,6 +517,25 @@ pub struct DescriptorTable {
     pub base: u64,
     /// Limit.
     pub limit: u16,
+}
+
+/// MSR indices whose #GP was already logged (so a guest probing in a loop logs once).
+static MSR_GP_LOGGED: crate::msr::LogOnce = crate::msr::LogOnce::new();
+
+impl Vcpu<'_> {
+    /// The #GP(0) an `rdmsr`/`wrmsr` of an index the virtual CPU does not have raises;
+    /// logged once per index (the guest handles it, but a difference from native is
+    /// worth seeing in engine.log).
+    fn msr_gp(&self, index: u32, write: bool) -> Event {
+        if MSR_GP_LOGGED.first(index) {
+            log!(
+                Info,
+                "engine: guest {} of MSR {index:#x} raises #GP(0) (not in the virtual MSR file)",
+                if write { "wrmsr" } else { "rdmsr" }
+            );
+        }
+        gp0()
+    }
 }
 
 fn gp0() -> Event {
@@ -606,7 +738,70 @@ impl Vcpu<'_> {
             return Err(gp0());
         }
         let iopl_ok = cpl <= self.iopl;
+        // CR4.UMIP: the store-descriptor-table instructions need CPL 0.
+        if cpl != 0
+            && self.cr4 & CR4_UMIP != 0
+            && matches!(
+                i.mnemonic(),
+                Mnemonic::Sgdt | Mnemonic::Sidt | Mnemonic::Sldt | Mnemonic::Str | Mnemonic::Smsw
+            )
+        {
+            return Err(gp0());
+        }
         match i.code() {
+            Code::Smsw_rm16 | Code::Smsw_r32m16 | Code::Smsw_r64m16 => {
+                // A register destination gets the whole CR0 (bits above 15 are
+                // undefined for 32/64-bit operands; real CPUs give CR0).
+                if i.op0_kind() == OpKind::Register {
+                    let r = i.op0_register();
+                    if let Some(n) = gpr(r) {
+                        let old = regs.get(n);
+                        regs.set(
+                            n,
+                            if r.is_gpr16() {
+                                (old & !0xffff) | (self.cr0 & 0xffff)
+                            } else {
+                                self.cr0
+                            },
+                        );
+                    }
+                    return go;
+                }
+                self.write_rm16(i, self.cr0 as u16, regs)?;
+                go
+            }
+            // CR0.TS is always clear here (setting it stops), so `clts` changes nothing.
+            Code::Clts => go,
+            Code::Lmsw_rm16 | Code::Lmsw_r32m16 => {
+                // Loads MP, EM, TS and may set (never clear) PE.
+                let w = u64::from(self.read_rm16(i, 0, regs)?) & 0xf;
+                let v = (self.cr0 & !0xe) | w | (self.cr0 & CR0_PE);
+                self.write_cr0(i, v, next)
+            }
+            // Caches are invisible to the guest in a VM: write-back and invalidation
+            // have nothing to do.
+            Code::Wbinvd | Code::Invd => go,
+            // CR4.OSXSAVE can never be set (CPUID hides XSAVE), so both are #UD.
+            Code::Xgetbv | Code::Xsetbv => Err(Event::exception(UD)),
+            Code::Rdtscp => {
+                if self.block.cpuid(0x8000_0001, 0)[3] & (1 << 27) == 0 {
+                    return Err(Event::exception(UD));
+                }
+                let t = crate::timer::tsc();
+                regs.set(Gpr::Rax, t & 0xffff_ffff);
+                regs.set(Gpr::Rdx, t >> 32);
+                regs.set(Gpr::Rcx, self.msrs.tsc_aux & 0xffff_ffff);
+                go
+            }
+            Code::Rdpid_r64 => {
+                if self.block.cpuid(7, 0)[2] & (1 << 22) == 0 {
+                    return Err(Event::exception(UD));
+                }
+                if let Some(r) = gpr(i.op0_register()) {
+                    regs.set(r, self.msrs.tsc_aux & 0xffff_ffff);
+                }
+                go
+            }
             Code::Out_imm8_AL
             | Code::Out_DX_AL
             | Code::Out_imm8_AX
@@ -657,6 +852,7 @@ impl Vcpu<'_> {
                 }
                 go
             }
+            Code::Cpuid if cpl != 0 && self.msrs.misc_features & 1 != 0 => Err(gp0()),
             Code::Cpuid => {
                 let [a, b, c, d] = self
                     .block
@@ -679,6 +875,57 @@ impl Vcpu<'_> {
                 };
                 if let Some(r) = gpr(i.op0_register()) {
                     regs.set(r, v);
+                }
+                go
+            }
+            Code::Mov_r64_dr => {
+                let v = match i.op1_register() {
+                    Register::DR0 => self.dr[0],
+                    Register::DR1 => self.dr[1],
+                    Register::DR2 => self.dr[2],
+                    Register::DR3 => self.dr[3],
+                    Register::DR4 | Register::DR5 if self.cr4 & CR4_DE != 0 => {
+                        return Err(Event::exception(UD))
+                    }
+                    Register::DR4 | Register::DR6 => self.dr6,
+                    Register::DR5 | Register::DR7 => self.dr7,
+                    _ => return Err(Event::exception(UD)),
+                };
+                if let Some(r) = gpr(i.op0_register()) {
+                    regs.set(r, v);
+                }
+                go
+            }
+            Code::Mov_dr_r64 => {
+                let v = gpr(i.op1_register()).map_or(0, |r| regs.get(r));
+                match i.op0_register() {
+                    r @ (Register::DR0 | Register::DR1 | Register::DR2 | Register::DR3) => {
+                        self.dr[(r as usize) - (Register::DR0 as usize)] = v;
+                    }
+                    Register::DR4 | Register::DR5 if self.cr4 & CR4_DE != 0 => {
+                        return Err(Event::exception(UD))
+                    }
+                    Register::DR4 | Register::DR6 => {
+                        if v >> 32 != 0 {
+                            return Err(gp0());
+                        }
+                        // B0–B3, BD, BS, BT are writable; the rest reads fixed.
+                        self.dr6 = (v & 0xe00f) | DR6_INIT;
+                    }
+                    Register::DR5 | Register::DR7 => {
+                        if v >> 32 != 0 {
+                            return Err(gp0());
+                        }
+                        // L0–L3/G0–G3 enable breakpoints, GD the general-detect trap.
+                        if v & 0x20ff != 0 {
+                            return self.stop(
+                                Some(i.mnemonic()),
+                                "a DR7 write that enables a hardware breakpoint (or general detect) is not virtualized",
+                            );
+                        }
+                        self.dr7 = (v & !0xd800) | DR7_INIT;
+                    }
+                    _ => return Err(Event::exception(UD)),
                 }
                 go
             }
@@ -866,26 +1113,40 @@ impl Vcpu<'_> {
                 transitions::write_base(self, i.code() == Code::Wrfsbase_r64, v)?;
                 go
             }
-            Code::Rdmsr if self.msrs.passes_through(regs.get(Gpr::Rcx) as u32) => {
+            Code::Rdmsr if self.msrs.read_passes_through(regs.get(Gpr::Rcx) as u32) => {
                 let v = gate::rdmsr(regs.get(Gpr::Rcx) as u32);
                 regs.set(Gpr::Rax, v & 0xffff_ffff);
                 regs.set(Gpr::Rdx, v >> 32);
                 go
             }
+            Code::Wrmsr
+                if regs.get(Gpr::Rcx) as u32 == index::APIC_BASE
+                    && regs.get(Gpr::Rax) & 0xffff_f000 != crate::shadow::LAPIC_FRAME =>
+            {
+                self.stop(
+                    Some(i.mnemonic()),
+                    "an APIC_BASE write that moves the local APIC from 0xfee00000 is not emulated (the shadow MMU maps only the default page)",
+                )
+            }
             Code::Wrmsr if self.msrs.passes_through(regs.get(Gpr::Rcx) as u32) => {
                 let v = (regs.get(Gpr::Rdx) << 32) | (regs.get(Gpr::Rax) & 0xffff_ffff);
                 // SAFETY: `passes_through` lists only MSRs whose effect is the guest's
-                // (microcode signature, kvm-clock pages in guest-physical memory).
+                // (microcode signature, the local APIC the engine does not use, kvm-clock
+                // pages in guest-physical memory; APIC_BASE cannot move, checked above).
                 unsafe { gate::wrmsr(regs.get(Gpr::Rcx) as u32, v) };
                 go
             }
             Code::Rdmsr => {
                 let fs = self.segs.sregs[Sreg::Fs as usize].base;
                 let gs = self.segs.sregs[Sreg::Gs as usize].base;
-                let v = self
-                    .msrs
-                    .read(regs.get(Gpr::Rcx) as u32, fs, gs)
-                    .ok_or_else(gp0)?;
+                let idx = regs.get(Gpr::Rcx) as u32;
+                // An index the virtual CPU does not keep reads what KVM answers a native
+                // guest (MTRRs, FEATURE_CONTROL, platform info, …): reading changes
+                // nothing, and every MSR the engine itself depends on is virtual above.
+                let v = match self.msrs.read(idx, fs, gs) {
+                    Some(v) => v,
+                    None => gate::rdmsr_safe(idx).ok_or_else(|| self.msr_gp(idx, false))?,
+                };
                 regs.set(Gpr::Rax, v & 0xffff_ffff);
                 regs.set(Gpr::Rdx, v >> 32);
                 go
@@ -895,7 +1156,7 @@ impl Vcpu<'_> {
                 match self
                     .msrs
                     .write(regs.get(Gpr::Rcx) as u32, v)
-                    .ok_or_else(gp0)?
+                    .ok_or_else(|| self.msr_gp(regs.get(Gpr::Rcx) as u32, true))?
                 {
                     Written::Stored if regs.get(Gpr::Rcx) as u32 == index::EFER => {
                         if let Err(e) = self.update_paging_control() {

@@ -494,7 +494,7 @@ impl<M: PhysMem> ShadowMmu<M> {
             }
         };
         self.stats.ad_updates += u64::from(leaf.ad_updates);
-        if !self.mem.guest_may_map(leaf.frame) {
+        if !self.mem.guest_may_map(leaf.frame) && !self.mem.guest_may_map_device(leaf.frame) {
             return Err(ShadowError::ForbiddenFrame {
                 va,
                 frame: leaf.frame,

@@ -35,6 +35,14 @@ pub trait PhysMem {
         let _ = frame;
         true
     }
+    /// Whether `frame` is a device (MMIO) frame the guest may map: its shadow leaf then
+    /// points at it so that the hardware access reaches the device model beneath (for
+    /// the engine: KVM's in-kernel local APIC and IOAPIC). The engine never reads such a
+    /// frame itself, never prefetches it, and never maps it with a large page.
+    fn guest_may_map_device(&self, frame: GuestPhys) -> bool {
+        let _ = frame;
+        false
+    }
     /// Whether the guest may map every frame of `[base, base + bytes)` (page aligned);
     /// override with a range check when the default frame-by-frame loop is slow.
     fn guest_may_map_range(&self, base: GuestPhys, bytes: u64) -> bool {
