@@ -54,8 +54,10 @@ pub const SOFTTLB_ENTRIES: usize = 256;
 pub const SOFTTLB_OFFSET: usize = RC_OFFSET + MODE_SLOTS * RC_BYTES;
 /// Bytes of the SoftTLB mirror.
 pub const SOFTTLB_BYTES: usize = SOFTTLB_ENTRIES * 16;
-/// Number of 8-byte inline counters tools may allocate.
-pub const COUNTER_SLOTS: usize = 1 << 16;
+/// Number of 8-byte inline counters tools may allocate (2 MiB of the region: a Linux
+/// boot translates ~100 000 distinct basic blocks, and one counter per block is what a
+/// block-counting tool spends).
+pub const COUNTER_SLOTS: usize = 1 << 18;
 /// Offset of the counter area.
 pub const COUNTERS_OFFSET: usize = SOFTTLB_OFFSET + SOFTTLB_BYTES;
 /// Offset of the generated enter/exit routines.

@@ -1,13 +1,15 @@
 //! `--tool bbcount`: an inline counter per basic block (one `add` to a counter slot in the
 //! code cache, no call), and at the end of the run `bbcount.csv` in the output directory:
 //! `address,cpl,instructions,count` per block, in translation order, where `cpl` is the
-//! virtual CPL the block was translated for (0 kernel, 3 user). A block translated twice
-//! (in two traces, in both modes, or again after its code changed) has two rows.
+//! virtual CPL the block was translated for (0 kernel, 3 user). A block translated again
+//! (in another trace, after a cache flush or a code change) keeps its row and counter; a
+//! block of the same address at another CPL or of another length has its own row.
 #![no_std]
 #![deny(missing_docs)]
 
 extern crate alloc;
 
+use alloc::collections::BTreeMap;
 use alloc::vec::Vec;
 use core::fmt::{self, Write};
 
@@ -72,20 +74,31 @@ struct Block {
 #[derive(Debug, Default)]
 pub struct BbCount {
     blocks: Vec<Block>,
+    /// Index in `blocks` by ⟨address, CPL, length⟩: a block translated again (in another
+    /// trace, after a cache flush or a code change) adds to the same counter, so counter
+    /// slots — a fixed number in the code cache — are spent once per distinct block.
+    index: BTreeMap<(u64, u8, u32), usize>,
     /// Blocks left uncounted because the engine's counter slots ran out.
     uncounted: u64,
 }
 
 impl Tool for BbCount {
     fn instrument_trace(&mut self, trace: &mut TraceInstrumenter<'_>) {
+        let cpl = trace.mode().cpl();
         for i in 0..trace.bbls().len() {
             let b = trace.bbls()[i];
+            let key = (b.address.0, cpl, b.count as u32);
+            if let Some(&k) = self.index.get(&key) {
+                trace.insert_bbl_counter(i, self.blocks[k].counter, 1);
+                continue;
+            }
             match trace.alloc_counter() {
                 Ok(counter) => {
                     trace.insert_bbl_counter(i, counter, 1);
+                    self.index.insert(key, self.blocks.len());
                     self.blocks.push(Block {
                         address: b.address.0,
-                        cpl: trace.mode().cpl(),
+                        cpl,
                         insns: b.count as u32,
                         counter,
                     });
