@@ -266,34 +266,23 @@ impl<'a> Vcpu<'a> {
     fn cr4_writable(&self) -> u64 {
         let [_, _, _, edx1] = self.block.cpuid(1, 0);
         let [_, ebx7, ecx7, _] = self.block.cpuid(7, 0);
+        // (CPUID register, bit, the CR4 bits that feature makes writable)
+        let features = [
+            (edx1, 1, CR4_VME | CR4_PVI),
+            (edx1, 2, CR4_DE),
+            (edx1, 3, CR4_PSE),
+            (edx1, 13, CR4_PGE),
+            (edx1, 24, CR4_OSFXSR),
+            (edx1, 25, CR4_OSXMMEXCPT),
+            (ecx7, 2, CR4_UMIP),
+            (ebx7, 0, CR4_FSGSBASE),
+            (ebx7, 7, CR4_SMEP),
+        ];
         let mut m = CR4_PAE | CR4_MCE | CR4_PCE | CR4_TSD;
-        let bit = |r: u32, b: u32| r & (1 << b) != 0;
-        if bit(edx1, 1) {
-            m |= CR4_VME | CR4_PVI;
-        }
-        if bit(edx1, 2) {
-            m |= CR4_DE;
-        }
-        if bit(edx1, 3) {
-            m |= CR4_PSE;
-        }
-        if bit(edx1, 13) {
-            m |= CR4_PGE;
-        }
-        if bit(edx1, 24) {
-            m |= CR4_OSFXSR;
-        }
-        if bit(edx1, 25) {
-            m |= CR4_OSXMMEXCPT;
-        }
-        if bit(ecx7, 2) {
-            m |= CR4_UMIP;
-        }
-        if bit(ebx7, 0) {
-            m |= CR4_FSGSBASE;
-        }
-        if bit(ebx7, 7) {
-            m |= CR4_SMEP;
+        for (reg, bit, cr4) in features {
+            if reg & (1 << bit) != 0 {
+                m |= cr4;
+            }
         }
         m
     }
