@@ -14,7 +14,7 @@ use crate::gate;
 use crate::layout::fail_code;
 
 /// Longest log line in bytes.
-const LINE_BYTES: usize = 480;
+const LINE_BYTES: usize = 1024;
 
 struct Slot(UnsafeCell<Option<Producer>>);
 // SAFETY: one vCPU, and logging runs only at CPL 3 in the engine's main flow or in the
