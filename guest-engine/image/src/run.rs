@@ -163,8 +163,8 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
         tell_translator(&mut engine, &shadow);
         // Traces are keyed by mode: it follows the virtual CPL (deliveries in this loop
         // change it outside `emulate`).
-        if engine.mode() != vcpu.mode {
-            if let Err(e) = engine.set_mode(vcpu.mode) {
+        if engine.mode() != vcpu.mode() {
+            if let Err(e) = engine.set_mode(vcpu.mode()) {
                 log!(Error, "engine: switching the translation mode failed: {e}");
                 give_up(&engine, &vcpu, &shadow, &mut tool, 0, &mem);
             }
@@ -264,7 +264,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                         &shadow,
                         &vcpu,
                         &mut progress,
-                        vcpu.mode,
+                        vcpu.mode(),
                         hw,
                     ) {
                         Ok(Action::Retry) => {
@@ -292,7 +292,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
             Stop::FetchFault(va) => {
                 // The instruction starts at the engine's RIP (`va` may be its second page).
                 let rip = engine.rip();
-                let why = match page_fault::fetch_fault(&shadow, vcpu.mode, va) {
+                let why = match page_fault::fetch_fault(&shadow, vcpu.mode(), va) {
                     Some(f) => reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, rip),
                     None => Err(format!(
                         "the guest fetches code at {:#x} that the translator cannot decode",

@@ -45,9 +45,9 @@ use kpin_abi::attach::AttachBlock;
 use crate::deliver::{self, rflags, Event, Kind, TripleFault, BP, PF, UD};
 use crate::guest_access;
 use crate::guest_mem::{PhysmapMemory, MODE_KERNEL, MODE_USER};
+use crate::layout::CR4_SSE_BITS;
 use crate::msr::{index, MsrFile, Written};
 use crate::segments::{Segments, Sreg, GP};
-use crate::layout::CR4_SSE_BITS;
 use crate::shadow::{paging_control, Shadow, CR4_PGE, CR4_SMEP};
 use crate::{gate, irq, log, transitions};
 
@@ -139,9 +139,6 @@ pub struct Vcpu<'a> {
     pub vif: bool,
     /// The virtual RFLAGS.IOPL (the real one stays 0).
     pub iopl: u8,
-    /// The translation mode the current virtual CPL wants (`MODE_KERNEL`/`MODE_USER`);
-    /// run.rs applies it to the translator.
-    pub mode: Mode,
     /// The virtual GDTR (loaded by `lgdt`; the engine's own GDT is what the CPU uses).
     pub gdtr: DescriptorTable,
     /// The virtual IDTR (loaded by `lidt`; events are delivered through it).
@@ -187,11 +184,6 @@ impl<'a> Vcpu<'a> {
             dr7: DR7_INIT,
             vif: block.regs.rflags & rflags::IF != 0,
             iopl: ((block.regs.rflags & rflags::IOPL) >> 12) as u8,
-            mode: if block.sregs.cs.selector & 3 == 3 {
-                MODE_USER
-            } else {
-                MODE_KERNEL
-            },
             gdtr: DescriptorTable {
                 base: block.sregs.gdt.base,
                 limit: block.sregs.gdt.limit,
@@ -359,7 +351,8 @@ impl<'a> Vcpu<'a> {
                 self.cr2 = v;
                 Ok(Emulation::Continue(next))
             }
-            // The TPR: no local APIC is virtualized yet, so nothing reads it.
+            // CR8 (the TPR) is not forwarded to the local APIC: writes are dropped and
+            // reads give 0 (64-bit Linux programs the TPR through the APIC page).
             Register::CR8 => Ok(Emulation::Continue(next)),
             _ => Err(Event::exception(UD)),
         }
@@ -368,6 +361,16 @@ impl<'a> Vcpu<'a> {
     /// The virtual CPL (CS.RPL).
     pub fn cpl(&self) -> u8 {
         self.segs.cpl()
+    }
+
+    /// The translation mode of the virtual CPL (`MODE_USER` at CPL 3, else
+    /// `MODE_KERNEL`): traces are keyed by it.
+    pub fn mode(&self) -> Mode {
+        if self.cpl() == 3 {
+            MODE_USER
+        } else {
+            MODE_KERNEL
+        }
     }
 
     /// The RFLAGS the guest sees: the real arithmetic flags with the virtual IF and IOPL
@@ -403,7 +406,6 @@ impl<'a> Vcpu<'a> {
     pub fn cpl_changed(&mut self, old: u8) {
         let new = self.cpl();
         if new != old {
-            self.mode = if new == 3 { MODE_USER } else { MODE_KERNEL };
             self.on_cpl_change(new);
         }
     }
@@ -458,7 +460,7 @@ impl<'a> Vcpu<'a> {
         // `hlt`, returning after it.
         let mut b = [0u8; 1];
         let rip = if self.sti_next == Some(rip)
-            && self.mem().read_virt(rip, self.mode, &mut b)
+            && self.mem().read_virt(rip, self.mode(), &mut b)
             && b[0] == 0xf4
         {
             rip + 1
@@ -941,7 +943,7 @@ impl Vcpu<'_> {
                 // (RIP after it, as hardware does); any other instruction after `sti`
                 // may see the interrupt before it runs (no one-instruction shadow).
                 let mut b = [0u8; 1];
-                let hlt_next = self.mem().read_virt(next.0, self.mode, &mut b) && b[0] == 0xf4;
+                let hlt_next = self.mem().read_virt(next.0, self.mode(), &mut b) && b[0] == 0xf4;
                 if !was && !hlt_next {
                     irq::rearm_if_pending();
                 }
@@ -1202,7 +1204,7 @@ impl Platform for Vcpu<'_> {
         let i = d.decode();
         let next = GuestVirt(insn.pc.0.wrapping_add(len as u64));
         let before = *regs;
-        let mode_before = self.mode;
+        let mode_before = self.mode();
         self.sti_next = None;
         let step = if len == 0 || i.is_invalid() {
             Err(Event::exception(UD))
@@ -1241,9 +1243,9 @@ impl Platform for Vcpu<'_> {
                 Emulation::Stop
             }
             // The CPL changed: traces are keyed by mode (the shadow view already follows).
-            Emulation::Continue(next) if self.mode != mode_before => Emulation::Switch {
+            Emulation::Continue(next) if self.mode() != mode_before => Emulation::Switch {
                 next,
-                mode: self.mode,
+                mode: self.mode(),
                 invalidate_mappings: false,
             },
             e => e,
