@@ -10,17 +10,14 @@
 
 use std::time::Duration;
 
-use kpin_tests::{kvm_available, run_guest, scratch_dir, tiny_elf, TINY_LOAD_ADDR};
+use kpin_tests::{engine_config, kvm_available, run_guest, scratch_dir, tiny_elf, TINY_LOAD_ADDR};
 use vmm::layout::BOOT_PML4_START;
-use vmm::{EngineConfig, Outcome, VmConfig};
+use vmm::{Outcome, VmConfig};
 
 /// Boots a tiny guest kernel under the engine with `options`; returns the outcome, the
 /// dump and `engine.log`.
 fn run_engine(name: &str, options: &str) -> (vmm::RunReport, String) {
     let dir = scratch_dir(name);
-    let image =
-        kpin_images::ensure_engine(&kpin_images::default_out_dir(), &mut |l| eprintln!("{l}"))
-            .expect("build the engine image");
     let kernel = dir.join("guest.elf");
     // The guest's first instruction, `hlt` with interrupts off, stops the engine.
     std::fs::write(&kernel, tiny_elf(&[0xf4; 16])).unwrap();
@@ -33,11 +30,7 @@ fn run_engine(name: &str, options: &str) -> (vmm::RunReport, String) {
         console_file: None,
         echo_console: false,
         system_map: None,
-        engine: Some(EngineConfig {
-            image,
-            tool: "null".into(),
-            options: options.into(),
-        }),
+        engine: Some(engine_config("null", options)),
     };
     let (report, _) = run_guest(&cfg, &dir);
     let log = std::fs::read_to_string(dir.join(host_daemon::ENGINE_LOG)).unwrap_or_default();

@@ -544,37 +544,14 @@ fn test_minikernel_address_space_and_smc_steps_match_expected_txt_under_the_engi
     ) {
         return;
     }
-    let images = kpin_images::default_out_dir();
-    let kernel = kpin_images::ensure_minikernel(&images, &mut |l| eprintln!("images: {l}"))
-        .expect("build the mini-kernel");
-    let engine = kpin_images::ensure_engine(&images, &mut |l| eprintln!("images: {l}"))
-        .expect("build the engine image");
-    let dir = kpin_tests::scratch_dir("shadow-minikernel");
-    let console = dir.join("console.log");
-    let cfg = vmm::VmConfig {
-        kernel,
-        initrd: None,
-        cmdline: MINIKERNEL_SKIP_ALL_BUT_MEMORY.into(),
-        mem_mib: 256,
-        timeout: Some(std::time::Duration::from_secs(120)),
-        console_file: Some(console.clone()),
-        echo_console: false,
-        system_map: None,
-        engine: Some(vmm::EngineConfig {
-            image: engine,
-            tool: "null".into(),
-            options: String::new(),
-        }),
-    };
-    let (report, _) = kpin_tests::run_guest(&cfg, &dir);
-    let text = std::fs::read_to_string(&console).unwrap_or_default();
-    let log = std::fs::read_to_string(dir.join(host_daemon::ENGINE_LOG)).unwrap_or_default();
+    let (report, text, log, _) = kpin_tests::run_minikernel(
+        "shadow-minikernel",
+        MINIKERNEL_SKIP_ALL_BUT_MEMORY,
+        Some("null"),
+        std::time::Duration::from_secs(120),
+    );
     assert_eq!(report.outcome, Outcome::Poweroff, "{text}\n{log}");
-    let expected = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/guests/minikernel/expected.txt"
-    ))
-    .expect("expected.txt");
+    let expected = kpin_tests::minikernel_expected();
     // Steps 00 (own page tables), 01, 07 (the known loop), 11 (two address spaces, CR3
     // switched A, B, A, B) and 13 (code patched through a writable alias) run.
     let skipped = kpin_tests::compare_minikernel_transcript(&text, &expected)

@@ -6,9 +6,9 @@
 //! it cannot (`syscall` from CPL 3 triple-faults here) the test states the values.
 
 use iced_x86::code_asm::{
-    cr0, cr4, dr0, dr6, dr7, dword_ptr, xmm0, xmm1,
-    al, ax, bx, byte_ptr, cr2, cr3, cs, ds, dx, eax, ebx, ecx, edx, es, qword_ptr, r11, r14, r15,
-    rax, rbx, rcx, rdi, rdx, rsi, rsp, ss, CodeAssembler, CodeLabel,
+    al, ax, bx, byte_ptr, cr0, cr2, cr3, cr4, cs, dr0, dr6, dr7, ds, dword_ptr, dx, eax, ebx, ecx,
+    edx, es, qword_ptr, r11, r14, r15, rax, rbx, rcx, rdi, rdx, rsi, rsp, ss, xmm0, xmm1,
+    CodeAssembler, CodeLabel,
 };
 use kpin_tests::{kvm_available, run_tiny_guest, TINY_LOAD_ADDR};
 use vmm::Outcome;

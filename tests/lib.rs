@@ -47,14 +47,7 @@ pub fn run_tiny_guest(
     let kernel = dir.join("guest.elf");
     std::fs::write(&kernel, tiny_elf(code)).expect("write the tiny guest");
     let console = dir.join("console.txt");
-    let engine = tool.map(|t| vmm::EngineConfig {
-        image: kpin_images::ensure_engine(&kpin_images::default_out_dir(), &mut |l| {
-            eprintln!("{l}")
-        })
-        .expect("build the engine image"),
-        tool: t.into(),
-        options: String::new(),
-    });
+    let engine = tool.map(|t| engine_config(t, ""));
     let cfg = VmConfig {
         kernel,
         initrd: None,
@@ -65,6 +58,64 @@ pub fn run_tiny_guest(
         echo_console: false,
         system_map: None,
         engine,
+    };
+    let (report, _) = run_guest(&cfg, &dir);
+    let text = std::fs::read_to_string(&console).unwrap_or_default();
+    let log = std::fs::read_to_string(dir.join(host_daemon::ENGINE_LOG)).unwrap_or_default();
+    (report, text, log, dir)
+}
+
+/// The engine under `tool` with tool options `options` (the engine image built if
+/// needed).
+pub fn engine_config(tool: &str, options: &str) -> vmm::EngineConfig {
+    vmm::EngineConfig {
+        image: kpin_images::ensure_engine(&kpin_images::default_out_dir(), &mut |l| {
+            eprintln!("images: {l}")
+        })
+        .expect("build the engine image"),
+        tool: tool.into(),
+        options: options.into(),
+    }
+}
+
+/// The mini-kernel's ELF (built if needed).
+pub fn minikernel_elf() -> PathBuf {
+    kpin_images::ensure_minikernel(&kpin_images::default_out_dir(), &mut |l| {
+        eprintln!("images: {l}")
+    })
+    .expect("build the mini-kernel")
+}
+
+/// The mini-kernel's expected transcript, `guests/minikernel/expected.txt`.
+pub fn minikernel_expected() -> String {
+    std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/guests/minikernel/expected.txt"
+    ))
+    .expect("expected.txt")
+}
+
+/// Boots the mini-kernel (256 MiB) with `cmdline`, natively (`tool` = None) or under the
+/// engine with `tool`, for at most `timeout`; returns the report, the console,
+/// `engine.log` (empty if none) and the run's output directory.
+pub fn run_minikernel(
+    name: &str,
+    cmdline: &str,
+    tool: Option<&str>,
+    timeout: std::time::Duration,
+) -> (RunReport, String, String, PathBuf) {
+    let dir = scratch_dir(name);
+    let console = dir.join("console.log");
+    let cfg = VmConfig {
+        kernel: minikernel_elf(),
+        initrd: None,
+        cmdline: cmdline.into(),
+        mem_mib: 256,
+        timeout: Some(timeout),
+        console_file: Some(console.clone()),
+        echo_console: false,
+        system_map: None,
+        engine: tool.map(|t| engine_config(t, "")),
     };
     let (report, _) = run_guest(&cfg, &dir);
     let text = std::fs::read_to_string(&console).unwrap_or_default();

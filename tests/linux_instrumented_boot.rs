@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kpin_images::LinuxImages;
-use kpin_tests::{kvm_available, run_guest, scratch_dir};
+use kpin_tests::{engine_config, kvm_available, run_guest, scratch_dir};
 use kpin_tool_bbcount::parse_csv;
 use vmm::guests::LINUX_CMDLINE;
 use vmm::report::{BbcountSummary, HotBlock, KernelSymbols};
@@ -29,8 +29,6 @@ fn boot_instrumented(name: &str, tool: &str) -> (RunReport, String, String, Path
     let images = kpin_images::default_out_dir();
     let linux = kpin_images::ensure_linux(&images, &mut |l| eprintln!("images: {l}"))
         .expect("fetch and build the Linux images");
-    let engine = kpin_images::ensure_engine(&images, &mut |l| eprintln!("images: {l}"))
-        .expect("build the engine image");
     let dir = scratch_dir(name);
     let console = dir.join("console.log");
     let cfg = VmConfig {
@@ -42,11 +40,7 @@ fn boot_instrumented(name: &str, tool: &str) -> (RunReport, String, String, Path
         console_file: Some(console.clone()),
         echo_console: false,
         system_map: Some(linux.system_map.clone()),
-        engine: Some(vmm::EngineConfig {
-            image: engine,
-            tool: tool.into(),
-            options: String::new(),
-        }),
+        engine: Some(engine_config(tool, "")),
     };
     let (report, _) = run_guest(&cfg, &dir);
     let log = std::fs::read_to_string(&console).expect("console log");

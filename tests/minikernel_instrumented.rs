@@ -10,54 +10,18 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use iced_x86::{Decoder, DecoderOptions, FlowControl};
-use kpin_tests::{compare_minikernel_transcript, kvm_available, run_guest, scratch_dir};
+use kpin_tests::{
+    compare_minikernel_transcript, kvm_available, minikernel_elf, minikernel_expected,
+    run_minikernel,
+};
 use kpin_tool_bbcount::{parse_csv, Row};
 use vmm::symbols::Symbols;
-use vmm::{Outcome, RunReport, VmConfig};
-
-fn expected() -> String {
-    std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/guests/minikernel/expected.txt"
-    ))
-    .expect("expected.txt")
-}
-
-fn minikernel() -> PathBuf {
-    kpin_images::ensure_minikernel(&kpin_images::default_out_dir(), &mut |l| {
-        eprintln!("images: {l}")
-    })
-    .expect("build the mini-kernel")
-}
+use vmm::{Outcome, RunReport};
 
 /// Runs the mini-kernel under `tool` with no step skipped; returns the report, the
 /// console, `engine.log` and the output directory.
 fn run_instrumented(name: &str, tool: &str) -> (RunReport, String, String, PathBuf) {
-    let dir = scratch_dir(name);
-    let console = dir.join("console.log");
-    let image = kpin_images::ensure_engine(&kpin_images::default_out_dir(), &mut |l| {
-        eprintln!("images: {l}")
-    })
-    .expect("build the engine image");
-    let cfg = VmConfig {
-        kernel: minikernel(),
-        initrd: None,
-        cmdline: String::new(),
-        mem_mib: 256,
-        timeout: Some(Duration::from_secs(300)),
-        console_file: Some(console.clone()),
-        echo_console: false,
-        system_map: None,
-        engine: Some(vmm::EngineConfig {
-            image,
-            tool: tool.into(),
-            options: String::new(),
-        }),
-    };
-    let (report, _) = run_guest(&cfg, &dir);
-    let text = std::fs::read_to_string(&console).unwrap_or_default();
-    let log = std::fs::read_to_string(dir.join(host_daemon::ENGINE_LOG)).unwrap_or_default();
-    (report, text, log, dir)
+    run_minikernel(name, "", Some(tool), Duration::from_secs(300))
 }
 
 fn counters(dir: &Path) -> serde_json::Value {
@@ -83,7 +47,7 @@ fn test_minikernel_under_null_tool_prints_every_step_of_expected_txt() {
         "console:\n{console}\nengine log:\n{log}\ndump:\n{}",
         report.dump.unwrap_or_default()
     );
-    match compare_minikernel_transcript(&console, &expected()) {
+    match compare_minikernel_transcript(&console, &minikernel_expected()) {
         Ok(0) => {}
         Ok(n) => panic!("{n} step(s) skipped under the engine\n{console}"),
         Err(e) => panic!("{e}\nconsole:\n{console}\nengine log:\n{log}"),
@@ -136,7 +100,7 @@ fn test_minikernel_bbcount_sums_to_engine_count_and_counts_known_loop_exactly() 
         "console:\n{console}\nengine log:\n{log}\ndump:\n{}",
         report.dump.unwrap_or_default()
     );
-    compare_minikernel_transcript(&console, &expected())
+    compare_minikernel_transcript(&console, &minikernel_expected())
         .unwrap_or_else(|e| panic!("{e}\n{console}"));
 
     let csv = std::fs::read_to_string(dir.join("bbcount.csv")).expect("bbcount.csv");
@@ -166,7 +130,7 @@ fn test_minikernel_bbcount_sums_to_engine_count_and_counts_known_loop_exactly() 
     );
 
     // The loop body starts at the target of the function's only backward `jnz`.
-    let elf = std::fs::read(minikernel()).expect("read the mini-kernel");
+    let elf = std::fs::read(minikernel_elf()).expect("read the mini-kernel");
     let symbols = Symbols::from_elf(&elf).expect("the mini-kernel's symbol table");
     let known = symbols
         .find("known_loop_1000")
