@@ -86,13 +86,42 @@ pub fn minikernel_elf() -> PathBuf {
     .expect("build the mini-kernel")
 }
 
-/// The mini-kernel's expected transcript, `guests/minikernel/expected.txt`.
+/// The mini-kernel's expected transcript, `guests/minikernel/expected.txt`, for this host.
+///
+/// What the guest's CPUID reports depends on the host (the vendor and the highest basic
+/// leaf are the host's, through KVM), so `expected.txt` names them `{vendor}` and
+/// `{max_basic_leaf}`; they are taken from the CPUID table the VMM gives the guest on this
+/// host, and `{checksum}` becomes the FNV-1a of the resulting transcript. A host without
+/// `/dev/kvm` runs no mini-kernel test, so this needs KVM.
 pub fn minikernel_expected() -> String {
-    std::fs::read_to_string(concat!(
+    let template = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/guests/minikernel/expected.txt"
     ))
-    .expect("expected.txt")
+    .expect("expected.txt");
+    let kvm = kvm_ioctls::Kvm::new().expect("open /dev/kvm");
+    let cpuid = vmm::cpuid::guest_cpuid(&kvm).expect("the guest CPUID table");
+    let leaf0 = cpuid
+        .as_slice()
+        .iter()
+        .find(|e| e.function == 0)
+        .expect("CPUID leaf 0");
+    expected_for_cpu(&template, leaf0.eax, [leaf0.ebx, leaf0.edx, leaf0.ecx])
+}
+
+/// Fills the host-dependent fields of the transcript template: the vendor string (CPUID
+/// leaf 0's EBX, EDX, ECX), the highest basic leaf (its EAX), and the checksum.
+pub fn expected_for_cpu(template: &str, max_basic_leaf: u32, vendor: [u32; 3]) -> String {
+    let vendor: Vec<u8> = vendor.iter().flat_map(|r| r.to_le_bytes()).collect();
+    let text = template
+        .replace("{vendor}", &String::from_utf8_lossy(&vendor))
+        .replace("{max_basic_leaf}", &format!("{max_basic_leaf:#x}"));
+    let start = text.find(&format!("{MINIKERNEL_START}\n")).expect("START line")
+        + MINIKERNEL_START.len()
+        + 1;
+    let done = text.find(MINIKERNEL_DONE).expect("DONE line");
+    let sum = fnv1a64(text[start..done].as_bytes());
+    text.replace("{checksum}", &format!("{sum:016x}"))
 }
 
 /// Boots the mini-kernel (256 MiB) with `cmdline`, natively (`tool` = None) or under the
@@ -303,6 +332,19 @@ mod tests {
         let exp = log("step 01 a: x\nstep 02 b: y\nstep 02 b: z\nstep 03 c: w\n");
         let got = log("step 01 a: x\nstep 02 b: SKIPPED\nstep 03 c: w\n");
         assert_eq!(compare_minikernel_transcript(&got, &exp), Ok(1));
+    }
+
+    #[test]
+    fn test_expected_transcript_takes_vendor_and_leaf_from_the_cpu() {
+        let template = format!(
+            "{MINIKERNEL_START}\nstep 01 cpuid: vendor={{vendor}} max-basic-leaf={{max_basic_leaf}}\n{MINIKERNEL_DONE}{{checksum}}\n"
+        );
+        // "AuthenticAMD" in EBX, EDX, ECX order.
+        let amd = expected_for_cpu(&template, 0x10, [0x6874_7541, 0x6974_6e65, 0x444d_4163]);
+        let console = log("step 01 cpuid: vendor=AuthenticAMD max-basic-leaf=0x10\n");
+        assert_eq!(compare_minikernel_transcript(&console, &amd), Ok(0));
+        let intel = expected_for_cpu(&template, 0x1c, [0x756e_6547, 0x4965_6e69, 0x6c65_746e]);
+        assert!(intel.contains("vendor=GenuineIntel max-basic-leaf=0x1c\n"));
     }
 
     #[test]

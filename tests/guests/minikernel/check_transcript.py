@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Compares a mini-kernel run with expected.txt.
 
-    check_transcript.py ACTUAL [--skip LIST] [--expected PATH]
+    check_transcript.py ACTUAL --vendor V --max-basic-leaf N [--skip LIST] [--expected PATH]
+
+V and N are what the guest's CPUID reports on this host (leaf 0: the vendor string and
+EAX); expected.txt holds them as {vendor} and {max_basic_leaf}.
 
 ACTUAL is the run's console output (`kpin run` stdout or <out>/console.log); lines before
 `MINIKERNEL-START` and after `MINIKERNEL-DONE` (the VMM's own messages) are ignored.
@@ -58,6 +61,8 @@ def main():
     ap.add_argument("actual")
     ap.add_argument("--skip", default="")
     ap.add_argument("--expected", default=os.path.join(HERE, "expected.txt"))
+    ap.add_argument("--vendor", required=True, help="the guest's CPUID vendor, e.g. AuthenticAMD")
+    ap.add_argument("--max-basic-leaf", required=True, help="the guest's CPUID max basic leaf, e.g. 0x10")
     args = ap.parse_args()
 
     skipped = set()
@@ -65,7 +70,8 @@ def main():
         skipped |= native_unsafe_steps() if item == "native-unsafe" else {item}
 
     with open(args.expected) as f:
-        exp_body, _ = split_transcript(f.read())
+        template = f.read().replace("{vendor}", args.vendor)
+        exp_body, _ = split_transcript(template.replace("{max_basic_leaf}", args.max_basic_leaf))
     with open(args.actual, errors="replace") as f:
         try:
             act_body, act_sum = split_transcript(f.read())

@@ -5,9 +5,11 @@ architecture defines it, derived here from first principles -- NOT copied from a
 Each line below states where its values come from: a constant the kernel chose
 (src/layout.rs, the step's source), an architectural rule (Intel SDM: error codes,
 SYSCALL/SYSRET selector arithmetic, #PF error bits), or a computation this script redoes
-(the known loop, the checksum). Host-dependent values are marked HOST: they are what the
-VMM's CPUID table gives on this project's machines (KVM_GET_SUPPORTED_CPUID of an Intel
-host with CPUID max basic leaf 0x1c), and must be regenerated for another host.
+(the known loop). Host-dependent values are marked HOST: they are what the VMM's CPUID
+table (KVM_GET_SUPPORTED_CPUID) gives on the host that runs the test, so expected.txt holds
+them as the placeholders {vendor} and {max_basic_leaf}, and the checksum over the filled-in
+transcript as {checksum}; `kpin_tests::minikernel_expected` (tests/lib.rs) and
+check_transcript.py --vendor/--max-basic-leaf fill them in.
 
 Usage: gen_expected.py [--check]   (--check: exit 1 if expected.txt differs)
 """
@@ -79,8 +81,8 @@ PF_ERR_USER_WRITE = PF_W | PF_U         # not present, write, CPL 3
 PRIV_GP_ERR = 0                         # hlt/cli/rdmsr/mov-from-cr3 at CPL 3: #GP(0)
 
 # --- HOST: the VMM's CPUID table on this project's machines ---
-VENDOR = "GenuineIntel"
-MAX_BASIC_LEAF = 0x1C
+VENDOR = "{vendor}"
+MAX_BASIC_LEAF = "{max_basic_leaf}"
 FEATURES = ["fpu", "tsc", "msr", "pae", "apic", "syscall", "nx", "lm"]  # all set here
 
 
@@ -93,7 +95,7 @@ def body_lines():
     L = []
     L.append(f"step 00 boot: e820 ram covers {h(IMAGE_BASE)}-{h(FRAME_POOL_END)} yes, own gdt+tss+idt "
              f"loaded, own page tables cr3 ok, pic at 0x20/0x28 imr=0xff/0xff")
-    L.append(f"step 01 cpuid: vendor={VENDOR} max-basic-leaf={h(MAX_BASIC_LEAF)} "
+    L.append(f"step 01 cpuid: vendor={VENDOR} max-basic-leaf={MAX_BASIC_LEAF} "
              + " ".join(f"{f}=1" for f in FEATURES))
     L.append("step 02 flags: cli if=0, sti if=1, popf(saved after cli) if=0, popf(saved after sti) if=1")
     L.append(f"step 03 de: vector={VEC_DE} rip-fixup ok")
@@ -125,7 +127,7 @@ def body_lines():
 
 def transcript():
     body = "".join(line + "\n" for line in body_lines())
-    return "MINIKERNEL-START\n" + body + f"MINIKERNEL-DONE {fnv1a64(body.encode()):016x}\n"
+    return "MINIKERNEL-START\n" + body + "MINIKERNEL-DONE {checksum}\n"
 
 
 def main():
