@@ -116,7 +116,9 @@ pub fn expected_for_cpu(template: &str, max_basic_leaf: u32, vendor: [u32; 3]) -
     let text = template
         .replace("{vendor}", &String::from_utf8_lossy(&vendor))
         .replace("{max_basic_leaf}", &format!("{max_basic_leaf:#x}"));
-    let start = text.find(&format!("{MINIKERNEL_START}\n")).expect("START line")
+    let start = text
+        .find(&format!("{MINIKERNEL_START}\n"))
+        .expect("START line")
         + MINIKERNEL_START.len()
         + 1;
     let done = text.find(MINIKERNEL_DONE).expect("DONE line");

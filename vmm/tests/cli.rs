@@ -159,14 +159,26 @@ fn test_guest_triple_fault_under_the_engine_exits_3_with_the_guests_state_and_la
         dump.contains("engine: the guest triple-faulted at RIP 0x100005: #GP (vector 13, error code 0x42) while delivering #DF"),
         "{dump}"
     );
-    assert!(dump.contains("guest state: RIP 0x0000000000100005"), "{dump}");
-    assert!(dump.contains("guest state: instruction at RIP: Ud2 (2 bytes)"), "{dump}");
-    assert!(dump.contains("traces entered from the dispatcher"), "{dump}");
+    assert!(
+        dump.contains("guest state: RIP 0x0000000000100005"),
+        "{dump}"
+    );
+    assert!(
+        dump.contains("guest state: instruction at RIP: Ud2 (2 bytes)"),
+        "{dump}"
+    );
+    assert!(
+        dump.contains("traces entered from the dispatcher"),
+        "{dump}"
+    );
     assert!(dump.contains(" 0x0000000000100000/0"), "{dump}");
     assert!(dump.contains(" 0x0000000000100008/0"), "{dump}");
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("run.json")).unwrap()).unwrap();
-    assert!(summary["engine_counters"]["translation"]["traces"].as_u64() > Some(0), "{summary}");
+    assert!(
+        summary["engine_counters"]["translation"]["traces"].as_u64() > Some(0),
+        "{summary}"
+    );
 }
 
 #[test]
