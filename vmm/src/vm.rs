@@ -240,9 +240,13 @@ impl Vm {
         let vcpu = vm
             .create_vcpu(0)
             .map_err(|e| VmmError::Kvm("KVM_CREATE_VCPU", e))?;
-        let cpuid = cpuid::guest_cpuid(&kvm)?;
+        let mut cpuid = cpuid::guest_cpuid(&kvm)?;
         vcpu.set_cpuid2(&cpuid)
             .map_err(|e| VmmError::Kvm("KVM_SET_CPUID2", e))?;
+        if cpuid::hide_unreadable_msrs(&mut cpuid, &vcpu) {
+            vcpu.set_cpuid2(&cpuid)
+                .map_err(|e| VmmError::Kvm("KVM_SET_CPUID2", e))?;
+        }
         let sregs = vcpu
             .get_sregs()
             .map_err(|e| VmmError::Kvm("KVM_GET_SREGS", e))?;

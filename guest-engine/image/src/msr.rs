@@ -6,8 +6,7 @@
 //! Choices: an index not listed here raises #GP(0) in the guest, as a CPU without that
 //! MSR does (the engine's own EFER, STAR, APIC… must not be the guest's), except a few
 //! that are passed through to KVM by the gate because their effect concerns only the
-//! guest ([`MsrFile::passes_through`]): the microcode signature (0x8b); IA32_ARCH_CAPABILITIES
-//! (read only); IA32_TSC_ADJUST; KVM's steal-time, PV-EOI and poll-control MSRs when CPUID offers them; the local APIC's
+//! guest ([`MsrFile::passes_through`]): the microcode signature (0x8b); IA32_TSC_ADJUST; KVM's steal-time, PV-EOI and poll-control MSRs when CPUID offers them; the local APIC's
 //! (APIC_BASE, TSC_DEADLINE, the x2APIC registers 0x800–0x8ff when CPUID offers x2APIC):
 //! the engine's interrupts come through the 8259, so KVM's in-kernel local APIC is the
 //! guest's, and its page is mapped into the shadow as it is (`shadow.rs`); an APIC_BASE
@@ -15,7 +14,13 @@
 //! CPUID table offers kvm-clock, its wall-clock and system-time MSRs (KVM writes the
 //! pvclock data into guest-physical memory, which is the guest's under the engine too). EFER: only SCE and NXE may change (LME/LMA must stay: only 64-bit
 //! code is translated), other bits are reserved → #GP(0). MISC_ENABLE reads the value KVM gives
-//! a fresh vCPU (fast strings) and ignores writes; the TSC reads the hardware TSC.
+//! a fresh vCPU (fast strings) and ignores writes; the TSC reads the hardware TSC. Writes
+//! to the MSRs KVM drops for every guest (`WRITES_IGNORED`: AMD NB_CFG and friends) are
+//! dropped here too.
+//! IA32_ARCH_CAPABILITIES is part of the CPU model: the VMM reads KVM's value for the vCPU
+//! (`vmm::attach::MODEL_MSRS`) and the virtual CPU answers with it, read-only (a write is
+//! #GP(0), as on hardware). It is not read through the gate: on an AMD host this nested KVM
+//! advertises it in CPUID yet #GPs a ring-0 `rdmsr` of it, while a host-initiated read works.
 
 use kpin_abi::attach::AttachBlock;
 
@@ -97,8 +102,9 @@ pub struct MsrFile {
     x2apic: bool,
     /// CPUID offers IA32_TSC_ADJUST.
     tsc_adjust: bool,
-    /// CPUID offers IA32_ARCH_CAPABILITIES.
-    arch_capabilities: bool,
+    /// IA32_ARCH_CAPABILITIES as KVM gives it to this vCPU (`None`: KVM has none, and
+    /// the VMM's CPUID table does not offer it).
+    arch_capabilities: Option<u64>,
 }
 
 /// IA32_BIOS_SIGN_ID (microcode revision, written 0 then read after a CPUID).
@@ -118,7 +124,21 @@ const KVM_PV: [(u32, u32); 3] = [(0x4b56_4d03, 5), (0x4b56_4d04, 6), (0x4b56_4d0
 /// IA32_TSC_ADJUST (CPUID 7.EBX[1]): KVM's, moving the guest's TSC (the engine reads
 /// the TSC only to measure).
 const TSC_ADJUST: u32 = 0x3b;
-/// IA32_ARCH_CAPABILITIES (read-only; CPUID 7.EDX[29]): read from KVM.
+/// MSRs whose writes KVM accepts and drops for every guest (`kvm_set_msr_common`): AMD's
+/// NB_CFG (Linux sets its extended-config-space bit on AMD CPUs with an unchecked `wrmsr`),
+/// the microcode update trigger and patch loader, and AMD's BU_CFG2, DC_CFG, TW_CFG and
+/// family-15h EX_CFG. Reads of them go to KVM like any other index the file does not keep.
+const WRITES_IGNORED: [u32; 7] = [
+    0xc001_001f, // NB_CFG
+    0x79,        // IA32_UCODE_WRITE
+    0xc001_0020, // PATCH_LOADER
+    0xc001_102a, // BU_CFG2
+    0xc001_1022, // DC_CFG
+    0xc001_1023, // TW_CFG
+    0xc001_102c, // F15H_EX_CFG
+];
+
+/// IA32_ARCH_CAPABILITIES (read-only; CPUID 7.EDX[29]): KVM's value, from the attach block.
 const ARCH_CAPABILITIES: u32 = 0x10a;
 
 /// What a write did beyond storing the value.
@@ -155,12 +175,8 @@ impl MsrFile {
     /// The MSRs the VMM captured at attach.
     pub fn new(b: &AttachBlock) -> Self {
         let n = (b.msr_count as usize).min(b.msrs.len());
-        let get = |i: u32, default: u64| {
-            b.msrs[..n]
-                .iter()
-                .find(|m| m.index == i)
-                .map_or(default, |m| m.value)
-        };
+        let captured = |i: u32| b.msrs[..n].iter().find(|m| m.index == i).map(|m| m.value);
+        let get = |i: u32, default: u64| captured(i).unwrap_or(default);
         Self {
             efer: b.sregs.efer,
             star: get(index::STAR, 0),
@@ -178,7 +194,7 @@ impl MsrFile {
             misc_features: 0,
             kvm_features: kvm_features(b),
             x2apic: b.cpuid(1, 0)[2] & (1 << 21) != 0,
-            arch_capabilities: b.cpuid(7, 0)[3] & (1 << 29) != 0,
+            arch_capabilities: captured(ARCH_CAPABILITIES),
             tsc_adjust: b.cpuid(7, 0)[1] & (1 << 1) != 0,
         }
     }
@@ -197,10 +213,9 @@ impl MsrFile {
                 .any(|&(m, bit)| m == i && self.kvm_features & (1 << bit) != 0)
     }
 
-    /// Whether `rdmsr` of `i` goes to KVM: [`MsrFile::passes_through`] and the read-only
-    /// MSRs KVM models (a write to them is #GP(0), as on hardware).
+    /// Whether `rdmsr` of `i` goes to KVM: [`MsrFile::passes_through`].
     pub fn read_passes_through(&self, i: u32) -> bool {
-        self.passes_through(i) || (i == ARCH_CAPABILITIES && self.arch_capabilities)
+        self.passes_through(i)
     }
 
     /// `rdmsr`: the value, or `None` for #GP(0). FS/GS base come from the caller.
@@ -222,6 +237,7 @@ impl MsrFile {
             index::GS_BASE => gs_base,
             index::KERNEL_GS_BASE => self.kernel_gs_base,
             index::TSC_AUX => self.tsc_aux,
+            ARCH_CAPABILITIES => return self.arch_capabilities,
             _ => return None,
         })
     }
@@ -249,6 +265,7 @@ impl MsrFile {
             // CPUID faulting only (ring-3 MWAIT is not offered).
             index::MISC_FEATURES_ENABLES if v & !1 == 0 => self.misc_features = v,
             index::MISC_ENABLE => {}
+            i if WRITES_IGNORED.contains(&i) => {}
             index::FS_BASE => return Some(Written::FsBase(addr(v)?)),
             index::GS_BASE => return Some(Written::GsBase(addr(v)?)),
             _ => return None,
