@@ -18,3 +18,8 @@ pub const LINUX_CMDLINE: &str = "console=ttyS0 earlyprintk=serial,ttyS0,115200 r
 /// Command line of a native mini-kernel run: skip the steps this KVM cannot run natively
 /// (the mini-kernel knows which they are).
 pub const MINIKERNEL_NATIVE_CMDLINE: &str = "kpin.skip=native-unsafe";
+
+/// Default command line of a kernel the user brings with `--kernel` (no `--cmdline`): the
+/// kernel's own defaults plus the serial console, so that its messages reach kpin's console
+/// (an empty command line leaves a distribution kernel silent).
+pub const USER_KERNEL_CMDLINE: &str = "console=ttyS0";
