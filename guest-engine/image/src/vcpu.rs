@@ -51,7 +51,6 @@ use crate::segments::{Segments, Sreg, GP};
 use crate::shadow::{paging_control, Shadow, CR4_PGE, CR4_SMEP};
 use crate::{gate, irq, log, transitions};
 
-
 const CR0_PE: u64 = 1 << 0;
 const CR0_EM: u64 = 1 << 2;
 const CR0_TS: u64 = 1 << 3;

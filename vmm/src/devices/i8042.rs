@@ -1,7 +1,7 @@
 //! Just enough of the i8042 keyboard controller for a guest to find it and to reset the
 //! machine through it (command 0xfe on port 0x64), which kpin treats as poweroff.
 //!
-//! Linux booted with `reboot=k` reboots (and `reboot -f`/`poweroff -f` end) this way.
+//! Linux booted with `reboot=k` reboots this way (without it, through the ACPI reset register).
 
 use super::bus::{DeviceAction, PortDevice};
 
