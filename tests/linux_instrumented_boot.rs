@@ -15,8 +15,9 @@ use std::time::Duration;
 use kpin_images::LinuxImages;
 use kpin_tests::{engine_config, kvm_available, run_guest, scratch_dir};
 use kpin_tool_bbcount::parse_csv;
+use kpin_tool_bbcount::report::{BbcountSummary, HotBlock};
+use vmm::diag::kernel_symbols::KernelSymbols;
 use vmm::guests::LINUX_CMDLINE;
-use vmm::report::{BbcountSummary, HotBlock, KernelSymbols};
 use vmm::{Outcome, RunReport, VmConfig};
 
 /// The whole boot and workload take ~30 s here; the budget leaves room for a slower or

@@ -1,8 +1,9 @@
-//! One VM with one vCPU: built from a [`VmConfig`], run to an [`Outcome`].
-//!
-//! The run loop is a small state machine: `KVM_RUN`, classify the exit in
-//! [`handle_exit`] into "keep running" or a final [`Outcome`], repeat. Every outcome other
-//! than a clean poweroff carries a guest-state dump.
+//! One VM with one vCPU, built from a [`VmConfig`]: the KVM VM with its in-kernel PIC,
+//! IOAPIC and PIT, guest memory (RAM and the stolen region) in its memory slots, the I/O
+//! ring formatted in the stolen region, the guest loaded and the vCPU at its entry (or at
+//! the engine's), and the devices on the port bus. [`Vm::run`] drives the vCPU loop of
+//! [`super::vcpu`] to an [`Outcome`](super::vcpu::Outcome); every outcome other than a clean poweroff carries a
+//! guest-state dump.
 
 use std::fs::File;
 use std::path::PathBuf;
@@ -13,36 +14,26 @@ use host_daemon::Daemon;
 use kpin_abi::io_ring::{self, Consumer};
 use kpin_abi::stolen::{IO_RING_BYTES, IO_RING_OFFSET};
 use kvm_bindings::{kvm_pit_config, CpuId, KVM_PIT_SPEAKER_DUMMY};
-use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use vm_superio::Serial;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::boot::{self, BootInfo};
-use crate::cpuid;
-use crate::devices::bus::{DeviceAction, PortBus, Routed};
+use crate::boot::layout::IO_RING_BATCH_BYTES;
+use crate::boot::{self, lint, BootInfo};
+use crate::devices::bus::PortBus;
 use crate::devices::engine_ports::{EnginePorts, ENGINE_PORTS_BASE, ENGINE_PORTS_SPAN};
 use crate::devices::i8042::{I8042, I8042_DATA_PORT, I8042_PORT_SPAN};
 use crate::devices::serial::{
     Com1, ConsoleSink, ConsoleWatch, IrqTrigger, COM1_IRQ, COM1_PORT, COM1_PORT_SPAN,
 };
-use crate::dump;
-use crate::engine_boot::{self, EngineConfig, EngineEntry};
+use crate::diag::dump;
+use crate::diag::symbols::Symbols;
+use crate::engine::{self, EngineConfig, EngineEntry};
 use crate::error::{Result, VmmError};
-use crate::layout::IO_RING_BATCH_BYTES;
-use crate::memory::GuestMemory;
-use crate::symbols::Symbols;
-use crate::watchdog::Watchdog;
-
-/// Local APIC register offsets and delivery modes for the LINT pins.
-const APIC_LVT0: usize = 0x350;
-const APIC_LVT1: usize = 0x360;
-const APIC_MODE_EXTINT: u32 = 0x7 << 8;
-const APIC_MODE_NMI: u32 = 0x4 << 8;
-const APIC_LVT_DELIVERY_MASK: u32 = 0x7 << 8;
-const APIC_LVT_MASKED: u32 = 1 << 16;
-/// `KVM_SYSTEM_EVENT_*` types.
-const SYSTEM_EVENT_SHUTDOWN: u32 = 1;
-const SYSTEM_EVENT_RESET: u32 = 2;
+use crate::vstate::cpuid;
+use crate::vstate::memory::GuestMemory;
+use crate::vstate::vcpu::{self, ExitCounters, RunReport};
+use crate::vstate::watchdog::Watchdog;
 
 /// What to boot and how.
 #[derive(Clone, Debug)]
@@ -66,127 +57,6 @@ pub struct VmConfig {
     /// Run the guest under the engine (`--tool`): the vCPU starts in the engine, which
     /// finds the guest's boot state in the attach block.
     pub engine: Option<EngineConfig>,
-}
-
-/// How a run ended, from the guest's point of view.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    /// The guest reset or powered off the machine: a clean end.
-    Poweroff,
-    /// The guest kernel panicked (seen on its console: Linux's or the mini-kernel's mark).
-    KernelPanic,
-    /// Triple fault / shutdown.
-    TripleFault,
-    /// KVM could not emulate an instruction or deliver an event.
-    InternalError {
-        /// `KVM_INTERNAL_ERROR_*` sub-error.
-        suberror: u32,
-        /// Sub-error data words.
-        data: Vec<u64>,
-    },
-    /// VM entry failed.
-    FailEntry {
-        /// Hardware entry-failure reason.
-        reason: u64,
-    },
-    /// A port access that no device and no known-absent device covers.
-    UnhandledPort {
-        /// Port number.
-        port: u16,
-        /// `out` (true) or `in`.
-        write: bool,
-        /// Access size in bytes.
-        size: usize,
-    },
-    /// An MMIO access outside guest RAM and the in-kernel devices.
-    UnhandledMmio {
-        /// Guest-physical address.
-        addr: u64,
-        /// Write (true) or read.
-        write: bool,
-        /// Access size in bytes.
-        size: usize,
-    },
-    /// Another exit kpin does not expect.
-    UnexpectedExit(String),
-    /// The engine reported a failure through its failure port.
-    EngineFailure,
-    /// The run's timeout expired.
-    Timeout,
-}
-
-impl Outcome {
-    /// Whether this is a clean end of the guest.
-    pub fn is_clean(&self) -> bool {
-        *self == Outcome::Poweroff
-    }
-
-    /// One line describing the outcome.
-    pub fn describe(&self) -> String {
-        match self {
-            Outcome::Poweroff => "guest powered off".into(),
-            Outcome::KernelPanic => "guest kernel panicked".into(),
-            Outcome::TripleFault => "guest triple-faulted (shutdown)".into(),
-            Outcome::InternalError { suberror, data } => format!(
-                "KVM internal error, suberror {suberror} ({}), data {data:x?}",
-                internal_error_name(*suberror)
-            ),
-            Outcome::FailEntry { reason } => format!("VM entry failed, reason {reason:#x}"),
-            Outcome::UnhandledPort { port, write, size } => format!(
-                "unhandled port {} of {size} byte(s) at {port:#x}",
-                if *write { "write" } else { "read" }
-            ),
-            Outcome::UnhandledMmio { addr, write, size } => format!(
-                "unhandled MMIO {} of {size} byte(s) at {addr:#x}",
-                if *write { "write" } else { "read" }
-            ),
-            Outcome::UnexpectedExit(what) => format!("unexpected exit: {what}"),
-            Outcome::EngineFailure => "the engine reported a failure (see engine.log)".into(),
-            Outcome::Timeout => "timeout expired".into(),
-        }
-    }
-}
-
-fn internal_error_name(suberror: u32) -> &'static str {
-    match suberror {
-        1 => "instruction emulation failed",
-        2 => "simultaneous exceptions",
-        3 => "delivery event failed",
-        4 => "unexpected exit reason",
-        _ => "unknown",
-    }
-}
-
-/// Exit counts per kind, for the run summary.
-#[derive(Clone, Debug, Default)]
-pub struct ExitCounters {
-    /// Port writes handled by a device.
-    pub io_out: u64,
-    /// Port reads handled by a device.
-    pub io_in: u64,
-    /// Accesses to known-absent legacy ports.
-    pub io_absent: u64,
-    /// I/O-ring doorbells.
-    pub doorbells: u64,
-    /// Returns from `KVM_RUN` because of a signal.
-    pub interrupted: u64,
-    /// All `KVM_RUN` returns.
-    pub total: u64,
-}
-
-/// The result of a run.
-#[derive(Debug)]
-pub struct RunReport {
-    /// How it ended.
-    pub outcome: Outcome,
-    /// The guest-state dump, for every outcome but a clean one.
-    pub dump: Option<String>,
-    /// Wall time from the first `KVM_RUN`.
-    pub wall: Duration,
-    /// Exit counts.
-    pub exits: ExitCounters,
-    /// Bytes the guest wrote to its console.
-    pub console_bytes: u64,
 }
 
 /// A VM ready to run.
@@ -252,10 +122,10 @@ impl Vm {
             .map_err(|e| VmmError::Kvm("KVM_SET_REGS", e))?;
         vcpu.set_fpu(&boot::initial_fpu())
             .map_err(|e| VmmError::Kvm("KVM_SET_FPU", e))?;
-        set_lint_pins(&vcpu)?;
+        lint::set_lint_pins(&vcpu)?;
         // The guest's state is now exactly its native boot state; the engine gets a copy.
         let engine = match &cfg.engine {
-            Some(e) => Some(engine_boot::enter(&vcpu, &mem, &cpuid, e)?),
+            Some(e) => Some(engine::enter::enter(&vcpu, &mem, &cpuid, e)?),
             None => None,
         };
 
@@ -303,46 +173,17 @@ impl Vm {
         let watchdog = Watchdog::arm(self.timeout)?;
         let start = Instant::now();
         let mut exits = ExitCounters::default();
-        let outcome = loop {
-            if watchdog.expired() {
-                break Outcome::Timeout;
-            }
-            exits.total += 1;
-            let step = handle_exit(self.vcpu.run(), &mut self.bus, &mut exits);
-            let step = match step {
-                Ok(s) => s,
-                Err(e) => {
-                    watchdog.finish();
-                    return Err(e);
-                }
-            };
-            if self.console.panicked.get() {
-                break Outcome::KernelPanic;
-            }
-            match step {
-                Step::Continue => {}
-                Step::DrainRing => {
-                    exits.doorbells += 1;
-                    if let Err(e) = daemon.serve(&mut self.ring) {
-                        watchdog.finish();
-                        return Err(VmmError::Daemon(e));
-                    }
-                }
-                Step::InternalError => {
-                    let run = self.vcpu.get_kvm_run();
-                    // SAFETY: KVM filled the `internal` member of the exit union for a
-                    // KVM_EXIT_INTERNAL_ERROR exit, which is what `Step::InternalError` means.
-                    let internal = unsafe { run.__bindgen_anon_1.internal };
-                    let n = (internal.ndata as usize).min(internal.data.len());
-                    break Outcome::InternalError {
-                        suberror: internal.suberror,
-                        data: internal.data[..n].to_vec(),
-                    };
-                }
-                Step::End(o) => break o,
-            }
-        };
+        let outcome = vcpu::run_loop(
+            &mut self.vcpu,
+            &mut self.bus,
+            &self.console,
+            &mut self.ring,
+            daemon,
+            &watchdog,
+            &mut exits,
+        );
         watchdog.finish();
+        let outcome = outcome?;
         let wall = start.elapsed();
         // Whatever the engine wrote before the end (its last log lines on a failure).
         daemon.serve(&mut self.ring).map_err(VmmError::Daemon)?;
@@ -362,107 +203,4 @@ impl Vm {
             console_bytes: self.console.bytes.get(),
         })
     }
-}
-
-/// What the loop does after one exit.
-enum Step {
-    Continue,
-    /// Drain the I/O ring, then continue.
-    DrainRing,
-    /// Read the internal-error details from the run structure, then end.
-    InternalError,
-    End(Outcome),
-}
-
-/// Classifies one `KVM_RUN` return and serves the I/O it asks for.
-fn handle_exit(
-    exit: std::result::Result<VcpuExit<'_>, kvm_ioctls::Error>,
-    bus: &mut PortBus,
-    exits: &mut ExitCounters,
-) -> Result<Step> {
-    let step = match exit {
-        Ok(VcpuExit::IoOut(port, data)) => {
-            let size = data.len();
-            port_step(bus.write(port, data), port, true, size, exits)
-        }
-        Ok(VcpuExit::IoIn(port, data)) => {
-            let size = data.len();
-            port_step(bus.read(port, data), port, false, size, exits)
-        }
-        Ok(VcpuExit::MmioRead(addr, data)) => Step::End(Outcome::UnhandledMmio {
-            addr,
-            write: false,
-            size: data.len(),
-        }),
-        Ok(VcpuExit::MmioWrite(addr, data)) => Step::End(Outcome::UnhandledMmio {
-            addr,
-            write: true,
-            size: data.len(),
-        }),
-        Ok(VcpuExit::Shutdown) => Step::End(Outcome::TripleFault),
-        Ok(VcpuExit::InternalError) => Step::InternalError,
-        Ok(VcpuExit::FailEntry(reason, _)) => Step::End(Outcome::FailEntry { reason }),
-        Ok(VcpuExit::SystemEvent(kind, _))
-            if kind == SYSTEM_EVENT_SHUTDOWN || kind == SYSTEM_EVENT_RESET =>
-        {
-            Step::End(Outcome::Poweroff)
-        }
-        Ok(VcpuExit::Intr) => {
-            exits.interrupted += 1;
-            Step::Continue
-        }
-        Ok(other) => Step::End(Outcome::UnexpectedExit(format!("{other:?}"))),
-        Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
-            exits.interrupted += 1;
-            Step::Continue
-        }
-        Err(e) => return Err(VmmError::Kvm("KVM_RUN", e)),
-    };
-    Ok(step)
-}
-
-/// What a routed port access means for the run loop.
-fn port_step(
-    routed: Routed,
-    port: u16,
-    write: bool,
-    size: usize,
-    exits: &mut ExitCounters,
-) -> Step {
-    match routed {
-        Routed::Device(DeviceAction::Reset) => Step::End(Outcome::Poweroff),
-        Routed::Device(DeviceAction::DrainRing) => Step::DrainRing,
-        Routed::Device(DeviceAction::EngineFailure) => Step::End(Outcome::EngineFailure),
-        Routed::Device(DeviceAction::None) => {
-            if write {
-                exits.io_out += 1;
-            } else {
-                exits.io_in += 1;
-            }
-            Step::Continue
-        }
-        Routed::Absent => {
-            exits.io_absent += 1;
-            Step::Continue
-        }
-        Routed::Unhandled => Step::End(Outcome::UnhandledPort { port, write, size }),
-    }
-}
-
-/// Wires the local APIC's LINT0 to the 8259 (ExtINT) and LINT1 to NMI, as a PC BIOS
-/// leaves them, so PIC interrupts reach a guest that never programs its local APIC.
-fn set_lint_pins(vcpu: &VcpuFd) -> Result<()> {
-    let mut lapic = vcpu
-        .get_lapic()
-        .map_err(|e| VmmError::Kvm("KVM_GET_LAPIC", e))?;
-    for (reg, mode) in [(APIC_LVT0, APIC_MODE_EXTINT), (APIC_LVT1, APIC_MODE_NMI)] {
-        let bytes: [u8; 4] = std::array::from_fn(|i| lapic.regs[reg + i] as u8);
-        let v = u32::from_le_bytes(bytes);
-        let v = (v & !(APIC_LVT_DELIVERY_MASK | APIC_LVT_MASKED)) | mode;
-        for (i, b) in v.to_le_bytes().into_iter().enumerate() {
-            lapic.regs[reg + i] = b as libc::c_char;
-        }
-    }
-    vcpu.set_lapic(&lapic)
-        .map_err(|e| VmmError::Kvm("KVM_SET_LAPIC", e))
 }
