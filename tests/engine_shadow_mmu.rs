@@ -12,7 +12,7 @@ use iced_x86::code_asm::{
     al, cr0, cr2, cr3, dword_ptr, dx, eax, ecx, edi, ptr, qword_ptr, r8, r8d, rax, rbx, rcx, rdi,
     rsp, CodeAssembler, CodeLabel,
 };
-use kpin_tests::{kvm_available, run_tiny_guest, TINY_LOAD_ADDR};
+use kpin_tests::{require_kvm, run_tiny_guest, TINY_LOAD_ADDR};
 use vmm::Outcome;
 
 /// The guest's own page tables (identity-mapped RAM below 2 MiB, above the tiny guest).
@@ -152,9 +152,7 @@ fn page_table_guest() -> Vec<u8> {
 
 #[test]
 fn test_guest_page_tables_cr3_write_and_invlpg_behave_as_natively() {
-    if !kvm_available("test_guest_page_tables_cr3_write_and_invlpg_behave_as_natively") {
-        return;
-    }
+    require_kvm!();
     let code = page_table_guest();
     let (native, native_console, _, _) = run_tiny_guest("shadow-pt-native", &code, None);
     assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
@@ -269,11 +267,7 @@ fn smc_run(name: &str, same_page: bool) -> String {
 
 #[test]
 fn test_self_modifying_code_on_another_page_runs_the_new_code_after_one_invalidation() {
-    if !kvm_available(
-        "test_self_modifying_code_on_another_page_runs_the_new_code_after_one_invalidation",
-    ) {
-        return;
-    }
+    require_kvm!();
     let shadow = smc_run("shadow-smc-far", false);
     assert!(shadow.contains(" write_protect_faults=1 "), "{shadow}");
     assert!(shadow.contains(" code_writes=1 "), "{shadow}");
@@ -284,9 +278,7 @@ fn test_self_modifying_code_on_another_page_runs_the_new_code_after_one_invalida
 
 #[test]
 fn test_self_modifying_code_on_the_storing_page_emulates_the_store_once() {
-    if !kvm_available("test_self_modifying_code_on_the_storing_page_emulates_the_store_once") {
-        return;
-    }
+    require_kvm!();
     let shadow = smc_run("shadow-smc-near", true);
     assert!(shadow.contains(" write_protect_faults=1 "), "{shadow}");
     assert!(shadow.contains(" code_writes=1 "), "{shadow}");
@@ -352,9 +344,7 @@ fn fault_run(name: &str, code: &[u8]) -> String {
 
 #[test]
 fn test_write_to_an_unmapped_page_delivers_the_native_error_code_and_cr2() {
-    if !kvm_available("test_write_to_an_unmapped_page_delivers_the_native_error_code_and_cr2") {
-        return;
-    }
+    require_kvm!();
     // 4 GiB: beyond the VMM's boot identity map of 0–4 GiB.
     let code = fault_guest(|a| {
         a.mov(rax, 0x1_0000_0000_u64).unwrap();
@@ -366,11 +356,7 @@ fn test_write_to_an_unmapped_page_delivers_the_native_error_code_and_cr2() {
 
 #[test]
 fn test_write_to_a_read_only_page_with_cr0_wp_delivers_the_native_error_code_and_cr2() {
-    if !kvm_available(
-        "test_write_to_a_read_only_page_with_cr0_wp_delivers_the_native_error_code_and_cr2",
-    ) {
-        return;
-    }
+    require_kvm!();
     let code = fault_guest(|a| {
         build_tables_and_switch(a);
         a.mov(rax, cr0).unwrap();
@@ -385,9 +371,7 @@ fn test_write_to_a_read_only_page_with_cr0_wp_delivers_the_native_error_code_and
 
 #[test]
 fn test_jump_to_an_unmapped_page_delivers_the_native_error_code_and_cr2() {
-    if !kvm_available("test_jump_to_an_unmapped_page_delivers_the_native_error_code_and_cr2") {
-        return;
-    }
+    require_kvm!();
     let code = fault_guest(|a| {
         a.mov(rax, 0x1_0000_0000_u64).unwrap();
         a.jmp(rax).unwrap();
@@ -440,9 +424,7 @@ fn many_regions_guest() -> Vec<u8> {
 
 #[test]
 fn test_running_out_of_shadow_tables_drops_the_shadow_and_carries_on() {
-    if !kvm_available("test_running_out_of_shadow_tables_drops_the_shadow_and_carries_on") {
-        return;
-    }
+    require_kvm!();
     let code = many_regions_guest();
     let (native, native_console, _, _) = run_tiny_guest("shadow-reclaim-native", &code, None);
     assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
@@ -476,10 +458,7 @@ fn engine_failure(name: &str, code: &[u8]) -> String {
 
 #[test]
 fn test_guest_mapping_the_stolen_region_ends_the_run_naming_the_shadow_failure() {
-    if !kvm_available("test_guest_mapping_the_stolen_region_ends_the_run_naming_the_shadow_failure")
-    {
-        return;
-    }
+    require_kvm!();
     // The guest maps the stolen region's first 2 MiB (at its identity address, through a
     // page directory of its own) and reads it: the shadow MMU refuses the frame.
     let stolen = vmm::memory::stolen_base(64 << 20);
@@ -508,9 +487,7 @@ fn test_guest_mapping_the_stolen_region_ends_the_run_naming_the_shadow_failure()
 
 #[test]
 fn test_a_non_mov_write_into_the_writers_own_code_frame_stops_naming_it() {
-    if !kvm_available("test_a_non_mov_write_into_the_writers_own_code_frame_stops_naming_it") {
-        return;
-    }
+    require_kvm!();
     let mut a = CodeAssembler::new(64).unwrap();
     let mut target = a.create_label();
     a.mov(rsp, STACK).unwrap();
@@ -539,11 +516,7 @@ const MINIKERNEL_SKIP_ALL_BUT_MEMORY: &str =
 
 #[test]
 fn test_minikernel_address_space_and_smc_steps_match_expected_txt_under_the_engine() {
-    if !kvm_available(
-        "test_minikernel_address_space_and_smc_steps_match_expected_txt_under_the_engine",
-    ) {
-        return;
-    }
+    require_kvm!();
     let (report, text, log, _) = kpin_tests::run_minikernel(
         "shadow-minikernel",
         MINIKERNEL_SKIP_ALL_BUT_MEMORY,

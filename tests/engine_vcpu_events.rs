@@ -10,7 +10,7 @@ use iced_x86::code_asm::{
     edx, es, qword_ptr, r11, r14, r15, rax, rbx, rcx, rdi, rdx, rsi, rsp, ss, xmm0, xmm1,
     CodeAssembler, CodeLabel,
 };
-use kpin_tests::{kvm_available, run_tiny_guest, TINY_LOAD_ADDR};
+use kpin_tests::{require_kvm, run_tiny_guest, TINY_LOAD_ADDR};
 use vmm::Outcome;
 
 const GDTR: u64 = 0x20_0f00;
@@ -282,11 +282,7 @@ fn fault(g: &mut Guest, insn: impl FnOnce(&mut CodeAssembler) -> Result<(), iced
 
 #[test]
 fn test_de_ud_gp_and_segment_faults_are_delivered_to_the_guest_handler_and_iretq_resumes() {
-    if !kvm_available(
-        "test_de_ud_gp_and_segment_faults_are_delivered_to_the_guest_handler_and_iretq_resumes",
-    ) {
-        return;
-    }
+    require_kvm!();
     // (Only what KVM can run natively here: a non-present data segment in DS or a code
     // segment in SS ends a native run with an emulation failure; see the next test.)
     let mut g = Guest::new();
@@ -329,11 +325,7 @@ fn test_de_ud_gp_and_segment_faults_are_delivered_to_the_guest_handler_and_iretq
 
 #[test]
 fn test_faults_kvm_cannot_run_natively_and_int3_are_delivered_with_the_cpus_error_codes() {
-    if !kvm_available(
-        "test_faults_kvm_cannot_run_natively_and_int3_are_delivered_with_the_cpus_error_codes",
-    ) {
-        return;
-    }
+    require_kvm!();
     let mut g = Guest::new();
     let mut main = g.a.create_label();
     g.a.jmp(main).unwrap();
@@ -380,9 +372,7 @@ fn test_faults_kvm_cannot_run_natively_and_int3_are_delivered_with_the_cpus_erro
 
 #[test]
 fn test_pit_interrupts_are_delivered_to_the_guest_handler_and_wake_hlt() {
-    if !kvm_available("test_pit_interrupts_are_delivered_to_the_guest_handler_and_wake_hlt") {
-        return;
-    }
+    require_kvm!();
     let mut g = Guest::new();
     let mut main = g.a.create_label();
     let mut handler = g.a.create_label();
@@ -453,9 +443,7 @@ fn test_pit_interrupts_are_delivered_to_the_guest_handler_and_wake_hlt() {
 
 #[test]
 fn test_syscall_and_sysretq_round_trip_between_cpl0_and_cpl3() {
-    if !kvm_available("test_syscall_and_sysretq_round_trip_between_cpl0_and_cpl3") {
-        return;
-    }
+    require_kvm!();
     let mut g = Guest::new();
     let mut main = g.a.create_label();
     let mut entry = g.a.create_label();
@@ -551,11 +539,7 @@ fn test_syscall_and_sysretq_round_trip_between_cpl0_and_cpl3() {
 
 #[test]
 fn test_a_delivery_whose_third_push_faults_is_rolled_back_and_becomes_a_double_fault() {
-    if !kvm_available(
-        "test_a_delivery_whose_third_push_faults_is_rolled_back_and_becomes_a_double_fault",
-    ) {
-        return;
-    }
+    require_kvm!();
     // The stack's top 16 bytes sit at the bottom of a mapped page above an unmapped one:
     // delivering #PF pushes SS and RSP, then faults on RFLAGS. The CPU then raises #DF
     // (a #PF during #PF delivery), on IST1; the handler prints the two stack words (still
@@ -608,9 +592,7 @@ fn test_a_delivery_whose_third_push_faults_is_rolled_back_and_becomes_a_double_f
 
 #[test]
 fn test_16_and_32_bit_port_io_reads_and_writes_like_natively() {
-    if !kvm_available("test_16_and_32_bit_port_io_reads_and_writes_like_natively") {
-        return;
-    }
+    require_kvm!();
     // Port 0xcf8 (PCI configuration, absent: reads all ones, writes ignored). `in eax`
     // zero-extends into RAX, `in ax` keeps RAX's upper bits.
     let mut g = Guest::new();
@@ -646,11 +628,7 @@ fn test_16_and_32_bit_port_io_reads_and_writes_like_natively() {
 #[test]
 fn test_control_and_debug_registers_msrs_the_local_apic_and_string_self_patching_match_the_native_run(
 ) {
-    if !kvm_available(
-        "test_control_and_debug_registers_msrs_the_local_apic_and_string_self_patching_match_the_native_run",
-    ) {
-        return;
-    }
+    require_kvm!();
     // What Linux's boot does to the virtual CPU before it reaches user space: CR0.AM/WP,
     // CR4.OSFXSR/OSXMMEXCPT (then SSE must run: the engine mirrors them into the real
     // CR4), debug registers, `smsw`, MSRs the virtual CPU
@@ -746,9 +724,7 @@ fn test_control_and_debug_registers_msrs_the_local_apic_and_string_self_patching
 #[test]
 #[ignore = "native CPUID differs from the VMM's table (see the comment)"]
 fn test_cpuid_leaves_read_the_same_as_natively() {
-    if !kvm_available("test_cpuid_leaves_read_the_same_as_natively") {
-        return;
-    }
+    require_kvm!();
     // The engine answers CPUID from the table the VMM gives KVM; KVM adjusts some
     // leaves at run time (APIC and OSXSAVE bits, topology), which the guest must see
     // the same under the engine.

@@ -10,7 +10,7 @@ use iced_x86::code_asm::{
     al, ax, byte_ptr, cs, ds, dword_ptr, dx, eax, es, fs, gs, ptr, rax, rsp, ss, CodeAssembler,
 };
 use iced_x86::IcedError;
-use kpin_tests::{kvm_available, run_tiny_guest, TINY_LOAD_ADDR};
+use kpin_tests::{require_kvm, run_tiny_guest, TINY_LOAD_ADDR};
 use vmm::Outcome;
 
 /// Emits one instruction.
@@ -165,9 +165,7 @@ fn nibble(a: &mut CodeAssembler) {
 
 #[test]
 fn test_segment_loads_and_reads_under_the_engine_match_the_native_run() {
-    if !kvm_available("test_segment_loads_and_reads_under_the_engine_match_the_native_run") {
-        return;
-    }
+    require_kvm!();
     let code = segments_guest();
     let (native, native_console, _, _) = run_tiny_guest("engine-seg-native", &code, None);
     assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
