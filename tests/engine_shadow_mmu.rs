@@ -12,6 +12,7 @@ use iced_x86::code_asm::{
     al, cr0, cr2, cr3, dword_ptr, dx, eax, ecx, edi, ptr, qword_ptr, r8, r8d, rax, rbx, rcx, rdi,
     rsp, CodeAssembler, CodeLabel,
 };
+use kpin_tests::guest_asm::{hex_digit, native_and_null, reset};
 use kpin_tests::{require_kvm, run_tiny_guest, TINY_LOAD_ADDR};
 use vmm::Outcome;
 
@@ -39,7 +40,6 @@ const BOOT_CS: u64 = 0x10;
 /// `print_hex`: prints R8 as 16 hex digits and a newline on COM1 (clobbers RAX, RCX, RDX,
 /// R8).
 fn emit_print_hex(a: &mut CodeAssembler, label: &mut CodeLabel) {
-    let mut digit = a.create_label();
     let mut next = a.create_label();
     a.set_label(label).unwrap();
     a.mov(dx, 0x3f8_u32).unwrap();
@@ -48,11 +48,7 @@ fn emit_print_hex(a: &mut CodeAssembler, label: &mut CodeLabel) {
     a.rol(r8, 4_u32).unwrap();
     a.mov(eax, r8d).unwrap();
     a.and(eax, 0xf_u32).unwrap();
-    a.cmp(al, 10_u32).unwrap();
-    a.jb(digit).unwrap();
-    a.add(al, (b'a' - b'0' - 10) as u32).unwrap();
-    a.set_label(&mut digit).unwrap();
-    a.add(al, b'0' as u32).unwrap();
+    hex_digit(a);
     a.out(dx, al).unwrap();
     a.dec(ecx).unwrap();
     a.jnz(next).unwrap();
@@ -66,12 +62,6 @@ fn print_qword_at(a: &mut CodeAssembler, print: CodeLabel, addr: u64) {
     a.mov(rax, addr).unwrap();
     a.mov(r8, qword_ptr(rax)).unwrap();
     a.call(print).unwrap();
-}
-
-fn reset(a: &mut CodeAssembler) {
-    a.mov(al, 0xfe_u32).unwrap();
-    a.out(0x64_u32, al).unwrap();
-    a.hlt().unwrap();
 }
 
 fn store_qword(a: &mut CodeAssembler, addr: u64, value: u64) {
@@ -245,20 +235,8 @@ fn smc_guest(same_page: bool) -> (Vec<u8>, u64) {
 
 fn smc_run(name: &str, same_page: bool) -> String {
     let (code, _) = smc_guest(same_page);
-    let (native, native_console, _, _) = run_tiny_guest(&format!("{name}-native"), &code, None);
-    assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
-    assert_eq!(
-        native_console, "0000000011111111\n0000000022222222\n",
-        "{native_console}"
-    );
-    let (report, console, log, _) = run_tiny_guest(&format!("{name}-null"), &code, Some("null"));
-    assert_eq!(
-        report.outcome,
-        Outcome::Poweroff,
-        "{log}\n{:?}",
-        report.dump
-    );
-    assert_eq!(console, native_console, "{log}");
+    let (console, log) = native_and_null(name, &code);
+    assert_eq!(console, "0000000011111111\n0000000022222222\n", "{console}");
     log.lines()
         .find(|l| l.contains("engine: shadow: "))
         .unwrap_or_else(|| panic!("no shadow stats line: {log}"))
@@ -327,17 +305,8 @@ fn fault_guest(body: fn(&mut CodeAssembler)) -> Vec<u8> {
 /// and the virtual CPU delivers it to the guest's handler, which prints the error code
 /// and CR2 — the same two lines as natively. Returns the console.
 fn fault_run(name: &str, code: &[u8]) -> String {
-    let (native, native_console, _, _) = run_tiny_guest(&format!("{name}-native"), code, None);
-    assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
-    assert_eq!(native_console.lines().count(), 2, "{native_console}");
-    let (report, console, log, _) = run_tiny_guest(&format!("{name}-null"), code, Some("null"));
-    assert_eq!(
-        report.outcome,
-        Outcome::Poweroff,
-        "{log}\n{:?}",
-        report.dump
-    );
-    assert_eq!(console, native_console, "{log}");
+    let (console, log) = native_and_null(name, code);
+    assert_eq!(console.lines().count(), 2, "{console}");
     assert!(log.contains(" guest_faults_reflected=1 "), "{log}");
     console
 }

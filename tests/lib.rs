@@ -6,6 +6,8 @@
 
 use std::path::{Path, PathBuf};
 
+pub mod guest_asm;
+
 use host_daemon::{Daemon, DaemonStats};
 use vmm::{RunReport, Vm, VmConfig};
 
@@ -145,7 +147,7 @@ pub fn expected_for_cpu(template: &str, max_basic_leaf: u32, vendor: [u32; 3]) -
         + MINIKERNEL_START.len()
         + 1;
     let done = text.find(MINIKERNEL_DONE).expect("DONE line");
-    let sum = fnv1a64(text[start..done].as_bytes());
+    let sum = fnv1a64(&text.as_bytes()[start..done]);
     text.replace("{checksum}", &format!("{sum:016x}"))
 }
 
