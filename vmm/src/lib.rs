@@ -9,8 +9,8 @@
 //! - [`engine`]: loading and entering the guest engine (`--tool`);
 //! - [`diag`]: the guest-state dump, page walks and kernel symbols.
 //!
-//! The old flat module paths (`vmm::cpuid`, `vmm::memory`, `vmm::layout`, …) stay as
-//! re-exports for the crates that use them.
+//! The flat module paths other crates use (`vmm::cpuid`, `vmm::memory`, `vmm::layout`,
+//! `vmm::symbols`) stay as re-exports.
 #![deny(missing_docs)]
 
 pub mod boot;
@@ -23,9 +23,9 @@ pub mod vstate;
 pub mod x86;
 
 pub use boot::layout;
-pub use diag::{dump, paging, symbols};
-pub use engine::{attach, enter as engine_boot, loader as engine_loader, EngineConfig};
+pub use diag::symbols;
+pub use engine::EngineConfig;
 pub use error::{Result, VmmError};
 pub use vstate::vcpu::{ExitCounters, Outcome, RunReport};
 pub use vstate::vm::{Vm, VmConfig};
-pub use vstate::{cpuid, memory, watchdog};
+pub use vstate::{cpuid, memory};

@@ -1,9 +1,9 @@
 //! The vCPU run loop and what each exit means.
 //!
-//! The loop is a small state machine: `KVM_RUN`, classify the exit in [`handle_exit`]
-//! into a [`Step`] ("keep running", "drain the I/O ring, then keep running", or a final
-//! [`Outcome`]), act on it, repeat. [`handle_exit`] sees only the exit and the port bus,
-//! so it is unit-tested with exits built by hand, without KVM.
+//! The loop is a small state machine: `KVM_RUN`, classify the exit in `handle_exit` into
+//! a `Step` ("keep running", "drain the I/O ring, then keep running", "read the internal
+//! error", or a final [`Outcome`]), act on it, repeat. `handle_exit` sees only the exit
+//! and the port bus, so it is unit-tested with exits built by hand, without KVM.
 
 use std::time::Duration;
 

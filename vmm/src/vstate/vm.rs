@@ -2,8 +2,8 @@
 //! IOAPIC and PIT, guest memory (RAM and the stolen region) in its memory slots, the I/O
 //! ring formatted in the stolen region, the guest loaded and the vCPU at its entry (or at
 //! the engine's), and the devices on the port bus. [`Vm::run`] drives the vCPU loop of
-//! [`super::vcpu`] to an [`Outcome`](super::vcpu::Outcome); every outcome other than a clean poweroff carries a
-//! guest-state dump.
+//! [`super::vcpu`] to an [`Outcome`](super::vcpu::Outcome); every outcome other than a
+//! clean poweroff carries a guest-state dump.
 
 use std::fs::File;
 use std::path::PathBuf;
