@@ -187,11 +187,13 @@ pub(crate) fn run_loop(
 /// What the loop does after one exit.
 #[derive(Debug, PartialEq, Eq)]
 enum Step {
+    /// Run the vCPU again.
     Continue,
     /// Drain the I/O ring, then continue.
     DrainRing,
     /// Read the internal-error details from the run structure, then end.
     InternalError,
+    /// The run is over.
     End(Outcome),
 }
 
