@@ -818,8 +818,10 @@ impl Vcpu<'_> {
                 let rax = regs.get(Gpr::Rax);
                 if i.mnemonic() == Mnemonic::Out {
                     self.stats.outs += 1;
-                    if kpin_abi::ports::ends_the_run(port, size, rax as u32) {
-                        self.final_write = Some((port, size, rax as u32));
+                    // What the `out` writes: AL, AX or EAX.
+                    let value = (rax & (u64::MAX >> (64 - 8 * u32::from(size)))) as u32;
+                    if kpin_abi::ports::ends_the_run(port, size, value) {
+                        self.final_write = Some((port, size, value));
                         return Ok(Emulation::Stop);
                     }
                     gate::out(port, size, rax as u32);
