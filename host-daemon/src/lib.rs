@@ -13,7 +13,7 @@
 //!   [`DaemonConfig::max_output_bytes`]; past that, writes are dropped and counted.
 //! - `Log` lines go to `engine.log`, with escape sequences and control characters removed
 //!   ([`text::terminal_safe`]): one record is one line. Errors and warnings are also
-//!   echoed to stderr, up to [`MAX_ECHOED_LINES`] per run.
+//!   echoed to stderr, up to [`DaemonConfig::max_echoed_lines`] per run.
 //!
 //! A refused name, or a write past a limit, is logged and counted, and the run goes on.
 //! A corrupt ring or a host I/O failure (a full disk) is a [`DaemonError`]; after one,
@@ -52,10 +52,6 @@ pub const RESERVED_NAMES: &[&str] = &[
     "control.sock",
 ];
 
-/// Engine log lines (and the daemon's own notes) echoed to stderr per run at most; the
-/// rest are only in `engine.log`.
-pub const MAX_ECHOED_LINES: u64 = 1000;
-
 /// Limits of one run's output.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DaemonConfig {
@@ -66,6 +62,9 @@ pub struct DaemonConfig {
     /// Bytes written to tool files and `engine.log` together (`kpin run
     /// --max-output-bytes`).
     pub max_output_bytes: u64,
+    /// Engine errors and warnings (and the daemon's own notes) echoed to stderr at most;
+    /// the rest are only in `engine.log`.
+    pub max_echoed_lines: u64,
 }
 
 impl DaemonConfig {
@@ -75,6 +74,8 @@ impl DaemonConfig {
     pub const DEFAULT_MAX_FILES: u64 = 4096;
     /// Default [`Self::max_output_bytes`]: 1 GiB.
     pub const DEFAULT_MAX_OUTPUT_BYTES: u64 = 1 << 30;
+    /// Default [`Self::max_echoed_lines`].
+    pub const DEFAULT_MAX_ECHOED_LINES: u64 = 1000;
 }
 
 impl Default for DaemonConfig {
@@ -83,6 +84,7 @@ impl Default for DaemonConfig {
             max_open_files: Self::DEFAULT_MAX_OPEN_FILES,
             max_files: Self::DEFAULT_MAX_FILES,
             max_output_bytes: Self::DEFAULT_MAX_OUTPUT_BYTES,
+            max_echoed_lines: Self::DEFAULT_MAX_ECHOED_LINES,
         }
     }
 }
@@ -186,6 +188,16 @@ impl Daemon {
     /// The statistics so far.
     pub fn stats(&self) -> &DaemonStats {
         &self.stats
+    }
+
+    /// Tool files open now.
+    pub fn open_files(&self) -> usize {
+        self.files.len()
+    }
+
+    /// Bytes charged to [`DaemonConfig::max_output_bytes`] so far.
+    pub fn output_bytes(&self) -> u64 {
+        self.output_bytes
     }
 
     /// Flushes and closes everything; returns the statistics.
@@ -333,11 +345,12 @@ impl Daemon {
         writeln!(log, "[{level:?}] {text}").map_err(|e| DaemonError::Io(path, e))?;
         if level <= LogLevel::Warn {
             self.echoed += 1;
-            if self.echoed <= MAX_ECHOED_LINES {
+            let max = self.config.max_echoed_lines;
+            if self.echoed <= max {
                 eprintln!("kpin: engine: [{level:?}] {text}");
-            } else if self.echoed == MAX_ECHOED_LINES + 1 {
+            } else if self.echoed == max + 1 {
                 eprintln!(
-                    "kpin: engine: more than {MAX_ECHOED_LINES} errors and warnings; the rest are only in {}",
+                    "kpin: engine: more than {max} errors and warnings; the rest are only in {}",
                     self.out_dir.join(ENGINE_LOG).display()
                 );
             }
@@ -475,6 +488,7 @@ mod tests {
             max_open_files: 2,
             max_files: 3,
             max_output_bytes: 100,
+            max_echoed_lines: 0,
         };
         let mut d = Daemon::with_config(&dir, cfg);
         for id in 1..=3 {
