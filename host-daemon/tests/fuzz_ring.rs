@@ -114,7 +114,10 @@ fn fill(mem: &mut Mem, rng: &mut Rng, start: u64) {
     for _ in 0..rng.below(24) {
         let file = rng.below(12) as u16;
         let r = match rng.below(10) {
-            0..=2 => p.push(Kind::Open, file, *rng.pick(NAMES)),
+            0..=2 => {
+                let name = rng.pick::<&[u8]>(NAMES);
+                p.push(Kind::Open, file, name)
+            }
             3..=6 => {
                 let n = rng.below(300) as usize;
                 let data: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
