@@ -145,6 +145,36 @@ pub fn read_output_file(path: &Path, max_bytes: u64) -> io::Result<Vec<u8>> {
     Ok(data)
 }
 
+/// The last `max_bytes` (at most) of the regular file at `path`, opened as
+/// [`read_output_file`] opens it: for the tail of a log that may be large.
+pub fn read_output_tail(path: &Path, max_bytes: u64) -> io::Result<Vec<u8>> {
+    use std::os::unix::fs::FileExt;
+    let c = cstr(path.as_os_str().as_bytes())?;
+    let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC;
+    // SAFETY: `c` is a NUL-terminated path; open(2) does not keep the pointer.
+    let fd = cvt(unsafe { libc::open(c.as_ptr(), flags) }).map_err(|e| explain(e, path))?;
+    // SAFETY: `fd` was just returned by open(2) and is owned by nobody else.
+    let f = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let meta = f.metadata()?;
+    if !meta.file_type().is_file() {
+        return Err(io::Error::other(format!(
+            "{} is not a regular file",
+            path.display()
+        )));
+    }
+    let start = meta.len().saturating_sub(max_bytes);
+    let mut data = vec![0; usize::try_from(meta.len() - start).map_err(io::Error::other)?];
+    let mut got = 0;
+    while got < data.len() {
+        match f.read_at(&mut data[got..], start + got as u64)? {
+            0 => break,
+            n => got += n,
+        }
+    }
+    data.truncate(got);
+    Ok(data)
+}
+
 /// [`read_output_file`] as UTF-8 text.
 pub fn read_output_text(path: &Path, max_bytes: u64) -> io::Result<String> {
     String::from_utf8(read_output_file(path, max_bytes)?).map_err(|_| {
@@ -375,6 +405,10 @@ mod tests {
         let e = read_output_file(&run, 1).unwrap_err();
         assert!(e.to_string().contains("more than the 1"), "{e}");
         assert!(read_output_file(Path::new("/dev/zero"), 100).is_err());
+        std::fs::write(&run, b"0123456789").unwrap();
+        assert_eq!(read_output_tail(&run, 4).unwrap(), b"6789");
+        assert_eq!(read_output_tail(&run, 40).unwrap(), b"0123456789");
+        assert!(read_output_tail(&link, 4).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

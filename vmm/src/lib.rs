@@ -12,6 +12,7 @@ pub mod engine_boot;
 pub mod engine_loader;
 pub mod error;
 pub mod guests;
+pub mod input_check;
 pub mod layout;
 pub mod memory;
 pub mod paging;

@@ -4,7 +4,6 @@
 //! [`handle_exit`] into "keep running" or a final [`Outcome`], repeat. Every outcome other
 //! than a clean poweroff carries a guest-state dump.
 
-use std::fs::File;
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -113,6 +112,9 @@ pub enum Outcome {
     EngineFailure,
     /// The run's timeout expired.
     Timeout,
+    /// The host daemon stopped serving the I/O ring: a corrupt ring (the engine's end is
+    /// in the guest's VM) or a failed write to the output directory.
+    HostDaemon(String),
 }
 
 impl Outcome {
@@ -143,6 +145,7 @@ impl Outcome {
             Outcome::UnexpectedExit(what) => format!("unexpected exit: {what}"),
             Outcome::EngineFailure => "the engine reported a failure (see engine.log)".into(),
             Outcome::Timeout => "timeout expired".into(),
+            Outcome::HostDaemon(why) => format!("the host daemon stopped the run: {why}"),
         }
     }
 }
@@ -261,7 +264,11 @@ impl Vm {
 
         let console = Rc::new(ConsoleWatch::default());
         let file = match &cfg.console_file {
-            Some(p) => Some(File::create(p).map_err(|e| VmmError::ConsoleFile(p.clone(), e))?),
+            // Never through a symlink or hard link left in the output directory.
+            Some(p) => Some(
+                host_daemon::resolve::create_output_file(p)
+                    .map_err(|e| VmmError::ConsoleFile(p.clone(), e))?,
+            ),
             None => None,
         };
         let irq = EventFd::new(libc::EFD_NONBLOCK)
@@ -324,8 +331,7 @@ impl Vm {
                 Step::DrainRing => {
                     exits.doorbells += 1;
                     if let Err(e) = daemon.serve(&mut self.ring) {
-                        watchdog.finish();
-                        return Err(VmmError::Daemon(e));
+                        break Outcome::HostDaemon(error_chain(&e));
                     }
                 }
                 Step::InternalError => {
@@ -344,8 +350,14 @@ impl Vm {
         };
         watchdog.finish();
         let wall = start.elapsed();
-        // Whatever the engine wrote before the end (its last log lines on a failure).
-        daemon.serve(&mut self.ring).map_err(VmmError::Daemon)?;
+        // Whatever the engine wrote before the end (its last log lines on a failure); a
+        // daemon that failed already leaves the ring alone.
+        let outcome = match daemon.serve(&mut self.ring) {
+            Err(e) if !matches!(outcome, Outcome::HostDaemon(_)) => {
+                Outcome::HostDaemon(error_chain(&e))
+            }
+            _ => outcome,
+        };
         let dump = (!outcome.is_clean()).then(|| {
             dump::guest_state(
                 &outcome.describe(),
@@ -362,6 +374,18 @@ impl Vm {
             console_bytes: self.console.bytes.get(),
         })
     }
+}
+
+/// An error and its sources on one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
 }
 
 /// What the loop does after one exit.
