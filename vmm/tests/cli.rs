@@ -318,6 +318,39 @@ fn test_guest_triple_fault_under_the_engine_exits_3_with_the_guests_state_and_la
 }
 
 #[test]
+fn test_a_bbcount_csv_in_a_null_run_is_not_taken_for_bbcounts_results() {
+    if !kvm_available("test_a_bbcount_csv_in_a_null_run_is_not_taken_for_bbcounts_results") {
+        return;
+    }
+    let dir = scratch_dir("cli-forged-bbcount");
+    // What a guest could leave: a CSV in bbcount's format with a count that wraps.
+    std::fs::write(
+        dir.join("bbcount.csv"),
+        "address,cpl,instructions,count\n0x100000,0,2,9223372036854775808\n",
+    )
+    .unwrap();
+    let kernel = dir.join("ud2.elf");
+    std::fs::write(&kernel, tiny_elf(&[0x0f, 0x0b])).unwrap();
+    let o = kpin(
+        &[
+            "run",
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--mem",
+            "64",
+            "--tool",
+            "null",
+        ],
+        &dir,
+    );
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(!dir.join("bbcount-report.txt").exists());
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("run.json")).unwrap()).unwrap();
+    assert!(summary["bbcount"].is_null(), "{summary}");
+}
+
+#[test]
 fn test_timeout_exits_4() {
     if !kvm_available("test_timeout_exits_4") {
         return;
@@ -506,6 +539,8 @@ fn test_help_documents_exit_statuses_and_run_options() {
         "--out",
         "--tool",
         "--top",
+        "--max-output-bytes",
+        "--max-open-files",
     ] {
         assert!(text.contains(flag), "run --help lacks {flag}");
     }
