@@ -7,9 +7,9 @@
 //!
 //! - [`OutDir::create_file`] (the daemon's `Open` records) resolves a relative name with
 //!   `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)`, or, where
-//!   the kernel has no `openat2` (`ENOSYS`), by walking the name one component at a time
-//!   with `openat(O_NOFOLLOW | O_DIRECTORY)`; missing directories are made with `mkdirat`
-//!   beneath directories already opened that way.
+//!   the kernel has no `openat2` (`ENOSYS`, or `EPERM` from a seccomp filter), by walking
+//!   the name one component at a time with `openat(O_NOFOLLOW | O_DIRECTORY)`; missing
+//!   directories are made with `mkdirat` beneath directories already opened that way.
 //! - [`create_output_file`] and [`read_output_file`] are kpin's own files (`console.log`,
 //!   `run.json`, `dump.txt`, reports; `counters.json` and `bbcount.csv` read back):
 //!   `O_NOFOLLOW` on the last component.
@@ -219,7 +219,7 @@ impl OutDir {
         self.create_file_with(rel, true)
     }
 
-    /// [`Self::create_file`], with `openat2` or (`use_openat2 == false`, or `ENOSYS`) the
+    /// [`Self::create_file`], with `openat2` or (`use_openat2 == false`, `ENOSYS`, `EPERM`) the
     /// component walk alone.
     pub(crate) fn create_file_with(&self, rel: &str, use_openat2: bool) -> io::Result<File> {
         let what = self.path.join(rel);
@@ -277,10 +277,12 @@ impl OutDir {
         }
         let fd = match use_openat2.then(|| self.openat2(rel)) {
             Some(Ok(fd)) => fd,
-            Some(Err(e)) if e.raw_os_error() != Some(libc::ENOSYS) => {
+            // ENOSYS: no openat2 on this kernel; EPERM: a seccomp filter that forbids it.
+            // The walk is as strict, so either falls back to it.
+            Some(Err(e)) if !matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => {
                 return Err(explain(e, &what))
             }
-            // No openat2 on this kernel: the last component beneath the walked parent.
+            // The last component beneath the walked parent.
             _ => {
                 let at = held
                     .as_ref()
