@@ -7,7 +7,8 @@
 //! outside, a FIFO, a hard link to an outside file, a plain file to create names below.
 //! After every serve and every episode it checks that nothing panicked, that nothing
 //! outside the output directory changed, that no dot-file and no file through a symlink
-//! appeared, and that open files and output bytes stayed within the limits.
+//! appeared, that open files and output bytes stayed within the limits, and that no file
+//! descriptor outlives its daemon.
 //!
 //! `KPIN_FUZZ_ITERATIONS` overrides the iteration count; `KPIN_FUZZ_SEED` the seed.
 
@@ -285,6 +286,8 @@ fn test_fuzzed_ring_states_never_escape_the_output_directory_or_exceed_the_limit
     let mut mem = Box::new(Mem([0; HEADER_BYTES + DATA_BYTES]));
     let (mut served, mut errors, mut records) = (0u64, 0u64, 0u64);
     let start = std::time::Instant::now();
+    let fds = || std::fs::read_dir("/proc/self/fd").map_or(0, Iterator::count);
+    let fds_before = fds();
     let mut it = 0;
     while it < iterations {
         let s = scene(&root);
@@ -319,6 +322,7 @@ fn test_fuzzed_ring_states_never_escape_the_output_directory_or_exceed_the_limit
         let stats = daemon.finish().expect("flushes");
         assert!(stats.files_opened <= CONFIG.max_files);
         check_scene(&s, daemons);
+        assert_eq!(fds(), fds_before, "every file the daemons opened is closed");
     }
     let _ = std::fs::remove_dir_all(&root);
     eprintln!(
