@@ -111,7 +111,8 @@ struct RunArgs {
     #[arg(long)]
     tool: Option<String>,
     /// A tool option KEY=VALUE for --tool (repeatable), e.g. bringup.crash=pf to make the
-    /// engine fault on purpose.
+    /// engine fault on purpose. A key neither the engine nor the tool knows is refused
+    /// (exit status 2) with the list of known keys.
     #[arg(long, requires = "tool", value_name = "KEY=VALUE")]
     tool_option: Vec<String>,
     /// How many of the hottest blocks bbcount-report.txt lists (--tool bbcount).
