@@ -107,7 +107,10 @@ pub fn load(
     initrd: Option<&Path>,
     cmdline: &str,
 ) -> Result<BootInfo> {
-    let mut file = File::open(kernel).map_err(|e| VmmError::ReadFile(kernel.to_owned(), e))?;
+    // A regular file only, opened without blocking (a FIFO would hang `open`).
+    let (mut file, _) = crate::input_check::open_regular(kernel, "kernel").map_err(|e| {
+        VmmError::ReadFile(kernel.to_owned(), std::io::Error::other(format!("{e:#}")))
+    })?;
     let mut head = vec![0u8; zp::SIZE];
     let head_len =
         read_up_to(&mut file, &mut head).map_err(|e| VmmError::ReadFile(kernel.to_owned(), e))?;
@@ -153,6 +156,10 @@ pub fn load(
 
     let initrd = match initrd {
         Some(path) => {
+            // Checked before reading: `/dev/zero` would be read until memory runs out.
+            crate::input_check::check_initrd(path, mem.ram_bytes >> 20).map_err(|e| {
+                VmmError::ReadFile(path.to_owned(), std::io::Error::other(format!("{e:#}")))
+            })?;
             let data = std::fs::read(path).map_err(|e| VmmError::ReadFile(path.to_owned(), e))?;
             let limit = mem.low_ram_end().min(initrd_max + 1);
             let size = data.len() as u64;
