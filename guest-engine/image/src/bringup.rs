@@ -342,13 +342,13 @@ fn measure_gates(b: &AttachBlock, n: u64, tsc_hz: u64) {
 }
 
 /// The guest's GS base changes on every `swapgs`: times a switch the way the engine does
-/// it (`transitions::set_hw_base`: `wrgsbase` at CPL 3 with CR4.FSGSBASE) against the
+/// it (`vcpu::set_hw_base`: `wrgsbase` at CPL 3 with CR4.FSGSBASE) against the
 /// gate's WRMSR, and checks that the hardware base took the value.
 fn measure_gs_base_switch(m: u64, ns: &dyn Fn(u64) -> u64) {
     const MSR_GS_BASE: u32 = 0xc000_0101;
     let t0 = timer::tsc();
     for k in 0..m {
-        crate::transitions::set_hw_base(false, k << 12);
+        crate::vcpu::set_hw_base(false, k << 12);
     }
     let direct_ns = ns(timer::tsc() - t0) / m;
     let direct_ok = gate::rdmsr(MSR_GS_BASE) == (m - 1) << 12;
@@ -358,7 +358,7 @@ fn measure_gs_base_switch(m: u64, ns: &dyn Fn(u64) -> u64) {
         unsafe { gate::wrmsr(MSR_GS_BASE, k << 12) };
     }
     let gate_ns = ns(timer::tsc() - t0) / m;
-    crate::transitions::set_hw_base(false, 0);
+    crate::vcpu::set_hw_base(false, 0);
     // SAFETY: written once by `_start` before any CPL-3 code ran.
     let fsgsbase = unsafe { core::ptr::read_volatile(&raw const crate::entry::kpin_fsgsbase) };
     log!(

@@ -21,10 +21,7 @@ use crate::shadow::Shadow;
 
 const PAGE: u64 = 4096;
 
-/// Translation mode of traces run at virtual CPL 0 (the only one so far).
-pub const MODE_KERNEL: Mode = Mode(0);
-/// Translation mode of traces run at virtual CPL 3.
-pub const MODE_USER: Mode = Mode(3);
+pub use guest_engine::vcpu::{MODE_KERNEL, MODE_USER};
 
 /// The shadow view of translation mode `mode`.
 pub fn view_of(mode: Mode) -> View {
@@ -51,12 +48,6 @@ impl<'a> PhysmapMemory<'a> {
     /// fault (see [`PhysmapMemory::try_read_virt`]).
     pub fn read_virt(&self, va: u64, mode: Mode, out: &mut [u8]) -> bool {
         self.try_read_virt(va, mode, out).is_ok()
-    }
-
-    /// Writes guest virtual memory as a data write in `mode`; `false` — and nothing
-    /// written — if the guest would fault (see [`PhysmapMemory::try_write_virt`]).
-    pub fn write_virt(&self, va: u64, mode: Mode, data: &[u8]) -> bool {
-        self.try_write_virt(va, mode, data).is_ok()
     }
 
     /// Reads guest virtual memory as a data read in `mode` (`MODE_KERNEL` also for the

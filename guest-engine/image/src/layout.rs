@@ -49,7 +49,7 @@ pub const FAULT_STACK_BYTES: usize = 32 << 10;
 
 /// CR4.OSFXSR | CR4.OSXMMEXCPT: the CR4 bits the guest's writes reach the real CR4 with
 /// (gate operation `CR4_SSE`), because translated guest code runs SSE verbatim.
-pub const CR4_SSE_BITS: u64 = (1 << 9) | (1 << 10);
+pub const CR4_SSE_BITS: u64 = kpin_abi::x86::cr4::SSE_BITS;
 
 /// Gate operations, passed in RAX (see `entry.rs`).
 pub mod gate_op {

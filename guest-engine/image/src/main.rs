@@ -6,7 +6,7 @@
 //! I/O-ring log, its own page tables — optionally measures the gate and the timer at
 //! CPL 3, then runs the guest from the code cache with the translator (`guest-engine`)
 //! at hardware CPL 3 (`run.rs`), emulating the sensitive instructions it knows
-//! (`vcpu.rs`) and stopping with a clear report at the first one it does not.
+//! (`guest_engine::vcpu`, on this machine's hardware through `vcpu.rs`) and stopping with a clear report at the first one it does not.
 #![no_std]
 #![no_main]
 #![deny(missing_docs)]
@@ -15,29 +15,23 @@ extern crate alloc;
 
 mod bringup;
 mod counters;
-mod deliver;
 mod descriptors;
 mod entry;
 mod fault;
 mod gate;
-mod guest_access;
 mod guest_dump;
 mod guest_mem;
 mod heap;
 mod irq;
 mod layout;
 mod log;
-mod msr;
 mod page_fault;
 mod paging;
 mod probe;
 mod run;
-mod segments;
 mod shadow;
 mod timer;
 mod tools;
-mod transitions;
-mod undo;
 mod vcpu;
 
 /// The address `link.ld` links the image at; it must be where the VMM loads it.

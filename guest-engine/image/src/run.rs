@@ -41,15 +41,15 @@ fn heap_pressure() -> bool {
 }
 
 use crate::counters::JsonObject;
-use crate::deliver::{Event, Kind};
 use crate::guest_mem::{PhysmapMemory, MODE_KERNEL, MODE_USER};
 use crate::layout::VEC_PF;
 use crate::log::fail;
 use crate::page_fault::{self, Action};
 use crate::shadow::Shadow;
 use crate::tools::Chosen;
-use crate::vcpu::Vcpu;
+use crate::vcpu::{Ring0, ShadowPort, Vcpu};
 use crate::{entry, gate, guest_dump, heap, irq, log, paging, timer, tools};
+use guest_engine::vcpu::{Event, VcpuStop};
 
 /// CR0.PG, EFER.LMA: the guest must be in 64-bit long mode (all the translator knows).
 const CR0_PG: u64 = 1 << 31;
@@ -155,7 +155,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
 
     arm_fault_redirect(&engine);
     let mut mem = PhysmapMemory::new(&shadow);
-    let mut vcpu = Vcpu::new(block, &shadow);
+    let mut vcpu = Vcpu::new(block, Ring0, ShadowPort::new(&shadow));
     let mut progress = page_fault::Progress::default();
     let t0 = timer::tsc();
     irq::hand_over(&engine);
@@ -181,28 +181,21 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
             give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
         }
         match stop {
-            Stop::Sensitive(_) if vcpu.resume.is_some() => {
-                if let Some(next) = vcpu.resume.take() {
-                    engine.set_rip(next);
+            Stop::Sensitive(insn) => match vcpu.take_stop() {
+                Some(VcpuStop::ShadowWork { resume }) => engine.set_rip(resume),
+                Some(VcpuStop::FinalPortWrite { port, value }) => {
+                    report(&engine, &vcpu, &shadow, &mut tool, cycles);
+                    log!(
+                        Info,
+                        "engine: guest RIP {:#x} writes {value:#x} to port {port:#x} (i8042 reset): passing it on",
+                        insn.pc.0
+                    );
+                    log::flush();
+                    gate::out8(port, value);
+                    // The VMM normally ends the run here; if not, the guest continues.
+                    engine.set_rip(GuestVirt(insn.pc.0 + u64::from(insn.len)));
                 }
-            }
-            Stop::Sensitive(insn) if vcpu.final_write.is_some() => {
-                let Some((port, value)) = vcpu.final_write.take() else {
-                    continue;
-                };
-                report(&engine, &vcpu, &shadow, &mut tool, cycles);
-                log!(
-                    Info,
-                    "engine: guest RIP {:#x} writes {value:#x} to port {port:#x} (i8042 reset): passing it on",
-                    insn.pc.0
-                );
-                log::flush();
-                gate::out8(port, value);
-                // The VMM normally ends the run here; if not, the guest continues.
-                engine.set_rip(GuestVirt(insn.pc.0 + u64::from(insn.len)));
-            }
-            Stop::Sensitive(insn) if vcpu.triple.is_some() => {
-                if let Some(t) = vcpu.triple {
+                Some(VcpuStop::TripleFault(t)) => {
                     log!(
                         Error,
                         "engine: the guest triple-faulted at RIP {:#x}: {} (vector {}, error code {:#x}) while delivering #DF",
@@ -211,38 +204,38 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                         t.last.vector,
                         t.last.error.unwrap_or(0)
                     );
+                    give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
                 }
-                give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
-            }
-            Stop::Sensitive(insn) => {
-                let mut text = String::new();
-                match vcpu.unsupported {
-                    Some(u) => {
-                        let name = u.mnemonic.map_or(String::from("(undecodable)"), |m| {
-                            let mut n = String::new();
-                            let _ = write!(n, "{m:?}");
-                            n.to_ascii_lowercase()
-                        });
-                        let _ = write!(
-                            text,
-                            "unsupported sensitive instruction `{name}` ({:?}) at guest RIP {:#x}: {}; bytes",
-                            insn.kind, insn.pc.0, u.why
-                        );
+                stop => {
+                    let mut text = String::new();
+                    match stop {
+                        Some(VcpuStop::Unsupported { mnemonic, why }) => {
+                            let name = mnemonic.map_or(String::from("(undecodable)"), |m| {
+                                let mut n = String::new();
+                                let _ = write!(n, "{m:?}");
+                                n.to_ascii_lowercase()
+                            });
+                            let _ = write!(
+                                text,
+                                "unsupported sensitive instruction `{name}` ({:?}) at guest RIP {:#x}: {why}; bytes",
+                                insn.kind, insn.pc.0
+                            );
+                        }
+                        _ => {
+                            let _ = write!(
+                                text,
+                                "sensitive instruction ({:?}) at guest RIP {:#x} stopped the run; bytes",
+                                insn.kind, insn.pc.0
+                            );
+                        }
                     }
-                    None => {
-                        let _ = write!(
-                            text,
-                            "sensitive instruction ({:?}) at guest RIP {:#x} stopped the run; bytes",
-                            insn.kind, insn.pc.0
-                        );
+                    for b in &insn.bytes[..usize::from(insn.len).min(insn.bytes.len())] {
+                        let _ = write!(text, " {b:02x}");
                     }
+                    log!(Error, "engine: {text}");
+                    give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
                 }
-                for b in &insn.bytes[..usize::from(insn.len).min(insn.bytes.len())] {
-                    let _ = write!(text, " {b:02x}");
-                }
-                log!(Error, "engine: {text}");
-                give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
-            }
+            },
             Stop::Fault { guest_pc, .. } => {
                 // SAFETY: written by the ring-0 trap path before it redirected the fault
                 // to the exit routine, which ran before `run` returned.
@@ -281,7 +274,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                         Err(e) => Err(e),
                     }
                 } else {
-                    let ev = exception_from_cache(vector as u8, error as u32);
+                    let ev = Event::from_hardware(vector as u8, error as u32);
                     deliver_at(&mut engine, &mut vcpu, guest_pc.0, ev)
                 };
                 if let Err(why) = done {
@@ -310,8 +303,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                 match vcpu.deliver_pending(engine.regs_mut(), va.0) {
                     Ok(Some(handler)) => engine.set_rip(GuestVirt(handler)),
                     Ok(None) => engine.set_rip(va),
-                    Err(t) => {
-                        vcpu.triple = Some(t);
+                    Err(_) => {
                         log!(
                             Error,
                             "engine: the guest triple-faulted delivering an interrupt at RIP {:#x}",
@@ -386,17 +378,6 @@ fn tell_translator(engine: &mut Engine, shadow: &RefCell<Shadow>) {
     shadow.borrow_mut().counters.fragments_invalidated += invalidated as u64;
 }
 
-/// The guest exception for a fault other than #PF that the hardware raised in
-/// translated code (#PF goes through the shadow MMU first).
-fn exception_from_cache(vector: u8, error: u32) -> Event {
-    let has_error = matches!(vector, 8 | 10..=14 | 17 | 21 | 29 | 30);
-    Event {
-        vector,
-        error: has_error.then_some(error),
-        kind: Kind::Exception,
-    }
-}
-
 /// Delivers `ev` with return address `rip` and continues at the handler; `Err` (the run
 /// must end) on a guest triple fault.
 fn deliver_at(engine: &mut Engine, vcpu: &mut Vcpu<'_>, rip: u64, ev: Event) -> Result<(), String> {
@@ -414,7 +395,6 @@ fn deliver_at(engine: &mut Engine, vcpu: &mut Vcpu<'_>, rip: u64, ev: Event) -> 
                 t.last.vector,
                 t.last.error.unwrap_or(0)
             );
-            vcpu.triple = Some(t);
             Err(why)
         }
     }

@@ -42,26 +42,7 @@ const PREFETCH_PAGES: usize = 16;
 const DEFAULT_PHYS_ADDR_BITS: u32 = 36;
 const PAGE: u64 = 4096;
 /// Vector of #GP: what a non-canonical data address raises instead of #PF.
-pub const GP_VECTOR: u8 = 13;
-
-/// CR0.WP.
-pub const CR0_WP: u64 = 1 << 16;
-/// CR4.PGE.
-pub const CR4_PGE: u64 = 1 << 7;
-/// CR4.SMEP.
-pub const CR4_SMEP: u64 = 1 << 20;
-/// EFER.NXE.
-pub const EFER_NXE: u64 = 1 << 11;
-
-/// The guest control bits that change translations, from CR0, CR4 and EFER.
-pub fn paging_control(cr0: u64, cr4: u64, efer: u64) -> PagingControl {
-    PagingControl {
-        wp: cr0 & CR0_WP != 0,
-        nxe: efer & EFER_NXE != 0,
-        pge: cr4 & CR4_PGE != 0,
-        smep: cr4 & CR4_SMEP != 0,
-    }
-}
+pub const GP_VECTOR: u8 = kpin_abi::x86::vector::GP;
 
 /// Guest-physical memory for the shadow MMU: guest RAM through the physmap, the stolen
 /// region (shadow tables, the template root) through the window, and the frame allocator
@@ -81,7 +62,7 @@ pub struct StolenMem {
 }
 
 /// The local APIC's default base (APIC_BASE cannot move it: see `msr.rs`).
-pub const LAPIC_FRAME: u64 = 0xfee0_0000;
+pub const LAPIC_FRAME: u64 = guest_engine::vcpu::LAPIC_FRAME;
 /// The IOAPIC's default base.
 pub const IOAPIC_FRAME: u64 = 0xfec0_0000;
 
@@ -306,7 +287,7 @@ impl Shadow {
             large_pages: true,
             prefetch: PREFETCH_PAGES,
         };
-        let control = paging_control(s.cr0, s.cr4, s.efer);
+        let control = guest_engine::vcpu::paging_control(s.cr0, s.cr4, s.efer);
         Ok(Self {
             mmu: ShadowMmu::new(StolenMem::new(b), config, control, s.cr3)?,
             view: View::Kernel,

@@ -9,43 +9,21 @@
 //! Every push goes through an [`UndoLog`]: when a later push faults the earlier ones are
 //! rolled back, so the guest stack looks as before the failed delivery. Registers and the
 //! virtual CPU change only after the last step that can fault.
+//!
+//! Instructions: `iretq`, `int n`, `int3`, `ud0`/`ud1`/`ud2`; external interrupts
+//! ([`Vcpu::deliver_pending`]).
 
-use guest_engine::{Gpr, GuestRegs};
+use kpin_abi::x86::vector::{BP, DF, GP, NP, PF, SS as SS_FAULT, TS, UD};
+use kpin_abi::x86::{is_canonical as canonical, rflags, vector};
 
-use crate::guest_access::{self, PageFault};
-use crate::segments::{Descriptor, GuestFault, Sreg, GP, NP, SS_FAULT};
-use crate::undo::UndoLog;
-use crate::vcpu::Vcpu;
+use iced_x86::Instruction;
 
-/// #BP.
-pub const BP: u8 = 3;
-/// #UD.
-pub const UD: u8 = 6;
-/// #DF.
-pub const DF: u8 = 8;
-/// #TS.
-pub const TS: u8 = 10;
-/// #PF.
-pub const PF: u8 = 14;
-
-/// RFLAGS bits delivery and `iretq` care about.
-pub mod rflags {
-    /// Trap flag.
-    pub const TF: u64 = 1 << 8;
-    /// Interrupt flag.
-    pub const IF: u64 = 1 << 9;
-    /// I/O privilege level.
-    pub const IOPL: u64 = 3 << 12;
-    /// Nested task.
-    pub const NT: u64 = 1 << 14;
-    /// Resume flag.
-    pub const RF: u64 = 1 << 16;
-    /// Virtual-8086 mode.
-    pub const VM: u64 = 1 << 17;
-    /// Bits `popf`/`iretq` may load at CPL 0 (CF PF AF ZF SF TF IF DF OF IOPL NT AC ID;
-    /// RF and VM are not loaded by `popf`; VIF/VIP stay 0).
-    pub const LOADABLE: u64 = 0x24_7fd5;
-}
+use super::emulate::{Flow, Step};
+use super::hardware::{GuestMmu, Hardware, PageFault};
+use super::segments::{Descriptor, GuestFault, Sreg};
+use super::undo::UndoLog;
+use super::{Vcpu, VcpuStop};
+use crate::{Gpr, GuestRegs, GuestVirt};
 
 /// What raised an event (decides the error code's EXT bit, the DPL check and IF).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -92,10 +70,23 @@ impl Event {
     pub fn from_guest_fault(f: GuestFault) -> Self {
         Self::fault(f.vector, u32::from(f.error))
     }
+    /// #UD.
+    pub fn ud() -> Self {
+        Self::exception(UD)
+    }
+    /// An exception raised by hardware in translated code with `error` (pushed only for
+    /// the vectors that have one).
+    pub fn from_hardware(vector: u8, error: u32) -> Self {
+        Self {
+            vector,
+            error: vector::has_error_code(vector).then_some(error),
+            kind: Kind::Exception,
+        }
+    }
 }
 
 /// The guest triple-faulted: the event whose delivery failed during #DF.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TripleFault {
     /// The exception raised while delivering #DF.
     pub last: Event,
@@ -121,19 +112,15 @@ fn pf(f: PageFault) -> Nested {
     }
 }
 
-fn canonical(v: u64) -> bool {
-    ((v as i64) << 16 >> 16) as u64 == v
-}
-
 fn contributory(v: u8) -> bool {
-    matches!(v, 0 | 10 | 11 | 12 | 13)
+    vector::is_contributory(v)
 }
 
 /// Delivers `ev` with `rip` as the return address (the faulting instruction for faults,
 /// the next one for traps and interrupts). Returns the handler's RIP; `regs` and `v` hold
 /// the handler's state. A #PF's CR2 must already be in `v.cr2`.
-pub fn deliver_event(
-    v: &mut Vcpu<'_>,
+fn deliver_event<H: Hardware, M: GuestMmu>(
+    v: &mut Vcpu<'_, H, M>,
     regs: &mut GuestRegs,
     rip: u64,
     ev: Event,
@@ -170,23 +157,27 @@ pub fn deliver_event(
 }
 
 /// One delivery attempt; on a fault nothing guest-visible has changed.
-fn try_deliver(v: &mut Vcpu<'_>, regs: &mut GuestRegs, rip: u64, ev: Event) -> Result<u64, Nested> {
+fn try_deliver<H: Hardware, M: GuestMmu>(
+    v: &mut Vcpu<'_, H, M>,
+    regs: &mut GuestRegs,
+    rip: u64,
+    ev: Event,
+) -> Result<u64, Nested> {
     let ext = u32::from(ev.kind == Kind::External);
     let idt_error = u32::from(ev.vector) * 8 + 2 + ext;
     let cpl = v.cpl();
-    let mem = v.mem();
     let idtr = v.idtr;
     if u64::from(ev.vector) * 16 + 15 > u64::from(idtr.limit) {
         return Err(nested(GP, idt_error));
     }
     let mut gate = [0u8; 16];
-    guest_access::read(
-        &mem,
-        idtr.base.wrapping_add(u64::from(ev.vector) * 16),
-        false,
-        &mut gate,
-    )
-    .map_err(pf)?;
+    v.mem
+        .read(
+            idtr.base.wrapping_add(u64::from(ev.vector) * 16),
+            false,
+            &mut gate,
+        )
+        .map_err(pf)?;
     let lo = u64::from_le_bytes(gate[..8].try_into().unwrap_or_default());
     let hi = u64::from_le_bytes(gate[8..].try_into().unwrap_or_default());
     let ty = (lo >> 40) & 0xf;
@@ -209,7 +200,7 @@ fn try_deliver(v: &mut Vcpu<'_>, regs: &mut GuestRegs, rip: u64, ev: Event) -> R
     let sel_error = u32::from(sel & 0xfffc) + ext;
     let d: Descriptor = v
         .segs
-        .read_descriptor(&mem, v.gdtr, sel, 8)
+        .read_descriptor(&mut v.mem, v.gdtr, sel, 8)
         .map_err(|_| nested(GP, sel_error))?;
     let c = d.cache(sel);
     if c.s == 0 || c.type_ & 8 == 0 || c.dpl > cpl || c.l == 0 || c.db != 0 {
@@ -235,7 +226,10 @@ fn try_deliver(v: &mut Vcpu<'_>, regs: &mut GuestRegs, rip: u64, ev: Event) -> R
         if tr.present == 0 || off + 7 > u64::from(tr.limit) {
             return Err(nested(TS, u32::from(tr.selector & 0xfffc) + ext));
         }
-        rsp = guest_access::read_u64(&mem, tr.base.wrapping_add(off), false).map_err(pf)?;
+        rsp = v
+            .mem
+            .read_u64(tr.base.wrapping_add(off), false)
+            .map_err(pf)?;
         if !canonical(rsp) {
             return Err(nested(SS_FAULT, ext));
         }
@@ -255,8 +249,8 @@ fn try_deliver(v: &mut Vcpu<'_>, regs: &mut GuestRegs, rip: u64, ev: Event) -> R
     let mut log = UndoLog::default();
     for &word in &frame[..n] {
         rsp = rsp.wrapping_sub(8);
-        if let Err(f) = log.write(&mem, rsp, user, &word.to_le_bytes()) {
-            log.rollback(&mem);
+        if let Err(f) = log.write(&mut v.mem, rsp, user, &word.to_le_bytes()) {
+            log.rollback(&mut v.mem);
             return Err(pf(f));
         }
     }
@@ -284,17 +278,22 @@ fn try_deliver(v: &mut Vcpu<'_>, regs: &mut GuestRegs, rip: u64, ev: Event) -> R
 /// `iretq` at the current CPL: pops RIP, CS, RFLAGS, RSP, SS (always, in 64-bit mode)
 /// with the checks of the SDM's IRET pseudocode for a return to the same or an outer
 /// privilege level. Returns the new RIP, or the exception to raise (nothing changed).
-pub fn iretq(v: &mut Vcpu<'_>, regs: &mut GuestRegs) -> Result<u64, Event> {
+fn iretq<H: Hardware, M: GuestMmu>(
+    v: &mut Vcpu<'_, H, M>,
+    regs: &mut GuestRegs,
+) -> Result<u64, Event> {
     let cpl = v.cpl();
     let user = cpl == 3;
-    let mem = v.mem();
     let rsp = regs.get(Gpr::Rsp);
     let mut f = [0u64; 5];
     for (k, w) in f.iter_mut().enumerate() {
-        *w = guest_access::read_u64(&mem, rsp.wrapping_add(8 * k as u64), user).map_err(|p| {
-            v.cr2 = p.cr2;
-            Event::fault(PF, p.error)
-        })?;
+        *w = match v.mem.read_u64(rsp.wrapping_add(8 * k as u64), user) {
+            Ok(w) => w,
+            Err(p) => {
+                v.cr2 = p.cr2;
+                return Err(Event::fault(PF, p.error));
+            }
+        };
     }
     let [rip, cs_raw, flags, new_rsp, ss_raw] = f;
     let (cs, ss) = (cs_raw as u16, ss_raw as u16);
@@ -308,7 +307,7 @@ pub fn iretq(v: &mut Vcpu<'_>, regs: &mut GuestRegs) -> Result<u64, Event> {
     }
     let d = v
         .segs
-        .read_descriptor(&mem, v.gdtr, cs, 8)
+        .read_descriptor(&mut v.mem, v.gdtr, cs, 8)
         .map_err(Event::from_guest_fault)?;
     let mut c = d.cache(cs);
     let conforming = c.type_ & 4 != 0;
@@ -335,7 +334,7 @@ pub fn iretq(v: &mut Vcpu<'_>, regs: &mut GuestRegs) -> Result<u64, Event> {
     } else {
         let sd = v
             .segs
-            .read_descriptor(&mem, v.gdtr, ss, 8)
+            .read_descriptor(&mut v.mem, v.gdtr, ss, 8)
             .map_err(Event::from_guest_fault)?;
         let s = sd.cache(ss);
         if (ss & 3) as u8 != rpl || s.s == 0 || s.type_ & 8 != 0 || s.type_ & 2 == 0 || s.dpl != rpl
@@ -378,4 +377,129 @@ pub fn iretq(v: &mut Vcpu<'_>, regs: &mut GuestRegs) -> Result<u64, Event> {
     }
     v.cpl_changed(cpl);
     Ok(rip)
+}
+
+impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
+    /// Delivers `ev` to the guest with return address `rip`; the handler's RIP, or the
+    /// triple fault that ends the run. A #PF's CR2 must already be in `self.cr2`.
+    pub fn deliver(
+        &mut self,
+        regs: &mut GuestRegs,
+        rip: u64,
+        ev: Event,
+    ) -> Result<u64, TripleFault> {
+        deliver_event(self, regs, rip, ev)
+    }
+
+    /// Counts a delivered event.
+    fn count_delivery(&mut self, ev: Event) {
+        match ev.kind {
+            Kind::External => self.stats.interrupts += 1,
+            Kind::Software => self.stats.software_ints += 1,
+            Kind::Exception | Kind::SoftException => {
+                if let Some(c) = self.stats.exceptions.get_mut(usize::from(ev.vector)) {
+                    *c += 1;
+                }
+            }
+        }
+    }
+
+    /// Delivers the highest pending external interrupt if the virtual IF allows it;
+    /// `Some(handler)` if one was delivered.
+    pub fn deliver_pending(
+        &mut self,
+        regs: &mut GuestRegs,
+        rip: u64,
+    ) -> Result<Option<u64>, TripleFault> {
+        if !self.vif {
+            return Ok(None);
+        }
+        let Some(vector) = self.hw.pending_highest() else {
+            return Ok(None);
+        };
+        self.hw.take_pending(vector);
+        // `sti; hlt` with the interrupt arriving between them: hardware takes it on the
+        // `hlt`, returning after it.
+        let mut b = [0u8; 1];
+        let user = self.cpl() == 3;
+        let rip = if self.sti_next == Some(rip)
+            && self.mem.read(rip, user, &mut b).is_ok()
+            && b[0] == 0xf4
+        {
+            rip + 1
+        } else {
+            rip
+        };
+        self.sti_next = None;
+        let ev = Event {
+            vector,
+            error: None,
+            kind: Kind::External,
+        };
+        let handler = self.deliver(regs, rip, ev)?;
+        // A trap gate leaves IF set: the next pending vector must not wait for an
+        // IF change.
+        if self.vif {
+            self.hw.rearm_attention();
+        }
+        Ok(Some(handler))
+    }
+
+    /// `iretq`.
+    pub(super) fn iretq(
+        &mut self,
+        _i: &Instruction,
+        regs: &mut GuestRegs,
+        _next: GuestVirt,
+    ) -> Step {
+        let rip = iretq(self, regs)?;
+        Ok(Flow::Continue(GuestVirt(rip)))
+    }
+
+    /// `int3`: #BP as a software exception (DPL-checked, returns after it).
+    pub(super) fn int3(
+        &mut self,
+        _i: &Instruction,
+        _regs: &mut GuestRegs,
+        _next: GuestVirt,
+    ) -> Step {
+        Err(Event {
+            vector: BP,
+            error: None,
+            kind: Kind::SoftException,
+        })
+    }
+
+    /// `int n`.
+    pub(super) fn int_n(
+        &mut self,
+        i: &Instruction,
+        _regs: &mut GuestRegs,
+        _next: GuestVirt,
+    ) -> Step {
+        Err(Event {
+            vector: i.immediate8(),
+            error: None,
+            kind: Kind::Software,
+        })
+    }
+
+    /// `ud0`/`ud1`/`ud2`: #UD.
+    pub(super) fn ud(&mut self, _i: &Instruction, _regs: &mut GuestRegs, _next: GuestVirt) -> Step {
+        Err(Event::ud())
+    }
+
+    /// Delivers the exception an emulation raised (registers are as before the
+    /// instruction; software interrupts return to `next`).
+    pub(super) fn raise(&mut self, regs: &mut GuestRegs, pc: u64, next: u64, ev: Event) -> Flow {
+        let rip = if matches!(ev.kind, Kind::Software | Kind::SoftException) {
+            next
+        } else {
+            pc
+        };
+        match self.deliver(regs, rip, ev) {
+            Ok(handler) => Flow::Continue(GuestVirt(handler)),
+            Err(t) => Flow::Stop(VcpuStop::TripleFault(t)),
+        }
+    }
 }

@@ -1,68 +1,41 @@
-//! The virtual MSR file: what `rdmsr`/`wrmsr` at virtual CPL 0 read and write. Values
-//! start from the attach block (the MSRs the VMM captured, EFER from the system
-//! registers) and live only here; the hardware MSRs are the engine's, except the FS and
-//! GS bases, which translated code uses verbatim (`transitions::sync_hw_bases`).
+//! The virtual MSR file and `rdmsr`/`wrmsr` at virtual CPL 0. Values start from the
+//! attach block (the MSRs the VMM captured, EFER from the system registers) and live only
+//! here; the hardware MSRs are the engine's, except the FS and GS bases, which translated
+//! code uses verbatim ([`Hardware::set_hw_base`]).
 //!
 //! Choices: an index not listed here raises #GP(0) in the guest, as a CPU without that
 //! MSR does (the engine's own EFER, STAR, APIC… must not be the guest's), except a few
 //! that are passed through to KVM by the gate because their effect concerns only the
-//! guest ([`MsrFile::passes_through`]): the microcode signature (0x8b); IA32_ARCH_CAPABILITIES
-//! (read only); IA32_TSC_ADJUST; KVM's steal-time, PV-EOI and poll-control MSRs when CPUID offers them; the local APIC's
-//! (APIC_BASE, TSC_DEADLINE, the x2APIC registers 0x800–0x8ff when CPUID offers x2APIC):
-//! the engine's interrupts come through the 8259, so KVM's in-kernel local APIC is the
-//! guest's, and its page is mapped into the shadow as it is (`shadow.rs`); an APIC_BASE
-//! write that moves the base stops (`vcpu.rs`); and, when the
-//! CPUID table offers kvm-clock, its wall-clock and system-time MSRs (KVM writes the
-//! pvclock data into guest-physical memory, which is the guest's under the engine too). EFER: only SCE and NXE may change (LME/LMA must stay: only 64-bit
-//! code is translated), other bits are reserved → #GP(0). MISC_ENABLE reads the value KVM gives
-//! a fresh vCPU (fast strings) and ignores writes; the TSC reads the hardware TSC.
+//! guest ([`MsrFile::passes_through`]): the microcode signature (0x8b);
+//! IA32_ARCH_CAPABILITIES (read only); IA32_TSC_ADJUST; KVM's steal-time, PV-EOI and
+//! poll-control MSRs when CPUID offers them; the local APIC's (APIC_BASE, TSC_DEADLINE,
+//! the x2APIC registers 0x800–0x8ff when CPUID offers x2APIC): the engine's interrupts
+//! come through the 8259, so KVM's in-kernel local APIC is the guest's, and its page is
+//! mapped into the shadow as it is (the image's shadow MMU); an APIC_BASE write that
+//! moves the base stops; and, when the CPUID table offers kvm-clock, its wall-clock and
+//! system-time MSRs (KVM writes the pvclock data into guest-physical memory, which is the
+//! guest's under the engine too). EFER: only SCE and NXE may change (LME/LMA must stay:
+//! only 64-bit code is translated), other bits are reserved → #GP(0). MISC_ENABLE reads
+//! the value KVM gives a fresh vCPU (fast strings) and ignores writes; the TSC reads the
+//! hardware TSC. Any other index the virtual CPU does not keep reads what KVM answers a
+//! native guest ([`Hardware::rdmsr_safe`]), or #GP(0) if KVM has none.
 
+use iced_x86::Instruction;
 use kpin_abi::attach::AttachBlock;
+use kpin_abi::x86::msr as index;
+use kpin_abi::x86::{efer, is_canonical as canonical};
 
-/// MSR indices.
-pub mod index {
-    /// Time-stamp counter.
-    pub const TSC: u32 = 0x10;
-    /// Local APIC base.
-    pub const APIC_BASE: u32 = 0x1b;
-    /// The local APIC timer's TSC deadline.
-    pub const TSC_DEADLINE: u32 = 0x6e0;
-    /// SYSENTER_CS.
-    pub const SYSENTER_CS: u32 = 0x174;
-    /// SYSENTER_ESP.
-    pub const SYSENTER_ESP: u32 = 0x175;
-    /// SYSENTER_EIP.
-    pub const SYSENTER_EIP: u32 = 0x176;
-    /// MISC_ENABLE.
-    pub const MISC_ENABLE: u32 = 0x1a0;
-    /// MISC_FEATURES_ENABLES (bit 0: CPUID faulting).
-    pub const MISC_FEATURES_ENABLES: u32 = 0x140;
-    /// PAT.
-    pub const PAT: u32 = 0x277;
-    /// EFER.
-    pub const EFER: u32 = 0xc000_0080;
-    /// STAR.
-    pub const STAR: u32 = 0xc000_0081;
-    /// LSTAR.
-    pub const LSTAR: u32 = 0xc000_0082;
-    /// CSTAR.
-    pub const CSTAR: u32 = 0xc000_0083;
-    /// SFMASK.
-    pub const SFMASK: u32 = 0xc000_0084;
-    /// FS base.
-    pub const FS_BASE: u32 = 0xc000_0100;
-    /// GS base.
-    pub const GS_BASE: u32 = 0xc000_0101;
-    /// KERNEL_GS_BASE (swapped with GS base by `swapgs`).
-    pub const KERNEL_GS_BASE: u32 = 0xc000_0102;
-    /// TSC_AUX (`rdtscp`, `rdpid`).
-    pub const TSC_AUX: u32 = 0xc000_0103;
-}
+use super::emulate::{gp0, Flow, Step};
+use super::events::Event;
+use super::hardware::{GuestMmu, Hardware};
+use super::segments::Sreg;
+use super::Vcpu;
+use crate::{Gpr, GuestRegs, GuestVirt};
 
-/// EFER.SCE: `syscall`/`sysret` enabled.
-pub const EFER_SCE: u64 = 1 << 0;
-/// EFER.NXE.
-const EFER_NXE: u64 = 1 << 11;
+/// The guest-physical frame of the local APIC page (APIC_BASE's default): the shadow MMU
+/// maps only this one.
+pub const LAPIC_FRAME: u64 = 0xfee0_0000;
+
 /// MISC_ENABLE as KVM resets it (fast strings).
 const MISC_ENABLE_DEFAULT: u64 = 1;
 /// PAT at reset.
@@ -102,24 +75,28 @@ pub struct MsrFile {
 }
 
 /// IA32_BIOS_SIGN_ID (microcode revision, written 0 then read after a CPUID).
-const BIOS_SIGN_ID: u32 = 0x8b;
+const BIOS_SIGN_ID: u32 = index::BIOS_SIGN_ID;
 /// The x2APIC register MSRs (CPUID 1.ECX[21]).
-const X2APIC: core::ops::RangeInclusive<u32> = 0x800..=0x8ff;
+const X2APIC: core::ops::RangeInclusive<u32> = index::X2APIC_FIRST..=index::X2APIC_LAST;
 /// kvm-clock MSRs, old (0x11/0x12, CPUID 0x4000_0001 EAX bit 0) and new
 /// (0x4b56_4d00/01, bit 3).
-const KVM_CLOCK_OLD: [u32; 2] = [0x11, 0x12];
-const KVM_CLOCK_NEW: [u32; 2] = [0x4b56_4d00, 0x4b56_4d01];
+const KVM_CLOCK_OLD: [u32; 2] = [index::KVM_WALL_CLOCK_OLD, index::KVM_SYSTEM_TIME_OLD];
+const KVM_CLOCK_NEW: [u32; 2] = [index::KVM_WALL_CLOCK_NEW, index::KVM_SYSTEM_TIME_NEW];
 /// Other KVM paravirtual MSRs whose effect is the guest's own, with their CPUID
 /// 0x4000_0001 EAX feature bit: steal time (5; KVM writes the record into guest memory),
 /// PV EOI (6; KVM and the guest's EOI path share a flag in guest memory), poll control
 /// (12; host-side halt polling). (Async page faults are hidden by the VMM's CPUID table:
 /// KVM would inject them as #PF into the engine at CPL 3.)
-const KVM_PV: [(u32, u32); 3] = [(0x4b56_4d03, 5), (0x4b56_4d04, 6), (0x4b56_4d05, 12)];
+const KVM_PV: [(u32, u32); 3] = [
+    (index::KVM_STEAL_TIME, 5),
+    (index::KVM_PV_EOI_EN, 6),
+    (index::KVM_POLL_CONTROL, 12),
+];
 /// IA32_TSC_ADJUST (CPUID 7.EBX[1]): KVM's, moving the guest's TSC (the engine reads
 /// the TSC only to measure).
-const TSC_ADJUST: u32 = 0x3b;
+const TSC_ADJUST: u32 = index::TSC_ADJUST;
 /// IA32_ARCH_CAPABILITIES (read-only; CPUID 7.EDX[29]): read from KVM.
-const ARCH_CAPABILITIES: u32 = 0x10a;
+const ARCH_CAPABILITIES: u32 = index::ARCH_CAPABILITIES;
 
 /// What a write did beyond storing the value.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -144,11 +121,6 @@ fn kvm_features(b: &AttachBlock) -> u32 {
     } else {
         0
     }
-}
-
-/// A non-canonical address.
-fn canonical(v: u64) -> bool {
-    ((v as i64) << 16 >> 16) as u64 == v
 }
 
 impl MsrFile {
@@ -203,10 +175,11 @@ impl MsrFile {
         self.passes_through(i) || (i == ARCH_CAPABILITIES && self.arch_capabilities)
     }
 
-    /// `rdmsr`: the value, or `None` for #GP(0). FS/GS base come from the caller.
-    pub fn read(&self, i: u32, fs_base: u64, gs_base: u64) -> Option<u64> {
+    /// `rdmsr`: the value, or `None` for #GP(0). FS/GS base and the TSC come from the
+    /// caller.
+    pub fn read(&self, i: u32, fs_base: u64, gs_base: u64, tsc: u64) -> Option<u64> {
         Some(match i {
-            index::TSC => crate::timer::tsc(),
+            index::TSC => tsc,
             index::SYSENTER_CS => self.sysenter[0],
             index::SYSENTER_ESP => self.sysenter[1],
             index::SYSENTER_EIP => self.sysenter[2],
@@ -231,7 +204,7 @@ impl MsrFile {
         let addr = |v: u64| canonical(v).then_some(v);
         match i {
             index::EFER => {
-                if (v ^ self.efer) & !(EFER_SCE | EFER_NXE) != 0 {
+                if (v ^ self.efer) & !(efer::SCE | efer::NXE) != 0 {
                     return None;
                 }
                 self.efer = v;
@@ -283,5 +256,90 @@ impl LogOnce {
             }
         }
         true
+    }
+}
+
+impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
+    /// The #GP(0) an `rdmsr`/`wrmsr` of an index the virtual CPU does not have raises;
+    /// logged once per index (the guest handles it, but a difference from native is
+    /// worth seeing in engine.log).
+    fn msr_gp(&mut self, index: u32, write: bool) -> Event {
+        if self.msr_gp_logged.first(index) {
+            self.hw.log(format_args!(
+                "engine: guest {} of MSR {index:#x} raises #GP(0) (not in the virtual MSR file)",
+                if write { "wrmsr" } else { "rdmsr" }
+            ));
+        }
+        gp0()
+    }
+
+    /// `rdmsr`.
+    pub(super) fn rdmsr(
+        &mut self,
+        _i: &Instruction,
+        regs: &mut GuestRegs,
+        next: GuestVirt,
+    ) -> Step {
+        let idx = regs.get(Gpr::Rcx) as u32;
+        let v = if self.msrs.read_passes_through(idx) {
+            self.hw.rdmsr_passthrough(idx)
+        } else {
+            let fs = self.segs.sregs[Sreg::Fs as usize].base;
+            let gs = self.segs.sregs[Sreg::Gs as usize].base;
+            let tsc = self.hw.tsc();
+            // An index the virtual CPU does not keep reads what KVM answers a native
+            // guest (MTRRs, FEATURE_CONTROL, platform info, …): reading changes
+            // nothing, and every MSR the engine itself depends on is virtual above.
+            match self.msrs.read(idx, fs, gs, tsc) {
+                Some(v) => v,
+                None => match self.hw.rdmsr_safe(idx) {
+                    Some(v) => v,
+                    None => return Err(self.msr_gp(idx, false)),
+                },
+            }
+        };
+        regs.set(Gpr::Rax, v & 0xffff_ffff);
+        regs.set(Gpr::Rdx, v >> 32);
+        Ok(Flow::Continue(next))
+    }
+
+    /// `wrmsr`.
+    pub(super) fn wrmsr(&mut self, i: &Instruction, regs: &mut GuestRegs, next: GuestVirt) -> Step {
+        let idx = regs.get(Gpr::Rcx) as u32;
+        let v = (regs.get(Gpr::Rdx) << 32) | (regs.get(Gpr::Rax) & 0xffff_ffff);
+        if idx == index::APIC_BASE && v & 0xffff_f000 != LAPIC_FRAME {
+            return Ok(Flow::unsupported(
+                i,
+                "an APIC_BASE write that moves the local APIC from 0xfee00000 is not emulated (the shadow MMU maps only the default page)",
+            ));
+        }
+        if self.msrs.passes_through(idx) {
+            // `passes_through` lists only MSRs whose effect is the guest's (microcode
+            // signature, the local APIC the engine does not use, kvm-clock pages in
+            // guest-physical memory; APIC_BASE cannot move, checked above).
+            self.hw.wrmsr_passthrough(idx, v);
+            return Ok(Flow::Continue(next));
+        }
+        let Some(w) = self.msrs.write(idx, v) else {
+            return Err(self.msr_gp(idx, true));
+        };
+        match w {
+            Written::Stored if idx == index::EFER => {
+                if let Err(e) = self.update_paging_control() {
+                    self.mem.record_failure(e);
+                    return Ok(Flow::Stop(super::VcpuStop::ShadowFailure));
+                }
+            }
+            Written::Stored => {}
+            Written::FsBase(b) => {
+                self.segs.sregs[Sreg::Fs as usize].base = b;
+                self.hw.set_hw_base(true, b);
+            }
+            Written::GsBase(b) => {
+                self.segs.sregs[Sreg::Gs as usize].base = b;
+                self.hw.set_hw_base(false, b);
+            }
+        }
+        Ok(Flow::Continue(next))
     }
 }

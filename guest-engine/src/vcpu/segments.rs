@@ -5,19 +5,21 @@
 //!
 //! Loads make the checks a CPU makes in 64-bit mode at CPL 0 (Intel SDM vol. 2, `MOV`,
 //! `POP`, `RET`, `LTR`, `LLDT`); a load that would fault returns the [`GuestFault`] it
-//! raises, which the virtual CPU delivers to the guest (`deliver.rs`).
+//! raises, which the virtual CPU delivers to the guest (`events.rs`).
+//!
+//! Instructions: `mov sreg`, `mov r/m, sreg`, `push`/`pop fs`/`gs`, same-privilege `retf`.
 
+use iced_x86::{Code, Instruction, Register};
 use kpin_abi::attach::Segment;
+use kpin_abi::x86::is_canonical;
+use kpin_abi::x86::vector::{GP, NP, SS as SS_FAULT};
 
-use crate::guest_mem::{PhysmapMemory, MODE_KERNEL};
-use crate::vcpu::DescriptorTable;
-
-/// #NP.
-pub const NP: u8 = 11;
-/// #SS.
-pub const SS_FAULT: u8 = 12;
-/// #GP.
-pub const GP: u8 = 13;
+use super::emulate::{gp0, Flow, Step};
+use super::events::Event;
+use super::hardware::{GuestMmu, Hardware};
+use super::tables::DescriptorTable;
+use super::Vcpu;
+use crate::{Gpr, GuestRegs, GuestVirt};
 
 /// An exception a segment load would raise in the guest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -138,7 +140,7 @@ impl Segments {
     /// table's limit or unreadable.
     pub fn read_descriptor(
         &self,
-        mem: &PhysmapMemory<'_>,
+        mem: &mut impl GuestMmu,
         gdtr: DescriptorTable,
         sel: u16,
         bytes: u64,
@@ -157,7 +159,7 @@ impl Segments {
         }
         let at = base.wrapping_add(off);
         let mut b = [0u8; 8];
-        if !mem.read_virt(at, MODE_KERNEL, &mut b) {
+        if mem.read(at, false, &mut b).is_err() {
             return Err(gp(sel));
         }
         Ok(Descriptor {
@@ -167,9 +169,9 @@ impl Segments {
     }
 
     /// The upper half of a 16-byte system descriptor: base bits 32–63.
-    fn base_high(mem: &PhysmapMemory<'_>, d: &Descriptor, sel: u16) -> Result<u64, GuestFault> {
+    fn base_high(mem: &mut impl GuestMmu, d: &Descriptor, sel: u16) -> Result<u64, GuestFault> {
         let mut b = [0u8; 4];
-        if !mem.read_virt(d.at.wrapping_add(8), MODE_KERNEL, &mut b) {
+        if mem.read(d.at.wrapping_add(8), false, &mut b).is_err() {
             return Err(gp(sel));
         }
         Ok(u64::from(u32::from_le_bytes(b)) << 32)
@@ -178,7 +180,7 @@ impl Segments {
     /// Sets bit `bit` of the type field (accessed = 0, TSS busy = 1) in the guest table,
     /// as the CPU does.
     fn set_type_bit(
-        mem: &PhysmapMemory<'_>,
+        mem: &mut impl GuestMmu,
         d: &Descriptor,
         bit: u8,
         sel: u16,
@@ -187,7 +189,10 @@ impl Segments {
         if ty & (1 << bit) != 0 {
             return Ok(());
         }
-        if mem.write_virt(d.at.wrapping_add(5), MODE_KERNEL, &[ty | (1 << bit)]) {
+        if mem
+            .write(d.at.wrapping_add(5), false, &[ty | (1 << bit)])
+            .is_ok()
+        {
             Ok(())
         } else {
             Err(gp(sel))
@@ -197,7 +202,7 @@ impl Segments {
     /// `mov`/`pop` into DS, ES, FS, GS or SS.
     pub fn load_data(
         &mut self,
-        mem: &PhysmapMemory<'_>,
+        mem: &mut impl GuestMmu,
         gdtr: DescriptorTable,
         reg: Sreg,
         sel: u16,
@@ -255,7 +260,7 @@ impl Segments {
     /// `Ok(None)` for a privilege change (not emulated), or the fault.
     pub fn check_far_return_cs(
         &self,
-        mem: &PhysmapMemory<'_>,
+        mem: &mut impl GuestMmu,
         gdtr: DescriptorTable,
         sel: u16,
     ) -> Result<Option<(Descriptor, Segment)>, GuestFault> {
@@ -289,7 +294,7 @@ impl Segments {
     /// Commits a checked CS load (sets the accessed bit in the guest table).
     pub fn commit_cs(
         &mut self,
-        mem: &PhysmapMemory<'_>,
+        mem: &mut impl GuestMmu,
         d: &Descriptor,
         c: Segment,
     ) -> Result<(), GuestFault> {
@@ -302,7 +307,7 @@ impl Segments {
     /// the TSS busy in the guest's GDT.
     pub fn load_system(
         &mut self,
-        mem: &PhysmapMemory<'_>,
+        mem: &mut impl GuestMmu,
         gdtr: DescriptorTable,
         sel: u16,
         ldt: bool,
@@ -341,5 +346,164 @@ impl Segments {
             self.tr = c;
         }
         Ok(())
+    }
+}
+
+/// The segment register `r` names.
+pub(super) fn sreg_of(r: Register) -> Option<Sreg> {
+    Some(match r {
+        Register::ES => Sreg::Es,
+        Register::CS => Sreg::Cs,
+        Register::SS => Sreg::Ss,
+        Register::DS => Sreg::Ds,
+        Register::FS => Sreg::Fs,
+        Register::GS => Sreg::Gs,
+        _ => return None,
+    })
+}
+
+impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
+    /// Loads DS/ES/SS/FS/GS with `sel` (the checks in [`Segments::load_data`]); an FS/GS
+    /// base change goes to the hardware base too.
+    fn load_sreg(&mut self, reg: Sreg, sel: u16) -> Result<(), Event> {
+        let old_base = self.segs.sregs[reg as usize].base;
+        self.segs
+            .load_data(&mut self.mem, self.gdtr, reg, sel)
+            .map_err(Event::from_guest_fault)?;
+        let base = self.segs.sregs[reg as usize].base;
+        if matches!(reg, Sreg::Fs | Sreg::Gs) && base != old_base {
+            self.hw.set_hw_base(reg == Sreg::Fs, base);
+        }
+        Ok(())
+    }
+
+    /// `mov sreg, r/m16` (not CS: #UD).
+    pub(super) fn mov_to_sreg(
+        &mut self,
+        i: &Instruction,
+        regs: &mut GuestRegs,
+        next: GuestVirt,
+    ) -> Step {
+        let Some(reg) = sreg_of(i.op0_register()).filter(|&r| r != Sreg::Cs) else {
+            return Err(Event::ud());
+        };
+        let sel = self.read_rm16(i, 1, regs)?;
+        self.load_sreg(reg, sel)?;
+        Ok(Flow::Continue(next))
+    }
+
+    /// `mov r/m16, sreg`.
+    pub(super) fn mov_from_sreg(
+        &mut self,
+        i: &Instruction,
+        regs: &mut GuestRegs,
+        next: GuestVirt,
+    ) -> Step {
+        let Some(reg) = sreg_of(i.op1_register()) else {
+            return Err(Event::ud());
+        };
+        let sel = self.segs.sregs[reg as usize].selector;
+        self.write_rm16(i, sel, regs)?;
+        Ok(Flow::Continue(next))
+    }
+
+    /// `push fs`/`push gs` (16- or 64-bit).
+    pub(super) fn push_sreg(
+        &mut self,
+        i: &Instruction,
+        regs: &mut GuestRegs,
+        next: GuestVirt,
+    ) -> Step {
+        let reg = if matches!(i.code(), Code::Pushw_FS | Code::Pushq_FS) {
+            Sreg::Fs
+        } else {
+            Sreg::Gs
+        };
+        let size = if matches!(i.code(), Code::Pushw_FS | Code::Pushw_GS) {
+            2
+        } else {
+            8
+        };
+        let v = u64::from(self.segs.sregs[reg as usize].selector).to_le_bytes();
+        let rsp = regs.get(Gpr::Rsp).wrapping_sub(size as u64);
+        self.write(rsp, &v[..size])?;
+        regs.set(Gpr::Rsp, rsp);
+        Ok(Flow::Continue(next))
+    }
+
+    /// `pop fs`/`pop gs` (16- or 64-bit).
+    pub(super) fn pop_sreg(
+        &mut self,
+        i: &Instruction,
+        regs: &mut GuestRegs,
+        next: GuestVirt,
+    ) -> Step {
+        let reg = if matches!(i.code(), Code::Popw_FS | Code::Popq_FS) {
+            Sreg::Fs
+        } else {
+            Sreg::Gs
+        };
+        let size = if matches!(i.code(), Code::Popw_FS | Code::Popw_GS) {
+            2
+        } else {
+            8
+        };
+        let rsp = regs.get(Gpr::Rsp);
+        let mut b = [0u8; 2];
+        self.read(rsp, &mut b)?;
+        self.load_sreg(reg, u16::from_le_bytes(b))?;
+        regs.set(Gpr::Rsp, rsp.wrapping_add(size));
+        Ok(Flow::Continue(next))
+    }
+
+    /// `retf` (16/32/64-bit operand size, optional immediate): same privilege only.
+    pub(super) fn far_return(
+        &mut self,
+        i: &Instruction,
+        regs: &mut GuestRegs,
+        _next: GuestVirt,
+    ) -> Step {
+        let size: u64 = match i.code() {
+            Code::Retfw | Code::Retfw_imm16 => 2,
+            Code::Retfd | Code::Retfd_imm16 => 4,
+            _ => 8,
+        };
+        let rsp = regs.get(Gpr::Rsp);
+        let mut b = [0u8; 16];
+        let sz = size as usize;
+        self.read(rsp, &mut b[..2 * sz])?;
+        let mut ip = [0u8; 8];
+        ip[..sz].copy_from_slice(&b[..sz]);
+        let rip = u64::from_le_bytes(ip);
+        let sel = u16::from_le_bytes([b[sz], b[sz + 1]]);
+        let (d, c) = match self.segs.check_far_return_cs(&mut self.mem, self.gdtr, sel) {
+            Ok(Some(dc)) => dc,
+            Ok(None) => {
+                return Ok(Flow::unsupported(
+                    i,
+                    "a far return to an outer privilege level is not emulated yet",
+                ))
+            }
+            Err(f) => return Err(Event::from_guest_fault(f)),
+        };
+        if c.l == 0 || c.db != 0 {
+            return Ok(Flow::unsupported(
+                i,
+                "a far return to a non-64-bit code segment (only 64-bit code is translated)",
+            ));
+        }
+        if !is_canonical(rip) {
+            return Err(gp0());
+        }
+        self.segs
+            .commit_cs(&mut self.mem, &d, c)
+            .map_err(Event::from_guest_fault)?;
+        let imm = if i.op_count() > 0 {
+            u64::from(i.immediate16())
+        } else {
+            0
+        };
+        regs.set(Gpr::Rsp, rsp.wrapping_add(2 * size + imm));
+        Ok(Flow::Continue(GuestVirt(rip)))
     }
 }

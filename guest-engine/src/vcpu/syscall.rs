@@ -4,31 +4,20 @@
 //!
 //! Translated code executes `fs:`/`gs:` accesses verbatim at CPL 3, so whenever guest
 //! code runs the real FS and GS bases must be the guest's. They are switched on every
-//! change (wrmsr FS/GS_BASE, swapgs, wr{fs,gs}base, a base-changing segment load) with
-//! `wrfsbase`/`wrgsbase` at CPL 3 — `_start` enables CR4.FSGSBASE when CPUID 7.EBX[0] says
-//! the CPU has it — or else the gate's WRMSR. Measured at bring-up here: 8 ns per switch
-//! against ~64 µs through the gate (a guest kernel `swapgs`es on every entry from user
-//! mode).
+//! change (wrmsr FS/GS_BASE, swapgs, wr{fs,gs}base, a base-changing segment load) through
+//! [`Hardware::set_hw_base`] (the image: `wrfsbase`/`wrgsbase` at CPL 3 when the CPU has
+//! FSGSBASE, else the gate's WRMSR).
 
-use guest_engine::{Gpr, GuestRegs};
+use iced_x86::{Code, Instruction};
 use kpin_abi::attach::Segment;
+use kpin_abi::x86::{cr4, efer, is_canonical as canonical, rflags};
 
-use crate::deliver::{rflags, Event, UD};
-use crate::gate;
-use crate::msr::{index, EFER_SCE};
-use crate::segments::{Sreg, GP};
-use crate::vcpu::Vcpu;
-
-/// CR4.FSGSBASE.
-const CR4_FSGSBASE: u64 = 1 << 16;
-
-fn canonical(v: u64) -> bool {
-    ((v as i64) << 16 >> 16) as u64 == v
-}
-
-fn gp0() -> Event {
-    Event::fault(GP, 0)
-}
+use super::emulate::{gp0, gpr, Flow, Step};
+use super::events::Event;
+use super::hardware::{GuestMmu, Hardware};
+use super::segments::Sreg;
+use super::Vcpu;
+use crate::{Gpr, GuestRegs, GuestVirt};
 
 /// A flat segment cache as `syscall`/`sysret` load it (they read no descriptor).
 fn flat(selector: u16, code: bool, dpl: u8) -> Segment {
@@ -49,40 +38,15 @@ fn flat(selector: u16, code: bool, dpl: u8) -> Segment {
     }
 }
 
-/// Writes the hardware FS (`fs` true) or GS base: `wrfsbase`/`wrgsbase` when `_start`
-/// enabled CR4.FSGSBASE, else the gate's WRMSR.
-pub fn set_hw_base(fs: bool, base: u64) {
-    // SAFETY: written once by `_start` at ring 0 before any CPL-3 code ran.
-    if unsafe { core::ptr::read_volatile(&raw const crate::entry::kpin_fsgsbase) } != 0 {
-        // SAFETY: CR4.FSGSBASE is set, so these are allowed at CPL 3; the engine uses
-        // neither FS nor GS (no TLS, the ring-0 stubs never `swapgs`); `base` is
-        // canonical (checked by every caller), so they cannot fault.
-        unsafe {
-            if fs {
-                core::arch::asm!("wrfsbase {}", in(reg) base, options(nostack, preserves_flags));
-            } else {
-                core::arch::asm!("wrgsbase {}", in(reg) base, options(nostack, preserves_flags));
-            }
-        }
-        return;
-    }
-    let i = if fs { index::FS_BASE } else { index::GS_BASE };
-    // SAFETY: as above, the bases belong to the guest; a canonical value cannot fault
-    // the ring-0 WRMSR.
-    unsafe { gate::wrmsr(i, base) };
-}
-
-/// Makes the hardware FS/GS bases the guest's (at the start of the run).
-pub fn sync_hw_bases(v: &Vcpu<'_>) {
-    set_hw_base(true, v.segs.sregs[Sreg::Fs as usize].base);
-    set_hw_base(false, v.segs.sregs[Sreg::Gs as usize].base);
-}
-
 /// `syscall` (64-bit): RCX = `next`, R11 = RFLAGS, RFLAGS &= !SFMASK (the virtual IF and
 /// IOPL too), CS/SS from STAR[47:32], CPL 0, RIP = LSTAR. #UD if EFER.SCE is clear.
-pub fn syscall(v: &mut Vcpu<'_>, regs: &mut GuestRegs, next: u64) -> Result<u64, Event> {
-    if v.msrs.efer & EFER_SCE == 0 {
-        return Err(Event::exception(UD));
+fn syscall<H: Hardware, M: GuestMmu>(
+    v: &mut Vcpu<'_, H, M>,
+    regs: &mut GuestRegs,
+    next: u64,
+) -> Result<u64, Event> {
+    if v.msrs.efer & efer::SCE == 0 {
+        return Err(Event::ud());
     }
     let old_cpl = v.cpl();
     regs.set(Gpr::Rcx, next);
@@ -102,7 +66,10 @@ pub fn syscall(v: &mut Vcpu<'_>, regs: &mut GuestRegs, next: u64) -> Result<u64,
 
 /// `sysretq`: #GP(0) unless at CPL 0 with a canonical RCX; CS = STAR[63:48] + 16 | 3,
 /// SS = STAR[63:48] + 8 | 3, RFLAGS from R11, CPL 3, RIP = RCX.
-pub fn sysretq(v: &mut Vcpu<'_>, regs: &mut GuestRegs) -> Result<u64, Event> {
+fn sysretq<H: Hardware, M: GuestMmu>(
+    v: &mut Vcpu<'_, H, M>,
+    regs: &mut GuestRegs,
+) -> Result<u64, Event> {
     let old_cpl = v.cpl();
     let rip = regs.get(Gpr::Rcx);
     if old_cpl != 0 || !canonical(rip) {
@@ -117,35 +84,111 @@ pub fn sysretq(v: &mut Vcpu<'_>, regs: &mut GuestRegs) -> Result<u64, Event> {
 }
 
 /// `swapgs`: exchanges GS base and KERNEL_GS_BASE (#GP(0) above CPL 0).
-pub fn swapgs(v: &mut Vcpu<'_>) -> Result<(), Event> {
+fn swapgs<H: Hardware, M: GuestMmu>(v: &mut Vcpu<'_, H, M>) -> Result<(), Event> {
     if v.cpl() != 0 {
         return Err(gp0());
     }
     let gs = &mut v.segs.sregs[Sreg::Gs as usize].base;
     core::mem::swap(gs, &mut v.msrs.kernel_gs_base);
-    set_hw_base(false, *gs);
+    let base = *gs;
+    v.hw.set_hw_base(false, base);
     Ok(())
 }
 
 /// `rdfsbase`/`rdgsbase`: #UD unless the guest set CR4.FSGSBASE.
-pub fn read_base(v: &Vcpu<'_>, fs: bool) -> Result<u64, Event> {
-    if v.cr4 & CR4_FSGSBASE == 0 {
-        return Err(Event::exception(UD));
+fn read_base<H: Hardware, M: GuestMmu>(v: &Vcpu<'_, H, M>, fs: bool) -> Result<u64, Event> {
+    if v.cr4 & cr4::FSGSBASE == 0 {
+        return Err(Event::ud());
     }
     let r = if fs { Sreg::Fs } else { Sreg::Gs };
     Ok(v.segs.sregs[r as usize].base)
 }
 
 /// `wrfsbase`/`wrgsbase`: #UD unless CR4.FSGSBASE, #GP(0) for a non-canonical base.
-pub fn write_base(v: &mut Vcpu<'_>, fs: bool, base: u64) -> Result<(), Event> {
-    if v.cr4 & CR4_FSGSBASE == 0 {
-        return Err(Event::exception(UD));
+fn write_base<H: Hardware, M: GuestMmu>(
+    v: &mut Vcpu<'_, H, M>,
+    fs: bool,
+    base: u64,
+) -> Result<(), Event> {
+    if v.cr4 & cr4::FSGSBASE == 0 {
+        return Err(Event::ud());
     }
     if !canonical(base) {
         return Err(gp0());
     }
     let r = if fs { Sreg::Fs } else { Sreg::Gs };
     v.segs.sregs[r as usize].base = base;
-    set_hw_base(fs, base);
+    v.hw.set_hw_base(fs, base);
     Ok(())
+}
+
+impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
+    /// `syscall`.
+    pub(super) fn syscall(
+        &mut self,
+        _i: &Instruction,
+        regs: &mut GuestRegs,
+        next: GuestVirt,
+    ) -> Step {
+        let rip = syscall(self, regs, next.0)?;
+        Ok(Flow::Continue(GuestVirt(rip)))
+    }
+
+    /// `sysretq`.
+    pub(super) fn sysretq(
+        &mut self,
+        _i: &Instruction,
+        regs: &mut GuestRegs,
+        _next: GuestVirt,
+    ) -> Step {
+        let rip = sysretq(self, regs)?;
+        Ok(Flow::Continue(GuestVirt(rip)))
+    }
+
+    /// `swapgs`.
+    pub(super) fn swapgs(
+        &mut self,
+        _i: &Instruction,
+        _regs: &mut GuestRegs,
+        next: GuestVirt,
+    ) -> Step {
+        swapgs(self)?;
+        Ok(Flow::Continue(next))
+    }
+
+    /// `rdfsbase`/`rdgsbase`.
+    pub(super) fn rd_base(
+        &mut self,
+        i: &Instruction,
+        regs: &mut GuestRegs,
+        next: GuestVirt,
+    ) -> Step {
+        let v = read_base(self, i.code() == Code::Rdfsbase_r64)?;
+        if let Some(r) = gpr(i.op0_register()) {
+            regs.set(r, v);
+        }
+        Ok(Flow::Continue(next))
+    }
+
+    /// `wrfsbase`/`wrgsbase`.
+    pub(super) fn wr_base(
+        &mut self,
+        i: &Instruction,
+        regs: &mut GuestRegs,
+        next: GuestVirt,
+    ) -> Step {
+        let v = gpr(i.op0_register()).map_or(0, |r| regs.get(r));
+        write_base(self, i.code() == Code::Wrfsbase_r64, v)?;
+        Ok(Flow::Continue(next))
+    }
+
+    /// Makes the hardware FS/GS bases the guest's (at the start of the run).
+    pub(super) fn sync_hw_bases(&mut self) {
+        let (fs, gs) = (
+            self.segs.sregs[Sreg::Fs as usize].base,
+            self.segs.sregs[Sreg::Gs as usize].base,
+        );
+        self.hw.set_hw_base(true, fs);
+        self.hw.set_hw_base(false, gs);
+    }
 }

@@ -7,8 +7,7 @@
 
 use alloc::vec::Vec;
 
-use crate::guest_access::{self, PageFault};
-use crate::guest_mem::PhysmapMemory;
+use super::hardware::{GuestMmu, PageFault};
 
 /// One logged write: where, at which privilege, and the bytes it replaced.
 struct Entry {
@@ -28,7 +27,7 @@ impl UndoLog {
     /// Writes `data` (at most 16 bytes) at `va` (privilege `user`), logging the old bytes.
     pub fn write(
         &mut self,
-        mem: &PhysmapMemory<'_>,
+        mem: &mut impl GuestMmu,
         va: u64,
         user: bool,
         data: &[u8],
@@ -37,17 +36,17 @@ impl UndoLog {
         let mut old = [0u8; 16];
         // The old bytes are read at the same privilege; a write that may go ahead may be
         // read, so a failing read means the write faults too.
-        guest_access::read(mem, va, user, &mut old[..len])
-            .and_then(|()| guest_access::write(mem, va, user, &data[..len]))?;
+        mem.read(va, user, &mut old[..len])
+            .and_then(|()| mem.write(va, user, &data[..len]))?;
         self.entries.push(Entry { va, user, len, old });
         Ok(())
     }
 
     /// Restores every logged write, newest first, and empties the log.
-    pub fn rollback(&mut self, mem: &PhysmapMemory<'_>) {
+    pub fn rollback(&mut self, mem: &mut impl GuestMmu) {
         while let Some(e) = self.entries.pop() {
             // Cannot fail: the same bytes were written with the same privilege just now.
-            let _ = guest_access::write(mem, e.va, e.user, &e.old[..e.len]);
+            let _ = mem.write(e.va, e.user, &e.old[..e.len]);
         }
     }
 }

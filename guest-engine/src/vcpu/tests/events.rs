@@ -1,0 +1,2 @@
+//! Tests: events.
+use super::*;

@@ -1,0 +1,2 @@
+//! Tests: flags.
+use super::*;

@@ -1,0 +1,2 @@
+//! Tests: misc.
+use super::*;

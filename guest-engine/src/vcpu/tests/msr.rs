@@ -1,0 +1,2 @@
+//! Tests: msr.
+use super::*;

@@ -1,0 +1,2 @@
+//! Tests: port_io.
+use super::*;

@@ -1,0 +1,2 @@
+//! Tests: segments.
+use super::*;

@@ -1,0 +1,2 @@
+//! Tests: syscall.
+use super::*;

@@ -1,0 +1,2 @@
+//! Tests: tables.
+use super::*;
