@@ -117,15 +117,19 @@ fn contributory(v: u8) -> bool {
 }
 
 /// Delivers `ev` with `rip` as the return address (the faulting instruction for faults,
-/// the next one for traps and interrupts). Returns the handler's RIP; `regs` and `v` hold
-/// the handler's state. A #PF's CR2 must already be in `v.cr2`.
+/// the next one for traps and interrupts). A fault raised while delivering it returns to
+/// `fault_rip` (for `int n`/`int3`: the instruction itself, SDM vol. 3 §6.12.1.1; else
+/// `rip`). Returns the handler's RIP; `regs` and `v` hold the handler's state. A #PF's
+/// CR2 must already be in `v.cr2`.
 fn deliver_event<H: Hardware, M: GuestMmu>(
     v: &mut Vcpu<'_, H, M>,
     regs: &mut GuestRegs,
     rip: u64,
+    fault_rip: u64,
     ev: Event,
 ) -> Result<u64, TripleFault> {
     let mut ev = ev;
+    let mut rip = rip;
     // At most: the event, one nested fault handled serially or as #DF, then #DF itself.
     for _ in 0..4 {
         match try_deliver(v, regs, rip, ev) {
@@ -140,6 +144,7 @@ fn deliver_event<H: Hardware, M: GuestMmu>(
                 if let Some(cr2) = n.cr2 {
                     v.cr2 = cr2;
                 }
+                rip = fault_rip;
                 let first_pf = ev.vector == PF && ev.kind == Kind::Exception;
                 let first_contrib = contributory(ev.vector) && ev.kind == Kind::Exception;
                 let second = n.event.vector;
@@ -388,7 +393,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         rip: u64,
         ev: Event,
     ) -> Result<u64, TripleFault> {
-        deliver_event(self, regs, rip, ev)
+        deliver_event(self, regs, rip, rip, ev)
     }
 
     /// Counts a delivered event.
@@ -497,7 +502,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         } else {
             pc
         };
-        match self.deliver(regs, rip, ev) {
+        match deliver_event(self, regs, rip, pc, ev) {
             Ok(handler) => Flow::Continue(GuestVirt(handler)),
             Err(t) => Flow::Stop(VcpuStop::TripleFault(t)),
         }

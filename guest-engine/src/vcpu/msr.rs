@@ -233,6 +233,12 @@ impl MsrFile {
 /// Up to 32 MSR indices remembered, for logging each once.
 pub struct LogOnce([core::sync::atomic::AtomicU64; 32]);
 
+impl Default for LogOnce {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl LogOnce {
     /// Nothing remembered.
     pub const fn new() -> Self {

@@ -278,11 +278,6 @@ impl MockMmu {
         );
     }
 
-    /// Removes the page at `va`.
-    pub fn unmap(&mut self, va: u64) {
-        self.pages.remove(&(va >> 12));
-    }
-
     /// The fault a `user`/`write` access at `va` takes, if any.
     fn check(&self, va: u64, user: bool, write: bool) -> Result<(), PageFault> {
         let mut error = 0;
