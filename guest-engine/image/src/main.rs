@@ -29,6 +29,7 @@ mod page_fault;
 mod paging;
 mod probe;
 mod run;
+mod run_error;
 mod shadow;
 mod timer;
 mod tools;

@@ -16,8 +16,6 @@
 //! ([`Progress`]). A guest that keeps dropping the page again (`invlpg`, a CR3 write, a
 //! write to its own code) goes through other exits or new traces in between.
 
-use alloc::format;
-use alloc::string::String;
 use core::cell::RefCell;
 
 use guest_engine::shadow_mmu::{Access, FillOutcome, GuestFault};
@@ -25,6 +23,7 @@ use guest_engine::{Engine, Gpr, GuestPhys, GuestRegs, GuestVirt, Mode};
 use iced_x86::{Code, Decoder, DecoderOptions, Instruction, OpKind, Register};
 
 use crate::guest_mem::{view_of, PhysmapMemory};
+use crate::run_error::RunError;
 use crate::shadow::Shadow;
 use crate::vcpu::Vcpu;
 
@@ -87,7 +86,7 @@ pub fn on_page_fault(
     progress: &mut Progress,
     mode: Mode,
     hw: HwPageFault,
-) -> Result<Action, String> {
+) -> Result<Action, RunError> {
     let HwPageFault {
         guest_pc,
         cr2,
@@ -97,10 +96,11 @@ pub fn on_page_fault(
     if progress.last == Some(key) {
         progress.repeats += 1;
         if progress.repeats >= MAX_REPEATS {
-            return Err(format!(
-                "the guest instruction at RIP {:#x} keeps faulting (#PF at {cr2:#x}, hardware error code {error:#x}) although the shadow MMU maps it: no progress",
-                guest_pc.0
-            ));
+            return Err(RunError::NoProgress {
+                rip: guest_pc.0,
+                cr2,
+                error,
+            });
         }
     } else {
         progress.last = Some(key);
@@ -109,7 +109,7 @@ pub fn on_page_fault(
     let outcome = shadow
         .borrow_mut()
         .page_fault(cr2, error)
-        .map_err(|e| shadow_failure(guest_pc, &e))?;
+        .map_err(|e| shadow_failure(guest_pc, e))?;
     match outcome {
         FillOutcome::Mapped { .. } => Ok(Action::Retry),
         FillOutcome::GuestFault(f) => Ok(Action::Reflect(f)),
@@ -118,7 +118,7 @@ pub fn on_page_fault(
             shadow
                 .borrow_mut()
                 .code_invalidated(frame, n)
-                .map_err(|e| shadow_failure(guest_pc, &e))?;
+                .map_err(|e| shadow_failure(guest_pc, e))?;
             let insn = decode_at(shadow, mode, guest_pc);
             if !in_own_frame(shadow, mode, guest_pc, &insn, frame) {
                 return Ok(Action::Retry);
@@ -141,8 +141,11 @@ pub fn fetch_fault(shadow: &RefCell<Shadow>, mode: Mode, va: GuestVirt) -> Optio
     sh.access(next, Access::Fetch, view).err()
 }
 
-fn shadow_failure(guest_pc: GuestVirt, e: &guest_engine::shadow_mmu::ShadowError) -> String {
-    format!("shadow MMU failure at guest RIP {:#x}: {e}", guest_pc.0)
+fn shadow_failure(guest_pc: GuestVirt, error: guest_engine::shadow_mmu::ShadowError) -> RunError {
+    RunError::Shadow {
+        rip: guest_pc.0,
+        error,
+    }
 }
 
 /// Whether any byte of the instruction at `pc` may lie in `frame`.
@@ -185,7 +188,7 @@ fn emulate_store(
     mode: Mode,
     guest_pc: GuestVirt,
     i: &Instruction,
-) -> Result<Action, String> {
+) -> Result<Action, RunError> {
     let mem = PhysmapMemory::new(shadow);
     let regs = *engine.regs();
     if let Some(r) = emulate_string_store(engine, &mem, mode, i) {
@@ -209,11 +212,10 @@ fn emulate_store(
     };
     let size = i.memory_size().size();
     let (Some(value), Some(ea)) = (value, vcpu.data_address(i, &regs)) else {
-        return Err(format!(
-            "the guest instruction at RIP {:#x} ({:?}) writes into its own code frame; only plain `mov` and `movs`/`stos` stores are emulated there",
-            guest_pc.0,
-            i.mnemonic()
-        ));
+        return Err(RunError::SelfModifyingStore {
+            rip: guest_pc.0,
+            mnemonic: i.mnemonic(),
+        });
     };
     if let Err(f) = mem.try_write_virt(ea, mode, &value.to_le_bytes()[..size]) {
         return Ok(Action::Reflect(f));

@@ -17,7 +17,6 @@
 //! not emulate, a fetch the guest's page tables do not allow, or an engine error — a log
 //! line naming it and the guest RIP, the report, then the failure port (exit status 3).
 
-use alloc::format;
 use alloc::string::String;
 use core::cell::RefCell;
 use core::fmt::Write;
@@ -45,6 +44,7 @@ use crate::guest_mem::{PhysmapMemory, MODE_KERNEL, MODE_USER};
 use crate::layout::VEC_PF;
 use crate::log::fail;
 use crate::page_fault::{self, Action};
+use crate::run_error::RunError;
 use crate::shadow::Shadow;
 use crate::tools::Chosen;
 use crate::vcpu::{Ring0, ShadowPort, Vcpu};
@@ -287,10 +287,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                 let rip = engine.rip();
                 let why = match page_fault::fetch_fault(&shadow, vcpu.mode(), va) {
                     Some(f) => reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, rip),
-                    None => Err(format!(
-                        "the guest fetches code at {:#x} that the translator cannot decode",
-                        va.0
-                    )),
+                    None => Err(RunError::Undecodable { va: va.0 }),
                 };
                 if let Err(why) = why {
                     log!(Error, "engine: {why}");
@@ -337,14 +334,17 @@ pub fn reflect_guest_fault(
     shadow: &RefCell<Shadow>,
     fault: GuestFault,
     guest_pc: GuestVirt,
-) -> Result<(), String> {
+) -> Result<(), RunError> {
     let pf = fault.vector == guest_engine::shadow_mmu::PF_VECTOR;
     {
         let mut sh = shadow.borrow_mut();
         sh.counters.reflected += 1;
         if pf {
             sh.page_fault_delivered(fault.cr2.0)
-                .map_err(|e| format!("shadow MMU failure at guest RIP {:#x}: {e}", guest_pc.0))?;
+                .map_err(|error| RunError::Shadow {
+                    rip: guest_pc.0,
+                    error,
+                })?;
         }
     }
     if pf {
@@ -380,24 +380,21 @@ fn tell_translator(engine: &mut Engine, shadow: &RefCell<Shadow>) {
 
 /// Delivers `ev` with return address `rip` and continues at the handler; `Err` (the run
 /// must end) on a guest triple fault.
-fn deliver_at(engine: &mut Engine, vcpu: &mut Vcpu<'_>, rip: u64, ev: Event) -> Result<(), String> {
-    match vcpu.deliver(engine.regs_mut(), rip, ev) {
-        Ok(handler) => {
-            engine.set_rip(GuestVirt(handler));
-            Ok(())
-        }
-        Err(t) => {
-            let why = format!(
-                "the guest triple-faulted: {} (vector {}) at RIP {rip:#x}, then {} (vector {}, error code {:#x}) while delivering #DF",
-                crate::fault::vector_name(u64::from(ev.vector)),
-                ev.vector,
-                crate::fault::vector_name(u64::from(t.last.vector)),
-                t.last.vector,
-                t.last.error.unwrap_or(0)
-            );
-            Err(why)
-        }
-    }
+fn deliver_at(
+    engine: &mut Engine,
+    vcpu: &mut Vcpu<'_>,
+    rip: u64,
+    ev: Event,
+) -> Result<(), RunError> {
+    let handler = vcpu
+        .deliver(engine.regs_mut(), rip, ev)
+        .map_err(|t| RunError::TripleFault {
+            rip,
+            first: ev,
+            last: t.last,
+        })?;
+    engine.set_rip(GuestVirt(handler));
+    Ok(())
 }
 
 /// Tells the ring-0 trap path where the code cache is, so that a fault in translated
