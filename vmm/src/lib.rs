@@ -3,6 +3,7 @@
 //! every unexpected exit. The `kpin` binary (`src/main.rs`) is its command-line front end.
 #![deny(missing_docs)]
 
+pub mod acpi;
 pub mod attach;
 pub mod boot;
 pub mod cpuid;

@@ -4,6 +4,7 @@
 //! [`handle_exit`] into "keep running" or a final [`Outcome`], repeat. Every outcome other
 //! than a clean poweroff carries a guest-state dump.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::PathBuf;
 use std::rc::Rc;
@@ -19,6 +20,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::boot::{self, BootInfo};
 use crate::cpuid;
+use crate::devices::acpi_pm::{AcpiPm, ResetRegister, PM_PORT_SPAN};
 use crate::devices::bus::{DeviceAction, PortBus, Routed};
 use crate::devices::engine_ports::{EnginePorts, ENGINE_PORTS_BASE, ENGINE_PORTS_SPAN};
 use crate::devices::i8042::{I8042, I8042_DATA_PORT, I8042_PORT_SPAN};
@@ -28,10 +30,11 @@ use crate::devices::serial::{
 use crate::dump;
 use crate::engine_boot::{self, EngineConfig, EngineEntry};
 use crate::error::{Result, VmmError};
-use crate::layout::IO_RING_BATCH_BYTES;
+use crate::layout::{IO_RING_BATCH_BYTES, MMIO_GAP_END};
 use crate::memory::GuestMemory;
 use crate::symbols::Symbols;
 use crate::watchdog::Watchdog;
+use kpin_abi::ports::{ACPI_PM1A_EVT_PORT, ACPI_RESET_PORT};
 
 /// Local APIC register offsets and delivery modes for the LINT pins.
 const APIC_LVT0: usize = 0x350;
@@ -89,16 +92,8 @@ pub enum Outcome {
         /// Hardware entry-failure reason.
         reason: u64,
     },
-    /// A port access that no device and no known-absent device covers.
-    UnhandledPort {
-        /// Port number.
-        port: u16,
-        /// `out` (true) or `in`.
-        write: bool,
-        /// Access size in bytes.
-        size: usize,
-    },
-    /// An MMIO access outside guest RAM and the in-kernel devices.
+    /// An MMIO access above 4 GiB outside guest RAM and the in-kernel devices (below
+    /// 4 GiB such an access reads all ones and is counted, as on a PC).
     UnhandledMmio {
         /// Guest-physical address.
         addr: u64,
@@ -132,10 +127,6 @@ impl Outcome {
                 internal_error_name(*suberror)
             ),
             Outcome::FailEntry { reason } => format!("VM entry failed, reason {reason:#x}"),
-            Outcome::UnhandledPort { port, write, size } => format!(
-                "unhandled port {} of {size} byte(s) at {port:#x}",
-                if *write { "write" } else { "read" }
-            ),
             Outcome::UnhandledMmio { addr, write, size } => format!(
                 "unhandled MMIO {} of {size} byte(s) at {addr:#x}",
                 if *write { "write" } else { "read" }
@@ -164,8 +155,17 @@ pub struct ExitCounters {
     pub io_out: u64,
     /// Port reads handled by a device.
     pub io_in: u64,
-    /// Accesses to known-absent legacy ports.
+    /// Accesses to known-absent legacy ports (`devices::bus::ABSENT_PORTS`).
     pub io_absent: u64,
+    /// Accesses to any other port no device serves, by port: as on a PC, reads return
+    /// all ones and writes are dropped (generic kernels probe Super I/O chips, watchdogs
+    /// and legacy controllers).
+    pub unpopulated_ports: BTreeMap<u16, u64>,
+    /// MMIO accesses below 4 GiB that hit no memory and no device (reads all ones,
+    /// writes dropped), by page, for at most [`MAX_MMIO_PAGES_COUNTED`] distinct pages.
+    pub unbacked_mmio: BTreeMap<u64, u64>,
+    /// All unbacked MMIO accesses below 4 GiB, including pages beyond the map's cap.
+    pub unbacked_mmio_total: u64,
     /// I/O-ring doorbells.
     pub doorbells: u64,
     /// Returns from `KVM_RUN` because of a signal.
@@ -240,9 +240,13 @@ impl Vm {
         let vcpu = vm
             .create_vcpu(0)
             .map_err(|e| VmmError::Kvm("KVM_CREATE_VCPU", e))?;
-        let cpuid = cpuid::guest_cpuid(&kvm)?;
+        let mut cpuid = cpuid::guest_cpuid(&kvm)?;
         vcpu.set_cpuid2(&cpuid)
             .map_err(|e| VmmError::Kvm("KVM_SET_CPUID2", e))?;
+        if cpuid::hide_unreadable_msrs(&mut cpuid, &vcpu) {
+            vcpu.set_cpuid2(&cpuid)
+                .map_err(|e| VmmError::Kvm("KVM_SET_CPUID2", e))?;
+        }
         let sregs = vcpu
             .get_sregs()
             .map_err(|e| VmmError::Kvm("KVM_GET_SREGS", e))?;
@@ -276,6 +280,12 @@ impl Vm {
             Box::new(Com1(Serial::new(IrqTrigger(irq), sink))),
         );
         bus.insert(I8042_DATA_PORT, I8042_PORT_SPAN, Box::new(I8042::default()));
+        bus.insert(
+            ACPI_PM1A_EVT_PORT,
+            PM_PORT_SPAN,
+            Box::new(AcpiPm::default()),
+        );
+        bus.insert(ACPI_RESET_PORT, 1, Box::new(ResetRegister));
         bus.insert(ENGINE_PORTS_BASE, ENGINE_PORTS_SPAN, Box::new(EnginePorts));
 
         let symbols = match &cfg.system_map {
@@ -381,13 +391,16 @@ fn handle_exit(
     exits: &mut ExitCounters,
 ) -> Result<Step> {
     let step = match exit {
-        Ok(VcpuExit::IoOut(port, data)) => {
-            let size = data.len();
-            port_step(bus.write(port, data), port, true, size, exits)
+        Ok(VcpuExit::IoOut(port, data)) => port_step(bus.write(port, data), port, true, exits),
+        Ok(VcpuExit::IoIn(port, data)) => port_step(bus.read(port, data), port, false, exits),
+        Ok(VcpuExit::MmioRead(addr, data)) if addr < MMIO_GAP_END => {
+            data.fill(0xff);
+            count_unbacked_mmio(addr, exits);
+            Step::Continue
         }
-        Ok(VcpuExit::IoIn(port, data)) => {
-            let size = data.len();
-            port_step(bus.read(port, data), port, false, size, exits)
+        Ok(VcpuExit::MmioWrite(addr, _)) if addr < MMIO_GAP_END => {
+            count_unbacked_mmio(addr, exits);
+            Step::Continue
         }
         Ok(VcpuExit::MmioRead(addr, data)) => Step::End(Outcome::UnhandledMmio {
             addr,
@@ -421,14 +434,21 @@ fn handle_exit(
     Ok(step)
 }
 
+/// How many distinct unbacked MMIO pages [`ExitCounters::unbacked_mmio`] counts (a guest
+/// touching more must not grow the VMM without bound).
+pub const MAX_MMIO_PAGES_COUNTED: usize = 256;
+
+fn count_unbacked_mmio(addr: u64, exits: &mut ExitCounters) {
+    exits.unbacked_mmio_total += 1;
+    let page = addr & !0xfff;
+    if exits.unbacked_mmio.len() < MAX_MMIO_PAGES_COUNTED || exits.unbacked_mmio.contains_key(&page)
+    {
+        *exits.unbacked_mmio.entry(page).or_default() += 1;
+    }
+}
+
 /// What a routed port access means for the run loop.
-fn port_step(
-    routed: Routed,
-    port: u16,
-    write: bool,
-    size: usize,
-    exits: &mut ExitCounters,
-) -> Step {
+fn port_step(routed: Routed, port: u16, write: bool, exits: &mut ExitCounters) -> Step {
     match routed {
         Routed::Device(DeviceAction::Reset) => Step::End(Outcome::Poweroff),
         Routed::Device(DeviceAction::DrainRing) => Step::DrainRing,
@@ -445,7 +465,10 @@ fn port_step(
             exits.io_absent += 1;
             Step::Continue
         }
-        Routed::Unhandled => Step::End(Outcome::UnhandledPort { port, write, size }),
+        Routed::Unpopulated => {
+            *exits.unpopulated_ports.entry(port).or_default() += 1;
+            Step::Continue
+        }
     }
 }
 

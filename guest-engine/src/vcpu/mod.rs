@@ -21,7 +21,8 @@
 //!   same-privilege `retf`;
 //! * `msr.rs` — the virtual MSR file, `rdmsr`/`wrmsr`;
 //! * `syscall.rs` — `syscall`/`sysretq`/`swapgs`/`rd/wr{fs,gs}base`;
-//! * `port_io.rs` — `in`/`out` of AL/AX/EAX (string port I/O stops);
+//! * `port_io.rs` — `in`/`out` of AL/AX/EAX (a poweroff or reset write stops for the
+//!   final report; string port I/O stops);
 //! * `misc.rs` — `cpuid` (from the attach block's table, so native and instrumented
 //!   runs see one CPU), `wbinvd`, `invd`, `xgetbv`, `rdtscp`, `rdpid`, `hlt`;
 //! * `events.rs` — delivery through the IDT, `iretq`, `int n`/`int3`/`ud*`, external
@@ -61,7 +62,6 @@ pub use cr::paging_control;
 pub use events::{Event, Kind, TripleFault};
 pub use hardware::{GuestMmu, Hardware, PageFault};
 pub use msr::{LogOnce, MsrFile, Written, LAPIC_FRAME};
-pub use port_io::{I8042_CMD, I8042_RESET};
 pub use segments::{Descriptor, GuestFault, Segments, Sreg};
 pub use tables::DescriptorTable;
 
@@ -91,13 +91,16 @@ pub enum VcpuStop {
     },
     /// A delivery triple-faulted: the run ends.
     TripleFault(TripleFault),
-    /// A port write that may end the VM (the i8042 reset, [`I8042_CMD`]): the engine
-    /// writes its report first, then performs it and continues after the instruction.
+    /// A port write that ends the VM (`kpin_abi::ports::ends_the_run`: an ACPI poweroff,
+    /// the ACPI reset register, the i8042 reset): the engine writes its report first, then
+    /// performs it and continues after the instruction.
     FinalPortWrite {
         /// The port.
         port: u16,
-        /// The byte written.
-        value: u8,
+        /// The operand size (1, 2, 4).
+        size: u8,
+        /// The value written.
+        value: u32,
     },
     /// The shadow MMU has work for the translator (a CR3 write drops mappings, a write
     /// into a code frame drops its traces): do it, then continue at `resume`.

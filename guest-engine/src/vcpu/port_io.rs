@@ -1,8 +1,9 @@
 //! Port I/O: `in`/`out` of AL, AX or EAX at an imm8 or DX port, through the embedder's
 //! [`Hardware`] (the image: the ring-0 gate's IN/OUT, so the VMM sees the port exit a
 //! native `in`/`out` makes). IOPL-sensitive: at CPL > IOPL #GP(0) (the TSS I/O bitmap is
-//! not consulted). An i8042 reset ends the run as a poweroff
-//! ([`super::VcpuStop::FinalPortWrite`]); string port I/O stops (`emulate.rs`).
+//! not consulted). A write that powers off or resets the machine
+//! (`kpin_abi::ports::ends_the_run`) stops with [`super::VcpuStop::FinalPortWrite`], so
+//! that the engine writes its report first; string port I/O stops (`emulate.rs`).
 
 use iced_x86::{Code, Instruction, Mnemonic, OpKind};
 
@@ -10,12 +11,6 @@ use super::emulate::{gp0, Flow, Step};
 use super::hardware::{GuestMmu, Hardware};
 use super::{Vcpu, VcpuStop};
 use crate::{Gpr, GuestRegs, GuestVirt};
-
-/// Ports whose writes can end the VM (the i8042 command port: 0xfe = reset): the engine
-/// writes its final report before passing such a write on.
-pub const I8042_CMD: u16 = 0x64;
-/// The i8042 command that resets (for the VMM: powers off) the machine.
-pub const I8042_RESET: u8 = 0xfe;
 
 impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
     /// `in`/`out` (not the string forms).
@@ -41,10 +36,11 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         let rax = regs.get(Gpr::Rax);
         if i.mnemonic() == Mnemonic::Out {
             self.stats.outs += 1;
-            if size == 1 && port == I8042_CMD && rax as u8 == I8042_RESET {
+            if kpin_abi::ports::ends_the_run(port, size, rax as u32) {
                 return Ok(Flow::Stop(VcpuStop::FinalPortWrite {
                     port,
-                    value: rax as u8,
+                    size,
+                    value: rax as u32,
                 }));
             }
             self.hw.port_out(port, size, rax as u32);

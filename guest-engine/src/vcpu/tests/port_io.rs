@@ -85,6 +85,7 @@ fn test_i8042_reset_stops_with_the_final_port_write_left_to_the_caller() {
         stop(&mut v),
         VcpuStop::FinalPortWrite {
             port: 0x64,
+            size: 1,
             value: 0xfe
         }
     );
@@ -92,6 +93,26 @@ fn test_i8042_reset_stops_with_the_final_port_write_left_to_the_caller() {
         v.hw.outs.is_empty(),
         "the run loop performs it after its report"
     );
+}
+
+#[test]
+fn test_acpi_poweroff_stops_and_other_pm1_writes_pass() {
+    let b = block();
+    let mut v = vcpu(&b);
+    // SLP_TYP = 5 (S5) first, then with SLP_EN: only the second powers off.
+    let mut r = regs(5 << 10, 0x604);
+    assert_eq!(run(&mut v, OUT_DX_AX, &mut r), after(OUT_DX_AX));
+    assert_eq!(v.hw.outs, [(0x604, 2, 5 << 10)]);
+    let mut r = regs((5 << 10) | (1 << 13), 0x604);
+    assert_eq!(run(&mut v, OUT_DX_AX, &mut r), Emulation::Stop);
+    assert!(matches!(
+        stop(&mut v),
+        VcpuStop::FinalPortWrite {
+            port: 0x604,
+            size: 2,
+            ..
+        }
+    ));
 }
 
 #[test]
