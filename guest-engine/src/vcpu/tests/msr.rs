@@ -152,3 +152,26 @@ fn test_wrmsr_misc_features_accepts_only_cpuid_faulting() {
     let e = run(&mut v, WRMSR, &mut r);
     assert_gp0(&v, e, &r);
 }
+
+#[test]
+fn test_arch_capabilities_reads_the_attach_block_value_and_writes_are_gp0() {
+    let mut b = block();
+    let n = b.msr_count as usize;
+    b.msrs[n].index = msr::ARCH_CAPABILITIES;
+    b.msrs[n].value = 0x2_0c6b;
+    b.msr_count += 1;
+    let mut v = vcpu(&b);
+    assert_eq!(read(&mut v, msr::ARCH_CAPABILITIES), 0x2_0c6b);
+    let mut r = msr_regs(msr::ARCH_CAPABILITIES, 0);
+    let e = run(&mut v, WRMSR, &mut r);
+    assert_gp0(&v, e, &r);
+}
+
+#[test]
+fn test_writes_kvm_drops_are_dropped_without_a_fault() {
+    let b = block();
+    let mut v = vcpu(&b);
+    let mut r = msr_regs(0xc001_001f, 1 << 46); // AMD NB_CFG
+    assert_eq!(run(&mut v, WRMSR, &mut r), after(WRMSR));
+    assert!(v.hw.wrmsrs.is_empty());
+}
