@@ -10,8 +10,8 @@ use kpin_abi::io_ring::{Kind, LogLevel, Producer, RingError};
 use kpin_abi::ports::{DOORBELL_PORT, ENGINE_FAILURE_PORT};
 use kpin_abi::stolen::{IO_RING_BYTES, IO_RING_OFFSET, WINDOW_VA};
 
-use crate::gate;
-use crate::layout::fail_code;
+use crate::ring0::gate;
+use crate::ring0::layout::fail_code;
 
 /// Longest log line in bytes.
 const LINE_BYTES: usize = 1024;

@@ -13,27 +13,11 @@
 
 extern crate alloc;
 
-mod bringup;
-mod counters;
-mod descriptors;
-mod entry;
-mod fault;
-mod gate;
-mod guest_dump;
-mod guest_mem;
-mod heap;
-mod irq;
-mod layout;
+mod events;
 mod log;
-mod page_fault;
-mod paging;
-mod probe;
+mod mm;
+mod ring0;
 mod run;
-mod run_error;
-mod shadow;
-mod timer;
-mod tools;
-mod vcpu;
 
 /// The address `link.ld` links the image at; it must be where the VMM loads it.
 const LINK_BASE: u64 = 0xffff_8080_0020_0000;
@@ -44,5 +28,5 @@ const _: () = assert!(
 
 #[panic_handler]
 fn panic(info: &core::panic::PanicInfo<'_>) -> ! {
-    fault::panic(info)
+    ring0::crash::panic(info)
 }

@@ -9,7 +9,7 @@ use core::sync::atomic::{AtomicU64, Ordering};
 use guest_engine::attention::reason;
 use guest_engine::Engine;
 
-use crate::entry::{kpin_attention_at, kpin_guest_irqs, kpin_irq_pending};
+use crate::ring0::entry::{kpin_attention_at, kpin_guest_irqs, kpin_irq_pending};
 
 fn word(i: usize) -> &'static AtomicU64 {
     // SAFETY: `kpin_irq_pending` is 4 aligned u64s in the engine's .bss, written only by

@@ -4,9 +4,9 @@
 
 use core::arch::x86_64::_rdtsc;
 
-use crate::entry::{kpin_irq_at_cpl3, kpin_irq_counts};
-use crate::gate;
-use crate::layout::{PIC1_DATA, PIT_CH0, PIT_CMD, PIT_HZ, PIT_MODE_RATE};
+use crate::ring0::entry::{kpin_irq_at_cpl3, kpin_irq_counts};
+use crate::ring0::gate;
+use crate::ring0::layout::{PIC1_DATA, PIT_CH0, PIT_CMD, PIT_HZ, PIT_MODE_RATE};
 
 /// The TSC.
 pub fn tsc() -> u64 {

@@ -22,10 +22,10 @@ use guest_engine::shadow_mmu::{Access, FillOutcome, GuestFault};
 use guest_engine::{Engine, Gpr, GuestPhys, GuestRegs, GuestVirt, Mode};
 use iced_x86::{Code, Decoder, DecoderOptions, Instruction, OpKind, Register};
 
-use crate::guest_mem::{view_of, PhysmapMemory};
-use crate::run_error::RunError;
-use crate::shadow::Shadow;
-use crate::vcpu::Vcpu;
+use crate::mm::guest_memory::{view_of, PhysmapMemory};
+use crate::mm::shadow::Shadow;
+use crate::run::error::RunError;
+use crate::run::vcpu::Vcpu;
 
 /// Identical faults in a row tolerated before the run stops.
 const MAX_REPEATS: u32 = 3;

@@ -17,7 +17,7 @@ use core::cell::RefCell;
 use guest_engine::shadow_mmu::{Access, GuestFault, View};
 use guest_engine::{GuestMemory, GuestPhys, GuestVirt, Mode};
 
-use crate::shadow::Shadow;
+use crate::mm::shadow::Shadow;
 
 const PAGE: u64 = 4096;
 

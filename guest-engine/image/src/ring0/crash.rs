@@ -4,8 +4,8 @@
 use core::arch::asm;
 use core::sync::atomic::{AtomicBool, Ordering};
 
-use crate::entry::{FaultRecord, FAULT, GPR_NAMES};
-use crate::layout::{VEC_DF, VEC_PF};
+use crate::ring0::entry::{FaultRecord, FAULT, GPR_NAMES};
+use crate::ring0::layout::{VEC_DF, VEC_PF};
 use crate::{log, log::fail};
 
 /// Mnemonics of the exception vectors.
@@ -112,7 +112,7 @@ pub fn panic(info: &core::panic::PanicInfo<'_>) -> ! {
     if cs & 3 == 0 {
         // SAFETY: at ring 0 `out` is allowed; the VMM ends the run on this port.
         unsafe {
-            asm!("out dx, al", in("dx") kpin_abi::ports::ENGINE_FAILURE_PORT, in("al") crate::layout::fail_code::RING0_PANIC, options(nostack));
+            asm!("out dx, al", in("dx") kpin_abi::ports::ENGINE_FAILURE_PORT, in("al") crate::ring0::layout::fail_code::RING0_PANIC, options(nostack));
         }
         loop {
             core::hint::spin_loop();

@@ -8,10 +8,10 @@
 
 use core::cell::UnsafeCell;
 
-use crate::entry::{
+use crate::ring0::entry::{
     kpin_idt_stubs, kpin_ist1_top, kpin_ist2_top, kpin_ist3_top, kpin_ring0_stack_top,
 };
-use crate::layout::{
+use crate::ring0::layout::{
     GDT_ENTRIES, IDT_VECTORS, IST_DF, IST_MC, IST_NMI, KERNEL_CS, VEC_DF, VEC_MC, VEC_NMI,
 };
 

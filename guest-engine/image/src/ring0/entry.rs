@@ -8,7 +8,7 @@
 //! boot stack below the image, RDI = the attach block, interrupts off, no IDT. `_start`
 //! switches to the ring-0 stack, calls `ring0_setup` (Rust: fills the GDT, TSS and IDT),
 //! sets CR4.FSGSBASE if CPUID 7.EBX[0] has it (`kpin_fsgsbase`), loads GDTR/IDTR/TR, remaps the PIC to vectors 0x20–0x2f with every IRQ masked, and
-//! `iretq`s to `engine_main(attach)` at CPL 3 with IF = 1 on the main stack.
+//! `iretq`s to `kpin_engine_main(attach)` (`run/bringup.rs`) at CPL 3 with IF = 1 on the main stack.
 //!
 //! **Register convention of the gate** (`kpin_gate`, called from CPL 3): RAX = operation
 //! (`layout::gate_op`), RDI = first argument, RSI = second; returns RAX; clobbers RDX and
@@ -66,7 +66,7 @@ use core::mem::offset_of;
 
 use kpin_abi::ports::ENGINE_FAILURE_PORT;
 
-use crate::layout::{
+use crate::ring0::layout::{
     gate_op, FAULT_STACK_BYTES, IST_STACK_BYTES, MAIN_STACK_BYTES, PIC1_CMD, PIC1_DATA, PIC2_CMD,
     PIC2_DATA, PIC2_VECTOR_BASE, PIC_EOI, PIC_VECTOR_BASE, RFLAGS_FIXED, RFLAGS_IF,
     RING0_STACK_BYTES, TSS_SEL, USER_CS, USER_DS, VEC_GP, VEC_PF,
@@ -123,9 +123,9 @@ pub static FAULT: FaultCell = FaultCell(UnsafeCell::new(FaultRecord {
 }));
 
 extern "C" {
-    /// The gate; see the module header. Never call it directly: use `crate::gate`.
+    /// The gate; see the module header. Never call it directly: use `crate::ring0::gate`.
     pub fn kpin_gate();
-    /// The probe; see the module header. Use `crate::probe`.
+    /// The probe; see the module header. Use `crate::ring0::probe`.
     pub fn kpin_probe_read();
     /// IRQ counts per PIC line (16 entries).
     pub static kpin_irq_counts: [u64; 16];
@@ -143,7 +143,7 @@ extern "C" {
     /// TSC read by `_start` at its first instruction.
     pub static kpin_boot_tsc: u64;
     /// Stub addresses for IDT vectors 0..256.
-    pub static kpin_idt_stubs: [u64; crate::layout::IDT_VECTORS];
+    pub static kpin_idt_stubs: [u64; crate::ring0::layout::IDT_VECTORS];
     /// Top of the ring-0 stack (TSS.RSP0).
     pub static kpin_ring0_stack_top: u8;
     /// Top of the IST1 (#DF) stack.
@@ -174,6 +174,12 @@ extern "C" {
 }
 
 // Boot entry: ring 0 → CPL 3.
+extern "C" {
+    /// The CPL-3 main flow `_start` returns to with `iretq` (`run/bringup.rs`), by
+    /// symbol so that the ring-0 code does not import the rest of the image.
+    fn kpin_engine_main(attach: *const kpin_abi::attach::AttachBlock) -> !;
+}
+
 global_asm!(
     r#"
     .pushsection .text.entry, "ax"
@@ -237,9 +243,9 @@ _start:
     iretq
     .popsection
 "#,
-    setup = sym crate::descriptors::ring0_setup,
-    gdtr = sym crate::descriptors::GDTR,
-    idtr = sym crate::descriptors::IDTR,
+    setup = sym crate::ring0::engine_tables::ring0_setup,
+    gdtr = sym crate::ring0::engine_tables::GDTR,
+    idtr = sym crate::ring0::engine_tables::IDTR,
     tss_sel = const TSS_SEL,
     pic1_base = const PIC_VECTOR_BASE,
     pic1_cmd = const PIC1_CMD,
@@ -250,7 +256,7 @@ _start:
     user_ds = const USER_DS,
     user_cs = const USER_CS,
     rflags = const RFLAGS_IF | RFLAGS_FIXED,
-    main = sym crate::bringup::engine_main,
+    main = sym kpin_engine_main,
     cr4_fsgsbase = const 1u64 << 16,
 );
 
@@ -726,7 +732,7 @@ kpin_fault_stack_top:
     op_in32 = const gate_op::IN32,
     op_cr4_sse = const gate_op::CR4_SSE,
     op_rdmsr_safe = const gate_op::RDMSR_SAFE,
-    cr4_sse_clear = const !(crate::layout::CR4_SSE_BITS as i64) as i32,
+    cr4_sse_clear = const !(crate::ring0::layout::CR4_SSE_BITS as i64) as i32,
     rec = sym FAULT,
     off_vector = const offset_of!(FaultRecord, vector),
     off_error = const offset_of!(FaultRecord, error),
@@ -736,12 +742,12 @@ kpin_fault_stack_top:
     off_rsp = const offset_of!(FaultRecord, rsp),
     off_ss = const offset_of!(FaultRecord, ss),
     off_cr2 = const offset_of!(FaultRecord, cr2),
-    report = sym crate::fault::kpin_fault_report,
+    report = sym crate::ring0::crash::kpin_fault_report,
     user_cs = const USER_CS,
     user_ds = const USER_DS,
     rflags = const RFLAGS_FIXED,
     fail_port = const ENGINE_FAILURE_PORT,
-    nested_code = const crate::layout::fail_code::NESTED_FAULT,
+    nested_code = const crate::ring0::layout::fail_code::NESTED_FAULT,
     ring0_stack = const RING0_STACK_BYTES,
     ist_stack = const IST_STACK_BYTES,
     main_stack = const MAIN_STACK_BYTES,

@@ -4,8 +4,8 @@
 use core::arch::asm;
 use core::sync::atomic::{AtomicU64, Ordering};
 
-use crate::entry::kpin_gate;
-use crate::layout::gate_op;
+use crate::ring0::entry::kpin_gate;
+use crate::ring0::layout::gate_op;
 
 /// Gate round trips made (for the run's counters).
 static CALLS: AtomicU64 = AtomicU64::new(0);
@@ -119,7 +119,11 @@ pub fn invlpg(va: u64) {
 
 /// Sets CR4.OSFXSR/OSXMMEXCPT to those bits of `bits` (the guest's SSE enables).
 pub fn cr4_sse(bits: u64) {
-    call(gate_op::CR4_SSE, bits & crate::layout::CR4_SSE_BITS, 0);
+    call(
+        gate_op::CR4_SSE,
+        bits & crate::ring0::layout::CR4_SSE_BITS,
+        0,
+    );
 }
 
 /// Halts until an interrupt has been handled (with IF enabled for the halt).

@@ -12,7 +12,7 @@ use core::cell::UnsafeCell;
 use kpin_abi::attach::AttachBlock;
 use kpin_abi::stolen::{PHYSMAP_VA, WINDOW_VA};
 
-use crate::gate;
+use crate::ring0::gate;
 
 const ENTRIES: usize = 512;
 /// Page directories for the physmap: 8 GiB of guest-physical address space.

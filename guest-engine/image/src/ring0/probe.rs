@@ -8,8 +8,8 @@ use core::arch::asm;
 
 use kpin_abi::stolen::{BOOT_PT_OFFSET, ENGINE_OFFSET, WINDOW_VA};
 
-use crate::entry::kpin_probe_read;
-use crate::gate;
+use crate::ring0::entry::kpin_probe_read;
+use crate::ring0::gate;
 
 /// PML4 slots in a 4-level address space.
 pub const SLOTS: u64 = 512;

@@ -19,10 +19,12 @@ use core::arch::asm;
 use kpin_abi::attach::{AttachBlock, MAGIC, VERSION};
 use kpin_abi::stolen::{BOOT_PT_OFFSET, ENGINE_OFFSET, IO_RING_OFFSET, PHYSMAP_VA, WINDOW_VA};
 
-use crate::entry::kpin_boot_tsc;
-use crate::layout::{gate_op, DEFAULT_GATES, DEFAULT_TICKS, PIC1_DATA, TIMER_HZ};
+use crate::events::timer;
+use crate::log;
 use crate::log::fail;
-use crate::{descriptors, gate, log, paging, probe, timer};
+use crate::ring0::entry::kpin_boot_tsc;
+use crate::ring0::layout::{gate_op, DEFAULT_GATES, DEFAULT_TICKS, PIC1_DATA, TIMER_HZ};
+use crate::ring0::{engine_tables as descriptors, gate, page_tables as paging, probe};
 
 /// MSR used to check the WRMSR/RDMSR gates (the guest has not run, so nothing depends
 /// on its value yet).
@@ -102,8 +104,9 @@ fn parse_options(text: &str) -> Result<Options, &str> {
     Ok(o)
 }
 
-/// CPL-3 entry from `_start`.
-pub extern "C" fn engine_main(attach: *const AttachBlock) -> ! {
+/// CPL-3 entry from `_start` (`ring0/entry.rs` names it by symbol).
+#[no_mangle]
+pub extern "C" fn kpin_engine_main(attach: *const AttachBlock) -> ! {
     let main_tsc = timer::tsc();
     if log::init().is_err() {
         // Nothing to log through: the failure port alone says the engine failed.
@@ -348,7 +351,7 @@ fn measure_gs_base_switch(m: u64, ns: &dyn Fn(u64) -> u64) {
     const MSR_GS_BASE: u32 = 0xc000_0101;
     let t0 = timer::tsc();
     for k in 0..m {
-        crate::vcpu::set_hw_base(false, k << 12);
+        crate::run::vcpu::set_hw_base(false, k << 12);
     }
     let direct_ns = ns(timer::tsc() - t0) / m;
     let direct_ok = gate::rdmsr(MSR_GS_BASE) == (m - 1) << 12;
@@ -358,9 +361,10 @@ fn measure_gs_base_switch(m: u64, ns: &dyn Fn(u64) -> u64) {
         unsafe { gate::wrmsr(MSR_GS_BASE, k << 12) };
     }
     let gate_ns = ns(timer::tsc() - t0) / m;
-    crate::vcpu::set_hw_base(false, 0);
+    crate::run::vcpu::set_hw_base(false, 0);
     // SAFETY: written once by `_start` before any CPL-3 code ran.
-    let fsgsbase = unsafe { core::ptr::read_volatile(&raw const crate::entry::kpin_fsgsbase) };
+    let fsgsbase =
+        unsafe { core::ptr::read_volatile(&raw const crate::ring0::entry::kpin_fsgsbase) };
     log!(
         Info,
         "fsgsbase: CR4.FSGSBASE {}: a GS-base switch takes {} ns the engine's way ({}, {}) and {}.{:03} us through the gate's WRMSR",
@@ -478,7 +482,7 @@ fn crash(c: Crash) -> ! {
                 gate::rdmsr(NO_SUCH_MSR);
             }
             Crash::Nested => {
-                crate::fault::fault_while_reporting();
+                crate::ring0::crash::fault_while_reporting();
                 asm!("ud2");
             }
             Crash::Df => {

@@ -7,7 +7,7 @@ use guest_engine::shadow_mmu::ShadowError;
 use guest_engine::vcpu::Event;
 use iced_x86::Mnemonic;
 
-use crate::fault::vector_name;
+use crate::ring0::crash::vector_name;
 
 /// A reason the engine cannot continue the guest.
 #[derive(Clone, Debug)]

@@ -8,9 +8,9 @@ use core::fmt::Write;
 use guest_engine::{Engine, Gpr};
 use iced_x86::{Decoder, DecoderOptions};
 
-use crate::guest_mem::{PhysmapMemory, MODE_KERNEL};
 use crate::log;
-use crate::vcpu::Vcpu;
+use crate::mm::guest_memory::{PhysmapMemory, MODE_KERNEL};
+use crate::run::vcpu::Vcpu;
 
 /// Guest bytes shown before and after RIP.
 const BYTES_AROUND_RIP: u64 = 16;

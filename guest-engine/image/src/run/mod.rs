@@ -17,6 +17,13 @@
 //! not emulate, a fetch the guest's page tables do not allow, or an engine error — a log
 //! line naming it and the guest RIP, the report, then the failure port (exit status 3).
 
+pub mod bringup;
+pub mod counters_json;
+pub mod error;
+pub mod guest_dump;
+pub mod tools;
+pub mod vcpu;
+
 use alloc::string::String;
 use core::cell::RefCell;
 use core::fmt::Write;
@@ -39,16 +46,20 @@ fn heap_pressure() -> bool {
     heap::usage().0 > HEAP_FLUSH_BYTES
 }
 
-use crate::counters::JsonObject;
-use crate::guest_mem::{PhysmapMemory, MODE_KERNEL, MODE_USER};
-use crate::layout::VEC_PF;
+use crate::events::{irq, timer};
+use crate::log;
 use crate::log::fail;
-use crate::page_fault::{self, Action};
-use crate::run_error::RunError;
-use crate::shadow::Shadow;
-use crate::tools::Chosen;
-use crate::vcpu::{Ring0, ShadowPort, Vcpu};
-use crate::{entry, gate, guest_dump, heap, irq, log, paging, timer, tools};
+use crate::mm::cache_page_fault::{self, Action};
+use crate::mm::guest_memory::{PhysmapMemory, MODE_KERNEL, MODE_USER};
+use crate::mm::heap;
+use crate::mm::shadow::Shadow;
+use crate::ring0::layout::VEC_PF;
+use crate::ring0::{entry, gate, page_tables as paging};
+use crate::run::counters_json::JsonObject;
+use crate::run::error::RunError;
+use crate::run::tools::Chosen;
+use crate::run::vcpu::{Ring0, ShadowPort, Vcpu};
+
 use guest_engine::vcpu::{Event, VcpuStop};
 
 /// CR0.PG, EFER.LMA: the guest must be in 64-bit long mode (all the translator knows).
@@ -156,7 +167,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
     arm_fault_redirect(&engine);
     let mut mem = PhysmapMemory::new(&shadow);
     let mut vcpu = Vcpu::new(block, Ring0, ShadowPort::new(&shadow));
-    let mut progress = page_fault::Progress::default();
+    let mut progress = cache_page_fault::Progress::default();
     let t0 = timer::tsc();
     irq::hand_over(&engine);
     loop {
@@ -200,7 +211,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                         Error,
                         "engine: the guest triple-faulted at RIP {:#x}: {} (vector {}, error code {:#x}) while delivering #DF",
                         insn.pc.0,
-                        crate::fault::vector_name(u64::from(t.last.vector)),
+                        crate::ring0::crash::vector_name(u64::from(t.last.vector)),
                         t.last.vector,
                         t.last.error.unwrap_or(0)
                     );
@@ -247,12 +258,12 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                     )
                 };
                 let done = if vector == u64::from(VEC_PF) {
-                    let hw = page_fault::HwPageFault {
+                    let hw = cache_page_fault::HwPageFault {
                         guest_pc,
                         cr2,
                         error: error as u32,
                     };
-                    match page_fault::on_page_fault(
+                    match cache_page_fault::on_page_fault(
                         &mut engine,
                         &shadow,
                         &vcpu,
@@ -285,7 +296,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
             Stop::FetchFault(va) => {
                 // The instruction starts at the engine's RIP (`va` may be its second page).
                 let rip = engine.rip();
-                let why = match page_fault::fetch_fault(&shadow, vcpu.mode(), va) {
+                let why = match cache_page_fault::fetch_fault(&shadow, vcpu.mode(), va) {
                     Some(f) => reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, rip),
                     None => Err(RunError::Undecodable { va: va.0 }),
                 };

@@ -12,9 +12,11 @@ use guest_engine::shadow_mmu::{PagingControl, ShadowError, View};
 use guest_engine::vcpu::{GuestMmu, Hardware, PageFault};
 use kpin_abi::x86::msr;
 
-use crate::guest_mem::{PhysmapMemory, MODE_KERNEL, MODE_USER};
-use crate::shadow::Shadow;
-use crate::{gate, irq, log, timer};
+use crate::events::{irq, timer};
+use crate::log;
+use crate::mm::guest_memory::{PhysmapMemory, MODE_KERNEL, MODE_USER};
+use crate::mm::shadow::Shadow;
+use crate::ring0::gate;
 
 /// The virtual CPU of the engine image.
 pub type Vcpu<'a> = guest_engine::vcpu::Vcpu<'a, Ring0, ShadowPort<'a>>;
@@ -28,7 +30,7 @@ pub struct Ring0;
 /// every entry from user mode).
 pub fn set_hw_base(fs: bool, base: u64) {
     // SAFETY: written once by `_start` at ring 0 before any CPL-3 code ran.
-    if unsafe { core::ptr::read_volatile(&raw const crate::entry::kpin_fsgsbase) } != 0 {
+    if unsafe { core::ptr::read_volatile(&raw const crate::ring0::entry::kpin_fsgsbase) } != 0 {
         // SAFETY: CR4.FSGSBASE is set, so these are allowed at CPL 3; the engine uses
         // neither FS nor GS (no TLS, the ring-0 stubs never `swapgs`); `base` is
         // canonical (checked by every caller), so they cannot fault.
