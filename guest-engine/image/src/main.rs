@@ -14,6 +14,7 @@
 extern crate alloc;
 
 mod events;
+mod json;
 mod log;
 mod mm;
 mod ring0;

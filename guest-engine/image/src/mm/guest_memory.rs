@@ -4,13 +4,16 @@
 //!   shadow MMU's walk (A bits set as hardware would), and code bytes read from the
 //!   physmap — every frame read is write-protected, so a later write to it (through any
 //!   alias) invalidates its traces;
-//! * guest virtual reads and writes for emulated instructions (`read_virt`/`write_virt`,
-//!   and `try_read_virt`/`try_write_virt` that say which fault the guest would take),
-//!   walked for the virtual CPL's view with A/D bits and permissions as hardware would; a
-//!   write into a code frame lists the frame for trace invalidation first.
+//! * guest virtual reads and writes for emulated instructions (`try_read_virt`/
+//!   `try_write_virt`, which say which fault the guest would take; the virtual CPU's
+//!   `GuestMmu` in `run/vcpu.rs` goes through them), walked for the virtual CPL's view
+//!   with A/D bits and permissions as hardware would; a write into a code frame lists the
+//!   frame for trace invalidation first.
 //!
-//! Only guest memory the e820 map lists (RAM or reserved) is reached; anything else (the stolen region, MMIO)
-//! is refused by the shadow MMU as an engine failure, never read.
+//! [`ShadowedMemory`] reads the bytes through the physmap, but every address goes through
+//! the shadow MMU's walk of the guest's page tables first. Only guest memory the e820 map
+//! lists (RAM or reserved) is reached; anything else (the stolen region, MMIO) is refused
+//! by the shadow MMU as an engine failure, never read.
 
 use core::cell::RefCell;
 
@@ -34,18 +37,18 @@ pub fn view_of(mode: Mode) -> View {
 
 /// Guest memory through the shadow MMU (shared with the virtual CPU and the run loop;
 /// every method borrows it only for its own duration).
-pub struct PhysmapMemory<'a> {
+pub struct ShadowedMemory<'a> {
     shadow: &'a RefCell<Shadow>,
 }
 
-impl<'a> PhysmapMemory<'a> {
+impl<'a> ShadowedMemory<'a> {
     /// Guest memory through `shadow`.
     pub fn new(shadow: &'a RefCell<Shadow>) -> Self {
         Self { shadow }
     }
 
     /// Reads guest virtual memory as a data read in `mode`; `false` if the guest would
-    /// fault (see [`PhysmapMemory::try_read_virt`]).
+    /// fault (see [`ShadowedMemory::try_read_virt`]).
     pub fn read_virt(&self, va: u64, mode: Mode, out: &mut [u8]) -> bool {
         self.try_read_virt(va, mode, out).is_ok()
     }
@@ -78,7 +81,7 @@ impl<'a> PhysmapMemory<'a> {
     }
 
     /// Writes guest virtual memory as a data write in `mode`, or answers the fault the
-    /// guest would take (as [`PhysmapMemory::try_read_virt`]); every page is checked
+    /// guest would take (as [`ShadowedMemory::try_read_virt`]); every page is checked
     /// (and its A/D bits set) before any byte is written. A code frame written is
     /// unprotected and listed for trace invalidation (`Shadow::take_work`): the caller's
     /// run loop invalidates before guest code runs again.
@@ -138,7 +141,7 @@ impl<'a> PhysmapMemory<'a> {
     }
 }
 
-impl GuestMemory for PhysmapMemory<'_> {
+impl GuestMemory for ShadowedMemory<'_> {
     fn translate(&mut self, va: GuestVirt, mode: Mode) -> Option<GuestPhys> {
         self.shadow
             .borrow_mut()

@@ -1,9 +1,7 @@
 //! Memory: the shadow MMU over the physmap and the stolen region (`shadow.rs`), guest
 //! memory as the translator and the virtual CPU reach it through the shadow MMU's walk
-//! (`guest_memory.rs`), hardware page faults taken in the code cache
-//! (`cache_page_fault.rs`), and the engine's heap (`heap.rs`).
+//! (`guest_memory.rs`), and the engine's heap (`heap.rs`).
 
-pub mod cache_page_fault;
 pub mod guest_memory;
 pub mod heap;
 pub mod shadow;

@@ -30,8 +30,8 @@ use guest_engine::{GuestPhys, GuestVirt};
 use kpin_abi::attach::AttachBlock;
 use kpin_abi::stolen::{PHYSMAP_VA, SHADOW_TABLES_BYTES, SHADOW_TABLES_OFFSET, WINDOW_VA};
 
+use crate::json::JsonObject;
 use crate::ring0::{gate, page_tables as paging};
-use crate::run::counters_json::JsonObject;
 
 /// Shadow roots kept (two views per guest address space).
 const MAX_ROOTS: usize = 16;

@@ -22,7 +22,7 @@ use guest_engine::shadow_mmu::{Access, FillOutcome, GuestFault};
 use guest_engine::{Engine, Gpr, GuestPhys, GuestRegs, GuestVirt, Mode};
 use iced_x86::{Code, Decoder, DecoderOptions, Instruction, OpKind, Register};
 
-use crate::mm::guest_memory::{view_of, PhysmapMemory};
+use crate::mm::guest_memory::{view_of, ShadowedMemory};
 use crate::mm::shadow::Shadow;
 use crate::run::error::RunError;
 use crate::run::vcpu::Vcpu;
@@ -152,7 +152,7 @@ fn shadow_failure(guest_pc: GuestVirt, error: guest_engine::shadow_mmu::ShadowEr
 /// The guest instruction at `pc` (invalid if its bytes cannot be fetched).
 fn decode_at(shadow: &RefCell<Shadow>, mode: Mode, pc: GuestVirt) -> Instruction {
     let mut bytes = [0u8; MAX_INSN];
-    let n = PhysmapMemory::new(shadow).peek_code(pc.0, mode, &mut bytes);
+    let n = ShadowedMemory::new(shadow).peek_code(pc.0, mode, &mut bytes);
     Decoder::with_ip(64, &bytes[..n], pc.0, DecoderOptions::NONE).decode()
 }
 
@@ -189,7 +189,7 @@ fn emulate_store(
     guest_pc: GuestVirt,
     i: &Instruction,
 ) -> Result<Action, RunError> {
-    let mem = PhysmapMemory::new(shadow);
+    let mem = ShadowedMemory::new(shadow);
     let regs = *engine.regs();
     if let Some(r) = emulate_string_store(engine, &mem, mode, i) {
         if matches!(r, Action::Resume(_)) {
@@ -231,7 +231,7 @@ fn emulate_store(
 /// `memcpy`'s `rep movsb`, which may lie in the very frame it patches.)
 fn emulate_string_store(
     engine: &mut Engine,
-    mem: &PhysmapMemory<'_>,
+    mem: &ShadowedMemory<'_>,
     mode: Mode,
     i: &Instruction,
 ) -> Option<Action> {

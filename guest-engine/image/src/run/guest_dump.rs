@@ -9,14 +9,14 @@ use guest_engine::{Engine, Gpr};
 use iced_x86::{Decoder, DecoderOptions};
 
 use crate::log;
-use crate::mm::guest_memory::{PhysmapMemory, MODE_KERNEL};
+use crate::mm::guest_memory::{ShadowedMemory, MODE_KERNEL};
 use crate::run::vcpu::Vcpu;
 
 /// Guest bytes shown before and after RIP.
 const BYTES_AROUND_RIP: u64 = 16;
 
 /// Logs the guest's registers, system state and the code at RIP.
-pub fn log_guest_state(engine: &Engine, vcpu: &Vcpu<'_>, mem: &PhysmapMemory<'_>) {
+pub fn log_guest_state(engine: &Engine, vcpu: &Vcpu<'_>, mem: &ShadowedMemory<'_>) {
     let r = engine.regs();
     let rip = engine.rip().0;
     log!(
@@ -82,7 +82,7 @@ pub fn log_guest_state(engine: &Engine, vcpu: &Vcpu<'_>, mem: &PhysmapMemory<'_>
 
 /// Logs the guest bytes around `rip` (`??` where the guest cannot read them) and the
 /// instruction there, or why it cannot be read.
-fn log_code_at(rip: u64, mem: &PhysmapMemory<'_>) {
+fn log_code_at(rip: u64, mem: &ShadowedMemory<'_>) {
     let start = rip.saturating_sub(BYTES_AROUND_RIP);
     let mut bytes = [0u8; 2 * BYTES_AROUND_RIP as usize];
     let mut line = alloc::string::String::new();

@@ -18,7 +18,7 @@
 //! line naming it and the guest RIP, the report, then the failure port (exit status 3).
 
 pub mod bringup;
-pub mod counters_json;
+pub mod cache_page_fault;
 pub mod error;
 pub mod guest_dump;
 pub mod tools;
@@ -47,18 +47,18 @@ fn heap_pressure() -> bool {
 }
 
 use crate::events::{irq, timer};
+use crate::json::JsonObject;
 use crate::log;
 use crate::log::fail;
-use crate::mm::cache_page_fault::{self, Action};
-use crate::mm::guest_memory::{PhysmapMemory, MODE_KERNEL, MODE_USER};
+use crate::mm::guest_memory::{ShadowedMemory, MODE_KERNEL, MODE_USER};
 use crate::mm::heap;
 use crate::mm::shadow::Shadow;
 use crate::ring0::layout::VEC_PF;
 use crate::ring0::{entry, gate, page_tables as paging};
-use crate::run::counters_json::JsonObject;
 use crate::run::error::RunError;
 use crate::run::tools::Chosen;
 use crate::run::vcpu::{Ring0, ShadowPort, Vcpu};
+use cache_page_fault::Action;
 
 use guest_engine::vcpu::{Event, VcpuStop};
 
@@ -165,7 +165,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
     log::flush();
 
     arm_fault_redirect(&engine);
-    let mut mem = PhysmapMemory::new(&shadow);
+    let mut mem = ShadowedMemory::new(&shadow);
     let mut vcpu = Vcpu::new(block, Ring0, ShadowPort::new(&shadow));
     let mut progress = cache_page_fault::Progress::default();
     let t0 = timer::tsc();
@@ -435,7 +435,7 @@ fn give_up(
     shadow: &RefCell<Shadow>,
     tool: &mut Chosen,
     cycles: u64,
-    mem: &PhysmapMemory<'_>,
+    mem: &ShadowedMemory<'_>,
 ) -> ! {
     guest_dump::log_guest_state(engine, vcpu, mem);
     report(engine, vcpu, shadow, tool, cycles);

@@ -14,7 +14,7 @@ use kpin_abi::x86::msr;
 
 use crate::events::{irq, timer};
 use crate::log;
-use crate::mm::guest_memory::{PhysmapMemory, MODE_KERNEL, MODE_USER};
+use crate::mm::guest_memory::{ShadowedMemory, MODE_KERNEL, MODE_USER};
 use crate::mm::shadow::Shadow;
 use crate::ring0::gate;
 
@@ -118,8 +118,8 @@ impl<'a> ShadowPort<'a> {
         Self { shadow }
     }
 
-    fn mem(&self) -> PhysmapMemory<'a> {
-        PhysmapMemory::new(self.shadow)
+    fn mem(&self) -> ShadowedMemory<'a> {
+        ShadowedMemory::new(self.shadow)
     }
 }
 
