@@ -1,4 +1,4 @@
-//! Guest memory as the engine reaches it, through the shadow MMU (`shadow.rs`):
+//! Guest memory as the engine reaches it, through the shadow MMU (`mm/shadow.rs`):
 //!
 //! * `guest_engine::GuestMemory` for the translator: instruction-fetch translation by the
 //!   shadow MMU's walk (A bits set as hardware would), and code bytes read from the

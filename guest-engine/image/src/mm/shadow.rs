@@ -2,12 +2,12 @@
 //! physmap (guest RAM) and the stolen region (its own tables), plus the hardware side the
 //! library leaves to its embedder — shadow roots in the real CR3, hardware TLB flushes
 //! through the ring-0 gate — and the list of what the translator must be told (code frames
-//! written, mappings dropped), which the run loop acts on (`run.rs`).
+//! written, mappings dropped), which the run loop acts on (`run/mod.rs`).
 //!
 //! Invariants:
 //! * from [`Shadow::enter`] on, the real CR3 holds a shadow root of the guest's current
 //!   address space; every shadow root maps the engine window and the physmap exactly as
-//!   the engine's own root (`paging.rs`, the template) does, so switching roots is
+//!   the engine's own root (`ring0/page_tables.rs`, the template) does, so switching roots is
 //!   invisible to the engine;
 //! * no method returns with hardware-flush debt outstanding: guest code never runs on a
 //!   stale TLB entry (a W bit dropped to protect code, a leaf dropped by `invlpg`);
@@ -61,7 +61,7 @@ pub struct StolenMem {
     deferred: Option<u64>,
 }
 
-/// The local APIC's default base (APIC_BASE cannot move it: see `msr.rs`).
+/// The local APIC's default base (APIC_BASE cannot move it: see `guest_engine::vcpu`'s `msr.rs`).
 pub const LAPIC_FRAME: u64 = guest_engine::vcpu::LAPIC_FRAME;
 /// The IOAPIC's default base.
 pub const IOAPIC_FRAME: u64 = 0xfec0_0000;
@@ -240,7 +240,7 @@ pub struct ShadowCounters {
     pub code_writes: u64,
     /// Fragments those invalidations dropped.
     pub fragments_invalidated: u64,
-    /// Stores into the storing instruction's own code frame, emulated (`page_fault.rs`).
+    /// Stores into the storing instruction's own code frame, emulated (`run/cache_page_fault.rs`).
     pub emulated_stores: u64,
     /// Hardware TLB flushes paid with `invlpg` (one gate round trip each).
     pub invlpgs: u64,

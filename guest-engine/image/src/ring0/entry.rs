@@ -42,7 +42,7 @@
 //! with RDX = vector and RCX = error code (RAX = 1). Clobbers RAX, RCX, RDX.
 //!
 //! **Faults in translated code**: when the faulting RIP lies in the code cache
-//! (`kpin_cache_lo`, `kpin_cache_len`, set by `run.rs` from
+//! (`kpin_cache_lo`, `kpin_cache_len`, set by `run/mod.rs` from
 //! `guest_engine::Engine::fault_redirect`), `kpin_trap_common` — for #PF, the most
 //! frequent (every shadow-MMU fill), its own shorter stub `kpin_exc_14` — stores that RIP at
 //! `CacheContext::fault_pc`, the FAULT exit word at `CacheContext::exit_word`, the

@@ -21,15 +21,15 @@ pub const PIC_VECTOR_BASE: u8 = 0x20;
 pub const PIC2_VECTOR_BASE: u8 = 0x28;
 
 /// NMI.
-pub const VEC_NMI: u8 = 2;
+pub const VEC_NMI: u8 = kpin_abi::x86::vector::NMI;
 /// #DF.
-pub const VEC_DF: u8 = 8;
+pub const VEC_DF: u8 = kpin_abi::x86::vector::DF;
 /// #GP: the gate's vector.
-pub const VEC_GP: u8 = 13;
+pub const VEC_GP: u8 = kpin_abi::x86::vector::GP;
 /// #PF.
-pub const VEC_PF: u8 = 14;
+pub const VEC_PF: u8 = kpin_abi::x86::vector::PF;
 /// #MC.
-pub const VEC_MC: u8 = 18;
+pub const VEC_MC: u8 = kpin_abi::x86::vector::MC;
 
 /// IST slot of #DF.
 pub const IST_DF: u8 = 1;
@@ -118,9 +118,9 @@ pub const PIT_HZ: u64 = 1_193_182;
 pub const TIMER_HZ: u64 = 1000;
 
 /// RFLAGS.IF.
-pub const RFLAGS_IF: u64 = 1 << 9;
+pub const RFLAGS_IF: u64 = kpin_abi::x86::rflags::IF;
 /// RFLAGS bit 1 (always set).
-pub const RFLAGS_FIXED: u64 = 1 << 1;
+pub const RFLAGS_FIXED: u64 = kpin_abi::x86::rflags::FIXED;
 
 /// Default number of gate round trips measured at bring-up.
 pub const DEFAULT_GATES: u64 = 2000;

@@ -5,7 +5,7 @@
 //!
 //! Invariant: the engine's own tables map the window exactly as the boot tables do, so
 //! switching is invisible to the running code. Once guest code runs, the real CR3 holds a
-//! shadow root (`shadow.rs`), which copies this root's window and physmap PML4 entries.
+//! shadow root (`mm/shadow.rs`), which copies this root's window and physmap PML4 entries.
 
 use core::cell::UnsafeCell;
 
@@ -17,10 +17,10 @@ use crate::ring0::gate;
 const ENTRIES: usize = 512;
 /// Page directories for the physmap: 8 GiB of guest-physical address space.
 pub const PHYSMAP_PDS: usize = 8;
-const PRESENT: u64 = 1 << 0;
-const WRITABLE: u64 = 1 << 1;
-const USER: u64 = 1 << 2;
-const LARGE: u64 = 1 << 7;
+const PRESENT: u64 = kpin_abi::x86::pte::PRESENT;
+const WRITABLE: u64 = kpin_abi::x86::pte::WRITABLE;
+const USER: u64 = kpin_abi::x86::pte::USER;
+const LARGE: u64 = kpin_abi::x86::pte::PAGE_SIZE;
 const TABLE: u64 = PRESENT | WRITABLE | USER;
 const TWO_MIB: u64 = 1 << 21;
 const ONE_GIB: u64 = 1 << 30;

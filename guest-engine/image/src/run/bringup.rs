@@ -1,7 +1,7 @@
 //! The engine's CPL-3 main flow at bring-up: attach to the I/O ring, check and log the
 //! attach block, optionally measure the gate and the timer and probe the address space,
 //! switch to the engine's own page tables, optionally fault on purpose, then run the
-//! guest (`run.rs`).
+//! guest (`run/mod.rs`).
 //!
 //! Tool options read here (`key=value`, separated by spaces; other keys belong to the tool):
 //! * `bringup.checks=true|false` — run the measurements and the probe below (default
@@ -28,7 +28,7 @@ use crate::ring0::{engine_tables as descriptors, gate, page_tables as paging, pr
 
 /// MSR used to check the WRMSR/RDMSR gates (the guest has not run, so nothing depends
 /// on its value yet).
-const MSR_KERNEL_GS_BASE: u32 = 0xc000_0102;
+const MSR_KERNEL_GS_BASE: u32 = kpin_abi::x86::msr::KERNEL_GS_BASE;
 /// Upper bound on the wait for timer ticks, in TSC cycles (seconds at any real TSC rate).
 const TICK_WAIT_CYCLES: u64 = 20_000_000_000;
 /// An MSR index no CPU implements: RDMSR of it is a #GP at ring 0.
@@ -348,7 +348,7 @@ fn measure_gates(b: &AttachBlock, n: u64, tsc_hz: u64) {
 /// it (`vcpu::set_hw_base`: `wrgsbase` at CPL 3 with CR4.FSGSBASE) against the
 /// gate's WRMSR, and checks that the hardware base took the value.
 fn measure_gs_base_switch(m: u64, ns: &dyn Fn(u64) -> u64) {
-    const MSR_GS_BASE: u32 = 0xc000_0101;
+    use kpin_abi::x86::msr::GS_BASE as MSR_GS_BASE;
     let t0 = timer::tsc();
     for k in 0..m {
         crate::run::vcpu::set_hw_base(false, k << 12);

@@ -1,5 +1,5 @@
 //! Running the guest from the code cache: after bring-up, the engine creates the shadow
-//! MMU (`shadow.rs`) and loads the kernel view's shadow root into the real CR3, creates
+//! MMU (`mm/shadow.rs`) and loads the kernel view's shadow root into the real CR3, creates
 //! the translator (`guest_engine::Engine`) over the code-cache region of the stolen
 //! region, loads the guest's registers from the attach block and runs the guest at
 //! hardware CPL 3 under the chosen tool until it stops.
@@ -7,7 +7,7 @@
 //! Around each run of the translator the loop (1) tells the translator what the shadow's
 //! `EngineWork` lists (code frames written, mappings dropped) — before every run, so that
 //! no stale trace or mapping survives into guest code —, (2) after the run, stops on a
-//! shadow-MMU failure, then (3) handles the stop: a hardware #PF goes to `page_fault.rs`
+//! shadow-MMU failure, then (3) handles the stop: a hardware #PF goes to `cache_page_fault.rs`
 //! (fill and retry, self-modifying code, or a guest fault), a guest fault to
 //! [`reflect_guest_fault`], an emulation that stopped only for (1) resumes.
 //!
@@ -63,8 +63,8 @@ use cache_page_fault::Action;
 use guest_engine::vcpu::{Event, VcpuStop};
 
 /// CR0.PG, EFER.LMA: the guest must be in 64-bit long mode (all the translator knows).
-const CR0_PG: u64 = 1 << 31;
-const EFER_LMA: u64 = 1 << 10;
+const CR0_PG: u64 = kpin_abi::x86::cr0::PG;
+const EFER_LMA: u64 = kpin_abi::x86::efer::LMA;
 
 /// Runs the guest described by `block` under tool `tool_name`; never returns.
 pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {

@@ -1,9 +1,9 @@
 //! The virtual CPU (`guest_engine::vcpu`) on this machine: [`Ring0`] is its
 //! [`Hardware`] — port I/O, pass-through MSRs, CR4's SSE bits and `hlt` through the
 //! ring-0 gate, the FS/GS bases with `wrfsbase`/`wrgsbase` at CPL 3, the pending-vector
-//! bitmap of the interrupt stubs (`irq.rs`), the TSC, the engine log — and
-//! [`ShadowPort`] its [`GuestMmu`]: guest memory and the shadow MMU (`shadow.rs`,
-//! `guest_mem.rs`), shared with the run loop.
+//! bitmap of the interrupt stubs (`events/irq.rs`), the TSC, the engine log — and
+//! [`ShadowPort`] its [`GuestMmu`]: guest memory and the shadow MMU (`mm/shadow.rs`,
+//! `mm/guest_memory.rs`), shared with the run loop.
 
 use core::cell::RefCell;
 use core::fmt;
