@@ -299,3 +299,27 @@ fn test_invlpg_tells_the_shadow_mmu_the_address() {
     assert_eq!(run(&mut v, &invlpg, &mut r), after(&invlpg));
     assert_eq!(v.mem.invlpgs, [0xffff_8000_0123_4000]);
 }
+
+#[test]
+fn test_a_shadow_failure_on_a_cr3_write_stops_with_shadow_failure() {
+    let b = block();
+    let mut v = vcpu(&b);
+    v.mem.fail_next = true;
+    let mut r = with_rax(0x20_0000);
+    assert_eq!(run(&mut v, MOV_CR3_RAX, &mut r), Emulation::Stop);
+    assert_eq!(stop(&mut v), VcpuStop::ShadowFailure);
+    assert!(
+        v.mem.failure.is_some(),
+        "recorded for the run loop's report"
+    );
+}
+
+#[test]
+fn test_a_shadow_failure_on_a_cr4_write_stops_with_shadow_failure() {
+    let b = block();
+    let mut v = vcpu(&b);
+    v.mem.fail_next = true;
+    let mut r = with_rax(b.sregs.cr4 | cr4::SMEP);
+    assert_eq!(run(&mut v, MOV_CR4_RAX, &mut r), Emulation::Stop);
+    assert_eq!(stop(&mut v), VcpuStop::ShadowFailure);
+}

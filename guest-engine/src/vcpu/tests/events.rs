@@ -2,7 +2,7 @@
 //! fault), `int n`, `int3`, `iretq`, external interrupts.
 
 use super::*;
-use crate::vcpu::{Event, Kind, Sreg, MODE_KERNEL, MODE_USER};
+use crate::vcpu::{Event, Sreg, MODE_KERNEL, MODE_USER};
 
 const INT3: &[u8] = &[0xcc];
 const INT_80: &[u8] = &[0xcd, 0x80];
@@ -380,5 +380,4 @@ fn test_software_events_have_the_kind_that_decides_the_dpl_check() {
     to_user(&mut v, &mut r);
     let e = run(&mut v, INT3, &mut r);
     assert_user_fault(&v, e, &r, 13, Some(3 * 8 + 2));
-    let _ = Kind::SoftException;
 }

@@ -154,3 +154,30 @@ fn test_ud2_is_ud() {
     let e = run(&mut v, &[0x0f, 0x0b], &mut r);
     assert_ud(&v, e, &r);
 }
+
+#[test]
+fn test_an_instruction_without_a_handler_stops_naming_it() {
+    let b = block();
+    let mut v = vcpu(&b);
+    let mut r = kregs();
+    assert_eq!(run(&mut v, &[0x0f, 0x34], &mut r), Emulation::Stop); // sysenter
+    assert_eq!(
+        stop(&mut v),
+        VcpuStop::Unsupported {
+            mnemonic: Some(iced_x86::Mnemonic::Sysenter),
+            why: "not emulated by the virtual CPU yet"
+        }
+    );
+    assert_eq!(r, kregs(), "registers untouched");
+}
+
+#[test]
+fn test_segment_base_answers_the_virtual_fs_and_gs_bases() {
+    use crate::SegBase;
+    let b = block();
+    let mut v = vcpu(&b);
+    assert_eq!(v.segment_base(SegBase::Fs), 0x7000_0000);
+    assert_eq!(v.segment_base(SegBase::Gs), 0xffff_8880_0000_0000);
+    assert_eq!(v.hw.fs_base, 0x7000_0000, "made the hardware's at creation");
+    assert_eq!(v.hw.gs_base, 0xffff_8880_0000_0000);
+}

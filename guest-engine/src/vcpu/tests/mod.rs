@@ -263,6 +263,8 @@ pub struct MockMmu {
     pub failure: Option<ShadowError>,
     /// Work for the translator (set by a CR3 write, as the shadow MMU does).
     pub work: bool,
+    /// Makes the next shadow-MMU operation fail (an engine failure, not a guest fault).
+    pub fail_next: bool,
 }
 
 impl MockMmu {
@@ -348,6 +350,9 @@ impl GuestMmu for MockMmu {
     }
 
     fn write_cr3(&mut self, cr3: u64) -> Result<(), ShadowError> {
+        if core::mem::take(&mut self.fail_next) {
+            return Err(ShadowError::OutOfTables);
+        }
         self.cr3 = cr3;
         self.cr3_writes.push(cr3);
         self.work = true;
@@ -360,6 +365,9 @@ impl GuestMmu for MockMmu {
     }
 
     fn set_paging_control(&mut self, control: PagingControl) -> Result<(), ShadowError> {
+        if core::mem::take(&mut self.fail_next) {
+            return Err(ShadowError::OutOfTables);
+        }
         self.control = Some(control);
         Ok(())
     }
