@@ -7,7 +7,7 @@ use kpin_abi::ports::{
     ACPI_PM1A_CNT_PORT, ACPI_PM1_CNT_SLP_EN, ACPI_PM1_CNT_SLP_TYP_SHIFT, ACPI_RESET_PORT,
     ACPI_RESET_VALUE, ACPI_S5_SLP_TYP,
 };
-use kpin_tests::{kvm_available, run_tiny_guest};
+use kpin_tests::{require_kvm, run_tiny_guest};
 use vmm::Outcome;
 
 /// `mov dx, ACPI_PM1A_CNT_PORT; mov ax, SLP_TYP(S5); out dx, ax; or ax, SLP_EN;
@@ -51,19 +51,14 @@ fn check(name: &str, code: &[u8], tool: Option<&str>) {
 
 #[test]
 fn test_acpi_s5_poweroff_ends_the_run_cleanly_natively_and_under_the_engine() {
-    if !kvm_available("test_acpi_s5_poweroff_ends_the_run_cleanly_natively_and_under_the_engine") {
-        return;
-    }
+    require_kvm!();
     check("acpi-s5-native", &s5_poweroff(), None);
     check("acpi-s5-null", &s5_poweroff(), Some("null"));
 }
 
 #[test]
 fn test_acpi_reset_register_ends_the_run_cleanly_natively_and_under_the_engine() {
-    if !kvm_available("test_acpi_reset_register_ends_the_run_cleanly_natively_and_under_the_engine")
-    {
-        return;
-    }
+    require_kvm!();
     check("acpi-reset-native", &reset_register(), None);
     check("acpi-reset-null", &reset_register(), Some("null"));
 }

@@ -7,9 +7,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand, ValueEnum};
+use kpin_tool_bbcount::report::{self, BbcountSummary, BlockNames, DEFAULT_TOP};
 use serde::Serialize;
+use vmm::diag::kernel_symbols::KernelSymbols;
 use vmm::guests::{LINUX_CMDLINE, MINIKERNEL_NATIVE_CMDLINE, USER_KERNEL_CMDLINE};
-use vmm::report::{BbcountSummary, KernelSymbols, DEFAULT_TOP};
 use vmm::{Outcome, Vm, VmConfig};
 
 /// Exit status of a clean guest poweroff.
@@ -408,8 +409,10 @@ fn bbcount_report(
     if !out.join(kpin_tool_bbcount::CSV_NAME).exists() {
         return None;
     }
-    let made = KernelSymbols::load(kernel, system_map)
-        .and_then(|symbols| vmm::report::write_report(out, symbols.as_ref(), top));
+    let made = KernelSymbols::load(kernel, system_map).and_then(|symbols| {
+        let names = symbols.as_ref().map(|s| s as &dyn BlockNames);
+        report::write_report(out, names, top)
+    });
     match made {
         Ok(Some((summary, path))) => {
             progress(&format!("{}:\n{}", path.display(), summary.render()));

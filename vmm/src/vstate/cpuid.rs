@@ -149,7 +149,7 @@ pub fn hide_unreadable_msrs(cpuid: &mut CpuId, vcpu: &kvm_ioctls::VcpuFd) -> boo
         if e.function == 7
             && e.index == 0
             && e.edx & ARCH_CAPABILITIES_BIT != 0
-            && crate::attach::read_msr(vcpu, ARCH_CAPABILITIES_MSR).is_none()
+            && crate::engine::attach::read_msr(vcpu, ARCH_CAPABILITIES_MSR).is_none()
         {
             e.edx &= !ARCH_CAPABILITIES_BIT;
             changed = true;

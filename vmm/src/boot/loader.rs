@@ -201,7 +201,7 @@ pub fn load(
         put_u64(&mut zero_page, off + 8, e.size);
         put_u32(&mut zero_page, off + 16, e.kind);
     }
-    let acpi = crate::acpi::build();
+    let acpi = super::acpi::build();
     for (addr, blob) in &acpi.blobs {
         write(mem, *addr, blob)?;
     }

@@ -19,7 +19,7 @@ use kvm_bindings::{
 use kvm_ioctls::VcpuFd;
 
 use crate::error::{Result, VmmError};
-use crate::memory::{E820Entry, GuestMemory};
+use crate::vstate::memory::{E820Entry, GuestMemory};
 
 /// MSRs handed to the engine, most widely supported first (KVM stops reading at the
 /// first one it does not know).
