@@ -18,7 +18,6 @@ extern crate alloc;
 
 mod events;
 mod json;
-mod log;
 mod mm;
 mod ring0;
 mod run;

@@ -4,9 +4,10 @@
 use core::arch::asm;
 use core::sync::atomic::{AtomicBool, Ordering};
 
+use crate::log;
 use crate::ring0::entry::{FaultRecord, FAULT, GPR_NAMES};
 use crate::ring0::layout::{VEC_DF, VEC_PF};
-use crate::{log, log::fail};
+use crate::ring0::log::fail;
 
 /// Mnemonics of the exception vectors.
 const NAMES: [&str; 32] = [

@@ -111,6 +111,6 @@ pub fn fail() -> ! {
 #[macro_export]
 macro_rules! log {
     ($level:ident, $($arg:tt)*) => {
-        $crate::log::write(kpin_abi::io_ring::LogLevel::$level, format_args!($($arg)*))
+        $crate::ring0::log::write(kpin_abi::io_ring::LogLevel::$level, format_args!($($arg)*))
     };
 }

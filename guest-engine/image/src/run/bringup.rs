@@ -21,9 +21,10 @@ use kpin_abi::stolen::{BOOT_PT_OFFSET, ENGINE_OFFSET, IO_RING_OFFSET, PHYSMAP_VA
 
 use crate::events::timer;
 use crate::log;
-use crate::log::fail;
 use crate::ring0::entry::kpin_boot_tsc;
 use crate::ring0::layout::{gate_op, DEFAULT_GATES, DEFAULT_TICKS, PIC1_DATA, TIMER_HZ};
+use crate::ring0::log;
+use crate::ring0::log::fail;
 use crate::ring0::{engine_tables as descriptors, gate, page_tables as paging, probe};
 
 /// MSR used to check the WRMSR/RDMSR gates (the guest has not run, so nothing depends

@@ -49,11 +49,12 @@ fn heap_pressure() -> bool {
 use crate::events::{irq, timer};
 use crate::json::JsonObject;
 use crate::log;
-use crate::log::fail;
 use crate::mm::guest_memory::{ShadowedMemory, MODE_KERNEL, MODE_USER};
 use crate::mm::heap;
 use crate::mm::shadow::Shadow;
 use crate::ring0::layout::VEC_PF;
+use crate::ring0::log;
+use crate::ring0::log::fail;
 use crate::ring0::{entry, gate, page_tables as paging};
 use crate::run::error::RunError;
 use crate::run::tools::Chosen;

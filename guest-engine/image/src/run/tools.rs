@@ -12,6 +12,7 @@ use kpin_tool_bbcount::BbCount;
 use kpin_tool_null::Null;
 
 use crate::log;
+use crate::ring0::log;
 
 /// The names `--tool` accepts, for messages.
 pub const NAMES: &str = "null, bbcount";
