@@ -278,3 +278,39 @@ pub mod msr {
 pub const fn is_canonical(v: u64) -> bool {
     ((v as i64) << 16 >> 16) as u64 == v
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_error_code_vectors_are_those_the_sdm_lists() {
+        let with: [u8; 8] = [8, 10, 11, 12, 13, 14, 17, 21];
+        for v in 0..=31u8 {
+            let expect = with.contains(&v) || v == 29 || v == 30;
+            assert_eq!(vector::has_error_code(v), expect, "vector {v}");
+        }
+    }
+
+    #[test]
+    fn test_contributory_exceptions_are_de_ts_np_ss_gp() {
+        let c: [u8; 5] = [vector::DE, vector::TS, vector::NP, vector::SS, vector::GP];
+        for v in 0..=31u8 {
+            assert_eq!(vector::is_contributory(v), c.contains(&v), "vector {v}");
+        }
+    }
+
+    #[test]
+    fn test_canonical_addresses_sign_extend_bit_47() {
+        assert!(is_canonical(0x0000_7fff_ffff_ffff));
+        assert!(is_canonical(0xffff_8000_0000_0000));
+        assert!(!is_canonical(0x0000_8000_0000_0000));
+        assert!(!is_canonical(0xfff7_ffff_ffff_ffff));
+    }
+
+    #[test]
+    fn test_sse_bits_are_osfxsr_and_osxmmexcpt() {
+        assert_eq!(cr4::SSE_BITS, (1 << 9) | (1 << 10));
+        assert_eq!(rflags::LOADABLE & (rflags::RF | rflags::VM), 0);
+    }
+}
