@@ -25,6 +25,7 @@ pub mod native;
 pub mod platform;
 pub mod reverse_map;
 pub mod shadow_mmu;
+pub mod vcpu;
 
 pub use addr::{CachePc, GuestPhys, GuestVirt};
 pub use context::{Gpr, GuestRegs};
