@@ -15,6 +15,15 @@ pub const LINUX_CMDLINE: &str = "console=ttyS0 earlyprintk=serial,ttyS0,115200 r
      panic=-1 nokaslr noxsave pci=off 8250.nr_uarts=1 i8042.noaux i8042.nomux i8042.dumbkbd \
      mitigations=off";
 
+/// Command line of the second pinned kernel, Debian's 6.12 cloud kernel
+/// (`kpin_images::GuestKernel::Debian612`): the distribution's own behaviour, as issue #10
+/// asks. Debian's cloud images boot with `console=tty0 console=ttyS0,115200
+/// earlyprintk=ttyS0,115200 consoleblank=0 root=…`; with an initramfs and only a serial
+/// port, the serial console is all that remains, plus `panic=-1` so that a panic ends the
+/// run at once. Nothing else: KASLR (when booted as bzImage), XSAVE, the default
+/// mitigations, PCI and i8042 probing all stay as the distribution has them.
+pub const LINUX_612_CMDLINE: &str = "console=ttyS0 panic=-1";
+
 /// Command line of a native mini-kernel run: skip the steps this KVM cannot run natively
 /// (the mini-kernel knows which they are).
 pub const MINIKERNEL_NATIVE_CMDLINE: &str = "kpin.skip=native-unsafe";

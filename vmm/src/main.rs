@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand, ValueEnum};
 use serde::Serialize;
-use vmm::guests::{LINUX_CMDLINE, MINIKERNEL_NATIVE_CMDLINE};
+use vmm::guests::{LINUX_612_CMDLINE, LINUX_CMDLINE, MINIKERNEL_NATIVE_CMDLINE};
 use vmm::report::{BbcountSummary, KernelSymbols, DEFAULT_TOP};
 use vmm::{Outcome, Vm, VmConfig};
 
@@ -58,6 +58,10 @@ enum Command {
 enum Guest {
     /// The pinned Debian cloud kernel with the busybox initramfs (built by `kpin images`).
     Linux,
+    /// The second pinned kernel, Debian's 6.12 cloud kernel (vmlinux), with the same
+    /// initramfs and the distribution's command line (`console=ttyS0 panic=-1`).
+    #[value(name = "linux-6.12")]
+    Linux612,
     /// The mini-kernel test guest (built by `kpin images`). Run natively, its default
     /// command line skips the steps this KVM cannot run natively (`kpin.skip=native-unsafe`);
     /// with --tool it runs every step.
@@ -215,6 +219,15 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
                 MINIKERNEL_NATIVE_CMDLINE.to_string()
             },
         ),
+        (None, Some(Guest::Linux612)) => {
+            let l = kpin_images::ensure_linux_kernel(
+                kpin_images::GuestKernel::Debian612,
+                &image_dir,
+                &mut progress,
+            )?;
+            let cmdline = LINUX_612_CMDLINE.to_string();
+            (l.vmlinux, Some(l.initramfs), Some(l.system_map), cmdline)
+        }
         (None, Some(Guest::Linux) | None) => {
             let l = kpin_images::ensure_linux(&image_dir, &mut progress)?;
             (
