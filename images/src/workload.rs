@@ -1,12 +1,13 @@
 //! The guest workloads' expected results, computed on the host.
 //!
 //! The `default` workload in `images/initramfs/init` generates [`DATA_LINES`] lines
-//! `"{i} {(i * MULTIPLIER) % MODULUS}\n"` with busybox awk and prints the md5 of that file as
-//! `KPIN-WORKLOAD-DONE <md5>`. [`default_workload_data`] produces the same bytes; the tests
+//! `"{i} {(i * MULTIPLIER) % MODULUS}\n"` with busybox awk, then runs the native test
+//! programs, and prints the md5 of the data followed by the programs' lines as
+//! `KPIN-WORKLOAD-DONE <md5>`. [`default_workload_data`] produces the same data; the tests
 //! at the bottom run the script's workloads under the extracted busybox (when it is cached)
 //! to prove that the two stay identical.
 //!
-//! The `programs` workload runs each of the native test programs in [`PROGRAMS`]
+//! The `programs` workload runs only the native test programs in [`PROGRAMS`]
 //! (`/bin/kpin-test <name>`, see `programs.rs`) and prints the md5 of their output lines,
 //! `KPIN-TEST <name> ok <checksum>`. Every checksum is computed here from the tests'
 //! definitions, independently of the C source; the tests below also run the programs on the
@@ -38,9 +39,12 @@ fn md5_hex(bytes: &[u8]) -> String {
 }
 
 /// The md5 (lower-case hex) that the guest's `default` workload prints after
-/// `KPIN-WORKLOAD-DONE`: the md5 of the file it generates.
+/// `KPIN-WORKLOAD-DONE`: the md5 of the data it generates followed by the lines of the
+/// native test programs ([`programs_workload_expected_md5`] hashes those alone).
 pub fn workload_expected_md5() -> String {
-    md5_hex(&default_workload_data())
+    let mut result = default_workload_data();
+    result.extend_from_slice(programs_output().as_bytes());
+    md5_hex(&result)
 }
 
 /// The native test programs the `programs` workload runs, in order (`kpin-test <name>`).
@@ -260,11 +264,19 @@ mod tests {
             return;
         };
         let dir = ScratchDir::new("workload");
+        let Some(kpin_test) = built_programs(&dir.0.join("out")) else {
+            return;
+        };
+        std::fs::copy(&kpin_test, dir.0.join("kpin-test")).expect("copy kpin-test");
         let output = run_init_functions(&busybox, &dir.0, "run_workload default");
         let stdout = String::from_utf8_lossy(&output.stdout);
         assert_eq!(
             stdout,
-            format!("KPIN-WORKLOAD-DONE {}\n", workload_expected_md5()),
+            format!(
+                "{}KPIN-WORKLOAD-DONE {}\n",
+                programs_output(),
+                workload_expected_md5()
+            ),
             "stderr: {}",
             String::from_utf8_lossy(&output.stderr)
         );
@@ -277,7 +289,11 @@ mod tests {
             .output()
             .expect("md5sum");
         let host_md5 = String::from_utf8_lossy(&md5sum.stdout);
-        assert!(host_md5.starts_with(&workload_expected_md5()), "{host_md5}");
+        assert!(host_md5.starts_with(&md5_hex(&data)), "{host_md5}");
+        // What the md5 covers: the data, then the programs' lines.
+        let result = std::fs::read(dir.0.join("work").join("result")).expect("result");
+        assert_eq!(result.len(), data.len() + programs_output().len());
+        assert_eq!(md5_hex(&result), workload_expected_md5());
     }
 
     #[test]
