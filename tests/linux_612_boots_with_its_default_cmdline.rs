@@ -17,6 +17,14 @@
 //! buffers") and the engine's virtual CPU does not emulate `verw` yet. Behind it, per the
 //! issue: there is no ACPI, so a `poweroff -f` would end as "guest halted with interrupts
 //! disabled"; `/init` tries `reboot -f` first, whose i8042 reset needs no ACPI.
+//!
+//! What runs in CI meanwhile: the same bzImage (decompressor, KASLR) with the default
+//! command line plus `mitigations=off`, which keeps the kernel off `verw`. That boot
+//! reaches user space, passes every test program, prints the host's md5 and resets
+//! cleanly (~35-50 s here), so everything but the mitigations is covered. Its console
+//! still has one complaint, not asserted yet: "unchecked MSR access error: WRMSR to 0x400"
+//! from `__mcheck_cpu_init_clear_banks` (the engine's virtual MSR file has no
+//! machine-check bank MSRs; the 6.1 guest's console has no such line).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -30,9 +38,9 @@ use vmm::{Outcome, VmConfig};
 /// under the engine. The budget leaves room for a slower or busier machine.
 const BOOT_BUDGET: Duration = Duration::from_secs(300);
 
-/// Boots the 6.12 kernel (`kernel` picks vmlinux or bzImage from `linux`) with its default
-/// command line under the null tool and checks the whole run.
-fn boot_and_check(name: &str, kernel: fn(&LinuxImages) -> PathBuf) {
+/// Boots the 6.12 kernel (`kernel` picks vmlinux or bzImage from `linux`) with `cmdline`
+/// under the null tool and checks the whole run.
+fn boot_and_check(name: &str, kernel: fn(&LinuxImages) -> PathBuf, cmdline: &str) {
     let linux = kpin_images::ensure_linux_kernel(
         GuestKernel::Debian612,
         &kpin_images::default_out_dir(),
@@ -44,7 +52,7 @@ fn boot_and_check(name: &str, kernel: fn(&LinuxImages) -> PathBuf) {
     let cfg = VmConfig {
         kernel: kernel(&linux),
         initrd: Some(linux.initramfs.clone()),
-        cmdline: LINUX_612_CMDLINE.into(),
+        cmdline: cmdline.into(),
         mem_mib: 256,
         timeout: Some(BOOT_BUDGET),
         console_file: Some(console.clone()),
@@ -67,7 +75,7 @@ fn boot_and_check(name: &str, kernel: fn(&LinuxImages) -> PathBuf) {
         "not the 6.12 kernel?\n{context}"
     );
     assert!(
-        log.contains(&format!("Command line: {LINUX_612_CMDLINE}")),
+        log.contains(&format!("Command line: {cmdline}")),
         "{context}"
     );
     assert!(
@@ -86,6 +94,16 @@ fn boot_and_check(name: &str, kernel: fn(&LinuxImages) -> PathBuf) {
         "workload md5 {md5} expected\n{context}"
     );
     assert_eq!(report.outcome, Outcome::Poweroff, "{context}");
+    // Not asserted yet (issue #10): lines where the kernel noticed the engine, e.g. the
+    // #GP on writes to the machine-check bank MSRs (0x400…) that the virtual MSR file
+    // lacks ("unchecked MSR access error: WRMSR to 0x400"). Shown so they are not lost.
+    for line in log.lines().filter(|l| {
+        ["unchecked MSR access", "WARNING:", "BUG:", "Oops"]
+            .iter()
+            .any(|bad| l.contains(bad))
+    }) {
+        println!("6.12 ({name}) noticed: {line}");
+    }
     println!(
         "6.12 under the null tool ({name}): workload done; powered off after {:.1} s",
         report.wall.as_secs_f64()
@@ -99,7 +117,11 @@ fn test_linux_612_vmlinux_boots_to_userspace_runs_the_workload_and_powers_off() 
     {
         return;
     }
-    boot_and_check("linux-612-vmlinux", |l| l.vmlinux.clone());
+    boot_and_check(
+        "linux-612-vmlinux",
+        |l| l.vmlinux.clone(),
+        LINUX_612_CMDLINE,
+    );
 }
 
 #[test]
@@ -110,5 +132,24 @@ fn test_linux_612_bzimage_with_kaslr_boots_to_userspace_runs_the_workload_and_po
     ) {
         return;
     }
-    boot_and_check("linux-612-bzimage", |l| l.bzimage.clone());
+    boot_and_check(
+        "linux-612-bzimage",
+        |l| l.bzimage.clone(),
+        LINUX_612_CMDLINE,
+    );
+}
+
+#[test]
+fn test_linux_612_bzimage_with_mitigations_off_boots_to_userspace_runs_the_workload_and_powers_off()
+{
+    if !kvm_available(
+        "test_linux_612_bzimage_with_mitigations_off_boots_to_userspace_runs_the_workload_and_powers_off",
+    ) {
+        return;
+    }
+    boot_and_check(
+        "linux-612-bzimage-mitigations-off",
+        |l| l.bzimage.clone(),
+        &format!("{LINUX_612_CMDLINE} mitigations=off"),
+    );
 }
