@@ -14,9 +14,9 @@
 //! kernel's address), then the engine stops at `verw` (0f 00 2d) in
 //! `swapgs_restore_regs_and_return_to_usermode`, on the first return to user space: the
 //! kernel clears CPU buffers there ("Transient Scheduler Attacks: Mitigation: Clear CPU
-//! buffers") and the engine's virtual CPU does not emulate `verw` yet. Behind it, per the
-//! issue: there is no ACPI, so a `poweroff -f` would end as "guest halted with interrupts
-//! disabled"; `/init` tries `reboot -f` first, whose i8042 reset needs no ACPI.
+//! buffers") and the engine's virtual CPU does not emulate `verw` yet. (The end of the
+//! run is not in the way: `/init`'s `reboot -f` resets the machine cleanly, as the
+//! variant below shows.)
 //!
 //! What runs in CI meanwhile: the same bzImage (decompressor, KASLR) with the default
 //! command line plus `mitigations=off`, which keeps the kernel off `verw`. That boot
