@@ -10,7 +10,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 use kpin_tool_bbcount::report::{self, BbcountSummary, BlockNames, DEFAULT_TOP};
 use serde::Serialize;
 use vmm::diag::kernel_symbols::KernelSymbols;
-use vmm::guests::{LINUX_CMDLINE, MINIKERNEL_NATIVE_CMDLINE, USER_KERNEL_CMDLINE};
+use vmm::guests::{
+    LINUX_612_CMDLINE, LINUX_CMDLINE, MINIKERNEL_NATIVE_CMDLINE, USER_KERNEL_CMDLINE,
+};
 use vmm::input_check::{self, UsageError};
 use vmm::layout::{MAX_MEM_MIB, MIN_MEM_MIB};
 use vmm::{Outcome, Vm, VmConfig};
@@ -64,6 +66,10 @@ enum Command {
 enum Guest {
     /// The pinned Debian cloud kernel with the busybox initramfs (built by `kpin images`).
     Linux,
+    /// The second pinned kernel, Debian's 6.12 cloud kernel (vmlinux), with the same
+    /// initramfs and the distribution's command line (`console=ttyS0 panic=-1`).
+    #[value(name = "linux-6.12")]
+    Linux612,
     /// The mini-kernel test guest (built by `kpin images`). Run natively, its default
     /// command line skips the steps this KVM cannot run natively (`kpin.skip=native-unsafe`);
     /// with --tool it runs every step.
@@ -262,6 +268,15 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
                 MINIKERNEL_NATIVE_CMDLINE.to_string()
             },
         ),
+        (None, Some(Guest::Linux612)) => {
+            let l = kpin_images::ensure_linux_kernel(
+                kpin_images::GuestKernel::Debian612,
+                &image_dir,
+                &mut progress,
+            )?;
+            let cmdline = LINUX_612_CMDLINE.to_string();
+            (l.vmlinux, Some(l.initramfs), Some(l.system_map), cmdline)
+        }
         (None, Some(Guest::Linux) | None) => {
             let l = kpin_images::ensure_linux(&image_dir, &mut progress)?;
             (
