@@ -455,7 +455,7 @@ mod tests {
     /// `parse_options` (keys without their `bringup.` prefix).
     #[test]
     fn test_tool_and_option_lists_match_the_engine_image_sources() {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../guest-engine/image/src");
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../guest-engine/image/src/run");
         let tools = std::fs::read_to_string(root.join("tools.rs")).unwrap();
         for t in TOOLS {
             assert!(tools.contains(&format!("\"{}\" =>", t.name)), "{}", t.name);
