@@ -26,7 +26,7 @@ pub struct ToolInfo {
     pub options: &'static [&'static str],
 }
 
-/// The tools the engine image offers (`guest-engine/image/src/tools.rs`, `Chosen::by_name`),
+/// The tools the engine image offers (`guest-engine/image/src/run/tools.rs`, `Chosen::by_name`),
 /// for the host to refuse an unknown `--tool` before booting. Neither takes options yet.
 pub const TOOLS: &[ToolInfo] = &[
     ToolInfo {
@@ -40,7 +40,7 @@ pub const TOOLS: &[ToolInfo] = &[
 ];
 
 /// The option keys the engine itself understands with every tool
-/// (`guest-engine/image/src/bringup.rs`, `parse_options`).
+/// (`guest-engine/image/src/run/bringup.rs`, `parse_options`).
 pub const ENGINE_OPTIONS: &[&str] = &[
     "bringup.checks",
     "bringup.gates",
