@@ -23,6 +23,7 @@ pub mod layout;
 mod link;
 pub mod native;
 pub mod platform;
+#[path = "shadow_mmu/reverse_map.rs"]
 pub mod reverse_map;
 pub mod shadow_mmu;
 
