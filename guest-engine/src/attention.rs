@@ -5,6 +5,8 @@
 //! A set byte makes the next trace entry leave the cache with the `ATTENTION` exit, with
 //! the guest state exactly at that trace's first instruction.
 
+use crate::dispatch::Engine;
+
 /// Reasons the attention byte may be set (bits of the byte).
 pub mod reason {
     /// An interrupt is pending for the guest.
@@ -15,4 +17,39 @@ pub mod reason {
     pub const INVALIDATE: u8 = 1 << 2;
     /// The host harness asked for a stop (tests).
     pub const REQUEST: u8 = 1 << 3;
+}
+
+/// Lets another thread (or an interrupt handler) set the attention byte while the guest
+/// runs. Valid as long as the engine lives.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionHandle(*mut u64);
+
+// SAFETY: the handle only performs volatile stores of a u64 the generated code reads; the
+// engine outlives its users by contract of `Engine::attention_handle`.
+unsafe impl Send for AttentionHandle {}
+
+impl AttentionHandle {
+    /// Sets the attention reasons (0 clears).
+    pub fn set(&self, bits: u8) {
+        // SAFETY: points at `CacheContext::attention` of a live engine.
+        unsafe { core::ptr::write_volatile(self.0, u64::from(bits)) };
+    }
+
+    /// The address of the attention word, for code that cannot hold the handle (e.g. an
+    /// interrupt stub that ORs a reason into its low byte).
+    pub fn address(&self) -> u64 {
+        self.0 as u64
+    }
+}
+
+impl Engine {
+    /// Sets or clears attention reasons (see `attention::reason`).
+    pub fn set_attention(&mut self, bits: u8) {
+        self.ctx_mut().attention = u64::from(bits);
+    }
+
+    /// A handle for setting the attention byte asynchronously.
+    pub fn attention_handle(&self) -> AttentionHandle {
+        AttentionHandle(self.cache.ctx.attention as *mut u64)
+    }
 }

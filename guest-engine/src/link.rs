@@ -8,6 +8,8 @@
 //! flush drops everything. The patched field lies inside the cache region.
 
 use crate::addr::CachePc;
+use crate::dispatch::Engine;
+use crate::fragment::{ExitKind, Fragment};
 
 /// Rewrites the rel32 at `at` so the branch ending at `at+4` reaches `target`.
 ///
@@ -37,4 +39,56 @@ pub(crate) unsafe fn branch_target(at: CachePc) -> CachePc {
 pub(crate) unsafe fn unpatch_branch(at: CachePc, stub: CachePc) {
     // SAFETY: forwarded contract.
     unsafe { patch_branch(at, stub) };
+}
+
+impl Engine {
+    /// Links direct exit `exit` of fragment `from` to fragment `to` (same mode only).
+    pub(crate) fn link(&mut self, exit: u32, from: u32, to: u32, patch_at: CachePc) {
+        let (src, dst): (&Fragment, &Fragment) = (
+            &self.cache.fragments[from as usize],
+            &self.cache.fragments[to as usize],
+        );
+        if src.mode != dst.mode {
+            return;
+        }
+        let same_page = src.start.page() == dst.start.page() && src.pa.page() == dst.pa.page();
+        let target = if same_page {
+            dst.entry
+        } else {
+            dst.checked_entry
+        };
+        // SAFETY: `patch_at` is the rel32 of a branch of fragment `from`, inside the
+        // cache; nothing executes in the cache while the dispatcher runs.
+        unsafe { patch_branch(patch_at, target) };
+        if let Some(r) = self.cache.exits.get_mut(exit as usize) {
+            if let ExitKind::Direct { linked, .. } = &mut r.kind {
+                *linked = true;
+            }
+        }
+        self.cache.fragments[to as usize].incoming.push(exit);
+        self.stats.links += 1;
+    }
+
+    /// Points every branch linked to fragment `id` back at its exit stub.
+    pub(crate) fn unlink_incoming(&mut self, id: u32) {
+        let incoming = core::mem::take(&mut self.cache.fragments[id as usize].incoming);
+        for e in incoming {
+            if let Some(r) = self.cache.exits.get_mut(e as usize) {
+                if let ExitKind::Direct {
+                    patch_at,
+                    stub,
+                    linked,
+                    ..
+                } = &mut r.kind
+                {
+                    if *linked {
+                        // SAFETY: `patch_at` is a rel32 inside the cache; the cache is not
+                        // running while the dispatcher does this.
+                        unsafe { unpatch_branch(*patch_at, *stub) };
+                        *linked = false;
+                    }
+                }
+            }
+        }
+    }
 }

@@ -46,6 +46,7 @@
 mod phys;
 mod prefetch;
 mod pte;
+pub mod reverse_map;
 mod softtlb;
 mod tables;
 mod walk;
@@ -59,7 +60,7 @@ pub use walk::{
 };
 
 use crate::addr::{GuestPhys, GuestVirt};
-use crate::reverse_map::{ReverseMap, ShadowMapping};
+use reverse_map::{ReverseMap, ShadowMapping};
 
 /// PML4 slots that belong to the engine and are copied from the template into every
 /// shadow root: 257 = engine window (`kpin_abi::stolen::WINDOW_VA`), 258 = physmap
