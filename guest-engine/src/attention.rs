@@ -1,9 +1,12 @@
 //! The attention byte: one byte in the cache context, tested at every trace entry.
 //!
-//! Invariant: generated code only reads it; the engine (interrupt arrival, detach request,
-//! invalidation) sets it, and the dispatcher clears it after handling the exit it causes.
-//! A set byte makes the next trace entry leave the cache with the `ATTENTION` exit, with
-//! the guest state exactly at that trace's first instruction.
+//! Invariants: generated code only reads it (a `cmp`/`movzx` at every trace `entry`); the
+//! embedder sets it (an interrupt stub through [`AttentionHandle::address`], a test
+//! through [`AttentionHandle::set`] or [`Engine::set_attention`]) and clears it with
+//! [`Engine::set_attention`]`(0)` once it has handled the stop; the engine never clears
+//! it. A set byte makes the next trace entry leave the cache with the `ATTENTION` exit,
+//! and the dispatcher returns `Stop::Attention` before entering any fragment, so the guest
+//! state is exactly that before a trace's first instruction.
 
 use crate::dispatch::Engine;
 
@@ -11,10 +14,6 @@ use crate::dispatch::Engine;
 pub mod reason {
     /// An interrupt is pending for the guest.
     pub const INTERRUPT: u8 = 1 << 0;
-    /// The embedder asks the engine to detach.
-    pub const DETACH: u8 = 1 << 1;
-    /// Translations were invalidated.
-    pub const INVALIDATE: u8 = 1 << 2;
     /// The host harness asked for a stop (tests).
     pub const REQUEST: u8 = 1 << 3;
 }

@@ -317,21 +317,6 @@ impl Engine {
         self.stats.flushes += 1;
     }
 
-    /// All (guest PC, cache PC range) pairs of the current fragments (for tests/tools).
-    pub fn cache_map(&self) -> Vec<(GuestVirt, CachePc, u32)> {
-        let mut v = Vec::new();
-        for f in &self.cache.fragments {
-            for m in &f.marks {
-                v.push((
-                    GuestVirt(m.guest_pc),
-                    CachePc(f.base.0 + u64::from(m.offset)),
-                    u32::from(m.spilled),
-                ));
-            }
-        }
-        v
-    }
-
     fn reset_buffer(&mut self) {
         let start = self.buffer.as_mut_ptr() as u64;
         let end = start + (self.buffer.len() * MEM_RECORD_BYTES) as u64;
@@ -606,7 +591,7 @@ impl Engine {
                 continue;
             }
             let Some(rec) = self.cache.exits.get(idx as usize).copied() else {
-                return Stop::Error(EngineError::UnboundLabel);
+                return Stop::Error(EngineError::MissingExitRecord { kind, index: idx });
             };
             let frag_start = self.cache.fragments[rec.fragment as usize].start;
             next = match (kind, rec.kind) {
@@ -699,7 +684,7 @@ impl Engine {
                     unsafe { (**tp).analyze(routine, &args) };
                     Next::Enter(resume)
                 }
-                _ => return Stop::Error(EngineError::UnboundLabel),
+                _ => return Stop::Error(EngineError::ExitKindMismatch { kind, index: idx }),
             };
         }
     }

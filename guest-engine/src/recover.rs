@@ -95,7 +95,7 @@ impl Engine {
                     cache_pc: pc,
                 }
             }
-            None => Stop::Error(EngineError::UnboundLabel),
+            None => Stop::Error(EngineError::FaultOutsideFragments(pc)),
         }
     }
 }
