@@ -47,6 +47,7 @@ mod phys;
 mod prefetch;
 mod pte;
 pub mod reverse_map;
+#[path = "translate.rs"]
 mod softtlb;
 mod tables;
 mod walk;
