@@ -1,5 +1,8 @@
-//! The dispatcher: looks up or builds fragments, enters the cache, and handles every exit
-//! (linking, IBL fills, sensitive-instruction emulation, buffers, analysis calls).
+//! The dispatcher, the `Engine` hub (DynamoRIO's `dispatch.c`): looks up or builds
+//! fragments, enters the cache, and handles every exit (direct exits are linked through
+//! `link.rs`, IBL misses fill the lookup tables, sensitive instructions go to the
+//! `Platform`, buffers and analysis calls to the `Tool`, `PA_MISMATCH` to `softtlb.rs`,
+//! `FAULT` to `recover.rs`).
 //!
 //! Invariants: whenever control is in the dispatcher, `CacheContext::regs` holds the
 //! guest's complete integer state and `Engine::rip` the guest RIP it belongs to (or, for
@@ -30,6 +33,7 @@ use crate::layout::{
 };
 use crate::link::branch_target;
 use crate::platform::{Emulation, Platform, SensitiveInsn};
+use crate::softtlb::SoftTlb;
 
 /// Engine configuration.
 #[derive(Clone, Copy, Debug)]
@@ -143,6 +147,8 @@ pub enum Stop {
 /// use them; outside the crate only the methods exist.)
 pub struct Engine {
     pub(crate) cache: CodeCache,
+    /// The SoftTLB table in the cache region (`softtlb.rs`).
+    pub(crate) softtlb: SoftTlb,
     pub(crate) config: Config,
     pub(crate) mode: Mode,
     /// `mode.slot()`.
@@ -180,6 +186,9 @@ impl Engine {
             .ok_or(EngineError::UnknownMode(config.mode.0))?;
         // SAFETY: forwarded caller contract.
         let cache = unsafe { CodeCache::new(base, len, config.save_extended_state)? };
+        // SAFETY: `CodeCache::new` accepted the region, so it is carved per `layout`; the
+        // engine owns it for its lifetime (caller contract).
+        let softtlb = unsafe { SoftTlb::new(base as u64) };
         let records = config.record_buffer_records.max(1);
         // The engine's own counters are ordinary counter slots (zeroed with the region),
         // allocated before any tool's.
@@ -190,6 +199,7 @@ impl Engine {
         });
         let mut e = Self {
             cache,
+            softtlb,
             config,
             mode: config.mode,
             slot,
@@ -294,23 +304,6 @@ impl Engine {
         unsafe { ((self.cache.counters() + 8 * u64::from(id.0)) as *const u64).read() }
     }
 
-    /// The guest changed (or may have changed) the mapping of `va`'s page: drop it from
-    /// the SoftTLB mirror so that cross-page entries re-validate, and drop IBL entries.
-    pub fn invalidate_page(&mut self, va: GuestVirt) {
-        self.cache.invalidate_softtlb(va);
-        self.cache.clear_lookups();
-    }
-
-    /// Every VA → PA mapping may have changed (guest CR3 write): the SoftTLB mirror and
-    /// every mode's IBL table and return cache are emptied; fragments stay (they are keyed
-    /// by PA and found again by the next lookups). Costs O(lookup slots filled since the
-    /// last clear), not a 3 MiB clear. Links stay too: a same-page link leaves a fragment
-    /// that was itself entered under the current mappings (README, "Modes and mappings").
-    pub fn invalidate_all_mappings(&mut self) {
-        self.cache.clear_softtlb();
-        self.cache.clear_lookups();
-    }
-
     /// Drops every translation (whole-cache flush).
     pub fn flush(&mut self) {
         self.cache.flush();
@@ -355,10 +348,7 @@ impl Engine {
         let mode = self.mode;
         let pa_page = mem.translate(va.page(), mode).ok_or(Stop::FetchFault(va))?;
         let pa = GuestPhys(pa_page.0 + (va.0 - va.page().0));
-        if self.cache.fill_softtlb(va, pa) {
-            // A mapping changed: IBL entries inserted under the old one are stale.
-            self.cache.clear_lookups();
-        }
+        self.note_mapping(va, pa);
         if let Some(id) = self.cache.lookup(va, pa, mode) {
             return Ok(id);
         }
@@ -385,7 +375,7 @@ impl Engine {
                 gen: self.cache.gen,
                 ibl_table: self.cache.ibl_table(self.slot),
                 ibl_shared: self.cache.gen.ibl_shared[self.slot],
-                softtlb_slot: self.cache.softtlb_slot(va),
+                softtlb_slot: self.softtlb.slot(va),
                 counters: self.cache.counters(),
                 count_ibl: self.config.count_ibl_lookups,
                 rc_table: self.cache.rc_table(self.slot),
@@ -656,21 +646,12 @@ impl Engine {
                 }
                 (EXIT_PA_MISMATCH, ExitKind::PaMismatch) => {
                     self.rip = frag_start;
-                    if self.still_mapped(mem, rec.fragment) {
-                        // Only the mirror entry was gone (a CR3 write, a slot conflict):
-                        // the links stay, and the fragment runs.
-                        if self.ctx().attention != 0 {
-                            Next::Lookup
-                        } else {
-                            self.note_entered(rec.fragment);
-                            Next::Enter(self.cache.fragments[rec.fragment as usize].body)
-                        }
-                    } else {
-                        // The links that brought us here are stale: route them through
-                        // the dispatcher again so that they get relinked to the right
-                        // fragment.
-                        self.unlink_incoming(rec.fragment);
+                    // A stale fragment (links undone) is looked up again.
+                    if !self.revalidate(mem, rec.fragment) || self.ctx().attention != 0 {
                         Next::Lookup
+                    } else {
+                        self.note_entered(rec.fragment);
+                        Next::Enter(self.cache.fragments[rec.fragment as usize].body)
                     }
                 }
                 (EXIT_BUFFER_FULL, ExitKind::BufferFull { resume }) => {
@@ -687,22 +668,6 @@ impl Engine {
                 _ => return Stop::Error(EngineError::ExitKindMismatch { kind, index: idx }),
             };
         }
-    }
-
-    /// Whether fragment `id` is still what a lookup of its VA finds (its VA maps to its
-    /// PA, and it was not invalidated); if so, the SoftTLB mirror learns the mapping.
-    fn still_mapped(&mut self, mem: &mut dyn GuestMemory, id: u32) -> bool {
-        let f = &self.cache.fragments[id as usize];
-        let (va, pa, mode) = (f.start, f.pa, f.mode);
-        let now = mem.translate(va.page(), mode);
-        if now != Some(pa.page()) || self.cache.lookup(va, pa, mode) != Some(id) {
-            return false;
-        }
-        if self.cache.fill_softtlb(va, pa) {
-            // The mirror held another mapping for this VA: lookups made under it are stale.
-            self.cache.clear_lookups();
-        }
-        true
     }
 
     /// The guest wrote to (or unmapped) the code frame `pa_page`: every fragment translated

@@ -26,6 +26,7 @@ pub mod native;
 pub mod platform;
 pub mod recover;
 pub mod shadow_mmu;
+mod softtlb;
 
 pub use addr::{CachePc, GuestPhys, GuestVirt};
 pub use attention::AttentionHandle;

@@ -1,15 +1,20 @@
 //! Direct trace linking: `patch_*` rewrites the rel32 of a branch in one fragment so that
 //! it jumps straight to another fragment's entry instead of its exit stub.
 //!
-//! Invariants: links only join fragments of the same mode; a link between fragments on
-//! different guest pages targets the `checked_entry` (PA validation), a same-page link
-//! targets `entry` (attention check only). `unpatch_*` points a branch back at its exit
-//! stub (when the target fragment is invalidated or failed its PA check); a whole-cache
-//! flush drops everything. The patched field lies inside the cache region.
+//! `Engine::link` makes a link when the dispatcher resolves a direct exit, and records it
+//! in the target's `incoming` list; `Engine::unlink_incoming` undoes them all.
+//!
+//! Invariants: links only join fragments of the same mode; which entry a link targets is
+//! the PA check's decision (`softtlb::link_target`: `checked_entry` across pages, `entry`
+//! on the same VA page and frame). Every linked exit is in its target's `incoming` list
+//! and marked `linked`, so `unpatch_*` can point it back at its exit stub (when the target
+//! is invalidated or failed its PA check); a whole-cache flush drops everything. The
+//! patched field lies inside the cache region.
 
 use crate::addr::CachePc;
 use crate::dispatch::Engine;
 use crate::fragment::{ExitKind, Fragment};
+use crate::softtlb::link_target;
 
 /// Rewrites the rel32 at `at` so the branch ending at `at+4` reaches `target`.
 ///
@@ -51,12 +56,7 @@ impl Engine {
         if src.mode != dst.mode {
             return;
         }
-        let same_page = src.start.page() == dst.start.page() && src.pa.page() == dst.pa.page();
-        let target = if same_page {
-            dst.entry
-        } else {
-            dst.checked_entry
-        };
+        let target = link_target(src, dst);
         // SAFETY: `patch_at` is the rel32 of a branch of fragment `from`, inside the
         // cache; nothing executes in the cache while the dispatcher runs.
         unsafe { patch_branch(patch_at, target) };

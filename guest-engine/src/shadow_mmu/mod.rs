@@ -47,9 +47,8 @@ mod phys;
 mod prefetch;
 mod pte;
 pub mod reverse_map;
-#[path = "translate.rs"]
-mod softtlb;
 mod tables;
+mod translate;
 mod walk;
 
 use alloc::vec::Vec;
@@ -621,7 +620,7 @@ impl<M: PhysMem> ShadowMmu<M> {
 
     /// The shadow leaf mapping `va` in `view` of the current space, if any, as the 4 KiB
     /// PTE it amounts to (a 2 MiB leaf is narrowed to `va`'s frame, PS dropped, PAT moved
-    /// to bit 7) (for the SoftTLB, diagnostics and tests).
+    /// to bit 7) (for `translate`, diagnostics and tests).
     pub fn shadow_entry(&mut self, va: GuestVirt, view: View) -> Result<Option<u64>, ShadowError> {
         Ok(self.shadow_leaf_ref(va, view)?.map(|leaf| {
             if leaf.level == 1 {
