@@ -1,5 +1,8 @@
-//! The SoftTLB: VA → PA answered from the shadow entries, for the translator (instruction
-//! fetch in a view) and for physical-address arguments of instrumentation.
+//! VA → PA answered from the shadow entries, for the translator (instruction fetch in a
+//! view) and for physical-address arguments of instrumentation. (The engine image's
+//! `GuestMemory::translate` answers with [`ShadowMmu::lookup`] and, on a miss, a fill;
+//! the SoftTLB that translated code reads, `crate::softtlb`, is filled from those
+//! answers.)
 //!
 //! Invariant: an answer is what the guest's tables say now *as far as a real TLB would
 //! know*: a present shadow leaf is trusted (it is dropped whenever a real TLB entry would
