@@ -153,6 +153,8 @@ pub mod rflags {
     pub const CF: u64 = 1 << 0;
     /// Bit 1: reserved, always 1.
     pub const FIXED: u64 = 1 << 1;
+    /// ZF: zero flag (also the result of `lar`/`lsl`/`verr`/`verw`).
+    pub const ZF: u64 = 1 << 6;
     /// Trap flag (single step).
     pub const TF: u64 = 1 << 8;
     /// Interrupt enable.
@@ -226,6 +228,16 @@ pub mod msr {
     pub const BIOS_SIGN_ID: u32 = 0x8b;
     /// IA32_ARCH_CAPABILITIES (read-only).
     pub const ARCH_CAPABILITIES: u32 = 0x10a;
+    /// IA32_MCG_CAP: machine-check capabilities (bank count, MCG_CTL_P, MCG_CMCI_P).
+    pub const MCG_CAP: u32 = 0x179;
+    /// IA32_MCG_STATUS.
+    pub const MCG_STATUS: u32 = 0x17a;
+    /// IA32_MCG_CTL (with MCG_CAP.MCG_CTL_P).
+    pub const MCG_CTL: u32 = 0x17b;
+    /// IA32_MC0_CTL2; bank i's is `MC0_CTL2 + i` (with MCG_CAP.MCG_CMCI_P).
+    pub const MC0_CTL2: u32 = 0x280;
+    /// IA32_MC0_CTL; bank i's CTL, STATUS, ADDR, MISC are `MC0_CTL + 4 i + 0..4`.
+    pub const MC0_CTL: u32 = 0x400;
     /// MISC_FEATURES_ENABLES (bit 0: CPUID faulting).
     pub const MISC_FEATURES_ENABLES: u32 = 0x140;
     /// IA32_SYSENTER_CS.

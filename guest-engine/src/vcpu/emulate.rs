@@ -121,6 +121,15 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             Code::Mov_rm16_Sreg | Code::Mov_r32m16_Sreg | Code::Mov_r64m16_Sreg => {
                 Self::mov_from_sreg
             }
+            // segment_query.rs
+            Code::Lar_r16_rm16 | Code::Lar_r32_r32m16 | Code::Lar_r64_r64m16 => Self::lar,
+            Code::Lsl_r16_rm16 | Code::Lsl_r32_r32m16 | Code::Lsl_r64_r64m16 => Self::lsl,
+            Code::Verr_rm16
+            | Code::Verr_r32m16
+            | Code::Verr_r64m16
+            | Code::Verw_rm16
+            | Code::Verw_r32m16
+            | Code::Verw_r64m16 => Self::verify,
             Code::Pushw_FS | Code::Pushq_FS | Code::Pushw_GS | Code::Pushq_GS => Self::push_sreg,
             Code::Popw_FS | Code::Popq_FS | Code::Popw_GS | Code::Popq_GS => Self::pop_sreg,
             Code::Retfw

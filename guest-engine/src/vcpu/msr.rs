@@ -28,7 +28,8 @@
 //! (`vmm::attach::MODEL_MSRS`) and the virtual CPU answers with it, read-only (a write is
 //! #GP(0), as on hardware). It is not read through the gate: on an AMD host this nested
 //! KVM advertises it in CPUID yet #GPs a ring-0 `rdmsr` of it, while a host-initiated
-//! read works. Any other index the virtual CPU does not keep reads what KVM answers a
+//! read works. The machine-check MSRs (MCG_* and the banks) are virtual too
+//! ([`super::mce`]). Any other index the virtual CPU does not keep reads what KVM answers a
 //! native guest ([`Hardware::rdmsr_safe`]), or #GP(0) if KVM has none.
 
 use iced_x86::Instruction;
@@ -39,6 +40,7 @@ use kpin_abi::x86::{efer, is_canonical as canonical};
 use super::emulate::{gp0, Flow, Step};
 use super::events::Event;
 use super::hardware::{GuestMmu, Hardware};
+use super::mce::{MachineCheck, MCG_CAP};
 use super::segments::Sreg;
 use super::Vcpu;
 use crate::{Gpr, GuestRegs, GuestVirt};
@@ -94,6 +96,8 @@ pub struct MsrFile {
     flush_cmd: bool,
     /// AMD's VIRT_SPEC_CTRL (its SSBD bit), when CPUID offers VIRT_SSBD.
     virt_spec_ctrl: Option<u64>,
+    /// The machine-check MSRs (`mce.rs`), when KVM gave the VMM an MCG_CAP.
+    machine_check: Option<MachineCheck>,
     /// IA32_ARCH_CAPABILITIES as KVM gives it to this vCPU (`None`: KVM has none, and
     /// the VMM's CPUID table does not offer it).
     arch_capabilities: Option<u64>,
@@ -226,6 +230,7 @@ impl MsrFile {
             flush_cmd,
             virt_spec_ctrl: virt_ssbd.then_some(0),
             tsc_adjust: b.cpuid(7, 0)[1] & (1 << 1) != 0,
+            machine_check: captured(MCG_CAP).map(MachineCheck::new),
         }
     }
 
@@ -271,7 +276,7 @@ impl MsrFile {
             ARCH_CAPABILITIES => return self.arch_capabilities,
             SPEC_CTRL if self.spec_ctrl_writable != 0 => self.spec_ctrl,
             VIRT_SPEC_CTRL => return self.virt_spec_ctrl,
-            _ => return None,
+            _ => return self.machine_check.as_ref().and_then(|m| m.read(i)),
         })
     }
 
@@ -309,6 +314,12 @@ impl MsrFile {
             }
             index::FS_BASE => return Some(Written::FsBase(addr(v)?)),
             index::GS_BASE => return Some(Written::GsBase(addr(v)?)),
+            i if self.machine_check.as_ref().is_some_and(|m| m.has(i)) => {
+                let m = self.machine_check.as_mut().expect("checked just above");
+                if !m.write(i, v) {
+                    return None;
+                }
+            }
             _ => return None,
         }
         Some(Written::Stored)

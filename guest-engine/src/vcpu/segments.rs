@@ -64,13 +64,13 @@ pub struct Descriptor {
 }
 
 impl Descriptor {
-    fn ty(&self) -> u8 {
+    pub(super) fn ty(&self) -> u8 {
         ((self.raw >> 40) & 0xf) as u8
     }
-    fn s(&self) -> bool {
+    pub(super) fn s(&self) -> bool {
         self.raw & (1 << 44) != 0
     }
-    fn dpl(&self) -> u8 {
+    pub(super) fn dpl(&self) -> u8 {
         ((self.raw >> 45) & 3) as u8
     }
     fn present(&self) -> bool {

@@ -48,6 +48,7 @@ pub const ATTACH_MSRS: &[u32] = &[
 /// advertise it: see `cpuid::hide_unreadable_msrs`).
 pub const MODEL_MSRS: &[u32] = &[
     msr::ARCH_CAPABILITIES, // CPUID 7.EDX[29]
+    msr::MCG_CAP,           // the machine-check banks (guest-engine vcpu/mce.rs)
 ];
 const _: () = assert!(ATTACH_MSRS.len() + MODEL_MSRS.len() <= MAX_MSRS);
 

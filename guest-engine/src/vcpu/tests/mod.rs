@@ -16,6 +16,7 @@ mod flags;
 mod misc;
 mod msr;
 mod port_io;
+mod segment_query;
 mod segments;
 mod syscall;
 mod tables;
