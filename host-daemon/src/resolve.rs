@@ -110,10 +110,9 @@ pub fn write_output_file(path: &Path, contents: &[u8]) -> io::Result<()> {
     create_output_file(path)?.write_all(contents)
 }
 
-/// Reads at most `max_bytes` of the regular file at `path` without following a symlink
-/// at its last component (a file the guest wrote, read back by kpin). Longer files are an
-/// error, not a truncated read.
-pub fn read_output_file(path: &Path, max_bytes: u64) -> io::Result<Vec<u8>> {
+/// Opens the regular file at `path` for reading without following a symlink at its last
+/// component and without blocking on a FIFO; anything but a regular file is an error.
+fn open_regular_for_reading(path: &Path) -> io::Result<(File, std::fs::Metadata)> {
     let c = cstr(path.as_os_str().as_bytes())?;
     let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC;
     // SAFETY: `c` is a NUL-terminated path; open(2) does not keep the pointer.
@@ -127,6 +126,14 @@ pub fn read_output_file(path: &Path, max_bytes: u64) -> io::Result<Vec<u8>> {
             path.display()
         )));
     }
+    Ok((f, meta))
+}
+
+/// Reads at most `max_bytes` of the regular file at `path` without following a symlink
+/// at its last component (a file the guest wrote, read back by kpin). Longer files are an
+/// error, not a truncated read.
+pub fn read_output_file(path: &Path, max_bytes: u64) -> io::Result<Vec<u8>> {
+    let (f, meta) = open_regular_for_reading(path)?;
     if meta.len() > max_bytes {
         return Err(io::Error::other(format!(
             "{} is {} bytes, more than the {max_bytes} kpin reads",
@@ -149,19 +156,7 @@ pub fn read_output_file(path: &Path, max_bytes: u64) -> io::Result<Vec<u8>> {
 /// [`read_output_file`] opens it: for the tail of a log that may be large.
 pub fn read_output_tail(path: &Path, max_bytes: u64) -> io::Result<Vec<u8>> {
     use std::os::unix::fs::FileExt;
-    let c = cstr(path.as_os_str().as_bytes())?;
-    let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC;
-    // SAFETY: `c` is a NUL-terminated path; open(2) does not keep the pointer.
-    let fd = cvt(unsafe { libc::open(c.as_ptr(), flags) }).map_err(|e| explain(e, path))?;
-    // SAFETY: `fd` was just returned by open(2) and is owned by nobody else.
-    let f = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
-    let meta = f.metadata()?;
-    if !meta.file_type().is_file() {
-        return Err(io::Error::other(format!(
-            "{} is not a regular file",
-            path.display()
-        )));
-    }
+    let (f, meta) = open_regular_for_reading(path)?;
     let start = meta.len().saturating_sub(max_bytes);
     let mut data = vec![0; usize::try_from(meta.len() - start).map_err(io::Error::other)?];
     let mut got = 0;
