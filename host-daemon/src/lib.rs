@@ -71,6 +71,13 @@ impl Daemon {
         }
     }
 
+    /// Writes files the engine opens from now on beneath `out_dir` (which must exist):
+    /// each instrumentation window of `kpin attach` gets its own directory. Files already
+    /// open stay where they are.
+    pub fn set_out_dir(&mut self, out_dir: &Path) {
+        self.out_dir = out_dir.to_owned();
+    }
+
     /// Drains every record the engine has published.
     pub fn serve(&mut self, ring: &mut Consumer) -> Result<usize, DaemonError> {
         self.stats.drains += 1;
