@@ -30,9 +30,9 @@ pub fn request(run_dir: &Path, request: &Request) -> Result<Reply, ClientError> 
     let _ = stream.set_write_timeout(Some(CLIENT_TIMEOUT));
     let mut line = serde_json::to_vec(request).map_err(|e| chan(e.to_string()))?;
     line.push(b'\n');
-    stream
-        .write_all(&line)
-        .map_err(|e| chan(format!("cannot send: {e}")))?;
+    // A run that refuses at once (another client is connected) may close before all of
+    // the request is read: its reply still waits to be read.
+    let sent = stream.write_all(&line);
     let _ = stream.shutdown(std::net::Shutdown::Write);
     let mut buf = Vec::new();
     stream
@@ -40,7 +40,10 @@ pub fn request(run_dir: &Path, request: &Request) -> Result<Reply, ClientError> 
         .read_to_end(&mut buf)
         .map_err(|e| chan(format!("cannot read the reply: {e}")))?;
     if buf.is_empty() {
-        return Err(chan("the run closed the connection without a reply".into()));
+        return Err(chan(match sent {
+            Err(e) => format!("cannot send: {e}"),
+            Ok(()) => "the run closed the connection without a reply".into(),
+        }));
     }
     parse_reply(buf.trim_ascii()).map_err(chan)
 }

@@ -19,18 +19,22 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
-use vmm_sys_util::signal::SIGRTMIN;
+use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 
 use super::protocol::{parse_request, Reply, Request, MAX_MESSAGE_BYTES};
 use crate::error::{Result, VmmError};
 
 /// How long a client may take to send its request or read its reply.
 pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a refused second client gets to send its request.
+const BUSY_READ_TIMEOUT: Duration = Duration::from_secs(1);
 /// How often a command still waiting for the vCPU loop re-kicks the vCPU thread (a kick
 /// that lands just before `KVM_RUN` is entered is lost).
 const KICK_INTERVAL: Duration = Duration::from_millis(20);
 /// How long a command waits for the vCPU loop before the client is told it timed out.
 const LOOP_TIMEOUT: Duration = Duration::from_secs(30);
+
+extern "C" fn ignore_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
 
 /// A request on its way to the vCPU loop, with where the loop's reply goes.
 pub struct Command {
@@ -65,6 +69,9 @@ impl ControlServer {
             UnixListener::bind(path).map_err(|e| VmmError::ControlSocket(path.to_owned(), e))?;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
             .map_err(|e| VmmError::ControlSocket(path.to_owned(), e))?;
+        // The kick's handler does nothing; without one SIGRTMIN would end the process.
+        register_signal_handler(SIGRTMIN(), ignore_kick)
+            .map_err(|e| VmmError::Host("installing the vCPU kick signal handler", e.into()))?;
         // SAFETY: pthread_self has no preconditions.
         let vcpu_thread = unsafe { libc::pthread_self() };
         let (tx, rx) = bounded::<Command>(1);
@@ -127,6 +134,10 @@ fn accept_loop(
             .name("kpin-control-client".into())
             .spawn(move || {
                 let Ok(_one) = busy.try_lock() else {
+                    // Read (and drop) the request first, so the client's send completes
+                    // and it reads this reply rather than a broken pipe.
+                    let _ = stream.set_read_timeout(Some(BUSY_READ_TIMEOUT));
+                    let _ = read_request(&mut stream);
                     let _ = stream.write_all(
                         Reply::error("another control client is connected to this run; try again")
                             .to_line()
@@ -206,5 +217,130 @@ fn serve(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::client::{request, ClientError};
+    use crate::control::protocol::parse_reply;
+    use crate::control::SOCKET_NAME;
+
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("kpin-control-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).expect("scratch dir");
+        d
+    }
+
+    /// Raw bytes in, raw reply out.
+    fn raw(dir: &Path, bytes: &[u8]) -> Reply {
+        let mut s = UnixStream::connect(dir.join(SOCKET_NAME)).expect("connect");
+        let _ = s.write_all(bytes);
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).expect("read the reply");
+        parse_reply(out.trim_ascii()).expect("a JSON reply")
+    }
+
+    /// Plays the vCPU loop: answers every command with `status` ok until `n` are done.
+    fn answer(rx: &Receiver<Command>, n: usize) -> Vec<Request> {
+        let mut seen = Vec::new();
+        while seen.len() < n {
+            let cmd = rx.recv_timeout(Duration::from_secs(20)).expect("a command");
+            seen.push(cmd.request.clone());
+            let _ = cmd.reply.send(Reply {
+                windows: Some(seen.len() as u64),
+                ..Reply::ok()
+            });
+        }
+        seen
+    }
+
+    #[test]
+    fn test_requests_reach_the_loop_and_bad_ones_get_error_replies() {
+        let dir = scratch("roundtrip");
+        let path = dir.join(SOCKET_NAME);
+        let (server, rx) = ControlServer::start(&path).expect("listen");
+        let mode = std::fs::metadata(&path)
+            .expect("socket")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let d = dir.clone();
+        let client = std::thread::spawn(move || {
+            let status = request(&d, &Request::Status).expect("status");
+            let bad = raw(&d, b"{\"cmd\":\"reboot\"}\n");
+            let mut big = vec![b' '; MAX_MESSAGE_BYTES + 10];
+            big.push(b'\n');
+            let oversize = raw(&d, &big);
+            let detach = request(&d, &Request::Detach).expect("detach");
+            (status, bad, oversize, detach)
+        });
+        let seen = answer(&rx, 2);
+        let (status, bad, oversize, detach) = client.join().expect("client");
+        assert_eq!(seen, vec![Request::Status, Request::Detach]);
+        assert!(status.ok && status.windows == Some(1), "{status:?}");
+        assert!(detach.ok && detach.windows == Some(2), "{detach:?}");
+        assert!(!bad.ok && bad.error.as_deref().unwrap_or("").contains("malformed"));
+        assert!(!oversize.ok && oversize.error.as_deref().unwrap_or("").contains("too long"));
+        server.shutdown();
+        assert!(!path.exists(), "the socket is removed at the end");
+        match request(&dir, &Request::Status) {
+            Err(ClientError::NoRun(..)) => {}
+            other => panic!("after the end: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn test_a_second_concurrent_client_is_refused() {
+        let dir = scratch("second");
+        let path = dir.join(SOCKET_NAME);
+        let (server, rx) = ControlServer::start(&path).expect("listen");
+        // The first client connects and sends nothing yet: it holds the channel.
+        let mut first = UnixStream::connect(&path).expect("first client");
+        std::thread::sleep(Duration::from_millis(200));
+        let second = request(&dir, &Request::Status).expect("a reply");
+        assert!(!second.ok, "{second:?}");
+        assert!(
+            second
+                .error
+                .as_deref()
+                .unwrap_or("")
+                .contains("another control client"),
+            "{second:?}"
+        );
+        first.write_all(b"{\"cmd\":\"status\"}\n").expect("send");
+        answer(&rx, 1);
+        let mut out = Vec::new();
+        first.read_to_end(&mut out).expect("reply");
+        assert!(parse_reply(out.trim_ascii()).expect("JSON").ok);
+        server.shutdown();
+    }
+
+    #[test]
+    fn test_an_existing_path_is_refused_and_kept() {
+        let dir = scratch("exists");
+        let path = dir.join(SOCKET_NAME);
+        std::fs::write(&path, b"not ours").expect("write");
+        assert!(matches!(
+            ControlServer::start(&path),
+            Err(VmmError::ControlSocket(..))
+        ));
+        assert_eq!(std::fs::read(&path).expect("still there"), b"not ours");
+    }
+
+    #[test]
+    fn test_a_request_after_the_loop_ended_says_so() {
+        let dir = scratch("ended");
+        let (server, rx) = ControlServer::start(&dir.join(SOCKET_NAME)).expect("listen");
+        drop(rx);
+        let r = request(&dir, &Request::Status).expect("a reply");
+        assert!(
+            !r.ok && r.error.as_deref() == Some("the run has ended"),
+            "{r:?}"
+        );
+        server.shutdown();
     }
 }
