@@ -101,7 +101,7 @@ fn test_a_live_run_refuses_detach_while_detached_and_unknown_tools_with_status_2
             &dir,
         ),
         2,
-        "has no option",
+        "unknown --tool-option key",
     );
     // Now let it finish: attach null, and the run powers off cleanly.
     let a = kpin(&["attach", "--tool", "null"], &dir);

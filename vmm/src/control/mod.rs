@@ -13,6 +13,3 @@ pub mod windows;
 
 /// The control socket's file name in a run's output directory.
 pub const SOCKET_NAME: &str = "control.sock";
-
-/// The tools a window can run (the engine image's tool table).
-pub const KNOWN_TOOLS: &[&str] = &["null", "bbcount"];

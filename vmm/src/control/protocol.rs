@@ -11,8 +11,6 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::KNOWN_TOOLS;
-
 /// The longest request or reply, in bytes.
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
 
@@ -24,7 +22,7 @@ pub enum Request {
     Status,
     /// Enter the engine with `tool` at the next safe point.
     Attach {
-        /// Tool name (one of [`KNOWN_TOOLS`]).
+        /// Tool name (one of `crate::input_check::TOOLS`).
         tool: String,
         /// Tool options.
         #[serde(default)]
@@ -124,29 +122,19 @@ pub fn parse_reply(bytes: &[u8]) -> Result<Reply, String> {
     serde_json::from_slice(bytes).map_err(|e| format!("malformed reply: {e}"))
 }
 
-/// Option keys every tool accepts (the engine's own, `bringup.*`).
-const ENGINE_OPTION_PREFIX: &str = "bringup.";
-
-/// Checks a tool name and its options: the tool must be known, and neither `null` nor
-/// `bbcount` has options of its own, so every key must be an engine option; keys and
-/// values must not contain spaces or `=` (the engine's option string is `k=v k=v`).
+/// Checks a tool name and its options against the host's table of tools and option keys
+/// (`crate::input_check`, which `kpin run --tool` uses too); keys and values must not
+/// contain whitespace or `=` (the engine's option string is `k=v k=v`).
 pub fn check_tool(tool: &str, options: &BTreeMap<String, String>) -> Result<(), String> {
-    if !KNOWN_TOOLS.contains(&tool) {
-        return Err(format!(
-            "unknown tool {tool:?} (known: {})",
-            KNOWN_TOOLS.join(", ")
-        ));
+    let bad = |s: &str| s.contains(|c: char| c == '=' || c.is_whitespace());
+    if let Some((k, v)) = options
+        .iter()
+        .find(|(k, v)| k.is_empty() || bad(k) || bad(v))
+    {
+        return Err(format!("bad tool option {k:?}={v:?}"));
     }
-    for (k, v) in options {
-        let bad = |s: &str| s.is_empty() || s.contains([' ', '=', '\n', '\t']);
-        if bad(k) || v.contains([' ', '=', '\n', '\t']) {
-            return Err(format!("bad tool option {k:?}={v:?}"));
-        }
-        if !k.starts_with(ENGINE_OPTION_PREFIX) {
-            return Err(format!("tool {tool} has no option {k:?}"));
-        }
-    }
-    Ok(())
+    let pairs: Vec<String> = options.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    crate::input_check::check_tool(tool, &pairs).map_err(|e| e.to_string())
 }
 
 /// The engine's option string for `options`: `k=v` separated by spaces.
@@ -206,7 +194,7 @@ mod tests {
         assert!(e.contains("unknown tool \"memtrace\""), "{e}");
         let e = parse_request(br#"{"cmd":"attach","tool":"bbcount","options":{"depth":"3"}}"#)
             .expect_err("unknown option");
-        assert!(e.contains("has no option \"depth\""), "{e}");
+        assert!(e.contains("unknown --tool-option key \"depth\""), "{e}");
         let e =
             parse_request(br#"{"cmd":"attach","tool":"null","options":{"bringup.crash":"a b"}}"#)
                 .expect_err("space");
