@@ -11,6 +11,9 @@ pub const DOORBELL_PORT: u16 = 0x0f10;
 /// be flushed, a guest triple fault): the VMM drains the ring (the engine's last log lines
 /// and last-traces record), dumps state and ends the run as a crash.
 pub const ENGINE_FAILURE_PORT: u16 = 0x0f11;
+/// Reads 1 while an instrumentation window of `kpin attach` is open, 0 otherwise (a test
+/// guest waits on it, natively or under the engine, which passes port reads through).
+pub const ATTACH_STATUS_PORT: u16 = 0x0f12;
 
 /// The ACPI PM1a event block (PM1 status, then PM1 enable; 2 bytes each), which the FADT
 /// the VMM builds names. Otherwise unused on a PC (QEMU's PIIX4 PM block is at 0x600 too).

@@ -163,6 +163,14 @@ impl Daemon {
         }
     }
 
+    /// Writes files the engine opens from now on beneath `out_dir` (which must exist):
+    /// each instrumentation window of `kpin attach` gets its own directory. Files already
+    /// open stay where they are.
+    pub fn set_out_dir(&mut self, out_dir: &Path) {
+        self.out_dir = out_dir.to_owned();
+        self.dir = None;
+    }
+
     /// Drains every record the engine has published. After an error the daemon is
     /// stopped: later calls return `Ok(0)` and leave the ring alone.
     pub fn serve(&mut self, ring: &mut Consumer) -> Result<usize, DaemonError> {

@@ -96,6 +96,9 @@ pub enum VmmError {
     /// An eventfd or signal handler could not be set up.
     #[error("host setup failed: {0}")]
     Host(&'static str, #[source] std::io::Error),
+    /// The run's control socket could not be created.
+    #[error("cannot listen on the control socket {}", .0.display())]
+    ControlSocket(PathBuf, #[source] std::io::Error),
 }
 
 /// Shorthand for results in this crate.

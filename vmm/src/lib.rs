@@ -7,6 +7,7 @@
 //! - [`boot`]: the guest-physical layout, the kernel loader, the LINT pins;
 //! - [`devices`]: the port bus and the devices on it;
 //! - [`engine`]: loading and entering the guest engine (`--tool`);
+//! - [`control`]: the per-run control socket (`kpin attach|detach|status`);
 //! - [`diag`]: the guest-state dump, page walks and kernel symbols.
 //!
 //! The flat module paths other crates use (`vmm::cpuid`, `vmm::memory`, `vmm::layout`,
@@ -14,6 +15,7 @@
 #![deny(missing_docs)]
 
 pub mod boot;
+pub mod control;
 pub mod devices;
 pub mod diag;
 pub mod engine;
@@ -28,5 +30,5 @@ pub use diag::symbols;
 pub use engine::EngineConfig;
 pub use error::{Result, VmmError};
 pub use vstate::vcpu::{ExitCounters, Outcome, RunReport};
-pub use vstate::vm::{Vm, VmConfig};
+pub use vstate::vm::{ControlConfig, Vm, VmConfig};
 pub use vstate::{cpuid, memory};

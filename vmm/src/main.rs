@@ -15,7 +15,7 @@ use vmm::guests::{
 };
 use vmm::input_check::{self, UsageError};
 use vmm::layout::{MAX_MEM_MIB, MIN_MEM_MIB};
-use vmm::{Outcome, Vm, VmConfig};
+use vmm::{control, ControlConfig, Outcome, Vm, VmConfig};
 
 /// Exit status of a clean guest poweroff.
 const EXIT_CLEAN: u8 = 0;
@@ -60,6 +60,29 @@ enum Command {
     },
     /// Boot a guest and run it to poweroff, crash or timeout.
     Run(Box<RunArgs>),
+    /// Attach a tool to a running guest (RUN: the run's output directory): the engine
+    /// takes over at the next safe point; the window's files go to RUN/attach-<n>/.
+    /// Exit status 1: no such run; 2: the run refused (already attached, unknown tool).
+    Attach {
+        /// The run's output directory (it holds control.sock while the run lives).
+        run: PathBuf,
+        /// Tool: null or bbcount.
+        #[arg(long)]
+        tool: String,
+        /// A tool option KEY=VALUE (repeatable).
+        #[arg(long, value_name = "KEY=VALUE")]
+        tool_option: Vec<String>,
+    },
+    /// Detach the tool from a running guest. Exit status 1: no such run; 2: refused.
+    Detach {
+        /// The run's output directory.
+        run: PathBuf,
+    },
+    /// Print a running guest's state as JSON: attached or not, tool, windows, uptime.
+    Status {
+        /// The run's output directory.
+        run: PathBuf,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -191,6 +214,25 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Images { dir } => images(dir).map(|()| EXIT_CLEAN),
         Command::Run(args) => run(*args),
+        Command::Attach {
+            run,
+            tool,
+            tool_option,
+        } => match parse_tool_options(&tool_option) {
+            Ok(options) => Ok(control::client::command(
+                &run,
+                &control::protocol::Request::Attach { tool, options },
+            )),
+            Err(e) => Err(e),
+        },
+        Command::Detach { run } => Ok(control::client::command(
+            &run,
+            &control::protocol::Request::Detach,
+        )),
+        Command::Status { run } => Ok(control::client::command(
+            &run,
+            &control::protocol::Request::Status,
+        )),
     };
     match result {
         Ok(code) => ExitCode::from(code),
@@ -203,6 +245,19 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// `--tool-option` KEY=VALUE pairs of `kpin attach`, as the request's map.
+fn parse_tool_options(raw: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
+    raw.iter()
+        .map(|o| match o.split_once('=') {
+            Some((k, v)) if !k.is_empty() && !o.contains(' ') => Ok((k.to_owned(), v.to_owned())),
+            _ => Err(UsageError(format!(
+                "bad --tool-option {o:?}: expected KEY=VALUE without spaces"
+            ))
+            .into()),
+        })
+        .collect()
 }
 
 fn progress(line: &str) {
@@ -356,7 +411,8 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
             ..Default::default()
         },
     );
-    let report = vm.run(&mut daemon)?;
+    let control = attach_control(&out, &image_dir, args.tool.as_deref(), cfg.engine.as_ref());
+    let report = vm.run_with_control(&mut daemon, Some(control))?;
     let fallback = daemon.stats().clone();
     let ring = daemon.finish().unwrap_or_else(|e| {
         progress(&format!("cannot finish the run's output files: {e:#}"));
@@ -433,6 +489,31 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         Outcome::Timeout => EXIT_TIMEOUT,
         _ => EXIT_GUEST_CRASH,
     })
+}
+
+/// The run's control socket (`<out>/control.sock`, for `kpin attach|detach|status`); a
+/// native run builds the engine image now so it can be attached later (if that fails the
+/// run goes on, unattachable).
+fn attach_control(
+    out: &Path,
+    image_dir: &Path,
+    tool: Option<&str>,
+    engine: Option<&vmm::EngineConfig>,
+) -> ControlConfig {
+    let engine_image = match engine {
+        Some(e) => Some(e.image.clone()),
+        None => kpin_images::ensure_engine(image_dir, &mut progress)
+            .map_err(|e| progress(&format!("kpin attach will not work: {e:#}")))
+            .ok(),
+    };
+    let socket = out.join(control::SOCKET_NAME);
+    progress(&format!("control socket: {}", socket.display()));
+    ControlConfig {
+        socket,
+        out_dir: out.to_owned(),
+        engine_image,
+        boot_tool: tool.map(str::to_owned),
+    }
 }
 
 /// Lines of `engine.log` an engine failure's dump ends with: the engine's report (what

@@ -146,7 +146,10 @@ pub struct RunReport {
 
 /// Runs the vCPU until the run ends: the guest stops, `watchdog` expires, or the console
 /// shows a kernel panic. A doorbell has `daemon` serve `ring`; every exit is counted in
-/// `exits`. An `Err` is a host failure (`KVM_RUN` itself, or the daemon).
+/// `exits`. Before every `KVM_RUN`, `between` runs (the control channel's commands: it
+/// may change the vCPU's state). An `Err` is a host failure (`KVM_RUN` itself, the
+/// daemon, or `between`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn run_loop(
     vcpu: &mut VcpuFd,
     bus: &mut PortBus,
@@ -155,11 +158,13 @@ pub(crate) fn run_loop(
     daemon: &mut Daemon,
     watchdog: &Watchdog,
     exits: &mut ExitCounters,
+    between: &mut dyn FnMut(&mut VcpuFd, &mut Daemon, &mut Consumer, &ExitCounters) -> Result<()>,
 ) -> Result<Outcome> {
     loop {
         if watchdog.expired() {
             return Ok(Outcome::Timeout);
         }
+        between(vcpu, daemon, ring, exits)?;
         exits.total += 1;
         let step = handle_exit(vcpu.run(), bus, exits)?;
         if console.panicked.get() {

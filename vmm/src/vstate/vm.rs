@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use host_daemon::Daemon;
 use kpin_abi::io_ring::{self, Consumer};
-use kpin_abi::ports::{ACPI_PM1A_EVT_PORT, ACPI_RESET_PORT};
+use kpin_abi::ports::{ACPI_PM1A_EVT_PORT, ACPI_RESET_PORT, ATTACH_STATUS_PORT};
 use kpin_abi::stolen::{IO_RING_BYTES, IO_RING_OFFSET};
 use kvm_bindings::{kvm_pit_config, CpuId, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
@@ -20,6 +20,8 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::boot::layout::IO_RING_BATCH_BYTES;
 use crate::boot::{self, lint, BootInfo};
+use crate::control::server::ControlServer;
+use crate::control::windows::Windows;
 use crate::devices::acpi_pm::{AcpiPm, ResetRegister, PM_PORT_SPAN};
 use crate::devices::bus::PortBus;
 use crate::devices::engine_ports::{EnginePorts, ENGINE_PORTS_BASE, ENGINE_PORTS_SPAN};
@@ -58,6 +60,19 @@ pub struct VmConfig {
     /// Run the guest under the engine (`--tool`): the vCPU starts in the engine, which
     /// finds the guest's boot state in the attach block.
     pub engine: Option<EngineConfig>,
+}
+
+/// The control socket of a run (see [`Vm::run_with_control`]).
+#[derive(Clone, Debug)]
+pub struct ControlConfig {
+    /// Where to listen (must not exist).
+    pub socket: PathBuf,
+    /// The run's output directory: window `n` writes to `attach-<n>/` beneath it.
+    pub out_dir: PathBuf,
+    /// The engine image attach loads (`None`: the run cannot attach).
+    pub engine_image: Option<PathBuf>,
+    /// The `--tool` the run started with.
+    pub boot_tool: Option<String>,
 }
 
 /// A VM ready to run.
@@ -184,10 +199,38 @@ impl Vm {
 
     /// Runs the guest until it powers off, crashes, or the timeout expires. `daemon`
     /// serves the host I/O ring on every doorbell and once more at the end.
-    pub fn run(mut self, daemon: &mut Daemon) -> Result<RunReport> {
+    pub fn run(self, daemon: &mut Daemon) -> Result<RunReport> {
+        self.run_with_control(daemon, None)
+    }
+
+    /// [`Vm::run`], listening on a control socket while the guest runs (`kpin attach`,
+    /// `detach`, `status`): the socket exists from the first `KVM_RUN` until the loop ends.
+    pub fn run_with_control(
+        mut self,
+        daemon: &mut Daemon,
+        control: Option<ControlConfig>,
+    ) -> Result<RunReport> {
         let watchdog = Watchdog::arm(self.timeout)?;
         let start = Instant::now();
         let mut exits = ExitCounters::default();
+        let (server, mut windows) = match control {
+            Some(c) => {
+                let (server, rx) = ControlServer::start(&c.socket)?;
+                let windows = Windows::new(rx, c.engine_image, c.out_dir, c.boot_tool);
+                self.bus
+                    .insert(ATTACH_STATUS_PORT, 1, Box::new(windows.status_port()));
+                (Some(server), Some(windows))
+            }
+            None => (None, None),
+        };
+        let (mem, cpuid) = (&self.mem, &self.cpuid);
+        let mut between = |vcpu: &mut VcpuFd,
+                           daemon: &mut Daemon,
+                           ring: &mut Consumer,
+                           exits: &ExitCounters| match &mut windows {
+            Some(w) => w.poll(vcpu, mem, cpuid, daemon, ring, exits),
+            None => Ok(()),
+        };
         let outcome = vcpu::run_loop(
             &mut self.vcpu,
             &mut self.bus,
@@ -196,7 +239,11 @@ impl Vm {
             daemon,
             &watchdog,
             &mut exits,
+            &mut between,
         );
+        if let Some(s) = server {
+            s.shutdown();
+        }
         watchdog.finish();
         let outcome = outcome?;
         let wall = start.elapsed();

@@ -63,10 +63,28 @@ pub fn run_all() {
         print(" ");
         print(step.name);
         print(": ");
+        if step.number == WAIT_ATTACH_BEFORE {
+            wait_attach_if_requested();
+        }
         if step.number != 0 && skip_requested(step.name, step.native_unsafe) {
             print("SKIPPED\n");
         } else {
             (step.run)();
+        }
+    }
+}
+
+/// The step `kpin.wait_attach=1` waits before: the known loop, so that a window opened by
+/// `kpin attach` covers it.
+const WAIT_ATTACH_BEFORE: u64 = 7;
+/// Port reading 1 while a `kpin attach` window is open (`kpin_abi::ports`).
+const ATTACH_STATUS_PORT: u16 = 0x0f12;
+
+/// With `kpin.wait_attach=1`, spins until the VMM says an instrumentation window is open.
+fn wait_attach_if_requested() {
+    if crate::bootinfo::option("kpin.wait_attach=") == Some(b"1") {
+        while crate::cpu::inb(ATTACH_STATUS_PORT) != 1 {
+            core::hint::spin_loop();
         }
     }
 }

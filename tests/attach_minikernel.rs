@@ -1,0 +1,161 @@
+//! `kpin attach` on a natively running guest (issue #14): the mini-kernel boots natively
+//! with `kpin.wait_attach=1`, so it spins before its known loop until a window is open;
+//! the test attaches bbcount through the run's control socket mid-run. The transcript
+//! must still be exactly the native one, and the window's `bbcount.csv` (in
+//! `<out>/attach-1/`) must count the body of `known_loop_1000` exactly 1000 times.
+//! Prints the attach latency.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use iced_x86::{Decoder, DecoderOptions, FlowControl};
+use kpin_tests::{
+    compare_minikernel_transcript, engine_config, minikernel_elf, minikernel_expected, require_kvm,
+    scratch_dir,
+};
+use kpin_tool_bbcount::{parse_csv, Row};
+use vmm::control::client::request;
+use vmm::control::protocol::Request;
+use vmm::control::SOCKET_NAME;
+use vmm::guests::MINIKERNEL_NATIVE_CMDLINE;
+use vmm::symbols::Symbols;
+use vmm::{ControlConfig, Outcome, Vm, VmConfig};
+
+/// The bytes of the loaded image at `va` (the mini-kernel's PT_LOAD segments).
+fn code_at(elf: &[u8], va: u64, len: usize) -> Option<&[u8]> {
+    let u16_at = |o: usize| u16::from_le_bytes(elf[o..o + 2].try_into().unwrap());
+    let u64_at = |o: usize| u64::from_le_bytes(elf[o..o + 8].try_into().unwrap());
+    let phoff = u64_at(0x20) as usize;
+    for i in 0..usize::from(u16_at(0x38)) {
+        let ph = phoff + i * usize::from(u16_at(0x36));
+        let (off, vaddr, filesz) = (u64_at(ph + 8), u64_at(ph + 0x10), u64_at(ph + 0x20));
+        if va >= vaddr && va + len as u64 <= vaddr + filesz {
+            let start = (off + va - vaddr) as usize;
+            return elf.get(start..start + len);
+        }
+    }
+    None
+}
+
+/// How many times the body of `known_loop_1000` ran, by `rows`.
+fn known_loop_runs(rows: &[Row]) -> u64 {
+    let elf = std::fs::read(minikernel_elf()).expect("read the mini-kernel");
+    let symbols = Symbols::from_elf(&elf).expect("the mini-kernel's symbol table");
+    let known = symbols.find("known_loop_1000").expect("known_loop_1000");
+    let (func, size) = (known.address, known.size.expect("its size"));
+    let code = code_at(&elf, func, size as usize).expect("its bytes");
+    let body = Decoder::with_ip(64, code, func, DecoderOptions::NONE)
+        .into_iter()
+        .find(|i| {
+            i.flow_control() == FlowControl::ConditionalBranch && i.near_branch_target() < i.ip()
+        })
+        .expect("the loop's backward branch")
+        .near_branch_target();
+    let mut runs = 0;
+    for r in rows {
+        if r.address < func || r.address >= func + size {
+            continue;
+        }
+        let Some(bytes) = code_at(&elf, r.address, (func + size - r.address) as usize) else {
+            continue;
+        };
+        if Decoder::with_ip(64, bytes, r.address, DecoderOptions::NONE)
+            .into_iter()
+            .take(r.instructions as usize)
+            .any(|i| i.ip() == body)
+        {
+            runs += r.count;
+        }
+    }
+    runs
+}
+
+#[test]
+fn test_attach_bbcount_to_the_native_minikernel_mid_run_counts_its_known_loop() {
+    require_kvm!();
+    let dir = scratch_dir("attach-minikernel");
+    let image = engine_config("null", "").image;
+    let console = dir.join("console.log");
+    let cfg = VmConfig {
+        kernel: minikernel_elf(),
+        initrd: None,
+        cmdline: format!("{MINIKERNEL_NATIVE_CMDLINE} kpin.wait_attach=1"),
+        mem_mib: 256,
+        timeout: Some(Duration::from_secs(300)),
+        console_file: Some(console.clone()),
+        echo_console: false,
+        system_map: None,
+        engine: None,
+    };
+    let control = ControlConfig {
+        socket: dir.join(SOCKET_NAME),
+        out_dir: dir.clone(),
+        engine_image: Some(image),
+        boot_tool: None,
+    };
+    let out: PathBuf = dir.clone();
+    let vm_thread = std::thread::spawn(move || {
+        let mut daemon = host_daemon::Daemon::new(&out);
+        let report = Vm::new(&cfg)
+            .expect("create VM")
+            .run_with_control(&mut daemon, Some(control))
+            .expect("run VM");
+        daemon.finish().expect("finish output files");
+        report
+    });
+    let start = Instant::now();
+    while !dir.join(SOCKET_NAME).exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no control socket"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let status = request(&dir, &Request::Status).expect("status");
+    assert!(status.ok, "{status:?}");
+    assert_eq!(
+        (status.attached, status.windows),
+        (Some(false), Some(0)),
+        "{status:?}"
+    );
+    let t = Instant::now();
+    let attach = request(
+        &dir,
+        &Request::Attach {
+            tool: "bbcount".into(),
+            options: Default::default(),
+        },
+    )
+    .expect("attach");
+    let round_trip = t.elapsed();
+    assert!(attach.ok, "{attach:?}");
+    println!(
+        "attach latency: {:.2} ms in the vCPU loop, {:.2} ms client round trip",
+        attach.latency_ms.unwrap_or(f64::NAN),
+        round_trip.as_secs_f64() * 1e3
+    );
+    let report = vm_thread.join().expect("the VM thread");
+    let text = std::fs::read_to_string(&console).unwrap_or_default();
+    let window = dir.join("attach-1");
+    let log = std::fs::read_to_string(window.join("engine.log")).unwrap_or_default();
+    assert_eq!(
+        report.outcome,
+        Outcome::Poweroff,
+        "console:\n{text}\nengine log:\n{log}\ndump:\n{}",
+        report.dump.unwrap_or_default()
+    );
+    let skipped = compare_minikernel_transcript(&text, &minikernel_expected())
+        .unwrap_or_else(|e| panic!("{e}\n{text}"));
+    assert!(
+        skipped > 0,
+        "the native command line skips native-unsafe steps"
+    );
+    assert!(!dir.join(SOCKET_NAME).exists(), "the socket is removed");
+    let csv = std::fs::read_to_string(window.join("bbcount.csv")).expect("attach-1/bbcount.csv");
+    let rows = parse_csv(&csv).unwrap_or_else(|line| panic!("bbcount.csv line {line}"));
+    assert_eq!(known_loop_runs(&rows), 1000, "rows: {rows:?}");
+    assert!(
+        !dir.join("bbcount.csv").exists(),
+        "the window's files go to attach-1/"
+    );
+}
