@@ -17,7 +17,7 @@ use kpin_tests::{engine_config, require_kvm, run_guest, scratch_dir};
 use kpin_tool_bbcount::parse_csv;
 use kpin_tool_bbcount::report::{BbcountSummary, HotBlock};
 use vmm::diag::kernel_symbols::KernelSymbols;
-use vmm::guests::LINUX_CMDLINE;
+use vmm::guests::{LINUX_612_CMDLINE, LINUX_CMDLINE};
 use vmm::{Outcome, RunReport, VmConfig};
 
 /// The whole boot and workload take ~30 s here; the budget leaves room for a slower or
@@ -26,7 +26,11 @@ const BOOT_BUDGET: Duration = Duration::from_secs(240);
 
 /// Boots the pinned Debian kernel with its initramfs under `tool`; returns the report,
 /// the console, the tail of `engine.log` and the output directory.
-fn boot_instrumented(name: &str, tool: &str) -> (RunReport, String, String, PathBuf, LinuxImages) {
+fn boot_instrumented(
+    name: &str,
+    tool: &str,
+    cmdline: &str,
+) -> (RunReport, String, String, PathBuf, LinuxImages) {
     let images = kpin_images::default_out_dir();
     let linux = kpin_images::ensure_linux(&images, &mut |l| eprintln!("images: {l}"))
         .expect("fetch and build the Linux images");
@@ -35,7 +39,7 @@ fn boot_instrumented(name: &str, tool: &str) -> (RunReport, String, String, Path
     let cfg = VmConfig {
         kernel: linux.vmlinux.clone(),
         initrd: Some(linux.initramfs.clone()),
-        cmdline: LINUX_CMDLINE.into(),
+        cmdline: cmdline.into(),
         mem_mib: 256,
         timeout: Some(BOOT_BUDGET),
         console_file: Some(console.clone()),
@@ -78,7 +82,8 @@ fn assert_clean_boot(report: &RunReport, log: &str, engine_tail: &str) {
 #[test]
 fn test_linux_boots_to_userspace_and_runs_the_workload_under_the_null_tool() {
     require_kvm!();
-    let (report, log, engine_tail, _, _) = boot_instrumented("linux-instrumented", "null");
+    let (report, log, engine_tail, _, _) =
+        boot_instrumented("linux-instrumented", "null", LINUX_CMDLINE);
     assert_clean_boot(&report, &log, &engine_tail);
     println!(
         "instrumented Linux (null): workload done; powered off after {:.1} s",
@@ -90,7 +95,7 @@ fn test_linux_boots_to_userspace_and_runs_the_workload_under_the_null_tool() {
 fn test_linux_under_bbcount_splits_user_and_kernel_and_names_hot_kernel_blocks() {
     require_kvm!();
     let (report, log, engine_tail, dir, linux) =
-        boot_instrumented("linux-instrumented-bbcount", "bbcount");
+        boot_instrumented("linux-instrumented-bbcount", "bbcount", LINUX_CMDLINE);
     assert_clean_boot(&report, &log, &engine_tail);
     let csv = std::fs::read_to_string(dir.join("bbcount.csv")).expect("bbcount.csv");
     let rows = parse_csv(&csv).unwrap_or_else(|line| panic!("bbcount.csv line {line}"));
@@ -116,5 +121,21 @@ fn test_linux_under_bbcount_splits_user_and_kernel_and_names_hot_kernel_blocks()
         "instrumented Linux (bbcount): powered off after {:.1} s\n{}",
         report.wall.as_secs_f64(),
         summary.render()
+    );
+}
+
+#[test]
+fn test_linux_boots_with_the_distribution_command_line_and_default_mitigations() {
+    require_kvm!();
+    let (report, log, engine_tail, _, _) =
+        boot_instrumented("linux-instrumented-distro", "null", LINUX_612_CMDLINE);
+    assert_clean_boot(&report, &log, &engine_tail);
+    assert!(
+        log.contains("Mitigation:"),
+        "the default mitigations are on:\n{log}"
+    );
+    println!(
+        "instrumented Linux 6.1 with `{LINUX_612_CMDLINE}` (default mitigations): powered off after {:.1} s",
+        report.wall.as_secs_f64()
     );
 }

@@ -25,9 +25,9 @@
 pub const LINUX_CMDLINE: &str = "console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1 \
      pci=off i8042.noaux i8042.nomux i8042.dumbkbd mitigations=off";
 
-/// Command line of the second pinned kernel, Debian's 6.12 cloud kernel
-/// (`kpin_images::GuestKernel::Debian612`): the distribution's own behaviour, as issue #10
-/// asks. Debian's cloud images boot with `console=tty0 console=ttyS0,115200
+/// The distribution command line of Debian's kernels, the second pinned kernel's default
+/// (`kpin_images::GuestKernel::Debian612`) and the line the tests also boot the first one
+/// with: the distribution's own behaviour, as issue #10 asks. Debian's cloud images boot with `console=tty0 console=ttyS0,115200
 /// earlyprintk=ttyS0,115200 consoleblank=0 root=…`; with an initramfs and only a serial
 /// port, the serial console is all that remains, plus `panic=-1` so that a panic ends the
 /// run at once. Nothing else: KASLR (when booted as bzImage), the default mitigations,
