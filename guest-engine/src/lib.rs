@@ -32,8 +32,8 @@ pub use dispatch::{AttentionHandle, Config, Engine, FaultRedirect, Recovered, St
 pub use error::EngineError;
 pub use guest_memory::{GuestMemory, Mode};
 pub use instrument::{
-    CounterId, IArg, IPoint, InsInfo, InsKind, MemOperand, MemRecord, NullTool, SegBase, Tool,
-    TraceInstrumenter,
+    access, CounterId, IArg, IPoint, InsInfo, InsKind, MemOperand, MemRecord, NullTool, SegBase,
+    Tool, TraceInstrumenter,
 };
 pub use platform::{Emulation, Platform, SensitiveInsn, SensitiveKind, StopPlatform};
 
