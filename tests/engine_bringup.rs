@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use kpin_tests::{engine_config, kvm_available, run_guest, scratch_dir, tiny_elf, TINY_LOAD_ADDR};
+use kpin_tests::{engine_config, require_kvm, run_guest, scratch_dir, tiny_elf, TINY_LOAD_ADDR};
 use vmm::layout::BOOT_PML4_START;
 use vmm::{Outcome, VmConfig};
 
@@ -46,9 +46,7 @@ fn number_before(text: &str, marker: &str) -> Option<u64> {
 
 #[test]
 fn test_engine_boots_measures_gate_and_timer_then_stops_cleanly() {
-    if !kvm_available("test_engine_boots_measures_gate_and_timer_then_stops_cleanly") {
-        return;
-    }
+    require_kvm!();
     let (report, log) = run_engine("engine-boot", "bringup.gates=500 bringup.ticks=10");
     assert_eq!(
         report.outcome,
@@ -117,9 +115,7 @@ fn test_engine_boots_measures_gate_and_timer_then_stops_cleanly() {
 
 #[test]
 fn test_engine_faults_are_reported_with_vector_rip_cr2_and_never_hang() {
-    if !kvm_available("test_engine_faults_are_reported_with_vector_rip_cr2_and_never_hang") {
-        return;
-    }
+    require_kvm!();
     for (crash, want) in [
         (
             "pf",
@@ -166,9 +162,7 @@ fn test_engine_faults_are_reported_with_vector_rip_cr2_and_never_hang() {
 
 #[test]
 fn test_fault_while_reporting_a_fault_ends_the_run_from_ring_0() {
-    if !kvm_available("test_fault_while_reporting_a_fault_ends_the_run_from_ring_0") {
-        return;
-    }
+    require_kvm!();
     let (report, log) = run_engine(
         "engine-crash-nested",
         "bringup.gates=10 bringup.ticks=2 bringup.probe=false bringup.crash=nested",
@@ -184,9 +178,7 @@ fn test_fault_while_reporting_a_fault_ends_the_run_from_ring_0() {
 
 #[test]
 fn test_bad_bringup_option_is_reported_by_the_engine() {
-    if !kvm_available("test_bad_bringup_option_is_reported_by_the_engine") {
-        return;
-    }
+    require_kvm!();
     let (report, log) = run_engine("engine-badopt", "bringup.nonsense=1");
     assert_eq!(report.outcome, Outcome::EngineFailure);
     assert!(

@@ -11,7 +11,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use kpin_tests::{kvm_available, run_tiny_guest, TINY_LOAD_ADDR};
+use kpin_tests::{require_kvm, run_tiny_guest, TINY_LOAD_ADDR};
 use vmm::Outcome;
 
 /// At `TINY_LOAD_ADDR` (offsets in the comments):
@@ -48,11 +48,7 @@ fn read(p: &Path) -> String {
 
 #[test]
 fn test_tiny_guest_under_null_tool_prints_what_it_prints_natively_and_powers_off() {
-    if !kvm_available(
-        "test_tiny_guest_under_null_tool_prints_what_it_prints_natively_and_powers_off",
-    ) {
-        return;
-    }
+    require_kvm!();
     let (native, native_console, _, _) = run_tiny_guest("engine-run-native", LOOP_GUEST, None);
     assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
     assert!(native_console.starts_with("OK\n"), "{native_console:?}");
@@ -108,9 +104,7 @@ fn test_tiny_guest_under_null_tool_prints_what_it_prints_natively_and_powers_off
 
 #[test]
 fn test_bbcount_counts_the_loop_blocks_into_a_csv() {
-    if !kvm_available("test_bbcount_counts_the_loop_blocks_into_a_csv") {
-        return;
-    }
+    require_kvm!();
     let (report, console, log, dir) =
         run_tiny_guest("engine-run-bbcount", LOOP_GUEST, Some("bbcount"));
     assert_eq!(
@@ -137,9 +131,7 @@ fn test_bbcount_counts_the_loop_blocks_into_a_csv() {
 
 #[test]
 fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
-    if !kvm_available("test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it") {
-        return;
-    }
+    require_kvm!();
     // mov cr0, rax (RAX = 10: clears CR0.PG)
     let mov_cr0 = [0x0f, 0x22, 0xc0];
     // mov dr7, rax
@@ -203,9 +195,7 @@ fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
 
 #[test]
 fn test_fault_in_translated_code_is_mapped_back_to_the_guest_instruction() {
-    if !kvm_available("test_fault_in_translated_code_is_mapped_back_to_the_guest_instruction") {
-        return;
-    }
+    require_kvm!();
     let at = TINY_LOAD_ADDR + PRINT_OK.len() as u64;
     // movabs rax, [0x100000000]: 4 GiB, beyond the boot identity map (and the stolen
     // region's guest-physical address, which the engine never maps for the guest).
@@ -231,52 +221,4 @@ fn test_fault_in_translated_code_is_mapped_back_to_the_guest_instruction() {
         assert_eq!(console, "OK\n", "{name}");
         assert!(report.wall < Duration::from_secs(30), "{name}: {:?}", report.wall);
     }
-}
-
-#[test]
-fn test_port_reads_through_the_gate_see_what_native_reads() {
-    if !kvm_available("test_port_reads_through_the_gate_see_what_native_reads") {
-        return;
-    }
-    // mov dx,0x3fd; in al,dx (COM1 line status); mov dx,0x3f8; out dx,al; mov al,10;
-    // out dx,al; mov al,0xfe; out 0x64,al; hlt
-    let code = [
-        0x66, 0xba, 0xfd, 0x03, 0xec, 0x66, 0xba, 0xf8, 0x03, 0xee, 0xb0, 0x0a, 0xee, 0xb0, 0xfe,
-        0xe6, 0x64, 0xf4,
-    ];
-    let (native, native_console, _, _) = run_tiny_guest("engine-run-in-native", &code, None);
-    assert_eq!(native.outcome, Outcome::Poweroff);
-    assert_eq!(native_console.len(), 2, "{native_console:?}");
-    let (report, console, log, _) = run_tiny_guest("engine-run-in-null", &code, Some("null"));
-    assert_eq!(report.outcome, Outcome::Poweroff, "{log}");
-    assert_eq!(console, native_console, "{log}");
-    // Two characters and the reset.
-    assert!(log.contains("3 out, 1 in, 0 cpuid"), "{log}");
-}
-
-#[test]
-fn test_descriptor_table_registers_are_virtual_and_read_back_like_natively() {
-    if !kvm_available("test_descriptor_table_registers_are_virtual_and_read_back_like_natively") {
-        return;
-    }
-    // sgdt [0x3000]; lgdt [0x3000]; sgdt [0x3010]; sidt [0x3020]; print the bytes at
-    // 0x3010 (GDT limit), 0x3013 (GDT base bits 8-15), 0x3020 (IDT limit) and a newline;
-    // mov al,0xfe; out 0x64,al; hlt
-    let code = [
-        0x0f, 0x01, 0x04, 0x25, 0x00, 0x30, 0x00, 0x00, 0x0f, 0x01, 0x14, 0x25, 0x00, 0x30, 0x00,
-        0x00, 0x0f, 0x01, 0x04, 0x25, 0x10, 0x30, 0x00, 0x00, 0x0f, 0x01, 0x0c, 0x25, 0x20, 0x30,
-        0x00, 0x00, 0x66, 0xba, 0xf8, 0x03, 0x8a, 0x04, 0x25, 0x10, 0x30, 0x00, 0x00, 0xee, 0x8a,
-        0x04, 0x25, 0x13, 0x30, 0x00, 0x00, 0xee, 0x8a, 0x04, 0x25, 0x20, 0x30, 0x00, 0x00, 0xee,
-        0xb0, 0x0a, 0xee, 0xb0, 0xfe, 0xe6, 0x64, 0xf4,
-    ];
-    let (native, native_console, _, _) = run_tiny_guest("engine-run-gdt-native", &code, None);
-    assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
-    // The VMM's boot GDT: 0x500, limit 0x1f.
-    assert!(
-        native_console.starts_with("\u{1f}\u{5}"),
-        "{native_console:?}"
-    );
-    let (report, console, log, _) = run_tiny_guest("engine-run-gdt-null", &code, Some("null"));
-    assert_eq!(report.outcome, Outcome::Poweroff, "{log}");
-    assert_eq!(console, native_console, "{log}");
 }

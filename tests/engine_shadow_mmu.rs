@@ -12,7 +12,8 @@ use iced_x86::code_asm::{
     al, cr0, cr2, cr3, dword_ptr, dx, eax, ecx, edi, ptr, qword_ptr, r8, r8d, rax, rbx, rcx, rdi,
     rsp, CodeAssembler, CodeLabel,
 };
-use kpin_tests::{kvm_available, run_tiny_guest, TINY_LOAD_ADDR};
+use kpin_tests::guest_asm::{hex_digit, native_and_null, reset};
+use kpin_tests::{require_kvm, run_tiny_guest, TINY_LOAD_ADDR};
 use vmm::Outcome;
 
 /// The guest's own page tables (identity-mapped RAM below 2 MiB, above the tiny guest).
@@ -39,7 +40,6 @@ const BOOT_CS: u64 = 0x10;
 /// `print_hex`: prints R8 as 16 hex digits and a newline on COM1 (clobbers RAX, RCX, RDX,
 /// R8).
 fn emit_print_hex(a: &mut CodeAssembler, label: &mut CodeLabel) {
-    let mut digit = a.create_label();
     let mut next = a.create_label();
     a.set_label(label).unwrap();
     a.mov(dx, 0x3f8_u32).unwrap();
@@ -48,11 +48,7 @@ fn emit_print_hex(a: &mut CodeAssembler, label: &mut CodeLabel) {
     a.rol(r8, 4_u32).unwrap();
     a.mov(eax, r8d).unwrap();
     a.and(eax, 0xf_u32).unwrap();
-    a.cmp(al, 10_u32).unwrap();
-    a.jb(digit).unwrap();
-    a.add(al, (b'a' - b'0' - 10) as u32).unwrap();
-    a.set_label(&mut digit).unwrap();
-    a.add(al, b'0' as u32).unwrap();
+    hex_digit(a);
     a.out(dx, al).unwrap();
     a.dec(ecx).unwrap();
     a.jnz(next).unwrap();
@@ -66,12 +62,6 @@ fn print_qword_at(a: &mut CodeAssembler, print: CodeLabel, addr: u64) {
     a.mov(rax, addr).unwrap();
     a.mov(r8, qword_ptr(rax)).unwrap();
     a.call(print).unwrap();
-}
-
-fn reset(a: &mut CodeAssembler) {
-    a.mov(al, 0xfe_u32).unwrap();
-    a.out(0x64_u32, al).unwrap();
-    a.hlt().unwrap();
 }
 
 fn store_qword(a: &mut CodeAssembler, addr: u64, value: u64) {
@@ -152,9 +142,7 @@ fn page_table_guest() -> Vec<u8> {
 
 #[test]
 fn test_guest_page_tables_cr3_write_and_invlpg_behave_as_natively() {
-    if !kvm_available("test_guest_page_tables_cr3_write_and_invlpg_behave_as_natively") {
-        return;
-    }
+    require_kvm!();
     let code = page_table_guest();
     let (native, native_console, _, _) = run_tiny_guest("shadow-pt-native", &code, None);
     assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
@@ -247,20 +235,8 @@ fn smc_guest(same_page: bool) -> (Vec<u8>, u64) {
 
 fn smc_run(name: &str, same_page: bool) -> String {
     let (code, _) = smc_guest(same_page);
-    let (native, native_console, _, _) = run_tiny_guest(&format!("{name}-native"), &code, None);
-    assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
-    assert_eq!(
-        native_console, "0000000011111111\n0000000022222222\n",
-        "{native_console}"
-    );
-    let (report, console, log, _) = run_tiny_guest(&format!("{name}-null"), &code, Some("null"));
-    assert_eq!(
-        report.outcome,
-        Outcome::Poweroff,
-        "{log}\n{:?}",
-        report.dump
-    );
-    assert_eq!(console, native_console, "{log}");
+    let (console, log) = native_and_null(name, &code);
+    assert_eq!(console, "0000000011111111\n0000000022222222\n", "{console}");
     log.lines()
         .find(|l| l.contains("engine: shadow: "))
         .unwrap_or_else(|| panic!("no shadow stats line: {log}"))
@@ -269,11 +245,7 @@ fn smc_run(name: &str, same_page: bool) -> String {
 
 #[test]
 fn test_self_modifying_code_on_another_page_runs_the_new_code_after_one_invalidation() {
-    if !kvm_available(
-        "test_self_modifying_code_on_another_page_runs_the_new_code_after_one_invalidation",
-    ) {
-        return;
-    }
+    require_kvm!();
     let shadow = smc_run("shadow-smc-far", false);
     assert!(shadow.contains(" write_protect_faults=1 "), "{shadow}");
     assert!(shadow.contains(" code_writes=1 "), "{shadow}");
@@ -284,9 +256,7 @@ fn test_self_modifying_code_on_another_page_runs_the_new_code_after_one_invalida
 
 #[test]
 fn test_self_modifying_code_on_the_storing_page_emulates_the_store_once() {
-    if !kvm_available("test_self_modifying_code_on_the_storing_page_emulates_the_store_once") {
-        return;
-    }
+    require_kvm!();
     let shadow = smc_run("shadow-smc-near", true);
     assert!(shadow.contains(" write_protect_faults=1 "), "{shadow}");
     assert!(shadow.contains(" code_writes=1 "), "{shadow}");
@@ -335,26 +305,15 @@ fn fault_guest(body: fn(&mut CodeAssembler)) -> Vec<u8> {
 /// and the virtual CPU delivers it to the guest's handler, which prints the error code
 /// and CR2 — the same two lines as natively. Returns the console.
 fn fault_run(name: &str, code: &[u8]) -> String {
-    let (native, native_console, _, _) = run_tiny_guest(&format!("{name}-native"), code, None);
-    assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
-    assert_eq!(native_console.lines().count(), 2, "{native_console}");
-    let (report, console, log, _) = run_tiny_guest(&format!("{name}-null"), code, Some("null"));
-    assert_eq!(
-        report.outcome,
-        Outcome::Poweroff,
-        "{log}\n{:?}",
-        report.dump
-    );
-    assert_eq!(console, native_console, "{log}");
+    let (console, log) = native_and_null(name, code);
+    assert_eq!(console.lines().count(), 2, "{console}");
     assert!(log.contains(" guest_faults_reflected=1 "), "{log}");
     console
 }
 
 #[test]
 fn test_write_to_an_unmapped_page_delivers_the_native_error_code_and_cr2() {
-    if !kvm_available("test_write_to_an_unmapped_page_delivers_the_native_error_code_and_cr2") {
-        return;
-    }
+    require_kvm!();
     // 4 GiB: beyond the VMM's boot identity map of 0–4 GiB.
     let code = fault_guest(|a| {
         a.mov(rax, 0x1_0000_0000_u64).unwrap();
@@ -366,11 +325,7 @@ fn test_write_to_an_unmapped_page_delivers_the_native_error_code_and_cr2() {
 
 #[test]
 fn test_write_to_a_read_only_page_with_cr0_wp_delivers_the_native_error_code_and_cr2() {
-    if !kvm_available(
-        "test_write_to_a_read_only_page_with_cr0_wp_delivers_the_native_error_code_and_cr2",
-    ) {
-        return;
-    }
+    require_kvm!();
     let code = fault_guest(|a| {
         build_tables_and_switch(a);
         a.mov(rax, cr0).unwrap();
@@ -385,9 +340,7 @@ fn test_write_to_a_read_only_page_with_cr0_wp_delivers_the_native_error_code_and
 
 #[test]
 fn test_jump_to_an_unmapped_page_delivers_the_native_error_code_and_cr2() {
-    if !kvm_available("test_jump_to_an_unmapped_page_delivers_the_native_error_code_and_cr2") {
-        return;
-    }
+    require_kvm!();
     let code = fault_guest(|a| {
         a.mov(rax, 0x1_0000_0000_u64).unwrap();
         a.jmp(rax).unwrap();
@@ -440,9 +393,7 @@ fn many_regions_guest() -> Vec<u8> {
 
 #[test]
 fn test_running_out_of_shadow_tables_drops_the_shadow_and_carries_on() {
-    if !kvm_available("test_running_out_of_shadow_tables_drops_the_shadow_and_carries_on") {
-        return;
-    }
+    require_kvm!();
     let code = many_regions_guest();
     let (native, native_console, _, _) = run_tiny_guest("shadow-reclaim-native", &code, None);
     assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
@@ -476,10 +427,7 @@ fn engine_failure(name: &str, code: &[u8]) -> String {
 
 #[test]
 fn test_guest_mapping_the_stolen_region_ends_the_run_naming_the_shadow_failure() {
-    if !kvm_available("test_guest_mapping_the_stolen_region_ends_the_run_naming_the_shadow_failure")
-    {
-        return;
-    }
+    require_kvm!();
     // The guest maps the stolen region's first 2 MiB (at its identity address, through a
     // page directory of its own) and reads it: the shadow MMU refuses the frame.
     let stolen = vmm::memory::stolen_base(64 << 20);
@@ -508,9 +456,7 @@ fn test_guest_mapping_the_stolen_region_ends_the_run_naming_the_shadow_failure()
 
 #[test]
 fn test_a_non_mov_write_into_the_writers_own_code_frame_stops_naming_it() {
-    if !kvm_available("test_a_non_mov_write_into_the_writers_own_code_frame_stops_naming_it") {
-        return;
-    }
+    require_kvm!();
     let mut a = CodeAssembler::new(64).unwrap();
     let mut target = a.create_label();
     a.mov(rsp, STACK).unwrap();
@@ -539,11 +485,7 @@ const MINIKERNEL_SKIP_ALL_BUT_MEMORY: &str =
 
 #[test]
 fn test_minikernel_address_space_and_smc_steps_match_expected_txt_under_the_engine() {
-    if !kvm_available(
-        "test_minikernel_address_space_and_smc_steps_match_expected_txt_under_the_engine",
-    ) {
-        return;
-    }
+    require_kvm!();
     let (report, text, log, _) = kpin_tests::run_minikernel(
         "shadow-minikernel",
         MINIKERNEL_SKIP_ALL_BUT_MEMORY,

@@ -10,8 +10,8 @@ use iced_x86::code_asm::{
     al, ax, byte_ptr, cs, ds, dword_ptr, dx, eax, es, fs, gs, ptr, rax, rsp, ss, CodeAssembler,
 };
 use iced_x86::IcedError;
-use kpin_tests::{kvm_available, run_tiny_guest, TINY_LOAD_ADDR};
-use vmm::Outcome;
+use kpin_tests::guest_asm::{hex_digit, native_and_null, reset, system_low};
+use kpin_tests::{require_kvm, TINY_LOAD_ADDR};
 
 /// Emits one instruction.
 type Emit = fn(&mut CodeAssembler) -> Result<(), IcedError>;
@@ -27,11 +27,6 @@ const STACK: u64 = 0x20_8000;
 const CODE64: u64 = 0x00af_9a00_0000_ffff;
 const DATA: u64 = 0x00cf_9200_0000_ffff;
 const DATA_NOT_PRESENT: u64 = 0x00cf_1200_0000_ffff;
-
-/// `base`/`limit`/`type` into the low half of a 16-byte system descriptor (present).
-fn system_low(base: u64, limit: u64, ty: u64) -> u64 {
-    limit | (base & 0xff_ffff) << 16 | (0x80 | ty) << 40 | (base >> 24 & 0xff) << 56
-}
 
 /// The GDT: null, 0x08 code64, 0x10 data, 0x18 data (not present), 0x20 TSS (16 bytes),
 /// 0x30 LDT (16 bytes).
@@ -61,13 +56,6 @@ fn prologue(a: &mut CodeAssembler) {
     a.mov(rax, GDT >> 48).unwrap();
     a.mov(ptr(GDTR + 8), rax).unwrap();
     a.lgdt(ptr(GDTR)).unwrap();
-}
-
-/// `out 0x64, 0xfe; hlt`.
-fn reset(a: &mut CodeAssembler) {
-    a.mov(al, 0xfe_u32).unwrap();
-    a.out(0x64_u32, al).unwrap();
-    a.hlt().unwrap();
 }
 
 fn assemble(a: &mut CodeAssembler) -> Vec<u8> {
@@ -153,31 +141,20 @@ fn segments_guest() -> Vec<u8> {
 
 /// Prints the low nibble in AL (0-15) as a hex digit.
 fn nibble(a: &mut CodeAssembler) {
-    let mut digit = a.create_label();
-    a.cmp(al, 10).unwrap();
-    a.jb(digit).unwrap();
-    a.add(al, i32::from(b'a' - b'0' - 10)).unwrap();
-    a.set_label(&mut digit).unwrap();
-    a.add(al, i32::from(b'0')).unwrap();
+    hex_digit(a);
     a.mov(dx, 0x3f8).unwrap();
     a.out(dx, al).unwrap();
 }
 
 #[test]
 fn test_segment_loads_and_reads_under_the_engine_match_the_native_run() {
-    if !kvm_available("test_segment_loads_and_reads_under_the_engine_match_the_native_run") {
-        return;
-    }
+    require_kvm!();
     let code = segments_guest();
-    let (native, native_console, _, _) = run_tiny_guest("engine-seg-native", &code, None);
-    assert_eq!(native.outcome, Outcome::Poweroff, "{:?}", native.dump);
+    let (console, _) = native_and_null("engine-seg", &code);
     // The low bytes of cs ds es ss fs gs tr ldtr; code 0x9b, data 0x93, TSS busy 0x8b; sgdt limit 0x3f,
     // base bits 8-15 0x10.
     assert_eq!(
-        native_console, "08101010101020309b938b3f10\n",
+        console, "08101010101020309b938b3f10\n",
         "the native reference changed"
     );
-    let (report, console, log, _) = run_tiny_guest("engine-seg-null", &code, Some("null"));
-    assert_eq!(report.outcome, Outcome::Poweroff, "{log}");
-    assert_eq!(console, native_console, "{log}");
 }

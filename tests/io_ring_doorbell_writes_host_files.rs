@@ -7,7 +7,7 @@ use iced_x86::code_asm::{dx, ptr, qword_ptr, rax, rcx, rdi, rsi, CodeAssembler};
 use kpin_abi::io_ring::{format, Kind, LogLevel, Producer, RingHeader, HEADER_BYTES};
 use kpin_abi::ports::{DOORBELL_PORT, ENGINE_FAILURE_PORT};
 use kpin_abi::stolen::IO_RING_OFFSET;
-use kpin_tests::{kvm_available, run_guest, scratch_dir, tiny_elf, TINY_LOAD_ADDR};
+use kpin_tests::{require_kvm, run_guest, scratch_dir, tiny_elf, TINY_LOAD_ADDR};
 use vmm::layout::BOOT_PDPT_START;
 use vmm::memory::stolen_base;
 use vmm::{Outcome, VmConfig};
@@ -90,9 +90,7 @@ fn run(name: &str, code: &[u8]) -> (vmm::RunReport, host_daemon::DaemonStats, st
 
 #[test]
 fn test_doorbell_drains_tool_files_into_output_dir() {
-    if !kvm_available("test_doorbell_drains_tool_files_into_output_dir") {
-        return;
-    }
+    require_kvm!();
     let data = ring_bytes(&[
         (Kind::Open, 1, b"tool/out.csv"),
         (Kind::Write, 1, b"block,count\n0x1000,42\n"),
@@ -119,9 +117,7 @@ fn test_doorbell_drains_tool_files_into_output_dir() {
 
 #[test]
 fn test_engine_failure_port_is_a_crash_with_last_log_lines() {
-    if !kvm_available("test_engine_failure_port_is_a_crash_with_last_log_lines") {
-        return;
-    }
+    require_kvm!();
     let data = ring_bytes(&[(
         Kind::Log,
         LogLevel::Error as u16,

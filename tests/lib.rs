@@ -1,10 +1,12 @@
 //! Helpers shared by kpin's integration tests.
 //!
-//! Tests that need `/dev/kvm` call [`kvm_available`] first; when it is absent they print a
-//! visible `SKIPPED: no /dev/kvm` line and return, so a run without KVM says what it did
-//! not test instead of passing silently.
+//! Tests that need `/dev/kvm` start with [`require_kvm!`]: when it is absent they print a
+//! visible `SKIPPED: no /dev/kvm (<test>)` line and return, so a run without KVM says what
+//! it did not test instead of passing silently.
 
 use std::path::{Path, PathBuf};
+
+pub mod guest_asm;
 
 use host_daemon::{Daemon, DaemonStats};
 use vmm::{RunReport, Vm, VmConfig};
@@ -23,6 +25,29 @@ pub fn kvm_available(test: &str) -> bool {
             false
         }
     }
+}
+
+/// Returns from the enclosing test when `/dev/kvm` cannot be opened, after printing
+/// `SKIPPED: no /dev/kvm (<test>)` with the enclosing function's name.
+#[macro_export]
+macro_rules! require_kvm {
+    () => {
+        if !$crate::kvm_available($crate::enclosing_fn_name({
+            fn f() {}
+            ::std::any::type_name_of_val(&f)
+        })) {
+            return;
+        }
+    };
+}
+
+/// The enclosing function's name from the type name of a function item declared in it
+/// (`crate::module::test_name::f`): `test_name`. For [`require_kvm!`].
+pub fn enclosing_fn_name(inner_fn_type_name: &'static str) -> &'static str {
+    let path = inner_fn_type_name
+        .strip_suffix("::f")
+        .unwrap_or(inner_fn_type_name);
+    path.rsplit("::").next().unwrap_or(path)
 }
 
 /// Boots `cfg` and runs it to the end, serving its I/O ring into `out`.
@@ -122,7 +147,7 @@ pub fn expected_for_cpu(template: &str, max_basic_leaf: u32, vendor: [u32; 3]) -
         + MINIKERNEL_START.len()
         + 1;
     let done = text.find(MINIKERNEL_DONE).expect("DONE line");
-    let sum = fnv1a64(text[start..done].as_bytes());
+    let sum = fnv1a64(&text.as_bytes()[start..done]);
     text.replace("{checksum}", &format!("{sum:016x}"))
 }
 
@@ -321,6 +346,16 @@ mod tests {
             "boot noise\n{MINIKERNEL_START}\n{body}{MINIKERNEL_DONE}{:x}\n",
             fnv1a64(body.as_bytes())
         )
+    }
+
+    #[test]
+    fn test_require_kvm_names_the_enclosing_test() {
+        let name = enclosing_fn_name({
+            fn f() {}
+            std::any::type_name_of_val(&f)
+        });
+        assert_eq!(name, "test_require_kvm_names_the_enclosing_test");
+        assert_eq!(enclosing_fn_name("f"), "f");
     }
 
     #[test]

@@ -13,10 +13,11 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kpin_images::LinuxImages;
-use kpin_tests::{engine_config, kvm_available, run_guest, scratch_dir};
+use kpin_tests::{engine_config, require_kvm, run_guest, scratch_dir};
 use kpin_tool_bbcount::parse_csv;
+use kpin_tool_bbcount::report::{BbcountSummary, HotBlock};
+use vmm::diag::kernel_symbols::KernelSymbols;
 use vmm::guests::LINUX_CMDLINE;
-use vmm::report::{BbcountSummary, HotBlock, KernelSymbols};
 use vmm::{Outcome, RunReport, VmConfig};
 
 /// The whole boot and workload take ~30 s here; the budget leaves room for a slower or
@@ -100,9 +101,7 @@ fn assert_clean_boot(report: &RunReport, log: &str, engine_tail: &str) {
 
 #[test]
 fn test_linux_boots_to_userspace_and_runs_the_workload_under_the_null_tool() {
-    if !kvm_available("test_linux_boots_to_userspace_and_runs_the_workload_under_the_null_tool") {
-        return;
-    }
+    require_kvm!();
     let (report, log, engine_tail, _, _) = boot_instrumented("linux-instrumented", "null");
     assert_clean_boot(&report, &log, &engine_tail);
     println!(
@@ -113,10 +112,7 @@ fn test_linux_boots_to_userspace_and_runs_the_workload_under_the_null_tool() {
 
 #[test]
 fn test_linux_under_bbcount_splits_user_and_kernel_and_names_hot_kernel_blocks() {
-    if !kvm_available("test_linux_under_bbcount_splits_user_and_kernel_and_names_hot_kernel_blocks")
-    {
-        return;
-    }
+    require_kvm!();
     let (report, log, engine_tail, dir, linux) =
         boot_instrumented("linux-instrumented-bbcount", "bbcount");
     assert_clean_boot(&report, &log, &engine_tail);

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use kpin_tests::{kvm_available, run_guest, scratch_dir};
+use kpin_tests::{require_kvm, run_guest, scratch_dir};
 use vmm::guests::LINUX_CMDLINE;
 use vmm::VmConfig;
 
@@ -16,9 +16,7 @@ const BOOT_BUDGET: Duration = Duration::from_secs(45);
 
 #[test]
 fn test_linux_native_boot_prints_version_banner() {
-    if !kvm_available("test_linux_native_boot_prints_version_banner") {
-        return;
-    }
+    require_kvm!();
     let images = kpin_images::default_out_dir();
     let linux = kpin_images::ensure_linux(&images, &mut |l| eprintln!("images: {l}"))
         .expect("fetch and build the Linux images");

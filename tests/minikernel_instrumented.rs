@@ -11,8 +11,7 @@ use std::time::Duration;
 
 use iced_x86::{Decoder, DecoderOptions, FlowControl};
 use kpin_tests::{
-    compare_minikernel_transcript, kvm_available, minikernel_elf, minikernel_expected,
-    run_minikernel,
+    compare_minikernel_transcript, minikernel_elf, minikernel_expected, require_kvm, run_minikernel,
 };
 use kpin_tool_bbcount::{parse_csv, Row};
 use vmm::symbols::Symbols;
@@ -37,9 +36,7 @@ fn counter(c: &serde_json::Value, path: &str) -> u64 {
 
 #[test]
 fn test_minikernel_under_null_tool_prints_every_step_of_expected_txt() {
-    if !kvm_available("test_minikernel_under_null_tool_prints_every_step_of_expected_txt") {
-        return;
-    }
+    require_kvm!();
     let (report, console, log, dir) = run_instrumented("minikernel-null", "null");
     assert_eq!(
         report.outcome,
@@ -89,10 +86,7 @@ fn code_at(elf: &[u8], va: u64, len: usize) -> Option<&[u8]> {
 
 #[test]
 fn test_minikernel_bbcount_sums_to_engine_count_and_counts_known_loop_exactly() {
-    if !kvm_available("test_minikernel_bbcount_sums_to_engine_count_and_counts_known_loop_exactly")
-    {
-        return;
-    }
+    require_kvm!();
     let (report, console, log, dir) = run_instrumented("minikernel-bbcount", "bbcount");
     assert_eq!(
         report.outcome,

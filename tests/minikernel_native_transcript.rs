@@ -4,17 +4,13 @@
 
 use std::time::Duration;
 
-use kpin_tests::{
-    compare_minikernel_transcript, kvm_available, minikernel_expected, run_minikernel,
-};
+use kpin_tests::{compare_minikernel_transcript, minikernel_expected, require_kvm, run_minikernel};
 use vmm::guests::MINIKERNEL_NATIVE_CMDLINE;
 use vmm::Outcome;
 
 #[test]
 fn test_minikernel_native_transcript_matches_expected() {
-    if !kvm_available("test_minikernel_native_transcript_matches_expected") {
-        return;
-    }
+    require_kvm!();
     let (report, log, _, _) = run_minikernel(
         "minikernel-native",
         MINIKERNEL_NATIVE_CMDLINE,

@@ -1,8 +1,8 @@
 //! The VMM on hand-assembled guests: a clean poweroff through the i8042, console output,
-//! a triple fault and an unhandled port each end the run with the right outcome, and
-//! every crash carries a guest-state dump.
+//! a triple fault and a spinning guest each end the run with the right outcome, every
+//! crash carries a guest-state dump, and a port nothing serves reads all ones as on a PC.
 
-use kpin_tests::{kvm_available, run_guest, scratch_dir, tiny_elf};
+use kpin_tests::{require_kvm, run_guest, scratch_dir, tiny_elf};
 use vmm::{Outcome, VmConfig};
 
 /// `mov dx,0x3f8; mov al,'O'; out dx,al; mov al,'K'; out dx,al; mov al,10; out dx,al`
@@ -35,9 +35,7 @@ fn run(name: &str, code: &[u8]) -> (vmm::RunReport, String) {
 
 #[test]
 fn test_print_and_i8042_reset_is_clean_poweroff() {
-    if !kvm_available("test_print_and_i8042_reset_is_clean_poweroff") {
-        return;
-    }
+    require_kvm!();
     let (report, console) = run("poweroff", &[PRINT_OK, RESET].concat());
     assert_eq!(report.outcome, Outcome::Poweroff);
     assert!(report.dump.is_none());
@@ -46,9 +44,7 @@ fn test_print_and_i8042_reset_is_clean_poweroff() {
 
 #[test]
 fn test_ud2_without_idt_is_triple_fault_with_dump() {
-    if !kvm_available("test_ud2_without_idt_is_triple_fault_with_dump") {
-        return;
-    }
+    require_kvm!();
     let (report, _) = run("triple", &[0x0f, 0x0b]);
     assert_eq!(report.outcome, Outcome::TripleFault);
     let dump = report.dump.expect("a crash carries a dump");
@@ -57,30 +53,25 @@ fn test_ud2_without_idt_is_triple_fault_with_dump() {
 }
 
 #[test]
-fn test_unhandled_port_stops_with_port_and_decoded_rip() {
-    if !kvm_available("test_unhandled_port_stops_with_port_and_decoded_rip") {
-        return;
-    }
-    // mov al,1; out 0x99,al
-    let (report, _) = run("port", &[0xb0, 0x01, 0xe6, 0x99, 0xf4]);
-    assert_eq!(
-        report.outcome,
-        Outcome::UnhandledPort {
-            port: 0x99,
-            write: true,
-            size: 1
-        }
-    );
-    let dump = report.dump.expect("a crash carries a dump");
-    // KVM reports the exit with RIP after the `out`: the dump decodes the bytes there.
-    assert!(dump.contains("hlt"), "{dump}");
+fn test_unpopulated_port_reads_all_ones_and_is_counted_per_port() {
+    require_kvm!();
+    // in al,0x99; out 0x99,al; cmp al,0xff; mov al,'N'; jne +2; mov al,'Y';
+    // mov dx,0x3f8; out dx,al; mov al,10; out dx,al; then the i8042 reset.
+    let mut code = vec![
+        0xe4, 0x99, 0xe6, 0x99, 0x3c, 0xff, 0xb0, b'N', 0x75, 0x02, 0xb0, b'Y', 0x66, 0xba, 0xf8,
+        0x03, 0xee, 0xb0, 0x0a, 0xee,
+    ];
+    code.extend_from_slice(RESET);
+    let (report, console) = run("port", &code);
+    assert_eq!(report.outcome, Outcome::Poweroff, "{:?}", report.dump);
+    assert_eq!(console, "Y\n", "the read returned all ones");
+    assert_eq!(report.exits.unpopulated_ports.get(&0x99), Some(&2));
+    assert_eq!(report.exits.unpopulated_ports.len(), 1);
 }
 
 #[test]
 fn test_spinning_guest_times_out() {
-    if !kvm_available("test_spinning_guest_times_out") {
-        return;
-    }
+    require_kvm!();
     let dir = scratch_dir("timeout");
     let kernel = dir.join("guest.elf");
     // jmp $

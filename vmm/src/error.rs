@@ -5,7 +5,7 @@ use std::path::PathBuf;
 /// Everything that can stop the VMM from building or running a VM.
 ///
 /// Guest misbehaviour (a triple fault, an unhandled port) is not an error: it is a
-/// [`crate::RunOutcome`]. These errors are about the host side and the inputs.
+/// [`crate::Outcome`]. These errors are about the host side and the inputs.
 #[derive(Debug, thiserror::Error)]
 pub enum VmmError {
     /// `/dev/kvm` could not be opened.
@@ -72,7 +72,7 @@ pub enum VmmError {
     Daemon(#[source] host_daemon::DaemonError),
     /// The engine image is not loadable.
     #[error("cannot load the engine image {}", .0.display())]
-    EngineImage(PathBuf, #[source] crate::engine_loader::EngineLoadError),
+    EngineImage(PathBuf, #[source] crate::engine::loader::EngineLoadError),
     /// Guest RAM spans more guest-physical space than the engine's boot tables map.
     #[error(
         "instrumented runs map at most {mapped} GiB-slots of guest-physical memory at boot; \

@@ -1,14 +1,16 @@
 //! `kpin`: run a guest under kpin's VMM, natively or under the guest engine (`--tool`).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand, ValueEnum};
+use kpin_tool_bbcount::report::{self, BbcountSummary, BlockNames, DEFAULT_TOP};
 use serde::Serialize;
-use vmm::guests::{LINUX_CMDLINE, MINIKERNEL_NATIVE_CMDLINE};
-use vmm::report::{BbcountSummary, KernelSymbols, DEFAULT_TOP};
+use vmm::diag::kernel_symbols::KernelSymbols;
+use vmm::guests::{LINUX_CMDLINE, MINIKERNEL_NATIVE_CMDLINE, USER_KERNEL_CMDLINE};
 use vmm::{Outcome, Vm, VmConfig};
 
 /// Exit status of a clean guest poweroff.
@@ -79,7 +81,8 @@ struct RunArgs {
     /// bbcount report (without it, an ELF kernel's own symbols name them in the report).
     #[arg(long, requires = "kernel")]
     system_map: Option<PathBuf>,
-    /// Replace the guest's default kernel command line.
+    /// Replace the guest's default kernel command line (with --kernel the default is
+    /// "console=ttyS0", so the kernel's messages reach the console).
     #[arg(long)]
     cmdline: Option<String>,
     /// Append to the kernel command line (e.g. "kpin.workload=smoke").
@@ -138,6 +141,12 @@ struct Summary<'a> {
     exits_io_in: u64,
     exits_io_out: u64,
     exits_io_absent: u64,
+    /// Accesses to ports no device serves (read all ones, writes dropped), by port
+    /// (`"0x2e"`: count).
+    unpopulated_ports: BTreeMap<String, u64>,
+    /// MMIO accesses below 4 GiB to unbacked addresses, in all and by page.
+    unbacked_mmio_total: u64,
+    unbacked_mmio_pages: BTreeMap<String, u64>,
     exits_interrupted: u64,
     ring_doorbells: u64,
     ring_records: u64,
@@ -149,6 +158,11 @@ struct Summary<'a> {
     /// The user/kernel split and hottest blocks (`--tool bbcount` runs that wrote
     /// `bbcount.csv`).
     bbcount: Option<BbcountSummary>,
+}
+
+/// A per-address count map with the addresses in hex, for `run.json`.
+fn hex_keys<K: std::fmt::LowerHex>(m: &BTreeMap<K, u64>) -> BTreeMap<String, u64> {
+    m.iter().map(|(k, v)| (format!("{k:#x}"), *v)).collect()
 }
 
 fn main() -> ExitCode {
@@ -202,7 +216,7 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
             k.clone(),
             args.initrd.clone(),
             args.system_map.clone(),
-            String::new(),
+            USER_KERNEL_CMDLINE.to_string(),
         ),
         (None, Some(Guest::Minikernel)) => (
             kpin_images::ensure_minikernel(&image_dir, &mut progress)?,
@@ -310,6 +324,9 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         exits_io_in: report.exits.io_in,
         exits_io_out: report.exits.io_out,
         exits_io_absent: report.exits.io_absent,
+        unpopulated_ports: hex_keys(&report.exits.unpopulated_ports),
+        unbacked_mmio_total: report.exits.unbacked_mmio_total,
+        unbacked_mmio_pages: hex_keys(&report.exits.unbacked_mmio),
         exits_interrupted: report.exits.interrupted,
         ring_doorbells: report.exits.doorbells,
         ring_records: ring.records,
@@ -392,8 +409,10 @@ fn bbcount_report(
     if !out.join(kpin_tool_bbcount::CSV_NAME).exists() {
         return None;
     }
-    let made = KernelSymbols::load(kernel, system_map)
-        .and_then(|symbols| vmm::report::write_report(out, symbols.as_ref(), top));
+    let made = KernelSymbols::load(kernel, system_map).and_then(|symbols| {
+        let names = symbols.as_ref().map(|s| s as &dyn BlockNames);
+        report::write_report(out, names, top)
+    });
     match made {
         Ok(Some((summary, path))) => {
             progress(&format!("{}:\n{}", path.display(), summary.render()));

@@ -188,17 +188,17 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                 }
             }
             Stop::Sensitive(insn) if vcpu.final_write.is_some() => {
-                let Some((port, value)) = vcpu.final_write.take() else {
+                let Some((port, size, value)) = vcpu.final_write.take() else {
                     continue;
                 };
                 report(&engine, &vcpu, &shadow, &mut tool, cycles);
                 log!(
                     Info,
-                    "engine: guest RIP {:#x} writes {value:#x} to port {port:#x} (i8042 reset): passing it on",
+                    "engine: guest RIP {:#x} writes {value:#x} to port {port:#x} (poweroff or reset): passing it on",
                     insn.pc.0
                 );
                 log::flush();
-                gate::out8(port, value);
+                gate::out(port, size, value);
                 // The VMM normally ends the run here; if not, the guest continues.
                 engine.set_rip(GuestVirt(insn.pc.0 + u64::from(insn.len)));
             }

@@ -51,12 +51,6 @@ use crate::segments::{Segments, Sreg, GP};
 use crate::shadow::{paging_control, Shadow, CR4_PGE, CR4_SMEP};
 use crate::{gate, irq, log, transitions};
 
-/// Ports whose writes can end the VM (the i8042 command port: 0xfe = reset): the engine
-/// writes its final report before passing such a write on.
-pub const I8042_CMD: u16 = 0x64;
-/// The i8042 command that resets (for the VMM: powers off) the machine.
-pub const I8042_RESET: u8 = 0xfe;
-
 const CR0_PE: u64 = 1 << 0;
 const CR0_EM: u64 = 1 << 2;
 const CR0_TS: u64 = 1 << 3;
@@ -156,9 +150,11 @@ pub struct Vcpu<'a> {
     /// RIP after the last emulated `sti`, while no other instruction was emulated since
     /// (the interrupt shadow, see [`Vcpu::deliver_pending`]).
     sti_next: Option<u64>,
-    /// A port write that may end the VM (see [`I8042_CMD`]), left to the caller: the
-    /// emulation stops so that the engine can write its report first, then performs it.
-    pub final_write: Option<(u16, u8)>,
+    /// A port write that ends the VM (`kpin_abi::ports::ends_the_run`: an ACPI poweroff,
+    /// the ACPI reset register, the i8042 reset) as (port, size, value), left to the
+    /// caller: the emulation stops so that the engine can write its report first, then
+    /// performs it.
+    pub final_write: Option<(u16, u8, u32)>,
     /// Where the guest continues after an emulation that stopped only so that the run
     /// loop could do the shadow's `EngineWork` (a CR3 write drops mappings, a write into
     /// a code frame drops its traces) before guest code runs again.
@@ -704,7 +700,6 @@ impl Vcpu<'_> {
     ) -> Step {
         let cpl = self.cpl();
         let dx = regs.get(Gpr::Rdx) as u16;
-        let al = regs.get(Gpr::Rax) as u8;
         let go = Ok(Emulation::Continue(next));
         // Instructions that need CPL 0 (IOPL-sensitive ones are checked below).
         let privileged = matches!(
@@ -823,8 +818,8 @@ impl Vcpu<'_> {
                 let rax = regs.get(Gpr::Rax);
                 if i.mnemonic() == Mnemonic::Out {
                     self.stats.outs += 1;
-                    if size == 1 && port == I8042_CMD && al == I8042_RESET {
-                        self.final_write = Some((port, al));
+                    if kpin_abi::ports::ends_the_run(port, size, rax as u32) {
+                        self.final_write = Some((port, size, rax as u32));
                         return Ok(Emulation::Stop);
                     }
                     gate::out(port, size, rax as u32);

@@ -4,10 +4,16 @@
 //! virtual CPL the block was translated for (0 kernel, 3 user). A block translated again
 //! (in another trace, after a cache flush or a code change) keeps its row and counter; a
 //! block of the same address at another CPL or of another length has its own row.
-#![no_std]
+//!
+//! With the `host` feature (the VMM's; never the engine image's) the crate also has the
+//! host-side [`report`] of a run: the user/kernel split and the hottest blocks, named.
+#![cfg_attr(not(feature = "host"), no_std)]
 #![deny(missing_docs)]
 
 extern crate alloc;
+
+#[cfg(feature = "host")]
+pub mod report;
 
 use alloc::collections::BTreeMap;
 use alloc::vec::Vec;

@@ -1,8 +1,9 @@
 //! The port-I/O bus: maps port ranges to devices.
 //!
-//! Invariants: registered ranges never overlap; a port that is neither a device's nor in
-//! the documented [`ABSENT_PORTS`] list is *unhandled*, which the run loop treats as a
-//! guest error (it dumps state) rather than silently answering.
+//! Invariants: registered ranges never overlap; a port that is not a device's behaves as
+//! on a PC with nothing there: reads return all ones, writes are dropped. The documented
+//! [`ABSENT_PORTS`] are the legacy devices a PC guest is known to probe; any other port is
+//! *unpopulated*, which the run loop counts per port for the run summary.
 
 /// What a device asks the VMM to do after an access.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -92,12 +93,7 @@ pub const ABSENT_PORTS: &[AbsentRange] = &[
     AbsentRange {
         base: 0xcf8,
         len: 8,
-        what: "PCI configuration mechanism 1",
-    },
-    AbsentRange {
-        base: 0xcf9,
-        len: 1,
-        what: "PCI reset control",
+        what: "PCI configuration mechanism 1 (0xcf9, the reset control, is `acpi_pm`'s)",
     },
 ];
 
@@ -108,8 +104,8 @@ pub enum Routed {
     Device(DeviceAction),
     /// It hit an absent legacy device.
     Absent,
-    /// Nothing is there.
-    Unhandled,
+    /// Nothing is there, and no device is known to be expected there.
+    Unpopulated,
 }
 
 /// The port bus.
@@ -146,11 +142,13 @@ impl PortBus {
         if let Some((off, dev)) = self.find(port) {
             dev.read(off, data);
             Routed::Device(DeviceAction::None)
-        } else if is_absent(port) {
-            data.fill(0xff);
-            Routed::Absent
         } else {
-            Routed::Unhandled
+            data.fill(0xff);
+            if is_absent(port) {
+                Routed::Absent
+            } else {
+                Routed::Unpopulated
+            }
         }
     }
 
@@ -161,7 +159,7 @@ impl PortBus {
         } else if is_absent(port) {
             Routed::Absent
         } else {
-            Routed::Unhandled
+            Routed::Unpopulated
         }
     }
 }
@@ -196,8 +194,10 @@ mod tests {
         assert_eq!(b[0], 0x12);
         assert_eq!(bus.read(0x70, &mut b), Routed::Absent);
         assert_eq!(b[0], 0xff);
-        assert_eq!(bus.write(0x1234, &[1]), Routed::Unhandled);
-        assert_eq!(bus.read(0x400, &mut b), Routed::Unhandled);
+        assert_eq!(bus.write(0x1234, &[1]), Routed::Unpopulated);
+        b[0] = 0;
+        assert_eq!(bus.read(0x400, &mut b), Routed::Unpopulated);
+        assert_eq!(b[0], 0xff, "an unpopulated port reads all ones");
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Just enough of the i8042 keyboard controller for a guest to find it and to reset the
 //! machine through it (command 0xfe on port 0x64), which kpin treats as poweroff.
 //!
-//! Linux booted with `reboot=k` reboots (and `reboot -f`/`poweroff -f` end) this way.
+//! Linux booted with `reboot=k` reboots this way (without it, through the ACPI reset register).
 
 use super::bus::{DeviceAction, PortDevice};
 
@@ -16,6 +16,9 @@ const CMD_WRITE_CTR: u8 = 0x60;
 const CMD_RESET_CPU: u8 = 0xfe;
 /// Status bit: output buffer full (a byte waits on port 0x60).
 const STATUS_OBF: u8 = 1 << 0;
+/// Status bit: the keyboard is not inhibited by the key lock (Linux warns "Keylock
+/// active" when it reads clear).
+const STATUS_UNLOCKED: u8 = 1 << 4;
 
 /// The controller.
 #[derive(Default)]
@@ -31,9 +34,9 @@ impl PortDevice for I8042 {
             OFFSET_DATA => self.pending_out.take().unwrap_or(0),
             OFFSET_COMMAND => {
                 if self.pending_out.is_some() {
-                    STATUS_OBF
+                    STATUS_UNLOCKED | STATUS_OBF
                 } else {
-                    0
+                    STATUS_UNLOCKED
                 }
             }
             _ => 0xff,

@@ -8,11 +8,11 @@ use kvm_bindings::kvm_userspace_memory_region;
 use kvm_ioctls::VmFd;
 use vm_memory::{Address, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
-use crate::error::{Result, VmmError};
-use crate::layout::{
+use crate::boot::layout::{
     EBDA_START, HIMEM_START, MAX_MEM_MIB, MIN_MEM_MIB, MMIO_GAP_END, MMIO_GAP_START,
     STOLEN_ALIGN_BYTES, STOLEN_SIZE_BYTES,
 };
+use crate::error::{Result, VmmError};
 
 /// e820 type of usable RAM.
 pub const E820_RAM: u32 = 1;

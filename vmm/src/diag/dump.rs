@@ -11,9 +11,9 @@ use iced_x86::{Decoder, DecoderOptions, Formatter, IntelFormatter};
 use kvm_bindings::{kvm_msr_entry, kvm_segment, Msrs};
 use kvm_ioctls::VcpuFd;
 
-use crate::memory::GuestMemory;
-use crate::paging;
-use crate::symbols::Symbols;
+use crate::diag::paging;
+use crate::diag::symbols::Symbols;
+use crate::vstate::memory::GuestMemory;
 
 /// MSRs worth seeing when a guest dies, with their names.
 const DUMP_MSRS: &[(u32, &str)] = &[

@@ -20,11 +20,11 @@ use kvm_bindings::{kvm_regs, kvm_sregs, CpuId};
 use kvm_ioctls::VcpuFd;
 use vm_memory::{Address, Bytes, GuestAddress};
 
-use crate::attach::{self, AttachInputs};
-use crate::engine_loader;
+use crate::boot::layout::{ENGINE_BOOT_STACK_TOP, STOLEN_SIZE_BYTES};
+use crate::engine::attach::{self, AttachInputs};
+use crate::engine::loader;
 use crate::error::{Result, VmmError};
-use crate::layout::{ENGINE_BOOT_STACK_TOP, STOLEN_SIZE_BYTES};
-use crate::memory::{e820_map, ram_ranges, stolen_base, GuestMemory};
+use crate::vstate::memory::{e820_map, ram_ranges, stolen_base, GuestMemory};
 use crate::x86::{
     set_flat_long_mode_segments, CR0_ET, CR0_MP, CR0_NE, CR0_PE, CR0_PG, CR0_WP, CR4_PAE, EFER_LMA,
     EFER_LME, PTE_PAGE_SIZE, PTE_PRESENT, PTE_USER, PTE_WRITABLE, RFLAGS_RESERVED, TWO_MIB,
@@ -128,7 +128,7 @@ pub fn enter(
     cfg: &EngineConfig,
 ) -> Result<EngineEntry> {
     let elf = std::fs::read(&cfg.image).map_err(|e| VmmError::ReadFile(cfg.image.clone(), e))?;
-    let plan = engine_loader::plan(&elf, STOLEN_SIZE_BYTES)
+    let plan = loader::plan(&elf, STOLEN_SIZE_BYTES)
         .map_err(|e| VmmError::EngineImage(cfg.image.clone(), e))?;
     let base = stolen_base(mem.ram_bytes);
     let write = |off: u64, bytes: &[u8]| {
@@ -205,7 +205,7 @@ pub fn engine_sregs(mut s: kvm_sregs, cr3: u64) -> kvm_sregs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::paging::translate;
+    use crate::diag::paging::translate;
 
     fn walker(tables: &[u8], base: u64) -> impl FnMut(u64) -> Option<u64> + '_ {
         let start = base + BOOT_PT_OFFSET;

@@ -32,6 +32,7 @@ use crate::x86::{
 
 /// Offsets inside the zero page (`struct boot_params`), from `arch/x86/include/uapi/asm/bootparam.h`.
 mod zp {
+    pub const ACPI_RSDP_ADDR: usize = 0x070;
     pub const E820_ENTRIES: usize = 0x1e8;
     pub const SETUP_HEADER: usize = 0x1f1;
     pub const BOOT_FLAG: usize = 0x1fe;
@@ -200,6 +201,11 @@ pub fn load(
         put_u64(&mut zero_page, off + 8, e.size);
         put_u32(&mut zero_page, off + 16, e.kind);
     }
+    let acpi = super::acpi::build();
+    for (addr, blob) in &acpi.blobs {
+        write(mem, *addr, blob)?;
+    }
+    put_u64(&mut zero_page, zp::ACPI_RSDP_ADDR, acpi.rsdp_addr);
     write(mem, ZERO_PAGE_START, &zero_page)?;
     write_page_tables(mem)?;
     let gdt: Vec<u8> = BOOT_GDT.iter().flat_map(|d| d.to_le_bytes()).collect();

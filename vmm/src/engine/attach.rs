@@ -19,7 +19,7 @@ use kvm_bindings::{
 use kvm_ioctls::VcpuFd;
 
 use crate::error::{Result, VmmError};
-use crate::memory::{E820Entry, GuestMemory};
+use crate::vstate::memory::{E820Entry, GuestMemory};
 
 /// MSRs handed to the engine, most widely supported first (KVM stops reading at the
 /// first one it does not know).
@@ -38,7 +38,17 @@ pub const ATTACH_MSRS: &[u32] = &[
     0x0000_0010, // TSC
     0xc000_0103, // TSC_AUX
 ];
-const _: () = assert!(ATTACH_MSRS.len() <= MAX_MSRS);
+
+/// MSRs that are part of the guest's CPU model rather than its state: the virtual CPU
+/// answers `rdmsr` of them with the value KVM gives this vCPU (read here, host-initiated),
+/// so a guest under the engine reads what a native KVM guest on this host reads. Each is
+/// read on its own: KVM may know one and not another, and one it does not know is simply
+/// absent from the block (the engine then gives #GP(0), and the VMM's CPUID table does not
+/// advertise it: see `cpuid::hide_unreadable_msrs`).
+pub const MODEL_MSRS: &[u32] = &[
+    0x0000_010a, // IA32_ARCH_CAPABILITIES (CPUID 7.EDX[29])
+];
+const _: () = assert!(ATTACH_MSRS.len() + MODEL_MSRS.len() <= MAX_MSRS);
 
 /// The vCPU state KVM reports, as read by [`read_vcpu`].
 pub struct VcpuState {
@@ -92,13 +102,28 @@ pub fn read_vcpu(vcpu: &VcpuFd) -> Result<VcpuState> {
     let n = vcpu
         .get_msrs(&mut msrs)
         .map_err(|e| VmmError::Kvm("KVM_GET_MSRS", e))?;
-    let msrs = msrs.as_slice()[..n.min(wanted.len())].to_vec();
+    let mut msrs = msrs.as_slice()[..n.min(wanted.len())].to_vec();
+    msrs.extend(MODEL_MSRS.iter().filter_map(|&index| read_msr(vcpu, index)));
     Ok(VcpuState {
         regs,
         sregs,
         events,
         msrs,
     })
+}
+
+/// KVM's value of MSR `index` for this vCPU (a host-initiated read), or `None` if KVM
+/// does not have it.
+pub fn read_msr(vcpu: &VcpuFd, index: u32) -> Option<kvm_msr_entry> {
+    let mut m = Msrs::from_entries(&[kvm_msr_entry {
+        index,
+        ..Default::default()
+    }])
+    .expect("one entry is below KVM's MSR limit");
+    match vcpu.get_msrs(&mut m) {
+        Ok(1) => Some(m.as_slice()[0]),
+        _ => None,
+    }
 }
 
 /// Builds the attach block from the vCPU state and the inputs.

@@ -1,120 +1,31 @@
-//! The host-side report of a `--tool bbcount` run: from the tool's `bbcount.csv`, the
-//! guest instructions executed per virtual CPL (the user/kernel split) and the hottest
-//! blocks by instructions executed (count × block length), each named `symbol+0xoff`
-//! from the kernel's symbols. Written as [`REPORT_NAME`] beside the CSV; its
-//! [`BbcountSummary`] also goes into `run.json`.
+//! The host-side report of a `--tool bbcount` run (feature `host`): from the tool's
+//! `bbcount.csv`, the guest instructions executed per virtual CPL (the user/kernel split)
+//! and the hottest blocks by instructions executed (count × block length), each named
+//! `symbol+0xoff` by the caller's [`BlockNames`] (the VMM passes the kernel's symbols).
+//! Written as [`REPORT_NAME`] beside the CSV; its [`BbcountSummary`] also goes into
+//! `run.json`.
 
 use std::collections::HashMap;
 use std::fmt::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use kpin_tool_bbcount::{parse_csv, Row, CSV_NAME};
 use serde::Serialize;
 
-use crate::symbols::Symbols;
+use crate::{parse_csv, Row, CSV_NAME};
 
 /// The report's file name in the output directory.
 pub const REPORT_NAME: &str = "bbcount-report.txt";
 /// Hottest blocks listed unless told otherwise.
 pub const DEFAULT_TOP: usize = 20;
 
-/// A kernel's symbols and where they came from.
-pub struct KernelSymbols {
-    /// The table.
-    pub symbols: Symbols,
-    /// Where it came from, for the report (`System.map …`, `ELF symbol table of …`).
-    pub source: String,
-    /// The kernel ELF's segments linked at a virtual address other than their physical
-    /// one: code that runs before paging is on (Linux's `startup_64` at 0x1000000 for
-    /// 0xffffffff81000000) executes at the physical address.
-    aliases: Vec<PhysAlias>,
-}
-
-/// A `PT_LOAD` segment whose physical range `[pa, pa + len)` is also its virtual range
-/// at `va`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct PhysAlias {
-    pa: u64,
-    va: u64,
-    len: u64,
-}
-
-/// The `PT_LOAD` segments of a little-endian ELF64 `kernel` with `p_paddr != p_vaddr`
-/// (nothing for a bzImage or an unreadable file: names are a convenience). Reads only
-/// the headers: a vmlinux is tens of MiB.
-fn phys_aliases(kernel: &Path) -> Vec<PhysAlias> {
-    use std::os::unix::fs::FileExt;
-    const PT_LOAD: u32 = 1;
-    let Ok(f) = std::fs::File::open(kernel) else {
-        return Vec::new();
-    };
-    let read = |off: u64, len: usize| {
-        let mut b = vec![0; len];
-        f.read_exact_at(&mut b, off).ok().map(|()| b)
-    };
-    let le = |b: &[u8], o: usize, n: usize| {
-        b[o..o + n]
-            .iter()
-            .rev()
-            .fold(0u64, |v, &x| v << 8 | u64::from(x))
-    };
-    let Some(h) = read(0, 64).filter(|h| h.starts_with(b"\x7fELF\x02\x01")) else {
-        return Vec::new();
-    };
-    let (phoff, phentsize, phnum) = (le(&h, 0x20, 8), le(&h, 0x36, 2), le(&h, 0x38, 2));
-    // A real kernel has a handful of program headers; more is a corrupt file.
-    if phentsize < 56 || phentsize * phnum > 1 << 16 {
-        return Vec::new();
-    }
-    let Some(ph) = read(phoff, (phentsize * phnum) as usize) else {
-        return Vec::new();
-    };
-    ph.chunks_exact(phentsize as usize)
-        .filter(|p| le(p, 0, 4) == u64::from(PT_LOAD))
-        .map(|p| PhysAlias {
-            va: le(p, 0x10, 8),
-            pa: le(p, 0x18, 8),
-            len: le(p, 0x28, 8),
-        })
-        .filter(|a| a.va != a.pa)
-        .collect()
-}
-
-impl KernelSymbols {
-    /// The System.map if there is one, else the kernel's own ELF symbol table; `None` if
-    /// neither gives symbols (a bzImage, a stripped ELF).
-    pub fn load(kernel: &Path, system_map: Option<&Path>) -> anyhow::Result<Option<Self>> {
-        if let Some(map) = system_map {
-            let symbols =
-                Symbols::load(map).with_context(|| format!("cannot read {}", map.display()))?;
-            return Ok(Some(KernelSymbols {
-                symbols,
-                source: format!("System.map {}", map.display()),
-                aliases: phys_aliases(kernel),
-            }));
-        }
-        let elf =
-            std::fs::read(kernel).with_context(|| format!("cannot read {}", kernel.display()))?;
-        Ok(Symbols::from_elf(&elf).map(|symbols| KernelSymbols {
-            symbols,
-            source: format!("ELF symbol table of {}", kernel.display()),
-            aliases: phys_aliases(kernel),
-        }))
-    }
-
-    /// `symbol+0xoff` for `addr`; an address only a physical alias covers is named by
-    /// its link address with ` (physical)` after it.
-    pub fn describe(&self, addr: u64) -> Option<String> {
-        self.symbols.describe(addr).or_else(|| {
-            let a = self
-                .aliases
-                .iter()
-                .find(|a| addr.wrapping_sub(a.pa) < a.len)?;
-            let name = self.symbols.describe(a.va + (addr - a.pa))?;
-            Some(format!("{name} (physical)"))
-        })
-    }
+/// Names for block addresses: a symbol table, and where it came from.
+pub trait BlockNames {
+    /// Where the names come from, for the report (`System.map …`, `ELF symbol table of
+    /// …`).
+    fn source(&self) -> String;
+    /// `symbol+0xoff` for `addr`, if a symbol covers it.
+    fn name(&self, addr: u64) -> Option<String>;
 }
 
 /// One block of the hottest list.
@@ -155,7 +66,7 @@ impl BbcountSummary {
     /// Sums `rows` per CPL and picks the `top` hottest blocks. Rows of one block
     /// translated more than once (same address, CPL and length: in two traces, or again
     /// after a cache flush) are added together.
-    pub fn new(rows: &[Row], symbols: Option<&KernelSymbols>, top: usize) -> Self {
+    pub fn new(rows: &[Row], symbols: Option<&dyn BlockNames>, top: usize) -> Self {
         let executed = |r: &Row| r.count * u64::from(r.instructions);
         let at = |cpl| rows.iter().filter(|r| r.cpl == cpl).map(executed).sum();
         let mut merged: HashMap<(u64, u8, u32), u64> = HashMap::new();
@@ -180,7 +91,7 @@ impl BbcountSummary {
             .map(|((address, cpl, instructions), count)| HotBlock {
                 address: format!("{address:#x}"),
                 cpl,
-                symbol: symbols.and_then(|s| s.describe(address)),
+                symbol: symbols.and_then(|s| s.name(address)),
                 instructions,
                 count,
                 executed: count * u64::from(instructions),
@@ -191,7 +102,7 @@ impl BbcountSummary {
             cpl0: at(0),
             cpl3: at(3),
             blocks: rows.len(),
-            symbols: symbols.map(|s| s.source.clone()),
+            symbols: symbols.map(|s| s.source()),
             top,
         }
     }
@@ -257,7 +168,7 @@ impl BbcountSummary {
 /// engine stopped before the tool finished).
 pub fn write_report(
     out: &Path,
-    symbols: Option<&KernelSymbols>,
+    symbols: Option<&dyn BlockNames>,
     top: usize,
 ) -> anyhow::Result<Option<(BbcountSummary, PathBuf)>> {
     let csv_path = out.join(CSV_NAME);
@@ -287,18 +198,22 @@ mod tests {
         }
     }
 
-    fn kernel_symbols() -> KernelSymbols {
-        KernelSymbols {
-            symbols: Symbols::parse(
-                "ffffffff81000000 T do_syscall_64\n\
-                 ffffffff81000100 T entry_SYSCALL_64\n",
-            ),
-            source: "System.map test".into(),
-            aliases: vec![PhysAlias {
-                pa: 0x100_0000,
-                va: 0xffff_ffff_8100_0000,
-                len: 0x1000,
-            }],
+    /// Kernel symbols at 0xffffffff81000000 and 0xffffffff81000100, each naming the
+    /// addresses from it up to the next.
+    struct TestSymbols;
+
+    impl BlockNames for TestSymbols {
+        fn source(&self) -> String {
+            "System.map test".into()
+        }
+        fn name(&self, addr: u64) -> Option<String> {
+            [
+                (0xffff_ffff_8100_0100, "entry_SYSCALL_64"),
+                (0xffff_ffff_8100_0000, "do_syscall_64"),
+            ]
+            .into_iter()
+            .find(|&(start, _)| start <= addr)
+            .map(|(start, name)| format!("{name}+{:#x}", addr - start))
         }
     }
 
@@ -312,8 +227,7 @@ mod tests {
             row(0xffff_ffff_8100_0100, 0, 3, 10),   // a longer block at that address: 30
             row(0x40_2000, 3, 1, 0),                // never ran
         ];
-        let syms = kernel_symbols();
-        let s = BbcountSummary::new(&rows, Some(&syms), 3);
+        let s = BbcountSummary::new(&rows, Some(&TestSymbols), 3);
         assert_eq!((s.total, s.cpl0, s.cpl3, s.blocks), (7130, 5630, 1500, 6));
         assert_eq!(s.symbols.as_deref(), Some("System.map test"));
         let top: Vec<_> = s
@@ -388,55 +302,6 @@ mod tests {
     }
 
     #[test]
-    fn test_code_run_at_its_physical_address_is_named_by_its_link_address() {
-        let s = kernel_symbols();
-        assert_eq!(
-            s.describe(0x100_0045).as_deref(),
-            Some("do_syscall_64+0x45 (physical)")
-        );
-        assert_eq!(s.describe(0x100_1000), None, "past the segment");
-        assert_eq!(
-            s.describe(0xffff_ffff_8100_0045).as_deref(),
-            Some("do_syscall_64+0x45")
-        );
-    }
-
-    #[test]
-    fn test_phys_aliases_come_from_the_elf_program_headers() {
-        // ELF header, then two PT_LOADs: one linked high and loaded low, one identity.
-        let mut elf = vec![0u8; 64];
-        elf[..6].copy_from_slice(b"\x7fELF\x02\x01");
-        elf[0x20..0x28].copy_from_slice(&64u64.to_le_bytes());
-        elf[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
-        elf[0x38..0x3a].copy_from_slice(&2u16.to_le_bytes());
-        for (va, pa, len) in [
-            (0xffff_ffff_8100_0000u64, 0x100_0000u64, 0x2000u64),
-            (0x10_0000, 0x10_0000, 0x1000),
-        ] {
-            let mut ph = [0u8; 56];
-            ph[..4].copy_from_slice(&1u32.to_le_bytes());
-            ph[0x10..0x18].copy_from_slice(&va.to_le_bytes());
-            ph[0x18..0x20].copy_from_slice(&pa.to_le_bytes());
-            ph[0x28..0x30].copy_from_slice(&len.to_le_bytes());
-            elf.extend_from_slice(&ph);
-        }
-        let path = std::env::temp_dir().join(format!("kpin-report-phdrs-{}", std::process::id()));
-        std::fs::write(&path, &elf).unwrap();
-        assert_eq!(
-            phys_aliases(&path),
-            [PhysAlias {
-                pa: 0x100_0000,
-                va: 0xffff_ffff_8100_0000,
-                len: 0x2000
-            }]
-        );
-        std::fs::write(&path, &elf[..100]).unwrap();
-        assert!(phys_aliases(&path).is_empty(), "truncated headers");
-        std::fs::remove_file(&path).unwrap();
-        assert!(phys_aliases(Path::new("/nonexistent")).is_empty());
-    }
-
-    #[test]
     fn test_empty_csv_and_no_symbols() {
         let s = BbcountSummary::new(&[], None, DEFAULT_TOP);
         assert_eq!((s.total, s.cpl0, s.cpl3, s.blocks), (0, 0, 0, 0));
@@ -463,8 +328,7 @@ mod tests {
             "address,cpl,instructions,count\n0xffffffff81000040,0,3,7\n0x401000,3,2,5\n",
         )
         .unwrap();
-        let syms = kernel_symbols();
-        let (s, path) = write_report(&dir, Some(&syms), DEFAULT_TOP)
+        let (s, path) = write_report(&dir, Some(&TestSymbols), DEFAULT_TOP)
             .unwrap()
             .expect("a report");
         assert_eq!(path, dir.join(REPORT_NAME));

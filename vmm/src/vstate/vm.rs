@@ -1,0 +1,218 @@
+//! One VM with one vCPU, built from a [`VmConfig`]: the KVM VM with its in-kernel PIC,
+//! IOAPIC and PIT, guest memory (RAM and the stolen region) in its memory slots, the I/O
+//! ring formatted in the stolen region, the guest loaded and the vCPU at its entry (or at
+//! the engine's), and the devices on the port bus. [`Vm::run`] drives the vCPU loop of
+//! [`super::vcpu`] to an [`Outcome`](super::vcpu::Outcome); every outcome other than a
+//! clean poweroff carries a guest-state dump.
+
+use std::fs::File;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use host_daemon::Daemon;
+use kpin_abi::io_ring::{self, Consumer};
+use kpin_abi::ports::{ACPI_PM1A_EVT_PORT, ACPI_RESET_PORT};
+use kpin_abi::stolen::{IO_RING_BYTES, IO_RING_OFFSET};
+use kvm_bindings::{kvm_pit_config, CpuId, KVM_PIT_SPEAKER_DUMMY};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use vm_superio::Serial;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::boot::layout::IO_RING_BATCH_BYTES;
+use crate::boot::{self, lint, BootInfo};
+use crate::devices::acpi_pm::{AcpiPm, ResetRegister, PM_PORT_SPAN};
+use crate::devices::bus::PortBus;
+use crate::devices::engine_ports::{EnginePorts, ENGINE_PORTS_BASE, ENGINE_PORTS_SPAN};
+use crate::devices::i8042::{I8042, I8042_DATA_PORT, I8042_PORT_SPAN};
+use crate::devices::serial::{
+    Com1, ConsoleSink, ConsoleWatch, IrqTrigger, COM1_IRQ, COM1_PORT, COM1_PORT_SPAN,
+};
+use crate::diag::dump;
+use crate::diag::symbols::Symbols;
+use crate::engine::{self, EngineConfig, EngineEntry};
+use crate::error::{Result, VmmError};
+use crate::vstate::cpuid;
+use crate::vstate::memory::GuestMemory;
+use crate::vstate::vcpu::{self, ExitCounters, RunReport};
+use crate::vstate::watchdog::Watchdog;
+
+/// What to boot and how.
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    /// Kernel image: ELF64 or bzImage.
+    pub kernel: PathBuf,
+    /// Optional initrd.
+    pub initrd: Option<PathBuf>,
+    /// Kernel command line.
+    pub cmdline: String,
+    /// Guest RAM in MiB.
+    pub mem_mib: u64,
+    /// Stop the guest after this long.
+    pub timeout: Option<Duration>,
+    /// Copy the console to this file.
+    pub console_file: Option<PathBuf>,
+    /// Echo the console to stdout.
+    pub echo_console: bool,
+    /// Kernel `System.map`, to name addresses in the guest-state dump.
+    pub system_map: Option<PathBuf>,
+    /// Run the guest under the engine (`--tool`): the vCPU starts in the engine, which
+    /// finds the guest's boot state in the attach block.
+    pub engine: Option<EngineConfig>,
+}
+
+/// A VM ready to run.
+pub struct Vm {
+    // Field order matters: the vCPU and VM fds drop before the memory they map.
+    vcpu: VcpuFd,
+    _vm: VmFd,
+    ring: Consumer,
+    mem: GuestMemory,
+    bus: PortBus,
+    console: Rc<ConsoleWatch>,
+    timeout: Option<Duration>,
+    symbols: Option<Symbols>,
+    /// Where the kernel was loaded and entered.
+    pub boot: BootInfo,
+    /// The CPUID table the guest sees.
+    pub cpuid: CpuId,
+    /// Where the engine was entered, when instrumenting.
+    pub engine: Option<EngineEntry>,
+}
+
+impl Vm {
+    /// Creates the VM, loads the guest and prepares the vCPU at its entry point.
+    pub fn new(cfg: &VmConfig) -> Result<Self> {
+        let kvm = Kvm::new().map_err(VmmError::KvmOpen)?;
+        let vm = kvm
+            .create_vm()
+            .map_err(|e| VmmError::Kvm("KVM_CREATE_VM", e))?;
+        // Both must exist before the vCPU does.
+        vm.create_irq_chip()
+            .map_err(|e| VmmError::Kvm("KVM_CREATE_IRQCHIP", e))?;
+        let pit = kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
+        vm.create_pit2(pit)
+            .map_err(|e| VmmError::Kvm("KVM_CREATE_PIT2", e))?;
+        let mem = GuestMemory::new(&vm, cfg.mem_mib)?;
+        let boot = boot::load(&mem, &cfg.kernel, cfg.initrd.as_deref(), &cfg.cmdline)?;
+        let ring_base = mem.stolen_host_address(IO_RING_OFFSET)?;
+        let ring_bytes = usize::try_from(IO_RING_BYTES).expect("the ring size fits usize");
+        // SAFETY: the ring lies inside the stolen region's mapping (IO_RING_OFFSET +
+        // IO_RING_BYTES is within STOLEN_SIZE_BYTES), which `mem` keeps mapped for the VM's
+        // lifetime and which is page-aligned; nothing is attached to the ring yet.
+        unsafe { io_ring::format(ring_base, ring_bytes, IO_RING_BATCH_BYTES) }
+            .map_err(VmmError::Ring)?;
+        // SAFETY: as above; the VMM is the ring's only consumer, and `ring` is declared
+        // before `mem` in `Vm`, so it is dropped before the mapping is.
+        let ring = unsafe { Consumer::attach(ring_base, ring_bytes) }.map_err(VmmError::Ring)?;
+
+        let vcpu = vm
+            .create_vcpu(0)
+            .map_err(|e| VmmError::Kvm("KVM_CREATE_VCPU", e))?;
+        let mut cpuid = cpuid::guest_cpuid(&kvm)?;
+        vcpu.set_cpuid2(&cpuid)
+            .map_err(|e| VmmError::Kvm("KVM_SET_CPUID2", e))?;
+        if cpuid::hide_unreadable_msrs(&mut cpuid, &vcpu) {
+            vcpu.set_cpuid2(&cpuid)
+                .map_err(|e| VmmError::Kvm("KVM_SET_CPUID2", e))?;
+        }
+        let sregs = vcpu
+            .get_sregs()
+            .map_err(|e| VmmError::Kvm("KVM_GET_SREGS", e))?;
+        vcpu.set_sregs(&boot::initial_sregs(sregs))
+            .map_err(|e| VmmError::Kvm("KVM_SET_SREGS", e))?;
+        vcpu.set_regs(&boot::initial_regs(boot.entry))
+            .map_err(|e| VmmError::Kvm("KVM_SET_REGS", e))?;
+        vcpu.set_fpu(&boot::initial_fpu())
+            .map_err(|e| VmmError::Kvm("KVM_SET_FPU", e))?;
+        lint::set_lint_pins(&vcpu)?;
+        // The guest's state is now exactly its native boot state; the engine gets a copy.
+        let engine = match &cfg.engine {
+            Some(e) => Some(engine::enter::enter(&vcpu, &mem, &cpuid, e)?),
+            None => None,
+        };
+
+        let console = Rc::new(ConsoleWatch::default());
+        let file = match &cfg.console_file {
+            Some(p) => Some(File::create(p).map_err(|e| VmmError::ConsoleFile(p.clone(), e))?),
+            None => None,
+        };
+        let irq = EventFd::new(libc::EFD_NONBLOCK)
+            .map_err(|e| VmmError::Host("creating the COM1 eventfd", e))?;
+        vm.register_irqfd(&irq, COM1_IRQ)
+            .map_err(|e| VmmError::Kvm("KVM_IRQFD", e))?;
+        let sink = ConsoleSink::new(cfg.echo_console, file, console.clone());
+        let mut bus = PortBus::default();
+        bus.insert(
+            COM1_PORT,
+            COM1_PORT_SPAN,
+            Box::new(Com1(Serial::new(IrqTrigger(irq), sink))),
+        );
+        bus.insert(I8042_DATA_PORT, I8042_PORT_SPAN, Box::new(I8042::default()));
+        bus.insert(
+            ACPI_PM1A_EVT_PORT,
+            PM_PORT_SPAN,
+            Box::new(AcpiPm::default()),
+        );
+        bus.insert(ACPI_RESET_PORT, 1, Box::new(ResetRegister));
+        bus.insert(ENGINE_PORTS_BASE, ENGINE_PORTS_SPAN, Box::new(EnginePorts));
+
+        let symbols = match &cfg.system_map {
+            Some(p) => Some(Symbols::load(p).map_err(|e| VmmError::ReadFile(p.clone(), e))?),
+            None => None,
+        };
+        Ok(Vm {
+            vcpu,
+            _vm: vm,
+            ring,
+            mem,
+            bus,
+            console,
+            timeout: cfg.timeout,
+            symbols,
+            boot,
+            cpuid,
+            engine,
+        })
+    }
+
+    /// Runs the guest until it powers off, crashes, or the timeout expires. `daemon`
+    /// serves the host I/O ring on every doorbell and once more at the end.
+    pub fn run(mut self, daemon: &mut Daemon) -> Result<RunReport> {
+        let watchdog = Watchdog::arm(self.timeout)?;
+        let start = Instant::now();
+        let mut exits = ExitCounters::default();
+        let outcome = vcpu::run_loop(
+            &mut self.vcpu,
+            &mut self.bus,
+            &self.console,
+            &mut self.ring,
+            daemon,
+            &watchdog,
+            &mut exits,
+        );
+        watchdog.finish();
+        let outcome = outcome?;
+        let wall = start.elapsed();
+        // Whatever the engine wrote before the end (its last log lines on a failure).
+        daemon.serve(&mut self.ring).map_err(VmmError::Daemon)?;
+        let dump = (!outcome.is_clean()).then(|| {
+            dump::guest_state(
+                &outcome.describe(),
+                &self.vcpu,
+                &self.mem,
+                self.symbols.as_ref(),
+            )
+        });
+        Ok(RunReport {
+            outcome,
+            dump,
+            wall,
+            exits,
+            console_bytes: self.console.bytes.get(),
+        })
+    }
+}
