@@ -309,6 +309,11 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         ));
     }
     let bbcount = bbcount_report(&out, &kernel, system_map.as_deref(), args.top);
+    match kpin_tool_cachesim::report::write_reports(&out) {
+        Ok(Some((r, files))) => progress(&format!("{}\ncachesim: {files:?}", r.text())),
+        Ok(None) => {}
+        Err(e) => progress(&format!("no cachesim report: {e}")),
+    }
     let summary = Summary {
         outcome: report.outcome.describe(),
         clean: report.outcome.is_clean(),
