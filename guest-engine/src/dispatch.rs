@@ -479,8 +479,22 @@ impl Engine {
         }
         if self.config.records_need_pa || tool.records_need_pa() {
             let mode = self.mode;
+            // No mapping changes during one delivery: remember the pages resolved so far
+            // (direct-mapped by page number; tag = page | fetch bit), as a TLB would.
+            const MEMO: usize = 64;
+            let mut memo = [(u64::MAX, 0u64); MEMO];
             for r in &mut self.buffer[..n] {
-                r.pa = resolve_pa(mem, mode, r.ea, r.access & access::FETCH != 0);
+                let fetch = r.access & access::FETCH != 0;
+                let page = r.ea & !0xfff;
+                let tag = page | u64::from(fetch);
+                let slot = &mut memo[(r.ea >> 12) as usize % MEMO];
+                if slot.0 != tag {
+                    *slot = (tag, resolve_pa(mem, mode, page, fetch));
+                }
+                r.pa = match slot.1 {
+                    u64::MAX => u64::MAX,
+                    pa => pa + (r.ea & 0xfff),
+                };
             }
         }
         tool.buffer_full(&self.buffer[..n]);

@@ -78,7 +78,7 @@ impl Default for Options {
             policy: Policy::Lru,
             warmup_refs: 0,
             sim_refs: 0,
-            interval_refs: 10_000,
+            interval_refs: 1_000,
         }
     }
 }
@@ -134,7 +134,7 @@ impl Geometry {
             return Err(GeometryError::SizeNotPowerOfTwo);
         }
         let way_bytes = u64::from(self.assoc) * u64::from(line);
-        if self.size % way_bytes != 0 {
+        if self.size.checked_rem(way_bytes) != Some(0) {
             return Err(GeometryError::SizeNotDivisible);
         }
         Ok(self.size / way_bytes)

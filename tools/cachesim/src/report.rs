@@ -170,16 +170,15 @@ impl Report {
             let indent = if l1 { "  " } else { "" };
             let _ = writeln!(
                 t,
-                "{indent}{} ({} KiB, {}-way) stats:{:>w$}{:>18}{:>18}",
+                "{indent}{} ({} KiB, {}-way) stats:",
                 c.name,
                 c.size / 1024,
-                c.assoc,
-                "total",
-                "kernel",
-                "user",
-                w = 40usize.saturating_sub(
-                    c.name.len() + 22 + indent.len() + digits(c.size / 1024) + digits(c.assoc)
-                ),
+                c.assoc
+            );
+            let _ = writeln!(
+                t,
+                "{indent}    {:<22}{:>18}{:>18}{:>18}",
+                "", "total", "kernel", "user"
             );
             let row = |t: &mut String, label: &str, f: &dyn Fn(&Side) -> String| {
                 let _ = writeln!(
@@ -208,16 +207,12 @@ impl Report {
     }
 }
 
-fn digits(v: u64) -> usize {
-    v.to_string().len()
-}
-
 /// `1234567` as `1,234,567` (drcachesim's grouping).
 fn group(v: u64) -> String {
     let s = v.to_string();
     let mut out = String::new();
     for (i, ch) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i) % 3 == 0 {
+        if i > 0 && (s.len() - i).checked_rem(3) == Some(0) {
             out.push(',');
         }
         out.push(ch);
@@ -268,147 +263,171 @@ fn intervals(t: &Timeline, names: &[String]) -> Vec<Interval> {
     out
 }
 
-/// Draws the timeline as SVG text.
+/// Draws the timeline as SVG text: the L1 miss rates on the left axis, the local miss
+/// rates of the later levels on the right one (they are of another magnitude), intervals
+/// where the kernel ran most instructions shaded, and the kernel/user split beneath.
 pub fn timeline_svg(t: &Timeline, names: &[String]) -> Result<String, String> {
     use plotters::prelude::*;
     let iv = intervals(t, names);
+    let err = |e: &dyn core::fmt::Display| e.to_string();
+    let shade = RGBColor(255, 238, 220);
+    let colors = [
+        RGBColor(31, 119, 180),
+        RGBColor(44, 160, 44),
+        RGBColor(148, 103, 189),
+        RGBColor(214, 39, 40),
+    ];
+    let l1: Vec<usize> = (0..names.len())
+        .filter(|&k| names[k].starts_with("L1"))
+        .collect();
+    let outer: Vec<usize> = (0..names.len())
+        .filter(|&k| !names[k].starts_with("L1"))
+        .collect();
+    let max_of = |ks: &[usize]| {
+        iv.iter()
+            .flat_map(|i| ks.iter().filter_map(|&k| i.rates[k]))
+            .fold(0.5f64, f64::max)
+            .min(100.0)
+            * 1.1
+    };
+    let (y1, y2) = (max_of(&l1), max_of(&outer).clamp(10.0, 105.0));
+    // Each interval as a step from its start to its end.
+    let starts: Vec<f64> = core::iter::once(0.0)
+        .chain(iv.iter().map(|i| i.insns))
+        .collect();
+    let steps = |f: &dyn Fn(&Interval) -> Option<f64>| -> Vec<(f64, f64)> {
+        iv.iter()
+            .zip(&starts)
+            .filter_map(|(i, &s)| f(i).map(|v| [(s, v), (i.insns, v)]))
+            .flatten()
+            .collect()
+    };
     let mut svg = String::new();
     {
-        let root = SVGBackend::with_string(&mut svg, (1000, 600)).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| e.to_string())?;
-        let (top, bottom) = root.split_vertically(440);
+        let root = SVGBackend::with_string(&mut svg, (1100, 640)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(&e))?;
+        let (top, bottom) = root.split_vertically(470);
         let x_max = iv.last().map_or(1.0, |i| i.insns).max(1.0);
-        let y_max = iv
-            .iter()
-            .flat_map(|i| i.rates.iter().flatten())
-            .fold(1.0f64, |m, &r| m.max(r))
-            .min(100.0)
-            * 1.08;
         let mut chart = ChartBuilder::on(&top)
             .caption(
-                "cachesim: miss rate per interval over guest instructions",
-                ("sans-serif", 20),
+                "cachesim: miss rates over the guest instructions executed",
+                ("sans-serif", 22),
             )
-            .margin(12)
-            .x_label_area_size(30)
-            .y_label_area_size(60)
-            .build_cartesian_2d(0f64..x_max, 0f64..y_max)
-            .map_err(|e| e.to_string())?;
+            .margin(14)
+            .x_label_area_size(36)
+            .y_label_area_size(64)
+            .right_y_label_area_size(64)
+            .build_cartesian_2d(0f64..x_max, 0f64..y1)
+            .map_err(|e| err(&e))?
+            .set_secondary_coord(0f64..x_max, 0f64..y2);
+        // Shade the intervals where the kernel ran most of the instructions.
+        for (i, &s) in iv.iter().zip(&starts) {
+            if i.kernel_pct >= 50.0 {
+                chart
+                    .draw_series(core::iter::once(Rectangle::new(
+                        [(s, 0.0), (i.insns, y1)],
+                        shade.filled(),
+                    )))
+                    .map_err(|e| err(&e))?;
+            }
+        }
         chart
             .configure_mesh()
             .x_desc("guest instructions executed")
-            .y_desc("miss rate (%)")
+            .y_desc("L1 miss rate (%)")
             .x_label_formatter(&|x| human(*x))
-            .light_line_style(RGBColor(235, 235, 235))
+            .y_label_formatter(&|y| format!("{y:.1}%"))
+            .light_line_style(RGBColor(230, 230, 230).mix(0.6))
             .draw()
-            .map_err(|e| e.to_string())?;
-        // Shade the intervals where the kernel ran most of the instructions.
-        let mut start = 0.0;
-        for i in &iv {
-            if i.kernel_pct >= 50.0 {
-                chart
-                    .draw_series(std::iter::once(Rectangle::new(
-                        [(start, 0.0), (i.insns, y_max)],
-                        RGBColor(255, 228, 200).filled(),
-                    )))
-                    .map_err(|e| e.to_string())?;
-            }
-            start = i.insns;
-        }
-        let colors = [
-            RGBColor(31, 119, 180),
-            RGBColor(44, 160, 44),
-            RGBColor(148, 103, 189),
-            RGBColor(214, 39, 40),
-        ];
-        for (k, name) in names.iter().enumerate() {
+            .map_err(|e| err(&e))?;
+        chart
+            .configure_secondary_axes()
+            .y_desc("local miss rate of L2/LL (%)")
+            .y_label_formatter(&|y| format!("{y:.0}%"))
+            .draw()
+            .map_err(|e| err(&e))?;
+        for &k in &l1 {
             let color = colors[k % colors.len()];
-            let label = if name.starts_with("L1") {
-                format!("{name} miss rate")
-            } else {
-                format!("{name} local miss rate")
-            };
             chart
                 .draw_series(LineSeries::new(
-                    iv.iter().filter_map(|i| i.rates[k].map(|r| (i.insns, r))),
+                    steps(&|i: &Interval| i.rates[k]),
                     color.stroke_width(2),
                 ))
-                .map_err(|e| e.to_string())?
-                .label(label)
+                .map_err(|e| err(&e))?
+                .label(format!("{} miss rate (left)", names[k]))
+                .legend(move |(x, y)| {
+                    PathElement::new([(x, y), (x + 18, y)], color.stroke_width(3))
+                });
+        }
+        for &k in &outer {
+            let color = colors[k % colors.len()];
+            chart
+                .draw_secondary_series(LineSeries::new(
+                    steps(&|i: &Interval| i.rates[k]),
+                    color.stroke_width(2),
+                ))
+                .map_err(|e| err(&e))?
+                .label(format!("{} local miss rate (right)", names[k]))
                 .legend(move |(x, y)| {
                     PathElement::new([(x, y), (x + 18, y)], color.stroke_width(3))
                 });
         }
         chart
-            .draw_series(std::iter::once(Rectangle::new(
+            .draw_series(core::iter::once(Rectangle::new(
                 [(0.0, 0.0), (0.0, 0.0)],
-                RGBColor(255, 228, 200).filled(),
+                shade.filled(),
             )))
-            .map_err(|e| e.to_string())?
+            .map_err(|e| err(&e))?
             .label("kernel ran most instructions")
-            .legend(|(x, y)| {
-                Rectangle::new(
-                    [(x, y - 6), (x + 18, y + 6)],
-                    RGBColor(255, 228, 200).filled(),
-                )
-            });
+            .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 18, y + 6)], shade.filled()));
         chart
             .configure_series_labels()
             .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.85))
+            .background_style(WHITE.mix(0.9))
             .border_style(RGBColor(180, 180, 180))
             .draw()
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| err(&e))?;
 
         let mut share = ChartBuilder::on(&bottom)
-            .margin(12)
+            .margin(14)
             .x_label_area_size(30)
-            .y_label_area_size(60)
+            .y_label_area_size(64)
+            .right_y_label_area_size(64)
             .build_cartesian_2d(0f64..x_max, 0f64..100f64)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| err(&e))?;
         share
             .configure_mesh()
-            .y_desc("kernel share (%)")
+            .y_desc("instructions (%)")
             .x_label_formatter(&|x| human(*x))
+            .y_label_formatter(&|y| format!("{y:.0}%"))
             .y_labels(3)
-            .light_line_style(RGBColor(235, 235, 235))
+            .light_line_style(RGBColor(230, 230, 230).mix(0.6))
             .draw()
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| err(&e))?;
+        let user = RGBColor(158, 202, 225);
+        let kernel = RGBColor(253, 174, 107);
         share
-            .draw_series(AreaSeries::new(
-                iv.iter().map(|i| (i.insns, 100.0)),
-                0.0,
-                RGBColor(198, 219, 239).filled(),
-            ))
-            .map_err(|e| e.to_string())?
+            .draw_series(AreaSeries::new(steps(&|_| Some(100.0)), 0.0, user.filled()))
+            .map_err(|e| err(&e))?
             .label("user (CPL 3)")
-            .legend(|(x, y)| {
-                Rectangle::new(
-                    [(x, y - 6), (x + 18, y + 6)],
-                    RGBColor(198, 219, 239).filled(),
-                )
-            });
+            .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 18, y + 6)], user.filled()));
         share
             .draw_series(AreaSeries::new(
-                iv.iter().map(|i| (i.insns, i.kernel_pct)),
+                steps(&|i: &Interval| Some(i.kernel_pct)),
                 0.0,
-                RGBColor(253, 174, 107).filled(),
+                kernel.filled(),
             ))
-            .map_err(|e| e.to_string())?
+            .map_err(|e| err(&e))?
             .label("kernel (CPL 0)")
-            .legend(|(x, y)| {
-                Rectangle::new(
-                    [(x, y - 6), (x + 18, y + 6)],
-                    RGBColor(253, 174, 107).filled(),
-                )
-            });
+            .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 18, y + 6)], kernel.filled()));
         share
             .configure_series_labels()
             .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.85))
+            .background_style(WHITE.mix(0.9))
+            .border_style(RGBColor(180, 180, 180))
             .draw()
-            .map_err(|e| e.to_string())?;
-        root.present().map_err(|e| e.to_string())?;
+            .map_err(|e| err(&e))?;
+        root.present().map_err(|e| err(&e))?;
     }
     Ok(svg)
 }

@@ -261,7 +261,7 @@ fn strided_conflicts_and_line_crossing_match_the_reference() {
         let s: Vec<Ref> = (0..20_000)
             .map(|_| {
                 let line = r.next() % 300;
-                let off = if r.next() % 2 == 0 { 60 } else { 0 };
+                let off = if r.next() & 1 == 0 { 60 } else { 0 };
                 (line * 64 + off, 8, Kind::Write, USER)
             })
             .collect();
