@@ -44,7 +44,11 @@ fn run(name: &str, options: &str) -> (Counters, serde_json::Value, PathBuf) {
         .unwrap_or_else(|e| panic!("no cachesim counters ({e}); engine log:\n{log}"));
     let c = parse_counters(&counters).unwrap_or_else(|l| panic!("line {l}:\n{counters}"));
     let json = std::fs::read_to_string(dir.join("counters.json")).expect("counters.json");
-    (c, serde_json::from_str(&json).expect("counters.json is JSON"), dir)
+    (
+        c,
+        serde_json::from_str(&json).expect("counters.json is JSON"),
+        dir,
+    )
 }
 
 fn miss_rate(c: &Counters, name: &str) -> f64 {
@@ -74,7 +78,10 @@ fn test_minikernel_cachesim_fetches_equal_engine_instructions_and_small_l1d_miss
         [insns("cpl0"), insns("cpl3")],
         "L1I references (kernel, user) vs the engine's instruction counts"
     );
-    assert!(c.fetch_refs[1] > 0 && c.data_refs[0] > 0 && c.data_refs[1] > 0, "{c:?}");
+    assert!(
+        c.fetch_refs[1] > 0 && c.data_refs[0] > 0 && c.data_refs[1] > 0,
+        "{c:?}"
+    );
     let l1i = &c.caches[0];
     assert_eq!(l1i.name, "L1I");
     // Every fetch touches one line, two when the instruction crosses a line boundary.
@@ -83,7 +90,10 @@ fn test_minikernel_cachesim_fetches_equal_engine_instructions_and_small_l1d_miss
     assert!(line_accesses >= fetches && line_accesses < fetches + fetches / 4);
 
     let (small, _, _) = run("minikernel-cachesim-small-l1d", "L1D_size=1K L1D_assoc=2");
-    assert_eq!(small.fetch_refs, c.fetch_refs, "the same run, instruction for instruction");
+    assert_eq!(
+        small.fetch_refs, c.fetch_refs,
+        "the same run, instruction for instruction"
+    );
     let (big, tiny) = (miss_rate(&c, "L1D"), miss_rate(&small, "L1D"));
     println!("L1D miss rate: 32K 8-way {big:.4}, 1K 2-way {tiny:.4}");
     assert!(tiny > big, "1K L1D misses {tiny} <= 32K L1D {big}");
@@ -93,8 +103,14 @@ fn test_minikernel_cachesim_fetches_equal_engine_instructions_and_small_l1d_miss
         .expect("cachesim files present");
     assert_eq!(files.len(), 3, "{files:?}");
     let svg = std::fs::read_to_string(dir.join(kpin_tool_cachesim::report::SVG_NAME)).unwrap();
-    assert!(svg.starts_with("<svg") && svg.contains("L1D miss rate"), "{svg:.300}");
+    assert!(
+        svg.starts_with("<svg") && svg.contains("L1D miss rate"),
+        "{svg:.300}"
+    );
     let txt = report.text();
-    assert!(txt.contains("L1I") && txt.contains("Total miss rate:"), "{txt}");
+    assert!(
+        txt.contains("L1I") && txt.contains("Total miss rate:"),
+        "{txt}"
+    );
     println!("{txt}");
 }
