@@ -1,7 +1,8 @@
 //! The tools this image offers (`kpin run --tool NAME`), each a crate under `tools/`:
 //! `null` (translation only), `bbcount` (an inline counter per basic block, written to
-//! `bbcount.csv`) and `cachesim` (a cache simulator fed with every fetch and data access,
-//! configured by `--tool-option` in drcachesim's names). A tool's files travel as `Open`/`Write`/`Close` records of the host I/O
+//! `bbcount.csv`), `cachesim` (a cache simulator fed with every fetch and data access,
+//! configured by `--tool-option` in drcachesim's names) and `insmix` (dynamic counts per
+//! mnemonic, `insmix.txt`/`insmix.json`). A tool's files travel as `Open`/`Write`/`Close` records of the host I/O
 //! ring ([`RingSink`]) and land in the run's output directory.
 
 use core::fmt;
@@ -11,12 +12,13 @@ use kpin_tool::host::{Error, Sink};
 use kpin_tool::{Engine, KpinTool, Tool};
 use kpin_tool_bbcount::BbCount;
 use kpin_tool_cachesim::CacheSim;
+use kpin_tool_insmix::InsMix;
 use kpin_tool_null::Null;
 
 use crate::log;
 
 /// The names `--tool` accepts, for messages.
-pub const NAMES: &str = "null, bbcount, cachesim";
+pub const NAMES: &str = "null, bbcount, cachesim, insmix";
 
 /// A tool chosen by name.
 pub enum Chosen {
@@ -26,6 +28,8 @@ pub enum Chosen {
     BbCount(BbCount),
     /// `cachesim`.
     CacheSim(alloc::boxed::Box<CacheSim>),
+    /// `insmix`.
+    InsMix(InsMix),
 }
 
 impl Chosen {
@@ -42,6 +46,7 @@ impl Chosen {
                     crate::log::fail();
                 }
             },
+            "insmix" => Some(Chosen::InsMix(InsMix::default())),
             _ => None,
         }
     }
@@ -51,6 +56,7 @@ impl Chosen {
             Chosen::Null(t) => t,
             Chosen::BbCount(t) => t,
             Chosen::CacheSim(t) => &mut **t,
+            Chosen::InsMix(t) => t,
         }
     }
 
@@ -60,6 +66,7 @@ impl Chosen {
             Chosen::Null(t) => t,
             Chosen::BbCount(t) => t,
             Chosen::CacheSim(t) => &mut **t,
+            Chosen::InsMix(t) => t,
         }
     }
 
