@@ -235,7 +235,10 @@ pub fn parse_timeline(text: &str) -> Result<Timeline, usize> {
     let mut lines = text.lines();
     let header = lines.next().ok_or(1usize)?;
     let columns: Vec<String> = header.split(',').map(|s| s.to_string()).collect();
-    if columns.len() < 4 || columns[0] != "fetch_kernel" || (columns.len() - 4).checked_rem(4) != Some(0) {
+    if columns.len() < 4
+        || columns[0] != "fetch_kernel"
+        || (columns.len() - 4).checked_rem(4) != Some(0)
+    {
         return Err(1);
     }
     let mut rows = Vec::new();
