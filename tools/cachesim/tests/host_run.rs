@@ -9,7 +9,6 @@ use guest_engine::{
 use kpin_tool::host::{Error, Sink};
 use kpin_tool::KpinTool;
 use kpin_tool_cachesim::files::parse_counters;
-use kpin_tool_cachesim::sim::{KERNEL, USER};
 use kpin_tool_cachesim::{CacheSim, COUNTERS_NAME, TIMELINE_NAME};
 
 /// An anonymous RWX mapping.
