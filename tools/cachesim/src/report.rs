@@ -432,17 +432,34 @@ pub fn timeline_svg(t: &Timeline, names: &[String]) -> Result<String, String> {
     Ok(svg)
 }
 
-/// `12_300_000` as `12.3M`.
+/// `12_300_000` as `12.3M`, `500_000_000` as `500M`.
 fn human(v: f64) -> String {
     let a = v.abs();
-    if a >= 1e9 {
-        format!("{:.1}G", v / 1e9)
+    let (x, suffix) = if a >= 1e9 {
+        (v / 1e9, "G")
     } else if a >= 1e6 {
-        format!("{:.1}M", v / 1e6)
+        (v / 1e6, "M")
     } else if a >= 1e3 {
-        format!("{:.0}K", v / 1e3)
+        (v / 1e3, "K")
     } else {
-        format!("{v:.0}")
+        (v, "")
+    };
+    let s = format!("{x:.1}");
+    format!("{}{suffix}", s.strip_suffix(".0").unwrap_or(&s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn axis_numbers_and_grouping_read_well() {
+        assert_eq!(human(500e6), "500M");
+        assert_eq!(human(1.5e9), "1.5G");
+        assert_eq!(human(12_345.0), "12.3K");
+        assert_eq!(human(0.0), "0");
+        assert_eq!(group(1_234_567), "1,234,567");
+        assert_eq!(group(12), "12");
     }
 }
 
