@@ -129,3 +129,23 @@ fn test_engine_failure_port_is_a_crash_with_last_log_lines() {
     let log = std::fs::read_to_string(dir.join(host_daemon::ENGINE_LOG)).unwrap();
     assert!(log.contains("unexpected #PF in the engine"), "{log}");
 }
+
+#[test]
+fn test_corrupt_ring_ends_the_run_in_order_with_a_dump() {
+    require_kvm!();
+    let mut data = ring_bytes(&[
+        (Kind::Log, LogLevel::Info as u16, b"before"),
+        (Kind::Write, 1, b"x"),
+    ]);
+    // The second record's kind: no such kind.
+    let second = kpin_abi::io_ring::record_bytes(b"before".len());
+    data[second] = 99;
+    let (report, _, dir) = run("ring-corrupt", &ring_writer_guest(&data, DOORBELL_PORT));
+    assert_eq!(
+        report.outcome,
+        Outcome::HostDaemon("the engine's I/O ring is corrupt (Corrupt)".into())
+    );
+    assert!(report.dump.is_some(), "a dump, as for any crash");
+    let log = std::fs::read_to_string(dir.join(host_daemon::ENGINE_LOG)).unwrap();
+    assert!(log.contains("[Info] before"), "{log}");
+}

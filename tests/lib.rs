@@ -179,6 +179,34 @@ pub fn run_minikernel(
     (report, text, log, dir)
 }
 
+/// Console text that means a Linux guest noticed something (issue #5): kernel warnings
+/// and bugs, stalls and lockups, an unstable clocksource, MSR accesses the kernel
+/// recovered from, or a warning from the initramfs' own checks.
+pub const FORBIDDEN_CONSOLE: &[&str] = &[
+    "WARNING:",
+    "BUG:",
+    "Oops",
+    "Call Trace",
+    "rcu_sched self-detected stall",
+    "rcu: INFO:",
+    "detected stalls",
+    "soft lockup",
+    "hard LOCKUP",
+    "clocksource",
+    "unchecked MSR access",
+    "KPIN-INIT-WARNING",
+];
+
+/// The first console line with text from [`FORBIDDEN_CONSOLE`] (a `clocksource` line only
+/// when it calls one unstable), or `None` for a clean console.
+pub fn noticed_the_engine(console: &str) -> Option<&str> {
+    console.lines().find(|l| {
+        FORBIDDEN_CONSOLE
+            .iter()
+            .any(|bad| l.contains(bad) && (*bad != "clocksource" || l.contains("unstable")))
+    })
+}
+
 /// Load address of the tiny test guests.
 pub const TINY_LOAD_ADDR: u64 = 0x10_0000;
 
@@ -356,6 +384,20 @@ mod tests {
         });
         assert_eq!(name, "test_require_kvm_names_the_enclosing_test");
         assert_eq!(enclosing_fn_name("f"), "f");
+    }
+
+    #[test]
+    fn test_noticed_the_engine_finds_warnings_and_unstable_clocksources_only() {
+        let clean = "[    1.0] clocksource: Switched to clocksource kvm-clock\nKPIN-USERSPACE-OK\n";
+        assert_eq!(noticed_the_engine(clean), None);
+        let msr = "x\n[ 2.0] unchecked MSR access error: WRMSR to 0x400\ny\n";
+        assert_eq!(
+            noticed_the_engine(msr),
+            Some("[ 2.0] unchecked MSR access error: WRMSR to 0x400")
+        );
+        let unstable =
+            "[ 3.0] clocksource: timekeeping watchdog: Marking clocksource 'tsc' as unstable\n";
+        assert!(noticed_the_engine(unstable).is_some());
     }
 
     #[test]

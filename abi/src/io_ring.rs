@@ -245,7 +245,9 @@ impl Producer {
     /// Bytes waiting for the consumer.
     pub fn used(&self) -> u64 {
         let h = self.raw.header();
-        h.head.load(Ordering::Relaxed) - h.tail.load(Ordering::Acquire)
+        h.head
+            .load(Ordering::Relaxed)
+            .wrapping_sub(h.tail.load(Ordering::Acquire))
     }
 
     /// Whether the fill level has reached the doorbell threshold.
@@ -276,7 +278,9 @@ impl Producer {
         let pos = head % self.raw.size;
         let to_end = self.raw.size - pos;
         let pad = if need > to_end { to_end } else { 0 };
-        if self.raw.size - (head - tail) < need + pad {
+        // `head` and `tail` are free-running counters: their difference is the fill level
+        // even after they wrap (the data size divides 2^64).
+        if self.raw.size.saturating_sub(head.wrapping_sub(tail)) < need + pad {
             return Err(RingError::Full);
         }
         let mut at = head;
@@ -287,7 +291,7 @@ impl Producer {
                 0,
                 (pad as usize - RECORD_HEADER_BYTES) as u32,
             );
-            at += pad;
+            at = at.wrapping_add(pad);
         }
         self.write_header(at, kind, file, payload.len() as u32);
         let off = (at % self.raw.size) as usize + RECORD_HEADER_BYTES;
@@ -297,7 +301,7 @@ impl Producer {
             core::ptr::copy_nonoverlapping(payload.as_ptr(), self.raw.data.add(off), payload.len())
         };
         h.records.fetch_add(1, Ordering::Relaxed);
-        h.head.store(at + need, Ordering::Release);
+        h.head.store(at.wrapping_add(need), Ordering::Release);
         Ok(())
     }
 
@@ -348,6 +352,13 @@ impl Consumer {
 
     /// Hands every published record to `f`, in order, releasing each one's space after
     /// `f` returns. Returns the number of non-pad records.
+    ///
+    /// Everything read from the ring is untrusted: `head` is loaded once, every record
+    /// header once; `head`, `tail` and lengths are only combined with wrapping or
+    /// range-checked arithmetic (the counters are free-running and may sit anywhere in
+    /// `u64`, e.g. just below `u64::MAX`), and a record must lie wholly inside both the
+    /// data area and the published bytes. Anything else is [`RingError::Corrupt`], and
+    /// `tail` stays at the first bad record.
     pub fn drain(&mut self, mut f: impl FnMut(Record<'_>)) -> Result<usize, RingError> {
         let h = self.raw.header();
         let head = h.head.load(Ordering::Acquire);
@@ -366,6 +377,8 @@ impl Consumer {
                 unsafe { core::ptr::read_volatile(self.raw.data.add(off).cast::<RecordHeader>()) };
             let kind = Kind::from_u16(rec.kind).ok_or(RingError::Corrupt)?;
             let len = rec.len as usize;
+            // `len < 2^32`, so neither this nor `off + total` (both below 2^33) can
+            // overflow a 64-bit `usize`/`u64`.
             let total = record_bytes(len) as u64;
             if total > avail || off as u64 + total > self.raw.size {
                 return Err(RingError::Corrupt);
@@ -384,7 +397,8 @@ impl Consumer {
                 });
                 n += 1;
             }
-            tail += total;
+            // Free-running: `tail` may wrap past `u64::MAX` exactly as `head` did.
+            tail = tail.wrapping_add(total);
             h.tail.store(tail, Ordering::Release);
         }
         Ok(n)
@@ -402,13 +416,13 @@ pub enum NameError {
     Length,
     /// A byte outside `[A-Za-z0-9._-/]`.
     Character,
-    /// An absolute path, an empty component, or a `.`/`..` component: it could escape
-    /// (or alias) the output directory.
+    /// An absolute path, an empty component, or a component starting with `.` (`.`,
+    /// `..`, dotfiles): it could escape, alias or hide in the output directory.
     Component,
 }
 
 /// Checks that `name` stays inside the run's output directory: relative, components made
-/// of `[A-Za-z0-9._-]`, none empty, `.` or `..`. Both the engine (so `create` fails at
+/// of `[A-Za-z0-9._-]`, none empty or starting with `.` (so no `.`, `..` or dotfile). Both the engine (so `create` fails at
 /// once) and the host daemon (which trusts nothing) apply it.
 pub fn validate_name(name: &[u8]) -> Result<(), NameError> {
     if name.is_empty() || name.len() > MAX_NAME_BYTES {
@@ -422,7 +436,7 @@ pub fn validate_name(name: &[u8]) -> Result<(), NameError> {
     }
     if name
         .split(|&c| c == b'/')
-        .any(|comp| comp.is_empty() || comp == b"." || comp == b"..")
+        .any(|comp| comp.is_empty() || comp[0] == b'.')
     {
         return Err(NameError::Component);
     }
@@ -520,6 +534,43 @@ mod tests {
     }
 
     #[test]
+    fn test_counters_wrapping_past_u64_max_are_consumed_not_overflowed() {
+        let mut mem = Mem([0; HEADER_BYTES + 256]);
+        {
+            let (_p, _c) = ring(&mut mem);
+        }
+        // `tail` 8 bytes below 2^64 (position 248, the last record slot), an 8-byte
+        // Close record there, and `head` wrapped to 0: the state the fuzzer found.
+        let tail = u64::MAX - 7;
+        let head_at = 64;
+        let tail_at = 128;
+        mem.0[head_at..head_at + 8].copy_from_slice(&0u64.to_le_bytes());
+        mem.0[tail_at..tail_at + 8].copy_from_slice(&tail.to_le_bytes());
+        let rec = HEADER_BYTES + 248;
+        mem.0[rec..rec + 2].copy_from_slice(&(Kind::Close as u16).to_le_bytes());
+        mem.0[rec + 2..rec + 4].copy_from_slice(&5u16.to_le_bytes());
+        mem.0[rec + 4..rec + 8].copy_from_slice(&0u32.to_le_bytes());
+        let base = mem.0.as_mut_ptr();
+        // SAFETY: `mem` outlives both handles and is 64-byte aligned.
+        let mut c = unsafe { Consumer::attach(base, mem.0.len()) }.unwrap();
+        assert_eq!(collect(&mut c), vec![(Kind::Close, 5, vec![])]);
+        // SAFETY: as above.
+        let mut p = unsafe { Producer::attach(base, mem.0.len()) }.unwrap();
+        assert_eq!(p.used(), 0, "tail wrapped to head");
+        // The producer goes on from the wrapped counters.
+        p.push(Kind::Write, 5, b"after").unwrap();
+        assert_eq!(collect(&mut c), vec![(Kind::Write, 5, b"after".to_vec())]);
+        // A record claiming more than was published across the wrap is corrupt, not a
+        // panic, and `tail` stays put.
+        mem.0[tail_at..tail_at + 8].copy_from_slice(&(u64::MAX - 7).to_le_bytes());
+        mem.0[head_at..head_at + 8].copy_from_slice(&0u64.to_le_bytes());
+        mem.0[rec + 4..rec + 8].copy_from_slice(&8u32.to_le_bytes());
+        // SAFETY: as above.
+        let mut c = unsafe { Consumer::attach(base, mem.0.len()) }.unwrap();
+        assert_eq!(c.drain(|_| {}), Err(RingError::Corrupt));
+    }
+
+    #[test]
     fn test_names_that_could_escape_are_refused() {
         for ok in [&b"out.csv"[..], b"bbcount/blocks.json", b"a-b_c.1"] {
             assert_eq!(validate_name(ok), Ok(()), "{ok:?}");
@@ -528,6 +579,10 @@ mod tests {
         assert_eq!(validate_name(b"/etc/passwd"), Err(NameError::Component));
         assert_eq!(validate_name(b"a//b"), Err(NameError::Component));
         assert_eq!(validate_name(b"a/./b"), Err(NameError::Component));
+        assert_eq!(validate_name(b".bashrc"), Err(NameError::Component));
+        assert_eq!(validate_name(b"out/.hidden"), Err(NameError::Component));
+        assert_eq!(validate_name(b"a/b/"), Err(NameError::Component));
+        assert_eq!(validate_name(b"a.b/c..d"), Ok(()));
         assert_eq!(validate_name(b"a b"), Err(NameError::Character));
         assert_eq!(validate_name(b"a\\..\\b"), Err(NameError::Character));
         assert_eq!(validate_name(b""), Err(NameError::Length));

@@ -1,6 +1,7 @@
 //! Layouts shared across the guest boundary by the VMM, the guest engine and the host
 //! daemon: where things live in the stolen region, the attach block, the host I/O ring and
-//! the engine's ports. `#[repr(C)]`, fixed-width fields, no dependencies, `no_std`.
+//! the engine's ports; and the x86-64 architectural constants all of them use (`x86`).
+//! `#[repr(C)]`, fixed-width fields, no dependencies, `no_std`.
 //!
 //! Invariant: every change to a layout here bumps that layout's `VERSION`, and both sides
 //! check magic and version before trusting a block.
@@ -11,3 +12,4 @@ pub mod attach;
 pub mod io_ring;
 pub mod ports;
 pub mod stolen;
+pub mod x86;

@@ -9,7 +9,7 @@
 //! | [`ENGINE_OFFSET`]   | [`ENGINE_BYTES`]      | the engine image (code, data, `.bss`: stacks, its page tables) |
 //! | [`HEAP_OFFSET`]     | [`HEAP_BYTES`]        | the engine's heap (its global allocator)  |
 //! | [`CODE_CACHE_OFFSET`] | [`CODE_CACHE_BYTES`] | the code cache (`guest_engine::Engine::new`'s region: context, lookup tables, traces) |
-//! | [`SHADOW_TABLES_OFFSET`] | [`SHADOW_TABLES_BYTES`] (to the region end) | frames for the shadow page tables (the engine's `shadow.rs` allocates them) |
+//! | [`SHADOW_TABLES_OFFSET`] | [`SHADOW_TABLES_BYTES`] (to the region end) | frames for the shadow page tables (the engine image's `mm/shadow.rs` allocates them) |
 //!
 //! The engine image is linked at `WINDOW_VA + ENGINE_OFFSET`; the VMM loads each ELF
 //! segment at `stolen_base + (p_vaddr - WINDOW_VA)`.

@@ -1,14 +1,17 @@
 //! The code cache: the embedder's raw region carved per `layout`, the bump allocator for
-//! fragments, the ⟨VA, PA, mode⟩ fragment map, the exit table, the per-mode IBL tables
-//! and return caches, and the SoftTLB mirror.
+//! fragments, the ⟨VA, PA, mode⟩ fragment map, the exit table, and the per-mode IBL
+//! tables and return caches. (The SoftTLB table in the same region is `softtlb.rs`'s.)
 //!
-//! Invariants: fragments are allocated in increasing address order between flushes (so a
-//! cache PC maps to a fragment by binary search); a flush drops every fragment, exit, link
-//! and IBL entry at once; a mode's IBL table and return cache only ever point at that
-//! mode's fragments (`entry` / `ret_entry`), and are valid only while the VA → PA mappings
-//! they were inserted under hold (the dispatcher clears all tables whenever the SoftTLB
-//! mirror changes a mapping or the embedder drops all mappings). Every filled slot is
-//! remembered (up to `FILLED_SLOTS_MAX` per table) so that a clear costs O(fills).
+//! Invariants: a fragment is found by the key ⟨VA, PA, mode⟩ of its first instruction
+//! (PA: the full guest-physical address, so a frame mapped at two VAs, or a VA remapped
+//! to another frame, gets its own fragments); fragments are allocated in increasing
+//! address order between flushes (so a cache PC maps to a fragment by binary search); a
+//! flush drops every fragment, exit, link and IBL entry at once; a mode's IBL table and
+//! return cache only ever point at that mode's fragments (`entry` / `ret_entry`), and
+//! are valid only while the VA → PA mappings they were inserted under hold (they are
+//! cleared whenever the SoftTLB replaces a mapping or the embedder drops mappings). Every
+//! filled slot is remembered (up to `FILLED_SLOTS_MAX` per table) so that a clear costs
+//! O(fills).
 
 use alloc::collections::BTreeMap;
 use alloc::vec::Vec;
@@ -22,8 +25,7 @@ use crate::guest_memory::Mode;
 use crate::layout::{
     COUNTERS_OFFSET, FILLED_SLOTS_MAX, GENCODE_OFFSET, IBL_ENTRIES, IBL_ENTRY_BYTES, IBL_HASH_BITS,
     IBL_OFFSET, IBL_STRIDE, IBL_TABLE_BYTES, MAX_REGION_BYTES, MIN_REGION_BYTES, MODE_SLOTS,
-    RC_BYTES, RC_ENTRIES, RC_OFFSET, SOFTTLB_ENTRIES, SOFTTLB_OFFSET, TRACES_OFFSET,
-    XSAVE_GUEST_OFFSET, XSAVE_HOST_OFFSET,
+    RC_BYTES, RC_ENTRIES, RC_OFFSET, TRACES_OFFSET, XSAVE_GUEST_OFFSET, XSAVE_HOST_OFFSET,
 };
 
 /// Fragment map key.
@@ -83,7 +85,8 @@ impl CodeCache {
             return Err(EngineError::RegionAlignment);
         }
         // SAFETY: the region is writable for `len` bytes; the fixed part is zeroed (empty
-        // IBL, empty SoftTLB, zero counters, initial XSAVE headers = init state).
+        // IBL tables and return caches, zero counters, initial XSAVE headers = init
+        // state; the SoftTLB empties its own table).
         unsafe { core::ptr::write_bytes(base, 0, TRACES_OFFSET) };
         let ctx = CtxAddrs::new(base as u64);
         let xs = save_xstate.then(|| XsaveAreas {
@@ -94,7 +97,7 @@ impl CodeCache {
         // SAFETY: GENCODE_OFFSET..+GENCODE_BYTES lies in the region, which is RWX, and
         // the context and IBL tables are in the same region (< 2 GiB away).
         let gen = unsafe { emit_gencode(base.add(GENCODE_OFFSET), &ctx, xs, Some(ibl)) };
-        let mut c = Self {
+        Ok(Self {
             base,
             len,
             ctx,
@@ -106,9 +109,7 @@ impl CodeCache {
             generation: 0,
             ibl_filled: Default::default(),
             rc_filled: Default::default(),
-        };
-        c.clear_softtlb();
-        Ok(c)
+        })
     }
 
     pub(crate) fn context(&self) -> *mut CacheContext {
@@ -126,11 +127,6 @@ impl CodeCache {
 
     pub(crate) fn counters(&self) -> u64 {
         self.addr(COUNTERS_OFFSET)
-    }
-
-    pub(crate) fn softtlb_slot(&self, va: GuestVirt) -> u64 {
-        let idx = (va.0 / PAGE_BYTES) as usize % SOFTTLB_ENTRIES;
-        self.addr(SOFTTLB_OFFSET + idx * 16)
     }
 
     /// Next allocation address and bytes left.
@@ -221,44 +217,9 @@ impl CodeCache {
         unsafe { ((self.rc_table(m) + 8 * idx as u64) as *mut u64).write(ret_entry.0) };
     }
 
-    /// Forgets every SoftTLB mirror entry (4 KiB of stores).
-    pub(crate) fn clear_softtlb(&mut self) {
-        for i in 0..SOFTTLB_ENTRIES {
-            let slot = self.addr(SOFTTLB_OFFSET + i * 16) as *mut u64;
-            // SAFETY: the slot lies inside the region; u64::MAX is never a page address.
-            unsafe { slot.write(u64::MAX) };
-        }
-    }
-
     /// The region `[start, end)`.
     pub(crate) fn region(&self) -> (u64, u64) {
         (self.base as u64, self.base as u64 + self.len as u64)
-    }
-
-    /// Forgets the mirror entry for `va`'s page.
-    pub(crate) fn invalidate_softtlb(&mut self, va: GuestVirt) {
-        let slot = self.softtlb_slot(va) as *mut u64;
-        // SAFETY: the slot (two u64) lies inside the region.
-        unsafe {
-            if slot.read() == va.page().0 {
-                slot.write(u64::MAX);
-                slot.add(1).write(u64::MAX);
-            }
-        }
-    }
-
-    /// Records `va → pa` in the SoftTLB mirror read by PA checks. Returns whether a
-    /// different mapping for that VA was replaced.
-    pub(crate) fn fill_softtlb(&mut self, va: GuestVirt, pa: GuestPhys) -> bool {
-        let slot = self.softtlb_slot(va) as *mut u64;
-        // SAFETY: the slot (two u64) lies inside the region.
-        unsafe {
-            let old_va = slot.read();
-            let old_pa = slot.add(1).read();
-            slot.write(va.page().0);
-            slot.add(1).write(pa.page().0);
-            old_va == va.page().0 && old_pa != pa.page().0
-        }
     }
 
     /// Inserts `va → entry` into mode slot `m`'s IBL table (two-way bucket, first way

@@ -1,7 +1,7 @@
 //! The per-vCPU block at the start of the cache region that generated code addresses
-//! RIP-relatively. Invariant: between traces (in the dispatcher) `gpr` and `rflags` hold
-//! the complete guest integer state; inside the cache they are stale and the hardware
-//! registers (plus `spill` slots named by the PC map) are authoritative.
+//! RIP-relatively. Invariant: between traces (in the dispatcher) `regs` (`gpr`,
+//! `rflags`) holds the complete guest integer state; inside the cache it is stale and the
+//! hardware registers (plus `spill` slots named by the PC map) are authoritative.
 
 /// Guest general-purpose registers in hardware encoding order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]

@@ -1,5 +1,8 @@
-//! The dispatcher: looks up or builds fragments, enters the cache, and handles every exit
-//! (linking, IBL fills, sensitive-instruction emulation, buffers, analysis calls).
+//! The dispatcher, the `Engine` hub (DynamoRIO's `dispatch.c`): looks up or builds
+//! fragments, enters the cache, and handles every exit (direct exits are linked through
+//! `link.rs`, IBL misses fill the lookup tables, sensitive instructions go to the
+//! `Platform`, buffers and analysis calls to the `Tool`, `PA_MISMATCH` to `softtlb.rs`,
+//! `FAULT` to `recover.rs`).
 //!
 //! Invariants: whenever control is in the dispatcher, `CacheContext::regs` holds the
 //! guest's complete integer state and `Engine::rip` the guest RIP it belongs to (or, for
@@ -29,8 +32,9 @@ use crate::instrument::{
 use crate::layout::{
     COUNTER_SLOTS, INSN_COUNTER_SPREAD, MEM_RECORD_BYTES, MODE_SLOTS, RECENT_TRACES,
 };
-use crate::link::{branch_target, patch_branch, unpatch_branch};
+use crate::link::branch_target;
 use crate::platform::{Emulation, Platform, SensitiveInsn};
+use crate::softtlb::SoftTlb;
 
 /// Engine configuration.
 #[derive(Clone, Copy, Debug)]
@@ -139,81 +143,28 @@ pub enum Stop {
     Error(EngineError),
 }
 
-/// Lets another thread (or an interrupt handler) set the attention byte while the guest
-/// runs. Valid as long as the engine lives.
-#[derive(Clone, Copy, Debug)]
-pub struct AttentionHandle(*mut u64);
-
-// SAFETY: the handle only performs volatile stores of a u64 the generated code reads; the
-// engine outlives its users by contract of `Engine::attention_handle`.
-unsafe impl Send for AttentionHandle {}
-
-impl AttentionHandle {
-    /// Sets the attention reasons (0 clears).
-    pub fn set(&self, bits: u8) {
-        // SAFETY: points at `CacheContext::attention` of a live engine.
-        unsafe { core::ptr::write_volatile(self.0, u64::from(bits)) };
-    }
-
-    /// The address of the attention word, for code that cannot hold the handle (e.g. an
-    /// interrupt stub that ORs a reason into its low byte).
-    pub fn address(&self) -> u64 {
-        self.0 as u64
-    }
-}
-
-/// What a fault handler needs to turn a fault in cache code into a `FAULT` exit: store
-/// the faulting PC at `fault_pc`, store `exit_word` at `exit_word_at`, and resume at
-/// `exit_routine` with the faulting registers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct FaultRedirect {
-    /// Address of `CacheContext::fault_pc`.
-    pub fault_pc: u64,
-    /// Address of `CacheContext::exit_word`.
-    pub exit_word_at: u64,
-    /// Value to store there.
-    pub exit_word: u64,
-    /// The exit routine.
-    pub exit_routine: u64,
-    /// The cache region (faults outside it are not the engine's).
-    pub region: (u64, u64),
-}
-
-/// Guest state recovered at a code-cache PC (for precise exceptions).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Recovered {
-    /// The guest instruction the PC belongs to.
-    pub guest_pc: GuestVirt,
-    /// Bit per GPR (hardware number) whose guest value lives in the context spill slot.
-    pub spilled: u16,
-}
-
-/// One vCPU's translator, code cache and dispatcher.
+/// One vCPU's translator, code cache and dispatcher. (Fields are crate-visible because
+/// the `impl Engine` blocks of `recover`, `link`, `insn_count`, `attention` and `softtlb`
+/// use them; outside the crate only the methods exist.)
 pub struct Engine {
-    cache: CodeCache,
-    config: Config,
-    mode: Mode,
+    pub(crate) cache: CodeCache,
+    /// The SoftTLB table in the cache region (`softtlb.rs`).
+    pub(crate) softtlb: SoftTlb,
+    pub(crate) config: Config,
+    pub(crate) mode: Mode,
     /// `mode.slot()`.
-    slot: usize,
+    pub(crate) slot: usize,
     counters: CounterAlloc,
     /// First of the `MODE_SLOTS × INSN_COUNTER_SPREAD` counters of executed guest
     /// instructions (`Config::count_insns`).
-    insn_counters: Option<CounterId>,
+    pub(crate) insn_counters: Option<CounterId>,
     /// Fragments last entered from the dispatcher: a ring indexed by `recent_n`.
     recent: [(GuestVirt, Mode); RECENT_TRACES],
     recent_n: usize,
     buffer: Vec<MemRecord>,
-    rip: GuestVirt,
-    stats: Stats,
-    scratch: Scratch,
-}
-
-/// Counter `h` of mode slot `m`'s instruction counters (`base`: the first of them). A
-/// mode's count is spread over `INSN_COUNTER_SPREAD` slots chosen by block address, so
-/// that consecutive blocks do not serialize on one memory location (each increment is a
-/// load-add-store through store forwarding).
-fn insn_counter(base: Option<CounterId>, m: usize, h: usize) -> Option<CounterId> {
-    Some(CounterId(base?.0 + (m * INSN_COUNTER_SPREAD + h) as u32))
+    pub(crate) rip: GuestVirt,
+    pub(crate) stats: Stats,
+    pub(crate) scratch: Scratch,
 }
 
 enum Next {
@@ -236,6 +187,9 @@ impl Engine {
             .ok_or(EngineError::UnknownMode(config.mode.0))?;
         // SAFETY: forwarded caller contract.
         let cache = unsafe { CodeCache::new(base, len, config.save_extended_state)? };
+        // SAFETY: `CodeCache::new` accepted the region, so it is carved per `layout`; the
+        // engine owns it for its lifetime (caller contract).
+        let softtlb = unsafe { SoftTlb::new(base as u64) };
         let records = config.record_buffer_records.max(1);
         // The engine's own counters are ordinary counter slots (zeroed with the region),
         // allocated before any tool's.
@@ -246,6 +200,7 @@ impl Engine {
         });
         let mut e = Self {
             cache,
+            softtlb,
             config,
             mode: config.mode,
             slot,
@@ -262,13 +217,13 @@ impl Engine {
         Ok(e)
     }
 
-    fn ctx(&self) -> &CacheContext {
+    pub(crate) fn ctx(&self) -> &CacheContext {
         // SAFETY: the context lies at the start of the region we own; the cache is not
         // running while the dispatcher holds `&self`.
         unsafe { &*self.cache.context() }
     }
 
-    fn ctx_mut(&mut self) -> &mut CacheContext {
+    pub(crate) fn ctx_mut(&mut self) -> &mut CacheContext {
         // SAFETY: as in `ctx`, and `&mut self` makes the access exclusive.
         unsafe { &mut *self.cache.context() }
     }
@@ -312,36 +267,6 @@ impl Engine {
         Ok(())
     }
 
-    /// Guest instructions executed in `mode` so far (0 unless `Config::count_insns`):
-    /// translated instructions counted per basic block, plus sensitive instructions the
-    /// platform emulated (`Continue`/`Switch`), minus the not-executed rest of a block a
-    /// fault left (`Stop::Fault`). A `rep` string instruction counts once.
-    pub fn executed_insns(&self, mode: Mode) -> u64 {
-        match mode.slot() {
-            Some(m) => (0..INSN_COUNTER_SPREAD)
-                .filter_map(|h| insn_counter(self.insn_counters, m, h))
-                .fold(0, |sum, id| sum.wrapping_add(self.counter(id))),
-            None => 0,
-        }
-    }
-
-    /// Counts one emulated sensitive instruction in the current mode.
-    fn count_emulated(&mut self) {
-        if self.insn_counters.is_some() {
-            self.stats.emulated_insns += 1;
-            self.add_insns(self.slot, 1);
-        }
-    }
-
-    /// Adds `n` (two's complement) to mode slot `m`'s instruction count.
-    fn add_insns(&mut self, m: usize, n: u64) {
-        if let Some(id) = insn_counter(self.insn_counters, m, 0) {
-            let slot = (self.cache.counters() + 8 * u64::from(id.0)) as *mut u64;
-            // SAFETY: the slot lies in the counter area; the cache is not running.
-            unsafe { slot.write(slot.read().wrapping_add(n)) };
-        }
-    }
-
     /// The last (up to `layout::RECENT_TRACES`) fragments the dispatcher entered, oldest
     /// first, for failure dumps. Transitions inside the cache (links, IBL and
     /// return-cache hits) are not seen.
@@ -380,87 +305,10 @@ impl Engine {
         unsafe { ((self.cache.counters() + 8 * u64::from(id.0)) as *const u64).read() }
     }
 
-    /// Sets or clears attention reasons (see `attention::reason`).
-    pub fn set_attention(&mut self, bits: u8) {
-        self.ctx_mut().attention = u64::from(bits);
-    }
-
-    /// A handle for setting the attention byte asynchronously.
-    pub fn attention_handle(&self) -> AttentionHandle {
-        AttentionHandle(self.cache.ctx.attention as *mut u64)
-    }
-
-    /// Addresses a fault handler uses to redirect a fault in cache code.
-    pub fn fault_redirect(&self) -> FaultRedirect {
-        FaultRedirect {
-            fault_pc: self.cache.ctx.fault_pc,
-            exit_word_at: self.cache.ctx.exit_word,
-            exit_word: crate::arch::x86_64::entry::exit_word(EXIT_FAULT, 0) as u32 as u64,
-            exit_routine: self.cache.gen.exit,
-            region: self.cache.region(),
-        }
-    }
-
-    /// The guest changed (or may have changed) the mapping of `va`'s page: drop it from
-    /// the SoftTLB mirror so that cross-page entries re-validate, and drop IBL entries.
-    pub fn invalidate_page(&mut self, va: GuestVirt) {
-        self.cache.invalidate_softtlb(va);
-        self.cache.clear_lookups();
-    }
-
-    /// Every VA → PA mapping may have changed (guest CR3 write): the SoftTLB mirror and
-    /// every mode's IBL table and return cache are emptied; fragments stay (they are keyed
-    /// by PA and found again by the next lookups). Costs O(lookup slots filled since the
-    /// last clear), not a 3 MiB clear. Links stay too: a same-page link leaves a fragment
-    /// that was itself entered under the current mappings (README, "Modes and mappings").
-    pub fn invalidate_all_mappings(&mut self) {
-        self.cache.clear_softtlb();
-        self.cache.clear_lookups();
-    }
-
     /// Drops every translation (whole-cache flush).
     pub fn flush(&mut self) {
         self.cache.flush();
         self.stats.flushes += 1;
-    }
-
-    /// Maps a code-cache PC back to its guest instruction and register locations.
-    pub fn recover(&self, pc: CachePc) -> Option<Recovered> {
-        let f = self.cache.fragment_at(pc)?;
-        let off = (pc.0 - f.base.0) as u32;
-        let i = f.marks.partition_point(|m| m.offset <= off);
-        let m = f.marks.get(i.checked_sub(1)?)?;
-        Some(Recovered {
-            guest_pc: GuestVirt(m.guest_pc),
-            spilled: m.spilled,
-        })
-    }
-
-    /// Guest registers at a faulting cache PC, given the hardware registers there.
-    pub fn recover_regs(&self, pc: CachePc, hw: &GuestRegs) -> Option<(GuestVirt, GuestRegs)> {
-        let r = self.recover(pc)?;
-        let mut g = *hw;
-        for n in 0..16 {
-            if r.spilled & (1 << n) != 0 {
-                g.gpr[n] = self.ctx().spill[n];
-            }
-        }
-        Some((r.guest_pc, g))
-    }
-
-    /// All (guest PC, cache PC range) pairs of the current fragments (for tests/tools).
-    pub fn cache_map(&self) -> Vec<(GuestVirt, CachePc, u32)> {
-        let mut v = Vec::new();
-        for f in &self.cache.fragments {
-            for m in &f.marks {
-                v.push((
-                    GuestVirt(m.guest_pc),
-                    CachePc(f.base.0 + u64::from(m.offset)),
-                    u32::from(m.spilled),
-                ));
-            }
-        }
-        v
     }
 
     fn reset_buffer(&mut self) {
@@ -471,7 +319,7 @@ impl Engine {
         c.buf_neg_end = end.wrapping_neg();
     }
 
-    fn deliver_buffer(&mut self, mem: &mut dyn GuestMemory, tool: &mut dyn Tool) {
+    pub(crate) fn deliver_buffer(&mut self, mem: &mut dyn GuestMemory, tool: &mut dyn Tool) {
         let start = self.buffer.as_ptr() as u64;
         let n = ((self.ctx().buf_ptr - start) as usize) / MEM_RECORD_BYTES;
         if n == 0 {
@@ -564,10 +412,7 @@ impl Engine {
         let mode = self.mode;
         let pa_page = mem.translate(va.page(), mode).ok_or(Stop::FetchFault(va))?;
         let pa = GuestPhys(pa_page.0 + (va.0 - va.page().0));
-        if self.cache.fill_softtlb(va, pa) {
-            // A mapping changed: IBL entries inserted under the old one are stale.
-            self.cache.clear_lookups();
-        }
+        self.note_mapping(va, pa);
         if let Some(id) = self.cache.lookup(va, pa, mode) {
             return Ok(id);
         }
@@ -578,25 +423,11 @@ impl Engine {
         let t0 = self.now();
         let decoded = decode_trace(mem, va, pa, mode, &mut self.scratch)
             .map_err(|f| Stop::FetchFault(f.0))?;
+        // The engine's own block counts go first at each block start.
+        let mut insertions = self.block_count_insertions(&decoded.bbls);
         let mut ti =
             TraceInstrumenter::new(va, mode, &decoded.info, &decoded.bbls, &mut self.counters);
         tool.instrument_trace(&mut ti);
-        // The engine's own instruction counter goes first at each block start (insertions
-        // at one instruction are emitted in order), like a tool's block counter.
-        let mut insertions = Vec::new();
-        for b in &decoded.bbls {
-            let h = (b.address.0 ^ b.address.0 >> 8) as usize % INSN_COUNTER_SPREAD;
-            if let Some(id) = insn_counter(self.insn_counters, self.slot, h) {
-                insertions.push(Insertion {
-                    ins: b.first,
-                    point: IPoint::Before,
-                    action: Action::Counter {
-                        id,
-                        amount: b.count as i32,
-                    },
-                });
-            }
-        }
         if tool.records_fetches() {
             insertions.extend((0..decoded.info.len()).map(|ins| Insertion {
                 ins,
@@ -615,7 +446,7 @@ impl Engine {
                 gen: self.cache.gen,
                 ibl_table: self.cache.ibl_table(self.slot),
                 ibl_shared: self.cache.gen.ibl_shared[self.slot],
-                softtlb_slot: self.cache.softtlb_slot(va),
+                softtlb_slot: self.softtlb.slot(va),
                 counters: self.cache.counters(),
                 count_ibl: self.config.count_ibl_lookups,
                 rc_table: self.cache.rc_table(self.slot),
@@ -794,21 +625,7 @@ impl Engine {
                 self.stats.exits[kind as usize] += 1;
             }
             if kind == EXIT_FAULT {
-                let pc = CachePc(self.ctx().fault_pc);
-                let hw = self.ctx().regs;
-                return match self.recover_regs(pc, &hw) {
-                    Some((guest_pc, regs)) => {
-                        self.ctx_mut().regs = regs;
-                        self.rip = guest_pc;
-                        self.drop_records_of(guest_pc);
-                        self.uncount_after_fault(mem, pc, guest_pc);
-                        Stop::Fault {
-                            guest_pc,
-                            cache_pc: pc,
-                        }
-                    }
-                    None => Stop::Error(EngineError::UnboundLabel),
-                };
+                return self.stop_at_fault(mem);
             }
             if kind == EXIT_IBL_MISS {
                 let va = GuestVirt(self.ctx().ibl_target);
@@ -836,7 +653,7 @@ impl Engine {
                 continue;
             }
             let Some(rec) = self.cache.exits.get(idx as usize).copied() else {
-                return Stop::Error(EngineError::UnboundLabel);
+                return Stop::Error(EngineError::MissingExitRecord { kind, index: idx });
             };
             let frag_start = self.cache.fragments[rec.fragment as usize].start;
             next = match (kind, rec.kind) {
@@ -909,21 +726,12 @@ impl Engine {
                 }
                 (EXIT_PA_MISMATCH, ExitKind::PaMismatch) => {
                     self.rip = frag_start;
-                    if self.still_mapped(mem, rec.fragment) {
-                        // Only the mirror entry was gone (a CR3 write, a slot conflict):
-                        // the links stay, and the fragment runs.
-                        if self.ctx().attention != 0 {
-                            Next::Lookup
-                        } else {
-                            self.note_entered(rec.fragment);
-                            Next::Enter(self.cache.fragments[rec.fragment as usize].body)
-                        }
-                    } else {
-                        // The links that brought us here are stale: route them through
-                        // the dispatcher again so that they get relinked to the right
-                        // fragment.
-                        self.unlink_incoming(rec.fragment);
+                    // A stale fragment (links undone) is looked up again.
+                    if !self.revalidate(mem, rec.fragment) || self.ctx().attention != 0 {
                         Next::Lookup
+                    } else {
+                        self.note_entered(rec.fragment);
+                        Next::Enter(self.cache.fragments[rec.fragment as usize].body)
                     }
                 }
                 (EXIT_BUFFER_FULL, ExitKind::BufferFull { resume }) => {
@@ -937,106 +745,8 @@ impl Engine {
                     unsafe { (**tp).analyze(routine, &args) };
                     Next::Enter(resume)
                 }
-                _ => return Stop::Error(EngineError::UnboundLabel),
+                _ => return Stop::Error(EngineError::ExitKindMismatch { kind, index: idx }),
             };
-        }
-    }
-
-    /// Whether fragment `id` is still what a lookup of its VA finds (its VA maps to its
-    /// PA, and it was not invalidated); if so, the SoftTLB mirror learns the mapping.
-    fn still_mapped(&mut self, mem: &mut dyn GuestMemory, id: u32) -> bool {
-        let f = &self.cache.fragments[id as usize];
-        let (va, pa, mode) = (f.start, f.pa, f.mode);
-        let now = mem.translate(va.page(), mode);
-        if now != Some(pa.page()) || self.cache.lookup(va, pa, mode) != Some(id) {
-            return false;
-        }
-        if self.cache.fill_softtlb(va, pa) {
-            // The mirror held another mapping for this VA: lookups made under it are stale.
-            self.cache.clear_lookups();
-        }
-        true
-    }
-
-    /// A fault at guest instruction `guest_pc` (cache PC `pc`) left the rest of its basic
-    /// block unexecuted, but the block's instruction count was added at its start: take
-    /// back the faulting instruction and those after it in the block. The block structure
-    /// is re-derived by decoding the fragment's trace again (faults are rare; storing it
-    /// per fragment would cost memory for every trace).
-    fn uncount_after_fault(&mut self, mem: &mut dyn GuestMemory, pc: CachePc, guest_pc: GuestVirt) {
-        if self.insn_counters.is_none() {
-            return;
-        }
-        let Some(f) = self.cache.fragment_at(pc) else {
-            return;
-        };
-        let (start, pa, mode) = (f.start, f.pa, f.mode);
-        let (Some(m), Ok(t)) = (
-            mode.slot(),
-            decode_trace(mem, start, pa, mode, &mut self.scratch),
-        ) else {
-            return;
-        };
-        let Some(k) = t.info.iter().position(|i| i.address == guest_pc) else {
-            return;
-        };
-        if let Some(b) = t
-            .bbls
-            .iter()
-            .find(|b| (b.first..b.first + b.count).contains(&k))
-        {
-            let n = (b.first + b.count - k) as u64;
-            self.stats.insns_taken_back += n;
-            self.add_insns(m, n.wrapping_neg());
-        }
-    }
-
-    fn link(&mut self, exit: u32, from: u32, to: u32, patch_at: CachePc) {
-        let (src, dst): (&Fragment, &Fragment) = (
-            &self.cache.fragments[from as usize],
-            &self.cache.fragments[to as usize],
-        );
-        if src.mode != dst.mode {
-            return;
-        }
-        let same_page = src.start.page() == dst.start.page() && src.pa.page() == dst.pa.page();
-        let target = if same_page {
-            dst.entry
-        } else {
-            dst.checked_entry
-        };
-        // SAFETY: `patch_at` is the rel32 of a branch of fragment `from`, inside the
-        // cache; nothing executes in the cache while the dispatcher runs.
-        unsafe { patch_branch(patch_at, target) };
-        if let Some(r) = self.cache.exits.get_mut(exit as usize) {
-            if let ExitKind::Direct { linked, .. } = &mut r.kind {
-                *linked = true;
-            }
-        }
-        self.cache.fragments[to as usize].incoming.push(exit);
-        self.stats.links += 1;
-    }
-
-    /// Points every branch linked to fragment `id` back at its exit stub.
-    fn unlink_incoming(&mut self, id: u32) {
-        let incoming = core::mem::take(&mut self.cache.fragments[id as usize].incoming);
-        for e in incoming {
-            if let Some(r) = self.cache.exits.get_mut(e as usize) {
-                if let ExitKind::Direct {
-                    patch_at,
-                    stub,
-                    linked,
-                    ..
-                } = &mut r.kind
-                {
-                    if *linked {
-                        // SAFETY: `patch_at` is a rel32 inside the cache; the cache is not
-                        // running while the dispatcher does this.
-                        unsafe { unpatch_branch(*patch_at, *stub) };
-                        *linked = false;
-                    }
-                }
-            }
         }
     }
 

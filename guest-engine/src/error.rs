@@ -1,7 +1,7 @@
 //! The engine's error type. Guest events (exits, faults the guest should see) are
 //! values ([`crate::dispatch::Stop`]), not errors; errors are engine failures.
 
-use crate::addr::GuestVirt;
+use crate::addr::{CachePc, GuestVirt};
 
 /// Failures of the engine itself.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
@@ -18,6 +18,26 @@ pub enum EngineError {
     /// An emitted label was never bound (translator bug).
     #[error("internal: unbound label")]
     UnboundLabel,
+    /// A `FAULT` exit named a cache PC that no fragment's PC map covers, so the guest
+    /// state there cannot be recovered.
+    #[error("fault at cache PC {0:?} outside every translated fragment")]
+    FaultOutsideFragments(CachePc),
+    /// An exit word named an exit record that does not exist (translator or cache bug).
+    #[error("internal: exit code {kind} names missing exit record {index}")]
+    MissingExitRecord {
+        /// The exit code (kind) of the word.
+        kind: u32,
+        /// The record index of the word.
+        index: u32,
+    },
+    /// An exit word's code does not match its exit record's kind (translator bug).
+    #[error("internal: exit code {kind} does not match exit record {index}")]
+    ExitKindMismatch {
+        /// The exit code (kind) of the word.
+        kind: u32,
+        /// The record index of the word.
+        index: u32,
+    },
     /// A short branch could not reach its label (translator bug).
     #[error("internal: branch out of range")]
     BranchOutOfRange,

@@ -1,7 +1,7 @@
 //! A fragment is one translated trace in the code cache, with its exits.
 //!
-//! Invariants: a fragment's code occupies `[base, base+len)`; `checked_entry ≤ entry ≤
-//! body` are addresses inside it; its exit records are contiguous in the cache's exit table.
+//! Invariants: a fragment's code occupies `[base, base+len)`; `checked_entry < ret_entry <
+//! entry ≤ body` are addresses inside it; its exit records are contiguous in the cache's exit table.
 
 use crate::addr::{CachePc, GuestPhys, GuestVirt};
 use crate::arch::MapMark;

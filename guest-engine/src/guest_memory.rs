@@ -1,7 +1,7 @@
 //! The seam through which the translator fetches guest code: VA → PA → bytes.
 //!
 //! The host harness implements it over its own address space; the in-guest engine
-//! (`image/src/guest_mem.rs`) over the shadow MMU. Invariant: `translate` answers for *instruction
+//! (`image/src/mm/guest_memory.rs`) over the shadow MMU. Invariant: `translate` answers for *instruction
 //! fetch* in the given mode (a user-mode fetch of a supervisor page fails).
 
 use crate::addr::{GuestPhys, GuestVirt};

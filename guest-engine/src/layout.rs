@@ -7,7 +7,7 @@
 //! | 0                      | [`CONTEXT_BYTES`]            | `CacheContext` (guest regs, spill slots, attention byte, buffer pointers) and XSAVE areas |
 //! | [`IBL_OFFSET`]         | [`MODE_SLOTS`] × [`IBL_STRIDE`] | one indirect-branch lookup table per mode |
 //! | [`RC_OFFSET`]          | [`MODE_SLOTS`] × [`RC_BYTES`]   | one return cache (landing pads) per mode  |
-//! | [`SOFTTLB_OFFSET`]     | [`SOFTTLB_BYTES`]            | SoftTLB mirror for PA checks    |
+//! | [`SOFTTLB_OFFSET`]     | [`SOFTTLB_BYTES`]            | SoftTLB (`softtlb.rs`), read by PA checks |
 //! | [`COUNTERS_OFFSET`]    | [`COUNTER_SLOTS`] × 8        | inline instrumentation counters |
 //! | [`GENCODE_OFFSET`]     | [`GENCODE_BYTES`]            | enter / exit / IBL-miss routines|
 //! | [`TRACES_OFFSET`]      | rest                         | translated traces               |
@@ -47,12 +47,12 @@ pub const RC_ENTRIES: usize = 1 << 16;
 pub const RC_OFFSET: usize = IBL_OFFSET + MODE_SLOTS * IBL_STRIDE;
 /// Bytes of one return cache (also the distance between two modes' return caches).
 pub const RC_BYTES: usize = RC_ENTRIES * 8;
-/// Number of SoftTLB mirror slots (direct mapped by virtual page number).
+/// Number of SoftTLB slots (direct mapped by virtual page number; `softtlb.rs`).
 pub const SOFTTLB_ENTRIES: usize = 256;
-/// Offset of the SoftTLB mirror: slots of `[va_page: u64, pa_page: u64]` (shared by all
+/// Offset of the SoftTLB: slots of `[va_page: u64, pa_page: u64]` (shared by all
 /// modes: the kernel and user views of a VA map to the same frame).
 pub const SOFTTLB_OFFSET: usize = RC_OFFSET + MODE_SLOTS * RC_BYTES;
-/// Bytes of the SoftTLB mirror.
+/// Bytes of the SoftTLB.
 pub const SOFTTLB_BYTES: usize = SOFTTLB_ENTRIES * 16;
 /// Number of 8-byte inline counters tools may allocate (2 MiB of the region: a Linux
 /// boot translates ~100 000 distinct basic blocks, and one counter per block is what a

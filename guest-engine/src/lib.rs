@@ -18,17 +18,21 @@ pub mod dispatch;
 pub mod error;
 mod fragment;
 pub mod guest_memory;
+mod insn_count;
 pub mod instrument;
 pub mod layout;
 mod link;
 pub mod native;
 pub mod platform;
-pub mod reverse_map;
+pub mod recover;
 pub mod shadow_mmu;
+mod softtlb;
+pub mod vcpu;
 
 pub use addr::{CachePc, GuestPhys, GuestVirt};
+pub use attention::AttentionHandle;
 pub use context::{Gpr, GuestRegs};
-pub use dispatch::{AttentionHandle, Config, Engine, FaultRedirect, Recovered, Stats, Stop};
+pub use dispatch::{Config, Engine, Stats, Stop};
 pub use error::EngineError;
 pub use guest_memory::{GuestMemory, Mode};
 pub use instrument::{
@@ -36,6 +40,7 @@ pub use instrument::{
     Tool, TraceInstrumenter,
 };
 pub use platform::{Emulation, Platform, SensitiveInsn, SensitiveKind, StopPlatform};
+pub use recover::{FaultRedirect, Recovered};
 
 /// Exit codes of the cache (see the header of `arch/x86_64/entry.rs`).
 pub mod exit_code {

@@ -58,6 +58,11 @@ pub enum SensitiveKind {
     Other,
 }
 
+impl SensitiveKind {
+    /// How many kinds there are (per-kind counters index by `kind as usize`).
+    pub const COUNT: usize = SensitiveKind::Other as usize + 1;
+}
+
 /// A sensitive instruction reached by the guest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SensitiveInsn {

@@ -225,7 +225,7 @@ fn test_invalidate_all_mappings_sends_indirect_branches_and_cross_page_links_to_
     }
     assert!(rig.engine.stats().links >= 1);
     // A CR3 write that changes nothing: the cross-page link's PA check fails on the
-    // emptied mirror, but the mapping still holds, so the link is kept.
+    // emptied SoftTLB, but the mapping still holds, so the link is kept.
     let before = rig.engine.stats();
     rig.engine.invalidate_all_mappings();
     assert_eq!(p.run(&mut rig, &mut mem, &mut NullTool), LOOPS + 100);

@@ -1,14 +1,31 @@
 //! The host daemon: drains the engine's I/O ring into the run's output directory.
 //!
-//! `Open` records create files (names checked with [`kpin_abi::io_ring::validate_name`]:
-//! nothing can land outside the output directory), `Write` appends, `Close` closes, and
-//! `Log` lines go to `engine.log` (errors and warnings are echoed to stderr). A refused
-//! name is logged and counted, and writes to its file id are dropped and counted; the run
-//! goes on. Host I/O failures (a full disk) are errors.
+//! Everything in the ring comes from inside the VM and is treated as hostile:
+//!
+//! - `Open` records create files. A name must pass
+//!   [`kpin_abi::io_ring::validate_name`] (relative, `[A-Za-z0-9._-/]`, no empty, `..` or
+//!   dot-file component), must not be one of kpin's own files ([`RESERVED_NAMES`]), and is
+//!   resolved beneath the output directory without following symlinks
+//!   ([`resolve::OutDir`]); a name that passes through a file, a symlink, a FIFO or a
+//!   hard-linked file is refused. At most [`DaemonConfig::max_open_files`] files are open
+//!   at once and [`DaemonConfig::max_files`] are created per run.
+//! - `Write` appends, `Close` closes. Tool files and `engine.log` together take at most
+//!   [`DaemonConfig::max_output_bytes`]; past that, writes are dropped and counted.
+//! - `Log` lines go to `engine.log`, with escape sequences and control characters removed
+//!   ([`text::terminal_safe`]): one record is one line. Errors and warnings are also
+//!   echoed to stderr, up to [`DaemonConfig::max_echoed_lines`] per run.
+//!
+//! A refused name, or a write past a limit, is logged and counted, and the run goes on.
+//! A corrupt ring or a host I/O failure (a full disk) is a [`DaemonError`]; after one,
+//! [`Daemon::serve`] leaves the ring alone, and the VMM ends the run with an outcome that
+//! names it (exit status 3, `run.json` and a dump written).
 //!
 //! Today the VMM calls [`Daemon::serve`] on its vCPU thread, on each doorbell and at the
 //! end of the run; the control socket for `kpin attach/detach` will join this crate.
 #![deny(missing_docs)]
+
+pub mod resolve;
+pub mod text;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -17,8 +34,60 @@ use std::path::{Path, PathBuf};
 
 use kpin_abi::io_ring::{validate_name, Consumer, Kind, LogLevel, Record, RingError};
 
+use crate::resolve::OutDir;
+use crate::text::terminal_safe;
+
 /// Name of the engine's log in the output directory.
 pub const ENGINE_LOG: &str = "engine.log";
+
+/// The files kpin itself writes in the output directory (the VMM and this daemon):
+/// a tool cannot create, truncate or append to them. (`counters.json` is not here: the
+/// engine writes it through the ring, and kpin reads it back as untrusted JSON.)
+pub const RESERVED_NAMES: &[&str] = &[
+    "console.log",
+    "run.json",
+    "dump.txt",
+    ENGINE_LOG,
+    "bbcount-report.txt",
+    "control.sock",
+];
+
+/// Limits of one run's output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DaemonConfig {
+    /// Tool files open at once (`kpin run --max-open-files`).
+    pub max_open_files: usize,
+    /// Files created in the run.
+    pub max_files: u64,
+    /// Bytes written to tool files and `engine.log` together (`kpin run
+    /// --max-output-bytes`).
+    pub max_output_bytes: u64,
+    /// Engine errors and warnings (and the daemon's own notes) echoed to stderr at most;
+    /// the rest are only in `engine.log`.
+    pub max_echoed_lines: u64,
+}
+
+impl DaemonConfig {
+    /// Default [`Self::max_open_files`].
+    pub const DEFAULT_MAX_OPEN_FILES: usize = 64;
+    /// Default [`Self::max_files`].
+    pub const DEFAULT_MAX_FILES: u64 = 4096;
+    /// Default [`Self::max_output_bytes`]: 1 GiB.
+    pub const DEFAULT_MAX_OUTPUT_BYTES: u64 = 1 << 30;
+    /// Default [`Self::max_echoed_lines`].
+    pub const DEFAULT_MAX_ECHOED_LINES: u64 = 1000;
+}
+
+impl Default for DaemonConfig {
+    fn default() -> Self {
+        DaemonConfig {
+            max_open_files: Self::DEFAULT_MAX_OPEN_FILES,
+            max_files: Self::DEFAULT_MAX_FILES,
+            max_output_bytes: Self::DEFAULT_MAX_OUTPUT_BYTES,
+            max_echoed_lines: Self::DEFAULT_MAX_ECHOED_LINES,
+        }
+    }
+}
 
 /// Failures of the daemon itself.
 #[derive(Debug, thiserror::Error)]
@@ -40,39 +109,66 @@ pub struct DaemonStats {
     pub drains: u64,
     /// Files created.
     pub files_opened: u64,
-    /// `Open` records refused for their name.
+    /// `Open` records refused (their name, or a limit).
     pub files_refused: u64,
     /// Payload bytes written to tool files.
     pub bytes_written: u64,
-    /// Writes or closes to a file id that is not open (e.g. after a refusal), dropped.
+    /// Writes or closes to a file id that is not open (e.g. after a refusal), or writes
+    /// past [`DaemonConfig::max_output_bytes`], dropped.
     pub writes_dropped: u64,
-    /// Engine log lines.
+    /// Bytes of the dropped writes and log lines.
+    pub bytes_dropped: u64,
+    /// Engine log lines written.
     pub log_lines: u64,
+    /// Engine log lines dropped past [`DaemonConfig::max_output_bytes`].
+    pub log_lines_dropped: u64,
 }
 
 /// The daemon for one run.
 pub struct Daemon {
     out_dir: PathBuf,
+    dir: Option<OutDir>,
+    config: DaemonConfig,
     files: HashMap<u16, (PathBuf, BufWriter<File>)>,
     log: Option<BufWriter<File>>,
     stats: DaemonStats,
+    /// Bytes written to tool files and `engine.log`.
+    output_bytes: u64,
+    echoed: u64,
+    cap_noted: bool,
     first_error: Option<DaemonError>,
+    stopped: bool,
 }
 
 impl Daemon {
-    /// A daemon writing into `out_dir`, which must exist.
+    /// A daemon writing into `out_dir`, which must exist, with the default limits.
     pub fn new(out_dir: &Path) -> Self {
+        Self::with_config(out_dir, DaemonConfig::default())
+    }
+
+    /// A daemon writing into `out_dir`, which must exist, with `config`'s limits.
+    pub fn with_config(out_dir: &Path, config: DaemonConfig) -> Self {
         Daemon {
             out_dir: out_dir.to_owned(),
+            dir: None,
+            config,
             files: HashMap::new(),
             log: None,
             stats: DaemonStats::default(),
+            output_bytes: 0,
+            echoed: 0,
+            cap_noted: false,
             first_error: None,
+            stopped: false,
         }
     }
 
-    /// Drains every record the engine has published.
+    /// Drains every record the engine has published. After an error the daemon is
+    /// stopped: later calls return `Ok(0)` and leave the ring alone.
     pub fn serve(&mut self, ring: &mut Consumer) -> Result<usize, DaemonError> {
+        if self.stopped {
+            return Ok(0);
+        }
         self.stats.drains += 1;
         let n = ring.drain(|r| {
             if self.first_error.is_none() {
@@ -81,10 +177,27 @@ impl Daemon {
                 }
             }
         });
-        if let Some(e) = self.first_error.take() {
-            return Err(e);
-        }
-        n.map_err(DaemonError::Ring)
+        let result = match self.first_error.take() {
+            Some(e) => Err(e),
+            None => n.map_err(DaemonError::Ring),
+        };
+        self.stopped = result.is_err();
+        result
+    }
+
+    /// The statistics so far.
+    pub fn stats(&self) -> &DaemonStats {
+        &self.stats
+    }
+
+    /// Tool files open now.
+    pub fn open_files(&self) -> usize {
+        self.files.len()
+    }
+
+    /// Bytes charged to [`DaemonConfig::max_output_bytes`] so far.
+    pub fn output_bytes(&self) -> u64 {
+        self.output_bytes
     }
 
     /// Flushes and closes everything; returns the statistics.
@@ -99,19 +212,33 @@ impl Daemon {
         Ok(self.stats)
     }
 
+    fn dir(&mut self) -> Result<&OutDir, DaemonError> {
+        if self.dir.is_none() {
+            let d = OutDir::open(&self.out_dir)
+                .map_err(|e| DaemonError::Io(self.out_dir.clone(), e))?;
+            self.dir = Some(d);
+        }
+        Ok(self.dir.as_ref().expect("opened just above"))
+    }
+
     fn handle(&mut self, r: Record<'_>) -> Result<(), DaemonError> {
         self.stats.records += 1;
         match r.kind {
             Kind::Pad => {}
             Kind::Open => self.open(r.file, r.payload)?,
-            Kind::Write => match self.files.get_mut(&r.file) {
-                Some((path, f)) => {
+            Kind::Write => {
+                let len = r.payload.len() as u64;
+                if !self.files.contains_key(&r.file) {
+                    self.stats.writes_dropped += 1;
+                    self.stats.bytes_dropped += len;
+                } else if !self.take_budget(len)? {
+                    self.stats.writes_dropped += 1;
+                } else if let Some((path, f)) = self.files.get_mut(&r.file) {
                     f.write_all(r.payload)
                         .map_err(|e| DaemonError::Io(path.clone(), e))?;
-                    self.stats.bytes_written += r.payload.len() as u64;
+                    self.stats.bytes_written += len;
                 }
-                None => self.stats.writes_dropped += 1,
-            },
+            }
             Kind::Close => match self.files.remove(&r.file) {
                 Some((path, mut f)) => f.flush().map_err(|e| DaemonError::Io(path, e))?,
                 None => self.stats.writes_dropped += 1,
@@ -124,40 +251,109 @@ impl Daemon {
         Ok(())
     }
 
+    /// Takes `len` bytes of the output budget; `false` (and a note, once) if they do not
+    /// fit.
+    fn take_budget(&mut self, len: u64) -> Result<bool, DaemonError> {
+        let total = self.output_bytes.saturating_add(len);
+        if total > self.config.max_output_bytes {
+            self.stats.bytes_dropped = self.stats.bytes_dropped.saturating_add(len);
+            if !self.cap_noted {
+                self.cap_noted = true;
+                let msg = format!(
+                    "daemon: the run's output reached its limit of {} bytes (--max-output-bytes); further writes and log lines are dropped",
+                    self.config.max_output_bytes
+                );
+                // The note itself is not charged: it is the last line the cap lets in.
+                self.write_log(LogLevel::Error, &msg)?;
+            }
+            return Ok(false);
+        }
+        self.output_bytes = total;
+        Ok(true)
+    }
+
+    fn refuse(&mut self, name: &[u8], why: &str) -> Result<(), DaemonError> {
+        self.stats.files_refused += 1;
+        let shown = String::from_utf8_lossy(name);
+        self.log_line(
+            LogLevel::Error,
+            &format!("daemon: refused to create {shown:?}: {why}"),
+        )
+    }
+
     fn open(&mut self, id: u16, name: &[u8]) -> Result<(), DaemonError> {
         if let Some((path, mut old)) = self.files.remove(&id) {
             old.flush().map_err(|e| DaemonError::Io(path, e))?;
         }
         if let Err(why) = validate_name(name) {
-            self.stats.files_refused += 1;
-            let shown = String::from_utf8_lossy(name);
-            return self.log_line(
-                LogLevel::Error,
-                &format!("daemon: refused to create {shown:?} ({why:?}): it must stay inside the output directory"),
+            return self.refuse(
+                name,
+                &format!(
+                    "{why:?}: a name must stay inside the output directory, without dot-files"
+                ),
             );
         }
         let rel = std::str::from_utf8(name).expect("validate_name admits ASCII only");
-        let path = self.out_dir.join(rel);
-        if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent).map_err(|e| DaemonError::Io(parent.to_owned(), e))?;
+        let first = rel.split('/').next().unwrap_or(rel);
+        if RESERVED_NAMES.contains(&first) {
+            return self.refuse(name, "kpin writes that file itself");
         }
-        let f = File::create(&path).map_err(|e| DaemonError::Io(path.clone(), e))?;
-        self.files.insert(id, (path, BufWriter::new(f)));
-        self.stats.files_opened += 1;
-        Ok(())
+        if self.files.len() >= self.config.max_open_files {
+            let max = self.config.max_open_files;
+            return self.refuse(
+                name,
+                &format!("{max} files are open already (--max-open-files)"),
+            );
+        }
+        if self.stats.files_opened >= self.config.max_files {
+            let max = self.config.max_files;
+            return self.refuse(name, &format!("the run created {max} files already"));
+        }
+        let created = self.dir()?.create_file(rel);
+        match created {
+            Ok(f) => {
+                self.files
+                    .insert(id, (self.out_dir.join(rel), BufWriter::new(f)));
+                self.stats.files_opened += 1;
+                Ok(())
+            }
+            Err(e) => self.refuse(name, &e.to_string()),
+        }
     }
 
+    /// An engine log line (charged to the output budget).
     fn log_line(&mut self, level: LogLevel, text: &str) -> Result<(), DaemonError> {
+        let len = text.len() as u64 + 10;
+        if !self.take_budget(len)? {
+            self.stats.log_lines_dropped += 1;
+            return Ok(());
+        }
+        self.write_log(level, text)
+    }
+
+    fn write_log(&mut self, level: LogLevel, text: &str) -> Result<(), DaemonError> {
         let path = self.out_dir.join(ENGINE_LOG);
         if self.log.is_none() {
-            let f = File::create(&path).map_err(|e| DaemonError::Io(path.clone(), e))?;
+            let f = self
+                .dir()?
+                .create_file(ENGINE_LOG)
+                .map_err(|e| DaemonError::Io(path.clone(), e))?;
             self.log = Some(BufWriter::new(f));
         }
         let log = self.log.as_mut().expect("just created");
-        let text = text.trim_end_matches('\n');
+        let text = terminal_safe(text.trim_end_matches('\n'));
         writeln!(log, "[{level:?}] {text}").map_err(|e| DaemonError::Io(path, e))?;
         if level <= LogLevel::Warn {
-            eprintln!("kpin: engine: [{level:?}] {text}");
+            self.echoed += 1;
+            let max = self.config.max_echoed_lines;
+            if self.echoed <= max {
+                eprintln!("kpin: engine: [{level:?}] {text}");
+            } else if self.echoed == max + 1 {
+                eprintln!(
+                    "kpin: engine: more than {max} errors and warnings; the rest are only in {}",
+                    self.out_dir.join(ENGINE_LOG).display()
+                );
+            }
         }
         self.stats.log_lines += 1;
         Ok(())
@@ -234,5 +430,122 @@ mod tests {
             log.contains("refused to create \"../../escaped.txt\""),
             "{log}"
         );
+    }
+
+    #[test]
+    fn test_reserved_dotfile_symlinked_and_below_a_file_names_are_refused_and_the_run_goes_on() {
+        let (_mem, mut p, mut c, dir) = setup("refused");
+        let victim = dir.with_extension("victim");
+        std::fs::write(&victim, "keep").unwrap();
+        std::os::unix::fs::symlink(&victim, dir.join("tool.csv")).unwrap();
+        let mut d = Daemon::new(&dir);
+        p.push(Kind::Open, 1, b"plain").unwrap();
+        for (id, name) in (2..).zip([
+            &b"run.json"[..],
+            b"console.log",
+            b"engine.log",
+            b"dump.txt",
+            b"bbcount-report.txt",
+            b"run.json/x",
+            b".bashrc",
+            b"sub/.hidden",
+            b"tool.csv",
+            b"plain/below",
+        ]) {
+            p.push(Kind::Open, id, name).unwrap();
+            p.push(Kind::Write, id, b"forged").unwrap();
+        }
+        d.serve(&mut c).unwrap();
+        let stats = d.finish().unwrap();
+        assert_eq!((stats.files_opened, stats.files_refused), (1, 10));
+        assert_eq!(stats.writes_dropped, 10);
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+        for kpin_file in [
+            "run.json",
+            "console.log",
+            "dump.txt",
+            "bbcount-report.txt",
+            ".bashrc",
+        ] {
+            assert!(!dir.join(kpin_file).exists(), "{kpin_file}");
+        }
+        let log = std::fs::read_to_string(dir.join(ENGINE_LOG)).unwrap();
+        assert_eq!(log.lines().count(), 10, "{log}");
+        assert!(!log.contains("forged"), "{log}");
+        assert!(
+            log.contains("\"run.json\": kpin writes that file itself"),
+            "{log}"
+        );
+        assert!(log.contains("symbolic link"), "{log}");
+        assert!(log.contains("not a directory"), "{log}");
+        std::fs::remove_file(&victim).unwrap();
+    }
+
+    #[test]
+    fn test_open_files_and_output_bytes_are_capped() {
+        let (_mem, mut p, mut c, dir) = setup("caps");
+        let cfg = DaemonConfig {
+            max_open_files: 2,
+            max_files: 3,
+            max_output_bytes: 100,
+            max_echoed_lines: 0,
+        };
+        let mut d = Daemon::with_config(&dir, cfg);
+        for id in 1..=3 {
+            p.push(Kind::Open, id, format!("f{id}").as_bytes()).unwrap();
+        }
+        d.serve(&mut c).unwrap();
+        assert_eq!((d.stats().files_opened, d.stats().files_refused), (2, 1));
+        p.push(Kind::Close, 1, b"").unwrap();
+        p.push(Kind::Open, 4, b"f4").unwrap();
+        p.push(Kind::Close, 4, b"").unwrap();
+        p.push(Kind::Open, 5, b"f5").unwrap();
+        d.serve(&mut c).unwrap();
+        assert_eq!(d.stats().files_opened, 3, "max_files");
+        assert!(!dir.join("f5").exists());
+        // 100 bytes of budget, minus the log lines above (each charged).
+        for _ in 0..10 {
+            p.push(Kind::Write, 2, &[b'x'; 40]).unwrap();
+            d.serve(&mut c).unwrap();
+        }
+        let stats = d.finish().unwrap();
+        let written = std::fs::metadata(dir.join("f2")).unwrap().len();
+        let log_len = std::fs::metadata(dir.join(ENGINE_LOG)).unwrap().len();
+        assert_eq!(written, stats.bytes_written);
+        assert!(stats.bytes_written <= 100, "{stats:?}");
+        assert!(stats.writes_dropped >= 8, "{stats:?}");
+        let log = std::fs::read_to_string(dir.join(ENGINE_LOG)).unwrap();
+        assert!(log.contains("reached its limit of 100 bytes"), "{log}");
+        assert!(log_len < 400, "{log}");
+    }
+
+    #[test]
+    fn test_log_text_cannot_forge_lines_or_reach_the_terminal_raw() {
+        let (_mem, mut p, mut c, dir) = setup("logtext");
+        let mut d = Daemon::new(&dir);
+        p.push(
+            Kind::Log,
+            LogLevel::Info as u16,
+            b"ok\n[Error] forged \x1b[2J\x1b]0;pwned\x07end\r",
+        )
+        .unwrap();
+        d.serve(&mut c).unwrap();
+        d.finish().unwrap();
+        let log = std::fs::read_to_string(dir.join(ENGINE_LOG)).unwrap();
+        assert_eq!(log, "[Info] ok [Error] forged end \n");
+    }
+
+    #[test]
+    fn test_corrupt_ring_is_an_error_once_then_the_daemon_stops() {
+        let (mut mem, mut p, mut c, dir) = setup("corrupt");
+        let mut d = Daemon::new(&dir);
+        p.push(Kind::Write, 1, b"x").unwrap();
+        mem.0[HEADER_BYTES] = 77; // unknown kind
+        assert!(matches!(
+            d.serve(&mut c),
+            Err(DaemonError::Ring(RingError::Corrupt))
+        ));
+        assert_eq!(d.serve(&mut c).unwrap(), 0, "stopped");
+        d.finish().unwrap();
     }
 }

@@ -1,5 +1,6 @@
 //! Produces the guest images and reports how long it took:
-//! `cargo run -p kpin-images --example ensure_images [-- [--minikernel] [OUT_DIR]]`.
+//! `cargo run -p kpin-images --example ensure_images [-- [--all-kernels] [--minikernel] [OUT_DIR]]`
+//! (without `--all-kernels`, only the default kernel).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -8,20 +9,24 @@ use std::time::Instant;
 fn main() -> ExitCode {
     let mut out_dir = kpin_images::default_out_dir();
     let mut minikernel = false;
+    let mut kernels = vec![kpin_images::GuestKernel::Debian61];
     for arg in std::env::args().skip(1) {
         match arg.as_str() {
             "--minikernel" => minikernel = true,
+            "--all-kernels" => kernels = kpin_images::GuestKernel::ALL.to_vec(),
             _ => out_dir = PathBuf::from(arg),
         }
     }
-    let start = Instant::now();
-    let mut progress = |line: &str| println!("[{:7.2}s] {line}", start.elapsed().as_secs_f64());
-    match kpin_images::ensure_linux(&out_dir, &mut progress) {
-        Ok(images) => println!(
-            "linux ready in {:.2}s: {images:#?}",
-            start.elapsed().as_secs_f64()
-        ),
-        Err(err) => return report(&err),
+    for kernel in kernels {
+        let start = Instant::now();
+        let mut progress = |line: &str| println!("[{:7.2}s] {line}", start.elapsed().as_secs_f64());
+        match kpin_images::ensure_linux_kernel(kernel, &out_dir, &mut progress) {
+            Ok(images) => println!(
+                "linux ready in {:.2}s: {images:#?}",
+                start.elapsed().as_secs_f64()
+            ),
+            Err(err) => return report(&err),
+        }
     }
     if minikernel {
         let start = Instant::now();
@@ -38,6 +43,10 @@ fn main() -> ExitCode {
     println!(
         "default workload md5: {}",
         kpin_images::workload_expected_md5()
+    );
+    println!(
+        "programs workload md5: {}",
+        kpin_images::programs_workload_expected_md5()
     );
     ExitCode::SUCCESS
 }

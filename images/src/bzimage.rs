@@ -1,4 +1,6 @@
-//! Recovering the kernel ELF (`vmlinux`) from a bzImage's compressed payload.
+//! Recovering the kernel ELF (`vmlinux`) from a bzImage's compressed payload: LZ4 (legacy
+//! format, decoded here) or zstd (located and checked here, decoded by the host's `zstd`,
+//! see `linux.rs`).
 //!
 //! Booting the ELF directly lets the VMM skip the bzImage's decompressor, which would run for
 //! a very long time under this KVM's ring-0 instruction emulation.
@@ -37,6 +39,8 @@ const SECTOR_BYTES: usize = 512;
 const DEFAULT_SETUP_SECTS: usize = 4;
 /// Size of the decompressed-length trailer the kernel build appends.
 const SIZE_TRAILER_BYTES: usize = 4;
+/// The zstd frame magic, as it appears in the file.
+const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
 
 /// ELF identification: magic, class 64, little-endian.
 const ELF64_LE_IDENT: [u8; 6] = [0x7f, b'E', b'L', b'F', 2, 1];
@@ -74,7 +78,7 @@ pub enum BzImageError {
         file_len: usize,
     },
     /// The payload uses a compression other than LZ4.
-    #[error("payload is not LZ4-compressed (magic {magic:02x?}, looks like {kind}); only LZ4 is supported")]
+    #[error("payload is neither LZ4- nor zstd-compressed (magic {magic:02x?}, looks like {kind}); only those are supported")]
     NotLz4 {
         /// The payload's first bytes.
         magic: Vec<u8>,
@@ -165,7 +169,55 @@ pub(crate) fn is_x86_64_elf(data: &[u8]) -> bool {
     data.starts_with(&ELF64_LE_IDENT) && read_u16_le(data, ELF_MACHINE_OFFSET) == Some(EM_X86_64)
 }
 
-/// Extracts the kernel ELF from the bzImage `image`.
+/// A zstd-compressed payload: the frame to decompress and the size the build recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ZstdPayload<'a> {
+    /// The zstd frame (the payload without its size trailer).
+    pub frame: &'a [u8],
+    /// The decompressed size from the trailer the kernel build appends (`size_append`).
+    pub size: u32,
+}
+
+/// The zstd frame of `image`'s payload, or `None` if the payload is not zstd.
+pub(crate) fn zstd_payload(image: &[u8]) -> Result<Option<ZstdPayload<'_>>, BzImageError> {
+    let payload = find_payload(image)?;
+    let bytes = &image[payload.offset..payload.offset + payload.len];
+    if !bytes.starts_with(&ZSTD_MAGIC) {
+        return Ok(None);
+    }
+    // The kernel build always appends the size; `zstd` would reject the 4 bytes as a
+    // second frame, so they are cut off here.
+    let frame_len = bytes.len().saturating_sub(SIZE_TRAILER_BYTES);
+    let size = read_u32_le(bytes, frame_len).ok_or(BzImageError::PayloadOutOfBounds {
+        offset: payload.offset,
+        len: payload.len,
+        file_len: image.len(),
+    })?;
+    Ok(Some(ZstdPayload {
+        frame: &bytes[..frame_len],
+        size,
+    }))
+}
+
+/// Checks what `payload`'s frame decompressed to: the recorded size, an x86-64 ELF.
+pub(crate) fn check_zstd_output(
+    payload: &ZstdPayload<'_>,
+    data: Vec<u8>,
+) -> Result<Vec<u8>, BzImageError> {
+    if data.len() != payload.size as usize {
+        return Err(BzImageError::SizeMismatch {
+            expected: payload.size,
+            actual: data.len(),
+        });
+    }
+    if !is_x86_64_elf(&data) {
+        return Err(BzImageError::NotElf64);
+    }
+    Ok(data)
+}
+
+/// Extracts the kernel ELF from the bzImage `image` with an LZ4 payload (for zstd, see
+/// [`zstd_payload`]).
 pub(crate) fn extract_vmlinux(image: &[u8]) -> Result<Vec<u8>, BzImageError> {
     let payload = find_payload(image)?;
     let bytes = &image[payload.offset..payload.offset + payload.len];
@@ -236,6 +288,41 @@ mod tests {
     }
 
     const BLOCK_FOR_TESTS: usize = 256 * 1024;
+
+    #[test]
+    fn test_zstd_payload_splits_frame_and_size_trailer() {
+        let mut payload = ZSTD_MAGIC.to_vec();
+        payload.extend_from_slice(&[1, 2, 3]);
+        payload.extend_from_slice(&1234u32.to_le_bytes());
+        let image = fake_bzimage(4, 0x40, &payload);
+        let z = zstd_payload(&image).expect("parse").expect("zstd");
+        assert_eq!(z.frame, &payload[..7]);
+        assert_eq!(z.size, 1234);
+        // An LZ4 payload is not zstd.
+        let lz4 = fake_bzimage(4, 0, &kernel_style_payload(&fake_elf(4096)));
+        assert_eq!(zstd_payload(&lz4).expect("parse"), None);
+    }
+
+    #[test]
+    fn test_check_zstd_output_wants_recorded_size_and_elf() {
+        let elf = fake_elf(4096);
+        let z = ZstdPayload {
+            frame: &[],
+            size: 4096,
+        };
+        assert_eq!(check_zstd_output(&z, elf.clone()).expect("ok"), elf);
+        assert!(matches!(
+            check_zstd_output(&z, elf[..4000].to_vec()),
+            Err(BzImageError::SizeMismatch {
+                expected: 4096,
+                actual: 4000
+            })
+        ));
+        assert!(matches!(
+            check_zstd_output(&z, vec![0; 4096]),
+            Err(BzImageError::NotElf64)
+        ));
+    }
 
     #[test]
     fn test_find_payload_reads_header_fields() {

@@ -4,10 +4,12 @@
 //! standalone shell, so the links are for humans and for other shells, not required by
 //! `/init`), the mount points `/proc /sys /dev /tmp`, `/root` and `/etc`, a `/dev/console`
 //! node (5,1) so that the kernel can open the console for `/init` before devtmpfs is mounted,
-//! and `/init` itself, the script in `images/initramfs/init`.
+//! `/bin/kpin-test` (the native test programs, `programs.rs`), and `/init` itself, the
+//! script in `images/initramfs/init`.
 //!
-//! Invariant: the archive is a pure function of the busybox binary and the script (see
-//! [`crate::cpio`]), so rebuilding it and comparing hashes is how the cache is checked.
+//! Invariant: the archive is a pure function of the busybox binary, the test programs'
+//! binary and the script (see [`crate::cpio`]), so rebuilding it and comparing hashes is how
+//! the cache is checked.
 
 use crate::cpio::{CpioError, CpioWriter};
 
@@ -35,8 +37,8 @@ const DIRECTORIES: &[(&str, u32)] = &[
 /// Major and minor number of `/dev/console` (TTYAUX_MAJOR, 1).
 const CONSOLE_DEVICE: (u32, u32) = (5, 1);
 
-/// Builds the initramfs archive around the given busybox binary.
-pub(crate) fn build(busybox: &[u8]) -> Result<Vec<u8>, CpioError> {
+/// Builds the initramfs archive around the given busybox and `kpin-test` binaries.
+pub(crate) fn build(busybox: &[u8], kpin_test: &[u8]) -> Result<Vec<u8>, CpioError> {
     let mut archive = CpioWriter::new();
     for &(dir, perm) in DIRECTORIES {
         archive.dir(dir, perm)?;
@@ -46,6 +48,7 @@ pub(crate) fn build(busybox: &[u8]) -> Result<Vec<u8>, CpioError> {
     for applet in APPLETS {
         archive.symlink(&format!("bin/{applet}"), "busybox")?;
     }
+    archive.file("bin/kpin-test", 0o755, kpin_test)?;
     archive.file("init", 0o755, INIT_SCRIPT.as_bytes())?;
     Ok(archive.finish())
 }
@@ -57,7 +60,7 @@ mod tests {
 
     #[test]
     fn test_archive_has_init_console_and_applets() {
-        let archive = build(b"fake busybox").expect("build");
+        let archive = build(b"fake busybox", b"fake kpin-test").expect("build");
         let entries = cpio::parse(&archive).expect("well-formed");
         let find = |name: &str| {
             entries
@@ -72,6 +75,8 @@ mod tests {
         assert_eq!(find("dev/console").mode, 0o020_600);
         assert_eq!(find("bin/busybox").data, b"fake busybox");
         assert_eq!(find("bin/sh").data, b"busybox");
+        assert_eq!(find("bin/kpin-test").data, b"fake kpin-test");
+        assert_eq!(find("bin/kpin-test").mode, 0o100_755);
         for dir in ["proc", "sys", "dev", "tmp", "root", "etc"] {
             assert_eq!(find(dir).mode & 0o170_000, 0o040_000, "{dir}");
         }

@@ -2,8 +2,9 @@
 //!
 //! ```text
 //! out_dir/
-//!   linux-<release>/{vmlinuz, vmlinux, System.map, config}   the pinned kernel
+//!   linux-<release>/{vmlinuz, vmlinux, System.map, config}   each pinned kernel
 //!   busybox/busybox                                          static busybox from Debian
+//!   programs/kpin-test                                       the initramfs' test programs
 //!   initramfs.cpio                                           newc archive, uncompressed
 //!   minikernel.elf                                           the mini-kernel guest
 //!   minikernel-target/                                       cargo's target dir for it
@@ -12,16 +13,25 @@
 //!   downloads/                                               verified .debs (the big -dbg one is deleted)
 //!   .stamps/                                                 cache stamps (see cache.rs)
 //!   .scratch/                                                extraction space, emptied after use
+//!   .scratch-zstd/                                           a zstd payload being decompressed
 //!   .lock-linux, .lock-minikernel, .lock-engine              job locks
 //! ```
 
 use std::path::{Path, PathBuf};
 
-use crate::pins::KERNEL_RELEASE;
+/// Directory holding the files of the pinned kernel with release `release`.
+pub(crate) fn kernel_dir(out_dir: &Path, release: &str) -> PathBuf {
+    out_dir.join(format!("linux-{release}"))
+}
 
-/// Directory holding the pinned kernel's files.
-pub(crate) fn kernel_dir(out_dir: &Path) -> PathBuf {
-    out_dir.join(format!("linux-{KERNEL_RELEASE}"))
+/// Scratch space for decompressing a zstd kernel payload; removed after use.
+pub(crate) fn zstd_scratch_dir(out_dir: &Path) -> PathBuf {
+    out_dir.join(".scratch-zstd")
+}
+
+/// The initramfs' test programs (one static binary, `kpin-test`).
+pub(crate) fn programs(out_dir: &Path) -> PathBuf {
+    out_dir.join("programs").join("kpin-test")
 }
 
 /// Directory `apt-get download` runs in.

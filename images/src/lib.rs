@@ -1,5 +1,6 @@
-//! kpin's guest images: the pinned Debian kernel (as bzImage, as vmlinux ELF, with its
-//! `System.map` and config), the busybox initramfs with kpin's `/init`, and the mini-kernel.
+//! kpin's guest images: the pinned Debian kernels ([`GuestKernel`]: each as bzImage, as
+//! vmlinux ELF, with its `System.map` and config), the busybox initramfs with kpin's `/init`
+//! and its native test programs, and the mini-kernel.
 //!
 //! Everything lands in a git-ignored output directory ([`default_out_dir`]). The functions are
 //! idempotent and cached: a second call with everything present and verified downloads
@@ -9,7 +10,9 @@
 //! Concurrent callers serialise on a lock file per job.
 //!
 //! Host requirements: `apt-get` (with a package index that knows the pinned versions),
-//! `dpkg-deb`, `tar`, and for the mini-kernel `cargo` with the `x86_64-unknown-none` target.
+//! `dpkg-deb`, `tar`, `zstd` (for kernels with a zstd payload), `gcc` with `libc6-dev`
+//! (the initramfs' test programs are static C programs), and for the mini-kernel `cargo`
+//! with the `x86_64-unknown-none` target.
 #![deny(missing_docs)]
 
 mod bzimage;
@@ -25,6 +28,7 @@ mod lz4_legacy;
 mod minikernel;
 mod nostd;
 mod pins;
+mod programs;
 mod workload;
 
 use std::io;
@@ -34,12 +38,46 @@ pub use bzimage::BzImageError;
 pub use command::CommandError;
 pub use cpio::CpioError;
 pub use lz4_legacy::Lz4Error;
-pub use workload::workload_expected_md5;
+pub use workload::{programs_workload_expected_md5, workload_expected_md5, PROGRAMS};
 
-/// The files of the pinned Linux guest, all inside the output directory.
+/// The pinned guest kernels. Each is a Debian cloud kernel pinned by version and by the
+/// SHA-256 of its packages (`images/src/pins.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GuestKernel {
+    /// Debian bookworm's 6.1 LTS cloud kernel, `6.1.0-56-cloud-amd64` (6.1.192-2): the
+    /// default guest; LZ4 bzImage.
+    Debian61,
+    /// Debian bookworm-security's 6.12 LTS cloud kernel, `6.12.117+deb12-cloud-amd64`
+    /// (6.12.117-1~deb12u1); zstd bzImage.
+    Debian612,
+}
+
+impl GuestKernel {
+    /// Every pinned kernel, the default first.
+    pub const ALL: [GuestKernel; 2] = [GuestKernel::Debian61, GuestKernel::Debian612];
+
+    /// The kernel release (`uname -r` in the guest).
+    pub fn release(self) -> &'static str {
+        self.pins().release
+    }
+
+    /// The pinned packages.
+    pub(crate) fn pins(self) -> &'static pins::KernelPins {
+        match self {
+            GuestKernel::Debian61 => &pins::DEBIAN_6_1,
+            GuestKernel::Debian612 => &pins::DEBIAN_6_12,
+        }
+    }
+}
+
+/// The files of a pinned Linux guest, all inside the output directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LinuxImages {
-    /// The distribution's bzImage (`vmlinuz`), LZ4-compressed, relocatable.
+    /// Which kernel these are.
+    pub kernel: GuestKernel,
+    /// The distribution's bzImage (`vmlinuz`), relocatable, as Debian ships it (6.1: LZ4
+    /// payload; 6.12: zstd payload, signed). Booting it runs its decompressor, which also
+    /// applies KASLR unless the command line says `nokaslr`: the distribution's behaviour.
     pub bzimage: PathBuf,
     /// The kernel ELF taken from the bzImage's payload: boots without the decompressor.
     /// Symbols are stripped; use [`LinuxImages::system_map`] for them.
@@ -48,7 +86,8 @@ pub struct LinuxImages {
     pub system_map: PathBuf,
     /// The kernel's `.config`.
     pub config: PathBuf,
-    /// The busybox initramfs (uncompressed newc cpio) whose `/init` runs a workload.
+    /// The busybox initramfs (uncompressed newc cpio) whose `/init` runs a workload; the
+    /// same file for every kernel.
     pub initramfs: PathBuf,
     /// The kernel release (`uname -r`), e.g. `6.1.0-56-cloud-amd64`.
     pub kernel_version: &'static str,
@@ -134,6 +173,29 @@ pub enum ImagesError {
         #[source]
         source: BzImageError,
     },
+    /// A kernel's zstd payload could not be decompressed with the host's `zstd`.
+    #[error("could not decompress the zstd payload of {}: `{command}` failed (is `zstd` installed?)", path.display())]
+    Zstd {
+        /// The bzImage.
+        path: PathBuf,
+        /// The exact command that failed.
+        command: String,
+        /// How it failed.
+        #[source]
+        source: CommandError,
+    },
+    /// The initramfs' test programs could not be compiled.
+    #[error(
+        "could not build the initramfs test programs: `{command}` failed (they need `gcc` \
+         and `libc6-dev`: `apt-get install gcc libc6-dev`)"
+    )]
+    Programs {
+        /// The exact command that failed.
+        command: String,
+        /// How it failed.
+        #[source]
+        source: CommandError,
+    },
     /// The initramfs archive could not be built.
     #[error("could not build the initramfs")]
     Initramfs {
@@ -198,16 +260,27 @@ pub fn default_out_dir() -> PathBuf {
     repo_root().join("images").join("out")
 }
 
-/// Makes sure the pinned Linux guest is complete in `out_dir` and returns its files.
-///
-/// Downloads (with `apt-get download`) and verifies what is missing, extracts the kernel,
-/// its ELF and its symbol map, and builds the initramfs. `progress` receives one line per
-/// step that does work; a warm call does no downloads and reports nothing or little.
+/// Makes sure the default Linux guest ([`GuestKernel::Debian61`]) is complete in `out_dir`
+/// and returns its files; see [`ensure_linux_kernel`].
 pub fn ensure_linux(
     out_dir: &Path,
     progress: &mut dyn FnMut(&str),
 ) -> Result<LinuxImages, ImagesError> {
-    linux::ensure(out_dir, progress)
+    linux::ensure(GuestKernel::Debian61, out_dir, progress)
+}
+
+/// Makes sure the Linux guest with `kernel` is complete in `out_dir` and returns its files.
+///
+/// Downloads (with `apt-get download`) and verifies what is missing, extracts the kernel,
+/// its ELF and its symbol map, builds the test programs and the initramfs. `progress`
+/// receives one line per step that does work; a warm call does no downloads and reports
+/// nothing or little.
+pub fn ensure_linux_kernel(
+    kernel: GuestKernel,
+    out_dir: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<LinuxImages, ImagesError> {
+    linux::ensure(kernel, out_dir, progress)
 }
 
 /// Builds the mini-kernel guest (`tests/guests/minikernel`) and returns the path of its ELF,

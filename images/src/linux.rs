@@ -1,13 +1,14 @@
-//! Producing the Linux guest: the pinned kernel's files and the busybox initramfs.
+//! Producing a Linux guest: a pinned kernel's files and the busybox initramfs.
 //!
 //! Steps, each skipped when its outputs are present and their stamps match (see `cache.rs`):
 //! 1. `vmlinuz` and `config` from the kernel package.
-//! 2. `vmlinux` from `vmlinuz`'s LZ4 payload.
-//! 3. `System.map` from the `-dbg` package, which is deleted afterwards (283 MB); the stamp
+//! 2. `vmlinux` from `vmlinuz`'s payload: LZ4 decoded in-process, zstd by the host's `zstd`.
+//! 3. `System.map` from the `-dbg` package, which is deleted afterwards (~300 MB); the stamp
 //!    of `System.map` records the verified hash of the package it came from.
 //! 4. `busybox` from `busybox-static`.
-//! 5. `initramfs.cpio`, rebuilt in memory on every call (milliseconds) and written only when
-//!    its bytes differ from the file's.
+//! 5. `kpin-test`, the native test programs, compiled with `gcc -static` (`programs.rs`).
+//! 6. `initramfs.cpio`, rebuilt in memory on every call (milliseconds) and written only when
+//!    its bytes differ from the file's. It is the same for every kernel.
 //!
 //! Invariant: every output's stamp names the identity (package, version, SHA-256) of what it
 //! was made from, so a changed pin or a changed `/init` can never be served from the cache.
@@ -16,26 +17,26 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use crate::cache::{self, io_error, JobLock};
+use crate::command;
 use crate::debian::{self, Member};
 use crate::layout::{self, kernel_files};
-use crate::pins::{
-    DebPin, BUSYBOX, BUSYBOX_MEMBER, CONFIG_MEMBER, KERNEL_DBG, KERNEL_IMAGE, KERNEL_RELEASE,
-    SYSTEM_MAP_MEMBER, VMLINUZ_MEMBER,
-};
-use crate::{bzimage, initramfs, ImagesError, LinuxImages};
+use crate::pins::{DebPin, BUSYBOX, BUSYBOX_MEMBER};
+use crate::{bzimage, initramfs, programs, GuestKernel, ImagesError, LinuxImages};
 
 /// Version of the vmlinux extraction; bump when `bzimage.rs` changes what it produces.
 const VMLINUX_EXTRACTOR_VERSION: u32 = 1;
 
-/// See [`crate::ensure_linux`].
+/// See [`crate::ensure_linux_kernel`].
 pub(crate) fn ensure(
+    kernel: GuestKernel,
     out_dir: &Path,
     progress: &mut dyn FnMut(&str),
 ) -> Result<LinuxImages, ImagesError> {
+    let pins = kernel.pins();
     cache::create_dir_all(out_dir)?;
     let _lock = JobLock::acquire(out_dir, "linux", progress)?;
 
-    let kernel_dir = layout::kernel_dir(out_dir);
+    let kernel_dir = layout::kernel_dir(out_dir, pins.release);
     let busybox_path = layout::busybox(out_dir);
     let busybox_dir = busybox_path
         .parent()
@@ -54,21 +55,22 @@ pub(crate) fn ensure(
     }
 
     let images = LinuxImages {
+        kernel,
         bzimage: kernel_dir.join(kernel_files::VMLINUZ),
         vmlinux: kernel_dir.join(kernel_files::VMLINUX),
         system_map: kernel_dir.join(kernel_files::SYSTEM_MAP),
         config: kernel_dir.join(kernel_files::CONFIG),
         initramfs: layout::initramfs(out_dir),
-        kernel_version: KERNEL_RELEASE,
+        kernel_version: pins.release,
     };
 
     // 1. vmlinuz and config.
     let vmlinuz_sha = ensure_from_deb(
         out_dir,
-        &KERNEL_IMAGE,
+        &pins.image,
         &[
-            (VMLINUZ_MEMBER, &images.bzimage),
-            (CONFIG_MEMBER, &images.config),
+            (pins.vmlinuz_member, &images.bzimage),
+            (pins.config_member, &images.config),
         ],
         false,
         progress,
@@ -81,12 +83,8 @@ pub(crate) fn ensure(
     let vmlinux_inputs =
         format!("vmlinux extractor v{VMLINUX_EXTRACTOR_VERSION} from vmlinuz sha256:{vmlinuz_sha}");
     if cache::fresh_sha256(out_dir, &images.vmlinux, &vmlinux_inputs)?.is_none() {
-        progress("extracting vmlinux from the bzImage's LZ4 payload");
         let image = fs::read(&images.bzimage).map_err(io_error("read", &images.bzimage))?;
-        let elf = bzimage::extract_vmlinux(&image).map_err(|source| ImagesError::Vmlinux {
-            path: images.bzimage.clone(),
-            source,
-        })?;
+        let elf = extract_vmlinux(out_dir, &images.bzimage, &image, progress)?;
         cache::write_atomic(&images.vmlinux, &elf)?;
         cache::record_stamp(
             out_dir,
@@ -100,8 +98,8 @@ pub(crate) fn ensure(
     // 3. System.map.
     ensure_from_deb(
         out_dir,
-        &KERNEL_DBG,
-        &[(SYSTEM_MAP_MEMBER, &images.system_map)],
+        &pins.dbg,
+        &[(pins.system_map_member, &images.system_map)],
         true,
         progress,
     )?;
@@ -115,9 +113,14 @@ pub(crate) fn ensure(
         progress,
     )?;
 
-    // 5. initramfs.
+    // 5. the test programs.
+    let kpin_test_path = programs::ensure(out_dir, progress)?;
+
+    // 6. initramfs.
     let busybox = fs::read(&busybox_path).map_err(io_error("read", &busybox_path))?;
-    let archive = initramfs::build(&busybox).map_err(|source| ImagesError::Initramfs { source })?;
+    let kpin_test = fs::read(&kpin_test_path).map_err(io_error("read", &kpin_test_path))?;
+    let archive = initramfs::build(&busybox, &kpin_test)
+        .map_err(|source| ImagesError::Initramfs { source })?;
     let current = match cache::sha256_file(&images.initramfs) {
         Ok((sha256, _)) => Some(sha256),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
@@ -133,6 +136,39 @@ pub(crate) fn ensure(
     }
 
     Ok(images)
+}
+
+/// The kernel ELF inside the bzImage `image` (read from `path`): an LZ4 payload is decoded
+/// here, a zstd payload by the host's `zstd` in a scratch directory under `out_dir`.
+fn extract_vmlinux(
+    out_dir: &Path,
+    path: &Path,
+    image: &[u8],
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<u8>, ImagesError> {
+    let vmlinux_error = |source| ImagesError::Vmlinux {
+        path: path.to_path_buf(),
+        source,
+    };
+    let Some(zstd) = bzimage::zstd_payload(image).map_err(vmlinux_error)? else {
+        progress("extracting vmlinux from the bzImage's LZ4 payload");
+        return bzimage::extract_vmlinux(image).map_err(vmlinux_error);
+    };
+    progress("extracting vmlinux from the bzImage's zstd payload (zstd -d)");
+    let scratch = layout::zstd_scratch_dir(out_dir);
+    debian::remove_dir_if_present(&scratch)?;
+    cache::create_dir_all(&scratch)?;
+    let frame = scratch.join("payload.zst");
+    fs::write(&frame, zstd.frame).map_err(io_error("write", &frame))?;
+    let mut cmd = std::process::Command::new("zstd");
+    cmd.args(["-d", "-q", "-c", "--"]).arg(&frame);
+    let output = command::run_captured(&mut cmd).map_err(|source| ImagesError::Zstd {
+        path: path.to_path_buf(),
+        command: command::describe(&cmd),
+        source,
+    });
+    debian::remove_dir_if_present(&scratch)?;
+    bzimage::check_zstd_output(&zstd, output?.stdout).map_err(vmlinux_error)
 }
 
 /// Makes sure every `(member, dest)` of `pin` is in place with a matching stamp, fetching and

@@ -1,24 +1,12 @@
 //! The pinned Debian packages kpin's guest images are made from: the one place that names them.
 //!
-//! To move to another kernel, change `kernel_release!`, [`KERNEL_PACKAGE_VERSION`] and the two
-//! kernel SHA-256 sums and sizes below (take them from `apt-cache show <package>=<version>`).
-//! Package names, archive member paths and the per-version output directory all derive from
-//! this table. Every downloaded `.deb` is checked against its pinned SHA-256 before use.
-
-/// The kernel release string (`uname -r`) of the pinned kernel; a macro so that `concat!` can
-/// build package names and member paths from it at compile time.
-macro_rules! kernel_release {
-    () => {
-        "6.1.0-56-cloud-amd64"
-    };
-}
-
-/// The kernel release string of the pinned kernel (`uname -r` in the guest).
-pub(crate) const KERNEL_RELEASE: &str = kernel_release!();
-
-/// Debian version shared by the kernel image package and its `-dbg` companion; they must match
-/// or the `System.map` would describe a different build.
-const KERNEL_PACKAGE_VERSION: &str = "6.1.192-2";
+//! Each guest kernel is a [`KernelPins`] made by `kernel_pins!` from its release string
+//! (`uname -r`), its Debian version, and the SHA-256 sums and sizes of its image package and
+//! its `-dbg` companion (take them from `apt-cache show <package>=<version>`). Package names,
+//! archive member paths and the per-release output directory all derive from the release.
+//! Every downloaded `.deb` is checked against its pinned SHA-256 before use. To add a kernel:
+//! add a constant here, a variant to [`crate::GuestKernel`] that maps to it, and a command
+//! line in `vmm/src/guests.rs` (docs/images.md walks through it).
 
 /// A Debian package pinned to one exact version and `.deb` content.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,21 +21,71 @@ pub(crate) struct DebPin {
     pub size_bytes: u64,
 }
 
-/// The kernel: contains `boot/vmlinuz-*` (bzImage, LZ4 payload) and `boot/config-*`. Its
-/// `boot/System.map-*` is an 83-byte placeholder; the real one is in [`KERNEL_DBG`].
-pub(crate) const KERNEL_IMAGE: DebPin = DebPin {
-    package: concat!("linux-image-", kernel_release!()),
-    version: KERNEL_PACKAGE_VERSION,
-    sha256: "e7d02b943971edcb8790e256c02cfab3bca6c3d37c1bf25392a57c71300615ee",
-    size_bytes: 26_713_492,
+/// One pinned kernel: its image package, its debug package, and the archive members used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct KernelPins {
+    /// The kernel release string (`uname -r` in the guest).
+    pub release: &'static str,
+    /// The kernel: contains `boot/vmlinuz-*` (bzImage) and `boot/config-*`. Its
+    /// `boot/System.map-*` is an 83-byte placeholder; the real one is in [`KernelPins::dbg`].
+    pub image: DebPin,
+    /// The kernel's debug package; only its `System.map` is used. Deleted after extraction.
+    /// Same Debian version as [`KernelPins::image`], or the map would describe another build.
+    pub dbg: DebPin,
+    /// Archive member of `image` holding the bzImage.
+    pub vmlinuz_member: &'static str,
+    /// Archive member of `image` holding the kernel configuration.
+    pub config_member: &'static str,
+    /// Archive member of `dbg` holding the full symbol map.
+    pub system_map_member: &'static str,
+}
+
+/// Builds a [`KernelPins`] from the release string (a literal, so that `concat!` can derive
+/// package names and member paths from it), the shared Debian version, and the two packages'
+/// SHA-256 and size.
+macro_rules! kernel_pins {
+    (
+        release: $release:literal,
+        version: $version:literal,
+        image: ($image_sha:literal, $image_size:literal),
+        dbg: ($dbg_sha:literal, $dbg_size:literal) $(,)?
+    ) => {
+        KernelPins {
+            release: $release,
+            image: DebPin {
+                package: concat!("linux-image-", $release),
+                version: $version,
+                sha256: $image_sha,
+                size_bytes: $image_size,
+            },
+            dbg: DebPin {
+                package: concat!("linux-image-", $release, "-dbg"),
+                version: $version,
+                sha256: $dbg_sha,
+                size_bytes: $dbg_size,
+            },
+            vmlinuz_member: concat!("./boot/vmlinuz-", $release),
+            config_member: concat!("./boot/config-", $release),
+            system_map_member: concat!("./usr/lib/debug/boot/System.map-", $release),
+        }
+    };
+}
+
+/// Debian bookworm's 6.1 LTS cloud kernel, the default guest: LZ4-compressed bzImage.
+pub(crate) const DEBIAN_6_1: KernelPins = kernel_pins! {
+    release: "6.1.0-56-cloud-amd64",
+    version: "6.1.192-2",
+    image: ("e7d02b943971edcb8790e256c02cfab3bca6c3d37c1bf25392a57c71300615ee", 26_713_492),
+    dbg: ("a835edf97e22ec84ddcd4d773596376be9eaae0c5094053b14c8e557cf9d8fb7", 283_308_068),
 };
 
-/// The kernel's debug package; only its `System.map` is used. Deleted after extraction.
-pub(crate) const KERNEL_DBG: DebPin = DebPin {
-    package: concat!("linux-image-", kernel_release!(), "-dbg"),
-    version: KERNEL_PACKAGE_VERSION,
-    sha256: "a835edf97e22ec84ddcd4d773596376be9eaae0c5094053b14c8e557cf9d8fb7",
-    size_bytes: 283_308_068,
+/// Debian bookworm-security's 6.12 LTS cloud kernel (the one bookworm's
+/// `linux-image-6.12-cloud-amd64` pointed at when pinned): zstd-compressed, signed bzImage.
+pub(crate) const DEBIAN_6_12: KernelPins = kernel_pins! {
+    release: "6.12.117+deb12-cloud-amd64",
+    version: "6.12.117-1~deb12u1",
+    image: ("5195b288dec79e2981d6b84457f38b7ce7310a2d702930ec7d07209c7f78ce37", 34_307_256),
+    dbg: ("b80ab3f407de94183b985ea37005d8e8ef4273d9083b850607cee7ab1e92a5b0", 317_861_800),
 };
 
 /// Statically linked busybox with a standalone shell (applets run without symlinks).
@@ -58,13 +96,6 @@ pub(crate) const BUSYBOX: DebPin = DebPin {
     size_bytes: 928_188,
 };
 
-/// Archive member of [`KERNEL_IMAGE`] holding the bzImage.
-pub(crate) const VMLINUZ_MEMBER: &str = concat!("./boot/vmlinuz-", kernel_release!());
-/// Archive member of [`KERNEL_IMAGE`] holding the kernel configuration.
-pub(crate) const CONFIG_MEMBER: &str = concat!("./boot/config-", kernel_release!());
-/// Archive member of [`KERNEL_DBG`] holding the full symbol map.
-pub(crate) const SYSTEM_MAP_MEMBER: &str =
-    concat!("./usr/lib/debug/boot/System.map-", kernel_release!());
 /// Archive member of [`BUSYBOX`] holding the binary.
 pub(crate) const BUSYBOX_MEMBER: &str = "./bin/busybox";
 
@@ -104,6 +135,8 @@ impl DebPin {
 mod tests {
     use super::*;
 
+    const KERNELS: [KernelPins; 2] = [DEBIAN_6_1, DEBIAN_6_12];
+
     #[test]
     fn test_deb_file_name_url_encodes_epoch() {
         assert_eq!(
@@ -111,35 +144,66 @@ mod tests {
             "busybox-static_1%3a1.35.0-4+deb12u1+b1_amd64.deb"
         );
         assert_eq!(
-            KERNEL_IMAGE.deb_file_name(),
+            DEBIAN_6_1.image.deb_file_name(),
             "linux-image-6.1.0-56-cloud-amd64_6.1.192-2_amd64.deb"
+        );
+        // `+` and `~` stay as they are; only the epoch colon is encoded.
+        assert_eq!(
+            DEBIAN_6_12.dbg.deb_file_name(),
+            "linux-image-6.12.117+deb12-cloud-amd64-dbg_6.12.117-1~deb12u1_amd64.deb"
         );
     }
 
     #[test]
     fn test_kernel_packages_share_release_and_version() {
-        assert_eq!(KERNEL_IMAGE.version, KERNEL_DBG.version);
-        assert!(KERNEL_IMAGE.package.ends_with(KERNEL_RELEASE));
-        assert_eq!(KERNEL_DBG.package, format!("{}-dbg", KERNEL_IMAGE.package));
-        assert!(VMLINUZ_MEMBER.ends_with(KERNEL_RELEASE));
-        assert!(SYSTEM_MAP_MEMBER.ends_with(KERNEL_RELEASE));
+        for k in KERNELS {
+            assert_eq!(k.image.version, k.dbg.version);
+            assert_eq!(k.image.package, format!("linux-image-{}", k.release));
+            assert_eq!(k.dbg.package, format!("{}-dbg", k.image.package));
+            assert_eq!(k.vmlinuz_member, format!("./boot/vmlinuz-{}", k.release));
+            assert_eq!(k.config_member, format!("./boot/config-{}", k.release));
+            assert_eq!(
+                k.system_map_member,
+                format!("./usr/lib/debug/boot/System.map-{}", k.release)
+            );
+        }
+        assert_ne!(DEBIAN_6_1.release, DEBIAN_6_12.release);
     }
 
     #[test]
-    fn test_pins_are_lowercase_sha256() {
-        for pin in [KERNEL_IMAGE, KERNEL_DBG, BUSYBOX] {
+    fn test_release_names_the_upstream_version_of_the_package() {
+        // 6.1.0-56 is Debian's ABI name for upstream 6.1.192; 6.12 names the upstream
+        // version itself. Either way the package version starts with the upstream one.
+        assert!(DEBIAN_6_1.image.version.starts_with("6.1."));
+        assert!(DEBIAN_6_12.image.version.starts_with("6.12.117-"));
+        assert!(DEBIAN_6_12.release.starts_with("6.12.117+"));
+    }
+
+    #[test]
+    fn test_pins_are_lowercase_sha256_and_distinct() {
+        let mut all = vec![BUSYBOX];
+        for k in KERNELS {
+            all.extend([k.image, k.dbg]);
+        }
+        for pin in &all {
             assert_eq!(pin.sha256.len(), 64, "{}", pin.package);
             assert!(pin
                 .sha256
                 .bytes()
                 .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)));
         }
+        for (i, a) in all.iter().enumerate() {
+            for b in &all[i + 1..] {
+                assert_ne!(a.sha256, b.sha256, "{} and {}", a.package, b.package);
+            }
+        }
     }
 
     #[test]
     fn test_size_for_humans_rounds() {
-        assert_eq!(KERNEL_IMAGE.size_for_humans(), "27 MB");
-        assert_eq!(KERNEL_DBG.size_for_humans(), "283 MB");
+        assert_eq!(DEBIAN_6_1.image.size_for_humans(), "27 MB");
+        assert_eq!(DEBIAN_6_1.dbg.size_for_humans(), "283 MB");
+        assert_eq!(DEBIAN_6_12.dbg.size_for_humans(), "318 MB");
         assert_eq!(BUSYBOX.size_for_humans(), "928 kB");
     }
 }

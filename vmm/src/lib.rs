@@ -19,6 +19,7 @@ pub mod diag;
 pub mod engine;
 pub mod error;
 pub mod guests;
+pub mod input_check;
 pub mod vstate;
 pub mod x86;
 

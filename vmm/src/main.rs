@@ -10,13 +10,19 @@ use clap::{Parser, Subcommand, ValueEnum};
 use kpin_tool_bbcount::report::{self, BbcountSummary, BlockNames, DEFAULT_TOP};
 use serde::Serialize;
 use vmm::diag::kernel_symbols::KernelSymbols;
-use vmm::guests::{LINUX_CMDLINE, MINIKERNEL_NATIVE_CMDLINE, USER_KERNEL_CMDLINE};
+use vmm::guests::{
+    LINUX_612_CMDLINE, LINUX_CMDLINE, MINIKERNEL_NATIVE_CMDLINE, USER_KERNEL_CMDLINE,
+};
+use vmm::input_check::{self, UsageError};
+use vmm::layout::{MAX_MEM_MIB, MIN_MEM_MIB};
 use vmm::{Outcome, Vm, VmConfig};
 
 /// Exit status of a clean guest poweroff.
 const EXIT_CLEAN: u8 = 0;
 /// Exit status when kpin itself fails (bad input, no KVM, images cannot be built).
 const EXIT_HOST_ERROR: u8 = 1;
+/// Exit status for a bad command line (clap's own errors use it too).
+const EXIT_USAGE: u8 = 2;
 /// Exit status when the guest crashes (triple fault, KVM emulation failure, unhandled
 /// I/O, kernel panic).
 const EXIT_GUEST_CRASH: u8 = 3;
@@ -60,6 +66,10 @@ enum Command {
 enum Guest {
     /// The pinned Debian cloud kernel with the busybox initramfs (built by `kpin images`).
     Linux,
+    /// The second pinned kernel, Debian's 6.12 cloud kernel (vmlinux), with the same
+    /// initramfs and the distribution's command line (`console=ttyS0 panic=-1`).
+    #[value(name = "linux-6.12")]
+    Linux612,
     /// The mini-kernel test guest (built by `kpin images`). Run natively, its default
     /// command line skips the steps this KVM cannot run natively (`kpin.skip=native-unsafe`);
     /// with --tool it runs every step.
@@ -110,7 +120,8 @@ struct RunArgs {
     #[arg(long)]
     tool: Option<String>,
     /// A tool option KEY=VALUE for --tool (repeatable), e.g. bringup.crash=pf to make the
-    /// engine fault on purpose.
+    /// engine fault on purpose. A key neither the engine nor the tool knows is refused
+    /// (exit status 2) with the list of known keys.
     #[arg(long, requires = "tool", value_name = "KEY=VALUE")]
     tool_option: Vec<String>,
     /// How many of the hottest blocks bbcount-report.txt lists (--tool bbcount).
@@ -122,6 +133,13 @@ struct RunArgs {
     /// Do not echo the guest console to stdout.
     #[arg(long, short)]
     quiet: bool,
+    /// Most bytes the engine and the tool may write to the output directory in the run
+    /// (tool files and engine.log together); later writes are dropped and counted.
+    #[arg(long, value_name = "BYTES", default_value_t = host_daemon::DaemonConfig::DEFAULT_MAX_OUTPUT_BYTES)]
+    max_output_bytes: u64,
+    /// Most tool files open at once; further opens are refused and logged.
+    #[arg(long, value_name = "N", default_value_t = host_daemon::DaemonConfig::DEFAULT_MAX_OPEN_FILES)]
+    max_open_files: usize,
 }
 
 /// The run summary written to `<out>/run.json`.
@@ -152,7 +170,10 @@ struct Summary<'a> {
     ring_records: u64,
     files_written: u64,
     files_refused: u64,
+    writes_dropped: u64,
+    output_bytes_dropped: u64,
     engine_log_lines: u64,
+    engine_log_lines_dropped: u64,
     /// The engine's `counters.json` (instrumented runs that got far enough to write it).
     engine_counters: Option<serde_json::Value>,
     /// The user/kernel split and hottest blocks (`--tool bbcount` runs that wrote
@@ -175,7 +196,11 @@ fn main() -> ExitCode {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("kpin: error: {e:#}");
-            ExitCode::from(EXIT_HOST_ERROR)
+            if e.downcast_ref::<UsageError>().is_some() {
+                ExitCode::from(EXIT_USAGE)
+            } else {
+                ExitCode::from(EXIT_HOST_ERROR)
+            }
         }
     }
 }
@@ -200,12 +225,26 @@ fn images(dir: Option<PathBuf>) -> anyhow::Result<()> {
 }
 
 fn run(args: RunArgs) -> anyhow::Result<u8> {
-    if let Some(bad) = args
-        .tool_option
-        .iter()
-        .find(|o| !o.contains('=') || o.contains(' '))
-    {
-        bail!("bad --tool-option {bad:?}: expected KEY=VALUE without spaces");
+    // The command line first (exit status 2), before any image is built or file read.
+    if let Some(tool) = &args.tool {
+        input_check::check_tool(tool, &args.tool_option)?;
+    }
+    if args.kernel.is_none() && (args.initrd.is_some() || args.system_map.is_some()) {
+        return Err(UsageError(
+            "--initrd and --system-map apply only to --kernel: the built-in guests bring their own"
+                .into(),
+        )
+        .into());
+    }
+    if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&args.mem) {
+        bail!(vmm::VmmError::MemSize {
+            requested_mib: args.mem,
+            min_mib: MIN_MEM_MIB,
+            max_mib: MAX_MEM_MIB,
+        });
+    }
+    if args.max_open_files == 0 {
+        return Err(UsageError("--max-open-files must be at least 1".into()).into());
     }
     let image_dir = args
         .images
@@ -229,6 +268,15 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
                 MINIKERNEL_NATIVE_CMDLINE.to_string()
             },
         ),
+        (None, Some(Guest::Linux612)) => {
+            let l = kpin_images::ensure_linux_kernel(
+                kpin_images::GuestKernel::Debian612,
+                &image_dir,
+                &mut progress,
+            )?;
+            let cmdline = LINUX_612_CMDLINE.to_string();
+            (l.vmlinux, Some(l.initramfs), Some(l.system_map), cmdline)
+        }
         (None, Some(Guest::Linux) | None) => {
             let l = kpin_images::ensure_linux(&image_dir, &mut progress)?;
             (
@@ -239,6 +287,11 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
             )
         }
     };
+    // Then the files (exit status 1): regular files whose headers hold, that fit.
+    input_check::check_kernel(&kernel, args.mem)?;
+    if let Some(initrd) = &initrd {
+        input_check::check_initrd(initrd, args.mem)?;
+    }
     let mut cmdline = args.cmdline.clone().unwrap_or(default_cmdline);
     if let Some(extra) = &args.append {
         if !cmdline.is_empty() {
@@ -259,6 +312,16 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
     let out = args.out.clone().unwrap_or_else(default_run_dir);
     std::fs::create_dir_all(&out)
         .with_context(|| format!("cannot create output directory {}", out.display()))?;
+    // kpin's own files are never written through a link left in the directory.
+    for name in host_daemon::RESERVED_NAMES {
+        let p = out.join(name);
+        if std::fs::symlink_metadata(&p).is_ok_and(|m| m.file_type().is_symlink()) {
+            bail!(
+                "{} is a symbolic link; kpin does not write through links: remove it or choose another --out",
+                p.display()
+            );
+        }
+    }
     let console_log = out.join("console.log");
     let cfg = VmConfig {
         kernel: kernel.clone(),
@@ -285,11 +348,20 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
             e.entry, e.cr3, e.guest_rip, e.guest_cr3
         ));
     }
-    let mut daemon = host_daemon::Daemon::new(&out);
+    let mut daemon = host_daemon::Daemon::with_config(
+        &out,
+        host_daemon::DaemonConfig {
+            max_open_files: args.max_open_files,
+            max_output_bytes: args.max_output_bytes,
+            ..Default::default()
+        },
+    );
     let report = vm.run(&mut daemon)?;
-    let ring = daemon
-        .finish()
-        .context("cannot finish the run's output files")?;
+    let fallback = daemon.stats().clone();
+    let ring = daemon.finish().unwrap_or_else(|e| {
+        progress(&format!("cannot finish the run's output files: {e:#}"));
+        fallback
+    });
 
     let mut dump = report.dump.clone();
     if let (Outcome::EngineFailure, Some(d)) = (&report.outcome, &mut dump) {
@@ -297,7 +369,7 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
     }
     if let Some(dump) = &dump {
         eprint!("{dump}");
-        std::fs::write(out.join("dump.txt"), dump)
+        host_daemon::resolve::write_output_file(&out.join("dump.txt"), dump.as_bytes())
             .with_context(|| format!("cannot write {}", out.join("dump.txt").display()))?;
     }
     let engine_counters = read_engine_counters(&out);
@@ -308,11 +380,17 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
             serde_json::to_string_pretty(c).unwrap_or_default()
         ));
     }
-    let bbcount = bbcount_report(&out, &kernel, system_map.as_deref(), args.top);
-    match kpin_tool_cachesim::report::write_reports(&out) {
-        Ok(Some((r, files))) => progress(&format!("{}\ncachesim: {files:?}", r.text())),
-        Ok(None) => {}
-        Err(e) => progress(&format!("no cachesim report: {e}")),
+    // Only a bbcount run has bbcount's results: another tool's run may leave a file of
+    // that name, which is the guest's, not a report.
+    let bbcount = (args.tool.as_deref() == Some(BBCOUNT))
+        .then(|| bbcount_report(&out, &kernel, system_map.as_deref(), args.top))
+        .flatten();
+    if args.tool.as_deref() == Some("cachesim") {
+        match kpin_tool_cachesim::report::write_reports(&out) {
+            Ok(Some((r, files))) => progress(&format!("{}\ncachesim: {files:?}", r.text())),
+            Ok(None) => {}
+            Err(e) => progress(&format!("no cachesim report: {e}")),
+        }
     }
     let summary = Summary {
         outcome: report.outcome.describe(),
@@ -337,12 +415,15 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         ring_records: ring.records,
         files_written: ring.files_opened,
         files_refused: ring.files_refused,
+        writes_dropped: ring.writes_dropped,
+        output_bytes_dropped: ring.bytes_dropped,
         engine_log_lines: ring.log_lines,
+        engine_log_lines_dropped: ring.log_lines_dropped,
         engine_counters,
         bbcount,
     };
     let json = serde_json::to_string_pretty(&summary).context("cannot encode the run summary")?;
-    std::fs::write(out.join("run.json"), json + "\n")
+    host_daemon::resolve::write_output_file(&out.join("run.json"), (json + "\n").as_bytes())
         .with_context(|| format!("cannot write {}", out.join("run.json").display()))?;
     progress(&format!(
         "{} after {:.2} s ({} exits: {} port in, {} port out, {} absent-device); output in {}",
@@ -364,16 +445,27 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
 /// Lines of `engine.log` an engine failure's dump ends with: the engine's report (what
 /// stopped it, the guest's virtual state, the recent traces) comes last in the log.
 const ENGINE_LOG_TAIL_LINES: usize = 80;
+/// Bytes of `engine.log` read for its tail (80 lines of at most 1 KiB).
+const ENGINE_LOG_TAIL_BYTES: u64 = 96 << 10;
+/// Largest `counters.json` kpin reads back.
+const MAX_COUNTERS_BYTES: u64 = 16 << 20;
+/// The tool whose results `bbcount-report.txt` summarises.
+const BBCOUNT: &str = "bbcount";
 
 /// Appends the tail of the engine's log to a dump (the VMM's own dump shows the engine's
 /// vCPU; the engine's report says where the guest was).
 fn append_engine_log_tail(dump: &mut String, log: &Path) {
     use std::fmt::Write;
-    let Ok(text) = std::fs::read_to_string(log) else {
+    let Ok(bytes) = host_daemon::resolve::read_output_tail(log, ENGINE_LOG_TAIL_BYTES) else {
         let _ = writeln!(dump, "\n(no engine log at {})", log.display());
         return;
     };
-    let lines: Vec<&str> = text.lines().collect();
+    // The daemon wrote the log without control characters; the tail may start mid-line.
+    let text = String::from_utf8_lossy(&bytes);
+    let mut lines: Vec<&str> = text.lines().collect();
+    if bytes.len() as u64 == ENGINE_LOG_TAIL_BYTES && lines.len() > 1 {
+        lines.remove(0);
+    }
     let tail = &lines[lines.len().saturating_sub(ENGINE_LOG_TAIL_LINES)..];
     let _ = writeln!(
         dump,
@@ -393,7 +485,14 @@ const ENGINE_COUNTERS: &str = "counters.json";
 /// left out (it came from inside the guest).
 fn read_engine_counters(out: &Path) -> Option<serde_json::Value> {
     let path = out.join(ENGINE_COUNTERS);
-    let text = std::fs::read_to_string(&path).ok()?;
+    std::fs::symlink_metadata(&path).ok()?;
+    let text = match host_daemon::resolve::read_output_text(&path, MAX_COUNTERS_BYTES) {
+        Ok(t) => t,
+        Err(e) => {
+            progress(&format!("ignoring {}: {e}", path.display()));
+            return None;
+        }
+    };
     match serde_json::from_str(&text) {
         Ok(v) => Some(v),
         Err(e) => {

@@ -36,6 +36,139 @@ fn assert_one_line_error(o: &Output, what: &str) {
     );
 }
 
+/// Asserts a command-line mistake: exit status 2, one `kpin: error:` line with `what`.
+fn assert_usage_error(o: &Output, what: &str) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "stderr: {err}");
+    assert!(!err.contains("panicked"), "kpin panicked: {err}");
+    let lines: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("kpin: error:"))
+        .collect();
+    assert_eq!(lines.len(), 1, "want one error line: {err}");
+    assert!(
+        lines[0].contains(what),
+        "error line {:?} lacks {what:?}",
+        lines[0]
+    );
+    assert!(!err.contains("booting"), "refused before booting: {err}");
+}
+
+/// An ELF64 x86-64 header with one PT_LOAD of 16 `hlt`s at 1 MiB, `machine` patched in.
+fn elf_for(machine: u16) -> Vec<u8> {
+    let mut e = tiny_elf(&[0xf4; 16]);
+    e[0x12..0x14].copy_from_slice(&machine.to_le_bytes());
+    e
+}
+
+/// A bzImage setup header promising `sys_bytes` of kernel, in a file of `len` bytes.
+fn bzimage(sys_bytes: u32, len: usize) -> Vec<u8> {
+    let mut b = vec![0u8; len];
+    b[0x1f1] = 3;
+    b[0x1f4..0x1f8].copy_from_slice(&(sys_bytes / 16).to_le_bytes());
+    b[0x1fe..0x200].copy_from_slice(&0xaa55u16.to_le_bytes());
+    b[0x202..0x206].copy_from_slice(b"HdrS");
+    b[0x206..0x208].copy_from_slice(&0x20fu16.to_le_bytes());
+    b[0x211] = 1;
+    b[0x236..0x238].copy_from_slice(&0x7fu16.to_le_bytes());
+    b[0x258..0x260].copy_from_slice(&0x100_0000u64.to_le_bytes());
+    b[0x260..0x264].copy_from_slice(&0x300_0000u32.to_le_bytes());
+    b
+}
+
+#[test]
+fn test_unknown_tools_option_keys_and_misplaced_options_are_usage_errors() {
+    let dir = scratch_dir("cli-usage");
+    let kernel = dir.join("k.elf");
+    std::fs::write(&kernel, tiny_elf(&[0xf4])).unwrap();
+    let k = kernel.to_str().unwrap();
+    let o = kpin(&["run", "--kernel", k, "--tool", "nosuch"], &dir);
+    assert_usage_error(&o, "unknown tool \"nosuch\": the tools are null, bbcount");
+    let o = kpin(
+        &[
+            "run",
+            "--kernel",
+            k,
+            "--tool",
+            "null",
+            "--tool-option",
+            "colour=red",
+        ],
+        &dir,
+    );
+    assert_usage_error(
+        &o,
+        "unknown --tool-option key \"colour\" for tool null: the known keys are bringup.checks, bringup.gates, bringup.probe, bringup.ticks, bringup.crash",
+    );
+    let o = kpin(&["run", "--guest", "minikernel", "--initrd", k], &dir);
+    assert_usage_error(&o, "--initrd and --system-map apply only to --kernel");
+}
+
+#[test]
+fn test_bad_kernel_and_initrd_files_are_refused_before_booting() {
+    let dir = scratch_dir("cli-badfiles");
+    let good = dir.join("k.elf");
+    std::fs::write(&good, tiny_elf(&[0xf4])).unwrap();
+    let g = good.to_str().unwrap();
+
+    let arm = dir.join("arm.elf");
+    std::fs::write(&arm, elf_for(183)).unwrap();
+    let o = kpin(&["run", "--kernel", arm.to_str().unwrap()], &dir);
+    assert_one_line_error(&o, "e_machine is 183, not x86-64 (62)");
+
+    let bz = dir.join("truncated.bzImage");
+    std::fs::write(&bz, bzimage(14 << 20, 100_000)).unwrap();
+    let o = kpin(&["run", "--kernel", bz.to_str().unwrap()], &dir);
+    assert_one_line_error(&o, "but the file has 100000 (truncated?)");
+
+    let small = dir.join("small.bzImage");
+    std::fs::write(&small, bzimage(0x1000, 2048 + 0x1000)).unwrap();
+    let o = kpin(
+        &["run", "--kernel", small.to_str().unwrap(), "--mem", "16"],
+        &dir,
+    );
+    assert_one_line_error(
+        &o,
+        "needs at least 64 MiB of guest memory to load; --mem is 16",
+    );
+
+    let fifo = dir.join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+    let o = kpin(&["run", "--kernel", fifo.to_str().unwrap()], &dir);
+    assert_one_line_error(&o, "is a FIFO, not a regular file");
+    let o = kpin(&["run", "--kernel", dir.to_str().unwrap()], &dir);
+    assert_one_line_error(&o, "is a directory, not a regular file");
+
+    let o = kpin(&["run", "--kernel", g, "--initrd", "/dev/zero"], &dir);
+    assert_one_line_error(&o, "initrd /dev/zero is a character device");
+    let o = kpin(
+        &["run", "--kernel", g, "--initrd", fifo.to_str().unwrap()],
+        &dir,
+    );
+    assert_one_line_error(&o, "is a FIFO");
+}
+
+#[test]
+fn test_symlinks_to_kpins_own_files_are_refused() {
+    let dir = scratch_dir("cli-symlinked-out");
+    let victim = dir.with_extension("victim");
+    std::fs::write(&victim, "keep").unwrap();
+    std::os::unix::fs::symlink(&victim, dir.join("console.log")).unwrap();
+    let kernel = dir.with_extension("elf");
+    std::fs::write(&kernel, tiny_elf(&[0x0f, 0x0b])).unwrap();
+    let o = kpin(
+        &["run", "--kernel", kernel.to_str().unwrap(), "--mem", "32"],
+        &dir,
+    );
+    assert_one_line_error(
+        &o,
+        "console.log is a symbolic link; kpin does not write through links",
+    );
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+}
+
 #[test]
 fn test_missing_kernel_is_one_line_error() {
     require_kvm!();
@@ -57,7 +190,10 @@ fn test_garbage_and_truncated_kernels_are_rejected() {
     let truncated = dir.join("truncated");
     std::fs::write(&truncated, &elf[..elf.len() - 32]).unwrap();
     let o = kpin(&["run", "--kernel", truncated.to_str().unwrap()], &dir);
-    assert_one_line_error(&o, "cannot load kernel");
+    assert_one_line_error(
+        &o,
+        "is not a loadable kernel: a segment (64 bytes at file offset 0x78) lies past the end",
+    );
 }
 
 #[test]
@@ -170,6 +306,37 @@ fn test_guest_triple_fault_under_the_engine_exits_3_with_the_guests_state_and_la
 }
 
 #[test]
+fn test_a_bbcount_csv_in_a_null_run_is_not_taken_for_bbcounts_results() {
+    require_kvm!();
+    let dir = scratch_dir("cli-forged-bbcount");
+    // What a guest could leave: a CSV in bbcount's format with a count that wraps.
+    std::fs::write(
+        dir.join("bbcount.csv"),
+        "address,cpl,instructions,count\n0x100000,0,2,9223372036854775808\n",
+    )
+    .unwrap();
+    let kernel = dir.join("ud2.elf");
+    std::fs::write(&kernel, tiny_elf(&[0x0f, 0x0b])).unwrap();
+    let o = kpin(
+        &[
+            "run",
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--mem",
+            "64",
+            "--tool",
+            "null",
+        ],
+        &dir,
+    );
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(!dir.join("bbcount-report.txt").exists());
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("run.json")).unwrap()).unwrap();
+    assert!(summary["bbcount"].is_null(), "{summary}");
+}
+
+#[test]
 fn test_timeout_exits_4() {
     require_kvm!();
     let dir = scratch_dir("cli-timeout");
@@ -206,7 +373,7 @@ fn test_bad_tool_option_is_one_line_error() {
         ],
         &dir,
     );
-    assert_one_line_error(&o, "bad --tool-option");
+    assert_usage_error(&o, "bad --tool-option \"no-equals-sign\"");
 }
 
 #[test]
@@ -246,7 +413,7 @@ fn test_tool_runs_the_minikernel_to_its_poweroff() {
         &["run", "--guest", "minikernel", "-q", "--tool", "no/such"],
         &dir,
     );
-    assert_one_line_error(&o, "bad tool name");
+    assert_usage_error(&o, "unknown tool \"no/such\"");
 }
 
 #[test]
@@ -352,6 +519,8 @@ fn test_help_documents_exit_statuses_and_run_options() {
         "--out",
         "--tool",
         "--top",
+        "--max-output-bytes",
+        "--max-open-files",
     ] {
         assert!(text.contains(flag), "run --help lacks {flag}");
     }

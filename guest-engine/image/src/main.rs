@@ -1,44 +1,26 @@
 //! kpin's guest engine image: a no_std binary for `x86_64-unknown-none`, linked at
 //! `kpin_abi::stolen::WINDOW_VA + ENGINE_OFFSET`, loaded by the VMM into the stolen region
-//! and entered at `_start` (see `entry.rs`) with the attach block in RDI.
+//! and entered at `_start` (see `ring0/entry.rs`) with the attach block in RDI.
 //!
 //! It brings itself up — its own GDT, TSS with IST stacks, IDT, the ring-0 gate, the
 //! I/O-ring log, its own page tables — optionally measures the gate and the timer at
 //! CPL 3, then runs the guest from the code cache with the translator (`guest-engine`)
-//! at hardware CPL 3 (`run.rs`), emulating the sensitive instructions it knows
-//! (`vcpu.rs`) and stopping with a clear report at the first one it does not.
+//! at hardware CPL 3 (`run/`), emulating the sensitive instructions it knows
+//! (`guest_engine::vcpu`, on this machine's hardware through `run/vcpu.rs`) and stopping
+//! with a clear report at the first one it does not. Layout: `ring0/` (ring-0 code and the
+//! engine's own machine state), `events/` (interrupts, timer), `mm/` (shadow MMU, guest
+//! memory, heap), `run/` (bring-up flow, run loop); see `docs/ARCHITECTURE.md`.
 #![no_std]
 #![no_main]
 #![deny(missing_docs)]
 
 extern crate alloc;
 
-mod bringup;
-mod counters;
-mod deliver;
-mod descriptors;
-mod entry;
-mod fault;
-mod gate;
-mod guest_access;
-mod guest_dump;
-mod guest_mem;
-mod heap;
-mod irq;
-mod layout;
-mod log;
-mod msr;
-mod page_fault;
-mod paging;
-mod probe;
+mod events;
+mod json;
+mod mm;
+mod ring0;
 mod run;
-mod segments;
-mod shadow;
-mod timer;
-mod tools;
-mod transitions;
-mod undo;
-mod vcpu;
 
 /// The address `link.ld` links the image at; it must be where the VMM loads it.
 const LINK_BASE: u64 = 0xffff_8080_0020_0000;
@@ -49,5 +31,5 @@ const _: () = assert!(
 
 #[panic_handler]
 fn panic(info: &core::panic::PanicInfo<'_>) -> ! {
-    fault::panic(info)
+    ring0::crash::panic(info)
 }

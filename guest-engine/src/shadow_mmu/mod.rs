@@ -46,8 +46,9 @@
 mod phys;
 mod prefetch;
 mod pte;
-mod softtlb;
+pub mod reverse_map;
 mod tables;
+mod translate;
 mod walk;
 
 use alloc::vec::Vec;
@@ -59,7 +60,7 @@ pub use walk::{
 };
 
 use crate::addr::{GuestPhys, GuestVirt};
-use crate::reverse_map::{ReverseMap, ShadowMapping};
+use reverse_map::{ReverseMap, ShadowMapping};
 
 /// PML4 slots that belong to the engine and are copied from the template into every
 /// shadow root: 257 = engine window (`kpin_abi::stolen::WINDOW_VA`), 258 = physmap
@@ -619,7 +620,7 @@ impl<M: PhysMem> ShadowMmu<M> {
 
     /// The shadow leaf mapping `va` in `view` of the current space, if any, as the 4 KiB
     /// PTE it amounts to (a 2 MiB leaf is narrowed to `va`'s frame, PS dropped, PAT moved
-    /// to bit 7) (for the SoftTLB, diagnostics and tests).
+    /// to bit 7) (for `translate`, diagnostics and tests).
     pub fn shadow_entry(&mut self, va: GuestVirt, view: View) -> Result<Option<u64>, ShadowError> {
         Ok(self.shadow_leaf_ref(va, view)?.map(|leaf| {
             if leaf.level == 1 {

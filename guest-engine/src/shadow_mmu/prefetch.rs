@@ -9,10 +9,10 @@
 //! a frame the guest may not map, never over a present shadow leaf.
 
 use super::phys::PhysMem;
+use super::reverse_map::ShadowMapping;
 use super::walk::GuestLeaf;
 use super::{pte, ShadowError, ShadowMmu, View};
 use crate::addr::{GuestPhys, GuestVirt};
-use crate::reverse_map::ShadowMapping;
 
 impl<M: PhysMem> ShadowMmu<M> {
     /// After the 4 KiB shadow leaf at `slot` was filled for `va` (in `view`) from the

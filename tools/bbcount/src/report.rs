@@ -16,6 +16,8 @@ use crate::{parse_csv, Row, CSV_NAME};
 
 /// The report's file name in the output directory.
 pub const REPORT_NAME: &str = "bbcount-report.txt";
+/// Largest `bbcount.csv` the report reads (the daemon's default output limit is 1 GiB).
+pub const MAX_CSV_BYTES: u64 = 256 << 20;
 /// Hottest blocks listed unless told otherwise.
 pub const DEFAULT_TOP: usize = 20;
 
@@ -67,19 +69,23 @@ impl BbcountSummary {
     /// translated more than once (same address, CPL and length: in two traces, or again
     /// after a cache flush) are added together.
     pub fn new(rows: &[Row], symbols: Option<&dyn BlockNames>, top: usize) -> Self {
-        let executed = |r: &Row| r.count * u64::from(r.instructions);
-        let at = |cpl| rows.iter().filter(|r| r.cpl == cpl).map(executed).sum();
+        // The CSV comes from inside the guest: sums and products saturate at u64::MAX
+        // instead of wrapping (a count of 2^63 once made the report say "executed 0").
+        let executed = |r: &Row| r.count.saturating_mul(u64::from(r.instructions));
+        let sum = |it: &mut dyn Iterator<Item = u64>| it.fold(0u64, u64::saturating_add);
+        let at = |cpl| sum(&mut rows.iter().filter(|r| r.cpl == cpl).map(executed));
         let mut merged: HashMap<(u64, u8, u32), u64> = HashMap::new();
         for r in rows {
-            *merged
+            let c = merged
                 .entry((r.address, r.cpl, r.instructions))
-                .or_default() += r.count;
+                .or_default();
+            *c = c.saturating_add(r.count);
         }
         let mut blocks: Vec<_> = merged.into_iter().collect();
         // Hottest first; ties in address order so the report is stable.
         blocks.sort_by_key(|&((address, cpl, insns), count)| {
             (
-                std::cmp::Reverse(count * u64::from(insns)),
+                std::cmp::Reverse(count.saturating_mul(u64::from(insns))),
                 address,
                 cpl,
                 insns,
@@ -94,11 +100,11 @@ impl BbcountSummary {
                 symbol: symbols.and_then(|s| s.name(address)),
                 instructions,
                 count,
-                executed: count * u64::from(instructions),
+                executed: count.saturating_mul(u64::from(instructions)),
             })
             .collect();
         BbcountSummary {
-            total: rows.iter().map(executed).sum(),
+            total: sum(&mut rows.iter().map(executed)),
             cpl0: at(0),
             cpl3: at(3),
             blocks: rows.len(),
@@ -172,15 +178,18 @@ pub fn write_report(
     top: usize,
 ) -> anyhow::Result<Option<(BbcountSummary, PathBuf)>> {
     let csv_path = out.join(CSV_NAME);
-    let Ok(csv) = std::fs::read_to_string(&csv_path) else {
+    if std::fs::symlink_metadata(&csv_path).is_err() {
         return Ok(None);
-    };
+    }
+    // Not through a symlink, and not without bound.
+    let csv = host_daemon::resolve::read_output_text(&csv_path, MAX_CSV_BYTES)
+        .with_context(|| format!("cannot read {}", csv_path.display()))?;
     let rows = parse_csv(&csv).map_err(|line| {
         anyhow::anyhow!("{} line {line} is not bbcount's format", csv_path.display())
     })?;
     let summary = BbcountSummary::new(&rows, symbols, top);
     let path = out.join(REPORT_NAME);
-    std::fs::write(&path, summary.render())
+    host_daemon::resolve::write_output_file(&path, summary.render().as_bytes())
         .with_context(|| format!("cannot write {}", path.display()))?;
     Ok(Some((summary, path)))
 }
@@ -299,6 +308,19 @@ mod tests {
             "{text}"
         );
         assert!(text.lines().nth(7).unwrap().ends_with("  ?"), "{text}");
+    }
+
+    #[test]
+    fn test_forged_huge_counts_saturate_instead_of_wrapping() {
+        let rows = [
+            row(0x1000, 0, 2, 1 << 63),
+            row(0x1000, 0, 2, 1 << 63),
+            row(0x2000, 3, 1, 5),
+        ];
+        let s = BbcountSummary::new(&rows, None, 2);
+        assert_eq!((s.total, s.cpl0, s.cpl3), (u64::MAX, u64::MAX, 5));
+        assert_eq!((s.top[0].count, s.top[0].executed), (u64::MAX, u64::MAX));
+        assert!(s.render().contains(&u64::MAX.to_string()));
     }
 
     #[test]

@@ -25,10 +25,8 @@ use crate::layout::{
     ZERO_PAGE_START,
 };
 use crate::memory::{e820_map, GuestMemory};
-use crate::x86::{
-    set_flat_long_mode_segments, CR0_ET, CR0_MP, CR0_NE, CR0_PE, CR0_PG, CR4_PAE, EFER_LMA,
-    EFER_LME, PTE_PAGE_SIZE, PTE_PRESENT, PTE_WRITABLE, RFLAGS_RESERVED, TWO_MIB,
-};
+use crate::x86::{set_flat_long_mode_segments, TWO_MIB};
+use kpin_abi::x86::{cr0, cr4, efer, pte, rflags};
 
 /// Offsets inside the zero page (`struct boot_params`), from `arch/x86/include/uapi/asm/bootparam.h`.
 mod zp {
@@ -107,7 +105,10 @@ pub fn load(
     initrd: Option<&Path>,
     cmdline: &str,
 ) -> Result<BootInfo> {
-    let mut file = File::open(kernel).map_err(|e| VmmError::ReadFile(kernel.to_owned(), e))?;
+    // A regular file only, opened without blocking (a FIFO would hang `open`).
+    let (mut file, _) = crate::input_check::open_regular(kernel, "kernel").map_err(|e| {
+        VmmError::ReadFile(kernel.to_owned(), std::io::Error::other(format!("{e:#}")))
+    })?;
     let mut head = vec![0u8; zp::SIZE];
     let head_len =
         read_up_to(&mut file, &mut head).map_err(|e| VmmError::ReadFile(kernel.to_owned(), e))?;
@@ -153,6 +154,10 @@ pub fn load(
 
     let initrd = match initrd {
         Some(path) => {
+            // Checked before reading: `/dev/zero` would be read until memory runs out.
+            crate::input_check::check_initrd(path, mem.ram_bytes >> 20).map_err(|e| {
+                VmmError::ReadFile(path.to_owned(), std::io::Error::other(format!("{e:#}")))
+            })?;
             let data = std::fs::read(path).map_err(|e| VmmError::ReadFile(path.to_owned(), e))?;
             let limit = mem.low_ram_end().min(initrd_max + 1);
             let size = data.len() as u64;
@@ -247,15 +252,15 @@ fn write_page_tables(mem: &GuestMemory) -> Result<()> {
     write(
         mem,
         BOOT_PML4_START,
-        &(BOOT_PDPT_START | PTE_PRESENT | PTE_WRITABLE).to_le_bytes(),
+        &(BOOT_PDPT_START | pte::PRESENT | pte::WRITABLE).to_le_bytes(),
     )?;
     for pd in 0..BOOT_PD_COUNT {
         let pd_addr = BOOT_PD_START + pd * 0x1000;
-        let pdpte = pd_addr | PTE_PRESENT | PTE_WRITABLE;
+        let pdpte = pd_addr | pte::PRESENT | pte::WRITABLE;
         write(mem, BOOT_PDPT_START + pd * 8, &pdpte.to_le_bytes())?;
         let entries: Vec<u8> = (0..512u64)
             .flat_map(|i| {
-                ((((pd * 512) + i) * TWO_MIB) | PTE_PRESENT | PTE_WRITABLE | PTE_PAGE_SIZE)
+                ((((pd * 512) + i) * TWO_MIB) | pte::PRESENT | pte::WRITABLE | pte::PAGE_SIZE)
                     .to_le_bytes()
             })
             .collect();
@@ -271,7 +276,7 @@ pub fn initial_regs(entry: u64) -> kvm_regs {
         rsi: ZERO_PAGE_START,
         rsp: BOOT_STACK_POINTER,
         rbp: BOOT_STACK_POINTER,
-        rflags: RFLAGS_RESERVED,
+        rflags: rflags::FIXED,
         ..Default::default()
     }
 }
@@ -283,10 +288,10 @@ pub fn initial_sregs(mut s: kvm_sregs) -> kvm_sregs {
     s.gdt.limit = u16::try_from(BOOT_GDT.len() * 8 - 1).expect("4 descriptors");
     s.idt.base = 0;
     s.idt.limit = 0;
-    s.cr0 = CR0_PE | CR0_MP | CR0_ET | CR0_NE | CR0_PG;
+    s.cr0 = cr0::PE | cr0::MP | cr0::ET | cr0::NE | cr0::PG;
     s.cr3 = BOOT_PML4_START;
-    s.cr4 = CR4_PAE;
-    s.efer = EFER_LME | EFER_LMA;
+    s.cr4 = cr4::PAE;
+    s.efer = efer::LME | efer::LMA;
     s
 }
 
@@ -347,11 +352,11 @@ mod tests {
     #[test]
     fn test_sregs_are_long_mode_with_boot_selectors() {
         let s = initial_sregs(kvm_sregs::default());
-        assert_eq!(s.efer & (EFER_LME | EFER_LMA), EFER_LME | EFER_LMA);
+        assert_eq!(s.efer & (efer::LME | efer::LMA), efer::LME | efer::LMA);
         assert_eq!(s.cs.selector, BOOT_CS);
         assert_eq!(s.cs.l, 1);
         assert_eq!(s.ss.selector, BOOT_DS);
-        assert_ne!(s.cr0 & CR0_PG, 0);
+        assert_ne!(s.cr0 & cr0::PG, 0);
         // The GDT descriptor at the code selector is a present, long-mode code segment.
         let desc = BOOT_GDT[usize::from(BOOT_CS / 8)];
         assert_ne!(desc & (1 << 53), 0, "L bit");

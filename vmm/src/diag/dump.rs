@@ -8,6 +8,7 @@
 use std::fmt::Write;
 
 use iced_x86::{Decoder, DecoderOptions, Formatter, IntelFormatter};
+use kpin_abi::x86::msr;
 use kvm_bindings::{kvm_msr_entry, kvm_segment, Msrs};
 use kvm_ioctls::VcpuFd;
 
@@ -17,18 +18,18 @@ use crate::vstate::memory::GuestMemory;
 
 /// MSRs worth seeing when a guest dies, with their names.
 const DUMP_MSRS: &[(u32, &str)] = &[
-    (0xc000_0081, "STAR"),
-    (0xc000_0082, "LSTAR"),
-    (0xc000_0083, "CSTAR"),
-    (0xc000_0084, "SFMASK"),
-    (0xc000_0100, "FS_BASE"),
-    (0xc000_0101, "GS_BASE"),
-    (0xc000_0102, "KERNEL_GS_BASE"),
-    (0x0000_001b, "APIC_BASE"),
-    (0x0000_0174, "SYSENTER_CS"),
-    (0x0000_0175, "SYSENTER_ESP"),
-    (0x0000_0176, "SYSENTER_EIP"),
-    (0x0000_0010, "TSC"),
+    (msr::STAR, "STAR"),
+    (msr::LSTAR, "LSTAR"),
+    (msr::CSTAR, "CSTAR"),
+    (msr::SFMASK, "SFMASK"),
+    (msr::FS_BASE, "FS_BASE"),
+    (msr::GS_BASE, "GS_BASE"),
+    (msr::KERNEL_GS_BASE, "KERNEL_GS_BASE"),
+    (msr::APIC_BASE, "APIC_BASE"),
+    (msr::SYSENTER_CS, "SYSENTER_CS"),
+    (msr::SYSENTER_ESP, "SYSENTER_ESP"),
+    (msr::SYSENTER_EIP, "SYSENTER_EIP"),
+    (msr::TSC, "TSC"),
 ];
 /// Guest code bytes shown before RIP.
 const BYTES_BEFORE_RIP: u64 = 16;

@@ -12,6 +12,7 @@ use kpin_abi::attach::{
     Segment, SystemRegs, MAX_CPUID, MAX_E820, MAX_MSRS, TOOL_NAME_BYTES, TOOL_OPTIONS_BYTES,
 };
 use kpin_abi::stolen::ATTACH_OFFSET;
+use kpin_abi::x86::msr;
 use kvm_bindings::{
     kvm_cpuid_entry2, kvm_dtable, kvm_msr_entry, kvm_regs, kvm_segment, kvm_sregs, kvm_vcpu_events,
     Msrs,
@@ -24,19 +25,19 @@ use crate::vstate::memory::{E820Entry, GuestMemory};
 /// MSRs handed to the engine, most widely supported first (KVM stops reading at the
 /// first one it does not know).
 pub const ATTACH_MSRS: &[u32] = &[
-    0xc000_0081, // STAR
-    0xc000_0082, // LSTAR
-    0xc000_0083, // CSTAR
-    0xc000_0084, // SFMASK
-    0xc000_0100, // FS_BASE
-    0xc000_0101, // GS_BASE
-    0xc000_0102, // KERNEL_GS_BASE
-    0x0000_0174, // SYSENTER_CS
-    0x0000_0175, // SYSENTER_ESP
-    0x0000_0176, // SYSENTER_EIP
-    0x0000_0277, // PAT
-    0x0000_0010, // TSC
-    0xc000_0103, // TSC_AUX
+    msr::STAR,
+    msr::LSTAR,
+    msr::CSTAR,
+    msr::SFMASK,
+    msr::FS_BASE,
+    msr::GS_BASE,
+    msr::KERNEL_GS_BASE,
+    msr::SYSENTER_CS,
+    msr::SYSENTER_ESP,
+    msr::SYSENTER_EIP,
+    msr::PAT,
+    msr::TSC,
+    msr::TSC_AUX,
 ];
 
 /// MSRs that are part of the guest's CPU model rather than its state: the virtual CPU
@@ -46,7 +47,8 @@ pub const ATTACH_MSRS: &[u32] = &[
 /// absent from the block (the engine then gives #GP(0), and the VMM's CPUID table does not
 /// advertise it: see `cpuid::hide_unreadable_msrs`).
 pub const MODEL_MSRS: &[u32] = &[
-    0x0000_010a, // IA32_ARCH_CAPABILITIES (CPUID 7.EDX[29])
+    msr::ARCH_CAPABILITIES, // CPUID 7.EDX[29]
+    msr::MCG_CAP,           // the machine-check banks (guest-engine vcpu/mce.rs)
 ];
 const _: () = assert!(ATTACH_MSRS.len() + MODEL_MSRS.len() <= MAX_MSRS);
 

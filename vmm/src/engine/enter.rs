@@ -25,10 +25,8 @@ use crate::engine::attach::{self, AttachInputs};
 use crate::engine::loader;
 use crate::error::{Result, VmmError};
 use crate::vstate::memory::{e820_map, ram_ranges, stolen_base, GuestMemory};
-use crate::x86::{
-    set_flat_long_mode_segments, CR0_ET, CR0_MP, CR0_NE, CR0_PE, CR0_PG, CR0_WP, CR4_PAE, EFER_LMA,
-    EFER_LME, PTE_PAGE_SIZE, PTE_PRESENT, PTE_USER, PTE_WRITABLE, RFLAGS_RESERVED, TWO_MIB,
-};
+use crate::x86::{set_flat_long_mode_segments, TWO_MIB};
+use kpin_abi::x86::{cr0, cr4, efer, pte, rflags};
 
 /// What to run in the engine.
 #[derive(Clone, Debug)]
@@ -59,7 +57,7 @@ const ENGINE_CS: u16 = 0x08;
 /// Selector of the engine's ring-0 data segment (its GDT's entry 2).
 const ENGINE_DS: u16 = 0x10;
 
-const TABLE_FLAGS: u64 = PTE_PRESENT | PTE_WRITABLE | PTE_USER;
+const TABLE_FLAGS: u64 = pte::PRESENT | pte::WRITABLE | pte::USER;
 const ONE_GIB: u64 = 0x4000_0000;
 const TABLE_BYTES: usize = 4096;
 /// Boot tables: PML4, window PDPT, window PD, physmap PDPT, then physmap PDs.
@@ -93,7 +91,7 @@ pub fn boot_page_tables(
     t[WINDOW_PDPT][0] = table_pa(WINDOW_PD) | TABLE_FLAGS;
     let pages = (stolen_bytes / TWO_MIB) as usize;
     for (i, e) in t[WINDOW_PD].iter_mut().take(pages).enumerate() {
-        *e = (stolen_base + i as u64 * TWO_MIB) | TABLE_FLAGS | PTE_PAGE_SIZE;
+        *e = (stolen_base + i as u64 * TWO_MIB) | TABLE_FLAGS | pte::PAGE_SIZE;
     }
     t[PML4][pml4_index(PHYSMAP_VA)] = table_pa(PHYSMAP_PDPT) | TABLE_FLAGS;
     let mut next_pd = FIRST_PHYSMAP_PD;
@@ -112,7 +110,7 @@ pub fn boot_page_tables(
                 next_pd += 1;
             }
             let pd = ((t[PHYSMAP_PDPT][gib] & !0xfff) - table_pa(0)) as usize / TABLE_BYTES;
-            t[pd][((pa % ONE_GIB) / TWO_MIB) as usize] = pa | TABLE_FLAGS | PTE_PAGE_SIZE;
+            t[pd][((pa % ONE_GIB) / TWO_MIB) as usize] = pa | TABLE_FLAGS | pte::PAGE_SIZE;
             pa += TWO_MIB;
         }
     }
@@ -181,7 +179,7 @@ pub fn engine_regs(entry: u64) -> kvm_regs {
         rip: entry,
         rsp: ENGINE_BOOT_STACK_TOP,
         rdi: WINDOW_VA + ATTACH_OFFSET,
-        rflags: RFLAGS_RESERVED,
+        rflags: rflags::FIXED,
         ..Default::default()
     }
 }
@@ -194,11 +192,11 @@ pub fn engine_sregs(mut s: kvm_sregs, cr3: u64) -> kvm_sregs {
     s.gdt.limit = 0;
     s.idt.base = 0;
     s.idt.limit = 0;
-    s.cr0 = CR0_PE | CR0_MP | CR0_ET | CR0_NE | CR0_WP | CR0_PG;
+    s.cr0 = cr0::PE | cr0::MP | cr0::ET | cr0::NE | cr0::WP | cr0::PG;
     s.cr2 = 0;
     s.cr3 = cr3;
-    s.cr4 = CR4_PAE;
-    s.efer = EFER_LME | EFER_LMA;
+    s.cr4 = cr4::PAE;
+    s.efer = efer::LME | efer::LMA;
     s
 }
 
@@ -287,6 +285,6 @@ mod tests {
         let s = engine_sregs(kvm_sregs::default(), 0x1_0000_8000);
         assert_eq!((s.cs.selector, s.cs.l, s.cs.dpl), (ENGINE_CS, 1, 0));
         assert_eq!(s.cr3, 0x1_0000_8000);
-        assert_eq!(s.efer & EFER_LMA, EFER_LMA);
+        assert_eq!(s.efer & efer::LMA, efer::LMA);
     }
 }

@@ -142,14 +142,14 @@ pub fn guest_cpuid(kvm: &Kvm) -> Result<CpuId> {
 /// IA32_ARCH_CAPABILITIES (7.EDX[29]), which KVM advertises on every host. Returns whether
 /// anything changed (then the table must be given to KVM again).
 pub fn hide_unreadable_msrs(cpuid: &mut CpuId, vcpu: &kvm_ioctls::VcpuFd) -> bool {
-    const ARCH_CAPABILITIES_MSR: u32 = 0x10a;
     const ARCH_CAPABILITIES_BIT: u32 = 1 << 29;
     let mut changed = false;
     for e in cpuid.as_mut_slice().iter_mut() {
         if e.function == 7
             && e.index == 0
             && e.edx & ARCH_CAPABILITIES_BIT != 0
-            && crate::engine::attach::read_msr(vcpu, ARCH_CAPABILITIES_MSR).is_none()
+            && crate::engine::attach::read_msr(vcpu, kpin_abi::x86::msr::ARCH_CAPABILITIES)
+                .is_none()
         {
             e.edx &= !ARCH_CAPABILITIES_BIT;
             changed = true;

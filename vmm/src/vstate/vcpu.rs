@@ -59,6 +59,9 @@ pub enum Outcome {
     EngineFailure,
     /// The run's timeout expired.
     Timeout,
+    /// The host daemon stopped serving the I/O ring: a corrupt ring (the engine's end is
+    /// in the guest's VM) or a failed write to the output directory.
+    HostDaemon(String),
 }
 
 impl Outcome {
@@ -85,6 +88,7 @@ impl Outcome {
             Outcome::UnexpectedExit(what) => format!("unexpected exit: {what}"),
             Outcome::EngineFailure => "the engine reported a failure (see engine.log)".into(),
             Outcome::Timeout => "timeout expired".into(),
+            Outcome::HostDaemon(why) => format!("the host daemon stopped the run: {why}"),
         }
     }
 }
@@ -165,7 +169,9 @@ pub(crate) fn run_loop(
             Step::Continue => {}
             Step::DrainRing => {
                 exits.doorbells += 1;
-                daemon.serve(ring).map_err(VmmError::Daemon)?;
+                if let Err(e) = daemon.serve(ring) {
+                    return Ok(Outcome::HostDaemon(error_chain(&e)));
+                }
             }
             Step::InternalError => {
                 let run = vcpu.get_kvm_run();
@@ -181,6 +187,18 @@ pub(crate) fn run_loop(
             Step::End(o) => return Ok(o),
         }
     }
+}
+
+/// An error and its sources on one line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
 }
 
 /// What the loop does after one exit.

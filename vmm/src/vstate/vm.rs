@@ -5,7 +5,6 @@
 //! [`super::vcpu`] to an [`Outcome`](super::vcpu::Outcome); every outcome other than a
 //! clean poweroff carries a guest-state dump.
 
-use std::fs::File;
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -34,7 +33,7 @@ use crate::engine::{self, EngineConfig, EngineEntry};
 use crate::error::{Result, VmmError};
 use crate::vstate::cpuid;
 use crate::vstate::memory::GuestMemory;
-use crate::vstate::vcpu::{self, ExitCounters, RunReport};
+use crate::vstate::vcpu::{self, ExitCounters, Outcome, RunReport};
 use crate::vstate::watchdog::Watchdog;
 
 /// What to boot and how.
@@ -137,7 +136,11 @@ impl Vm {
 
         let console = Rc::new(ConsoleWatch::default());
         let file = match &cfg.console_file {
-            Some(p) => Some(File::create(p).map_err(|e| VmmError::ConsoleFile(p.clone(), e))?),
+            // Never through a symlink or hard link left in the output directory.
+            Some(p) => Some(
+                host_daemon::resolve::create_output_file(p)
+                    .map_err(|e| VmmError::ConsoleFile(p.clone(), e))?,
+            ),
             None => None,
         };
         let irq = EventFd::new(libc::EFD_NONBLOCK)
@@ -197,8 +200,14 @@ impl Vm {
         watchdog.finish();
         let outcome = outcome?;
         let wall = start.elapsed();
-        // Whatever the engine wrote before the end (its last log lines on a failure).
-        daemon.serve(&mut self.ring).map_err(VmmError::Daemon)?;
+        // Whatever the engine wrote before the end (its last log lines on a failure); a
+        // daemon that failed already leaves the ring alone.
+        let outcome = match daemon.serve(&mut self.ring) {
+            Err(e) if !matches!(outcome, Outcome::HostDaemon(_)) => {
+                Outcome::HostDaemon(vcpu::error_chain(&e))
+            }
+            _ => outcome,
+        };
         let dump = (!outcome.is_clean()).then(|| {
             dump::guest_state(
                 &outcome.describe(),

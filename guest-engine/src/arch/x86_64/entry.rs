@@ -1,5 +1,6 @@
 //! Cache enter/exit: the only hand-written context switch between the engine and
-//! translated code. (The ring-0 IDT stubs will join this file.)
+//! translated code. (The ring-0 stubs — IDT, gate — are the engine image's, in
+//! `guest-engine/image/src/entry.rs`.)
 //!
 //! # Register convention
 //!
@@ -52,10 +53,10 @@
 //! # Faults inside the cache
 //!
 //! A synchronous fault in translated code is turned into an exit by its handler (the host
-//! harness's SIGSEGV handler, later the engine's #PF/#GP stubs): it stores the faulting PC
+//! harness's SIGSEGV handler; in the engine image, `kpin_trap_common`): it stores the faulting PC
 //! in `ctx.fault_pc`, the `FAULT` word in `ctx.exit_word`, and resumes at the exit routine
 //! with the faulting register state. The dispatcher maps the PC back to the guest
-//! instruction and reloads spilled registers (`Engine::recover_regs`).
+//! instruction and reloads spilled registers (`recover.rs`, `Engine::recover_regs`).
 
 use crate::context::CacheContext;
 use crate::layout::{GENCODE_BYTES, MODE_SLOTS, XSAVE_MASK};

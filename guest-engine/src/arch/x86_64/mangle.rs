@@ -5,7 +5,9 @@
 //! Trace layout (all in one contiguous allocation):
 //!
 //! ```text
-//! checked_entry: PA check against the SoftTLB mirror (entered by cross-page links)
+//! checked_entry: PA check against the SoftTLB (`softtlb.rs`; entered by cross-page links)
+//!                then jmp entry
+//! ret_entry:     full-address check of a return-cache hit, else the shared hash lookup
 //! entry:         attention-byte check   (entered by same-page links and IBL hits)
 //! body:          guest instructions + glue + instrumentation (dispatcher enters here)
 //! stubs:         one exit stub per exit:  mov qword [ctx.exit_word], word; jmp exit
@@ -33,6 +35,7 @@ use crate::addr::GuestVirt;
 use crate::error::EngineError;
 use crate::instrument::{Action, CallSpec, IPoint, Insertion, MemOperand};
 use crate::platform::SensitiveInsn;
+use crate::softtlb::{emit_pa_check, PA_CHECK_SPILLED};
 
 /// Everything the translator needs to know about where the trace will live.
 #[derive(Clone, Copy, Debug)]
@@ -44,7 +47,7 @@ pub(crate) struct EmitEnv {
     /// The trace's mode's IBL table and its shared lookup routine.
     pub ibl_table: u64,
     pub ibl_shared: u64,
-    /// SoftTLB mirror slot `[va_page, pa_page]` of the trace's page.
+    /// SoftTLB slot `[va_page, pa_page]` of the trace's page (`softtlb.rs`).
     pub softtlb_slot: u64,
     pub counters: u64,
     pub count_ibl: bool,
@@ -194,32 +197,16 @@ impl Tx<'_> {
 
     // ---- entry checks ------------------------------------------------------------------
 
+    /// The trace's `checked_entry`: the PA check (`softtlb.rs`) with its exit stub.
     fn emit_pa_check(&mut self, va_page: u64, pa_page: u64, guest_pc: u64) {
-        let a_rcx = reg::RCX;
-        let a_rdx = reg::RDX;
-        self.a.mark_guest(guest_pc);
-        self.a.emit_spill(a_rcx);
-        self.a.emit_spill(a_rdx);
         let fail = self.new_stub(
             EXIT_PA_MISMATCH,
             ExitSpec::PaMismatch,
-            1 << a_rcx | 1 << a_rdx,
+            PA_CHECK_SPILLED,
             guest_pc,
         );
-        for (slot, expect) in [
-            (self.env.softtlb_slot, va_page),
-            (self.env.softtlb_slot + 8, pa_page),
-        ] {
-            let ok = self.a.new_label();
-            self.a.mov_r_m(a_rcx, slot);
-            self.a.mov_r_imm64(a_rdx, expect.wrapping_neg());
-            self.a.lea_r_bi(a_rcx, a_rcx, a_rdx, 0);
-            self.a.jrcxz_label(ok);
-            self.a.jmp_label(fail);
-            self.a.bind(ok);
-        }
-        self.a.emit_unspill(a_rcx);
-        self.a.emit_unspill(a_rdx);
+        let slot = self.env.softtlb_slot;
+        emit_pa_check(&mut self.a, slot, va_page, pa_page, guest_pc, fail);
     }
 
     fn emit_attention_check(&mut self, flags_dead: bool, guest_pc: u64) {

@@ -1,0 +1,7 @@
+//! Memory: the shadow MMU over the physmap and the stolen region (`shadow.rs`), guest
+//! memory as the translator and the virtual CPU reach it through the shadow MMU's walk
+//! (`guest_memory.rs`), and the engine's heap (`heap.rs`).
+
+pub mod guest_memory;
+pub mod heap;
+pub mod shadow;

@@ -1,0 +1,757 @@
+//! All hand-written ring-0 assembly of the engine: the boot entry, the IDT stubs, the
+//! ring-0 gate and the path that turns an unexpected exception into a CPL-3 fault report.
+//! Ring-0 code runs through KVM's instruction emulator here (~1–2 µs per instruction, and
+//! some instructions fail there), so it is kept short and to plain integer instructions.
+//!
+//! **Entry** (`_start`, from the VMM): ring 0, long mode, the VMM's boot page tables
+//! (stolen region at `WINDOW_VA`, user-accessible; guest RAM at `PHYSMAP_VA`), RSP = a
+//! boot stack below the image, RDI = the attach block, interrupts off, no IDT. `_start`
+//! switches to the ring-0 stack, calls `ring0_setup` (Rust: fills the GDT, TSS and IDT),
+//! sets CR4.FSGSBASE if CPUID 7.EBX[0] has it (`kpin_fsgsbase`), loads GDTR/IDTR/TR, remaps the PIC to vectors 0x20–0x2f with every IRQ masked, and
+//! `iretq`s to `kpin_engine_main(attach)` (`run/bringup.rs`) at CPL 3 with IF = 1 on the main stack.
+//!
+//! **Register convention of the gate** (`kpin_gate`, called from CPL 3): RAX = operation
+//! (`layout::gate_op`), RDI = first argument, RSI = second; returns RAX; clobbers RDX and
+//! flags; every other register is preserved. The gate is the `hlt` at `kpin_gate_insn`:
+//! at CPL 3 it raises #GP(0); the #GP stub compares the faulting RIP with
+//! `kpin_gate_insn`, performs the operation at ring 0, adds 1 to the saved RIP and
+//! `iretq`s. Operations: NOP, OUT8/OUT16/OUT32 (port RDI, value RSI), IN8/IN16/IN32 (port
+//! RDI), LOAD_CR3 (RDI), WRMSR (index RDI, value RSI), RDMSR (index RDI), INVLPG (RDI),
+//! HLT (`sti; hlt`: back after one interrupt was handled), CR4_SSE (CR4.OSFXSR and
+//! CR4.OSXMMEXCPT := those bits of RDI, which holds no others: the guest's SSE enables,
+//! mirrored because translated code runs its SSE instructions verbatim), RDMSR_SAFE (index
+//! RDI; RAX = value and RDX = 0, or RDX = 1 if the `rdmsr` raised #GP, which the #GP stub
+//! recognises by its RIP, `kpin_gate_rdmsr_insn`). An unknown operation returns `u64::MAX`.
+//!
+//! **IDT vectors**: 0–31 exception stubs (a zero error code is pushed where the CPU pushes
+//! none, then the vector), 32–255 interrupt stubs. Every entry is a DPL-0 interrupt gate
+//! (so `int n` from CPL 3 is a #GP, never a gate). Before the guest runs, the PIC is the
+//! engine's (vectors 0x20–0x2f): a stub counts the IRQ in `kpin_irq_counts[irq]` (and in
+//! `kpin_irq_at_cpl3` when it interrupted CPL 3), sends the PIC an EOI and `iretq`s. Once
+//! the guest runs (`kpin_guest_irqs` set by `irq::hand_over`) the guest programs the PIC
+//! itself through the gate, so a stub only records the vector in `kpin_irq_pending`, sets
+//! the translator's attention byte (`kpin_attention_at`) and `iretq`s without an EOI: the
+//! guest's handler sends it. The HLT gate skips its `hlt` if a vector is already pending.
+//!
+//! **IST stacks**: IST1 #DF, IST2 NMI, IST3 #MC. TSS.RSP0 = the ring-0 stack
+//! (`kpin_ring0_stack_top`, also the boot stack after the first instruction).
+//!
+//! **The probe** (`kpin_probe_read`, CPL 3): RDI = an address; the `mov rdx, [rdi]` at
+//! `kpin_probe_insn` either reads (RAX = 0, RDX = the value) or faults, and then
+//! `kpin_trap_common` — first thing — sees that RIP and resumes at `kpin_probe_fault`
+//! with RDX = vector and RCX = error code (RAX = 1). Clobbers RAX, RCX, RDX.
+//!
+//! **Faults in translated code**: when the faulting RIP lies in the code cache
+//! (`kpin_cache_lo`, `kpin_cache_len`, set by `run/mod.rs` from
+//! `guest_engine::Engine::fault_redirect`), `kpin_trap_common` — for #PF, the most
+//! frequent (every shadow-MMU fill), its own shorter stub `kpin_exc_14` — stores that RIP at
+//! `CacheContext::fault_pc`, the FAULT exit word at `CacheContext::exit_word`, the
+//! vector, error code and CR2 in `kpin_cache_fault_*`, and `iretq`s to the cache's exit
+//! routine with the guest's registers untouched: `Engine::run` returns
+//! `Stop::Fault { guest_pc, .. }` with the guest state before the faulting instruction.
+//!
+//! **Unexpected exceptions** (every other exception vector but the gate's #GP): `kpin_trap_common`
+//! saves the GPRs, vector, error code, iret frame and CR2 into `FAULT` and `iretq`s to
+//! `kpin_fault_report` at CPL 3 (IF = 0, on the fault stack), which logs the record to the
+//! I/O ring and reports through the failure port. A fault while a report is in progress
+//! writes the failure port directly from ring 0 (`kpin_trap_nested`): never a hang.
+//!
+//! **Failure codes** (the byte written to the failure port, `layout::fail_code`): 1 the
+//! CPL-3 engine reported through `engine.log`; 2 a fault during a fault report (ring 0);
+//! 3 a panic at ring 0.
+
+use core::arch::global_asm;
+use core::cell::UnsafeCell;
+use core::mem::offset_of;
+
+use kpin_abi::ports::ENGINE_FAILURE_PORT;
+
+use crate::ring0::layout::{
+    gate_op, FAULT_STACK_BYTES, IST_STACK_BYTES, MAIN_STACK_BYTES, PIC1_CMD, PIC1_DATA, PIC2_CMD,
+    PIC2_DATA, PIC2_VECTOR_BASE, PIC_EOI, PIC_VECTOR_BASE, RFLAGS_FIXED, RFLAGS_IF,
+    RING0_STACK_BYTES, TSS_SEL, USER_CS, USER_DS, VEC_GP, VEC_PF,
+};
+
+/// What the ring-0 trap path saved about an unexpected exception.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FaultRecord {
+    /// RAX, RBX, RCX, RDX, RSI, RDI, RBP, R8–R15, in that order.
+    pub gprs: [u64; 15],
+    /// Exception vector.
+    pub vector: u64,
+    /// Error code (0 when the exception has none).
+    pub error: u64,
+    /// Faulting RIP.
+    pub rip: u64,
+    /// CS at the fault.
+    pub cs: u64,
+    /// RFLAGS at the fault.
+    pub rflags: u64,
+    /// RSP at the fault.
+    pub rsp: u64,
+    /// SS at the fault.
+    pub ss: u64,
+    /// CR2 when the trap path ran.
+    pub cr2: u64,
+}
+
+/// Names of [`FaultRecord::gprs`], in order.
+pub const GPR_NAMES: [&str; 15] = [
+    "rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "r8", "r9", "r10", "r11", "r12", "r13", "r14",
+    "r15",
+];
+
+/// The fault record, written by ring-0 asm and read by the CPL-3 reporter.
+#[repr(transparent)]
+pub struct FaultCell(pub UnsafeCell<FaultRecord>);
+// SAFETY: one vCPU; the ring-0 path writes the record only while no report is in progress
+// (`kpin_fault_active`), and the reporter reads it only after that write.
+unsafe impl Sync for FaultCell {}
+
+/// The one fault record.
+pub static FAULT: FaultCell = FaultCell(UnsafeCell::new(FaultRecord {
+    gprs: [0; 15],
+    vector: 0,
+    error: 0,
+    rip: 0,
+    cs: 0,
+    rflags: 0,
+    rsp: 0,
+    ss: 0,
+    cr2: 0,
+}));
+
+extern "C" {
+    /// The gate; see the module header. Never call it directly: use `crate::ring0::gate`.
+    pub fn kpin_gate();
+    /// The probe; see the module header. Use `crate::ring0::probe`.
+    pub fn kpin_probe_read();
+    /// IRQ counts per PIC line (16 entries).
+    pub static kpin_irq_counts: [u64; 16];
+    /// Interrupts that arrived while the CPU was at CPL 3.
+    pub static kpin_irq_at_cpl3: u64;
+    /// Non-zero when `_start` enabled CR4.FSGSBASE (`wrfsbase`/`wrgsbase` work at CPL 3).
+    pub static kpin_fsgsbase: u64;
+    /// Non-zero once the guest owns the PIC: vectors 32–255 are recorded in
+    /// [`kpin_irq_pending`] and set the attention byte instead of being EOI'd.
+    pub static mut kpin_guest_irqs: u64;
+    /// Address of the translator's attention byte (0: none yet).
+    pub static mut kpin_attention_at: u64;
+    /// Pending guest interrupt vectors, a 256-bit bitmap (bit v of word v / 64).
+    pub static kpin_irq_pending: [u64; 4];
+    /// TSC read by `_start` at its first instruction.
+    pub static kpin_boot_tsc: u64;
+    /// Stub addresses for IDT vectors 0..256.
+    pub static kpin_idt_stubs: [u64; crate::ring0::layout::IDT_VECTORS];
+    /// Top of the ring-0 stack (TSS.RSP0).
+    pub static kpin_ring0_stack_top: u8;
+    /// Top of the IST1 (#DF) stack.
+    pub static kpin_ist1_top: u8;
+    /// Top of the IST2 (NMI) stack.
+    pub static kpin_ist2_top: u8;
+    /// Top of the IST3 (#MC) stack.
+    pub static kpin_ist3_top: u8;
+    /// Start of the code cache (`guest_engine::FaultRedirect::region`); with
+    /// [`kpin_cache_len`] 0 (until the engine runs guest code) no fault is redirected.
+    pub static mut kpin_cache_lo: u64;
+    /// Bytes of the code cache.
+    pub static mut kpin_cache_len: u64;
+    /// Address of `CacheContext::fault_pc`.
+    pub static mut kpin_cache_fault_pc_at: u64;
+    /// Address of `CacheContext::exit_word`.
+    pub static mut kpin_cache_exit_word_at: u64;
+    /// The FAULT exit word.
+    pub static mut kpin_cache_exit_word: u64;
+    /// The cache's exit routine.
+    pub static mut kpin_cache_exit_routine: u64;
+    /// Vector of the last redirected fault.
+    pub static kpin_cache_fault_vector: u64;
+    /// Error code of the last redirected fault.
+    pub static kpin_cache_fault_error: u64;
+    /// CR2 when the last fault was redirected.
+    pub static kpin_cache_fault_cr2: u64;
+}
+
+// Boot entry: ring 0 → CPL 3.
+extern "C" {
+    /// The CPL-3 main flow `_start` returns to with `iretq` (`run/bringup.rs`), by
+    /// symbol so that the ring-0 code does not import the rest of the image.
+    fn kpin_engine_main(attach: *const kpin_abi::attach::AttachBlock) -> !;
+}
+
+global_asm!(
+    r#"
+    .pushsection .text.entry, "ax"
+    .global _start
+_start:
+    cli
+    cld
+    mov r12, rdi
+    rdtsc
+    shl rdx, 32
+    or rax, rdx
+    mov [rip + kpin_boot_tsc], rax
+    lea rsp, [rip + kpin_ring0_stack_top]
+    call {setup}
+    // CR4.FSGSBASE when the CPU has it (CPUID 7.0 EBX[0]): CPL-3 code can then switch the
+    // guest's FS/GS bases with `wrfsbase`/`wrgsbase` instead of the gate's WRMSR.
+    mov eax, 7
+    xor ecx, ecx
+    cpuid
+    test ebx, 1
+    jz 5f
+    mov rax, cr4
+    or rax, {cr4_fsgsbase}
+    mov cr4, rax
+    mov qword ptr [rip + kpin_fsgsbase], 1
+5:
+    lgdt [rip + {gdtr}]
+    lidt [rip + {idtr}]
+    mov ax, {tss_sel}
+    ltr ax
+    xor eax, eax
+    mov ds, ax
+    mov es, ax
+    mov fs, ax
+    mov gs, ax
+    mov al, 0x11
+    out {pic1_cmd}, al
+    out {pic2_cmd}, al
+    mov al, {pic1_base}
+    out {pic1_data}, al
+    mov al, {pic2_base}
+    out {pic2_data}, al
+    mov al, 4
+    out {pic1_data}, al
+    mov al, 2
+    out {pic2_data}, al
+    mov al, 1
+    out {pic1_data}, al
+    out {pic2_data}, al
+    mov al, 0xff
+    out {pic1_data}, al
+    out {pic2_data}, al
+    push {user_ds}
+    lea rax, [rip + kpin_main_stack_top]
+    push rax
+    push {rflags}
+    push {user_cs}
+    lea rax, [rip + {main}]
+    push rax
+    mov rdi, r12
+    iretq
+    .popsection
+"#,
+    setup = sym crate::ring0::engine_tables::ring0_setup,
+    gdtr = sym crate::ring0::engine_tables::GDTR,
+    idtr = sym crate::ring0::engine_tables::IDTR,
+    tss_sel = const TSS_SEL,
+    pic1_base = const PIC_VECTOR_BASE,
+    pic1_cmd = const PIC1_CMD,
+    pic1_data = const PIC1_DATA,
+    pic2_cmd = const PIC2_CMD,
+    pic2_data = const PIC2_DATA,
+    pic2_base = const PIC2_VECTOR_BASE,
+    user_ds = const USER_DS,
+    user_cs = const USER_CS,
+    rflags = const RFLAGS_IF | RFLAGS_FIXED,
+    main = sym kpin_engine_main,
+    cr4_fsgsbase = const 1u64 << 16,
+);
+
+// Exception and interrupt stubs, the stub table.
+global_asm!(
+    r#"
+    .pushsection .text, "ax"
+.macro kpin_exc n, err
+kpin_exc_\n:
+  .if \err == 0
+    push 0
+  .endif
+    push \n
+    jmp kpin_trap_common
+.endm
+
+.macro kpin_vec num
+kpin_vec_\num:
+    push rax
+    mov eax, \num
+    cmp qword ptr [rip + kpin_guest_irqs], 0
+    jne kpin_irq_guest
+  .if \num < 48
+    inc qword ptr [rip + kpin_irq_counts + 8 * (\num - 32)]
+    test byte ptr [rsp + 16], 3
+    jz 1f
+    inc qword ptr [rip + kpin_irq_at_cpl3]
+1:
+    mov al, {eoi}
+    .if \num >= 40
+    out {pic2_cmd}, al
+    .endif
+    out {pic1_cmd}, al
+  .endif
+    pop rax
+    iretq
+.endm
+
+.irp n, 0,1,2,3,4,5,6,7,9,15,16,18,19,20,22,23,24,25,26,27,28,31
+    kpin_exc \n, 0
+.endr
+.irp n, 8,10,11,12,17,21,29,30
+    kpin_exc \n, 1
+.endr
+.irp n, 32,33,34,35,36,37,38,39,40,41,42,43,44,45,46,47,48,49,50,51,52,53,54,55,56,57,58,59,60,61,62,63,64,65,66,67,68,69,70,71,72,73,74,75,76,77,78,79,80,81,82,83,84,85,86,87,88,89,90,91,92,93,94,95,96,97,98,99,100,101,102,103,104,105,106,107,108,109,110,111,112,113,114,115,116,117,118,119,120,121,122,123,124,125,126,127,128,129,130,131,132,133,134,135,136,137,138,139,140,141,142,143,144,145,146,147,148,149,150,151,152,153,154,155,156,157,158,159,160,161,162,163,164,165,166,167,168,169,170,171,172,173,174,175,176,177,178,179,180,181,182,183,184,185,186,187,188,189,190,191,192,193,194,195,196,197,198,199,200,201,202,203,204,205,206,207,208,209,210,211,212,213,214,215,216,217,218,219,220,221,222,223,224,225,226,227,228,229,230,231,232,233,234,235,236,237,238,239,240,241,242,243,244,245,246,247,248,249,250,251,252,253,254,255
+    kpin_vec \n
+.endr
+
+    // #PF, the most frequent exception (every shadow-MMU fill): a fault in the code cache
+    // is redirected here without the common path's other checks (the same stores as
+    // there, see "Faults in translated code"); anything else takes the common path.
+    // Stack: error code, RIP, CS, RFLAGS, RSP, SS.
+kpin_exc_14:
+    push rax
+    mov rax, [rsp + 16]
+    sub rax, [rip + kpin_cache_lo]
+    cmp rax, [rip + kpin_cache_len]
+    jae 1f
+    push rbx
+    mov rax, [rsp + 24]
+    mov rbx, [rip + kpin_cache_fault_pc_at]
+    mov [rbx], rax
+    mov rbx, [rip + kpin_cache_exit_word_at]
+    mov rax, [rip + kpin_cache_exit_word]
+    mov [rbx], rax
+    mov qword ptr [rip + kpin_cache_fault_vector], {vec_pf}
+    mov rax, [rsp + 16]
+    mov [rip + kpin_cache_fault_error], rax
+    mov rax, cr2
+    mov [rip + kpin_cache_fault_cr2], rax
+    mov rax, [rip + kpin_cache_exit_routine]
+    mov [rsp + 24], rax
+    pop rbx
+    pop rax
+    add rsp, 8
+    iretq
+1:
+    pop rax
+    push {vec_pf}
+    jmp kpin_trap_common
+
+    // An interrupt once the guest owns the PIC (`kpin_guest_irqs` set): record vector EAX
+    // as pending for the guest, set the translator's attention byte, no EOI (the guest
+    // sends its own). Stack: saved RAX, then the iret frame.
+kpin_irq_guest:
+    push rcx
+    push rdx
+    mov ecx, eax
+    and ecx, 63
+    mov edx, 1
+    shl rdx, cl
+    shr eax, 6
+    lea rcx, [rip + kpin_irq_pending]
+    or [rcx + rax * 8], rdx
+    mov rcx, [rip + kpin_attention_at]
+    test rcx, rcx
+    jz 1f
+    or byte ptr [rcx], {att_irq}
+1:
+    pop rdx
+    pop rcx
+    pop rax
+    iretq
+
+    // #GP: the gate, or an unexpected #GP.
+kpin_exc_13:
+    push rax
+    lea rax, [rip + kpin_gate_insn]
+    cmp rax, [rsp + 16]
+    pop rax
+    je kpin_gate_entry
+    // A #GP from the RDMSR_SAFE operation's `rdmsr` (ring 0, nested in the gate):
+    // resume at its fault path, which reports the failure.
+    push rax
+    lea rax, [rip + kpin_gate_rdmsr_insn]
+    cmp rax, [rsp + 16]
+    jne 1f
+    lea rax, [rip + kpin_gate_rdmsr_fault]
+    mov [rsp + 16], rax
+    pop rax
+    add rsp, 8
+    iretq
+1:
+    pop rax
+    push {vec_gp}
+    jmp kpin_trap_common
+
+    // Stack: error code, RIP, CS, RFLAGS, RSP, SS.
+kpin_gate_entry:
+    add rsp, 8
+    add qword ptr [rsp], 1
+    cmp rax, {op_nop}
+    je 20f
+    cmp rax, {op_out8}
+    je 21f
+    cmp rax, {op_in8}
+    je 22f
+    cmp rax, {op_cr3}
+    je 23f
+    cmp rax, {op_wrmsr}
+    je 24f
+    cmp rax, {op_rdmsr}
+    je 25f
+    cmp rax, {op_invlpg}
+    je 26f
+    cmp rax, {op_hlt}
+    je 27f
+    cmp rax, {op_out16}
+    je 29f
+    cmp rax, {op_out32}
+    je 30f
+    cmp rax, {op_in16}
+    je 31f
+    cmp rax, {op_in32}
+    je 32f
+    cmp rax, {op_cr4_sse}
+    je 33f
+    cmp rax, {op_rdmsr_safe}
+    je 34f
+    mov rax, -1
+    iretq
+34:
+    push rcx
+    mov ecx, edi
+kpin_gate_rdmsr_insn:
+    rdmsr
+    shl rdx, 32
+    or rax, rdx
+    pop rcx
+    xor edx, edx
+    iretq
+kpin_gate_rdmsr_fault:
+    pop rcx
+    mov edx, 1
+    iretq
+33:
+    mov rax, cr4
+    and rax, {cr4_sse_clear}
+    or rax, rdi
+    mov cr4, rax
+    xor eax, eax
+    iretq
+29:
+    mov edx, edi
+    mov eax, esi
+    out dx, ax
+    xor eax, eax
+    iretq
+30:
+    mov edx, edi
+    mov eax, esi
+    out dx, eax
+    xor eax, eax
+    iretq
+31:
+    mov edx, edi
+    xor eax, eax
+    in ax, dx
+    iretq
+32:
+    mov edx, edi
+    in eax, dx
+    iretq
+20:
+    xor eax, eax
+    iretq
+21:
+    mov edx, edi
+    mov eax, esi
+    out dx, al
+    xor eax, eax
+    iretq
+22:
+    mov edx, edi
+    xor eax, eax
+    in al, dx
+    iretq
+23:
+    mov cr3, rdi
+    xor eax, eax
+    iretq
+24:
+    push rcx
+    mov ecx, edi
+    mov eax, esi
+    mov rdx, rsi
+    shr rdx, 32
+    wrmsr
+    pop rcx
+    xor eax, eax
+    iretq
+25:
+    push rcx
+    mov ecx, edi
+    rdmsr
+    shl rdx, 32
+    or rax, rdx
+    pop rcx
+    iretq
+26:
+    invlpg [rdi]
+    xor eax, eax
+    iretq
+27:
+    mov rax, [rip + kpin_irq_pending]
+    or rax, [rip + kpin_irq_pending + 8]
+    or rax, [rip + kpin_irq_pending + 16]
+    or rax, [rip + kpin_irq_pending + 24]
+    jnz 28f
+    sti
+    hlt
+    cli
+28:
+    xor eax, eax
+    iretq
+
+    // Stack: vector, error code, RIP, CS, RFLAGS, RSP, SS.
+kpin_trap_common:
+    push rax
+    lea rax, [rip + kpin_probe_insn]
+    cmp rax, [rsp + 24]
+    jne 3f
+    lea rax, [rip + kpin_probe_fault]
+    mov [rsp + 24], rax
+    mov rdx, [rsp + 8]
+    mov rcx, [rsp + 16]
+    pop rax
+    add rsp, 16
+    iretq
+3:
+    // A fault in the code cache (translated guest code): redirect it to the cache's
+    // exit routine as a FAULT exit (see "Faults in translated code" above).
+    mov rax, [rsp + 24]
+    sub rax, [rip + kpin_cache_lo]
+    cmp rax, [rip + kpin_cache_len]
+    jae 4f
+    // Stack: rbx, rax, vector, error code, RIP, CS, RFLAGS, RSP, SS.
+    push rbx
+    mov rax, [rsp + 32]
+    mov rbx, [rip + kpin_cache_fault_pc_at]
+    mov [rbx], rax
+    mov rbx, [rip + kpin_cache_exit_word_at]
+    mov rax, [rip + kpin_cache_exit_word]
+    mov [rbx], rax
+    mov rax, [rsp + 16]
+    mov [rip + kpin_cache_fault_vector], rax
+    mov rax, [rsp + 24]
+    mov [rip + kpin_cache_fault_error], rax
+    mov rax, cr2
+    mov [rip + kpin_cache_fault_cr2], rax
+    mov rax, [rip + kpin_cache_exit_routine]
+    mov [rsp + 32], rax
+    pop rbx
+    pop rax
+    add rsp, 16
+    iretq
+4:
+    pop rax
+    cmp qword ptr [rip + kpin_fault_active], 0
+    jne kpin_trap_nested
+    mov qword ptr [rip + kpin_fault_active], 1
+    mov [rip + {rec} + 0], rax
+    mov [rip + {rec} + 8], rbx
+    mov [rip + {rec} + 16], rcx
+    mov [rip + {rec} + 24], rdx
+    mov [rip + {rec} + 32], rsi
+    mov [rip + {rec} + 40], rdi
+    mov [rip + {rec} + 48], rbp
+    mov [rip + {rec} + 56], r8
+    mov [rip + {rec} + 64], r9
+    mov [rip + {rec} + 72], r10
+    mov [rip + {rec} + 80], r11
+    mov [rip + {rec} + 88], r12
+    mov [rip + {rec} + 96], r13
+    mov [rip + {rec} + 104], r14
+    mov [rip + {rec} + 112], r15
+    mov rax, [rsp]
+    mov [rip + {rec} + {off_vector}], rax
+    mov rax, [rsp + 8]
+    mov [rip + {rec} + {off_error}], rax
+    mov rax, [rsp + 16]
+    mov [rip + {rec} + {off_rip}], rax
+    mov rax, [rsp + 24]
+    mov [rip + {rec} + {off_cs}], rax
+    mov rax, [rsp + 32]
+    mov [rip + {rec} + {off_rflags}], rax
+    mov rax, [rsp + 40]
+    mov [rip + {rec} + {off_rsp}], rax
+    mov rax, [rsp + 48]
+    mov [rip + {rec} + {off_ss}], rax
+    mov rax, cr2
+    mov [rip + {rec} + {off_cr2}], rax
+    add rsp, 16
+    lea rax, [rip + {report}]
+    mov [rsp], rax
+    mov qword ptr [rsp + 8], {user_cs}
+    mov qword ptr [rsp + 16], {rflags}
+    lea rax, [rip + kpin_fault_stack_top]
+    mov [rsp + 24], rax
+    mov qword ptr [rsp + 32], {user_ds}
+    iretq
+
+kpin_trap_nested:
+    mov dx, {fail_port}
+    mov al, {nested_code}
+    out dx, al
+2:
+    cli
+    hlt
+    jmp 2b
+
+    // The probe (CPL 3): RDI = address. Returns RAX = 0 and RDX = the quadword read, or
+    // RAX = 1, RDX = vector, RCX = error code when the read faulted.
+    .global kpin_probe_read
+kpin_probe_read:
+    xor eax, eax
+kpin_probe_insn:
+    mov rdx, [rdi]
+    ret
+kpin_probe_fault:
+    mov eax, 1
+    ret
+
+    // The gate (CPL 3 only).
+    .global kpin_gate
+    .global kpin_gate_insn
+kpin_gate:
+kpin_gate_insn:
+    hlt
+    ret
+    .popsection
+
+    .pushsection .rodata, "a"
+    .balign 8
+    .global kpin_idt_stubs
+kpin_idt_stubs:
+.irp n, 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31
+    .quad kpin_exc_\n
+.endr
+.irp n, 32,33,34,35,36,37,38,39,40,41,42,43,44,45,46,47,48,49,50,51,52,53,54,55,56,57,58,59,60,61,62,63,64,65,66,67,68,69,70,71,72,73,74,75,76,77,78,79,80,81,82,83,84,85,86,87,88,89,90,91,92,93,94,95,96,97,98,99,100,101,102,103,104,105,106,107,108,109,110,111,112,113,114,115,116,117,118,119,120,121,122,123,124,125,126,127,128,129,130,131,132,133,134,135,136,137,138,139,140,141,142,143,144,145,146,147,148,149,150,151,152,153,154,155,156,157,158,159,160,161,162,163,164,165,166,167,168,169,170,171,172,173,174,175,176,177,178,179,180,181,182,183,184,185,186,187,188,189,190,191,192,193,194,195,196,197,198,199,200,201,202,203,204,205,206,207,208,209,210,211,212,213,214,215,216,217,218,219,220,221,222,223,224,225,226,227,228,229,230,231,232,233,234,235,236,237,238,239,240,241,242,243,244,245,246,247,248,249,250,251,252,253,254,255
+    .quad kpin_vec_\n
+.endr
+    .popsection
+
+    .pushsection .bss, "aw", @nobits
+    .balign 16
+    .global kpin_irq_counts
+kpin_irq_counts:
+    .skip 8 * 16
+    .global kpin_irq_at_cpl3
+kpin_irq_at_cpl3:
+    .skip 8
+    .global kpin_boot_tsc
+kpin_boot_tsc:
+    .skip 8
+    .global kpin_fsgsbase
+kpin_fsgsbase:
+    .skip 8
+    .global kpin_guest_irqs
+kpin_guest_irqs:
+    .skip 8
+    .global kpin_attention_at
+kpin_attention_at:
+    .skip 8
+    .global kpin_irq_pending
+kpin_irq_pending:
+    .skip 32
+kpin_fault_active:
+    .skip 8
+    .global kpin_cache_lo
+kpin_cache_lo:
+    .skip 8
+    .global kpin_cache_len
+kpin_cache_len:
+    .skip 8
+    .global kpin_cache_fault_pc_at
+kpin_cache_fault_pc_at:
+    .skip 8
+    .global kpin_cache_exit_word_at
+kpin_cache_exit_word_at:
+    .skip 8
+    .global kpin_cache_exit_word
+kpin_cache_exit_word:
+    .skip 8
+    .global kpin_cache_exit_routine
+kpin_cache_exit_routine:
+    .skip 8
+    .global kpin_cache_fault_vector
+kpin_cache_fault_vector:
+    .skip 8
+    .global kpin_cache_fault_error
+kpin_cache_fault_error:
+    .skip 8
+    .global kpin_cache_fault_cr2
+kpin_cache_fault_cr2:
+    .skip 8
+    .balign 4096
+    .skip {ring0_stack}
+    .global kpin_ring0_stack_top
+kpin_ring0_stack_top:
+    .skip {ist_stack}
+    .global kpin_ist1_top
+kpin_ist1_top:
+    .skip {ist_stack}
+    .global kpin_ist2_top
+kpin_ist2_top:
+    .skip {ist_stack}
+    .global kpin_ist3_top
+kpin_ist3_top:
+    .skip {main_stack}
+kpin_main_stack_top:
+    .skip {fault_stack}
+kpin_fault_stack_top:
+    .popsection
+"#,
+    eoi = const PIC_EOI,
+    att_irq = const guest_engine::attention::reason::INTERRUPT,
+    pic1_cmd = const PIC1_CMD,
+    pic2_cmd = const PIC2_CMD,
+    vec_gp = const VEC_GP,
+    vec_pf = const VEC_PF,
+    op_nop = const gate_op::NOP,
+    op_out8 = const gate_op::OUT8,
+    op_in8 = const gate_op::IN8,
+    op_cr3 = const gate_op::LOAD_CR3,
+    op_wrmsr = const gate_op::WRMSR,
+    op_rdmsr = const gate_op::RDMSR,
+    op_invlpg = const gate_op::INVLPG,
+    op_hlt = const gate_op::HLT,
+    op_out16 = const gate_op::OUT16,
+    op_out32 = const gate_op::OUT32,
+    op_in16 = const gate_op::IN16,
+    op_in32 = const gate_op::IN32,
+    op_cr4_sse = const gate_op::CR4_SSE,
+    op_rdmsr_safe = const gate_op::RDMSR_SAFE,
+    cr4_sse_clear = const !(crate::ring0::layout::CR4_SSE_BITS as i64) as i32,
+    rec = sym FAULT,
+    off_vector = const offset_of!(FaultRecord, vector),
+    off_error = const offset_of!(FaultRecord, error),
+    off_rip = const offset_of!(FaultRecord, rip),
+    off_cs = const offset_of!(FaultRecord, cs),
+    off_rflags = const offset_of!(FaultRecord, rflags),
+    off_rsp = const offset_of!(FaultRecord, rsp),
+    off_ss = const offset_of!(FaultRecord, ss),
+    off_cr2 = const offset_of!(FaultRecord, cr2),
+    report = sym crate::ring0::crash::kpin_fault_report,
+    user_cs = const USER_CS,
+    user_ds = const USER_DS,
+    rflags = const RFLAGS_FIXED,
+    fail_port = const ENGINE_FAILURE_PORT,
+    nested_code = const crate::ring0::layout::fail_code::NESTED_FAULT,
+    ring0_stack = const RING0_STACK_BYTES,
+    ist_stack = const IST_STACK_BYTES,
+    main_stack = const MAIN_STACK_BYTES,
+    fault_stack = const FAULT_STACK_BYTES,
+);
+
+const _: () = assert!(offset_of!(FaultRecord, vector) == 120);

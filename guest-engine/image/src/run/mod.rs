@@ -1,0 +1,542 @@
+//! Running the guest from the code cache: after bring-up, the engine creates the shadow
+//! MMU (`mm/shadow.rs`) and loads the kernel view's shadow root into the real CR3, creates
+//! the translator (`guest_engine::Engine`) over the code-cache region of the stolen
+//! region, loads the guest's registers from the attach block and runs the guest at
+//! hardware CPL 3 under the chosen tool until it stops.
+//!
+//! Around each run of the translator the loop (1) tells the translator what the shadow's
+//! `EngineWork` lists (code frames written, mappings dropped) — before every run, so that
+//! no stale trace or mapping survives into guest code —, (2) after the run, stops on a
+//! shadow-MMU failure, then (3) handles the stop: a hardware #PF goes to `cache_page_fault.rs`
+//! (fill and retry, self-modifying code, or a guest fault), a guest fault to
+//! [`reflect_guest_fault`], an emulation that stopped only for (1) resumes.
+//!
+//! How a run ends: a guest i8042 reset (`out 0x64, 0xfe`) — the engine first writes its
+//! final report (statistics, the tool's output files), then performs the `out` through
+//! the gate, and the VMM ends the run as a clean poweroff; anything the virtual CPU does
+//! not emulate, a fetch the guest's page tables do not allow, or an engine error — a log
+//! line naming it and the guest RIP, the report, then the failure port (exit status 3).
+
+pub mod bringup;
+pub mod cache_page_fault;
+pub mod error;
+pub mod guest_dump;
+pub mod tools;
+pub mod vcpu;
+
+use alloc::string::String;
+use core::cell::RefCell;
+use core::fmt::Write;
+
+use guest_engine::shadow_mmu::{GuestFault, View};
+use guest_engine::{exit_code, Config, Engine, GuestVirt, Stop};
+use kpin_abi::attach::AttachBlock;
+use kpin_abi::stolen::{CODE_CACHE_BYTES, CODE_CACHE_OFFSET, HEAP_BYTES, LAYOUT_BYTES, WINDOW_VA};
+
+/// Heap bytes in use past which the translator flushes the code cache before its next
+/// translation (the rest is room for the tables' doubling and the shadow MMU's reverse
+/// map).
+const HEAP_FLUSH_BYTES: u64 = HEAP_BYTES * 3 / 8;
+
+/// `Config::memory_pressure`: the translator's tables live on the heap and keep
+/// invalidated fragments until a flush (Linux patches its text thousands of times at
+/// boot: alternatives, ftrace, static keys), so past a heap budget the cache is flushed
+/// whole, as when it fills.
+fn heap_pressure() -> bool {
+    heap::usage().0 > HEAP_FLUSH_BYTES
+}
+
+use crate::events::{irq, timer};
+use crate::json::JsonObject;
+use crate::log;
+use crate::mm::guest_memory::{ShadowedMemory, MODE_KERNEL, MODE_USER};
+use crate::mm::heap;
+use crate::mm::shadow::Shadow;
+use crate::ring0::layout::VEC_PF;
+use crate::ring0::log;
+use crate::ring0::log::fail;
+use crate::ring0::{entry, gate, page_tables as paging};
+use crate::run::error::RunError;
+use crate::run::tools::Chosen;
+use crate::run::vcpu::{Ring0, ShadowPort, Vcpu};
+use cache_page_fault::Action;
+
+use guest_engine::vcpu::{Event, VcpuStop};
+
+/// CR0.PG, EFER.LMA: the guest must be in 64-bit long mode (all the translator knows).
+const CR0_PG: u64 = kpin_abi::x86::cr0::PG;
+const EFER_LMA: u64 = kpin_abi::x86::efer::LMA;
+
+/// Runs the guest described by `block` under tool `tool_name`; never returns.
+pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
+    let options = core::str::from_utf8(block.tool_options()).unwrap_or("");
+    let Some(mut tool) = Chosen::by_name(tool_name, options) else {
+        log!(
+            Error,
+            "engine: unknown tool {tool_name:?} (this engine has: {})",
+            tools::NAMES
+        );
+        fail();
+    };
+    if block.stolen_bytes < LAYOUT_BYTES {
+        log!(
+            Error,
+            "engine: the stolen region has {} bytes; the engine's layout needs {LAYOUT_BYTES}",
+            block.stolen_bytes
+        );
+        fail();
+    }
+    let s = &block.sregs;
+    if s.cr0 & CR0_PG == 0 || s.efer & EFER_LMA == 0 || s.cs.l != 1 {
+        log!(
+            Error,
+            "engine: the guest is not in 64-bit long mode (CR0={:#x} EFER={:#x} CS.L={}); only 64-bit guest code is translated",
+            s.cr0,
+            s.efer,
+            s.cs.l
+        );
+        fail();
+    }
+    if s.cs.dpl != 0 {
+        log!(
+            Error,
+            "engine: the guest is at CPL {}; only CPL-0 guest code is run so far",
+            s.cs.dpl
+        );
+        fail();
+    }
+    let shadow = match Shadow::new(block, paging::engine_root(block)) {
+        Ok(sh) => RefCell::new(sh),
+        Err(e) => {
+            log!(Error, "engine: creating the shadow MMU failed: {e}");
+            fail();
+        }
+    };
+    if let Err(e) = shadow.borrow_mut().enter(View::Kernel) {
+        log!(Error, "engine: loading the guest's shadow root failed: {e}");
+        fail();
+    }
+    log!(
+        Info,
+        "engine: guest memory through the shadow MMU: kernel-view shadow root loaded for guest CR3 {:#x}",
+        s.cr3
+    );
+    let config = Config {
+        // The image is soft-float (no SSE in engine code): guest vector state stays in
+        // the registers across exits, and analysis routines leave it alone.
+        save_extended_state: false,
+        analysis_preserves_vector_state: true,
+        mode: MODE_KERNEL,
+        // Guest instructions executed per virtual CPL, for counters.json.
+        count_insns: true,
+        memory_pressure: Some(heap_pressure),
+        ..Config::default()
+    };
+    // SAFETY: the code-cache region lies in the stolen region, which the window maps
+    // present, writable, user and executable (no NX) in 2 MiB pages; nothing else uses
+    // it (see `kpin_abi::stolen`); 32 MiB < 2 GiB; 2 MiB aligned.
+    let engine = unsafe {
+        Engine::new(
+            (WINDOW_VA + CODE_CACHE_OFFSET) as *mut u8,
+            CODE_CACHE_BYTES as usize,
+            config,
+        )
+    };
+    let mut engine = match engine {
+        Ok(e) => e,
+        Err(e) => {
+            log!(Error, "engine: creating the translator failed: {e}");
+            fail();
+        }
+    };
+    let r = &block.regs;
+    let regs = engine.regs_mut();
+    regs.gpr = [
+        r.rax, r.rcx, r.rdx, r.rbx, r.rsp, r.rbp, r.rsi, r.rdi, r.r8, r.r9, r.r10, r.r11, r.r12,
+        r.r13, r.r14, r.r15,
+    ];
+    regs.rflags = r.rflags;
+    engine.set_rip(GuestVirt(r.rip));
+    log!(
+        Info,
+        "engine: running the guest from {:#x} under tool {tool_name} (code cache {} MiB at {:#x})",
+        r.rip,
+        CODE_CACHE_BYTES >> 20,
+        WINDOW_VA + CODE_CACHE_OFFSET
+    );
+    log::flush();
+
+    arm_fault_redirect(&engine);
+    let mut mem = ShadowedMemory::new(&shadow);
+    let mut vcpu = Vcpu::new(block, Ring0, ShadowPort::new(&shadow));
+    let mut progress = cache_page_fault::Progress::default();
+    let t0 = timer::tsc();
+    irq::hand_over(&engine);
+    loop {
+        tell_translator(&mut engine, &shadow);
+        // Traces are keyed by mode: it follows the virtual CPL (deliveries in this loop
+        // change it outside `emulate`).
+        if engine.mode() != vcpu.mode() {
+            if let Err(e) = engine.set_mode(vcpu.mode()) {
+                log!(Error, "engine: switching the translation mode failed: {e}");
+                give_up(&engine, &vcpu, &shadow, &mut tool, 0, &mem);
+            }
+        }
+        let stop = engine.run(&mut mem, &mut vcpu, tool.as_tool());
+        let cycles = timer::tsc().wrapping_sub(t0);
+        let failure = shadow.borrow().failure().cloned();
+        if let Some(e) = failure {
+            log!(
+                Error,
+                "engine: shadow MMU failure at guest RIP {:#x}: {e}",
+                engine.rip().0
+            );
+            give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
+        }
+        match stop {
+            Stop::Sensitive(insn) => match vcpu.take_stop() {
+                Some(VcpuStop::ShadowWork { resume }) => engine.set_rip(resume),
+                Some(VcpuStop::FinalPortWrite { port, size, value }) => {
+                    report(&engine, &vcpu, &shadow, &mut tool, cycles);
+                    log!(
+                        Info,
+                        "engine: guest RIP {:#x} writes {value:#x} to port {port:#x} (poweroff or reset): passing it on",
+                        insn.pc.0
+                    );
+                    log::flush();
+                    gate::out(port, size, value);
+                    // The VMM normally ends the run here; if not, the guest continues.
+                    engine.set_rip(GuestVirt(insn.pc.0 + u64::from(insn.len)));
+                }
+                Some(VcpuStop::TripleFault(t)) => {
+                    log!(
+                        Error,
+                        "engine: the guest triple-faulted at RIP {:#x}: {} (vector {}, error code {:#x}) while delivering #DF",
+                        insn.pc.0,
+                        crate::ring0::crash::vector_name(u64::from(t.last.vector)),
+                        t.last.vector,
+                        t.last.error.unwrap_or(0)
+                    );
+                    give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
+                }
+                stop => {
+                    let mut text = String::new();
+                    match stop {
+                        Some(VcpuStop::Unsupported { mnemonic, why }) => {
+                            let name = mnemonic.map_or(String::from("(undecodable)"), |m| {
+                                let mut n = String::new();
+                                let _ = write!(n, "{m:?}");
+                                n.to_ascii_lowercase()
+                            });
+                            let _ = write!(
+                                text,
+                                "unsupported sensitive instruction `{name}` ({:?}) at guest RIP {:#x}: {why}; bytes",
+                                insn.kind, insn.pc.0
+                            );
+                        }
+                        _ => {
+                            let _ = write!(
+                                text,
+                                "sensitive instruction ({:?}) at guest RIP {:#x} stopped the run; bytes",
+                                insn.kind, insn.pc.0
+                            );
+                        }
+                    }
+                    for b in &insn.bytes[..usize::from(insn.len).min(insn.bytes.len())] {
+                        let _ = write!(text, " {b:02x}");
+                    }
+                    log!(Error, "engine: {text}");
+                    give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
+                }
+            },
+            Stop::Fault { guest_pc, .. } => {
+                // SAFETY: written by the ring-0 trap path before it redirected the fault
+                // to the exit routine, which ran before `run` returned.
+                let (vector, error, cr2) = unsafe {
+                    (
+                        core::ptr::read_volatile(&raw const entry::kpin_cache_fault_vector),
+                        core::ptr::read_volatile(&raw const entry::kpin_cache_fault_error),
+                        core::ptr::read_volatile(&raw const entry::kpin_cache_fault_cr2),
+                    )
+                };
+                let done = if vector == u64::from(VEC_PF) {
+                    let hw = cache_page_fault::HwPageFault {
+                        guest_pc,
+                        cr2,
+                        error: error as u32,
+                    };
+                    match cache_page_fault::on_page_fault(
+                        &mut engine,
+                        &shadow,
+                        &vcpu,
+                        &mut progress,
+                        vcpu.mode(),
+                        hw,
+                    ) {
+                        Ok(Action::Retry) => {
+                            engine.set_rip(guest_pc);
+                            Ok(())
+                        }
+                        Ok(Action::Resume(next)) => {
+                            engine.set_rip(next);
+                            Ok(())
+                        }
+                        Ok(Action::Reflect(f)) => {
+                            reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, guest_pc)
+                        }
+                        Err(e) => Err(e),
+                    }
+                } else {
+                    let ev = Event::from_hardware(vector as u8, error as u32);
+                    deliver_at(&mut engine, &mut vcpu, guest_pc.0, ev)
+                };
+                if let Err(why) = done {
+                    log!(Error, "engine: {why}");
+                    give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
+                }
+            }
+            Stop::FetchFault(va) => {
+                // The instruction starts at the engine's RIP (`va` may be its second page).
+                let rip = engine.rip();
+                let why = match cache_page_fault::fetch_fault(&shadow, vcpu.mode(), va) {
+                    Some(f) => reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, rip),
+                    None => Err(RunError::Undecodable { va: va.0 }),
+                };
+                if let Err(why) = why {
+                    log!(Error, "engine: {why}");
+                    give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
+                }
+            }
+            Stop::Attention(va) => {
+                // State is precise at `va`. Only interrupts set attention so far.
+                engine.set_attention(0);
+                match vcpu.deliver_pending(engine.regs_mut(), va.0) {
+                    Ok(Some(handler)) => engine.set_rip(GuestVirt(handler)),
+                    Ok(None) => engine.set_rip(va),
+                    Err(_) => {
+                        log!(
+                            Error,
+                            "engine: the guest triple-faulted delivering an interrupt at RIP {:#x}",
+                            va.0
+                        );
+                        give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
+                    }
+                }
+            }
+            other => {
+                log!(
+                    Error,
+                    "engine: the run stopped at guest RIP {:#x}: {other:?}",
+                    engine.rip().0
+                );
+                give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
+            }
+        }
+    }
+}
+
+/// The guest must take `fault` at the instruction `guest_pc` (the engine's registers are
+/// the guest's before it). The shadow's part of a #PF — dropping the faulting address's
+/// leaves, as the CPU drops its TLB entries — is done first, then the virtual CR2 is set
+/// and the fault delivered through the guest's IDT (a `fault.vector` of 13 is the #GP(0)
+/// of a non-canonical address, without CR2). `Ok` means delivered (the engine's RIP and
+/// registers are the handler's); `Err` says why the run must stop.
+pub fn reflect_guest_fault(
+    engine: &mut Engine,
+    vcpu: &mut Vcpu<'_>,
+    shadow: &RefCell<Shadow>,
+    fault: GuestFault,
+    guest_pc: GuestVirt,
+) -> Result<(), RunError> {
+    let pf = fault.vector == guest_engine::shadow_mmu::PF_VECTOR;
+    {
+        let mut sh = shadow.borrow_mut();
+        sh.counters.reflected += 1;
+        if pf {
+            sh.page_fault_delivered(fault.cr2.0)
+                .map_err(|error| RunError::Shadow {
+                    rip: guest_pc.0,
+                    error,
+                })?;
+        }
+    }
+    if pf {
+        vcpu.cr2 = fault.cr2.0;
+    }
+    deliver_at(
+        engine,
+        vcpu,
+        guest_pc.0,
+        Event::fault(fault.vector, fault.error_code),
+    )
+}
+
+/// Tells the translator what the shadow MMU did that it must know before guest code runs
+/// again.
+fn tell_translator(engine: &mut Engine, shadow: &RefCell<Shadow>) {
+    let work = shadow.borrow_mut().take_work();
+    if work.all_mappings {
+        // A CR3 write: every VA→PA assumption of the cache goes (SoftTLB mirror, lookup
+        // tables); translations stay, keyed by frame, and so do the frames' protections.
+        engine.invalidate_all_mappings();
+    } else {
+        for va in &work.pages {
+            engine.invalidate_page(*va);
+        }
+    }
+    let mut invalidated = 0;
+    for frame in &work.code_frames {
+        invalidated += engine.invalidate_code_page(*frame);
+    }
+    shadow.borrow_mut().counters.fragments_invalidated += invalidated as u64;
+}
+
+/// Delivers `ev` with return address `rip` and continues at the handler; `Err` (the run
+/// must end) on a guest triple fault.
+fn deliver_at(
+    engine: &mut Engine,
+    vcpu: &mut Vcpu<'_>,
+    rip: u64,
+    ev: Event,
+) -> Result<(), RunError> {
+    let handler = vcpu
+        .deliver(engine.regs_mut(), rip, ev)
+        .map_err(|t| RunError::TripleFault {
+            rip,
+            first: ev,
+            last: t.last,
+        })?;
+    engine.set_rip(GuestVirt(handler));
+    Ok(())
+}
+
+/// Tells the ring-0 trap path where the code cache is, so that a fault in translated
+/// code becomes a FAULT exit of the cache instead of an engine fault report.
+fn arm_fault_redirect(engine: &Engine) {
+    let r = engine.fault_redirect();
+    // SAFETY: plain stores to the trap path's parameters; it reads them only on a fault,
+    // and `kpin_cache_len` (stored last) stays 0 — redirect off — until the rest is set.
+    unsafe {
+        core::ptr::write_volatile(&raw mut entry::kpin_cache_fault_pc_at, r.fault_pc);
+        core::ptr::write_volatile(&raw mut entry::kpin_cache_exit_word_at, r.exit_word_at);
+        core::ptr::write_volatile(&raw mut entry::kpin_cache_exit_word, r.exit_word);
+        core::ptr::write_volatile(&raw mut entry::kpin_cache_exit_routine, r.exit_routine);
+        core::ptr::write_volatile(&raw mut entry::kpin_cache_lo, r.region.0);
+        core::ptr::write_volatile(
+            &raw mut entry::kpin_cache_len,
+            r.region.1.wrapping_sub(r.region.0),
+        );
+    }
+}
+
+/// Ends a run the engine cannot continue: the guest's state, the report, then the
+/// failure port (exit status 3).
+fn give_up(
+    engine: &Engine,
+    vcpu: &Vcpu<'_>,
+    shadow: &RefCell<Shadow>,
+    tool: &mut Chosen,
+    cycles: u64,
+    mem: &ShadowedMemory<'_>,
+) -> ! {
+    guest_dump::log_guest_state(engine, vcpu, mem);
+    report(engine, vcpu, shadow, tool, cycles);
+    fail();
+}
+
+/// Logs what the run did, writes `counters.json` and lets the tool write its files.
+fn report(
+    engine: &Engine,
+    vcpu: &Vcpu<'_>,
+    shadow: &RefCell<Shadow>,
+    tool: &mut Chosen,
+    cycles: u64,
+) {
+    let st = engine.stats();
+    let (heap_now, heap_peak) = heap::usage();
+    log!(
+        Info,
+        "engine: stats: {} traces translated ({} guest instructions, {} guest bytes -> {} cache bytes), {} links, exits direct {} ibl-miss {} sensitive {} attention {} fault {}; emulated: {} out, {} in, {} cpuid; delivered: {} interrupts, {} int n, exceptions by vector {:?}; {} halts; emulations by kind {:?}; heap {} KiB (peak {} KiB); {} TSC cycles in the run",
+        st.fragments,
+        st.guest_insns,
+        st.guest_bytes,
+        st.cache_bytes,
+        st.links,
+        st.exits[0],
+        st.exits[1],
+        st.exits[2],
+        st.exits[3],
+        st.exits[7],
+        vcpu.stats.outs,
+        vcpu.stats.ins,
+        vcpu.stats.cpuids,
+        vcpu.stats.interrupts,
+        vcpu.stats.software_ints,
+        vcpu.stats.exceptions,
+        vcpu.stats.halts,
+        vcpu.stats.emulated,
+        heap_now >> 10,
+        heap_peak >> 10,
+        cycles
+    );
+    let sh = shadow.borrow();
+    log!(Info, "engine: shadow: {}", *sh);
+    tool.finish(engine);
+    let mut j = JsonObject::new();
+    j.begin("translation")
+        .u64("traces", st.fragments)
+        .u64("guest_instructions", st.guest_insns)
+        .u64("guest_bytes", st.guest_bytes)
+        .u64("code_cache_bytes", st.cache_bytes)
+        .u64("code_cache_bytes_in_use", engine.cache_used_bytes() as u64)
+        .u64("code_cache_flushes", st.flushes)
+        .u64("code_cache_flushes_for_heap", st.pressure_flushes)
+        .u64("links", st.links)
+        .end();
+    j.begin("exits")
+        .u64("direct", st.exits[exit_code::EXIT_DIRECT as usize])
+        .u64("ibl_miss", st.exits[exit_code::EXIT_IBL_MISS as usize])
+        .u64("sensitive", st.exits[exit_code::EXIT_SENSITIVE as usize])
+        .u64(
+            "pa_mismatch",
+            st.exits[exit_code::EXIT_PA_MISMATCH as usize],
+        )
+        .u64("fault", st.exits[exit_code::EXIT_FAULT as usize])
+        .u64("attention", st.exits[exit_code::EXIT_ATTENTION as usize])
+        .end();
+    j.begin("guest_instructions")
+        .u64("cpl0", engine.executed_insns(MODE_KERNEL))
+        .u64("cpl3", engine.executed_insns(MODE_USER))
+        // Of those, emulated outside the cache (no block counter sees them) ...
+        .u64("emulated", st.emulated_insns)
+        // ... and block counts taken back after faults cut a block short.
+        .u64("taken_back_after_faults", st.insns_taken_back)
+        .end();
+    let v = &vcpu.stats;
+    j.begin("emulated")
+        .u64("total", v.emulated.iter().sum())
+        .u64("port_out", v.outs)
+        .u64("port_in", v.ins)
+        .u64("cpuid", v.cpuids)
+        .end();
+    j.begin("events")
+        .u64("interrupts_delivered", v.interrupts)
+        .u64("exceptions_delivered", v.exceptions.iter().sum())
+        .u64("software_interrupts", v.software_ints)
+        .u64("halts", v.halts)
+        .end();
+    j.begin("smc")
+        .u64("frames_invalidated", sh.counters.code_writes)
+        .u64("traces_invalidated", sh.counters.fragments_invalidated)
+        .end();
+    sh.write_json(&mut j);
+    j.u64("gate_calls", gate::calls())
+        .u64("ring_doorbells", log::doorbells())
+        .u64("tsc_cycles", cycles)
+        .u64("heap_peak_bytes", heap_peak);
+    let text = j.finish();
+    if let Err(e) = tools::write_file("counters.json", text.as_bytes()) {
+        log!(Error, "engine: cannot write counters.json: {e}");
+    }
+    log::flush();
+}

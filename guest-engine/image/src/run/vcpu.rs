@@ -1,0 +1,185 @@
+//! The virtual CPU (`guest_engine::vcpu`) on this machine: [`Ring0`] is its
+//! [`Hardware`] — port I/O, pass-through MSRs, CR4's SSE bits and `hlt` through the
+//! ring-0 gate, the FS/GS bases with `wrfsbase`/`wrgsbase` at CPL 3, the pending-vector
+//! bitmap of the interrupt stubs (`events/irq.rs`), the TSC, the engine log — and
+//! [`ShadowPort`] its [`GuestMmu`]: guest memory and the shadow MMU (`mm/shadow.rs`,
+//! `mm/guest_memory.rs`), shared with the run loop.
+
+use core::cell::RefCell;
+use core::fmt;
+
+use guest_engine::shadow_mmu::{PagingControl, ShadowError, View};
+use guest_engine::vcpu::{GuestMmu, Hardware, PageFault};
+use kpin_abi::x86::msr;
+
+use crate::events::{irq, timer};
+use crate::log;
+use crate::mm::guest_memory::{ShadowedMemory, MODE_KERNEL, MODE_USER};
+use crate::mm::shadow::Shadow;
+use crate::ring0::gate;
+
+/// The virtual CPU of the engine image.
+pub type Vcpu<'a> = guest_engine::vcpu::Vcpu<'a, Ring0, ShadowPort<'a>>;
+
+/// The hardware behind the ring-0 gate.
+pub struct Ring0;
+
+/// Writes the hardware FS (`fs` true) or GS base: `wrfsbase`/`wrgsbase` when `_start`
+/// enabled CR4.FSGSBASE (CPUID 7.EBX[0]), else the gate's WRMSR. Measured at bring-up
+/// here: 8 ns per switch against ~64 µs through the gate (a guest kernel `swapgs`es on
+/// every entry from user mode).
+pub fn set_hw_base(fs: bool, base: u64) {
+    // SAFETY: written once by `_start` at ring 0 before any CPL-3 code ran.
+    if unsafe { core::ptr::read_volatile(&raw const crate::ring0::entry::kpin_fsgsbase) } != 0 {
+        // SAFETY: CR4.FSGSBASE is set, so these are allowed at CPL 3; the engine uses
+        // neither FS nor GS (no TLS, the ring-0 stubs never `swapgs`); `base` is
+        // canonical (checked by every caller), so they cannot fault.
+        unsafe {
+            if fs {
+                core::arch::asm!("wrfsbase {}", in(reg) base, options(nostack, preserves_flags));
+            } else {
+                core::arch::asm!("wrgsbase {}", in(reg) base, options(nostack, preserves_flags));
+            }
+        }
+        return;
+    }
+    let i = if fs { msr::FS_BASE } else { msr::GS_BASE };
+    // SAFETY: as above, the bases belong to the guest; a canonical value cannot fault
+    // the ring-0 WRMSR.
+    unsafe { gate::wrmsr(i, base) };
+}
+
+impl Hardware for Ring0 {
+    fn port_out(&mut self, port: u16, size: u8, value: u32) {
+        gate::out(port, size, value);
+    }
+
+    fn port_in(&mut self, port: u16, size: u8) -> u32 {
+        gate::input(port, size)
+    }
+
+    fn rdmsr_passthrough(&mut self, index: u32) -> u64 {
+        gate::rdmsr(index)
+    }
+
+    fn rdmsr_safe(&mut self, index: u32) -> Option<u64> {
+        gate::rdmsr_safe(index)
+    }
+
+    fn wrmsr_passthrough(&mut self, index: u32, value: u64) {
+        // SAFETY: the virtual CPU passes through only MSRs whose effect is the guest's
+        // (`MsrFile::passes_through`: microcode signature, the local APIC the engine does
+        // not use — APIC_BASE cannot move —, kvm-clock pages in guest-physical memory).
+        unsafe { gate::wrmsr(index, value) };
+    }
+
+    fn set_cr4_sse(&mut self, cr4: u64) {
+        gate::cr4_sse(cr4);
+    }
+
+    fn set_hw_base(&mut self, fs: bool, base: u64) {
+        set_hw_base(fs, base);
+    }
+
+    fn halt(&mut self) {
+        gate::hlt();
+    }
+
+    fn pending_highest(&self) -> Option<u8> {
+        irq::highest()
+    }
+
+    fn take_pending(&mut self, vector: u8) {
+        irq::take(vector);
+    }
+
+    fn rearm_attention(&mut self) {
+        irq::rearm_if_pending();
+    }
+
+    fn tsc(&mut self) -> u64 {
+        timer::tsc()
+    }
+
+    fn log(&mut self, line: fmt::Arguments<'_>) {
+        log!(Info, "{line}");
+    }
+}
+
+/// Guest memory and the shadow MMU, shared with the run loop (every method borrows the
+/// shadow only for its own duration).
+pub struct ShadowPort<'a> {
+    shadow: &'a RefCell<Shadow>,
+}
+
+impl<'a> ShadowPort<'a> {
+    /// The virtual CPU's view of `shadow`.
+    pub fn new(shadow: &'a RefCell<Shadow>) -> Self {
+        Self { shadow }
+    }
+
+    fn mem(&self) -> ShadowedMemory<'a> {
+        ShadowedMemory::new(self.shadow)
+    }
+}
+
+fn page_fault(f: guest_engine::shadow_mmu::GuestFault) -> PageFault {
+    PageFault {
+        cr2: f.cr2.0,
+        error: f.error_code,
+    }
+}
+
+fn mode(user: bool) -> guest_engine::Mode {
+    if user {
+        MODE_USER
+    } else {
+        MODE_KERNEL
+    }
+}
+
+impl GuestMmu for ShadowPort<'_> {
+    fn read(&mut self, va: u64, user: bool, out: &mut [u8]) -> Result<(), PageFault> {
+        self.mem()
+            .try_read_virt(va, mode(user), out)
+            .map_err(page_fault)
+    }
+
+    fn write(&mut self, va: u64, user: bool, data: &[u8]) -> Result<(), PageFault> {
+        self.mem()
+            .try_write_virt(va, mode(user), data)
+            .map_err(page_fault)
+    }
+
+    fn cr3(&self) -> u64 {
+        self.shadow.borrow().cr3()
+    }
+
+    fn write_cr3(&mut self, cr3: u64) -> Result<(), ShadowError> {
+        self.shadow.borrow_mut().write_cr3(cr3)
+    }
+
+    fn invlpg(&mut self, va: u64) -> Result<(), ShadowError> {
+        self.shadow.borrow_mut().invlpg(va)
+    }
+
+    fn set_paging_control(&mut self, control: PagingControl) -> Result<(), ShadowError> {
+        self.shadow.borrow_mut().set_control(control)
+    }
+
+    fn enter_view(&mut self, view: View) -> Result<(), ShadowError> {
+        self.shadow.borrow_mut().enter(view)
+    }
+
+    fn record_failure(&mut self, e: ShadowError) {
+        self.shadow.borrow_mut().record(e);
+    }
+
+    fn failed(&self) -> bool {
+        self.shadow.borrow().failure().is_some()
+    }
+
+    fn has_work(&self) -> bool {
+        self.shadow.borrow().has_work()
+    }
+}

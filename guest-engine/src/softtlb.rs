@@ -1,0 +1,192 @@
+//! The SoftTLB and the per-trace PA check that reads it.
+//!
+//! **SoftTLB.** The engine's VA → PA knowledge in a form translated code can read: a
+//! direct-mapped table of [`SOFTTLB_ENTRIES`] slots `[va_page: u64, pa_page: u64]` at
+//! [`SOFTTLB_OFFSET`] of the cache region, indexed by virtual page number and shared by
+//! the modes (both views of a VA map to the same frame). The dispatcher fills a slot from
+//! every fresh `GuestMemory::translate` answer it gets (in the engine image that answer
+//! comes from the shadow entries, `shadow_mmu/translate.rs`); `Engine::invalidate_page`
+//! empties one slot, `Engine::invalidate_all_mappings` all of them. The fragment map of
+//! the code cache keys fragments by ⟨VA, PA, mode⟩ and needs no SoftTLB; the SoftTLB
+//! is what code running *inside* the cache checks instead of asking the dispatcher.
+//!
+//! **Per-trace PA check.** Every fragment starts with a `checked_entry` that compares its
+//! page's slot with the fragment's own ⟨VA page, PA page⟩ ([`emit_pa_check`]); a link
+//! between fragments on different pages (VA or frame) targets it, a same-page link
+//! targets `entry` ([`link_target`]). A failed check leaves with the `PA_MISMATCH` exit;
+//! the dispatcher then asks [`Engine::revalidate`] whether the fragment is still what its
+//! VA maps to.
+//!
+//! Invariants:
+//! * a slot holds either `u64::MAX` in both words (empty; never a page address) or a
+//!   mapping that `GuestMemory::translate` returned since the last
+//!   `invalidate_all_mappings` / `invalidate_page` of that VA;
+//! * whenever a fill replaces a different PA for the same VA, every mode's IBL table and
+//!   return cache are cleared (their entries were made under the old mapping);
+//! * the emitted check reads only the slot it was translated for, flag-free (`lea` +
+//!   `jrcxz`), with RCX and RDX spilled and restored, and on failure reaches its exit
+//!   stub with exactly those two registers in their spill slots ([`PA_CHECK_SPILLED`]).
+
+use crate::addr::{CachePc, GuestPhys, GuestVirt, PAGE_BYTES};
+use crate::arch::x86_64::emit::{reg, Asm, Label};
+use crate::dispatch::Engine;
+use crate::fragment::Fragment;
+use crate::guest_memory::GuestMemory;
+use crate::layout::{SOFTTLB_ENTRIES, SOFTTLB_OFFSET};
+
+/// Bytes per SoftTLB slot: `[va_page, pa_page]`.
+const SLOT_BYTES: u64 = 16;
+/// The value of both words of an empty slot (never a page address).
+const EMPTY: u64 = u64::MAX;
+/// Registers the PA check keeps in spill slots (RCX, RDX; hardware numbers as bits).
+pub(crate) const PA_CHECK_SPILLED: u16 = 1 << reg::RCX | 1 << reg::RDX;
+
+/// The SoftTLB table inside the cache region.
+#[derive(Debug)]
+pub(crate) struct SoftTlb {
+    /// Address of slot 0.
+    table: u64,
+}
+
+impl SoftTlb {
+    /// The SoftTLB of the cache region at `region_base`, emptied.
+    ///
+    /// # Safety
+    /// `region_base` must be the start of a writable code-cache region carved per
+    /// `layout` (so that `SOFTTLB_OFFSET..+SOFTTLB_BYTES` lies inside it) that outlives
+    /// the returned value.
+    pub(crate) unsafe fn new(region_base: u64) -> Self {
+        let mut t = Self {
+            table: region_base + SOFTTLB_OFFSET as u64,
+        };
+        t.clear();
+        t
+    }
+
+    /// The address of `va`'s slot (what the PA check of a trace on `va`'s page reads).
+    pub(crate) fn slot(&self, va: GuestVirt) -> u64 {
+        let idx = (va.0 / PAGE_BYTES) % SOFTTLB_ENTRIES as u64;
+        self.table + idx * SLOT_BYTES
+    }
+
+    /// Forgets every mapping (4 KiB of stores).
+    pub(crate) fn clear(&mut self) {
+        for i in 0..SOFTTLB_ENTRIES as u64 {
+            let slot = (self.table + i * SLOT_BYTES) as *mut u64;
+            // SAFETY: the slot lies inside the table (contract of `new`).
+            unsafe { slot.write(EMPTY) };
+        }
+    }
+
+    /// Forgets the mapping of `va`'s page, if its slot holds that page.
+    pub(crate) fn invalidate(&mut self, va: GuestVirt) {
+        let slot = self.slot(va) as *mut u64;
+        // SAFETY: the slot (two u64) lies inside the table (contract of `new`).
+        unsafe {
+            if slot.read() == va.page().0 {
+                slot.write(EMPTY);
+                slot.add(1).write(EMPTY);
+            }
+        }
+    }
+
+    /// Records `va → pa` (pages). Returns whether a different mapping for that VA page
+    /// was replaced.
+    pub(crate) fn fill(&mut self, va: GuestVirt, pa: GuestPhys) -> bool {
+        let slot = self.slot(va) as *mut u64;
+        // SAFETY: the slot (two u64) lies inside the table (contract of `new`).
+        unsafe {
+            let old_va = slot.read();
+            let old_pa = slot.add(1).read();
+            slot.write(va.page().0);
+            slot.add(1).write(pa.page().0);
+            old_va == va.page().0 && old_pa != pa.page().0
+        }
+    }
+}
+
+/// Emits the body of a trace's `checked_entry`: spill RCX and RDX, compare the SoftTLB
+/// slot at `slot` with `[va_page, pa_page]` flag-free, jump to `fail` (an exit stub that
+/// restores [`PA_CHECK_SPILLED`]) on a mismatch, else restore RCX and RDX and fall through.
+pub(crate) fn emit_pa_check(
+    a: &mut Asm,
+    slot: u64,
+    va_page: u64,
+    pa_page: u64,
+    guest_pc: u64,
+    fail: Label,
+) {
+    a.mark_guest(guest_pc);
+    a.emit_spill(reg::RCX);
+    a.emit_spill(reg::RDX);
+    for (word, expect) in [(slot, va_page), (slot + 8, pa_page)] {
+        let ok = a.new_label();
+        a.mov_r_m(reg::RCX, word);
+        a.mov_r_imm64(reg::RDX, expect.wrapping_neg());
+        a.lea_r_bi(reg::RCX, reg::RCX, reg::RDX, 0);
+        a.jrcxz_label(ok);
+        a.jmp_label(fail);
+        a.bind(ok);
+    }
+    a.emit_unspill(reg::RCX);
+    a.emit_unspill(reg::RDX);
+}
+
+/// Where a link from `src` to `dst` enters `dst`: its `entry` when both lie on the same
+/// VA page and frame (a fragment that runs proves its page's mapping, so the target's
+/// holds too), else its `checked_entry`.
+pub(crate) fn link_target(src: &Fragment, dst: &Fragment) -> CachePc {
+    let same_page = src.start.page() == dst.start.page() && src.pa.page() == dst.pa.page();
+    if same_page {
+        dst.entry
+    } else {
+        dst.checked_entry
+    }
+}
+
+impl Engine {
+    /// Records a fresh translation `va → pa` in the SoftTLB; if it replaced a different
+    /// mapping of that VA, lookups made under the old one are stale and every IBL table
+    /// and return cache is cleared.
+    pub(crate) fn note_mapping(&mut self, va: GuestVirt, pa: GuestPhys) {
+        if self.softtlb.fill(va, pa) {
+            self.cache.clear_lookups();
+        }
+    }
+
+    /// After fragment `id` failed its PA check: whether it may run. It may if it is still
+    /// what a lookup of its VA finds (its VA maps to its PA now, and it was not
+    /// invalidated): then only the SoftTLB slot was gone (a CR3 write, a slot conflict),
+    /// the SoftTLB learns the mapping and the links stay. Otherwise the links into it are
+    /// stale and undone, so that they reach the dispatcher and get relinked to the right
+    /// fragment.
+    pub(crate) fn revalidate(&mut self, mem: &mut dyn GuestMemory, id: u32) -> bool {
+        let f = &self.cache.fragments[id as usize];
+        let (va, pa, mode) = (f.start, f.pa, f.mode);
+        let now = mem.translate(va.page(), mode);
+        if now == Some(pa.page()) && self.cache.lookup(va, pa, mode) == Some(id) {
+            self.note_mapping(va, pa);
+            true
+        } else {
+            self.unlink_incoming(id);
+            false
+        }
+    }
+
+    /// The guest changed (or may have changed) the mapping of `va`'s page: drop it from
+    /// the SoftTLB so that cross-page entries re-validate, and drop IBL entries.
+    pub fn invalidate_page(&mut self, va: GuestVirt) {
+        self.softtlb.invalidate(va);
+        self.cache.clear_lookups();
+    }
+
+    /// Every VA → PA mapping may have changed (guest CR3 write): the SoftTLB and every
+    /// mode's IBL table and return cache are emptied; fragments stay (they are keyed by PA
+    /// and found again by the next lookups). Costs O(lookup slots filled since the last
+    /// clear), not a 3 MiB clear. Links stay too: a same-page link leaves a fragment that
+    /// was itself entered under the current mappings (README, "Modes and mappings").
+    pub fn invalidate_all_mappings(&mut self) {
+        self.softtlb.clear();
+        self.cache.clear_lookups();
+    }
+}

@@ -1,0 +1,335 @@
+//! Decoding a sensitive instruction, the privilege checks common to its family, and the
+//! table from iced-x86's `Code` to the handler that emulates it. Every handler has the
+//! same shape ([`Handler`]): it returns where the guest continues, why the run stops, or
+//! the exception to raise at the instruction (registers as before it), which
+//! [`Platform::emulate`] delivers.
+
+use iced_x86::{Code, Decoder, DecoderOptions, Instruction, Mnemonic, OpKind, Register};
+use kpin_abi::x86::{cr4, is_canonical, vector};
+
+use super::events::Event;
+use super::hardware::{GuestMmu, Hardware};
+use super::segments::Sreg;
+use super::{Vcpu, VcpuStop};
+use crate::{
+    Emulation, Gpr, GuestRegs, GuestVirt, Platform, SegBase, SensitiveInsn, SensitiveKind,
+};
+
+/// What an emulation does next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    /// Continue at this guest address.
+    Continue(GuestVirt),
+    /// Stop the run loop for this reason.
+    Stop(VcpuStop),
+}
+
+impl Flow {
+    /// The stop for an instruction (or a case of it) that is not emulated.
+    pub fn unsupported(i: &Instruction, why: &'static str) -> Self {
+        Flow::Stop(VcpuStop::Unsupported {
+            mnemonic: Some(i.mnemonic()),
+            why,
+        })
+    }
+}
+
+/// The result of emulating one instruction: what next, or an exception to raise at the
+/// instruction (registers as before it).
+pub type Step = Result<Flow, Event>;
+
+/// One instruction's emulation: the virtual CPU, the decoded instruction, the guest's
+/// registers and the address of the next instruction.
+pub type Handler<'a, H, M> =
+    fn(&mut Vcpu<'a, H, M>, &Instruction, &mut GuestRegs, GuestVirt) -> Step;
+
+/// #GP(0).
+pub fn gp0() -> Event {
+    Event::fault(vector::GP, 0)
+}
+
+/// The 64-bit GPR `r` is part of.
+pub fn gpr(r: Register) -> Option<Gpr> {
+    let full = r.full_register();
+    Gpr::from_number(full.number() as u8).filter(|_| full.is_gpr64())
+}
+
+/// Instructions that need CPL 0 (#GP(0) above it). IOPL-sensitive ones (`cli`, `sti`,
+/// `in`, `out`) are checked by their handlers.
+fn privileged(i: &Instruction, kind: SensitiveKind) -> bool {
+    matches!(
+        i.mnemonic(),
+        Mnemonic::Hlt
+            | Mnemonic::Lgdt
+            | Mnemonic::Lidt
+            | Mnemonic::Ltr
+            | Mnemonic::Lldt
+            | Mnemonic::Mov
+            | Mnemonic::Rdmsr
+            | Mnemonic::Wrmsr
+            | Mnemonic::Swapgs
+            | Mnemonic::Sysretq
+            | Mnemonic::Invlpg
+            | Mnemonic::Wbinvd
+            | Mnemonic::Invd
+            | Mnemonic::Clts
+            | Mnemonic::Lmsw
+    ) && kind != SensitiveKind::SegmentRegister
+}
+
+/// Instructions CR4.UMIP makes CPL-0-only.
+fn umip_protected(i: &Instruction) -> bool {
+    matches!(
+        i.mnemonic(),
+        Mnemonic::Sgdt | Mnemonic::Sidt | Mnemonic::Sldt | Mnemonic::Str | Mnemonic::Smsw
+    )
+}
+
+impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
+    /// The handler of `code`, `None` if it is not emulated.
+    fn handler(code: Code) -> Option<Handler<'a, H, M>> {
+        let h: Handler<'a, H, M> = match code {
+            // cr.rs
+            Code::Mov_r64_cr => Self::mov_from_cr,
+            Code::Mov_cr_r64 => Self::mov_to_cr,
+            Code::Mov_r64_dr => Self::mov_from_dr,
+            Code::Mov_dr_r64 => Self::mov_to_dr,
+            Code::Smsw_rm16 | Code::Smsw_r32m16 | Code::Smsw_r64m16 => Self::smsw,
+            Code::Lmsw_rm16 | Code::Lmsw_r32m16 => Self::lmsw,
+            Code::Clts => Self::clts,
+            Code::Invlpg_m => Self::invlpg,
+            // flags.rs
+            Code::Cli => Self::cli,
+            Code::Sti => Self::sti,
+            Code::Pushfq => Self::pushfq,
+            Code::Popfq => Self::popfq,
+            // tables.rs
+            Code::Lgdt_m1664 | Code::Lidt_m1664 => Self::load_table,
+            Code::Sgdt_m1664 | Code::Sidt_m1664 => Self::store_table,
+            Code::Str_rm16 | Code::Str_r32m16 | Code::Str_r64m16 => Self::str,
+            Code::Sldt_rm16 | Code::Sldt_r32m16 | Code::Sldt_r64m16 => Self::sldt,
+            Code::Ltr_rm16
+            | Code::Ltr_r32m16
+            | Code::Ltr_r64m16
+            | Code::Lldt_rm16
+            | Code::Lldt_r32m16
+            | Code::Lldt_r64m16 => Self::load_system,
+            // segments.rs
+            Code::Mov_Sreg_rm16 | Code::Mov_Sreg_r32m16 | Code::Mov_Sreg_r64m16 => {
+                Self::mov_to_sreg
+            }
+            Code::Mov_rm16_Sreg | Code::Mov_r32m16_Sreg | Code::Mov_r64m16_Sreg => {
+                Self::mov_from_sreg
+            }
+            // segment_query.rs
+            Code::Lar_r16_rm16 | Code::Lar_r32_r32m16 | Code::Lar_r64_r64m16 => Self::lar,
+            Code::Lsl_r16_rm16 | Code::Lsl_r32_r32m16 | Code::Lsl_r64_r64m16 => Self::lsl,
+            Code::Verr_rm16
+            | Code::Verr_r32m16
+            | Code::Verr_r64m16
+            | Code::Verw_rm16
+            | Code::Verw_r32m16
+            | Code::Verw_r64m16 => Self::verify,
+            Code::Pushw_FS | Code::Pushq_FS | Code::Pushw_GS | Code::Pushq_GS => Self::push_sreg,
+            Code::Popw_FS | Code::Popq_FS | Code::Popw_GS | Code::Popq_GS => Self::pop_sreg,
+            Code::Retfw
+            | Code::Retfd
+            | Code::Retfq
+            | Code::Retfw_imm16
+            | Code::Retfd_imm16
+            | Code::Retfq_imm16 => Self::far_return,
+            // msr.rs
+            Code::Rdmsr => Self::rdmsr,
+            Code::Wrmsr => Self::wrmsr,
+            // syscall.rs
+            Code::Syscall => Self::syscall,
+            Code::Sysretq => Self::sysretq,
+            Code::Swapgs => Self::swapgs,
+            Code::Rdfsbase_r64 | Code::Rdgsbase_r64 => Self::rd_base,
+            Code::Wrfsbase_r64 | Code::Wrgsbase_r64 => Self::wr_base,
+            // port_io.rs
+            Code::Out_imm8_AL
+            | Code::Out_DX_AL
+            | Code::Out_imm8_AX
+            | Code::Out_DX_AX
+            | Code::Out_imm8_EAX
+            | Code::Out_DX_EAX
+            | Code::In_AL_imm8
+            | Code::In_AL_DX
+            | Code::In_AX_imm8
+            | Code::In_AX_DX
+            | Code::In_EAX_imm8
+            | Code::In_EAX_DX => Self::port_io,
+            // misc.rs
+            Code::Cpuid => Self::cpuid,
+            Code::Wbinvd | Code::Invd => Self::cache_control,
+            Code::Xgetbv | Code::Xsetbv => Self::xcr,
+            Code::Rdtscp => Self::rdtscp,
+            Code::Rdpid_r64 => Self::rdpid,
+            Code::Hlt => Self::hlt,
+            // events.rs
+            Code::Iretq => Self::iretq,
+            Code::Int3 => Self::int3,
+            Code::Int_imm8 => Self::int_n,
+            Code::Ud0
+            | Code::Ud1_r16_rm16
+            | Code::Ud1_r32_rm32
+            | Code::Ud1_r64_rm64
+            | Code::Ud2 => Self::ud,
+            _ => return None,
+        };
+        Some(h)
+    }
+
+    /// The emulation of one decoded instruction.
+    fn emulate_insn(
+        &mut self,
+        insn: &SensitiveInsn,
+        i: &Instruction,
+        regs: &mut GuestRegs,
+        next: GuestVirt,
+    ) -> Step {
+        let cpl = self.cpl();
+        if privileged(i, insn.kind) && cpl != 0 {
+            return Err(gp0());
+        }
+        if cpl != 0 && self.cr4 & cr4::UMIP != 0 && umip_protected(i) {
+            return Err(gp0());
+        }
+        match Self::handler(i.code()) {
+            Some(h) => h(self, i, regs, next),
+            None => Ok(Flow::unsupported(
+                i,
+                match insn.kind {
+                    SensitiveKind::PortIo => "string port I/O is not emulated",
+                    _ => "not emulated by the virtual CPU yet",
+                },
+            )),
+        }
+    }
+
+    /// Emulates `insn` and delivers the exception it raises; what the guest does next.
+    fn step(&mut self, insn: &SensitiveInsn, regs: &mut GuestRegs) -> Flow {
+        let len = usize::from(insn.len).min(insn.bytes.len());
+        let mut d = Decoder::with_ip(64, &insn.bytes[..len], insn.pc.0, DecoderOptions::NONE);
+        let i = d.decode();
+        let next = GuestVirt(insn.pc.0.wrapping_add(len as u64));
+        let before = *regs;
+        self.sti_next = None;
+        let step = if len == 0 || i.is_invalid() {
+            Err(Event::ud())
+        } else {
+            self.emulate_insn(insn, &i, regs, next)
+        };
+        match step {
+            Ok(flow) => flow,
+            Err(ev) => {
+                // Precise: the exception sees the registers from before the instruction;
+                // software interrupts return after it.
+                *regs = before;
+                self.raise(regs, insn.pc.0, next.0, ev)
+            }
+        }
+    }
+
+    /// The linear address of `i`'s memory operand (FS/GS: their virtual bases).
+    pub fn data_address(&self, i: &Instruction, regs: &GuestRegs) -> Option<u64> {
+        i.virtual_address(0, 0, |reg, _, _| {
+            if reg.is_segment_register() {
+                return Some(match reg {
+                    Register::FS => self.segs.sregs[Sreg::Fs as usize].base,
+                    Register::GS => self.segs.sregs[Sreg::Gs as usize].base,
+                    _ => 0,
+                });
+            }
+            let v = regs.get(gpr(reg)?);
+            Some(if reg.is_gpr32() { v & 0xffff_ffff } else { v })
+        })
+    }
+
+    /// The memory operand's address, or #GP(0) if it is non-canonical.
+    pub(super) fn operand_address(&self, i: &Instruction, regs: &GuestRegs) -> Result<u64, Event> {
+        self.data_address(i, regs)
+            .filter(|&a| is_canonical(a))
+            .ok_or_else(gp0)
+    }
+
+    /// Reads the 16-bit register or memory operand `op` of `i`.
+    pub(super) fn read_rm16(
+        &mut self,
+        i: &Instruction,
+        op: u32,
+        regs: &GuestRegs,
+    ) -> Result<u16, Event> {
+        if i.op_kind(op) == OpKind::Register {
+            return Ok(gpr(i.op_register(op)).map_or(0, |n| regs.get(n) as u16));
+        }
+        let ea = self.operand_address(i, regs)?;
+        let mut b = [0u8; 2];
+        self.read(ea, &mut b)?;
+        Ok(u16::from_le_bytes(b))
+    }
+
+    /// Writes `v` to `i`'s first operand: 16 bits to memory or a 16-bit register, the
+    /// zero-extended value to a 32/64-bit register.
+    pub(super) fn write_rm16(
+        &mut self,
+        i: &Instruction,
+        v: u16,
+        regs: &mut GuestRegs,
+    ) -> Result<(), Event> {
+        if i.op0_kind() == OpKind::Register {
+            let r = i.op0_register();
+            if let Some(n) = gpr(r) {
+                let old = regs.get(n);
+                regs.set(
+                    n,
+                    if r.is_gpr16() {
+                        (old & !0xffff) | u64::from(v)
+                    } else {
+                        u64::from(v)
+                    },
+                );
+            }
+            return Ok(());
+        }
+        let ea = self.operand_address(i, regs)?;
+        self.write(ea, &v.to_le_bytes())
+    }
+}
+
+impl<H: Hardware, M: GuestMmu> Platform for Vcpu<'_, H, M> {
+    fn emulate(&mut self, insn: &SensitiveInsn, regs: &mut GuestRegs) -> Emulation {
+        if let Some(c) = self.stats.emulated.get_mut(insn.kind as usize) {
+            *c += 1;
+        }
+        let mode_before = self.mode();
+        let flow = self.step(insn, regs);
+        // The translator must hear about the shadow's work before guest code runs
+        // again, and only the run loop holds the engine: stop there and resume.
+        let stop = match flow {
+            _ if self.mem.failed() => VcpuStop::ShadowFailure,
+            Flow::Continue(next) if self.mem.has_work() => VcpuStop::ShadowWork { resume: next },
+            // The CPL changed: traces are keyed by mode (the shadow view already follows).
+            Flow::Continue(next) if self.mode() != mode_before => {
+                return Emulation::Switch {
+                    next,
+                    mode: self.mode(),
+                    invalidate_mappings: false,
+                }
+            }
+            Flow::Continue(next) => return Emulation::Continue(next),
+            Flow::Stop(s) => s,
+        };
+        self.stop = Some(stop);
+        Emulation::Stop
+    }
+
+    fn segment_base(&mut self, seg: SegBase) -> u64 {
+        match seg {
+            SegBase::Fs => self.segs.sregs[Sreg::Fs as usize].base,
+            SegBase::Gs => self.segs.sregs[Sreg::Gs as usize].base,
+            _ => 0,
+        }
+    }
+}
