@@ -386,7 +386,7 @@ impl Engine {
     /// its operands', at the end of the buffer) describe accesses that did not happen.
     /// (For a `rep` string instruction, the iterations done before the fault lose their
     /// records too.)
-    fn drop_records_of(&mut self, guest_pc: GuestVirt) {
+    pub(crate) fn drop_records_of(&mut self, guest_pc: GuestVirt) {
         let start = self.buffer.as_ptr() as u64;
         let mut n = ((self.ctx().buf_ptr - start) as usize) / MEM_RECORD_BYTES;
         let before = n;
