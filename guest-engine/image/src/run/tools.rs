@@ -44,7 +44,7 @@ impl Chosen {
                 Ok(t) => Some(Chosen::CacheSim(alloc::boxed::Box::new(t))),
                 Err(e) => {
                     log!(Error, "engine: cachesim: bad option {e}");
-                    crate::log::fail();
+                    crate::ring0::log::fail();
                 }
             },
             "insmix" => Some(Chosen::InsMix(InsMix::default())),
