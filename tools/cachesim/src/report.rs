@@ -448,21 +448,6 @@ fn human(v: f64) -> String {
     format!("{}{suffix}", s.strip_suffix(".0").unwrap_or(&s))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn axis_numbers_and_grouping_read_well() {
-        assert_eq!(human(500e6), "500M");
-        assert_eq!(human(1.5e9), "1.5G");
-        assert_eq!(human(12_345.0), "12.3K");
-        assert_eq!(human(0.0), "0");
-        assert_eq!(group(1_234_567), "1,234,567");
-        assert_eq!(group(12), "12");
-    }
-}
-
 /// Reads the engine's files in `out` and writes `cachesim.txt`, `cachesim.json` and
 /// `cachesim-timeline.svg` there. `Ok(None)` if the run left no cachesim files; an error
 /// names the file that is not what the engine writes (it came from inside the guest).
@@ -501,4 +486,19 @@ pub fn write_reports(out: &Path) -> Result<Option<(Report, Vec<PathBuf>)>, Strin
         write(SVG_NAME, &timeline_svg(&t, &names)?, &mut written)?;
     }
     Ok(Some((report, written)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn axis_numbers_and_grouping_read_well() {
+        assert_eq!(human(500e6), "500M");
+        assert_eq!(human(1.5e9), "1.5G");
+        assert_eq!(human(12_345.0), "12.3K");
+        assert_eq!(human(0.0), "0");
+        assert_eq!(group(1_234_567), "1,234,567");
+        assert_eq!(group(12), "12");
+    }
 }
