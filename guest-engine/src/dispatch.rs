@@ -26,7 +26,8 @@ use crate::error::EngineError;
 use crate::fragment::{ExitKind, ExitRecord, Fragment};
 use crate::guest_memory::{GuestMemory, Mode};
 use crate::instrument::{
-    resolve_pa, CounterAlloc, CounterId, IArg, MemRecord, Tool, TraceInstrumenter,
+    access, resolve_pa, Action, CounterAlloc, CounterId, IArg, IPoint, Insertion, MemRecord, Tool,
+    TraceInstrumenter,
 };
 use crate::layout::{
     COUNTER_SLOTS, INSN_COUNTER_SPREAD, MEM_RECORD_BYTES, MODE_SLOTS, RECENT_TRACES,
@@ -324,14 +325,77 @@ impl Engine {
         if n == 0 {
             return;
         }
-        if self.config.records_need_pa {
+        if self.config.records_need_pa || tool.records_need_pa() {
             let mode = self.mode;
+            // No mapping changes during one delivery: remember the pages resolved so far
+            // (direct-mapped by page number; tag = page | fetch bit), as a TLB would.
+            const MEMO: usize = 64;
+            let mut memo = [(u64::MAX, 0u64); MEMO];
             for r in &mut self.buffer[..n] {
-                r.pa = resolve_pa(mem, mode, r.ea);
+                let fetch = r.access & access::FETCH != 0;
+                let page = r.ea & !0xfff;
+                let tag = page | u64::from(fetch);
+                let slot = &mut memo[(r.ea >> 12) as usize % MEMO];
+                if slot.0 != tag {
+                    *slot = (tag, resolve_pa(mem, mode, page, fetch));
+                }
+                r.pa = match slot.1 {
+                    u64::MAX => u64::MAX,
+                    pa => pa + (r.ea & 0xfff),
+                };
             }
         }
         tool.buffer_full(&self.buffer[..n]);
         self.reset_buffer();
+    }
+
+    /// Before the platform emulates `s`: delivers the pending records (emulation may
+    /// change mappings) and, for a tool that records fetches, makes `s`'s fetch record
+    /// (resolved now, delivered by [`Engine::deliver_fetch`] once `s` is emulated).
+    fn emulated_fetch(
+        &mut self,
+        mem: &mut dyn GuestMemory,
+        tool: &mut dyn Tool,
+        s: &SensitiveInsn,
+    ) -> Option<MemRecord> {
+        self.deliver_buffer(mem, tool);
+        if !tool.records_fetches() {
+            return None;
+        }
+        let mut r = MemRecord {
+            ip: s.pc.0,
+            ea: s.pc.0,
+            size: u32::from(s.len),
+            access: access::FETCH | u32::from(self.mode.cpl()) << access::CPL_SHIFT,
+            pa: 0,
+        };
+        if self.config.records_need_pa || tool.records_need_pa() {
+            r.pa = resolve_pa(mem, self.mode, r.ea, true);
+        }
+        Some(r)
+    }
+
+    /// Delivers an emulated instruction's fetch record (see [`Engine::emulated_fetch`]).
+    fn deliver_fetch(tool: &mut dyn Tool, fetch: Option<MemRecord>) {
+        if let Some(r) = fetch {
+            tool.buffer_full(core::slice::from_ref(&r));
+        }
+    }
+
+    /// The instruction at `guest_pc` faulted: its pending records (its fetch record and
+    /// its operands', at the end of the buffer) describe accesses that did not happen.
+    /// (For a `rep` string instruction, the iterations done before the fault lose their
+    /// records too.)
+    pub(crate) fn drop_records_of(&mut self, guest_pc: GuestVirt) {
+        let start = self.buffer.as_ptr() as u64;
+        let mut n = ((self.ctx().buf_ptr - start) as usize) / MEM_RECORD_BYTES;
+        let before = n;
+        while n > 0 && self.buffer[n - 1].ip == guest_pc.0 {
+            n -= 1;
+        }
+        if n != before {
+            self.ctx_mut().buf_ptr = start + (n * MEM_RECORD_BYTES) as u64;
+        }
     }
 
     fn now(&self) -> u64 {
@@ -364,6 +428,13 @@ impl Engine {
         let mut ti =
             TraceInstrumenter::new(va, mode, &decoded.info, &decoded.bbls, &mut self.counters);
         tool.instrument_trace(&mut ti);
+        if tool.records_fetches() {
+            insertions.extend((0..decoded.info.len()).map(|ins| Insertion {
+                ins,
+                point: IPoint::Before,
+                action: Action::FetchRecord,
+            }));
+        }
         insertions.append(&mut ti.insertions);
         let calls = core::mem::take(&mut ti.calls);
         let mut flushed = false;
@@ -385,6 +456,7 @@ impl Engine {
                     && !self.config.analysis_preserves_vector_state)
                     .then(|| self.cache.xsave_guest()),
                 exit_base: self.cache.exits.len() as u32,
+                record_bits: u32::from(mode.cpl()) << access::CPL_SHIFT,
             };
             let tr = translate_trace(&decoded, &insertions, &calls, &env, &mut self.scratch)
                 .map_err(Stop::Error)?;
@@ -483,7 +555,7 @@ impl Engine {
                     .ins
                     .mem
                     .get(usize::from(n))
-                    .map_or(u64::MAX, |m| resolve_pa(mem, self.mode, ea(m))),
+                    .map_or(u64::MAX, |m| resolve_pa(mem, self.mode, ea(m), false)),
                 IArg::MemSize(n) => c
                     .ins
                     .mem
@@ -611,8 +683,14 @@ impl Engine {
                 }
                 (EXIT_SENSITIVE, ExitKind::Sensitive(s)) => {
                     self.rip = s.pc;
+                    // Emulation may change mappings (CR3, INVLPG, mode): the pending
+                    // records resolve their PAs under the ones their accesses used.
+                    // SAFETY: see the top of `run_inner`.
+                    let fetch = self.emulated_fetch(mem, unsafe { &mut **tp }, &s);
                     match platform.emulate(&s, &mut self.ctx_mut().regs) {
                         Emulation::Continue(n) => {
+                            // SAFETY: see the top of `run_inner`.
+                            Self::deliver_fetch(unsafe { &mut **tp }, fetch);
                             self.count_emulated();
                             self.rip = n;
                             Next::Lookup
@@ -622,6 +700,8 @@ impl Engine {
                             mode,
                             invalidate_mappings,
                         } => {
+                            // SAFETY: see the top of `run_inner`.
+                            Self::deliver_fetch(unsafe { &mut **tp }, fetch);
                             self.count_emulated();
                             self.rip = next;
                             if mode != self.mode {

@@ -38,6 +38,11 @@ impl Mode {
 pub trait GuestMemory {
     /// Translates `va` for instruction fetch in `mode`; `None` if the fetch would fault.
     fn translate(&mut self, va: GuestVirt, mode: Mode) -> Option<GuestPhys>;
+    /// Translates `va` for a data access in `mode` (physical addresses of memory records
+    /// and `IArg::MemPa`); by default as a fetch, which is wrong only for no-execute pages.
+    fn translate_data(&mut self, va: GuestVirt, mode: Mode) -> Option<GuestPhys> {
+        self.translate(va, mode)
+    }
     /// Reads guest physical memory; `false` if any byte is not backed.
     fn read(&mut self, pa: GuestPhys, out: &mut [u8]) -> bool;
 }

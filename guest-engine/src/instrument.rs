@@ -30,6 +30,12 @@ pub mod access {
     pub const READ: u32 = 1;
     /// The operand is written.
     pub const WRITE: u32 = 2;
+    /// An instruction fetch record ([`super::Tool::records_fetches`]): `ea` is the
+    /// instruction's address, `size` its length.
+    pub const FETCH: u32 = 4;
+    /// Shift of the record's virtual CPL (bits 8–9: the mode its code was translated for,
+    /// or ran in when the platform emulated it).
+    pub const CPL_SHIFT: u32 = 8;
 }
 
 /// Segment override of a memory operand that changes its linear address.
@@ -184,9 +190,19 @@ pub struct MemRecord {
     pub size: u32,
     /// [`access`] bits.
     pub access: u32,
-    /// Physical address, filled by the engine before delivery when the tool asked for
-    /// physical addresses (`Config::records_need_pa`), else 0.
+    /// Physical address, when the tool asked for physical addresses
+    /// (`Config::records_need_pa` or [`Tool::records_need_pa`]): resolved by the engine
+    /// before anything can change the mapping the access used (records are delivered
+    /// before every emulated instruction and whenever the engine stops), `u64::MAX` if
+    /// the address does not translate; else unspecified.
     pub pa: u64,
+}
+
+impl MemRecord {
+    /// The virtual CPL the access was made at (0 kernel, 3 user).
+    pub fn cpl(&self) -> u8 {
+        (self.access >> access::CPL_SHIFT & 3) as u8
+    }
 }
 
 /// Where an insertion goes relative to its instruction.
@@ -240,8 +256,13 @@ pub struct CallSpec {
 /// What an insertion does.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Action {
-    Counter { id: CounterId, amount: i32 },
+    Counter {
+        id: CounterId,
+        amount: i32,
+    },
     MemRecords,
+    /// A fetch record for the instruction (`Tool::records_fetches`).
+    FetchRecord,
     Call(usize),
 }
 
@@ -378,9 +399,22 @@ pub trait Tool {
     fn analyze(&mut self, routine: u32, args: &[u64]) {
         let _ = (routine, args);
     }
-    /// A batch of memory-reference records (buffer full, or the run stopped).
+    /// A batch of memory-reference records (buffer full, an instruction about to be
+    /// emulated, or the run stopped). Records of an instruction that faulted are dropped
+    /// before delivery (it did not execute; it records again when it runs again), except
+    /// those already delivered because the buffer filled at that instruction.
     fn buffer_full(&mut self, records: &[MemRecord]) {
         let _ = records;
+    }
+    /// Whether the engine appends an [`access::FETCH`] record to the buffer before every
+    /// guest instruction executes (translated or emulated), ahead of the instruction's
+    /// memory records. Asked at each translation.
+    fn records_fetches(&self) -> bool {
+        false
+    }
+    /// Whether records carry physical addresses (as `Config::records_need_pa`).
+    fn records_need_pa(&self) -> bool {
+        false
     }
 }
 
@@ -390,13 +424,19 @@ pub struct NullTool;
 
 impl Tool for NullTool {}
 
-/// Physical address resolution used for `IArg::MemPa` and records.
+/// Physical address resolution used for `IArg::MemPa` and records: a data access at
+/// `va`, or an instruction fetch when `fetch`.
 pub(crate) fn resolve_pa<M: crate::guest_memory::GuestMemory + ?Sized>(
     mem: &mut M,
     mode: Mode,
     va: u64,
+    fetch: bool,
 ) -> u64 {
     let page = GuestVirt(va).page();
-    mem.translate(page, mode)
-        .map_or(u64::MAX, |p: GuestPhys| p.0 + (va - page.0))
+    let pa = if fetch {
+        mem.translate(page, mode)
+    } else {
+        mem.translate_data(page, mode)
+    };
+    pa.map_or(u64::MAX, |p: GuestPhys| p.0 + (va - page.0))
 }

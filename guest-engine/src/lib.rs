@@ -36,8 +36,8 @@ pub use dispatch::{Config, Engine, Stats, Stop};
 pub use error::EngineError;
 pub use guest_memory::{GuestMemory, Mode};
 pub use instrument::{
-    CounterId, IArg, IPoint, InsInfo, InsKind, MemOperand, MemRecord, NullTool, SegBase, Tool,
-    TraceInstrumenter,
+    access, CounterId, IArg, IPoint, InsInfo, InsKind, MemOperand, MemRecord, NullTool, SegBase,
+    Tool, TraceInstrumenter,
 };
 pub use platform::{Emulation, Platform, SensitiveInsn, SensitiveKind, StopPlatform};
 pub use recover::{FaultRedirect, Recovered};

@@ -89,6 +89,7 @@ impl Engine {
             Some((guest_pc, regs)) => {
                 self.ctx_mut().regs = regs;
                 self.rip = guest_pc;
+                self.drop_records_of(guest_pc);
                 self.uncount_after_fault(mem, pc, guest_pc);
                 Stop::Fault {
                     guest_pc,

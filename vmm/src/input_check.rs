@@ -27,7 +27,7 @@ pub struct ToolInfo {
 }
 
 /// The tools the engine image offers (`guest-engine/image/src/run/tools.rs`, `Chosen::by_name`),
-/// for the host to refuse an unknown `--tool` before booting. Neither takes options yet.
+/// for the host to refuse an unknown `--tool` before booting.
 pub const TOOLS: &[ToolInfo] = &[
     ToolInfo {
         name: "null",
@@ -37,6 +37,33 @@ pub const TOOLS: &[ToolInfo] = &[
         name: "bbcount",
         options: &[],
     },
+    ToolInfo {
+        name: "cachesim",
+        options: CACHESIM_OPTIONS,
+    },
+    ToolInfo {
+        name: "insmix",
+        options: &[],
+    },
+];
+
+/// cachesim's option keys (drcachesim's names; `tools/cachesim/src/options.rs`), each
+/// also accepted with a `cachesim.` prefix.
+const CACHESIM_OPTIONS: &[&str] = &[
+    "L1I_size",
+    "L1I_assoc",
+    "L1D_size",
+    "L1D_assoc",
+    "L2_size",
+    "L2_assoc",
+    "LL_size",
+    "LL_assoc",
+    "line_size",
+    "replace_policy",
+    "warmup_refs",
+    "sim_refs",
+    "interval_refs",
+    "config_file",
 ];
 
 /// The option keys the engine itself understands with every tool
@@ -68,13 +95,22 @@ pub fn check_tool(name: &str, options: &[String]) -> Result<(), UsageError> {
                 "bad --tool-option {o:?}: expected KEY=VALUE without spaces"
             )));
         };
-        if !ENGINE_OPTIONS.contains(&key) && !tool.options.contains(&key) {
+        let own = key
+            .strip_prefix("cachesim.")
+            .filter(|_| name == "cachesim")
+            .unwrap_or(key);
+        if !ENGINE_OPTIONS.contains(&key) && !tool.options.contains(&own) {
             let known: Vec<&str> = ENGINE_OPTIONS.iter().chain(tool.options).copied().collect();
             return Err(UsageError(format!(
                 "unknown --tool-option key {key:?} for tool {name}: the known keys are {}",
                 known.join(", ")
             )));
         }
+    }
+    if name == "cachesim" {
+        // The geometry rules, checked here as the engine will: a usage error before boot.
+        kpin_tool_cachesim::options::Options::parse(&options.join(" "))
+            .map_err(|e| UsageError(format!("bad cachesim options: {e}")))?;
     }
     Ok(())
 }
@@ -439,7 +475,10 @@ mod tests {
         check_tool("null", &[]).unwrap();
         check_tool("bbcount", &["bringup.crash=pf".into()]).unwrap();
         let e = check_tool("nosuch", &[]).unwrap_err().to_string();
-        assert_eq!(e, "unknown tool \"nosuch\": the tools are null, bbcount");
+        assert_eq!(
+            e,
+            "unknown tool \"nosuch\": the tools are null, bbcount, cachesim, insmix"
+        );
         let e = check_tool("null", &["colour=red".into()])
             .unwrap_err()
             .to_string();
@@ -448,6 +487,24 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("expected KEY=VALUE"), "{e}");
+    }
+
+    #[test]
+    fn test_cachesim_options_are_checked_with_the_geometry_rules_before_boot() {
+        check_tool(
+            "cachesim",
+            &["L1D_size=16K".into(), "cachesim.LL_assoc=16".into()],
+        )
+        .unwrap();
+        check_tool("insmix", &[]).unwrap();
+        let e = check_tool("cachesim", &["L1D_size=3K".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("bad cachesim options: "), "{e}");
+        let e = check_tool("cachesim", &["L1D_sise=16K".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown --tool-option key \"L1D_sise\""), "{e}");
     }
 
     /// The host's lists name what the engine image's sources accept: each tool is a
@@ -460,7 +517,13 @@ mod tests {
         for t in TOOLS {
             assert!(tools.contains(&format!("\"{}\" =>", t.name)), "{}", t.name);
         }
-        let arms = tools.matches("\" => Some(Chosen::").count();
+        // Every `"name" =>` arm of `by_name` (a tool's arm may construct it in a block).
+        let by_name = &tools[tools.find("fn by_name").expect("Chosen::by_name")..];
+        let by_name = &by_name[..by_name.find("_ => None").expect("by_name's last arm")];
+        let arms = by_name
+            .lines()
+            .filter(|l| l.trim_start().starts_with('"') && l.contains("\" =>"))
+            .count();
         assert_eq!(arms, TOOLS.len(), "a tool the host does not list");
         let bringup = std::fs::read_to_string(root.join("bringup.rs")).unwrap();
         for k in ENGINE_OPTIONS {

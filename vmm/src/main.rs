@@ -134,10 +134,15 @@ struct RunArgs {
     #[arg(long)]
     out: Option<PathBuf>,
     /// Run the guest fully instrumented from its first instruction: the engine runs every
-    /// guest instruction from its code cache under this tool: null (translation only) or
+    /// guest instruction from its code cache under this tool: null (translation only);
     /// bbcount (per-block counts in <out>/bbcount.csv, and <out>/bbcount-report.txt: the
     /// user/kernel split and the hottest blocks named from the System.map or the kernel
-    /// ELF's symbols). It logs to <out>/engine.log and writes <out>/counters.json; an
+    /// ELF's symbols); cachesim (a drcachesim-style L1I/L1D/[L2]/LL cache simulation over
+    /// guest-physical addresses, kernel and user: cachesim.txt, cachesim.json,
+    /// cachesim-timeline.svg; options L1I_size, L1I_assoc, L1D_size, L1D_assoc, L2_size,
+    /// L2_assoc, LL_size, LL_assoc, line_size, replace_policy=LRU|FIFO|RANDOM,
+    /// warmup_refs, sim_refs through --tool-option); insmix (dynamic counts per mnemonic,
+    /// kernel/user: insmix.txt, insmix.json). It logs to <out>/engine.log and writes <out>/counters.json; an
     /// instruction or device it cannot handle yet ends the run with status 3 and the
     /// guest's state in dump.txt.
     #[arg(long)]
@@ -441,6 +446,13 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
     let bbcount = (args.tool.as_deref() == Some(BBCOUNT))
         .then(|| bbcount_report(&out, &kernel, system_map.as_deref(), args.top))
         .flatten();
+    if args.tool.as_deref() == Some("cachesim") {
+        match kpin_tool_cachesim::report::write_reports(&out) {
+            Ok(Some((r, files))) => progress(&format!("{}\ncachesim: {files:?}", r.text())),
+            Ok(None) => {}
+            Err(e) => progress(&format!("no cachesim report: {e}")),
+        }
+    }
     let summary = Summary {
         outcome: report.outcome.describe(),
         clean: report.outcome.is_clean(),

@@ -17,7 +17,7 @@ pub mod host;
 
 use core::fmt;
 
-pub use guest_engine::{CounterId, Engine, Tool, TraceInstrumenter};
+pub use guest_engine::{access, CounterId, Engine, MemRecord, Tool, TraceInstrumenter};
 
 /// A tool as the engine image drives it: instrumentation while the guest runs, then one
 /// `finish` when the run ends.

@@ -149,6 +149,13 @@ impl GuestMemory for ShadowedMemory<'_> {
             .ok()
     }
 
+    fn translate_data(&mut self, va: GuestVirt, mode: Mode) -> Option<GuestPhys> {
+        self.shadow
+            .borrow_mut()
+            .access(va.0, Access::Read, view_of(mode))
+            .ok()
+    }
+
     fn read(&mut self, pa: GuestPhys, out: &mut [u8]) -> bool {
         let mut sh = self.shadow.borrow_mut();
         let Some(src) = sh.mem().guest_ptr(pa.0, out.len()) else {

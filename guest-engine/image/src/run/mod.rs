@@ -69,7 +69,8 @@ const EFER_LMA: u64 = kpin_abi::x86::efer::LMA;
 
 /// Runs the guest described by `block` under tool `tool_name`; never returns.
 pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
-    let Some(mut tool) = Chosen::by_name(tool_name) else {
+    let options = core::str::from_utf8(block.tool_options()).unwrap_or("");
+    let Some(mut tool) = Chosen::by_name(tool_name, options) else {
         log!(
             Error,
             "engine: unknown tool {tool_name:?} (this engine has: {})",

@@ -1,6 +1,8 @@
 //! The tools this image offers (`kpin run --tool NAME`), each a crate under `tools/`:
-//! `null` (translation only) and `bbcount` (an inline counter per basic block, written to
-//! `bbcount.csv`). A tool's files travel as `Open`/`Write`/`Close` records of the host I/O
+//! `null` (translation only), `bbcount` (an inline counter per basic block, written to
+//! `bbcount.csv`), `cachesim` (a cache simulator fed with every fetch and data access,
+//! configured by `--tool-option` in drcachesim's names) and `insmix` (dynamic counts per
+//! mnemonic, `insmix.txt`/`insmix.json`). A tool's files travel as `Open`/`Write`/`Close` records of the host I/O
 //! ring ([`RingSink`]) and land in the run's output directory.
 
 use core::fmt;
@@ -9,13 +11,15 @@ use kpin_abi::io_ring::Kind;
 use kpin_tool::host::{Error, Sink};
 use kpin_tool::{Engine, KpinTool, Tool};
 use kpin_tool_bbcount::BbCount;
+use kpin_tool_cachesim::CacheSim;
+use kpin_tool_insmix::InsMix;
 use kpin_tool_null::Null;
 
 use crate::log;
 use crate::ring0::log;
 
 /// The names `--tool` accepts, for messages.
-pub const NAMES: &str = "null, bbcount";
+pub const NAMES: &str = "null, bbcount, cachesim, insmix";
 
 /// A tool chosen by name.
 pub enum Chosen {
@@ -23,14 +27,27 @@ pub enum Chosen {
     Null(Null),
     /// `bbcount`.
     BbCount(BbCount),
+    /// `cachesim`.
+    CacheSim(alloc::boxed::Box<CacheSim>),
+    /// `insmix`.
+    InsMix(InsMix),
 }
 
 impl Chosen {
-    /// The tool called `name`, if the engine has it.
-    pub fn by_name(name: &str) -> Option<Self> {
+    /// The tool called `name`, if the engine has it, configured by `options` (the
+    /// `key=value` words of `--tool-option`). Options a tool refuses end the run.
+    pub fn by_name(name: &str, options: &str) -> Option<Self> {
         match name {
             "null" => Some(Chosen::Null(Null)),
             "bbcount" => Some(Chosen::BbCount(BbCount::default())),
+            "cachesim" => match CacheSim::new(options) {
+                Ok(t) => Some(Chosen::CacheSim(alloc::boxed::Box::new(t))),
+                Err(e) => {
+                    log!(Error, "engine: cachesim: bad option {e}");
+                    crate::ring0::log::fail();
+                }
+            },
+            "insmix" => Some(Chosen::InsMix(InsMix::default())),
             _ => None,
         }
     }
@@ -39,6 +56,8 @@ impl Chosen {
         match self {
             Chosen::Null(t) => t,
             Chosen::BbCount(t) => t,
+            Chosen::CacheSim(t) => &mut **t,
+            Chosen::InsMix(t) => t,
         }
     }
 
@@ -47,6 +66,8 @@ impl Chosen {
         match self {
             Chosen::Null(t) => t,
             Chosen::BbCount(t) => t,
+            Chosen::CacheSim(t) => &mut **t,
+            Chosen::InsMix(t) => t,
         }
     }
 

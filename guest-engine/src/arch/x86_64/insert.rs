@@ -12,7 +12,7 @@ use super::entry::{analysis_trampoline, EXIT_ANALYSIS_CALL, EXIT_BUFFER_FULL};
 use super::mangle::{reg_of, ExitSpec, Tx};
 use crate::addr::GuestVirt;
 use crate::error::EngineError;
-use crate::instrument::{Action, IArg, Insertion, MemOperand, SegBase};
+use crate::instrument::{access, Action, IArg, Insertion, MemOperand, SegBase};
 use crate::layout::{MEM_RECORD_BYTES, XSAVE_MASK};
 
 impl Tx<'_> {
@@ -174,45 +174,71 @@ impl Tx<'_> {
         ops: &[MemOperand],
         ip: u64,
     ) -> Result<(), EngineError> {
-        let c = self.env.ctx;
         for m in ops {
             self.a.emit_spill(reg::RAX);
             self.a.emit_spill(reg::RCX);
             self.emit_ea_rcx(m, ip)?;
-            self.a.mov_r_m(reg::RAX, c.buf_ptr);
-            self.a.mov_mb32_imm32(reg::RAX, 0, ip as u32);
-            self.a.mov_mb32_imm32(reg::RAX, 4, (ip >> 32) as u32);
-            self.a.mov_mb_r(reg::RAX, 8, reg::RCX);
-            self.a.mov_mb32_imm32(reg::RAX, 16, m.size);
-            self.a.mov_mb32_imm32(reg::RAX, 20, m.access);
-            self.a
-                .lea_r_disp(reg::RAX, reg::RAX, MEM_RECORD_BYTES as i32);
-            self.a.mov_m_r(c.buf_ptr, reg::RAX);
-            self.a.mov_r_m(reg::RCX, c.buf_neg_end);
-            self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
-            let full = self.a.new_label();
-            let resume = self.a.new_label();
-            self.a.jrcxz_label(full);
-            self.a.emit_unspill(reg::RAX);
-            self.a.emit_unspill(reg::RCX);
-            // jmp short resume
-            self.a.bytes(&[0xEB]);
-            let at = self.a.offset();
-            self.a.bytes(&[0]);
-            self.a.bind(full);
-            let spilled = self.a.spilled();
-            self.a.set_spilled(spilled | 1 << reg::RAX | 1 << reg::RCX);
-            self.a.emit_unspill(reg::RAX);
-            self.a.emit_unspill(reg::RCX);
-            let idx = self.exits.len();
-            self.emit_exit_inline(EXIT_BUFFER_FULL, ExitSpec::BufferFull { resume_off: 0 });
-            let rel = self.a.offset() - (at + 1);
-            self.a.buf[at] = u8::try_from(rel).map_err(|_| EngineError::BranchOutOfRange)?;
-            self.a.bind(resume);
-            self.exits[idx] = ExitSpec::BufferFull {
-                resume_off: self.a.offset(),
-            };
+            self.append_record(ip, None, m.size, m.access | self.env.record_bits)?;
         }
+        Ok(())
+    }
+
+    /// Appends the fetch record of the instruction at `ip` (`len` bytes).
+    pub(super) fn insert_fetch_record(&mut self, ip: u64, len: u32) -> Result<(), EngineError> {
+        self.a.emit_spill(reg::RAX);
+        self.a.emit_spill(reg::RCX);
+        self.append_record(ip, Some(ip), len, access::FETCH | self.env.record_bits)
+    }
+
+    /// With RAX and RCX spilled: appends a record whose `ea` is `ea` or else RCX, then
+    /// unspills them; exits when the buffer is full.
+    fn append_record(
+        &mut self,
+        ip: u64,
+        ea: Option<u64>,
+        size: u32,
+        access: u32,
+    ) -> Result<(), EngineError> {
+        let c = self.env.ctx;
+        self.a.mov_r_m(reg::RAX, c.buf_ptr);
+        self.a.mov_mb32_imm32(reg::RAX, 0, ip as u32);
+        self.a.mov_mb32_imm32(reg::RAX, 4, (ip >> 32) as u32);
+        match ea {
+            Some(ea) => {
+                self.a.mov_mb32_imm32(reg::RAX, 8, ea as u32);
+                self.a.mov_mb32_imm32(reg::RAX, 12, (ea >> 32) as u32);
+            }
+            None => self.a.mov_mb_r(reg::RAX, 8, reg::RCX),
+        }
+        self.a.mov_mb32_imm32(reg::RAX, 16, size);
+        self.a.mov_mb32_imm32(reg::RAX, 20, access);
+        self.a
+            .lea_r_disp(reg::RAX, reg::RAX, MEM_RECORD_BYTES as i32);
+        self.a.mov_m_r(c.buf_ptr, reg::RAX);
+        self.a.mov_r_m(reg::RCX, c.buf_neg_end);
+        self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
+        let full = self.a.new_label();
+        let resume = self.a.new_label();
+        self.a.jrcxz_label(full);
+        self.a.emit_unspill(reg::RAX);
+        self.a.emit_unspill(reg::RCX);
+        // jmp short resume
+        self.a.bytes(&[0xEB]);
+        let at = self.a.offset();
+        self.a.bytes(&[0]);
+        self.a.bind(full);
+        let spilled = self.a.spilled();
+        self.a.set_spilled(spilled | 1 << reg::RAX | 1 << reg::RCX);
+        self.a.emit_unspill(reg::RAX);
+        self.a.emit_unspill(reg::RCX);
+        let idx = self.exits.len();
+        self.emit_exit_inline(EXIT_BUFFER_FULL, ExitSpec::BufferFull { resume_off: 0 });
+        let rel = self.a.offset() - (at + 1);
+        self.a.buf[at] = u8::try_from(rel).map_err(|_| EngineError::BranchOutOfRange)?;
+        self.a.bind(resume);
+        self.exits[idx] = ExitSpec::BufferFull {
+            resume_off: self.a.offset(),
+        };
         Ok(())
     }
 
@@ -221,6 +247,7 @@ impl Tx<'_> {
         acts: &[&Insertion],
         ops: &[MemOperand],
         ip: u64,
+        len: u8,
         flags_dead: bool,
         skip_records: bool,
     ) -> Result<(), EngineError> {
@@ -232,6 +259,7 @@ impl Tx<'_> {
                 }
                 Action::MemRecords if !skip_records => self.insert_mem_records(ops, ip)?,
                 Action::MemRecords => {}
+                Action::FetchRecord => self.insert_fetch_record(ip, u32::from(len))?,
                 Action::Call(c) => {
                     let spec = &self.calls[*c];
                     let inline = self.env.inline_calls

@@ -60,6 +60,9 @@ pub(crate) struct EmitEnv {
     pub call_xsave: Option<u64>,
     /// Exit-record index of this trace's first exit.
     pub exit_base: u32,
+    /// Access bits every memory record of this trace carries (its CPL, see
+    /// `instrument::access::CPL_SHIFT`).
+    pub record_bits: u32,
 }
 
 /// An exit of a translated trace, before the dispatcher turns it into a record.
@@ -504,7 +507,7 @@ pub(crate) fn translate_trace(
         let info = &t.info[k];
         let wants_records = before.iter().any(|x| x.action == Action::MemRecords);
         let rep_loop = info.rep && wants_records && !d.bytes().contains(&0x67);
-        tx.insert_actions(&before, &info.mem, pc, live[k] == 0, rep_loop)?;
+        tx.insert_actions(&before, &info.mem, pc, info.len, live[k] == 0, rep_loop)?;
         tx.a.mark_guest(pc);
         tx.mangle_insn(d, if rep_loop { Some(&info.mem) } else { None })?;
         let falls_through = matches!(
@@ -514,7 +517,7 @@ pub(crate) fn translate_trace(
         if falls_through && !after.is_empty() {
             let next = d.instr.next_ip();
             tx.a.mark_guest(next);
-            tx.insert_actions(&after, &[], next, live[k + 1] == 0, true)?;
+            tx.insert_actions(&after, &[], next, 0, live[k + 1] == 0, true)?;
         }
     }
     match t.end {

@@ -1,0 +1,400 @@
+//! Options in drcachesim's names, parsed from `key=value` words, and the geometry rules a
+//! cache must satisfy (the ones drcachesim and QEMU's `contrib/plugins/cache.c` check).
+
+use alloc::format;
+use alloc::string::String;
+
+/// How a cache picks the line to evict from a full set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// Least recently used.
+    Lru,
+    /// First in, first out (hits do not refresh a line).
+    Fifo,
+    /// Uniformly random way, from a fixed-seed PRNG (runs are reproducible).
+    Random,
+}
+
+impl Policy {
+    /// drcachesim's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Lru => "LRU",
+            Policy::Fifo => "FIFO",
+            Policy::Random => "RANDOM",
+        }
+    }
+}
+
+/// Size and shape of one cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    /// Total bytes.
+    pub size: u64,
+    /// Ways per set.
+    pub assoc: u32,
+}
+
+/// The whole configuration (drcachesim's defaults).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Options {
+    /// Private instruction cache.
+    pub l1i: Geometry,
+    /// Private data cache.
+    pub l1d: Geometry,
+    /// Optional unified second level (none by default).
+    pub l2: Option<Geometry>,
+    /// Last level.
+    pub ll: Geometry,
+    /// Line size in bytes, every level.
+    pub line_size: u32,
+    /// Replacement policy, every level.
+    pub policy: Policy,
+    /// References simulated before the statistics start (caches warm, counters reset).
+    pub warmup_refs: u64,
+    /// References simulated after the warmup (0: all).
+    pub sim_refs: u64,
+    /// References per timeline sample at the start (doubled whenever the timeline fills).
+    pub interval_refs: u64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            l1i: Geometry {
+                size: 32 << 10,
+                assoc: 8,
+            },
+            l1d: Geometry {
+                size: 32 << 10,
+                assoc: 8,
+            },
+            l2: None,
+            ll: Geometry {
+                size: 8 << 20,
+                assoc: 16,
+            },
+            line_size: 64,
+            policy: Policy::Lru,
+            warmup_refs: 0,
+            sim_refs: 0,
+            interval_refs: 1_000,
+        }
+    }
+}
+
+/// Why a geometry is refused: the rule it breaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GeometryError {
+    /// The line size is not a power of two.
+    LineNotPowerOfTwo,
+    /// The line size is under 4 bytes.
+    LineTooSmall,
+    /// Associativity 0.
+    AssocZero,
+    /// The size is 0 or not a power of two.
+    SizeNotPowerOfTwo,
+    /// The size is not a multiple of `assoc × line_size` (no whole number of sets). With
+    /// a power-of-two size this also makes the number of sets a power of two.
+    SizeNotDivisible,
+}
+
+impl GeometryError {
+    /// The rule, in words.
+    pub fn rule(self) -> &'static str {
+        match self {
+            GeometryError::LineNotPowerOfTwo => "line_size must be a power of two",
+            GeometryError::LineTooSmall => "line_size must be at least 4",
+            GeometryError::AssocZero => "assoc must be at least 1",
+            GeometryError::SizeNotPowerOfTwo => "size must be a nonzero power of two",
+            GeometryError::SizeNotDivisible => "size must be a multiple of assoc * line_size",
+        }
+    }
+}
+
+/// Checks a line size.
+pub fn check_line(line: u32) -> Result<(), GeometryError> {
+    if !line.is_power_of_two() {
+        return Err(GeometryError::LineNotPowerOfTwo);
+    }
+    if line < 4 {
+        return Err(GeometryError::LineTooSmall);
+    }
+    Ok(())
+}
+
+impl Geometry {
+    /// Checks the geometry with lines of `line` bytes; returns the number of sets.
+    pub fn sets(&self, line: u32) -> Result<u64, GeometryError> {
+        check_line(line)?;
+        if self.assoc == 0 {
+            return Err(GeometryError::AssocZero);
+        }
+        if !self.size.is_power_of_two() {
+            return Err(GeometryError::SizeNotPowerOfTwo);
+        }
+        let way_bytes = u64::from(self.assoc) * u64::from(line);
+        if self.size.checked_rem(way_bytes) != Some(0) {
+            return Err(GeometryError::SizeNotDivisible);
+        }
+        Ok(self.size / way_bytes)
+    }
+}
+
+/// A size: decimal bytes with an optional `K`, `M` or `G` suffix (binary multiples).
+pub fn parse_size(text: &str) -> Option<u64> {
+    let (digits, shift) = match text.as_bytes().last()? {
+        b'K' | b'k' => (&text[..text.len() - 1], 10),
+        b'M' | b'm' => (&text[..text.len() - 1], 20),
+        b'G' | b'g' => (&text[..text.len() - 1], 30),
+        _ => (text, 0),
+    };
+    let n: u64 = digits.parse().ok()?;
+    n.checked_mul(1u64 << shift)
+}
+
+impl Options {
+    /// Parses `key=value` words separated by whitespace; keys not in drcachesim's set
+    /// (and not `cachesim.`-prefixed) are left to others (e.g. `bringup.*`). Keys may be
+    /// given bare (`L1D_size=16K`) or as `cachesim.L1D_size=16K`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let mut o = Options::default();
+        for word in text.split_ascii_whitespace() {
+            let Some((key, value)) = word.split_once('=') else {
+                continue;
+            };
+            let prefixed = key.strip_prefix("cachesim.");
+            let key = prefixed.unwrap_or(key);
+            let size = || parse_size(value).ok_or_else(|| format!("{word}: not a size"));
+            let number = || {
+                value
+                    .parse::<u64>()
+                    .map_err(|_| format!("{word}: not a number"))
+            };
+            let assoc = || {
+                value
+                    .parse::<u32>()
+                    .map_err(|_| format!("{word}: not a number"))
+            };
+            let l2 = |o: &mut Options| {
+                *o.l2.get_or_insert(Geometry {
+                    size: 512 << 10,
+                    assoc: 8,
+                })
+            };
+            match key {
+                "L1I_size" => o.l1i.size = size()?,
+                "L1I_assoc" => o.l1i.assoc = assoc()?,
+                "L1D_size" => o.l1d.size = size()?,
+                "L1D_assoc" => o.l1d.assoc = assoc()?,
+                "L2_size" => {
+                    let g = l2(&mut o);
+                    o.l2 = Some(Geometry { size: size()?, ..g });
+                }
+                "L2_assoc" => {
+                    let g = l2(&mut o);
+                    o.l2 = Some(Geometry {
+                        assoc: assoc()?,
+                        ..g
+                    });
+                }
+                "LL_size" => o.ll.size = size()?,
+                "LL_assoc" => o.ll.assoc = assoc()?,
+                "line_size" => {
+                    o.line_size = u32::try_from(size()?)
+                        .map_err(|_| format!("{word}: line_size too large"))?
+                }
+                "replace_policy" => {
+                    o.policy = match value {
+                        "LRU" | "lru" => Policy::Lru,
+                        "FIFO" | "fifo" => Policy::Fifo,
+                        "RANDOM" | "random" => Policy::Random,
+                        _ => return Err(format!("{word}: replace_policy is LRU, FIFO or RANDOM")),
+                    }
+                }
+                "warmup_refs" => o.warmup_refs = number()?,
+                "sim_refs" => o.sim_refs = number()?,
+                "interval_refs" => {
+                    o.interval_refs = number()?.max(1);
+                }
+                "config_file" => {
+                    return Err(format!(
+                        "{word}: config_file is not supported (give the options one by one)"
+                    ))
+                }
+                _ if prefixed.is_some() => return Err(format!("{word}: unknown cachesim option")),
+                _ => {}
+            }
+        }
+        o.check()?;
+        Ok(o)
+    }
+
+    /// Checks every cache's geometry; the error names the cache and the rule.
+    pub fn check(&self) -> Result<(), String> {
+        check_line(self.line_size)
+            .map_err(|e| format!("line_size={}: {}", self.line_size, e.rule()))?;
+        let named = [
+            ("L1I", Some(self.l1i)),
+            ("L1D", Some(self.l1d)),
+            ("L2", self.l2),
+            ("LL", Some(self.ll)),
+        ];
+        for (name, g) in named {
+            if let Some(g) = g {
+                g.sets(self.line_size).map_err(|e| {
+                    format!(
+                        "{name} (size {}, assoc {}, line {}): {}",
+                        g.size,
+                        g.assoc,
+                        self.line_size,
+                        e.rule()
+                    )
+                })?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_drcachesims() {
+        let o = Options::parse("").unwrap();
+        assert_eq!(
+            o.l1i,
+            Geometry {
+                size: 32768,
+                assoc: 8
+            }
+        );
+        assert_eq!(
+            o.l1d,
+            Geometry {
+                size: 32768,
+                assoc: 8
+            }
+        );
+        assert_eq!(o.l2, None);
+        assert_eq!(
+            o.ll,
+            Geometry {
+                size: 8 << 20,
+                assoc: 16
+            }
+        );
+        assert_eq!(o.line_size, 64);
+        assert_eq!(o.policy, Policy::Lru);
+    }
+
+    #[test]
+    fn every_option_is_read_with_size_suffixes() {
+        let o = Options::parse(
+            "bringup.checks=true L1I_size=16K L1I_assoc=4 cachesim.L1D_size=8k L1D_assoc=2 \
+             L2_size=256K L2_assoc=4 LL_size=2M LL_assoc=8 line_size=32 replace_policy=FIFO \
+             warmup_refs=100 sim_refs=5000 interval_refs=77",
+        )
+        .unwrap();
+        assert_eq!(
+            o.l1i,
+            Geometry {
+                size: 16384,
+                assoc: 4
+            }
+        );
+        assert_eq!(
+            o.l1d,
+            Geometry {
+                size: 8192,
+                assoc: 2
+            }
+        );
+        assert_eq!(
+            o.l2,
+            Some(Geometry {
+                size: 262144,
+                assoc: 4
+            })
+        );
+        assert_eq!(
+            o.ll,
+            Geometry {
+                size: 2 << 20,
+                assoc: 8
+            }
+        );
+        assert_eq!(o.line_size, 32);
+        assert_eq!(o.policy, Policy::Fifo);
+        assert_eq!(
+            (o.warmup_refs, o.sim_refs, o.interval_refs),
+            (100, 5000, 77)
+        );
+        assert_eq!(
+            Options::parse("replace_policy=RANDOM").unwrap().policy,
+            Policy::Random
+        );
+        assert_eq!(parse_size("1G"), Some(1 << 30));
+        assert_eq!(parse_size("12"), Some(12));
+        assert_eq!(parse_size("K"), None);
+        assert_eq!(parse_size("99999999999999999999K"), None);
+    }
+
+    #[test]
+    fn bad_values_and_unknown_prefixed_keys_are_errors() {
+        for bad in [
+            "L1D_size=lots",
+            "L1D_assoc=-1",
+            "replace_policy=LFU",
+            "cachesim.L3_size=1M",
+            "sim_refs=1e6",
+            "config_file=x.conf",
+        ] {
+            let e = Options::parse(bad).expect_err(bad);
+            assert!(e.starts_with(bad), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn each_geometry_rule_is_named() {
+        let g = |size, assoc| Geometry { size, assoc };
+        assert_eq!(g(32768, 8).sets(64), Ok(64));
+        assert_eq!(g(32768, 8).sets(48), Err(GeometryError::LineNotPowerOfTwo));
+        assert_eq!(g(32768, 8).sets(2), Err(GeometryError::LineTooSmall));
+        assert_eq!(g(32768, 0).sets(64), Err(GeometryError::AssocZero));
+        assert_eq!(g(0, 8).sets(64), Err(GeometryError::SizeNotPowerOfTwo));
+        assert_eq!(
+            g(48 << 10, 8).sets(64),
+            Err(GeometryError::SizeNotPowerOfTwo)
+        );
+        assert_eq!(
+            g(32768, 1024).sets(64),
+            Err(GeometryError::SizeNotDivisible)
+        );
+        assert_eq!(g(32768, 3).sets(64), Err(GeometryError::SizeNotDivisible));
+        assert_eq!(
+            g(32768 * 3, 3).sets(64),
+            Err(GeometryError::SizeNotPowerOfTwo)
+        );
+        assert_eq!(g(4096, 1).sets(64), Ok(64));
+        let e = Options::parse("L1D_size=48K").unwrap_err();
+        assert!(e.contains("L1D") && e.contains("power of two"), "{e}");
+        let e = Options::parse("LL_assoc=0").unwrap_err();
+        assert!(
+            e.contains("LL") && e.contains("assoc must be at least 1"),
+            "{e}"
+        );
+        let e = Options::parse("line_size=3").unwrap_err();
+        assert!(
+            e.contains("line_size=3") && e.contains("power of two"),
+            "{e}"
+        );
+        let e = Options::parse("L2_size=4K L2_assoc=128").unwrap_err();
+        assert!(
+            e.contains("L2") && e.contains("multiple of assoc * line_size"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,504 @@
+//! The host side (feature `host`): `cachesim.txt` in drcachesim's layout, `cachesim.json`
+//! with the same numbers, and `cachesim-timeline.svg` (miss rate of each level over the
+//! guest instructions executed, with the kernel's share of them beneath), from the files
+//! the engine wrote ([`crate::COUNTERS_NAME`], [`crate::TIMELINE_NAME`]).
+
+extern crate std;
+
+use alloc::format;
+use alloc::string::{String, ToString};
+use alloc::vec::Vec;
+use core::fmt::Write;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::files::{parse_counters, parse_timeline, Counters, Timeline};
+use crate::sim::{Stats, KERNEL, USER};
+
+/// The text report's name.
+pub const TXT_NAME: &str = "cachesim.txt";
+/// The JSON report's name.
+pub const JSON_NAME: &str = "cachesim.json";
+/// The timeline's name.
+pub const SVG_NAME: &str = "cachesim-timeline.svg";
+
+/// Counters of one cache for one side (kernel, user) or both.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Side {
+    /// Line accesses that hit.
+    pub hits: u64,
+    /// Line accesses that missed.
+    pub misses: u64,
+    /// Misses on lines never held before.
+    pub compulsory_misses: u64,
+    /// `misses / (hits + misses)` (the local miss rate for levels past L1).
+    pub miss_rate: f64,
+    /// Levels past L1: hits in the levels below (every access reaching this cache
+    /// started as a miss there).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub child_hits: Option<u64>,
+    /// Levels past L1: `misses / (hits + misses + child_hits)`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub total_miss_rate: Option<f64>,
+}
+
+/// One cache.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CacheReport {
+    /// `L1I`, `L1D`, `L2`, `LL`.
+    pub name: String,
+    /// Bytes.
+    pub size: u64,
+    /// Ways.
+    pub assoc: u64,
+    /// Both CPLs.
+    pub total: Side,
+    /// CPL 0.
+    pub kernel: Side,
+    /// CPL 3.
+    pub user: Side,
+}
+
+/// `cachesim.json`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Report {
+    /// The options in force (drcachesim's names).
+    pub options: std::collections::BTreeMap<String, String>,
+    /// Instruction fetches simulated (= guest instructions executed).
+    pub instructions: [u64; 2],
+    /// Data references simulated, `[kernel, user]`.
+    pub data_references: [u64; 2],
+    /// References past `sim_refs`, not simulated.
+    pub skipped_references: u64,
+    /// Records whose physical address did not resolve.
+    pub unresolved_records: u64,
+    /// L1I, L1D, [L2,] LL.
+    pub caches: Vec<CacheReport>,
+}
+
+fn rate(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
+    }
+}
+
+fn side(s: &Stats, who: Option<usize>, child: Option<u64>) -> Side {
+    let pick = |v: [u64; 2]| who.map_or(v[0] + v[1], |w| v[w]);
+    let (hits, misses) = (pick(s.hits), pick(s.misses));
+    Side {
+        hits,
+        misses,
+        compulsory_misses: pick(s.compulsory),
+        miss_rate: rate(misses, hits + misses),
+        child_hits: child,
+        total_miss_rate: child.map(|c| rate(misses, hits + misses + c)),
+    }
+}
+
+impl Report {
+    /// The report of parsed counters.
+    pub fn new(c: &Counters) -> Self {
+        let mut caches = Vec::new();
+        // Hits in the levels below the current one, `[kernel, user]`.
+        let mut below = [0u64; 2];
+        for (i, cc) in c.caches.iter().enumerate() {
+            let l1 = cc.name.starts_with("L1");
+            let child =
+                |w: Option<usize>| (!l1).then(|| w.map_or(below[0] + below[1], |w| below[w]));
+            caches.push(CacheReport {
+                name: cc.name.clone(),
+                size: cc.size,
+                assoc: cc.assoc,
+                total: side(&cc.stats, None, child(None)),
+                kernel: side(&cc.stats, Some(KERNEL), child(Some(KERNEL))),
+                user: side(&cc.stats, Some(USER), child(Some(USER))),
+            });
+            let _ = i;
+            for w in [KERNEL, USER] {
+                below[w] += cc.stats.hits[w];
+            }
+        }
+        Report {
+            options: c.options.iter().cloned().collect(),
+            instructions: c.fetch_refs,
+            data_references: c.data_refs,
+            skipped_references: c.skipped,
+            unresolved_records: c.unresolved,
+            caches,
+        }
+    }
+
+    /// `cachesim.txt`: drcachesim's layout, each number as total, kernel and user.
+    pub fn text(&self) -> String {
+        let mut t = String::new();
+        let n = |v: u64| group(v);
+        let p = |v: f64| format!("{:.2}%", v * 100.0);
+        let _ = writeln!(
+            t,
+            "Cache simulation results (kpin cachesim, guest-physical addresses):"
+        );
+        let opts: Vec<String> = self
+            .options
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        let _ = writeln!(t, "Options: {}", opts.join(" "));
+        let _ = writeln!(
+            t,
+            "Instructions: {} (kernel {}, user {}); data references: {} (kernel {}, user {})",
+            n(self.instructions[0] + self.instructions[1]),
+            n(self.instructions[0]),
+            n(self.instructions[1]),
+            n(self.data_references[0] + self.data_references[1]),
+            n(self.data_references[0]),
+            n(self.data_references[1]),
+        );
+        if self.skipped_references > 0 || self.unresolved_records > 0 {
+            let _ = writeln!(
+                t,
+                "Not simulated: {} references past sim_refs, {} records without a physical address",
+                n(self.skipped_references),
+                n(self.unresolved_records)
+            );
+        }
+        let _ = writeln!(t, "Core #0 (1 vCPU)");
+        for c in &self.caches {
+            let l1 = c.name.starts_with("L1");
+            let indent = if l1 { "  " } else { "" };
+            let _ = writeln!(
+                t,
+                "{indent}{} ({} KiB, {}-way) stats:",
+                c.name,
+                c.size / 1024,
+                c.assoc
+            );
+            let _ = writeln!(
+                t,
+                "{indent}    {:<22}{:>18}{:>18}{:>18}",
+                "", "total", "kernel", "user"
+            );
+            let row = |t: &mut String, label: &str, f: &dyn Fn(&Side) -> String| {
+                let _ = writeln!(
+                    t,
+                    "{indent}    {:<22}{:>18}{:>18}{:>18}",
+                    label,
+                    f(&c.total),
+                    f(&c.kernel),
+                    f(&c.user)
+                );
+            };
+            row(&mut t, "Hits:", &|s| n(s.hits));
+            row(&mut t, "Misses:", &|s| n(s.misses));
+            row(&mut t, "Compulsory misses:", &|s| n(s.compulsory_misses));
+            if l1 {
+                row(&mut t, "Miss rate:", &|s| p(s.miss_rate));
+            } else {
+                row(&mut t, "Local miss rate:", &|s| p(s.miss_rate));
+                row(&mut t, "Child hits:", &|s| n(s.child_hits.unwrap_or(0)));
+                row(&mut t, "Total miss rate:", &|s| {
+                    p(s.total_miss_rate.unwrap_or(0.0))
+                });
+            }
+        }
+        t
+    }
+}
+
+/// `1234567` as `1,234,567` (drcachesim's grouping).
+fn group(v: u64) -> String {
+    let s = v.to_string();
+    let mut out = String::new();
+    for (i, ch) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).checked_rem(3) == Some(0) {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}
+
+/// One plotted point per timeline interval.
+struct Interval {
+    /// Instructions executed at the interval's end.
+    insns: f64,
+    /// Kernel share of the interval's instructions, percent.
+    kernel_pct: f64,
+    /// Per cache: miss rate in the interval, percent (`None` without accesses).
+    rates: Vec<Option<f64>>,
+}
+
+fn intervals(t: &Timeline, names: &[String]) -> Vec<Interval> {
+    let col = |n: &str| t.column(n);
+    let mut out = Vec::new();
+    let zero = alloc::vec![0u64; t.columns.len()];
+    let mut prev: &[u64] = &zero;
+    for row in &t.rows {
+        let d = |i: Option<usize>| i.map_or(0, |i| row[i].saturating_sub(prev[i]));
+        let (fk, fu) = (d(col("fetch_kernel")), d(col("fetch_user")));
+        let rates = names
+            .iter()
+            .map(|n| {
+                let hits = d(col(&format!("{n}_hits_kernel"))) + d(col(&format!("{n}_hits_user")));
+                let misses =
+                    d(col(&format!("{n}_misses_kernel"))) + d(col(&format!("{n}_misses_user")));
+                (hits + misses > 0).then(|| 100.0 * misses as f64 / (hits + misses) as f64)
+            })
+            .collect();
+        let insns =
+            col("fetch_kernel").map_or(0, |i| row[i]) + col("fetch_user").map_or(0, |i| row[i]);
+        out.push(Interval {
+            insns: insns as f64,
+            kernel_pct: if fk + fu == 0 {
+                0.0
+            } else {
+                100.0 * fk as f64 / (fk + fu) as f64
+            },
+            rates,
+        });
+        prev = row;
+    }
+    out
+}
+
+/// Draws the timeline as SVG text: the L1 miss rates on the left axis, the local miss
+/// rates of the later levels on the right one (they are of another magnitude), intervals
+/// where the kernel ran most instructions shaded, and the kernel/user split beneath.
+pub fn timeline_svg(t: &Timeline, names: &[String]) -> Result<String, String> {
+    use plotters::prelude::*;
+    let iv = intervals(t, names);
+    let err = |e: &dyn core::fmt::Display| e.to_string();
+    let shade = RGBColor(255, 238, 220);
+    let colors = [
+        RGBColor(31, 119, 180),
+        RGBColor(44, 160, 44),
+        RGBColor(148, 103, 189),
+        RGBColor(214, 39, 40),
+    ];
+    let l1: Vec<usize> = (0..names.len())
+        .filter(|&k| names[k].starts_with("L1"))
+        .collect();
+    let outer: Vec<usize> = (0..names.len())
+        .filter(|&k| !names[k].starts_with("L1"))
+        .collect();
+    let max_of = |ks: &[usize]| {
+        iv.iter()
+            .flat_map(|i| ks.iter().filter_map(|&k| i.rates[k]))
+            .fold(0.5f64, f64::max)
+            .min(100.0)
+            * 1.1
+    };
+    let (y1, y2) = (max_of(&l1), max_of(&outer).clamp(10.0, 105.0));
+    // Each interval as a step from its start to its end.
+    let starts: Vec<f64> = core::iter::once(0.0)
+        .chain(iv.iter().map(|i| i.insns))
+        .collect();
+    let steps = |f: &dyn Fn(&Interval) -> Option<f64>| -> Vec<(f64, f64)> {
+        iv.iter()
+            .zip(&starts)
+            .filter_map(|(i, &s)| f(i).map(|v| [(s, v), (i.insns, v)]))
+            .flatten()
+            .collect()
+    };
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (1100, 640)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(&e))?;
+        let (top, bottom) = root.split_vertically(470);
+        let x_max = iv.last().map_or(1.0, |i| i.insns).max(1.0);
+        let mut chart = ChartBuilder::on(&top)
+            .caption(
+                "cachesim: miss rates over the guest instructions executed",
+                ("sans-serif", 22),
+            )
+            .margin(14)
+            .x_label_area_size(36)
+            .y_label_area_size(64)
+            .right_y_label_area_size(64)
+            .build_cartesian_2d(0f64..x_max, 0f64..y1)
+            .map_err(|e| err(&e))?
+            .set_secondary_coord(0f64..x_max, 0f64..y2);
+        // Shade the intervals where the kernel ran most of the instructions.
+        for (i, &s) in iv.iter().zip(&starts) {
+            if i.kernel_pct >= 50.0 {
+                chart
+                    .draw_series(core::iter::once(Rectangle::new(
+                        [(s, 0.0), (i.insns, y1)],
+                        shade.filled(),
+                    )))
+                    .map_err(|e| err(&e))?;
+            }
+        }
+        chart
+            .configure_mesh()
+            .x_desc("guest instructions executed")
+            .y_desc("L1 miss rate (%)")
+            .x_label_formatter(&|x| human(*x))
+            .y_label_formatter(&|y| format!("{y:.1}%"))
+            .light_line_style(RGBColor(230, 230, 230).mix(0.6))
+            .draw()
+            .map_err(|e| err(&e))?;
+        chart
+            .configure_secondary_axes()
+            .y_desc("local miss rate of L2/LL (%)")
+            .y_label_formatter(&|y| format!("{y:.0}%"))
+            .draw()
+            .map_err(|e| err(&e))?;
+        for &k in &l1 {
+            let color = colors[k % colors.len()];
+            chart
+                .draw_series(LineSeries::new(
+                    steps(&|i: &Interval| i.rates[k]),
+                    color.stroke_width(2),
+                ))
+                .map_err(|e| err(&e))?
+                .label(format!("{} miss rate (left)", names[k]))
+                .legend(move |(x, y)| {
+                    PathElement::new([(x, y), (x + 18, y)], color.stroke_width(3))
+                });
+        }
+        for &k in &outer {
+            let color = colors[k % colors.len()];
+            chart
+                .draw_secondary_series(LineSeries::new(
+                    steps(&|i: &Interval| i.rates[k]),
+                    color.stroke_width(2),
+                ))
+                .map_err(|e| err(&e))?
+                .label(format!("{} local miss rate (right)", names[k]))
+                .legend(move |(x, y)| {
+                    PathElement::new([(x, y), (x + 18, y)], color.stroke_width(3))
+                });
+        }
+        chart
+            .draw_series(core::iter::once(Rectangle::new(
+                [(0.0, 0.0), (0.0, 0.0)],
+                shade.filled(),
+            )))
+            .map_err(|e| err(&e))?
+            .label("kernel ran most instructions")
+            .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 18, y + 6)], shade.filled()));
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.9))
+            .border_style(RGBColor(180, 180, 180))
+            .draw()
+            .map_err(|e| err(&e))?;
+
+        let mut share = ChartBuilder::on(&bottom)
+            .margin(14)
+            .x_label_area_size(30)
+            .y_label_area_size(64)
+            .right_y_label_area_size(64)
+            .build_cartesian_2d(0f64..x_max, 0f64..100f64)
+            .map_err(|e| err(&e))?;
+        share
+            .configure_mesh()
+            .y_desc("instructions (%)")
+            .x_label_formatter(&|x| human(*x))
+            .y_label_formatter(&|y| format!("{y:.0}%"))
+            .y_labels(3)
+            .light_line_style(RGBColor(230, 230, 230).mix(0.6))
+            .draw()
+            .map_err(|e| err(&e))?;
+        let user = RGBColor(158, 202, 225);
+        let kernel = RGBColor(253, 174, 107);
+        share
+            .draw_series(AreaSeries::new(steps(&|_| Some(100.0)), 0.0, user.filled()))
+            .map_err(|e| err(&e))?
+            .label("user (CPL 3)")
+            .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 18, y + 6)], user.filled()));
+        share
+            .draw_series(AreaSeries::new(
+                steps(&|i: &Interval| Some(i.kernel_pct)),
+                0.0,
+                kernel.filled(),
+            ))
+            .map_err(|e| err(&e))?
+            .label("kernel (CPL 0)")
+            .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 18, y + 6)], kernel.filled()));
+        share
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.9))
+            .border_style(RGBColor(180, 180, 180))
+            .draw()
+            .map_err(|e| err(&e))?;
+        root.present().map_err(|e| err(&e))?;
+    }
+    Ok(svg)
+}
+
+/// `12_300_000` as `12.3M`, `500_000_000` as `500M`.
+fn human(v: f64) -> String {
+    let a = v.abs();
+    let (x, suffix) = if a >= 1e9 {
+        (v / 1e9, "G")
+    } else if a >= 1e6 {
+        (v / 1e6, "M")
+    } else if a >= 1e3 {
+        (v / 1e3, "K")
+    } else {
+        (v, "")
+    };
+    let s = format!("{x:.1}");
+    format!("{}{suffix}", s.strip_suffix(".0").unwrap_or(&s))
+}
+
+/// Reads the engine's files in `out` and writes `cachesim.txt`, `cachesim.json` and
+/// `cachesim-timeline.svg` there. `Ok(None)` if the run left no cachesim files; an error
+/// names the file that is not what the engine writes (it came from inside the guest).
+pub fn write_reports(out: &Path) -> Result<Option<(Report, Vec<PathBuf>)>, String> {
+    let counters_path = out.join(crate::COUNTERS_NAME);
+    if !counters_path.exists() {
+        return Ok(None);
+    }
+    let read = |p: &Path| std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()));
+    let counters = parse_counters(&read(&counters_path)?).map_err(|l| {
+        format!(
+            "{}: line {l} is not what the engine writes",
+            counters_path.display()
+        )
+    })?;
+    let report = Report::new(&counters);
+    let mut written = Vec::new();
+    let write = |name: &str, data: &str, written: &mut Vec<PathBuf>| {
+        let p = out.join(name);
+        std::fs::write(&p, data).map_err(|e| format!("{}: {e}", p.display()))?;
+        written.push(p);
+        Ok::<(), String>(())
+    };
+    write(TXT_NAME, &report.text(), &mut written)?;
+    let json = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+    write(JSON_NAME, &(json + "\n"), &mut written)?;
+    let timeline_path = out.join(crate::TIMELINE_NAME);
+    if timeline_path.exists() {
+        let t = parse_timeline(&read(&timeline_path)?).map_err(|l| {
+            format!(
+                "{}: line {l} is not what the engine writes",
+                timeline_path.display()
+            )
+        })?;
+        let names: Vec<String> = counters.caches.iter().map(|c| c.name.clone()).collect();
+        write(SVG_NAME, &timeline_svg(&t, &names)?, &mut written)?;
+    }
+    Ok(Some((report, written)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn axis_numbers_and_grouping_read_well() {
+        assert_eq!(human(500e6), "500M");
+        assert_eq!(human(1.5e9), "1.5G");
+        assert_eq!(human(12_345.0), "12.3K");
+        assert_eq!(human(0.0), "0");
+        assert_eq!(group(1_234_567), "1,234,567");
+        assert_eq!(group(12), "12");
+    }
+}

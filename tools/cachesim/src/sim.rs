@@ -1,0 +1,313 @@
+//! The simulator: set-associative caches in drcachesim's hierarchy (private L1I and L1D,
+//! an optional unified L2, a last level), non-inclusive, write-allocate, with hit, miss
+//! and compulsory-miss counters split kernel/user. Plain Rust: the engine image runs it on
+//! the memory records of the guest, host tests run it on synthetic streams.
+
+use alloc::vec;
+use alloc::vec::Vec;
+
+use crate::options::{Geometry, Options, Policy};
+
+/// Index of the kernel (CPL 0–2) half of a split counter.
+pub const KERNEL: usize = 0;
+/// Index of the user (CPL 3) half of a split counter.
+pub const USER: usize = 1;
+
+/// Counters of one cache, each `[kernel, user]`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Line accesses that hit.
+    pub hits: [u64; 2],
+    /// Line accesses that missed.
+    pub misses: [u64; 2],
+    /// Misses on a line this cache never held before.
+    pub compulsory: [u64; 2],
+}
+
+/// Chunks of [`CHUNK_LINES`] lines tracked by bitmap: lines below
+/// `MAX_CHUNKS × CHUNK_LINES` (16 GiB of physical addresses with 64-byte lines).
+const MAX_CHUNKS: usize = 1 << 16;
+/// Lines per bitmap chunk.
+const CHUNK_LINES: u64 = 4096;
+
+/// The set of line addresses a cache ever held: a bitmap per 4096-line chunk (512 bytes
+/// for 256 KiB of memory with 64-byte lines, so a guest's whole RAM costs 1/512 of its
+/// size), and a tree for lines past the bitmaps' reach. (A hash set of lines cost 16+
+/// bytes per line and ran the engine's heap out on Linux.)
+#[derive(Clone, Debug, Default)]
+struct LineSet {
+    chunks: Vec<Option<alloc::boxed::Box<[u64; (CHUNK_LINES / 64) as usize]>>>,
+    far: alloc::collections::BTreeSet<u64>,
+}
+
+impl LineSet {
+    fn new() -> Self {
+        Self::default()
+    }
+
+    /// Inserts `line`; returns whether it was new.
+    fn insert(&mut self, line: u64) -> bool {
+        let chunk = (line / CHUNK_LINES) as usize;
+        if line / CHUNK_LINES >= MAX_CHUNKS as u64 {
+            return self.far.insert(line);
+        }
+        if chunk >= self.chunks.len() {
+            self.chunks.resize_with(chunk + 1, || None);
+        }
+        let bits = self.chunks[chunk]
+            .get_or_insert_with(|| alloc::boxed::Box::new([0; (CHUNK_LINES / 64) as usize]));
+        let i = (line % CHUNK_LINES) as usize;
+        let (word, bit) = (i / 64, 1u64 << (i % 64));
+        let new = bits[word] & bit == 0;
+        bits[word] |= bit;
+        new
+    }
+}
+
+/// One set-associative cache.
+#[derive(Clone, Debug)]
+pub struct Cache {
+    geometry: Geometry,
+    assoc: usize,
+    set_mask: u64,
+    /// `sets × assoc` tags: line address plus one, 0 for an invalid way.
+    tags: Vec<u64>,
+    /// Per way: last use (LRU) or fill time (FIFO).
+    stamps: Vec<u64>,
+    clock: u64,
+    policy: Policy,
+    rng: u64,
+    seen: LineSet,
+    /// Counters since the start (or the end of the warmup).
+    pub stats: Stats,
+}
+
+impl Cache {
+    /// An empty cache of `geometry` with `line`-byte lines (checked by
+    /// [`Options::check`]; an unchecked geometry is rounded to something valid).
+    pub fn new(geometry: Geometry, line: u32, policy: Policy) -> Self {
+        let assoc = geometry.assoc.max(1) as usize;
+        let sets = geometry.sets(line).unwrap_or(1).max(1).next_power_of_two();
+        let ways = sets as usize * assoc;
+        Self {
+            geometry,
+            assoc,
+            set_mask: sets - 1,
+            tags: vec![0; ways],
+            stamps: vec![0; ways],
+            clock: 0,
+            policy,
+            rng: 0x2545_F491_4F6C_DD1D,
+            seen: LineSet::new(),
+            stats: Stats::default(),
+        }
+    }
+
+    /// The geometry.
+    pub fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    /// Accesses line `line` (an address divided by the line size) for `who` ([`KERNEL`]
+    /// or [`USER`]); returns whether it hit. A miss fills the line.
+    pub fn access(&mut self, line: u64, who: usize) -> bool {
+        let tag = line + 1;
+        let base = (line & self.set_mask) as usize * self.assoc;
+        let ways = base..base + self.assoc;
+        self.clock += 1;
+        if let Some(w) = self.tags[ways.clone()].iter().position(|&t| t == tag) {
+            if self.policy == Policy::Lru {
+                self.stamps[base + w] = self.clock;
+            }
+            self.stats.hits[who] += 1;
+            return true;
+        }
+        self.stats.misses[who] += 1;
+        if self.seen.insert(line) {
+            self.stats.compulsory[who] += 1;
+        }
+        let victim = match self.tags[ways.clone()].iter().position(|&t| t == 0) {
+            Some(w) => w,
+            None => match self.policy {
+                Policy::Lru | Policy::Fifo => {
+                    let stamps = &self.stamps[ways];
+                    let mut best = 0;
+                    for (w, &s) in stamps.iter().enumerate() {
+                        if s < stamps[best] {
+                            best = w;
+                        }
+                    }
+                    best
+                }
+                Policy::Random => {
+                    // xorshift64: reproducible from the fixed seed.
+                    self.rng ^= self.rng << 13;
+                    self.rng ^= self.rng >> 7;
+                    self.rng ^= self.rng << 17;
+                    (self.rng % self.assoc as u64) as usize
+                }
+            },
+        };
+        self.tags[base + victim] = tag;
+        self.stamps[base + victim] = self.clock;
+        false
+    }
+}
+
+/// What a reference does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// Instruction fetch (goes to L1I).
+    Fetch,
+    /// Data read (L1D).
+    Read,
+    /// Data write (L1D; write-allocate, so a write is simulated as an access).
+    Write,
+}
+
+/// The hierarchy: L1I and L1D → optional L2 → LL.
+#[derive(Clone, Debug)]
+pub struct Hierarchy {
+    /// Instruction L1.
+    pub l1i: Cache,
+    /// Data L1.
+    pub l1d: Cache,
+    /// Optional unified L2.
+    pub l2: Option<Cache>,
+    /// Last level.
+    pub ll: Cache,
+    line_shift: u32,
+    warmup_left: u64,
+    sim_left: Option<u64>,
+    /// References simulated (after the warmup), `[kernel, user]`, by kind: fetches, and
+    /// data references.
+    pub fetch_refs: [u64; 2],
+    /// Data references (reads and writes) simulated after the warmup, `[kernel, user]`.
+    pub data_refs: [u64; 2],
+    /// References not simulated because `sim_refs` was reached.
+    pub skipped_refs: u64,
+}
+
+impl Hierarchy {
+    /// An empty hierarchy for `o` (which [`Options::parse`] checked).
+    pub fn new(o: &Options) -> Self {
+        let c = |g| Cache::new(g, o.line_size, o.policy);
+        Self {
+            l1i: c(o.l1i),
+            l1d: c(o.l1d),
+            l2: o.l2.map(c),
+            ll: c(o.ll),
+            line_shift: o.line_size.max(1).trailing_zeros(),
+            warmup_left: o.warmup_refs,
+            sim_left: (o.sim_refs > 0).then_some(o.sim_refs),
+            fetch_refs: [0; 2],
+            data_refs: [0; 2],
+            skipped_refs: 0,
+        }
+    }
+
+    /// Whether the warmup is over (statistics are being kept).
+    pub fn measuring(&self) -> bool {
+        self.warmup_left == 0
+    }
+
+    /// One reference of `size` bytes at physical address `addr` by `who`; every line it
+    /// touches is accessed in turn.
+    pub fn access(&mut self, addr: u64, size: u32, kind: Kind, who: usize) {
+        if self.warmup_left == 0 {
+            match &mut self.sim_left {
+                Some(0) => {
+                    self.skipped_refs += 1;
+                    return;
+                }
+                Some(n) => *n -= 1,
+                None => {}
+            }
+            match kind {
+                Kind::Fetch => self.fetch_refs[who] += 1,
+                Kind::Read | Kind::Write => self.data_refs[who] += 1,
+            }
+        }
+        let first = addr >> self.line_shift;
+        let last = addr.saturating_add(u64::from(size.max(1)) - 1) >> self.line_shift;
+        for line in first..=last {
+            let l1 = match kind {
+                Kind::Fetch => &mut self.l1i,
+                Kind::Read | Kind::Write => &mut self.l1d,
+            };
+            if l1.access(line, who) {
+                continue;
+            }
+            if let Some(l2) = &mut self.l2 {
+                if l2.access(line, who) {
+                    continue;
+                }
+            }
+            self.ll.access(line, who);
+        }
+        if self.warmup_left > 0 {
+            self.warmup_left -= 1;
+            if self.warmup_left == 0 {
+                self.reset_stats();
+            }
+        }
+    }
+
+    fn reset_stats(&mut self) {
+        for c in self.caches_mut() {
+            c.stats = Stats::default();
+        }
+    }
+
+    fn caches_mut(&mut self) -> impl Iterator<Item = &mut Cache> {
+        [
+            Some(&mut self.l1i),
+            Some(&mut self.l1d),
+            self.l2.as_mut(),
+            Some(&mut self.ll),
+        ]
+        .into_iter()
+        .flatten()
+    }
+
+    /// The caches with their drcachesim names, L1s first.
+    pub fn caches(&self) -> impl Iterator<Item = (&'static str, &Cache)> {
+        [
+            Some(("L1I", &self.l1i)),
+            Some(("L1D", &self.l1d)),
+            self.l2.as_ref().map(|c| ("L2", c)),
+            Some(("LL", &self.ll)),
+        ]
+        .into_iter()
+        .flatten()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn line_set_remembers_near_and_far_lines() {
+        let mut s = LineSet::new();
+        let lines = [
+            0,
+            1,
+            63,
+            64,
+            4095,
+            4096,
+            1 << 20,
+            (MAX_CHUNKS as u64) * CHUNK_LINES,
+            u64::MAX >> 6,
+        ];
+        for l in lines {
+            assert!(s.insert(l), "{l} new");
+        }
+        for l in lines {
+            assert!(!s.insert(l), "{l} seen");
+        }
+        assert!(s.insert(2));
+        assert_eq!(s.far.len(), 2);
+    }
+}

@@ -1,0 +1,164 @@
+//! cachesim on the host: a loop that stores and reloads 100 quadwords, run by the
+//! translator in this test process (no VM) as kernel code and then as user code; the
+//! simulator must see one fetch per instruction the engine counted, per CPL, and the data
+//! references and misses the loop must cause.
+
+use guest_engine::{
+    Config, Engine, Gpr, GuestMemory, GuestPhys, GuestVirt, Mode, Stop, StopPlatform,
+};
+use kpin_tool::host::{Error, Sink};
+use kpin_tool::KpinTool;
+use kpin_tool_cachesim::files::parse_counters;
+use kpin_tool_cachesim::{CacheSim, COUNTERS_NAME, TIMELINE_NAME};
+
+/// An anonymous RWX mapping.
+struct Region(*mut u8, usize);
+
+impl Region {
+    fn map(len: usize) -> Region {
+        // SAFETY: an anonymous private mapping; nothing else refers to it.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE | libc::PROT_EXEC,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED, "mmap failed");
+        Region(p.cast(), len)
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: the mapping is ours and nothing uses it any more.
+        unsafe { libc::munmap(self.0.cast(), self.1) };
+    }
+}
+
+/// Guest memory = the code page, identity-mapped.
+struct CodePage(u64, usize);
+
+impl GuestMemory for CodePage {
+    fn translate(&mut self, va: GuestVirt, _mode: Mode) -> Option<GuestPhys> {
+        (va.0 >= self.0 && va.0 < self.0 + self.1 as u64).then_some(GuestPhys(va.0))
+    }
+    fn read(&mut self, pa: GuestPhys, out: &mut [u8]) -> bool {
+        if pa.0 < self.0 || pa.0 + out.len() as u64 > self.0 + self.1 as u64 {
+            return false;
+        }
+        // SAFETY: inside the live code mapping (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(pa.0 as *const u8, out.as_mut_ptr(), out.len()) };
+        true
+    }
+}
+
+#[derive(Default)]
+struct Files(Vec<(String, Vec<u8>, bool)>);
+
+impl Sink for Files {
+    fn open(&mut self, name: &str) -> Result<u16, Error> {
+        self.0.push((name.to_string(), Vec::new(), false));
+        Ok(self.0.len() as u16)
+    }
+    fn write(&mut self, file: u16, data: &[u8]) -> Result<(), Error> {
+        self.0[usize::from(file) - 1].1.extend_from_slice(data);
+        Ok(())
+    }
+    fn close(&mut self, file: u16) -> Result<(), Error> {
+        self.0[usize::from(file) - 1].2 = true;
+        Ok(())
+    }
+}
+
+#[test]
+fn fetches_equal_engine_instructions_and_data_misses_are_the_loops() {
+    const ITERATIONS: u64 = 100;
+    const EXIT: u64 = 0x1000; // not in guest memory: the fetch there ends the run
+    let code = Region::map(8192);
+    let mut bytes = vec![
+        0xb9,
+        ITERATIONS as u8,
+        0,
+        0,
+        0, // mov ecx, 100
+        0x48,
+        0x89,
+        0x0c,
+        0xcf, // l: mov [rdi + rcx*8], rcx
+        0x48,
+        0x03,
+        0x04,
+        0xcf, // add rax, [rdi + rcx*8]
+        0xff,
+        0xc9, // dec ecx
+        0x75,
+        0xf4, // jnz l
+        0xff,
+        0x25,
+        0,
+        0,
+        0,
+        0, // jmp [rip + 0]
+    ];
+    bytes.extend_from_slice(&EXIT.to_le_bytes());
+    // SAFETY: the mapping is 8192 bytes, writable, and nothing runs in it yet.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), code.0, bytes.len()) };
+
+    let cache = Region::map(32 << 20);
+    let config = Config {
+        save_extended_state: true,
+        count_insns: true,
+        ..Config::default()
+    };
+    // SAFETY: `cache` is an RWX, page-aligned mapping owned by this test for the engine's
+    // lifetime, smaller than 2 GiB.
+    let mut engine = unsafe { Engine::new(cache.0, cache.1, config) }.expect("engine");
+    let base = code.0 as u64;
+    let mut tool = CacheSim::new("").expect("default options");
+    for mode in [Mode::KERNEL, Mode::USER] {
+        engine.set_mode(mode).expect("mode");
+        engine.set_rip(GuestVirt(base));
+        engine.regs_mut().set(Gpr::Rax, 0);
+        engine.regs_mut().set(Gpr::Rdi, base + 4096);
+        let stop = engine.run(&mut CodePage(base, 8192), &mut StopPlatform, &mut tool);
+        assert_eq!(stop, Stop::FetchFault(GuestVirt(EXIT)));
+        assert_eq!(
+            engine.regs().get(Gpr::Rax),
+            ITERATIONS * (ITERATIONS + 1) / 2
+        );
+    }
+    let h = tool.hierarchy();
+    let per_mode = 1 + 4 * ITERATIONS + 1;
+    assert_eq!(engine.executed_insns(Mode::KERNEL), per_mode);
+    assert_eq!(engine.executed_insns(Mode::USER), per_mode);
+    assert_eq!(h.fetch_refs, [per_mode, per_mode]);
+    // Two per iteration, and the `jmp [rip]`'s load of its target.
+    let data = 2 * ITERATIONS + 1;
+    assert_eq!(h.data_refs, [data, data]);
+    assert_eq!(tool.unresolved(), 0);
+    // The code (25 bytes from a page boundary) is one line: one compulsory L1I miss, at
+    // CPL 0; the user run fetches the same physical line.
+    assert_eq!(h.l1i.stats.misses, [1, 0]);
+    assert_eq!(h.l1i.stats.hits, [per_mode - 1, per_mode]);
+    // The data: bytes 8..808 of the next page, lines 0..=12, and the jump's target in the
+    // code line: 14 compulsory misses.
+    assert_eq!(h.l1d.stats.misses, [14, 0]);
+    assert_eq!(h.l1d.stats.compulsory, [14, 0]);
+    assert_eq!(h.l1d.stats.hits, [data - 14, data]);
+    // The last level: the code line (its L1D miss then hits) and the 13 data lines.
+    assert_eq!(h.ll.stats.misses, [14, 0]);
+    let l1d = h.l1d.stats;
+
+    let mut files = Files::default();
+    tool.finish(&engine, &mut files).expect("finish");
+    let names: Vec<&str> = files.0.iter().map(|f| f.0.as_str()).collect();
+    assert_eq!(names, [COUNTERS_NAME, TIMELINE_NAME]);
+    assert!(files.0.iter().all(|f| f.2), "every file closed");
+    let c = parse_counters(std::str::from_utf8(&files.0[0].1).unwrap()).expect("parses");
+    assert_eq!(c.fetch_refs, [per_mode, per_mode]);
+    assert_eq!(c.caches[1].stats, l1d);
+}
