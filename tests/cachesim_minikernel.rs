@@ -68,6 +68,18 @@ fn check_fetches(c: &Counters, engine: &serde_json::Value) {
     );
 }
 
+/// The misses of cache `name` at CPL 0. The kernel's work is the same in every run; the
+/// user programs spin until timer ticks arrive, so their share (mostly hits) moves with
+/// timing and would blur a comparison of rates between two runs.
+fn kernel_misses(c: &Counters, name: &str) -> u64 {
+    c.caches
+        .iter()
+        .find(|x| x.name == name)
+        .unwrap_or_else(|| panic!("no {name}"))
+        .stats
+        .misses[0]
+}
+
 fn miss_rate(c: &Counters, name: &str) -> f64 {
     let s = c
         .caches
@@ -100,8 +112,14 @@ fn test_minikernel_cachesim_fetches_equal_engine_instructions_and_small_l1d_miss
     let (small, engine, _) = run("minikernel-cachesim-small-l1d", "L1D_size=1K L1D_assoc=2");
     check_fetches(&small, &engine);
     let (big, tiny) = (miss_rate(&c, "L1D"), miss_rate(&small, "L1D"));
-    println!("L1D miss rate: 32K 8-way {big:.4}, 1K 2-way {tiny:.4}");
-    assert!(tiny > big, "1K L1D misses {tiny} <= 32K L1D {big}");
+    let (big_k, tiny_k) = (kernel_misses(&c, "L1D"), kernel_misses(&small, "L1D"));
+    println!(
+        "L1D miss rate: 32K 8-way {big:.4}, 1K 2-way {tiny:.4}; kernel misses {big_k} vs {tiny_k}"
+    );
+    assert!(
+        tiny_k > big_k + big_k / 4,
+        "1K L1D kernel misses {tiny_k} not clearly above 32K L1D's {big_k}"
+    );
 
     let (report, files) = kpin_tool_cachesim::report::write_reports(&dir)
         .expect("reports")
