@@ -2,11 +2,14 @@
 //! and the tests so that both boot the guests the same way.
 
 /// Command line of the Debian guest: the serial console plus what stays for a measured
-/// reason (issue #10 dropped `reboot=k`, `nokaslr`, `noxsave` and `8250.nr_uarts=1`: the
-/// VMM's ACPI tables give poweroff and reboot, a vmlinux boot skips the decompressor that
-/// randomizes, the CPUID table already hides XSAVE, and probing the absent COM2–4 costs
-/// nothing measurable). Each remaining option, measured on the AMD host under `--tool
-/// null` (`kpin run --guest linux --tool null --cmdline …`):
+/// reason (issue #10 dropped `reboot=k`, `nokaslr`, `noxsave`, `8250.nr_uarts=1` and
+/// `mitigations=off`: the VMM's ACPI tables give poweroff and reboot, a vmlinux boot skips
+/// the decompressor that randomizes, the CPUID table already hides XSAVE, probing the
+/// absent COM2–4 costs nothing measurable, and the default mitigations run on the virtual
+/// speculation controls at no measurable cost — 14.92 s against 14.78 s to the workload's
+/// end, medians of three, `tests/bench/side_by_side.py --configs null --cmdline …` with and
+/// without `mitigations=off`). Each remaining option, measured on the AMD host under
+/// `--tool null`:
 /// - `earlyprintk=serial,ttyS0,115200`: the first 0.5 s of boot messages, before the
 ///   console driver, reach the console (a debugging aid, not a workaround);
 /// - `panic=-1`: a panic resets at once (the console watch has already flagged it as a
@@ -16,14 +19,12 @@
 ///   function found`;
 /// - `i8042.noaux i8042.nomux i8042.dumbkbd`: without them the kernel polls the
 ///   controller for an aux port and a keyboard that never answer: ~20 000 more port reads
-///   (35 774 against 16 131) and ~2.5 s more guest time;
-/// - `mitigations=off`: with the default mitigations the boot and workload work here
-///   (virtual SPEC_CTRL/PRED_CMD/FLUSH_CMD), but on the Intel host the kernel picks
-///   retpolines and prints `RETBleed: WARNING: … data leaks possible!` on every boot, and
-///   the mitigations add exits on kernel entry and context switch (37.0 s against 24.7 s
-///   for the same line with `mitigations=off`, one run each, a busy machine).
+///   (35 774 against 16 131) and ~2.5 s more guest time.
+///
+/// The distribution's own line is [`LINUX_612_CMDLINE`]; the tests boot both kernels with
+/// it too.
 pub const LINUX_CMDLINE: &str = "console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1 \
-     pci=off i8042.noaux i8042.nomux i8042.dumbkbd mitigations=off";
+     pci=off i8042.noaux i8042.nomux i8042.dumbkbd";
 
 /// The distribution command line of Debian's kernels, the second pinned kernel's default
 /// (`kpin_images::GuestKernel::Debian612`) and the line the tests also boot the first one
