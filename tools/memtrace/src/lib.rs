@@ -39,8 +39,9 @@ use crate::format::{Record, FLAG_CPL_SHIFT, FLAG_READ, FLAG_WRITE};
 pub const BIN_NAME: &str = "memtrace.bin";
 /// The counts, written at the end: `records=… dropped=… unresolved=… lost=… cpl=… limit=…`.
 pub const SUMMARY_NAME: &str = "memtrace-summary.txt";
-/// Records written at most unless `limit=` says otherwise.
-pub const DEFAULT_LIMIT: u64 = 50_000_000;
+/// Records written at most unless `limit=` says otherwise: 840 MB of records, inside
+/// the run's default 1 GiB output cap (`--max-output-bytes`).
+pub const DEFAULT_LIMIT: u64 = 30_000_000;
 
 /// The options.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
