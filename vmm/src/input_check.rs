@@ -45,6 +45,10 @@ pub const TOOLS: &[ToolInfo] = &[
         name: "insmix",
         options: &[],
     },
+    ToolInfo {
+        name: "memtrace",
+        options: &["cpl", "limit"],
+    },
 ];
 
 /// cachesim's option keys (drcachesim's names; `tools/cachesim/src/options.rs`), each
@@ -111,6 +115,10 @@ pub fn check_tool(name: &str, options: &[String]) -> Result<(), UsageError> {
         // The geometry rules, checked here as the engine will: a usage error before boot.
         kpin_tool_cachesim::options::Options::parse(&options.join(" "))
             .map_err(|e| UsageError(format!("bad cachesim options: {e}")))?;
+    }
+    if name == "memtrace" {
+        kpin_tool_memtrace::Options::parse(&options.join(" "))
+            .map_err(|e| UsageError(format!("bad memtrace options: {e}")))?;
     }
     Ok(())
 }
@@ -477,7 +485,7 @@ mod tests {
         let e = check_tool("nosuch", &[]).unwrap_err().to_string();
         assert_eq!(
             e,
-            "unknown tool \"nosuch\": the tools are null, bbcount, cachesim, insmix"
+            "unknown tool \"nosuch\": the tools are null, bbcount, cachesim, insmix, memtrace"
         );
         let e = check_tool("null", &["colour=red".into()])
             .unwrap_err()
@@ -505,6 +513,19 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("unknown --tool-option key \"L1D_sise\""), "{e}");
+    }
+
+    #[test]
+    fn test_memtrace_options_are_checked_before_boot() {
+        check_tool("memtrace", &["cpl=3".into(), "limit=100".into()]).unwrap();
+        let e = check_tool("memtrace", &["cpl=2".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("bad memtrace options: "), "{e}");
+        let e = check_tool("memtrace", &["limt=5".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown --tool-option key \"limt\""), "{e}");
     }
 
     /// The host's lists name what the engine image's sources accept: each tool is a

@@ -83,6 +83,22 @@ enum Command {
         /// The run's output directory.
         run: PathBuf,
     },
+    /// Print a `--tool memtrace` run's memtrace.bin as CSV in the column order of QEMU's
+    /// mem plugin: insn_vaddr,insn_symbol,mem_vaddr,mem_paddr,access_size,access_type.
+    Trace {
+        /// The run's output directory.
+        run: PathBuf,
+        /// Print at most this many records.
+        #[arg(long, value_name = "N")]
+        limit: Option<u64>,
+        /// The run's kernel, to name instruction addresses (its ELF symbols, or
+        /// --system-map's); without it insn_symbol is empty.
+        #[arg(long)]
+        kernel: Option<PathBuf>,
+        /// System.map for --kernel.
+        #[arg(long, requires = "kernel")]
+        system_map: Option<PathBuf>,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -142,7 +158,10 @@ struct RunArgs {
     /// cachesim-timeline.svg; options L1I_size, L1I_assoc, L1D_size, L1D_assoc, L2_size,
     /// L2_assoc, LL_size, LL_assoc, line_size, replace_policy=LRU|FIFO|RANDOM,
     /// warmup_refs, sim_refs through --tool-option); insmix (dynamic counts per mnemonic,
-    /// kernel/user: insmix.txt, insmix.json). It logs to <out>/engine.log and writes <out>/counters.json; an
+    /// kernel/user: insmix.txt, insmix.json); memtrace (every data access with instruction
+    /// VA, data VA and PA, size, load/store and CPL in <out>/memtrace.bin, counts in
+    /// memtrace-summary.txt; options cpl=0|3|all, limit=N records; `kpin trace` prints it
+    /// as CSV). It logs to <out>/engine.log and writes <out>/counters.json; an
     /// instruction or device it cannot handle yet ends the run with status 3 and the
     /// guest's state in dump.txt.
     #[arg(long)]
@@ -238,6 +257,12 @@ fn main() -> ExitCode {
             &run,
             &control::protocol::Request::Status,
         )),
+        Command::Trace {
+            run,
+            limit,
+            kernel,
+            system_map,
+        } => trace(&run, limit, kernel.as_deref(), system_map.as_deref()).map(|()| EXIT_CLEAN),
     };
     match result {
         Ok(code) => ExitCode::from(code),
@@ -267,6 +292,33 @@ fn parse_tool_options(raw: &[String]) -> anyhow::Result<BTreeMap<String, String>
 
 fn progress(line: &str) {
     eprintln!("kpin: {line}");
+}
+
+/// `kpin trace`: a memtrace run's records as CSV on stdout.
+fn trace(
+    run: &Path,
+    limit: Option<u64>,
+    kernel: Option<&Path>,
+    system_map: Option<&Path>,
+) -> anyhow::Result<()> {
+    let symbols = match kernel {
+        Some(k) => KernelSymbols::load(k, system_map)?,
+        None => None,
+    };
+    let name = |a: u64| symbols.as_ref().and_then(|s| s.describe(a));
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    match kpin_tool_memtrace::reader::print_run(run, limit, &name, &mut out) {
+        Ok(_) => {}
+        // `kpin trace … | head` closes the pipe early: not an error.
+        Err(kpin_tool_memtrace::reader::ReadError::Io(e))
+            if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+        Err(e) => bail!("{}: {e}", run.join(kpin_tool_memtrace::BIN_NAME).display()),
+    }
+    match std::io::Write::flush(&mut out) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
 }
 
 fn images(dir: Option<PathBuf>) -> anyhow::Result<()> {

@@ -91,7 +91,7 @@ fn test_a_live_run_refuses_detach_while_detached_and_unknown_tools_with_status_2
     assert_eq!(s["windows"], 0, "{s}");
     assert_error(&kpin(&["detach"], &dir), 2, "not attached");
     assert_error(
-        &kpin(&["attach", "--tool", "memtrace"], &dir),
+        &kpin(&["attach", "--tool", "nosuch"], &dir),
         2,
         "unknown tool",
     );

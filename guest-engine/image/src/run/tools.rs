@@ -2,7 +2,8 @@
 //! `null` (translation only), `bbcount` (an inline counter per basic block, written to
 //! `bbcount.csv`), `cachesim` (a cache simulator fed with every fetch and data access,
 //! configured by `--tool-option` in drcachesim's names) and `insmix` (dynamic counts per
-//! mnemonic, `insmix.txt`/`insmix.json`). A tool's files travel as `Open`/`Write`/`Close` records of the host I/O
+//! mnemonic, `insmix.txt`/`insmix.json`) and `memtrace` (every data access into
+//! `memtrace.bin`, streamed over the ring as it runs). A tool's files travel as `Open`/`Write`/`Close` records of the host I/O
 //! ring ([`RingSink`]) and land in the run's output directory.
 
 use core::fmt;
@@ -13,13 +14,14 @@ use kpin_tool::{Engine, KpinTool, Tool};
 use kpin_tool_bbcount::BbCount;
 use kpin_tool_cachesim::CacheSim;
 use kpin_tool_insmix::InsMix;
+use kpin_tool_memtrace::MemTrace;
 use kpin_tool_null::Null;
 
 use crate::log;
 use crate::ring0::log;
 
 /// The names `--tool` accepts, for messages.
-pub const NAMES: &str = "null, bbcount, cachesim, insmix";
+pub const NAMES: &str = "null, bbcount, cachesim, insmix, memtrace";
 
 /// A tool chosen by name.
 pub enum Chosen {
@@ -31,6 +33,8 @@ pub enum Chosen {
     CacheSim(alloc::boxed::Box<CacheSim>),
     /// `insmix`.
     InsMix(InsMix),
+    /// `memtrace`.
+    MemTrace(alloc::boxed::Box<MemTrace>),
 }
 
 impl Chosen {
@@ -48,6 +52,16 @@ impl Chosen {
                 }
             },
             "insmix" => Some(Chosen::InsMix(InsMix::default())),
+            "memtrace" => match MemTrace::new(options) {
+                Ok(mut t) => {
+                    t.stream_to(alloc::boxed::Box::new(RingSink));
+                    Some(Chosen::MemTrace(alloc::boxed::Box::new(t)))
+                }
+                Err(e) => {
+                    log!(Error, "engine: memtrace: bad option {e}");
+                    crate::ring0::log::fail();
+                }
+            },
             _ => None,
         }
     }
@@ -58,6 +72,7 @@ impl Chosen {
             Chosen::BbCount(t) => t,
             Chosen::CacheSim(t) => &mut **t,
             Chosen::InsMix(t) => t,
+            Chosen::MemTrace(t) => &mut **t,
         }
     }
 
@@ -68,6 +83,7 @@ impl Chosen {
             Chosen::BbCount(t) => t,
             Chosen::CacheSim(t) => &mut **t,
             Chosen::InsMix(t) => t,
+            Chosen::MemTrace(t) => &mut **t,
         }
     }
 
