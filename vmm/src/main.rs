@@ -37,11 +37,13 @@ const EXIT_TIMEOUT: u8 = 4;
     long_about = "Whole-system dynamic binary instrumentation for x86-64 Linux guests on KVM.\n\n\
         kpin boots guests natively under its own VMM. With --tool the vCPU starts in the guest \
         engine instead, which runs all guest code, kernel and user, from its code cache under \
-        the tool (null or bbcount) and logs to engine.log; guests that need what the engine \
+        the tool (null, bbcount, cachesim, memtrace or insmix; see `kpin run --help`) and \
+        logs to engine.log; guests that need what the engine \
         does not emulate yet stop with exit status 3 and the engine naming it.\n\n\
         Exit status of `kpin run`: 0 the guest powered off cleanly; 1 kpin failed (bad input, \
         no /dev/kvm, images could not be built); 2 bad command line; 3 the guest crashed \
-        (triple fault, KVM emulation failure, unhandled I/O, kernel panic); 4 the timeout \
+        (triple fault, KVM emulation failure, MMIO above 4 GiB, kernel panic, engine failure); \
+        4 the timeout \
         expired. On 3 and 4 a guest-state dump goes to stderr and the output directory."
 )]
 struct Cli {
@@ -66,7 +68,7 @@ enum Command {
     Attach {
         /// The run's output directory (it holds control.sock while the run lives).
         run: PathBuf,
-        /// Tool: null or bbcount.
+        /// Tool: null, bbcount, cachesim, memtrace or insmix (as for `kpin run --tool`).
         #[arg(long)]
         tool: String,
         /// A tool option KEY=VALUE (repeatable).
