@@ -3,76 +3,11 @@
 //! simulator must see one fetch per instruction the engine counted, per CPL, and the data
 //! references and misses the loop must cause.
 
-use guest_engine::{
-    Config, Engine, Gpr, GuestMemory, GuestPhys, GuestVirt, Mode, Stop, StopPlatform,
-};
-use kpin_tool::host::{Error, Sink};
+use guest_engine::{Config, Engine, Gpr, GuestVirt, Mode, Stop, StopPlatform};
+use kpin_tool::host_run::{CodePage, Files, Region};
 use kpin_tool::KpinTool;
 use kpin_tool_cachesim::files::parse_counters;
 use kpin_tool_cachesim::{CacheSim, COUNTERS_NAME, TIMELINE_NAME};
-
-/// An anonymous RWX mapping.
-struct Region(*mut u8, usize);
-
-impl Region {
-    fn map(len: usize) -> Region {
-        // SAFETY: an anonymous private mapping; nothing else refers to it.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE | libc::PROT_EXEC,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(p, libc::MAP_FAILED, "mmap failed");
-        Region(p.cast(), len)
-    }
-}
-
-impl Drop for Region {
-    fn drop(&mut self) {
-        // SAFETY: the mapping is ours and nothing uses it any more.
-        unsafe { libc::munmap(self.0.cast(), self.1) };
-    }
-}
-
-/// Guest memory = the code page, identity-mapped.
-struct CodePage(u64, usize);
-
-impl GuestMemory for CodePage {
-    fn translate(&mut self, va: GuestVirt, _mode: Mode) -> Option<GuestPhys> {
-        (va.0 >= self.0 && va.0 < self.0 + self.1 as u64).then_some(GuestPhys(va.0))
-    }
-    fn read(&mut self, pa: GuestPhys, out: &mut [u8]) -> bool {
-        if pa.0 < self.0 || pa.0 + out.len() as u64 > self.0 + self.1 as u64 {
-            return false;
-        }
-        // SAFETY: inside the live code mapping (checked above).
-        unsafe { std::ptr::copy_nonoverlapping(pa.0 as *const u8, out.as_mut_ptr(), out.len()) };
-        true
-    }
-}
-
-#[derive(Default)]
-struct Files(Vec<(String, Vec<u8>, bool)>);
-
-impl Sink for Files {
-    fn open(&mut self, name: &str) -> Result<u16, Error> {
-        self.0.push((name.to_string(), Vec::new(), false));
-        Ok(self.0.len() as u16)
-    }
-    fn write(&mut self, file: u16, data: &[u8]) -> Result<(), Error> {
-        self.0[usize::from(file) - 1].1.extend_from_slice(data);
-        Ok(())
-    }
-    fn close(&mut self, file: u16) -> Result<(), Error> {
-        self.0[usize::from(file) - 1].2 = true;
-        Ok(())
-    }
-}
 
 #[test]
 fn fetches_equal_engine_instructions_and_data_misses_are_the_loops() {

@@ -7,13 +7,16 @@
 //! through the host I/O ring and land in the run's output directory on the host.
 //!
 //! The same tool code runs on the host, under the translator's host harness, so tools are
-//! tested without a VM (see `tools/bbcount/tests`).
+//! tested without a VM ([`host_run`] with the `host-run` feature; see
+//! `tools/bbcount/tests`).
 #![no_std]
 #![deny(missing_docs)]
 
 extern crate alloc;
 
 pub mod host;
+#[cfg(feature = "host-run")]
+pub mod host_run;
 
 use core::fmt;
 
