@@ -7,29 +7,19 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kpin_tests::{engine_config, minikernel_elf, run_guest, scratch_dir};
+use kpin_tests::run_minikernel_with_options;
 use kpin_tool_cachesim::files::{parse_counters, Counters};
-use vmm::{Outcome, VmConfig};
+use vmm::Outcome;
 
 /// Runs the mini-kernel under cachesim with `options`; returns the parsed counters,
 /// `counters.json` and the output directory.
 fn run(name: &str, options: &str) -> (Counters, serde_json::Value, PathBuf) {
-    let dir = scratch_dir(name);
-    let console = dir.join("console.log");
-    let cfg = VmConfig {
-        kernel: minikernel_elf(),
-        initrd: None,
-        cmdline: String::new(),
-        mem_mib: 256,
-        timeout: Some(Duration::from_secs(300)),
-        console_file: Some(console.clone()),
-        echo_console: false,
-        system_map: None,
-        engine: Some(engine_config("cachesim", options)),
-    };
-    let (report, _) = run_guest(&cfg, &dir);
-    let text = std::fs::read_to_string(&console).unwrap_or_default();
-    let log = std::fs::read_to_string(dir.join(host_daemon::ENGINE_LOG)).unwrap_or_default();
+    let (report, text, log, dir) = run_minikernel_with_options(
+        name,
+        "",
+        Some(("cachesim", options)),
+        Duration::from_secs(300),
+    );
     assert_eq!(
         report.outcome,
         Outcome::Poweroff,

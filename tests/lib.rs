@@ -160,6 +160,16 @@ pub fn run_minikernel(
     tool: Option<&str>,
     timeout: std::time::Duration,
 ) -> (RunReport, String, String, PathBuf) {
+    run_minikernel_with_options(name, cmdline, tool.map(|t| (t, "")), timeout)
+}
+
+/// [`run_minikernel`] with the tool's `--tool-option` words: `tool` is (name, options).
+pub fn run_minikernel_with_options(
+    name: &str,
+    cmdline: &str,
+    tool: Option<(&str, &str)>,
+    timeout: std::time::Duration,
+) -> (RunReport, String, String, PathBuf) {
     let dir = scratch_dir(name);
     let console = dir.join("console.log");
     let cfg = VmConfig {
@@ -171,7 +181,7 @@ pub fn run_minikernel(
         console_file: Some(console.clone()),
         echo_console: false,
         system_map: None,
-        engine: tool.map(|t| engine_config(t, "")),
+        engine: tool.map(|(t, options)| engine_config(t, options)),
     };
     let (report, _) = run_guest(&cfg, &dir);
     let text = std::fs::read_to_string(&console).unwrap_or_default();
