@@ -4,6 +4,14 @@
 //! must still be exactly the native one, and the window's `bbcount.csv` (in
 //! `<out>/attach-1/`) must count the body of `known_loop_1000` exactly 1000 times.
 //! Prints the attach latency.
+//!
+//! The second test detaches too: with `kpin.attach_cycles=2` the mini-kernel goes through
+//! two windows before its steps (in each: the known loop once, a mark on the attach-status
+//! port, then a wait for the window to close). The test attaches bbcount to the native
+//! guest, waits for the mark, detaches (the engine hands the guest's state back and the
+//! VMM resumes it natively), and does it again; each window's `bbcount.csv` must count
+//! the loop body exactly 1000 times, and the rest of the run (natively) must print the
+//! native transcript. Prints attach and detach latencies.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -92,6 +100,7 @@ fn test_attach_bbcount_to_the_native_minikernel_mid_run_counts_its_known_loop() 
         out_dir: dir.clone(),
         engine_image: Some(image),
         boot_tool: None,
+        boot_resident: false,
     };
     let out: PathBuf = dir.clone();
     let vm_thread = std::thread::spawn(move || {
@@ -158,4 +167,144 @@ fn test_attach_bbcount_to_the_native_minikernel_mid_run_counts_its_known_loop() 
         !dir.join("bbcount.csv").exists(),
         "the window's files go to attach-1/"
     );
+}
+
+/// Starts the native mini-kernel with `extra` on its command line and a control socket in
+/// `dir`; returns the VM thread and the console path once the socket exists.
+fn start_native_minikernel(
+    dir: &std::path::Path,
+    extra: &str,
+) -> (std::thread::JoinHandle<vmm::RunReport>, PathBuf) {
+    let console = dir.join("console.log");
+    let cfg = VmConfig {
+        kernel: minikernel_elf(),
+        initrd: None,
+        cmdline: format!("{MINIKERNEL_NATIVE_CMDLINE} {extra}"),
+        mem_mib: 256,
+        timeout: Some(Duration::from_secs(300)),
+        console_file: Some(console.clone()),
+        echo_console: false,
+        system_map: None,
+        engine: None,
+    };
+    let control = ControlConfig {
+        socket: dir.join(SOCKET_NAME),
+        out_dir: dir.to_owned(),
+        engine_image: Some(engine_config("null", "").image),
+        boot_tool: None,
+        boot_resident: false,
+    };
+    let out = dir.to_owned();
+    let vm_thread = std::thread::spawn(move || {
+        let mut daemon = host_daemon::Daemon::new(&out);
+        let report = Vm::new(&cfg)
+            .expect("create VM")
+            .run_with_control(&mut daemon, Some(control))
+            .expect("run VM");
+        daemon.finish().expect("finish output files");
+        report
+    });
+    let start = Instant::now();
+    while !dir.join(SOCKET_NAME).exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no control socket"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (vm_thread, console)
+}
+
+#[test]
+fn test_attach_detach_attach_on_the_native_minikernel_counts_each_window_exactly() {
+    require_kvm!();
+    let dir = scratch_dir("attach-detach-minikernel");
+    let (vm_thread, console) = start_native_minikernel(&dir, "kpin.attach_cycles=2");
+    let bbcount = Request::Attach {
+        tool: "bbcount".into(),
+        options: Default::default(),
+    };
+    let e = request(&dir, &Request::Detach).expect("detach");
+    assert!(!e.ok && e.error.as_deref() == Some("not attached"), "{e:?}");
+    for window in 1..=2u64 {
+        let t = Instant::now();
+        let a = request(&dir, &bbcount).expect("attach");
+        let attach_rt = t.elapsed();
+        assert!(a.ok, "{a:?}");
+        assert_eq!(
+            (a.windows, a.state.as_deref()),
+            (Some(window), Some("attached"))
+        );
+        let again = request(&dir, &bbcount).expect("attach again");
+        assert!(
+            !again.ok
+                && again
+                    .error
+                    .as_deref()
+                    .is_some_and(|e| e.contains("already attached")),
+            "{again:?}"
+        );
+        // The guest marks the end of its loop in the window.
+        let start = Instant::now();
+        loop {
+            let s = request(&dir, &Request::Status).expect("status");
+            assert_eq!(s.state.as_deref(), Some("attached"), "{s:?}");
+            if s.guest_marks == Some(window) {
+                assert!(s.guest_instructions.unwrap_or(0) >= 1000 * 6, "{s:?}");
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(120),
+                "no mark {window}: {s:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let t = Instant::now();
+        let d = request(&dir, &Request::Detach).expect("detach");
+        let detach_rt = t.elapsed();
+        assert!(d.ok, "{d:?}");
+        assert_eq!(d.state.as_deref(), Some("native"), "{d:?}");
+        println!(
+            "window {window}: attach {:.2} ms in the vCPU loop, {:.2} ms round trip; \
+             detach {:.2} ms in the vCPU loop, {:.2} ms round trip",
+            a.latency_ms.unwrap_or(f64::NAN),
+            attach_rt.as_secs_f64() * 1e3,
+            d.latency_ms.unwrap_or(f64::NAN),
+            detach_rt.as_secs_f64() * 1e3
+        );
+        let s = request(&dir, &Request::Status).expect("status");
+        assert_eq!(
+            (s.state.as_deref(), s.attached, s.windows),
+            (Some("native"), Some(false), Some(window)),
+            "{s:?}"
+        );
+    }
+    let report = vm_thread.join().expect("the VM thread");
+    let text = std::fs::read_to_string(&console).unwrap_or_default();
+    let log = |w: u64| {
+        std::fs::read_to_string(dir.join(format!("attach-{w}/engine.log"))).unwrap_or_default()
+    };
+    assert_eq!(
+        report.outcome,
+        Outcome::Poweroff,
+        "console:\n{text}\nengine logs:\n{}\n{}\ndump:\n{}",
+        log(1),
+        log(2),
+        report.dump.unwrap_or_default()
+    );
+    compare_minikernel_transcript(&text, &minikernel_expected())
+        .unwrap_or_else(|e| panic!("{e}\n{text}"));
+    for w in 1..=2 {
+        let window = dir.join(format!("attach-{w}"));
+        let csv = std::fs::read_to_string(window.join("bbcount.csv"))
+            .unwrap_or_else(|e| panic!("attach-{w}/bbcount.csv: {e}\n{}", log(w)));
+        let rows = parse_csv(&csv).unwrap_or_else(|line| panic!("bbcount.csv line {line}"));
+        assert_eq!(known_loop_runs(&rows), 1000, "window {w}: rows: {rows:?}");
+        assert!(
+            log(w).contains("the guest continues natively"),
+            "window {w}: {}",
+            log(w)
+        );
+        assert!(window.join("counters.json").exists(), "window {w}");
+    }
 }
