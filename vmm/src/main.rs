@@ -75,12 +75,17 @@ enum Command {
         #[arg(long, value_name = "KEY=VALUE")]
         tool_option: Vec<String>,
     },
-    /// Detach the tool from a running guest. Exit status 1: no such run; 2: refused.
+    /// Detach the tool from a running guest at the engine's next safe point: the tool's
+    /// files are finished in RUN/attach-<n>/, and the guest goes back to native execution
+    /// (a window opened on a natively running guest) or stays under the engine with no
+    /// instrumentation (a run started with --tool or --resident). Exit status 1: no such
+    /// run; 2: refused (not attached, another request in progress).
     Detach {
         /// The run's output directory.
         run: PathBuf,
     },
-    /// Print a running guest's state as JSON: attached or not, tool, windows, uptime.
+    /// Print a running guest's state as JSON: state (native, attached, resident), tool,
+    /// guest instructions under the engine so far, windows, uptime.
     Status {
         /// The run's output directory.
         run: PathBuf,

@@ -141,7 +141,7 @@ pub fn serve(
         REQ_DETACH_RESIDENT => {
             report(engine, vcpu, shadow, tool);
             *tool = Chosen::Null(Null);
-            engine.flush();
+            engine.reset_for_new_tool();
             log!(
                 Info,
                 "engine: window closed at guest RIP {:#x}: resident, no instrumentation",
@@ -165,7 +165,7 @@ pub fn serve(
                     log::fail();
                 }
             }
-            engine.flush();
+            engine.reset_for_new_tool();
             log!(
                 Info,
                 "engine: window opened at guest RIP {:#x} with tool {name} (code cache flushed)",
