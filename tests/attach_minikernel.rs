@@ -169,29 +169,31 @@ fn test_attach_bbcount_to_the_native_minikernel_mid_run_counts_its_known_loop() 
     );
 }
 
-/// Starts the native mini-kernel with `extra` on its command line and a control socket in
-/// `dir`; returns the VM thread and the console path once the socket exists.
-fn start_native_minikernel(
+/// Starts the mini-kernel with `cmdline` and a control socket in `dir`, natively or
+/// under `boot_tool` from its first instruction; returns the VM thread and the console
+/// path once the socket exists.
+fn start_minikernel(
     dir: &std::path::Path,
-    extra: &str,
+    cmdline: &str,
+    boot_tool: Option<&str>,
 ) -> (std::thread::JoinHandle<vmm::RunReport>, PathBuf) {
     let console = dir.join("console.log");
     let cfg = VmConfig {
         kernel: minikernel_elf(),
         initrd: None,
-        cmdline: format!("{MINIKERNEL_NATIVE_CMDLINE} {extra}"),
+        cmdline: cmdline.to_owned(),
         mem_mib: 256,
         timeout: Some(Duration::from_secs(300)),
         console_file: Some(console.clone()),
         echo_console: false,
         system_map: None,
-        engine: None,
+        engine: boot_tool.map(|t| engine_config(t, "")),
     };
     let control = ControlConfig {
         socket: dir.join(SOCKET_NAME),
         out_dir: dir.to_owned(),
         engine_image: Some(engine_config("null", "").image),
-        boot_tool: None,
+        boot_tool: boot_tool.map(str::to_owned),
         boot_resident: false,
     };
     let out = dir.to_owned();
@@ -219,7 +221,8 @@ fn start_native_minikernel(
 fn test_attach_detach_attach_on_the_native_minikernel_counts_each_window_exactly() {
     require_kvm!();
     let dir = scratch_dir("attach-detach-minikernel");
-    let (vm_thread, console) = start_native_minikernel(&dir, "kpin.attach_cycles=2");
+    let cmdline = format!("{MINIKERNEL_NATIVE_CMDLINE} kpin.attach_cycles=2");
+    let (vm_thread, console) = start_minikernel(&dir, &cmdline, None);
     let bbcount = Request::Attach {
         tool: "bbcount".into(),
         options: Default::default(),
@@ -307,4 +310,93 @@ fn test_attach_detach_attach_on_the_native_minikernel_counts_each_window_exactly
         );
         assert!(window.join("counters.json").exists(), "window {w}");
     }
+}
+
+/// Waits until the guest has made `n` marks on the attach-status port.
+fn wait_marks(dir: &std::path::Path, n: u64) -> vmm::control::protocol::Reply {
+    let start = Instant::now();
+    loop {
+        let s = request(dir, &Request::Status).expect("status");
+        if s.guest_marks == Some(n) {
+            return s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no mark {n}: {s:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A run started under `--tool bbcount` (window 0, in `<out>/`) detaches to a resident
+/// engine (not to native execution: it never ran natively), then an attach switches the
+/// resident engine to bbcount again (window `attach-1/`, a clean code cache and fresh
+/// counters) and a detach closes it. With `kpin.attach_cycles=2` the guest runs its known
+/// loop once in each window: both `bbcount.csv` count its body exactly 1000 times, and
+/// the transcript is the full instrumented one.
+#[test]
+fn test_a_tool_run_detaches_to_resident_and_switches_tools_with_exact_counts() {
+    require_kvm!();
+    let dir = scratch_dir("attach-resident-minikernel");
+    let (vm_thread, console) = start_minikernel(&dir, "kpin.attach_cycles=2", Some("bbcount"));
+    let bbcount = Request::Attach {
+        tool: "bbcount".into(),
+        options: Default::default(),
+    };
+    let s = wait_marks(&dir, 1);
+    assert_eq!(
+        (s.state.as_deref(), s.windows),
+        (Some("attached"), Some(1)),
+        "{s:?}"
+    );
+    let d = request(&dir, &Request::Detach).expect("detach");
+    assert!(d.ok, "{d:?}");
+    assert_eq!(d.state.as_deref(), Some("resident"), "{d:?}");
+    let e = request(&dir, &Request::Detach).expect("detach again");
+    assert!(!e.ok, "{e:?}");
+    let a = request(&dir, &bbcount).expect("attach");
+    assert!(a.ok, "{a:?}");
+    assert_eq!(
+        (a.state.as_deref(), a.windows),
+        (Some("attached"), Some(2)),
+        "{a:?}"
+    );
+    assert!(
+        a.window_dir
+            .as_deref()
+            .is_some_and(|d| d.ends_with("attach-1")),
+        "{a:?}"
+    );
+    wait_marks(&dir, 2);
+    let d = request(&dir, &Request::Detach).expect("detach");
+    assert!(d.ok, "{d:?}");
+    println!(
+        "resident: attach (tool switch) {:.2} ms, detach {:.2} ms in the vCPU loop",
+        a.latency_ms.unwrap_or(f64::NAN),
+        d.latency_ms.unwrap_or(f64::NAN)
+    );
+    let report = vm_thread.join().expect("the VM thread");
+    let text = std::fs::read_to_string(&console).unwrap_or_default();
+    let log = std::fs::read_to_string(dir.join("engine.log")).unwrap_or_default();
+    assert_eq!(
+        report.outcome,
+        Outcome::Poweroff,
+        "console:\n{text}\nengine.log:\n{log}\ndump:\n{}",
+        report.dump.unwrap_or_default()
+    );
+    let skipped = compare_minikernel_transcript(&text, &minikernel_expected())
+        .unwrap_or_else(|e| panic!("{e}\n{text}"));
+    assert_eq!(skipped, 0, "every step ran under the engine");
+    for window in [dir.clone(), dir.join("attach-1")] {
+        let csv = std::fs::read_to_string(window.join("bbcount.csv"))
+            .unwrap_or_else(|e| panic!("{}: {e}\n{log}", window.display()));
+        let rows = parse_csv(&csv).unwrap_or_else(|line| panic!("bbcount.csv line {line}"));
+        assert_eq!(
+            known_loop_runs(&rows),
+            1000,
+            "{}: rows: {rows:?}",
+            window.display()
+        );
+    }
+    assert!(!dir.join("attach-2").exists());
 }

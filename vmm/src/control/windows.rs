@@ -100,6 +100,9 @@ pub struct Windows {
     state: State,
     /// Windows opened so far (a `--tool` run's boot window counts).
     count: u64,
+    /// 1 if the run started with a window (`--tool`: window 0, in `<out>/`), else 0:
+    /// window `count + 1 - boot_window` is the next `attach-<n>/`.
+    boot_window: u64,
     /// The open or last window's output directory.
     window_dir: PathBuf,
     start: Instant,
@@ -140,6 +143,7 @@ impl Windows {
             window_dir: out_dir.clone(),
             out_dir,
             count: u64::from(matches!(state, State::Attached { .. })),
+            boot_window: u64::from(matches!(state, State::Attached { .. })),
             open: Rc::new(Cell::new(matches!(state, State::Attached { .. }))),
             state,
             start: Instant::now(),
@@ -304,7 +308,8 @@ impl Windows {
                 "already attached (tool {t}); detach first"
             ))));
         }
-        let dir = self.out_dir.join(format!("attach-{}", self.count + 1));
+        let n = self.count + 1 - self.boot_window;
+        let dir = self.out_dir.join(format!("attach-{n}"));
         if self.state == State::Resident {
             let mut control = detach::read_control(mem)?;
             if !control.set_tool(tool.as_bytes(), options.as_bytes()) {
