@@ -321,8 +321,13 @@ impl Windows {
                     dir.display()
                 ))));
             }
-            let window = Some((dir, tool.to_owned()));
-            return self.post(vcpu, mem, control, REQ_SWITCH, reply, window);
+            let window = Some((dir.clone(), tool.to_owned()));
+            let r = self.post(vcpu, mem, control, REQ_SWITCH, reply, window);
+            if !matches!(r, Ok(None)) {
+                // Not posted: the next attach may use the (empty) directory's name.
+                let _ = std::fs::remove_dir(&dir);
+            }
+            return r;
         }
         self.attach_native(vcpu, mem, cpuid, daemon, ring, tool, options, dir)
             .map(Some)
@@ -369,6 +374,8 @@ impl Windows {
             // tool name or option leaves the guest running natively.
             Err(e @ (VmmError::ToolName(..) | VmmError::ToolOptions(_))) => {
                 daemon.set_out_dir(&self.out_dir);
+                // Empty: the next attach may use its name.
+                let _ = std::fs::remove_dir(&dir);
                 return Ok(Reply::error(e.to_string()));
             }
             Err(e) => return Err(e),
