@@ -4,6 +4,14 @@
 //! must still be exactly the native one, and the window's `bbcount.csv` (in
 //! `<out>/attach-1/`) must count the body of `known_loop_1000` exactly 1000 times.
 //! Prints the attach latency.
+//!
+//! The second test detaches too: with `kpin.attach_cycles=2` the mini-kernel goes through
+//! two windows before its steps (in each: the known loop once, a mark on the attach-status
+//! port, then a wait for the window to close). The test attaches bbcount to the native
+//! guest, waits for the mark, detaches (the engine hands the guest's state back and the
+//! VMM resumes it natively), and does it again; each window's `bbcount.csv` must count
+//! the loop body exactly 1000 times, and the rest of the run (natively) must print the
+//! native transcript. Prints attach and detach latencies.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -92,6 +100,7 @@ fn test_attach_bbcount_to_the_native_minikernel_mid_run_counts_its_known_loop() 
         out_dir: dir.clone(),
         engine_image: Some(image),
         boot_tool: None,
+        boot_resident: false,
     };
     let out: PathBuf = dir.clone();
     let vm_thread = std::thread::spawn(move || {
@@ -158,4 +167,236 @@ fn test_attach_bbcount_to_the_native_minikernel_mid_run_counts_its_known_loop() 
         !dir.join("bbcount.csv").exists(),
         "the window's files go to attach-1/"
     );
+}
+
+/// Starts the mini-kernel with `cmdline` and a control socket in `dir`, natively or
+/// under `boot_tool` from its first instruction; returns the VM thread and the console
+/// path once the socket exists.
+fn start_minikernel(
+    dir: &std::path::Path,
+    cmdline: &str,
+    boot_tool: Option<&str>,
+) -> (std::thread::JoinHandle<vmm::RunReport>, PathBuf) {
+    let console = dir.join("console.log");
+    let cfg = VmConfig {
+        kernel: minikernel_elf(),
+        initrd: None,
+        cmdline: cmdline.to_owned(),
+        mem_mib: 256,
+        timeout: Some(Duration::from_secs(300)),
+        console_file: Some(console.clone()),
+        echo_console: false,
+        system_map: None,
+        engine: boot_tool.map(|t| engine_config(t, "")),
+    };
+    let control = ControlConfig {
+        socket: dir.join(SOCKET_NAME),
+        out_dir: dir.to_owned(),
+        engine_image: Some(engine_config("null", "").image),
+        boot_tool: boot_tool.map(str::to_owned),
+        boot_resident: false,
+    };
+    let out = dir.to_owned();
+    let vm_thread = std::thread::spawn(move || {
+        let mut daemon = host_daemon::Daemon::new(&out);
+        let report = Vm::new(&cfg)
+            .expect("create VM")
+            .run_with_control(&mut daemon, Some(control))
+            .expect("run VM");
+        daemon.finish().expect("finish output files");
+        report
+    });
+    let start = Instant::now();
+    while !dir.join(SOCKET_NAME).exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no control socket"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (vm_thread, console)
+}
+
+#[test]
+fn test_attach_detach_attach_on_the_native_minikernel_counts_each_window_exactly() {
+    require_kvm!();
+    let dir = scratch_dir("attach-detach-minikernel");
+    let cmdline = format!("{MINIKERNEL_NATIVE_CMDLINE} kpin.attach_cycles=2");
+    let (vm_thread, console) = start_minikernel(&dir, &cmdline, None);
+    let bbcount = Request::Attach {
+        tool: "bbcount".into(),
+        options: Default::default(),
+    };
+    let e = request(&dir, &Request::Detach).expect("detach");
+    assert!(!e.ok && e.error.as_deref() == Some("not attached"), "{e:?}");
+    for window in 1..=2u64 {
+        let t = Instant::now();
+        let a = request(&dir, &bbcount).expect("attach");
+        let attach_rt = t.elapsed();
+        assert!(a.ok, "{a:?}");
+        assert_eq!(
+            (a.windows, a.state.as_deref()),
+            (Some(window), Some("attached"))
+        );
+        let again = request(&dir, &bbcount).expect("attach again");
+        assert!(
+            !again.ok
+                && again
+                    .error
+                    .as_deref()
+                    .is_some_and(|e| e.contains("already attached")),
+            "{again:?}"
+        );
+        // The guest marks the end of its loop in the window.
+        let start = Instant::now();
+        loop {
+            let s = request(&dir, &Request::Status).expect("status");
+            assert_eq!(s.state.as_deref(), Some("attached"), "{s:?}");
+            if s.guest_marks == Some(window) {
+                assert!(s.guest_instructions.unwrap_or(0) >= 1000 * 6, "{s:?}");
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(120),
+                "no mark {window}: {s:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let t = Instant::now();
+        let d = request(&dir, &Request::Detach).expect("detach");
+        let detach_rt = t.elapsed();
+        assert!(d.ok, "{d:?}");
+        assert_eq!(d.state.as_deref(), Some("native"), "{d:?}");
+        println!(
+            "window {window}: attach {:.2} ms in the vCPU loop, {:.2} ms round trip; \
+             detach {:.2} ms in the vCPU loop, {:.2} ms round trip",
+            a.latency_ms.unwrap_or(f64::NAN),
+            attach_rt.as_secs_f64() * 1e3,
+            d.latency_ms.unwrap_or(f64::NAN),
+            detach_rt.as_secs_f64() * 1e3
+        );
+        let s = request(&dir, &Request::Status).expect("status");
+        assert_eq!(
+            (s.state.as_deref(), s.attached, s.windows),
+            (Some("native"), Some(false), Some(window)),
+            "{s:?}"
+        );
+    }
+    let report = vm_thread.join().expect("the VM thread");
+    let text = std::fs::read_to_string(&console).unwrap_or_default();
+    let log = |w: u64| {
+        std::fs::read_to_string(dir.join(format!("attach-{w}/engine.log"))).unwrap_or_default()
+    };
+    assert_eq!(
+        report.outcome,
+        Outcome::Poweroff,
+        "console:\n{text}\nengine logs:\n{}\n{}\ndump:\n{}",
+        log(1),
+        log(2),
+        report.dump.unwrap_or_default()
+    );
+    compare_minikernel_transcript(&text, &minikernel_expected())
+        .unwrap_or_else(|e| panic!("{e}\n{text}"));
+    for w in 1..=2 {
+        let window = dir.join(format!("attach-{w}"));
+        let csv = std::fs::read_to_string(window.join("bbcount.csv"))
+            .unwrap_or_else(|e| panic!("attach-{w}/bbcount.csv: {e}\n{}", log(w)));
+        let rows = parse_csv(&csv).unwrap_or_else(|line| panic!("bbcount.csv line {line}"));
+        assert_eq!(known_loop_runs(&rows), 1000, "window {w}: rows: {rows:?}");
+        assert!(
+            log(w).contains("the guest continues natively"),
+            "window {w}: {}",
+            log(w)
+        );
+        assert!(window.join("counters.json").exists(), "window {w}");
+    }
+}
+
+/// Waits until the guest has made `n` marks on the attach-status port.
+fn wait_marks(dir: &std::path::Path, n: u64) -> vmm::control::protocol::Reply {
+    let start = Instant::now();
+    loop {
+        let s = request(dir, &Request::Status).expect("status");
+        if s.guest_marks == Some(n) {
+            return s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no mark {n}: {s:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A run started under `--tool bbcount` (window 0, in `<out>/`) detaches to a resident
+/// engine (not to native execution: it never ran natively), then an attach switches the
+/// resident engine to bbcount again (window `attach-1/`, a clean code cache and fresh
+/// counters) and a detach closes it. With `kpin.attach_cycles=2` the guest runs its known
+/// loop once in each window: both `bbcount.csv` count its body exactly 1000 times, and
+/// the transcript is the full instrumented one.
+#[test]
+fn test_a_tool_run_detaches_to_resident_and_switches_tools_with_exact_counts() {
+    require_kvm!();
+    let dir = scratch_dir("attach-resident-minikernel");
+    let (vm_thread, console) = start_minikernel(&dir, "kpin.attach_cycles=2", Some("bbcount"));
+    let bbcount = Request::Attach {
+        tool: "bbcount".into(),
+        options: Default::default(),
+    };
+    let s = wait_marks(&dir, 1);
+    assert_eq!(
+        (s.state.as_deref(), s.windows),
+        (Some("attached"), Some(1)),
+        "{s:?}"
+    );
+    let d = request(&dir, &Request::Detach).expect("detach");
+    assert!(d.ok, "{d:?}");
+    assert_eq!(d.state.as_deref(), Some("resident"), "{d:?}");
+    let e = request(&dir, &Request::Detach).expect("detach again");
+    assert!(!e.ok, "{e:?}");
+    let a = request(&dir, &bbcount).expect("attach");
+    assert!(a.ok, "{a:?}");
+    assert_eq!(
+        (a.state.as_deref(), a.windows),
+        (Some("attached"), Some(2)),
+        "{a:?}"
+    );
+    assert!(
+        a.window_dir
+            .as_deref()
+            .is_some_and(|d| d.ends_with("attach-1")),
+        "{a:?}"
+    );
+    wait_marks(&dir, 2);
+    let d = request(&dir, &Request::Detach).expect("detach");
+    assert!(d.ok, "{d:?}");
+    println!(
+        "resident: attach (tool switch) {:.2} ms, detach {:.2} ms in the vCPU loop",
+        a.latency_ms.unwrap_or(f64::NAN),
+        d.latency_ms.unwrap_or(f64::NAN)
+    );
+    let report = vm_thread.join().expect("the VM thread");
+    let text = std::fs::read_to_string(&console).unwrap_or_default();
+    let log = std::fs::read_to_string(dir.join("engine.log")).unwrap_or_default();
+    assert_eq!(
+        report.outcome,
+        Outcome::Poweroff,
+        "console:\n{text}\nengine.log:\n{log}\ndump:\n{}",
+        report.dump.unwrap_or_default()
+    );
+    let skipped = compare_minikernel_transcript(&text, &minikernel_expected())
+        .unwrap_or_else(|e| panic!("{e}\n{text}"));
+    assert_eq!(skipped, 0, "every step ran under the engine");
+    for window in [dir.clone(), dir.join("attach-1")] {
+        let csv = std::fs::read_to_string(window.join("bbcount.csv"))
+            .unwrap_or_else(|e| panic!("{}: {e}\n{log}", window.display()));
+        let rows = parse_csv(&csv).unwrap_or_else(|line| panic!("bbcount.csv line {line}"));
+        assert_eq!(
+            known_loop_runs(&rows),
+            1000,
+            "{}: rows: {rows:?}",
+            window.display()
+        );
+    }
+    assert!(!dir.join("attach-2").exists());
 }

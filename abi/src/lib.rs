@@ -9,6 +9,7 @@
 #![deny(missing_docs)]
 
 pub mod attach;
+pub mod attach_control;
 pub mod io_ring;
 pub mod ports;
 pub mod stolen;

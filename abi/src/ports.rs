@@ -14,6 +14,10 @@ pub const ENGINE_FAILURE_PORT: u16 = 0x0f11;
 /// Reads 1 while an instrumentation window of `kpin attach` is open, 0 otherwise (a test
 /// guest waits on it, natively or under the engine, which passes port reads through).
 pub const ATTACH_STATUS_PORT: u16 = 0x0f12;
+/// The engine served a request of the attach control area
+/// ([`crate::attach_control`]): the value written is the request's code. For a detach
+/// to native execution the guest's state is in the control area's hand-back fields.
+pub const DETACH_PORT: u16 = 0x0f13;
 
 /// The ACPI PM1a event block (PM1 status, then PM1 enable; 2 bytes each), which the FADT
 /// the VMM builds names. Otherwise unused on a PC (QEMU's PIIX4 PM block is at 0x600 too).

@@ -154,7 +154,7 @@ pub struct Engine {
     pub(crate) mode: Mode,
     /// `mode.slot()`.
     pub(crate) slot: usize,
-    counters: CounterAlloc,
+    pub(crate) counters: CounterAlloc,
     /// First of the `MODE_SLOTS × INSN_COUNTER_SPREAD` counters of executed guest
     /// instructions (`Config::count_insns`).
     pub(crate) insn_counters: Option<CounterId>,

@@ -27,6 +27,7 @@ pub mod platform;
 pub mod recover;
 pub mod shadow_mmu;
 mod softtlb;
+mod tool_switch;
 pub mod vcpu;
 
 pub use addr::{CachePc, GuestPhys, GuestVirt};

@@ -165,8 +165,14 @@ impl Daemon {
 
     /// Writes files the engine opens from now on beneath `out_dir` (which must exist):
     /// each instrumentation window of `kpin attach` gets its own directory. Files already
-    /// open stay where they are.
+    /// open stay where they are; `engine.log` is closed and starts again in `out_dir`
+    /// with the next log line.
     pub fn set_out_dir(&mut self, out_dir: &Path) {
+        if let Some(mut log) = self.log.take() {
+            // A write error here would have shown on the line that failed; the lines
+            // are the old window's either way.
+            let _ = log.flush();
+        }
         self.out_dir = out_dir.to_owned();
         self.dir = None;
     }

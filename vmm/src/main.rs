@@ -75,12 +75,17 @@ enum Command {
         #[arg(long, value_name = "KEY=VALUE")]
         tool_option: Vec<String>,
     },
-    /// Detach the tool from a running guest. Exit status 1: no such run; 2: refused.
+    /// Detach the tool from a running guest at the engine's next safe point: the tool's
+    /// files are finished in RUN/attach-<n>/, and the guest goes back to native execution
+    /// (a window opened on a natively running guest) or stays under the engine with no
+    /// instrumentation (a run started with --tool or --resident). Exit status 1: no such
+    /// run; 2: refused (not attached, another request in progress).
     Detach {
         /// The run's output directory.
         run: PathBuf,
     },
-    /// Print a running guest's state as JSON: attached or not, tool, windows, uptime.
+    /// Print a running guest's state as JSON: state (native, attached, resident), tool,
+    /// guest instructions under the engine so far, windows, uptime.
     Status {
         /// The run's output directory.
         run: PathBuf,
@@ -168,6 +173,14 @@ struct RunArgs {
     /// guest's state in dump.txt.
     #[arg(long)]
     tool: Option<String>,
+    /// Start the guest under the engine with no instrumentation (tool null, no window
+    /// open): `kpin attach` then switches tools at a trace boundary with a clean code
+    /// cache, and `kpin detach` returns to no instrumentation instead of native execution.
+    /// This is how to instrument Linux in windows on a host whose KVM emulates guest ring 0
+    /// (a Linux booted natively cannot be attached to there). A run without --tool or
+    /// --resident runs natively and detaches back to native.
+    #[arg(long, conflicts_with = "tool")]
+    resident: bool,
     /// A tool option KEY=VALUE for --tool (repeatable), e.g. bringup.crash=pf to make the
     /// engine fault on purpose. A key neither the engine nor the tool knows is refused
     /// (exit status 2) with the list of known keys.
@@ -414,10 +427,14 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         cmdline.push_str(extra);
     }
 
-    let engine = match &args.tool {
+    let engine_tool = args
+        .tool
+        .clone()
+        .or_else(|| args.resident.then(|| "null".to_owned()));
+    let engine = match engine_tool {
         Some(tool) => Some(vmm::EngineConfig {
             image: kpin_images::ensure_engine(&image_dir, &mut progress)?,
-            tool: tool.clone(),
+            tool,
             options: args.tool_option.join(" "),
         }),
         None => None,
@@ -456,7 +473,7 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         vm.boot.format,
         args.mem
     ));
-    if let (Some(e), Some(tool)) = (&vm.engine, &args.tool) {
+    if let (Some(e), Some(tool)) = (&vm.engine, &cfg.engine.as_ref().map(|c| &c.tool)) {
         progress(&format!(
             "starting the engine at {:#x} (CR3 {:#x}) with tool {tool}; guest RIP {:#x}, CR3 {:#x} in the attach block",
             e.entry, e.cr3, e.guest_rip, e.guest_cr3
@@ -470,7 +487,8 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
             ..Default::default()
         },
     );
-    let control = attach_control(&out, &image_dir, args.tool.as_deref(), cfg.engine.as_ref());
+    let mut control = attach_control(&out, &image_dir, args.tool.as_deref(), cfg.engine.as_ref());
+    control.boot_resident = args.resident;
     let report = vm.run_with_control(&mut daemon, Some(control))?;
     let fallback = daemon.stats().clone();
     let ring = daemon.finish().unwrap_or_else(|e| {
@@ -579,6 +597,7 @@ fn attach_control(
         out_dir: out.to_owned(),
         engine_image,
         boot_tool: tool.map(str::to_owned),
+        boot_resident: false,
     }
 }
 

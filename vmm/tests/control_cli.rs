@@ -89,6 +89,12 @@ fn test_a_live_run_refuses_detach_while_detached_and_unknown_tools_with_status_2
     let s: serde_json::Value = serde_json::from_slice(&status.stdout).expect("status JSON");
     assert_eq!(s["attached"], false, "{s}");
     assert_eq!(s["windows"], 0, "{s}");
+    assert_eq!(s["state"], "native", "{s}");
+    assert_eq!(
+        s["guest_instructions"], 0,
+        "nothing ran under the engine: {s}"
+    );
+    assert!(s["uptime_s"].as_f64().is_some_and(|t| t > 0.0), "{s}");
     assert_error(&kpin(&["detach"], &dir), 2, "not attached");
     assert_error(
         &kpin(&["attach", "--tool", "nosuch"], &dir),

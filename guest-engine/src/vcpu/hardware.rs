@@ -47,6 +47,12 @@ pub trait Hardware {
     fn rearm_attention(&mut self);
     /// The time-stamp counter.
     fn tsc(&mut self) -> u64;
+    /// Whether the embedder wants the run loop back (a detach or tool switch the VMM
+    /// asked for): a `hlt` woken without an interrupt then returns to re-execute itself
+    /// later instead of waiting again.
+    fn control_requested(&self) -> bool {
+        false
+    }
     /// A line for the engine log (info level).
     fn log(&mut self, line: fmt::Arguments<'_>);
 }

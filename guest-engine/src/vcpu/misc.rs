@@ -85,7 +85,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
     }
 
     /// `hlt` (CPL 0 checked by the caller).
-    pub(super) fn hlt(&mut self, _i: &Instruction, regs: &mut GuestRegs, next: GuestVirt) -> Step {
+    pub(super) fn hlt(&mut self, i: &Instruction, regs: &mut GuestRegs, next: GuestVirt) -> Step {
         if !self.vif {
             return Ok(Flow::Stop(VcpuStop::Unsupported {
                 mnemonic: Some(Mnemonic::Hlt),
@@ -95,6 +95,11 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         loop {
             match self.deliver_pending(regs, next.0) {
                 Ok(Some(handler)) => return Ok(Flow::Continue(GuestVirt(handler))),
+                // The embedder wants its run loop (a detach): continue at the `hlt`
+                // itself, which the guest executes again afterwards (natively or not).
+                Ok(None) if self.hw.control_requested() => {
+                    return Ok(Flow::Continue(GuestVirt(next.0 - i.len() as u64)));
+                }
                 Ok(None) => {
                     self.stats.halts += 1;
                     self.hw.halt();

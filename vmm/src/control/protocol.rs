@@ -49,6 +49,17 @@ pub struct Reply {
     /// Whether the engine is loaded in the stolen region.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine_resident: Option<bool>,
+    /// How the guest runs: `native`, `attached` (a window is open) or `resident` (under
+    /// the engine with no instrumentation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    /// Guest instructions executed under the engine so far, all windows and resident
+    /// time together (native execution is not counted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_instructions: Option<u64>,
+    /// Writes the guest made to the attach-status port (a test guest marks its progress).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_marks: Option<u64>,
     /// Windows opened so far.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub windows: Option<u64>,
@@ -65,7 +76,8 @@ pub struct Reply {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine_counters: Option<serde_json::Value>,
     /// Milliseconds from the vCPU loop seeing the request to the vCPU being ready to
-    /// run in its new mode.
+    /// run in its new mode (for a request the engine serves, including the wait for its
+    /// next safe point).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub latency_ms: Option<f64>,
 }

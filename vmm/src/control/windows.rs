@@ -1,40 +1,94 @@
 //! The vCPU loop's side of the control channel: instrumentation windows. Between two
 //! `KVM_RUN`s the loop hands each pending [`Command`] to [`Windows::poll`], which answers
-//! `status`, and for `attach` enters the engine with the vCPU's current state.
+//! `status`, opens windows (`attach`) and closes them (`detach`).
+//!
+//! How the guest runs ([`State`]): natively, attached (a window with a tool), or resident
+//! (under the engine with no instrumentation: tool `null`, a clean code cache). Which
+//! way a detach goes is a rule, not a probe: a window opened on a guest that was running
+//! natively hands the guest back to native execution (the guest ran natively before, so
+//! it can again: the mini-kernel, or any guest on a host whose KVM runs guest ring 0
+//! natively); a run that started under the engine (`kpin run --tool` or `--resident`,
+//! which is how Linux runs on this nested KVM, where attaching to a natively booted Linux
+//! fails: see docs/ARCHITECTURE.md) stays resident.
 //!
 //! Attach on a natively running guest happens at a safe point between guest instructions:
 //! the vCPU is first run once with `immediate_exit` set, so KVM completes any port or
 //! MMIO read the last exit left pending (which would otherwise land in the engine's
 //! registers) and returns before entering the guest; then [`engine::enter::enter`] loads
-//! the engine, captures the complete vCPU state (registers, segment and control registers,
-//! pending events, MSRs, CPUID) into the attach block and points the vCPU at the engine,
-//! exactly as at boot. Window `n` (from 1) writes its tool files to `<out>/attach-<n>/`; a
-//! run started with `--tool` is window 0, writing to `<out>/` as before.
+//! the engine, captures the complete vCPU state into the attach block and points the vCPU
+//! at the engine, exactly as at boot.
 //!
-//! Detach is not implemented yet: the engine cannot hand the vCPU back, so a `detach`
-//! request gets an error saying so and the window lasts until the end of the run.
+//! Everything else is served by the running engine at its next safe point (a trace
+//! boundary, no interrupt waiting): the loop posts the request in the attach control area
+//! ([`engine::detach`]), sets the engine's attention bit, wakes a halted vCPU, and keeps
+//! the client's reply until the engine writes the request's code to
+//! [`DETACH_PORT`](kpin_abi::ports::DETACH_PORT). Then it drains the ring (the window's
+//! files land in its directory), moves the output directory, and for a detach to native
+//! loads the handed-back state into the vCPU.
+//!
+//! Window `n` (from 1) writes its tool files to `<out>/attach-<n>/`; a run started with
+//! `--tool` is window 0, writing to `<out>/` as before; engine log lines outside windows
+//! go to `<out>/engine.log`.
 
 use std::cell::Cell;
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::time::Instant;
 
-use crossbeam_channel::Receiver;
+use crossbeam_channel::{Receiver, Sender};
 use host_daemon::Daemon;
+use kpin_abi::attach_control::{
+    Control, MAGIC, REQ_DETACH_NATIVE, REQ_DETACH_RESIDENT, REQ_SWITCH,
+};
 use kpin_abi::io_ring::Consumer;
-use kvm_bindings::CpuId;
+use kvm_bindings::{kvm_xcrs, CpuId};
 use kvm_ioctls::VcpuFd;
 
 use super::protocol::{options_string, Reply, Request};
 use super::server::Command;
 use crate::devices::bus::{DeviceAction, PortDevice};
-use crate::engine::{self, EngineConfig};
+use crate::engine::{self, detach, EngineConfig};
 use crate::error::{Result, VmmError};
 use crate::vstate::memory::GuestMemory;
 use crate::vstate::vcpu::ExitCounters;
 
 /// The file the engine writes its counters to.
 const ENGINE_COUNTERS: &str = "counters.json";
+
+/// How the guest runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum State {
+    /// Natively; the engine is not loaded (or no longer used).
+    Native,
+    /// Under the engine with a window open.
+    Attached {
+        /// The window's tool.
+        tool: String,
+        /// Detach hands the guest back to native execution (else: resident).
+        to_native: bool,
+    },
+    /// Under the engine with no instrumentation.
+    Resident,
+}
+
+impl State {
+    fn name(&self) -> &'static str {
+        match self {
+            State::Native => "native",
+            State::Attached { .. } => "attached",
+            State::Resident => "resident",
+        }
+    }
+}
+
+/// A request the engine has yet to serve.
+struct Pending {
+    request: u32,
+    reply: Sender<Reply>,
+    t0: Instant,
+    /// For [`REQ_SWITCH`]: the new window's directory and tool.
+    window: Option<(PathBuf, String)>,
+}
 
 /// What the run needs to open windows, and where it stands.
 pub struct Windows {
@@ -43,47 +97,80 @@ pub struct Windows {
     image: Option<PathBuf>,
     /// The run's output directory.
     out_dir: PathBuf,
-    /// The open window's tool.
-    attached: Option<String>,
-    /// Whether the engine is loaded in the stolen region.
-    resident: bool,
+    state: State,
     /// Windows opened so far (a `--tool` run's boot window counts).
     count: u64,
+    /// 1 if the run started with a window (`--tool`: window 0, in `<out>/`), else 0:
+    /// window `count + 1 - boot_window` is the next `attach-<n>/`.
+    boot_window: u64,
     /// The open or last window's output directory.
     window_dir: PathBuf,
     start: Instant,
     /// What the attach-status port reads.
     open: Rc<Cell<bool>>,
+    /// Writes to the attach-status port.
+    marks: Rc<Cell<u64>>,
+    /// The last code written to the detach port, not yet handled.
+    acks: Rc<Cell<Option<u32>>>,
+    pending: Option<Pending>,
+    /// Guest instructions of engine instances that have ended (detached to native).
+    insns_before: u64,
+    /// The guest's XCRs at the last attach from native execution.
+    xcrs: Option<kvm_xcrs>,
 }
 
 impl Windows {
     /// Windows for a run writing to `out_dir`; `boot_tool` is the `--tool` the run
-    /// started with, if any.
+    /// started with, if any; `resident`: the run started under the engine with no window.
     pub fn new(
         commands: Receiver<Command>,
         image: Option<PathBuf>,
         out_dir: PathBuf,
         boot_tool: Option<String>,
+        resident: bool,
     ) -> Self {
+        let state = match boot_tool {
+            Some(tool) => State::Attached {
+                tool,
+                to_native: false,
+            },
+            None if resident => State::Resident,
+            None => State::Native,
+        };
         Windows {
             commands,
             image,
             window_dir: out_dir.clone(),
             out_dir,
-            resident: boot_tool.is_some(),
-            count: u64::from(boot_tool.is_some()),
-            open: Rc::new(Cell::new(boot_tool.is_some())),
-            attached: boot_tool,
+            count: u64::from(matches!(state, State::Attached { .. })),
+            boot_window: u64::from(matches!(state, State::Attached { .. })),
+            open: Rc::new(Cell::new(matches!(state, State::Attached { .. }))),
+            state,
             start: Instant::now(),
+            marks: Rc::new(Cell::new(0)),
+            acks: Rc::new(Cell::new(None)),
+            pending: None,
+            insns_before: 0,
+            xcrs: None,
         }
     }
 
     /// The device for the attach-status port, sharing this run's flag.
     pub fn status_port(&self) -> AttachStatus {
-        AttachStatus(self.open.clone())
+        AttachStatus {
+            open: self.open.clone(),
+            marks: self.marks.clone(),
+        }
     }
 
-    /// Answers every pending command. An `Err` is a host failure that ends the run.
+    /// The device for the engine's detach port.
+    pub fn detach_port(&self) -> DetachPort {
+        DetachPort(self.acks.clone())
+    }
+
+    /// Handles the engine's acknowledgement, then answers every pending command. An
+    /// `Err` is a host failure that ends the run.
+    #[allow(clippy::too_many_arguments)]
     pub fn poll(
         &mut self,
         vcpu: &mut VcpuFd,
@@ -93,41 +180,115 @@ impl Windows {
         ring: &mut Consumer,
         exits: &ExitCounters,
     ) -> Result<()> {
+        if let Some(code) = self.acks.take() {
+            self.on_ack(code, vcpu, mem, daemon, ring)?;
+        }
         while let Ok(cmd) = self.commands.try_recv() {
+            if let Some(p) = &self.pending {
+                let what = if p.request == REQ_SWITCH {
+                    "an attach"
+                } else {
+                    "a detach"
+                };
+                let _ = cmd.reply.send(Reply::error(format!(
+                    "busy: {what} is waiting for the engine's next safe point"
+                )));
+                continue;
+            }
             let reply = match cmd.request {
-                Request::Status => self.status(exits),
-                Request::Detach => match &self.attached {
-                    None => Reply::error("not attached"),
-                    Some(tool) => Reply::error(format!(
-                        "detach is not implemented yet: the engine (tool {tool}) stays \
-                         attached until the run ends"
-                    )),
-                },
+                Request::Status => Some(self.status(mem, exits)),
+                Request::Detach => self.detach(vcpu, mem, &cmd.reply)?,
                 Request::Attach { tool, options } => {
                     let options = options_string(&options);
-                    self.attach(vcpu, mem, cpuid, daemon, ring, &tool, &options)?
+                    self.attach(vcpu, mem, cpuid, daemon, ring, &tool, &options, &cmd.reply)?
                 }
             };
-            let _ = cmd.reply.send(reply);
+            if let Some(r) = reply {
+                let _ = cmd.reply.send(r);
+            }
         }
         Ok(())
     }
 
-    fn status(&self, exits: &ExitCounters) -> Reply {
+    fn status(&self, mem: &GuestMemory, exits: &ExitCounters) -> Reply {
         let counters = std::fs::read_to_string(self.window_dir.join(ENGINE_COUNTERS))
             .ok()
             .and_then(|t| serde_json::from_str(&t).ok());
+        let live = match self.state {
+            State::Native => 0,
+            _ => detach::read_control(mem)
+                .ok()
+                .filter(|c| c.magic == MAGIC)
+                .map_or(0, |c| c.guest_insns),
+        };
+        let tool = match &self.state {
+            State::Attached { tool, .. } => Some(tool.clone()),
+            _ => None,
+        };
         Reply {
-            attached: Some(self.attached.is_some()),
-            tool: self.attached.clone(),
-            engine_resident: Some(self.resident),
+            attached: Some(tool.is_some()),
+            tool,
+            state: Some(self.state.name().to_owned()),
+            engine_resident: Some(self.state != State::Native),
             windows: Some(self.count),
             window_dir: (self.count > 0).then(|| self.window_dir.display().to_string()),
             uptime_s: Some(self.start.elapsed().as_secs_f64()),
             exits: Some(exits.total),
+            guest_instructions: Some(self.insns_before + live),
+            guest_marks: Some(self.marks.get()),
             engine_counters: counters,
             ..Reply::ok()
         }
+    }
+
+    /// Posts `request` to the engine and keeps the reply until it is served.
+    fn post(
+        &mut self,
+        vcpu: &VcpuFd,
+        mem: &GuestMemory,
+        control: Control,
+        request: u32,
+        reply: &Sender<Reply>,
+        window: Option<(PathBuf, String)>,
+    ) -> Result<Option<Reply>> {
+        let t0 = Instant::now();
+        if !detach::post(mem, control, request)? {
+            return Ok(Some(Reply::error(
+                "the engine has no control area (it cannot be asked to detach)",
+            )));
+        }
+        detach::wake(vcpu)?;
+        self.pending = Some(Pending {
+            request,
+            reply: reply.clone(),
+            t0,
+            window,
+        });
+        Ok(None)
+    }
+
+    fn detach(
+        &mut self,
+        vcpu: &VcpuFd,
+        mem: &GuestMemory,
+        reply: &Sender<Reply>,
+    ) -> Result<Option<Reply>> {
+        let to_native = match &self.state {
+            State::Native => return Ok(Some(Reply::error("not attached"))),
+            State::Resident => {
+                return Ok(Some(Reply::error(
+                    "not attached (the engine is resident with no instrumentation)",
+                )))
+            }
+            State::Attached { to_native, .. } => *to_native,
+        };
+        let req = if to_native {
+            REQ_DETACH_NATIVE
+        } else {
+            REQ_DETACH_RESIDENT
+        };
+        let control = detach::read_control(mem)?;
+        self.post(vcpu, mem, control, req, reply, None)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -140,42 +301,68 @@ impl Windows {
         ring: &mut Consumer,
         tool: &str,
         options: &str,
+        reply: &Sender<Reply>,
+    ) -> Result<Option<Reply>> {
+        if let State::Attached { tool: t, .. } = &self.state {
+            return Ok(Some(Reply::error(format!(
+                "already attached (tool {t}); detach first"
+            ))));
+        }
+        let n = self.count + 1 - self.boot_window;
+        let dir = self.out_dir.join(format!("attach-{n}"));
+        if self.state == State::Resident {
+            let mut control = detach::read_control(mem)?;
+            if !control.set_tool(tool.as_bytes(), options.as_bytes()) {
+                return Ok(Some(Reply::error("tool name or options too long")));
+            }
+            if let Err(e) = std::fs::create_dir(&dir) {
+                return Ok(Some(Reply::error(format!(
+                    "cannot create {}: {e}",
+                    dir.display()
+                ))));
+            }
+            let window = Some((dir.clone(), tool.to_owned()));
+            let r = self.post(vcpu, mem, control, REQ_SWITCH, reply, window);
+            if !matches!(r, Ok(None)) {
+                // Not posted: the next attach may use the (empty) directory's name.
+                let _ = std::fs::remove_dir(&dir);
+            }
+            return r;
+        }
+        self.attach_native(vcpu, mem, cpuid, daemon, ring, tool, options, dir)
+            .map(Some)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attach_native(
+        &mut self,
+        vcpu: &mut VcpuFd,
+        mem: &GuestMemory,
+        cpuid: &CpuId,
+        daemon: &mut Daemon,
+        ring: &mut Consumer,
+        tool: &str,
+        options: &str,
+        dir: PathBuf,
     ) -> Result<Reply> {
         let t0 = Instant::now();
-        if let Some(t) = &self.attached {
-            return Ok(Reply::error(format!(
-                "already attached (tool {t}); detach first"
-            )));
-        }
-        if self.resident {
-            return Ok(Reply::error(
-                "the engine is resident but detached; switching tools is not implemented yet",
-            ));
-        }
         let Some(image) = self.image.clone() else {
             return Ok(Reply::error(
                 "this run cannot attach: the engine image was not available at start",
             ));
         };
-        let dir = self.out_dir.join(format!("attach-{}", self.count + 1));
         if let Err(e) = std::fs::create_dir(&dir) {
             return Ok(Reply::error(format!(
                 "cannot create {}: {e}",
                 dir.display()
             )));
         }
-        // A safe point: complete whatever the last exit left pending, without running
-        // guest code.
-        vcpu.set_kvm_immediate_exit(1);
-        let done = vcpu.run().map(|_| ());
-        vcpu.set_kvm_immediate_exit(0);
-        match done {
-            Err(e) if e.errno() != libc::EINTR => return Err(VmmError::Kvm("KVM_RUN", e)),
-            _ => {}
-        }
+        complete_pending_io(vcpu)?;
         // Everything published so far belongs to the previous output directory.
         daemon.serve(ring).map_err(VmmError::Daemon)?;
         daemon.set_out_dir(&dir);
+        // The engine never changes XCR0 (`xsetbv` is #UD under it): kept for detach.
+        self.xcrs = vcpu.get_xcrs().ok();
         let cfg = EngineConfig {
             image,
             tool: tool.to_owned(),
@@ -186,39 +373,149 @@ impl Windows {
             // Nothing of the vCPU changes before the attach block is written, so a bad
             // tool name or option leaves the guest running natively.
             Err(e @ (VmmError::ToolName(..) | VmmError::ToolOptions(_))) => {
-                return Ok(Reply::error(e.to_string()))
+                daemon.set_out_dir(&self.out_dir);
+                // Empty: the next attach may use its name.
+                let _ = std::fs::remove_dir(&dir);
+                return Ok(Reply::error(e.to_string()));
             }
             Err(e) => return Err(e),
         }
         self.count += 1;
-        self.resident = true;
-        self.attached = Some(tool.to_owned());
+        self.state = State::Attached {
+            tool: tool.to_owned(),
+            to_native: true,
+        };
         self.open.set(true);
         self.window_dir = dir;
         Ok(Reply {
             attached: Some(true),
             tool: Some(tool.to_owned()),
+            state: Some(self.state.name().to_owned()),
             windows: Some(self.count),
             window_dir: Some(self.window_dir.display().to_string()),
             latency_ms: Some(t0.elapsed().as_secs_f64() * 1e3),
             ..Reply::ok()
         })
     }
+
+    /// The engine served request `code` (it wrote the code to the detach port).
+    fn on_ack(
+        &mut self,
+        code: u32,
+        vcpu: &mut VcpuFd,
+        mem: &GuestMemory,
+        daemon: &mut Daemon,
+        ring: &mut Consumer,
+    ) -> Result<()> {
+        let pending = self.pending.take();
+        let pending = match pending {
+            Some(p) if p.request == code => Some(p),
+            other => {
+                // An acknowledgement nobody asked for: the guest wrote the port itself.
+                self.pending = other;
+                return Ok(());
+            }
+        };
+        // The window's last files and log lines go to its directory.
+        daemon.serve(ring).map_err(VmmError::Daemon)?;
+        match code {
+            REQ_DETACH_NATIVE => {
+                complete_pending_io(vcpu)?;
+                let c = detach::read_control(mem)?;
+                detach::restore(vcpu, &c, self.xcrs.as_ref())?;
+                self.insns_before += c.guest_insns;
+                self.state = State::Native;
+                self.open.set(false);
+                daemon.set_out_dir(&self.out_dir);
+            }
+            REQ_DETACH_RESIDENT => {
+                self.state = State::Resident;
+                self.open.set(false);
+                daemon.set_out_dir(&self.out_dir);
+            }
+            _ => {
+                if let Some((dir, tool)) = pending.as_ref().and_then(|p| p.window.clone()) {
+                    daemon.set_out_dir(&dir);
+                    self.count += 1;
+                    self.window_dir = dir;
+                    self.state = State::Attached {
+                        tool,
+                        to_native: false,
+                    };
+                    self.open.set(true);
+                }
+            }
+        }
+        if let Some(p) = pending {
+            let tool = match &self.state {
+                State::Attached { tool, .. } => Some(tool.clone()),
+                _ => None,
+            };
+            let _ = p.reply.send(Reply {
+                attached: Some(tool.is_some()),
+                tool,
+                state: Some(self.state.name().to_owned()),
+                windows: Some(self.count),
+                window_dir: Some(self.window_dir.display().to_string()),
+                latency_ms: Some(p.t0.elapsed().as_secs_f64() * 1e3),
+                ..Reply::ok()
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Runs the vCPU once with `immediate_exit` set: KVM completes the port or MMIO access
+/// the last exit left pending and returns before running guest code, so the vCPU's
+/// state can be replaced.
+fn complete_pending_io(vcpu: &mut VcpuFd) -> Result<()> {
+    vcpu.set_kvm_immediate_exit(1);
+    let done = vcpu.run().map(|_| ());
+    vcpu.set_kvm_immediate_exit(0);
+    match done {
+        Err(e) if e.errno() != libc::EINTR => Err(VmmError::Kvm("KVM_RUN", e)),
+        _ => Ok(()),
+    }
+}
+
+/// The engine's detach port ([`DETACH_PORT`](kpin_abi::ports::DETACH_PORT)): records the
+/// request code the engine served, for [`Windows::poll`] before the next `KVM_RUN`.
+pub struct DetachPort(pub Rc<Cell<Option<u32>>>);
+
+impl PortDevice for DetachPort {
+    fn read(&mut self, _offset: u16, data: &mut [u8]) {
+        data.fill(0);
+    }
+
+    fn write(&mut self, _offset: u16, data: &[u8]) -> DeviceAction {
+        let mut v = [0u8; 4];
+        let n = data.len().min(4);
+        v[..n].copy_from_slice(&data[..n]);
+        self.0.set(Some(u32::from_le_bytes(v)));
+        DeviceAction::None
+    }
 }
 
 /// The port [`ATTACH_STATUS_PORT`](kpin_abi::ports::ATTACH_STATUS_PORT): reads 1 while a
-/// window is open.
-pub struct AttachStatus(pub Rc<Cell<bool>>);
+/// window is open; each write counts as one guest mark (`status`'s `guest_marks`: a test
+/// guest says how far it got).
+pub struct AttachStatus {
+    /// Whether a window is open.
+    pub open: Rc<Cell<bool>>,
+    /// Writes so far.
+    pub marks: Rc<Cell<u64>>,
+}
 
 impl PortDevice for AttachStatus {
     fn read(&mut self, _offset: u16, data: &mut [u8]) {
         data.fill(0);
         if let Some(b) = data.first_mut() {
-            *b = u8::from(self.0.get());
+            *b = u8::from(self.open.get());
         }
     }
 
     fn write(&mut self, _offset: u16, _data: &[u8]) -> DeviceAction {
+        self.marks.set(self.marks.get() + 1);
         DeviceAction::None
     }
 }
@@ -228,14 +525,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn test_attach_status_port_reads_the_flag() {
+    fn test_attach_status_port_reads_the_flag_and_counts_marks() {
         let flag = Rc::new(Cell::new(false));
-        let mut dev = AttachStatus(flag.clone());
+        let marks = Rc::new(Cell::new(0));
+        let mut dev = AttachStatus {
+            open: flag.clone(),
+            marks: marks.clone(),
+        };
         let mut b = [0xffu8; 2];
         dev.read(0, &mut b);
         assert_eq!(b, [0, 0]);
         flag.set(true);
         dev.read(0, &mut b);
         assert_eq!(b, [1, 0]);
+        assert_eq!(dev.write(0, &[1]), DeviceAction::None);
+        assert_eq!(marks.get(), 1);
+    }
+
+    #[test]
+    fn test_detach_port_records_the_code() {
+        let acks = Rc::new(Cell::new(None));
+        let mut dev = DetachPort(acks.clone());
+        assert_eq!(dev.write(0, &[REQ_SWITCH as u8]), DeviceAction::None);
+        assert_eq!(acks.take(), Some(REQ_SWITCH));
+        assert_eq!(acks.take(), None);
     }
 }

@@ -159,6 +159,8 @@ pub fn enter(
         },
     )?;
     attach::write_block(mem, &block)?;
+    // A fresh control area: no request, the new engine publishes its attention word.
+    super::detach::write_control(mem, &kpin_abi::attach_control::Control::new())?;
 
     let cr3 = base + BOOT_PT_OFFSET;
     vcpu.set_sregs(&engine_sregs(state.sregs, cr3))

@@ -3,6 +3,7 @@
 //! entering the engine instead of the guest.
 
 pub mod attach;
+pub mod detach;
 pub mod enter;
 pub mod loader;
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use host_daemon::Daemon;
 use kpin_abi::io_ring::{self, Consumer};
-use kpin_abi::ports::{ACPI_PM1A_EVT_PORT, ACPI_RESET_PORT, ATTACH_STATUS_PORT};
+use kpin_abi::ports::{ACPI_PM1A_EVT_PORT, ACPI_RESET_PORT, ATTACH_STATUS_PORT, DETACH_PORT};
 use kpin_abi::stolen::{IO_RING_BYTES, IO_RING_OFFSET};
 use kvm_bindings::{kvm_pit_config, CpuId, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
@@ -73,6 +73,8 @@ pub struct ControlConfig {
     pub engine_image: Option<PathBuf>,
     /// The `--tool` the run started with.
     pub boot_tool: Option<String>,
+    /// The run started under the engine with no window (`kpin run --resident`).
+    pub boot_resident: bool,
 }
 
 /// A VM ready to run.
@@ -216,9 +218,12 @@ impl Vm {
         let (server, mut windows) = match control {
             Some(c) => {
                 let (server, rx) = ControlServer::start(&c.socket)?;
-                let windows = Windows::new(rx, c.engine_image, c.out_dir, c.boot_tool);
+                let windows =
+                    Windows::new(rx, c.engine_image, c.out_dir, c.boot_tool, c.boot_resident);
                 self.bus
                     .insert(ATTACH_STATUS_PORT, 1, Box::new(windows.status_port()));
+                self.bus
+                    .insert(DETACH_PORT, 1, Box::new(windows.detach_port()));
                 (Some(server), Some(windows))
             }
             None => (None, None),

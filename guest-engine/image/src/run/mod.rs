@@ -19,6 +19,7 @@
 
 pub mod bringup;
 pub mod cache_page_fault;
+pub mod detach;
 pub mod error;
 pub mod guest_dump;
 pub mod tools;
@@ -172,7 +173,15 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
     let mut progress = cache_page_fault::Progress::default();
     let t0 = timer::tsc();
     irq::hand_over(&engine);
+    detach::publish(&engine);
     loop {
+        // `kpin detach`/`attach` on this engine: served here, at a trace boundary.
+        detach::note_progress(&engine);
+        if detach::requested() != 0 {
+            detach::serve(&mut engine, &vcpu, &shadow, &mut tool, &mut |e, v, sh, t| {
+                report(e, v, sh, t, timer::tsc().wrapping_sub(t0))
+            });
+        }
         tell_translator(&mut engine, &shadow);
         // Traces are keyed by mode: it follows the virtual CPL (deliveries in this loop
         // change it outside `emulate`).

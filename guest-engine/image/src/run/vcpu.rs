@@ -101,6 +101,12 @@ impl Hardware for Ring0 {
         timer::tsc()
     }
 
+    fn control_requested(&self) -> bool {
+        // SAFETY: a u64 `irq::hand_over` stored before the guest ran.
+        let at = unsafe { core::ptr::read_volatile(&raw const crate::ring0::entry::kpin_attention_at) };
+        crate::run::detach::wants_loop(at)
+    }
+
     fn log(&mut self, line: fmt::Arguments<'_>) {
         log!(Info, "{line}");
     }

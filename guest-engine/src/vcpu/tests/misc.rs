@@ -127,6 +127,21 @@ fn test_hlt_waits_then_delivers_the_interrupt_after_the_hlt() {
 }
 
 #[test]
+fn test_hlt_woken_for_a_detach_continues_at_the_hlt_itself() {
+    let b = block();
+    let mut v = vcpu(&b);
+    v.hw.control_after_halt = true;
+    let mut r = kregs();
+    assert_eq!(
+        run(&mut v, HLT, &mut r),
+        Emulation::Continue(GuestVirt(PC)),
+        "the guest executes the hlt again after the engine's run loop served the request"
+    );
+    assert_eq!(v.hw.halts, 1);
+    assert_eq!(v.stats.interrupts, 0);
+}
+
+#[test]
 fn test_hlt_at_cpl3_is_gp0() {
     let b = block();
     let mut v = vcpu(&b);

@@ -422,6 +422,9 @@ pub struct MockHw {
     pub tsc: u64,
     /// Log lines.
     pub log: Vec<String>,
+    /// What `control_requested` answers once the CPU has halted (a detach posted while
+    /// the guest waits in `hlt`).
+    pub control_after_halt: bool,
 }
 
 impl Hardware for MockHw {
@@ -479,6 +482,9 @@ impl Hardware for MockHw {
     }
     fn log(&mut self, line: core::fmt::Arguments<'_>) {
         self.log.push(std::format!("{line}"));
+    }
+    fn control_requested(&self) -> bool {
+        self.control_after_halt && self.halts > 0
     }
 }
 

@@ -81,10 +81,27 @@ const WAIT_ATTACH_BEFORE: u64 = 7;
 const ATTACH_STATUS_PORT: u16 = 0x0f12;
 
 /// With `kpin.wait_attach=1`, spins until the VMM says an instrumentation window is open.
+/// With `kpin.attach_cycles=N` (1-9), first goes through N windows: for each, waits until
+/// one is open, calls the known loop once (1000 iterations of its body), marks that with a
+/// write to the attach-status port, and waits until the window is closed again (`kpin
+/// detach`). Nothing is printed, so the transcript stays the native one.
 fn wait_attach_if_requested() {
-    if crate::bootinfo::option("kpin.wait_attach=") == Some(b"1") {
-        while crate::cpu::inb(ATTACH_STATUS_PORT) != 1 {
-            core::hint::spin_loop();
+    if let Some(&[n @ b'1'..=b'9']) = crate::bootinfo::option("kpin.attach_cycles=") {
+        for _ in 0..n - b'0' {
+            wait_window(true);
+            let (_, iterations) = cpu::known_loop_1000(core::hint::black_box(0x1234));
+            crate::cpu::outb(ATTACH_STATUS_PORT, iterations as u8);
+            wait_window(false);
         }
+    }
+    if crate::bootinfo::option("kpin.wait_attach=") == Some(b"1") {
+        wait_window(true);
+    }
+}
+
+/// Spins until the attach-status port says a window is (`open`) or is not open.
+fn wait_window(open: bool) {
+    while (crate::cpu::inb(ATTACH_STATUS_PORT) == 1) != open {
+        core::hint::spin_loop();
     }
 }
