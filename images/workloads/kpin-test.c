@@ -17,6 +17,7 @@
  *   kpin-test probe      the isolation probe (issue #11, not one of the checksummed
  *                        tests): as uid 65534, every access outside its own memory must
  *                        fault as on a real CPU; prints `KPIN-PROBE ok <n> accesses faulted`
+ *                        (`kpin-test probe FILE`: every line also goes to FILE)
  *
  * Each test prints exactly one line, `KPIN-TEST <name> ok <checksum>` (16 hex digits,
  * deterministic: images/src/workload.rs computes every checksum independently on the
@@ -491,6 +492,23 @@ static void probe_handler(int sig, siginfo_t *si, void *uc) {
 }
 
 static uint64_t probe_total, probe_bad;
+static const char *probe_log_path;
+static FILE *probe_log; /* `kpin-test probe FILE`: every line also goes to FILE */
+
+static void probe_print(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void probe_print(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vprintf(fmt, ap);
+    va_end(ap);
+    fflush(stdout);
+    if (probe_log) {
+        va_start(ap, fmt);
+        vfprintf(probe_log, fmt, ap);
+        va_end(ap);
+        fflush(probe_log);
+    }
+}
 static char probe_first_bad[160];
 
 static int canonical(uint64_t a) { return (uint64_t)((int64_t)(a << 16) >> 16) == a; }
@@ -551,8 +569,7 @@ static int probe_one(enum access kind, uint64_t addr, uint64_t value, uint64_t *
     if (!good && probe_bad++ == 0)
         snprintf(probe_first_bad, sizeof probe_first_bad, "%s", line);
     if (print || (!good && probe_bad <= 16))
-        printf("KPIN-PROBE %s%s\n", good ? "" : "UNEXPECTED ", line);
-    fflush(stdout);
+        probe_print("KPIN-PROBE %s%s\n", good ? "" : "UNEXPECTED ", line);
     return good;
 }
 
@@ -608,6 +625,8 @@ static uint64_t unmapped_in_slot(unsigned slot) {
 }
 
 static int test_probe(void) {
+    if (probe_log_path && !(probe_log = fopen(probe_log_path, "w")))
+        fail("open %s", probe_log_path);
     if (geteuid() == 0 &&
         (setgroups(0, NULL) || setgid(PROBE_UID) || setuid(PROBE_UID)))
         fail("drop to uid %d", PROBE_UID);
@@ -620,29 +639,24 @@ static int test_probe(void) {
     sigemptyset(&sa.sa_mask);
     if (sigaction(SIGSEGV, &sa, NULL) || sigaction(SIGBUS, &sa, NULL))
         fail("sigaction");
-    printf("KPIN-PROBE uid %d\n", (int)getuid());
+    probe_print("KPIN-PROBE uid %d\n", (int)getuid());
 
-    /* Named targets: read, write back, jump to (canonical ones only: a jump to a
-     * non-canonical address faults on the jump on one vendor and at the target on the
-     * other). */
-    for (size_t i = 0; i < sizeof PROBE_TARGETS / sizeof PROBE_TARGETS[0]; i++) {
+    /* Named targets: read, then write back what was read. */
+    for (size_t i = 0; i < sizeof PROBE_TARGETS / sizeof PROBE_TARGETS[0]; i++)
         probe_rw(PROBE_TARGETS[i].addr, PROBE_TARGETS[i].what, 1);
-        if (canonical(PROBE_TARGETS[i].addr))
-            probe_one(A_EXEC, PROBE_TARGETS[i].addr, 0, NULL, PROBE_TARGETS[i].what, 1);
-    }
 
     /* Every PML4 slot: the first unmapped address of each lower-half slot, the start of
      * each upper-half one. */
     uint64_t before = probe_bad, n = probe_total;
     for (unsigned slot = 0; slot < 256; slot++)
         probe_rw(unmapped_in_slot(slot), "lower-slot", 0);
-    printf("KPIN-PROBE slots 0-255: %llu accesses, %llu unexpected\n",
+    probe_print("KPIN-PROBE slots 0-255: %llu accesses, %llu unexpected\n",
            (unsigned long long)(probe_total - n), (unsigned long long)(probe_bad - before));
     before = probe_bad;
     n = probe_total;
     for (unsigned slot = 256; slot < 512; slot++)
         probe_rw(0xffff000000000000ULL | ((uint64_t)slot << 39), "upper-slot", 0);
-    printf("KPIN-PROBE slots 256-511: %llu accesses, %llu unexpected\n",
+    probe_print("KPIN-PROBE slots 256-511: %llu accesses, %llu unexpected\n",
            (unsigned long long)(probe_total - n), (unsigned long long)(probe_bad - before));
 
     /* A forged host I/O ring record: read the producer's head, write an Open record for
@@ -669,15 +683,19 @@ static int test_probe(void) {
         probe_one(A_OUT, PORTS[i], PORTS[i] == 0x0064 ? 0xfe : 6, NULL, "port", 1);
     }
 
+    /* Last, a jump to each canonical named target (not the non-canonical ones: a jump
+     * there faults on the jump on one vendor and at the target on the other). */
+    for (size_t i = 0; i < sizeof PROBE_TARGETS / sizeof PROBE_TARGETS[0]; i++)
+        if (canonical(PROBE_TARGETS[i].addr))
+            probe_one(A_EXEC, PROBE_TARGETS[i].addr, 0, NULL, PROBE_TARGETS[i].what, 1);
+
     if (probe_bad) {
-        printf("KPIN-PROBE FAIL %llu of %llu accesses did not fault as expected; first: %s\n",
-               (unsigned long long)probe_bad, (unsigned long long)probe_total,
-               probe_first_bad);
-        fflush(stdout);
+        probe_print("KPIN-PROBE FAIL %llu of %llu accesses did not fault as expected; first: %s\n",
+                    (unsigned long long)probe_bad, (unsigned long long)probe_total,
+                    probe_first_bad);
         return 1;
     }
-    printf("KPIN-PROBE ok %llu accesses faulted\n", (unsigned long long)probe_total);
-    fflush(stdout);
+    probe_print("KPIN-PROBE ok %llu accesses faulted\n", (unsigned long long)probe_total);
     return 0;
 }
 
@@ -694,6 +712,12 @@ static const struct {
 int main(int argc, char **argv) {
     if (argc == 3 && strcmp(argv[1], "forkpipe-child") == 0)
         return forkpipe_child(argv[2]);
+    if (argc == 3 && strcmp(argv[1], "probe") == 0) {
+        /* The log is opened before the probe drops root. */
+        probe_log_path = argv[2];
+        test_name = "probe";
+        return test_probe();
+    }
     if (argc == 2) {
         for (size_t i = 0; i < sizeof TESTS / sizeof TESTS[0]; i++) {
             if (strcmp(argv[1], TESTS[i].name) == 0) {
