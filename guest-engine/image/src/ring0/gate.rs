@@ -62,8 +62,9 @@ global_asm!(
 kpin_gate_entry:
     mov rdx, [rsp + 32]
     mov rdx, [rdx]
-    sub rdx, [rip + kpin_gate_text_lo]
-    cmp rdx, [rip + kpin_gate_text_len]
+    lea rcx, [rip + __image_start]
+    sub rdx, rcx
+    cmp rdx, offset __kpin_text_len
     jae 90f
     add rsp, 8
     add qword ptr [rsp], 1
@@ -111,19 +112,16 @@ kpin_gate_entry:
     xor eax, eax
     iretq
 34:
-    push rcx
     mov ecx, edi
     .global kpin_gate_rdmsr_insn
 kpin_gate_rdmsr_insn:
     rdmsr
     shl rdx, 32
     or rax, rdx
-    pop rcx
     xor edx, edx
     iretq
     .global kpin_gate_rdmsr_fault
 kpin_gate_rdmsr_fault:
-    pop rcx
     mov edx, 1
     iretq
 33:
@@ -206,10 +204,10 @@ kpin_gate_rdmsr_fault:
 1:
     cmp rdx, {boot_pt}
     je 2f
-    lea rax, [rip + {engine_root}]
-    sub rax, rdx
+    lea rcx, [rip + {engine_root}]
+    sub rcx, rdx
     movabs rdx, {window_va}
-    cmp rax, rdx
+    cmp rcx, rdx
     jne 92f
 2:
     mov cr3, rdi
@@ -247,22 +245,18 @@ kpin_gate_rdmsr_fault:
     cmp edx, 2
     je 94f
 3:
-    push rcx
     mov ecx, edi
     mov eax, esi
     mov rdx, rsi
     shr rdx, 32
     wrmsr
-    pop rcx
     xor eax, eax
     iretq
 25:
-    push rcx
     mov ecx, edi
     rdmsr
     shl rdx, 32
     or rax, rdx
-    pop rcx
     iretq
 26:
     invlpg [rdi]
@@ -308,14 +302,6 @@ kpin_gate_refuse:
     mov [rip + kpin_gate_refused], rdx
     push {vec_gp}
     jmp kpin_trap_common
-    .popsection
-
-    .pushsection .rodata, "a"
-    .balign 8
-kpin_gate_text_lo:
-    .quad __image_start
-kpin_gate_text_len:
-    .quad __kpin_text_len
     .popsection
 
     .pushsection .bss, "aw", @nobits
@@ -384,7 +370,7 @@ fn call(op: u64, a: u64, b: u64) -> u64 {
     CALLS.fetch_add(1, Ordering::Relaxed);
     let ret: u64;
     // SAFETY: `kpin_gate` is the gate of entry.rs: it preserves every register but RAX
-    // (result) and RDX, and the stack below RSP (the call pushes a return address; the
+    // (result), RCX and RDX, and the stack below RSP (the call pushes a return address; the
     // target has no red zone). Memory is treated as clobbered (CR3/MSR changes).
     unsafe {
         asm!(
@@ -393,6 +379,7 @@ fn call(op: u64, a: u64, b: u64) -> u64 {
             inout("rax") op => ret,
             in("rdi") a,
             in("rsi") b,
+            out("rcx") _,
             out("rdx") _,
         );
     }
@@ -492,6 +479,7 @@ pub fn rdmsr_safe(index: u32) -> Option<u64> {
             inout("rax") gate_op::RDMSR_SAFE => value,
             in("rdi") u64::from(index),
             in("rsi") 0u64,
+            out("rcx") _,
             out("rdx") failed,
         );
     }
