@@ -75,6 +75,22 @@ mod tests {
     use super::*;
 
     #[test]
+    fn test_only_the_doorbell_and_failure_port_are_the_engines_own() {
+        assert!(engine_only(DOORBELL_PORT));
+        assert!(engine_only(ENGINE_FAILURE_PORT));
+        // The attach status port is read by guests (natively and under the engine).
+        for port in [
+            ATTACH_STATUS_PORT,
+            0x0f0f,
+            0x03f8,
+            I8042_COMMAND_PORT,
+            ACPI_RESET_PORT,
+        ] {
+            assert!(!engine_only(port), "{port:#x}");
+        }
+    }
+
+    #[test]
     fn test_poweroff_and_reset_writes_end_the_run_and_nothing_else_does() {
         let s5 = ACPI_PM1_CNT_SLP_EN | (ACPI_S5_SLP_TYP << ACPI_PM1_CNT_SLP_TYP_SHIFT);
         assert!(ends_the_run(ACPI_PM1A_CNT_PORT, 2, u32::from(s5)));
