@@ -564,7 +564,8 @@ static int probe_one(enum access kind, uint64_t addr, uint64_t value, uint64_t *
                  (unsigned long long)probe_addr);
     else
         snprintf(line, sizeof line, "%s %016llx %s: no fault, value %016llx",
-                 ACCESS_NAME[kind], (unsigned long long)addr, what, (unsigned long long)got);
+                 ACCESS_NAME[kind], (unsigned long long)addr, what,
+                 (unsigned long long)(kind == A_WRITE || kind == A_OUT ? value : got));
     probe_total++;
     if (!good && probe_bad++ == 0)
         snprintf(probe_first_bad, sizeof probe_first_bad, "%s", line);
@@ -601,7 +602,8 @@ static const struct {
     {PHYSMAP_VA, "physmap-pa0"},
     {PHYSMAP_VA + 0x7000 + 0x200, "physmap-zero-page-hdrs"},
     {PHYSMAP_VA + 0x1000000, "physmap-kernel-text"},
-    {PHYSMAP_VA + 0x40000000, "physmap-stolen-region"},
+    {PHYSMAP_VA + 0x40000000, "physmap-1gib"},
+    {PHYSMAP_VA + 0x100000000ULL, "physmap-4gib-stolen-region"},
     {0xffff818000000000ULL, "slot259"},
     {0xffff888000000000ULL + 0x1000000, "linux-direct-map"},
     {0xffffc90000000000ULL, "linux-vmalloc"},
