@@ -9,9 +9,9 @@
 //! shadow-table area, the VMM's boot root or the engine's own root, relative to the stolen
 //! region's base that `_start` derives from the boot CR3); port I/O (OUT*/IN*) never on
 //! the engine's own ports, which only NOTIFY writes (and NOTIFY only those); WRMSR only of
-//! the MSRs the virtual CPU may pass through (`MsrFile::passes_through`: 0x11, 0x12, the
-//! APIC base, TSC_ADJUST, the microcode signature, TSC_DEADLINE, the x2APIC range and
-//! KVM's paravirtual MSRs but async-PF) and the FS/GS/KERNEL_GS bases. A refused call
+//! `kpin_abi::x86::msr::GATE_WRITABLE`: the MSRs the virtual CPU may pass through
+//! (`MsrFile::passes_through`, a unit test keeps it inside the set) and the
+//! FS/GS/KERNEL_GS bases. A refused call
 //! sets `kpin_gate_refused` (`layout::gate_refusal`) and takes the unexpected-exception
 //! path as a #GP at the gate's `hlt`: `engine.log` names the refusal and the registers
 //! (RAX = operation, RDI/RSI = arguments), the VMM dumps the state, the run ends.
@@ -213,37 +213,46 @@ kpin_gate_rdmsr_fault:
     mov cr3, rdi
     xor eax, eax
     iretq
-    // WRMSR: only the MSRs the virtual CPU may pass through (`MsrFile::passes_through`,
-    // a superset: the CPUID-dependent choice is the virtual CPU's) and the FS/GS bases.
+    // WRMSR: only `kpin_abi::x86::msr::GATE_WRITABLE` (the MSRs the virtual CPU may pass
+    // through, whatever CPUID offers, and the FS/GS bases), most frequent first.
 24:
     mov edx, edi
-    sub edx, {msr_fs_base}
-    cmp edx, 3
+    sub edx, {w0_lo}
+    cmp edx, {w0_n}
     jb 3f
     mov edx, edi
-    sub edx, {msr_x2apic}
-    cmp edx, 0x100
+    sub edx, {w1_lo}
+    cmp edx, {w1_n}
     jb 3f
     mov edx, edi
-    sub edx, {msr_kvm}
-    cmp edx, 6
-    jb 4f
-    cmp edi, {msr_apic_base}
-    je 3f
-    cmp edi, {msr_tsc_deadline}
-    je 3f
-    cmp edi, {msr_bios_sign_id}
-    je 3f
-    cmp edi, {msr_tsc_adjust}
-    je 3f
-    cmp edi, {msr_kvm_wall_old}
-    je 3f
-    cmp edi, {msr_kvm_time_old}
-    je 3f
+    sub edx, {w2_lo}
+    cmp edx, {w2_n}
+    jb 3f
+    mov edx, edi
+    sub edx, {w3_lo}
+    cmp edx, {w3_n}
+    jb 3f
+    mov edx, edi
+    sub edx, {w4_lo}
+    cmp edx, {w4_n}
+    jb 3f
+    mov edx, edi
+    sub edx, {w5_lo}
+    cmp edx, {w5_n}
+    jb 3f
+    mov edx, edi
+    sub edx, {w6_lo}
+    cmp edx, {w6_n}
+    jb 3f
+    mov edx, edi
+    sub edx, {w7_lo}
+    cmp edx, {w7_n}
+    jb 3f
+    mov edx, edi
+    sub edx, {w8_lo}
+    cmp edx, {w8_n}
+    jb 3f
     jmp 94f
-4:
-    cmp edx, 2
-    je 94f
 3:
     mov ecx, edi
     mov eax, esi
@@ -336,15 +345,24 @@ kpin_gate_refused:
     boot_pt = const BOOT_PT_OFFSET,
     engine_root = sym crate::ring0::page_tables::TABLES,
     window_va = const WINDOW_VA,
-    msr_fs_base = const msr::FS_BASE,
-    msr_x2apic = const msr::X2APIC_FIRST,
-    msr_kvm = const msr::KVM_WALL_CLOCK_NEW,
-    msr_apic_base = const msr::APIC_BASE,
-    msr_tsc_deadline = const msr::TSC_DEADLINE,
-    msr_bios_sign_id = const msr::BIOS_SIGN_ID,
-    msr_tsc_adjust = const msr::TSC_ADJUST,
-    msr_kvm_wall_old = const msr::KVM_WALL_CLOCK_OLD,
-    msr_kvm_time_old = const msr::KVM_SYSTEM_TIME_OLD,
+    w0_lo = const msr::GATE_WRITABLE[0].0,
+    w0_n = const msr::GATE_WRITABLE[0].1 - msr::GATE_WRITABLE[0].0 + 1,
+    w1_lo = const msr::GATE_WRITABLE[1].0,
+    w1_n = const msr::GATE_WRITABLE[1].1 - msr::GATE_WRITABLE[1].0 + 1,
+    w2_lo = const msr::GATE_WRITABLE[2].0,
+    w2_n = const msr::GATE_WRITABLE[2].1 - msr::GATE_WRITABLE[2].0 + 1,
+    w3_lo = const msr::GATE_WRITABLE[3].0,
+    w3_n = const msr::GATE_WRITABLE[3].1 - msr::GATE_WRITABLE[3].0 + 1,
+    w4_lo = const msr::GATE_WRITABLE[4].0,
+    w4_n = const msr::GATE_WRITABLE[4].1 - msr::GATE_WRITABLE[4].0 + 1,
+    w5_lo = const msr::GATE_WRITABLE[5].0,
+    w5_n = const msr::GATE_WRITABLE[5].1 - msr::GATE_WRITABLE[5].0 + 1,
+    w6_lo = const msr::GATE_WRITABLE[6].0,
+    w6_n = const msr::GATE_WRITABLE[6].1 - msr::GATE_WRITABLE[6].0 + 1,
+    w7_lo = const msr::GATE_WRITABLE[7].0,
+    w7_n = const msr::GATE_WRITABLE[7].1 - msr::GATE_WRITABLE[7].0 + 1,
+    w8_lo = const msr::GATE_WRITABLE[8].0,
+    w8_n = const msr::GATE_WRITABLE[8].1 - msr::GATE_WRITABLE[8].0 + 1,
     refused_caller = const gate_refusal::CALLER,
     refused_cr3 = const gate_refusal::CR3,
     refused_port = const gate_refusal::PORT,
@@ -355,6 +373,8 @@ kpin_gate_refused:
 
 // The ports NOTIFY accepts and OUT/IN refuse are the two starting at the doorbell.
 const _: () = assert!(kpin_abi::ports::ENGINE_FAILURE_PORT == DOORBELL_PORT + 1);
+// The WRMSR check above tests exactly nine ranges.
+const _: () = assert!(msr::GATE_WRITABLE.len() == 9);
 
 /// Gate round trips made (for the run's counters).
 static CALLS: AtomicU64 = AtomicU64::new(0);
