@@ -11,6 +11,14 @@ pub const DOORBELL_PORT: u16 = 0x0f10;
 /// be flushed, a guest triple fault): the VMM drains the ring (the engine's last log lines
 /// and last-traces record), dumps state and ends the run as a crash.
 pub const ENGINE_FAILURE_PORT: u16 = 0x0f11;
+/// Whether `port` is one of the engine's own ports ([`DOORBELL_PORT`],
+/// [`ENGINE_FAILURE_PORT`]), which guest code never reaches: under the engine they are
+/// absent for the guest (reads all ones, writes dropped), and the ring-0 gate writes them
+/// only for the engine.
+pub const fn engine_only(port: u16) -> bool {
+    port == DOORBELL_PORT || port == ENGINE_FAILURE_PORT
+}
+
 /// Reads 1 while an instrumentation window of `kpin attach` is open, 0 otherwise (a test
 /// guest waits on it, natively or under the engine, which passes port reads through).
 pub const ATTACH_STATUS_PORT: u16 = 0x0f12;
@@ -69,6 +77,22 @@ pub fn ends_the_run(port: u16, size: u8, value: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_only_the_doorbell_and_failure_port_are_the_engines_own() {
+        assert!(engine_only(DOORBELL_PORT));
+        assert!(engine_only(ENGINE_FAILURE_PORT));
+        // The attach status port is read by guests (natively and under the engine).
+        for port in [
+            ATTACH_STATUS_PORT,
+            0x0f0f,
+            0x03f8,
+            I8042_COMMAND_PORT,
+            ACPI_RESET_PORT,
+        ] {
+            assert!(!engine_only(port), "{port:#x}");
+        }
+    }
 
     #[test]
     fn test_poweroff_and_reset_writes_end_the_run_and_nothing_else_does() {

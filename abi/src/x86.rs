@@ -284,6 +284,34 @@ pub mod msr {
     pub const KVM_PV_EOI_EN: u32 = 0x4b56_4d04;
     /// KVM poll control (KVM feature bit 12).
     pub const KVM_POLL_CONTROL: u32 = 0x4b56_4d05;
+
+    /// The MSRs the engine's ring-0 gate lets WRMSR write, as inclusive ranges: the FS/GS
+    /// bases the engine sets for translated code, and every MSR the virtual CPU may pass
+    /// through to KVM (`guest_engine`'s `MsrFile::passes_through`, whatever CPUID offers).
+    /// The gate refuses any other (the image's `ring0/gate.rs` checks these ranges).
+    pub const GATE_WRITABLE: [(u32, u32); 9] = [
+        (FS_BASE, KERNEL_GS_BASE),
+        (X2APIC_FIRST, X2APIC_LAST),
+        (KVM_WALL_CLOCK_NEW, KVM_SYSTEM_TIME_NEW),
+        (KVM_STEAL_TIME, KVM_POLL_CONTROL),
+        (APIC_BASE, APIC_BASE),
+        (TSC_DEADLINE, TSC_DEADLINE),
+        (BIOS_SIGN_ID, BIOS_SIGN_ID),
+        (TSC_ADJUST, TSC_ADJUST),
+        (KVM_WALL_CLOCK_OLD, KVM_SYSTEM_TIME_OLD),
+    ];
+
+    /// Whether the gate lets WRMSR write `i` ([`GATE_WRITABLE`]).
+    pub const fn gate_writable(i: u32) -> bool {
+        let mut k = 0;
+        while k < GATE_WRITABLE.len() {
+            if i >= GATE_WRITABLE[k].0 && i <= GATE_WRITABLE[k].1 {
+                return true;
+            }
+            k += 1;
+        }
+        false
+    }
 }
 
 /// Whether `v` is a canonical 48-bit linear address (bits 63:47 all equal).

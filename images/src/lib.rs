@@ -38,7 +38,9 @@ pub use bzimage::BzImageError;
 pub use command::CommandError;
 pub use cpio::CpioError;
 pub use lz4_legacy::Lz4Error;
-pub use workload::{programs_workload_expected_md5, workload_expected_md5, PROGRAMS};
+pub use workload::{
+    probe_verdict, programs_workload_expected_md5, workload_expected_md5, PROBE_ACCESSES, PROGRAMS,
+};
 
 /// The pinned guest kernels. Each is a Debian cloud kernel pinned by version and by the
 /// SHA-256 of its packages (`images/src/pins.rs`).

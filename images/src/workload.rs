@@ -50,6 +50,18 @@ pub fn workload_expected_md5() -> String {
 /// The native test programs the `programs` workload runs, in order (`kpin-test <name>`).
 pub const PROGRAMS: [&str; 5] = ["jit", "sigsegv", "timer", "forkpipe", "fpu"];
 
+/// Accesses the isolation probe (`kpin-test probe`, the `probe` workload) makes, every one
+/// of which must fault as on a real CPU: read and write at 26 named targets (engine window,
+/// physmap, Linux's regions, non-canonical addresses), a jump to the 23 canonical ones, a
+/// read and a write in every one of the 512 PML4 slots, 6 accesses forging an I/O ring
+/// record, and an `in` and an `out` on 6 ports.
+pub const PROBE_ACCESSES: u64 = 26 * 2 + 23 + 512 * 2 + 6 + 6 * 2;
+
+/// The isolation probe's last line when every access faulted as expected.
+pub fn probe_verdict() -> String {
+    format!("KPIN-PROBE ok {PROBE_ACCESSES} accesses faulted")
+}
+
 /// FNV-1a 64 offset basis.
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 /// FNV-1a 64 prime.
@@ -344,6 +356,41 @@ mod tests {
         }
         let bad = Command::new(&kpin_test).arg("nope").output().expect("run");
         assert_eq!(bad.status.code(), Some(2));
+    }
+
+    /// The isolation probe, run on the host (dropping to uid 65534 when run as root):
+    /// the host's kernel is a real one, so every access faults and the verdict is the one
+    /// the guest must print.
+    #[test]
+    fn test_probe_on_the_host_faults_on_every_access() {
+        let dir = ScratchDir::new("probe-host");
+        let Some(kpin_test) = built_programs(&dir.0) else {
+            return;
+        };
+        let output = Command::new(&kpin_test).arg("probe").output().expect("run");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "{output:?}\n{stdout}");
+        assert_eq!(
+            stdout.lines().last(),
+            Some(probe_verdict().as_str()),
+            "{stdout}"
+        );
+        assert!(!stdout.contains("UNEXPECTED"), "{stdout}");
+        // The `probe` workload of /init prints the same lines, then their md5.
+        let Some(busybox) = cached_busybox() else {
+            return;
+        };
+        std::fs::copy(&kpin_test, dir.0.join("kpin-test")).expect("copy kpin-test");
+        let output = run_init_functions(&busybox, &dir.0, "run_workload probe");
+        assert_eq!(
+            String::from_utf8_lossy(&output.stdout),
+            format!(
+                "{stdout}KPIN-WORKLOAD-DONE {}\n",
+                md5_hex(stdout.as_bytes())
+            ),
+            "stderr: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
     }
 
     #[test]

@@ -14,6 +14,10 @@
  *                        waitpid exit statuses
  *   kpin-test fpu        two processes doing different SSE (double, float) and x87 work,
  *                        yielding the CPU after every step, results bit-exact
+ *   kpin-test probe      the isolation probe (issue #11, not one of the checksummed
+ *                        tests): as uid 65534, every access outside its own memory must
+ *                        fault as on a real CPU; prints `KPIN-PROBE ok <n> accesses faulted`
+ *                        (`kpin-test probe FILE`: every line also goes to FILE)
  *
  * Each test prints exactly one line, `KPIN-TEST <name> ok <checksum>` (16 hex digits,
  * deterministic: images/src/workload.rs computes every checksum independently on the
@@ -35,6 +39,7 @@
 #include <sys/syscall.h>
 #include <sys/time.h>
 #include <sys/wait.h>
+#include <grp.h>
 #include <unistd.h>
 
 #define PAGE 4096
@@ -454,6 +459,248 @@ static int test_fpu(void) {
     return ok(fnv(fnv(FNV_OFFSET, got_a), got_b));
 }
 
+/* ---- probe ----------------------------------------------------------------------- */
+
+/* The isolation probe (issue #11): as uid 65534 (dropped from root), reads, writes and
+ * jumps to addresses across the whole address space, pushes a forged host I/O ring record
+ * and rings the doorbell, and expects each access to fault exactly as the guest's own page
+ * tables and privilege rules say on a real CPU: SIGSEGV, SEGV_MAPERR at the address for a
+ * kernel-half or unmapped address, SI_KERNEL with address 0 for a non-canonical address
+ * (#GP) and for port I/O at CPL 3 (#GP). Prints one line per named target and per
+ * half-space scan, then `KPIN-PROBE ok <n> accesses faulted`, or `KPIN-PROBE FAIL ...`
+ * naming the first access that did not fault as expected. */
+
+#define WINDOW_VA 0xffff808000000000ULL  /* kpin_abi::stolen::WINDOW_VA, PML4 slot 257 */
+#define PHYSMAP_VA 0xffff810000000000ULL /* kpin_abi::stolen::PHYSMAP_VA, slot 258 */
+#define RING_VA (WINDOW_VA + 0x100000)   /* IO_RING_OFFSET: header; data 4 KiB on */
+#define PROBE_UID 65534
+#define SI_KERNEL_CODE 0x80
+
+enum access { A_READ, A_WRITE, A_EXEC, A_OUT, A_IN };
+static const char *const ACCESS_NAME[] = {"read", "write", "exec", "out", "in"};
+
+static sigjmp_buf probe_env;
+static volatile int probe_signo, probe_code;
+static volatile uint64_t probe_addr;
+
+static void probe_handler(int sig, siginfo_t *si, void *uc) {
+    (void)uc;
+    probe_signo = sig;
+    probe_code = si->si_code;
+    probe_addr = (uint64_t)(uintptr_t)si->si_addr;
+    siglongjmp(probe_env, 1);
+}
+
+static uint64_t probe_total, probe_bad;
+static const char *probe_log_path;
+static FILE *probe_log; /* `kpin-test probe FILE`: every line also goes to FILE */
+
+static void probe_print(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void probe_print(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vprintf(fmt, ap);
+    va_end(ap);
+    fflush(stdout);
+    if (probe_log) {
+        va_start(ap, fmt);
+        vfprintf(probe_log, fmt, ap);
+        va_end(ap);
+        fflush(probe_log);
+    }
+}
+static char probe_first_bad[160];
+
+static int canonical(uint64_t a) { return (uint64_t)((int64_t)(a << 16) >> 16) == a; }
+
+/* One access; returns 1 if it faulted as expected. `value` is what a write stores (the
+ * value a read just returned, so that a write that wrongly succeeds changes nothing). */
+static int probe_one(enum access kind, uint64_t addr, uint64_t value, uint64_t *read_out,
+                     const char *what, int print) {
+    volatile int faulted = 0;
+    volatile uint64_t got = 0;
+    probe_signo = probe_code = 0;
+    probe_addr = 0;
+    if (sigsetjmp(probe_env, 1) == 0) {
+        switch (kind) {
+        case A_READ:
+        {
+            uint64_t v;
+            __asm__ volatile("movq (%1), %0" : "=r"(v) : "r"(addr) : "memory");
+            got = v;
+            break;
+        }
+        case A_WRITE:
+            __asm__ volatile("movq %1, (%0)" : : "r"(addr), "r"(value) : "memory");
+            break;
+        case A_EXEC:
+            ((void (*)(void))(uintptr_t)addr)();
+            break;
+        case A_OUT:
+            __asm__ volatile("outb %b0, %w1" : : "a"((uint8_t)value), "d"((uint16_t)addr));
+            break;
+        case A_IN: {
+            uint8_t b;
+            __asm__ volatile("inb %w1, %b0" : "=a"(b) : "d"((uint16_t)addr));
+            got = b;
+            break;
+        }
+        }
+    } else {
+        faulted = 1;
+    }
+    if (read_out && !faulted)
+        *read_out = got;
+    int port = kind == A_OUT || kind == A_IN;
+    int gp = port || !canonical(addr);
+    int want_code = gp ? SI_KERNEL_CODE : SEGV_MAPERR;
+    uint64_t want_addr = gp ? 0 : addr;
+    int good = faulted && probe_signo == SIGSEGV && probe_code == want_code &&
+               probe_addr == want_addr;
+    char line[160];
+    if (faulted)
+        snprintf(line, sizeof line, "%s %016llx %s: signal %d code %d addr %016llx",
+                 ACCESS_NAME[kind], (unsigned long long)addr, what, probe_signo, probe_code,
+                 (unsigned long long)probe_addr);
+    else
+        snprintf(line, sizeof line, "%s %016llx %s: no fault, value %016llx",
+                 ACCESS_NAME[kind], (unsigned long long)addr, what,
+                 (unsigned long long)(kind == A_WRITE || kind == A_OUT ? value : got));
+    probe_total++;
+    if (!good && probe_bad++ == 0)
+        snprintf(probe_first_bad, sizeof probe_first_bad, "%s", line);
+    if (print || (!good && probe_bad <= 16))
+        probe_print("KPIN-PROBE %s%s\n", good ? "" : "UNEXPECTED ", line);
+    return good;
+}
+
+/* Read, then write back what was read (or a marker if the read faulted). */
+static void probe_rw(uint64_t addr, const char *what, int print) {
+    uint64_t v = 0x6b70696e2d70726fULL; /* "orp-nipk" */
+    probe_one(A_READ, addr, 0, &v, what, print);
+    probe_one(A_WRITE, addr, v, NULL, what, print);
+}
+
+static const struct {
+    uint64_t addr;
+    const char *what;
+} PROBE_TARGETS[] = {
+    {0, "null"},
+    {0x00007ffffffff000ULL, "above-task-size"},
+    {0x0000800000000000ULL, "non-canonical-low"},
+    {0x8000000000000000ULL, "non-canonical-mid"},
+    {0xffff7ffffffff000ULL, "non-canonical-high"},
+    {0xffff800000000000ULL, "slot256"},
+    {WINDOW_VA, "window-attach-block"},
+    {WINDOW_VA + 0x8000, "window-boot-tables"},
+    {RING_VA, "window-ring-header"},
+    {WINDOW_VA + 0x200000, "window-engine-image"},
+    {WINDOW_VA + 0x800000, "window-engine-heap"},
+    {WINDOW_VA + 0x4800000, "window-code-cache"},
+    {WINDOW_VA + 0x6800000, "window-shadow-tables"},
+    {WINDOW_VA + (112 << 20) - 8, "window-last"},
+    {PHYSMAP_VA, "physmap-pa0"},
+    {PHYSMAP_VA + 0x7000 + 0x200, "physmap-zero-page-hdrs"},
+    {PHYSMAP_VA + 0x1000000, "physmap-kernel-text"},
+    {PHYSMAP_VA + 0x40000000, "physmap-1gib"},
+    {PHYSMAP_VA + 0x100000000ULL, "physmap-4gib-stolen-region"},
+    {0xffff818000000000ULL, "slot259"},
+    {0xffff888000000000ULL + 0x1000000, "linux-direct-map"},
+    {0xffffc90000000000ULL, "linux-vmalloc"},
+    {0xffffea0000000000ULL, "linux-vmemmap"},
+    {0xfffffe0000000000ULL, "linux-cpu-entry-area"},
+    {0xffffffff81000000ULL, "linux-kernel-text"},
+    {0xffffffffa0000000ULL, "linux-modules"},
+};
+
+/* A lower-half address in PML4 slot `slot` that this process has not mapped. */
+static uint64_t unmapped_in_slot(unsigned slot) {
+    unsigned char vec;
+    for (uint64_t off = 0; off < (1ULL << 39); off += 1ULL << 30) {
+        uint64_t a = ((uint64_t)slot << 39) + off;
+        if (a + PAGE > 0x00007ffffffff000ULL)
+            break;
+        if (mincore((void *)(uintptr_t)a, PAGE, &vec) != 0 && errno == ENOMEM)
+            return a;
+    }
+    return 0x00007ffffffff000ULL; /* beyond the last user page */
+}
+
+static int test_probe(void) {
+    if (probe_log_path && !(probe_log = fopen(probe_log_path, "w")))
+        fail("open %s", probe_log_path);
+    if (geteuid() == 0 &&
+        (setgroups(0, NULL) || setgid(PROBE_UID) || setuid(PROBE_UID)))
+        fail("drop to uid %d", PROBE_UID);
+    if (getuid() == 0 || geteuid() == 0 || setuid(0) == 0)
+        fail("still root");
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = probe_handler;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(SIGSEGV, &sa, NULL) || sigaction(SIGBUS, &sa, NULL))
+        fail("sigaction");
+    probe_print("KPIN-PROBE uid %d\n", (int)getuid());
+
+    /* Named targets: read, then write back what was read. */
+    for (size_t i = 0; i < sizeof PROBE_TARGETS / sizeof PROBE_TARGETS[0]; i++)
+        probe_rw(PROBE_TARGETS[i].addr, PROBE_TARGETS[i].what, 1);
+
+    /* Every PML4 slot: the first unmapped address of each lower-half slot, the start of
+     * each upper-half one. */
+    uint64_t before = probe_bad, n = probe_total;
+    for (unsigned slot = 0; slot < 256; slot++)
+        probe_rw(unmapped_in_slot(slot), "lower-slot", 0);
+    probe_print("KPIN-PROBE slots 0-255: %llu accesses, %llu unexpected\n",
+           (unsigned long long)(probe_total - n), (unsigned long long)(probe_bad - before));
+    before = probe_bad;
+    n = probe_total;
+    for (unsigned slot = 256; slot < 512; slot++)
+        probe_rw(0xffff000000000000ULL | ((uint64_t)slot << 39), "upper-slot", 0);
+    probe_print("KPIN-PROBE slots 256-511: %llu accesses, %llu unexpected\n",
+           (unsigned long long)(probe_total - n), (unsigned long long)(probe_bad - before));
+
+    /* A forged host I/O ring record: read the producer's head, write an Open record for
+     * "probe-was-here.txt" (kind 1, file 77) where it would go, publish it, ring the
+     * doorbell (port 0x0f10). */
+    uint64_t head = 0;
+    probe_one(A_READ, RING_VA + 64, 0, &head, "ring-head", 1);
+    static const char name[] = "probe-was-here.txt";
+    uint64_t rec = 1 | (77ULL << 16) | ((uint64_t)(sizeof name - 1) << 32);
+    uint64_t slot_va = RING_VA + 0x1000 + (head % 0x80000);
+    probe_one(A_WRITE, slot_va, rec, NULL, "ring-record", 1);
+    for (size_t off = 0; off < sizeof name - 1; off += 8) {
+        uint64_t w = 0;
+        memcpy(&w, name + off, sizeof name - 1 - off < 8 ? sizeof name - 1 - off : 8);
+        probe_one(A_WRITE, slot_va + 8 + off, w, NULL, "ring-record-name", 1);
+    }
+    probe_one(A_WRITE, RING_VA + 64, head + 8 + ((sizeof name - 1 + 7) & ~7ULL), NULL,
+              "ring-head", 1);
+    /* Port I/O at CPL 3 with IOPL 0: #GP. The doorbell, the engine's failure and attach
+     * ports, COM1, the i8042 reset and the ACPI reset port. */
+    static const uint16_t PORTS[] = {0x0f10, 0x0f11, 0x0f12, 0x03f8, 0x0064, 0x0cf9};
+    for (size_t i = 0; i < sizeof PORTS / sizeof PORTS[0]; i++) {
+        probe_one(A_IN, PORTS[i], 0, NULL, "port", 1);
+        probe_one(A_OUT, PORTS[i], PORTS[i] == 0x0064 ? 0xfe : 6, NULL, "port", 1);
+    }
+
+    /* Last, a jump to each canonical named target (not the non-canonical ones: a jump
+     * there faults on the jump on one vendor and at the target on the other). */
+    for (size_t i = 0; i < sizeof PROBE_TARGETS / sizeof PROBE_TARGETS[0]; i++)
+        if (canonical(PROBE_TARGETS[i].addr))
+            probe_one(A_EXEC, PROBE_TARGETS[i].addr, 0, NULL, PROBE_TARGETS[i].what, 1);
+
+    if (probe_bad) {
+        probe_print("KPIN-PROBE FAIL %llu of %llu accesses did not fault as expected; first: %s\n",
+                    (unsigned long long)probe_bad, (unsigned long long)probe_total,
+                    probe_first_bad);
+        return 1;
+    }
+    probe_print("KPIN-PROBE ok %llu accesses faulted\n", (unsigned long long)probe_total);
+    return 0;
+}
+
 /* ---- main ------------------------------------------------------------------------ */
 
 static const struct {
@@ -461,12 +708,18 @@ static const struct {
     int (*run)(void);
 } TESTS[] = {
     {"jit", test_jit},         {"sigsegv", test_sigsegv}, {"timer", test_timer},
-    {"forkpipe", test_forkpipe}, {"fpu", test_fpu},
+    {"forkpipe", test_forkpipe}, {"fpu", test_fpu},     {"probe", test_probe},
 };
 
 int main(int argc, char **argv) {
     if (argc == 3 && strcmp(argv[1], "forkpipe-child") == 0)
         return forkpipe_child(argv[2]);
+    if (argc == 3 && strcmp(argv[1], "probe") == 0) {
+        /* The log is opened before the probe drops root. */
+        probe_log_path = argv[2];
+        test_name = "probe";
+        return test_probe();
+    }
     if (argc == 2) {
         for (size_t i = 0; i < sizeof TESTS / sizeof TESTS[0]; i++) {
             if (strcmp(argv[1], TESTS[i].name) == 0) {
@@ -475,6 +728,6 @@ int main(int argc, char **argv) {
             }
         }
     }
-    fprintf(stderr, "usage: kpin-test jit|sigsegv|timer|forkpipe|fpu\n");
+    fprintf(stderr, "usage: kpin-test jit|sigsegv|timer|forkpipe|fpu|probe\n");
     return 2;
 }

@@ -3,7 +3,9 @@
 //! native `in`/`out` makes). IOPL-sensitive: at CPL > IOPL #GP(0) (the TSS I/O bitmap is
 //! not consulted). A write that powers off or resets the machine
 //! (`kpin_abi::ports::ends_the_run`) stops with [`super::VcpuStop::FinalPortWrite`], so
-//! that the engine writes its report first; string port I/O stops (`emulate.rs`).
+//! that the engine writes its report first; string port I/O stops (`emulate.rs`). The
+//! engine's own ports (`kpin_abi::ports::engine_only`: the doorbell and the failure port)
+//! are absent for the guest: reads return all ones, writes are dropped.
 
 use iced_x86::{Code, Instruction, Mnemonic, OpKind};
 
@@ -34,6 +36,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
             _ => 4,
         };
         let rax = regs.get(Gpr::Rax);
+        let absent = kpin_abi::ports::engine_only(port);
         if i.mnemonic() == Mnemonic::Out {
             self.stats.outs += 1;
             // What the `out` writes: AL, AX or EAX.
@@ -41,10 +44,16 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
             if kpin_abi::ports::ends_the_run(port, size, value) {
                 return Ok(Flow::Stop(VcpuStop::FinalPortWrite { port, size, value }));
             }
-            self.hw.port_out(port, size, value);
+            if !absent {
+                self.hw.port_out(port, size, value);
+            }
         } else {
             self.stats.ins += 1;
-            let v = u64::from(self.hw.port_in(port, size));
+            let v = if absent {
+                u64::from(u32::MAX)
+            } else {
+                u64::from(self.hw.port_in(port, size))
+            };
             regs.set(
                 Gpr::Rax,
                 match size {

@@ -40,6 +40,16 @@ pub extern "C" fn kpin_fault_report() -> ! {
     // and nothing writes it again (a second fault takes the nested path).
     let f: FaultRecord = unsafe { core::ptr::read_volatile(FAULT.0.get()) };
     let name = NAMES.get(f.vector as usize).copied().unwrap_or("?");
+    if let Some(why) = crate::ring0::gate::refusal() {
+        log!(
+            Error,
+            "engine: the gate refused a call: {why}; operation RAX={:#x}, RDI={:#x}, RSI={:#x}, caller RSP {:#x}",
+            f.gprs[0],
+            f.gprs[5],
+            f.gprs[4],
+            f.rsp
+        );
+    }
     log!(
         Error,
         "engine: unexpected exception {name} (vector {}) in the engine: error code {:#x}, RIP {:#x}, CS {:#x} (CPL {}), RFLAGS {:#x}, RSP {:#x}, SS {:#x}, CR2 {:#x}",

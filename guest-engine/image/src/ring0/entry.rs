@@ -21,7 +21,10 @@
 //! CR4.OSXMMEXCPT := those bits of RDI, which holds no others: the guest's SSE enables,
 //! mirrored because translated code runs its SSE instructions verbatim), RDMSR_SAFE (index
 //! RDI; RAX = value and RDX = 0, or RDX = 1 if the `rdmsr` raised #GP, which the #GP stub
-//! recognises by its RIP, `kpin_gate_rdmsr_insn`). An unknown operation returns `u64::MAX`.
+//! recognises by its RIP, `kpin_gate_rdmsr_insn`), NOTIFY (`out` of RSI's low byte to the
+//! engine's own port RDI: the doorbell or the failure port). An unknown operation returns
+//! `u64::MAX`. The ring-0 half of the gate, and the checks it makes of its caller and its
+//! arguments before any operation (a refused call ends the run), are in `gate.rs`.
 //!
 //! **IDT vectors**: 0–31 exception stubs (a zero error code is pushed where the CPU pushes
 //! none, then the vector), 32–255 interrupt stubs. Every entry is a DPL-0 interrupt gate
@@ -67,9 +70,9 @@ use core::mem::offset_of;
 use kpin_abi::ports::ENGINE_FAILURE_PORT;
 
 use crate::ring0::layout::{
-    gate_op, FAULT_STACK_BYTES, IST_STACK_BYTES, MAIN_STACK_BYTES, PIC1_CMD, PIC1_DATA, PIC2_CMD,
-    PIC2_DATA, PIC2_VECTOR_BASE, PIC_EOI, PIC_VECTOR_BASE, RFLAGS_FIXED, RFLAGS_IF,
-    RING0_STACK_BYTES, TSS_SEL, USER_CS, USER_DS, VEC_GP, VEC_PF,
+    FAULT_STACK_BYTES, IST_STACK_BYTES, MAIN_STACK_BYTES, PIC1_CMD, PIC1_DATA, PIC2_CMD, PIC2_DATA,
+    PIC2_VECTOR_BASE, PIC_EOI, PIC_VECTOR_BASE, RFLAGS_FIXED, RFLAGS_IF, RING0_STACK_BYTES,
+    TSS_SEL, USER_CS, USER_DS, VEC_GP, VEC_PF,
 };
 
 /// What the ring-0 trap path saved about an unexpected exception.
@@ -192,6 +195,12 @@ _start:
     shl rdx, 32
     or rax, rdx
     mov [rip + kpin_boot_tsc], rax
+    // The stolen region's base, for the gate's LOAD_CR3 check: the VMM enters with CR3 =
+    // its boot root, at BOOT_PT_OFFSET in the region.
+    mov rax, cr3
+    and rax, -4096
+    sub rax, {boot_pt}
+    mov [rip + kpin_gate_stolen_base], rax
     lea rsp, [rip + kpin_ring0_stack_top]
     call {setup}
     // CR4.FSGSBASE when the CPU has it (CPUID 7.0 EBX[0]): CPL-3 code can then switch the
@@ -258,6 +267,7 @@ _start:
     rflags = const RFLAGS_IF | RFLAGS_FIXED,
     main = sym kpin_engine_main,
     cr4_fsgsbase = const 1u64 << 16,
+    boot_pt = const kpin_abi::stolen::BOOT_PT_OFFSET,
 );
 
 // Exception and interrupt stubs, the stub table.
@@ -384,136 +394,9 @@ kpin_exc_13:
     push {vec_gp}
     jmp kpin_trap_common
 
-    // Stack: error code, RIP, CS, RFLAGS, RSP, SS.
-kpin_gate_entry:
-    add rsp, 8
-    add qword ptr [rsp], 1
-    cmp rax, {op_nop}
-    je 20f
-    cmp rax, {op_out8}
-    je 21f
-    cmp rax, {op_in8}
-    je 22f
-    cmp rax, {op_cr3}
-    je 23f
-    cmp rax, {op_wrmsr}
-    je 24f
-    cmp rax, {op_rdmsr}
-    je 25f
-    cmp rax, {op_invlpg}
-    je 26f
-    cmp rax, {op_hlt}
-    je 27f
-    cmp rax, {op_out16}
-    je 29f
-    cmp rax, {op_out32}
-    je 30f
-    cmp rax, {op_in16}
-    je 31f
-    cmp rax, {op_in32}
-    je 32f
-    cmp rax, {op_cr4_sse}
-    je 33f
-    cmp rax, {op_rdmsr_safe}
-    je 34f
-    mov rax, -1
-    iretq
-34:
-    push rcx
-    mov ecx, edi
-kpin_gate_rdmsr_insn:
-    rdmsr
-    shl rdx, 32
-    or rax, rdx
-    pop rcx
-    xor edx, edx
-    iretq
-kpin_gate_rdmsr_fault:
-    pop rcx
-    mov edx, 1
-    iretq
-33:
-    mov rax, cr4
-    and rax, {cr4_sse_clear}
-    or rax, rdi
-    mov cr4, rax
-    xor eax, eax
-    iretq
-29:
-    mov edx, edi
-    mov eax, esi
-    out dx, ax
-    xor eax, eax
-    iretq
-30:
-    mov edx, edi
-    mov eax, esi
-    out dx, eax
-    xor eax, eax
-    iretq
-31:
-    mov edx, edi
-    xor eax, eax
-    in ax, dx
-    iretq
-32:
-    mov edx, edi
-    in eax, dx
-    iretq
-20:
-    xor eax, eax
-    iretq
-21:
-    mov edx, edi
-    mov eax, esi
-    out dx, al
-    xor eax, eax
-    iretq
-22:
-    mov edx, edi
-    xor eax, eax
-    in al, dx
-    iretq
-23:
-    mov cr3, rdi
-    xor eax, eax
-    iretq
-24:
-    push rcx
-    mov ecx, edi
-    mov eax, esi
-    mov rdx, rsi
-    shr rdx, 32
-    wrmsr
-    pop rcx
-    xor eax, eax
-    iretq
-25:
-    push rcx
-    mov ecx, edi
-    rdmsr
-    shl rdx, 32
-    or rax, rdx
-    pop rcx
-    iretq
-26:
-    invlpg [rdi]
-    xor eax, eax
-    iretq
-27:
-    mov rax, [rip + kpin_irq_pending]
-    or rax, [rip + kpin_irq_pending + 8]
-    or rax, [rip + kpin_irq_pending + 16]
-    or rax, [rip + kpin_irq_pending + 24]
-    jnz 28f
-    sti
-    hlt
-    cli
-28:
-    xor eax, eax
-    iretq
 
     // Stack: vector, error code, RIP, CS, RFLAGS, RSP, SS.
+    .global kpin_trap_common
 kpin_trap_common:
     push rax
     lea rax, [rip + kpin_probe_insn]
@@ -718,21 +601,6 @@ kpin_fault_stack_top:
     pic2_cmd = const PIC2_CMD,
     vec_gp = const VEC_GP,
     vec_pf = const VEC_PF,
-    op_nop = const gate_op::NOP,
-    op_out8 = const gate_op::OUT8,
-    op_in8 = const gate_op::IN8,
-    op_cr3 = const gate_op::LOAD_CR3,
-    op_wrmsr = const gate_op::WRMSR,
-    op_rdmsr = const gate_op::RDMSR,
-    op_invlpg = const gate_op::INVLPG,
-    op_hlt = const gate_op::HLT,
-    op_out16 = const gate_op::OUT16,
-    op_out32 = const gate_op::OUT32,
-    op_in16 = const gate_op::IN16,
-    op_in32 = const gate_op::IN32,
-    op_cr4_sse = const gate_op::CR4_SSE,
-    op_rdmsr_safe = const gate_op::RDMSR_SAFE,
-    cr4_sse_clear = const !(crate::ring0::layout::CR4_SSE_BITS as i64) as i32,
     rec = sym FAULT,
     off_vector = const offset_of!(FaultRecord, vector),
     off_error = const offset_of!(FaultRecord, error),

@@ -1,11 +1,380 @@
-//! The ring-0 gate from CPL 3 (protocol in `entry.rs`'s header): safe wrappers, one per
-//! operation. Each call is one #GP round trip through the ring-0 stub.
+//! The ring-0 gate from CPL 3 (protocol in `entry.rs`'s header): the ring-0 half of the
+//! gate (entered from `entry.rs`'s #GP stub when the #GP came from `kpin_gate_insn`), and
+//! safe wrappers, one per operation. Each call is one #GP round trip through the stub.
+//!
+//! **What the gate serves** (issue #11): the ring-0 half checks, before any operation,
+//! that the return address its caller pushed lies in the engine's `.text`
+//! (`__image_start..__kpin_text_end`; not the code cache, heap or stacks), and then its
+//! arguments: LOAD_CR3 only of a page-aligned root the engine built (a frame of the
+//! shadow-table area, the VMM's boot root or the engine's own root, relative to the stolen
+//! region's base that `_start` derives from the boot CR3); port I/O (OUT*/IN*) never on
+//! the engine's own ports, which only NOTIFY writes (and NOTIFY only those); WRMSR only of
+//! `kpin_abi::x86::msr::GATE_WRITABLE`: the MSRs the virtual CPU may pass through
+//! (`MsrFile::passes_through`, a unit test keeps it inside the set) and the
+//! FS/GS/KERNEL_GS bases. A refused call
+//! sets `kpin_gate_refused` (`layout::gate_refusal`) and takes the unexpected-exception
+//! path as a #GP at the gate's `hlt`: `engine.log` names the refusal and the registers
+//! (RAX = operation, RDI/RSI = arguments), the VMM dumps the state, the run ends.
+//! These checks stop calls from anywhere but the engine's code and arguments the engine
+//! never passes; they cannot stop code that can already write the engine's memory (it
+//! could forge a return address or the stored bounds): keeping guest code out of the
+//! engine's memory is the translator's job.
 
-use core::arch::asm;
+use core::arch::{asm, global_asm};
 use core::sync::atomic::{AtomicU64, Ordering};
 
+use kpin_abi::ports::DOORBELL_PORT;
+use kpin_abi::stolen::{BOOT_PT_OFFSET, LAYOUT_BYTES, SHADOW_TABLES_OFFSET, WINDOW_VA};
+use kpin_abi::x86::msr;
+
 use crate::ring0::entry::kpin_gate;
-use crate::ring0::layout::gate_op;
+use crate::ring0::layout::{gate_op, gate_refusal, VEC_GP};
+
+extern "C" {
+    /// The stolen region's guest-physical base, stored by `_start` from the boot CR3.
+    pub static kpin_gate_stolen_base: u64;
+    /// Why the gate refused a call (`layout::gate_refusal`), 0 if it never did.
+    pub static kpin_gate_refused: u64;
+}
+
+/// Why the gate refused a call, if it did (read by the fault reporter).
+pub fn refusal() -> Option<&'static str> {
+    // SAFETY: written only by the ring-0 gate, before the report this feeds runs.
+    let r = unsafe { core::ptr::read_volatile(&raw const kpin_gate_refused) };
+    Some(match r {
+        0 => return None,
+        gate_refusal::CALLER => "the caller's return address is not in the engine's .text",
+        gate_refusal::CR3 => "LOAD_CR3 of a root the engine did not build (RDI)",
+        gate_refusal::PORT => "port I/O on one of the engine's own ports (RDI)",
+        gate_refusal::MSR => "WRMSR of an MSR the virtual CPU never passes through (RDI)",
+        gate_refusal::NOTIFY => "NOTIFY of a port that is not the engine's (RDI)",
+        _ => "unknown reason",
+    })
+}
+
+global_asm!(
+    r#"
+    .pushsection .text, "ax"
+    // Stack: error code, RIP, CS, RFLAGS, RSP, SS. First the caller: the return address
+    // the `call kpin_gate` pushed must lie in the engine's .text (a bad RSP faults here,
+    // at ring 0, and that fault is reported like any other).
+    .global kpin_gate_entry
+kpin_gate_entry:
+    mov rdx, [rsp + 32]
+    mov rdx, [rdx]
+    lea rcx, [rip + __image_start]
+    sub rdx, rcx
+    cmp rdx, offset __kpin_text_len
+    jae 90f
+    add rsp, 8
+    add qword ptr [rsp], 1
+    cmp rax, {op_nop}
+    je 20f
+    cmp rax, {op_out8}
+    je 21f
+    cmp rax, {op_in8}
+    je 22f
+    cmp rax, {op_cr3}
+    je 23f
+    cmp rax, {op_wrmsr}
+    je 24f
+    cmp rax, {op_rdmsr}
+    je 25f
+    cmp rax, {op_invlpg}
+    je 26f
+    cmp rax, {op_hlt}
+    je 27f
+    cmp rax, {op_out16}
+    je 29f
+    cmp rax, {op_out32}
+    je 30f
+    cmp rax, {op_in16}
+    je 31f
+    cmp rax, {op_in32}
+    je 32f
+    cmp rax, {op_cr4_sse}
+    je 33f
+    cmp rax, {op_rdmsr_safe}
+    je 34f
+    cmp rax, {op_notify}
+    je 35f
+    mov rax, -1
+    iretq
+    // NOTIFY: `out` of one byte to the engine's own ports (doorbell, failure) only.
+35:
+    mov edx, edi
+    sub edx, {doorbell}
+    cmp edx, 2
+    jae 95f
+    mov edx, edi
+    mov eax, esi
+    out dx, al
+    xor eax, eax
+    iretq
+34:
+    mov ecx, edi
+    .global kpin_gate_rdmsr_insn
+kpin_gate_rdmsr_insn:
+    rdmsr
+    shl rdx, 32
+    or rax, rdx
+    xor edx, edx
+    iretq
+    .global kpin_gate_rdmsr_fault
+kpin_gate_rdmsr_fault:
+    mov edx, 1
+    iretq
+33:
+    mov rax, cr4
+    and rax, {cr4_sse_clear}
+    or rax, rdi
+    mov cr4, rax
+    xor eax, eax
+    iretq
+29:
+    mov edx, edi
+    sub edx, {doorbell}
+    cmp edx, 2
+    jb 93f
+    mov edx, edi
+    mov eax, esi
+    out dx, ax
+    xor eax, eax
+    iretq
+30:
+    mov edx, edi
+    sub edx, {doorbell}
+    cmp edx, 2
+    jb 93f
+    mov edx, edi
+    mov eax, esi
+    out dx, eax
+    xor eax, eax
+    iretq
+31:
+    mov edx, edi
+    sub edx, {doorbell}
+    cmp edx, 2
+    jb 93f
+    mov edx, edi
+    xor eax, eax
+    in ax, dx
+    iretq
+32:
+    mov edx, edi
+    sub edx, {doorbell}
+    cmp edx, 2
+    jb 93f
+    mov edx, edi
+    in eax, dx
+    iretq
+20:
+    xor eax, eax
+    iretq
+21:
+    mov edx, edi
+    sub edx, {doorbell}
+    cmp edx, 2
+    jb 93f
+    mov edx, edi
+    mov eax, esi
+    out dx, al
+    xor eax, eax
+    iretq
+22:
+    mov edx, edi
+    sub edx, {doorbell}
+    cmp edx, 2
+    jb 93f
+    mov edx, edi
+    xor eax, eax
+    in al, dx
+    iretq
+    // LOAD_CR3: a page-aligned root (no PCD/PWT) that the engine built: a frame of the
+    // shadow-table area, the VMM's boot root, or the engine's own root.
+23:
+    test edi, 0xfff
+    jnz 92f
+    mov rdx, rdi
+    sub rdx, [rip + kpin_gate_stolen_base]
+    cmp rdx, {shadow_lo}
+    jb 1f
+    cmp rdx, {layout_bytes}
+    jb 2f
+1:
+    cmp rdx, {boot_pt}
+    je 2f
+    lea rcx, [rip + {engine_root}]
+    sub rcx, rdx
+    movabs rdx, {window_va}
+    cmp rcx, rdx
+    jne 92f
+2:
+    mov cr3, rdi
+    xor eax, eax
+    iretq
+    // WRMSR: only `kpin_abi::x86::msr::GATE_WRITABLE` (the MSRs the virtual CPU may pass
+    // through, whatever CPUID offers, and the FS/GS bases), most frequent first.
+24:
+    mov edx, edi
+    sub edx, {w0_lo}
+    cmp edx, {w0_n}
+    jb 3f
+    mov edx, edi
+    sub edx, {w1_lo}
+    cmp edx, {w1_n}
+    jb 3f
+    mov edx, edi
+    sub edx, {w2_lo}
+    cmp edx, {w2_n}
+    jb 3f
+    mov edx, edi
+    sub edx, {w3_lo}
+    cmp edx, {w3_n}
+    jb 3f
+    mov edx, edi
+    sub edx, {w4_lo}
+    cmp edx, {w4_n}
+    jb 3f
+    mov edx, edi
+    sub edx, {w5_lo}
+    cmp edx, {w5_n}
+    jb 3f
+    mov edx, edi
+    sub edx, {w6_lo}
+    cmp edx, {w6_n}
+    jb 3f
+    mov edx, edi
+    sub edx, {w7_lo}
+    cmp edx, {w7_n}
+    jb 3f
+    mov edx, edi
+    sub edx, {w8_lo}
+    cmp edx, {w8_n}
+    jb 3f
+    jmp 94f
+3:
+    mov ecx, edi
+    mov eax, esi
+    mov rdx, rsi
+    shr rdx, 32
+    wrmsr
+    xor eax, eax
+    iretq
+25:
+    mov ecx, edi
+    rdmsr
+    shl rdx, 32
+    or rax, rdx
+    iretq
+26:
+    invlpg [rdi]
+    xor eax, eax
+    iretq
+27:
+    mov rax, [rip + kpin_irq_pending]
+    or rax, [rip + kpin_irq_pending + 8]
+    or rax, [rip + kpin_irq_pending + 16]
+    or rax, [rip + kpin_irq_pending + 24]
+    jnz 28f
+    sti
+    hlt
+    cli
+28:
+    xor eax, eax
+    iretq
+
+    // Refusals: RDX = the reason (`gate_refusal`); the call ends as an unexpected #GP
+    // at the gate's `hlt`, reported with the registers (RAX = the operation, RDI and RSI
+    // its arguments) by the trap path.
+90:
+    mov edx, {refused_caller}
+    jmp kpin_gate_refuse
+92:
+    mov eax, {op_cr3}
+    mov edx, {refused_cr3}
+    jmp kpin_gate_refuse_args
+93:
+    mov edx, {refused_port}
+    jmp kpin_gate_refuse_args
+94:
+    mov edx, {refused_msr}
+    jmp kpin_gate_refuse_args
+95:
+    mov eax, {op_notify}
+    mov edx, {refused_notify}
+kpin_gate_refuse_args:
+    // Stack: RIP + 1, CS, RFLAGS, RSP, SS: back to the `hlt`, and an error code 0.
+    sub qword ptr [rsp], 1
+    push 0
+kpin_gate_refuse:
+    mov [rip + kpin_gate_refused], rdx
+    push {vec_gp}
+    jmp kpin_trap_common
+    .popsection
+
+    .pushsection .bss, "aw", @nobits
+    .balign 8
+    .global kpin_gate_stolen_base
+kpin_gate_stolen_base:
+    .skip 8
+    .global kpin_gate_refused
+kpin_gate_refused:
+    .skip 8
+    .popsection
+"#,
+    op_nop = const gate_op::NOP,
+    op_out8 = const gate_op::OUT8,
+    op_in8 = const gate_op::IN8,
+    op_cr3 = const gate_op::LOAD_CR3,
+    op_wrmsr = const gate_op::WRMSR,
+    op_rdmsr = const gate_op::RDMSR,
+    op_invlpg = const gate_op::INVLPG,
+    op_hlt = const gate_op::HLT,
+    op_out16 = const gate_op::OUT16,
+    op_out32 = const gate_op::OUT32,
+    op_in16 = const gate_op::IN16,
+    op_in32 = const gate_op::IN32,
+    op_cr4_sse = const gate_op::CR4_SSE,
+    op_rdmsr_safe = const gate_op::RDMSR_SAFE,
+    op_notify = const gate_op::NOTIFY,
+    cr4_sse_clear = const !(crate::ring0::layout::CR4_SSE_BITS as i64) as i32,
+    doorbell = const DOORBELL_PORT,
+    shadow_lo = const SHADOW_TABLES_OFFSET,
+    layout_bytes = const LAYOUT_BYTES,
+    boot_pt = const BOOT_PT_OFFSET,
+    engine_root = sym crate::ring0::page_tables::TABLES,
+    window_va = const WINDOW_VA,
+    w0_lo = const msr::GATE_WRITABLE[0].0,
+    w0_n = const msr::GATE_WRITABLE[0].1 - msr::GATE_WRITABLE[0].0 + 1,
+    w1_lo = const msr::GATE_WRITABLE[1].0,
+    w1_n = const msr::GATE_WRITABLE[1].1 - msr::GATE_WRITABLE[1].0 + 1,
+    w2_lo = const msr::GATE_WRITABLE[2].0,
+    w2_n = const msr::GATE_WRITABLE[2].1 - msr::GATE_WRITABLE[2].0 + 1,
+    w3_lo = const msr::GATE_WRITABLE[3].0,
+    w3_n = const msr::GATE_WRITABLE[3].1 - msr::GATE_WRITABLE[3].0 + 1,
+    w4_lo = const msr::GATE_WRITABLE[4].0,
+    w4_n = const msr::GATE_WRITABLE[4].1 - msr::GATE_WRITABLE[4].0 + 1,
+    w5_lo = const msr::GATE_WRITABLE[5].0,
+    w5_n = const msr::GATE_WRITABLE[5].1 - msr::GATE_WRITABLE[5].0 + 1,
+    w6_lo = const msr::GATE_WRITABLE[6].0,
+    w6_n = const msr::GATE_WRITABLE[6].1 - msr::GATE_WRITABLE[6].0 + 1,
+    w7_lo = const msr::GATE_WRITABLE[7].0,
+    w7_n = const msr::GATE_WRITABLE[7].1 - msr::GATE_WRITABLE[7].0 + 1,
+    w8_lo = const msr::GATE_WRITABLE[8].0,
+    w8_n = const msr::GATE_WRITABLE[8].1 - msr::GATE_WRITABLE[8].0 + 1,
+    refused_caller = const gate_refusal::CALLER,
+    refused_cr3 = const gate_refusal::CR3,
+    refused_port = const gate_refusal::PORT,
+    refused_msr = const gate_refusal::MSR,
+    refused_notify = const gate_refusal::NOTIFY,
+    vec_gp = const VEC_GP,
+);
+
+// The ports NOTIFY accepts and OUT/IN refuse are the two starting at the doorbell.
+const _: () = assert!(kpin_abi::ports::ENGINE_FAILURE_PORT == DOORBELL_PORT + 1);
+// The WRMSR check above tests exactly nine ranges.
+const _: () = assert!(msr::GATE_WRITABLE.len() == 9);
 
 /// Gate round trips made (for the run's counters).
 static CALLS: AtomicU64 = AtomicU64::new(0);
@@ -21,7 +390,7 @@ fn call(op: u64, a: u64, b: u64) -> u64 {
     CALLS.fetch_add(1, Ordering::Relaxed);
     let ret: u64;
     // SAFETY: `kpin_gate` is the gate of entry.rs: it preserves every register but RAX
-    // (result) and RDX, and the stack below RSP (the call pushes a return address; the
+    // (result), RCX and RDX, and the stack below RSP (the call pushes a return address; the
     // target has no red zone). Memory is treated as clobbered (CR3/MSR changes).
     unsafe {
         asm!(
@@ -30,6 +399,7 @@ fn call(op: u64, a: u64, b: u64) -> u64 {
             inout("rax") op => ret,
             in("rdi") a,
             in("rsi") b,
+            out("rcx") _,
             out("rdx") _,
         );
     }
@@ -44,6 +414,29 @@ pub fn nop() {
 /// `out port, value` (8 bits).
 pub fn out8(port: u16, value: u8) {
     call(gate_op::OUT8, u64::from(port), u64::from(value));
+}
+
+/// `out port, value` (8 bits) to one of the engine's own ports (the doorbell, the failure
+/// port): the only way to reach them (OUT8 refuses them).
+pub fn notify(port: u16, value: u8) {
+    call(gate_op::NOTIFY, u64::from(port), u64::from(value));
+}
+
+/// Calls the gate from outside the engine's `.text`: the return address it pushes is
+/// `fake_return` (a deliberate refusal, `bringup.crash=gate-caller`).
+pub fn call_from(fake_return: u64) -> ! {
+    // SAFETY: the gate refuses the call (the return address is not in .text) and the run
+    // ends in the fault report; nothing returns here.
+    unsafe {
+        asm!(
+            "push {ret}",
+            "jmp {gate}",
+            ret = in(reg) fake_return,
+            gate = sym kpin_gate,
+            in("rax") gate_op::NOP,
+            options(noreturn),
+        );
+    }
 }
 
 /// `in port` (8 bits).
@@ -106,6 +499,7 @@ pub fn rdmsr_safe(index: u32) -> Option<u64> {
             inout("rax") gate_op::RDMSR_SAFE => value,
             in("rdi") u64::from(index),
             in("rsi") 0u64,
+            out("rcx") _,
             out("rdx") failed,
         );
     }

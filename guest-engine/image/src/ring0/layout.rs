@@ -81,8 +81,26 @@ pub mod gate_op {
     pub const CR4_SSE: u64 = 12;
     /// `rdmsr` that survives a #GP: RDI = index; RAX = value, RDX = 0, or RDX = 1 on #GP.
     pub const RDMSR_SAFE: u64 = 13;
+    /// `out dx, al` to one of the engine's own ports (the doorbell, the failure port), the
+    /// only operation that may: RDI = port, RSI = value.
+    pub const NOTIFY: u64 = 14;
     /// What an unknown operation returns in RAX.
     pub const UNKNOWN: u64 = u64::MAX;
+}
+
+/// Why the gate refused a call (`kpin_gate_refused`, 0 while none was): the call ends the
+/// run as an engine failure with this reason and the caller's registers in `engine.log`.
+pub mod gate_refusal {
+    /// The return address the gate's caller pushed is not in the engine's `.text`.
+    pub const CALLER: u64 = 1;
+    /// LOAD_CR3 of a root the engine did not build.
+    pub const CR3: u64 = 2;
+    /// Port I/O on one of the engine's own ports through a port operation.
+    pub const PORT: u64 = 3;
+    /// WRMSR of an MSR the virtual CPU never passes through.
+    pub const MSR: u64 = 4;
+    /// NOTIFY of a port that is not the engine's.
+    pub const NOTIFY: u64 = 5;
 }
 
 /// Byte written to the failure port (`kpin_abi::ports::ENGINE_FAILURE_PORT`), for the

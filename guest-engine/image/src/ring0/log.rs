@@ -44,7 +44,7 @@ pub fn flush() {
     if let Some(p) = producer() {
         if p.used() > 0 {
             p.note_doorbell();
-            gate::out8(DOORBELL_PORT, 0);
+            gate::notify(DOORBELL_PORT, 0);
         }
     }
 }
@@ -60,14 +60,14 @@ pub fn push(kind: Kind, file: u16, payload: &[u8]) -> Result<(), RingError> {
     let r = match p.push(kind, file, payload) {
         Err(RingError::Full) => {
             p.note_doorbell();
-            gate::out8(DOORBELL_PORT, 0);
+            gate::notify(DOORBELL_PORT, 0);
             p.push(kind, file, payload)
         }
         r => r,
     };
     if p.wants_doorbell() {
         p.note_doorbell();
-        gate::out8(DOORBELL_PORT, 0);
+        gate::notify(DOORBELL_PORT, 0);
     }
     r
 }
@@ -101,7 +101,7 @@ pub fn write(level: LogLevel, args: fmt::Arguments<'_>) {
 /// engine's final report (exit status 3).
 pub fn fail() -> ! {
     flush();
-    gate::out8(ENGINE_FAILURE_PORT, fail_code::REPORTED);
+    gate::notify(ENGINE_FAILURE_PORT, fail_code::REPORTED);
     loop {
         core::hint::spin_loop();
     }

@@ -34,11 +34,13 @@ struct Tables {
     physmap_pd: [[u64; ENTRIES]; PHYSMAP_PDS],
 }
 
-struct Cell(UnsafeCell<Tables>);
+pub(crate) struct Cell(UnsafeCell<Tables>);
 // SAFETY: one vCPU; the tables are written only by `build`, before they are loaded.
 unsafe impl Sync for Cell {}
 
-static TABLES: Cell = Cell(UnsafeCell::new(Tables {
+/// The tables; the PML4 comes first, so the static's address is the engine's root (the
+/// gate's LOAD_CR3 check accepts it by symbol).
+pub(crate) static TABLES: Cell = Cell(UnsafeCell::new(Tables {
     pml4: [0; ENTRIES],
     window_pdpt: [0; ENTRIES],
     window_pd: [0; ENTRIES],

@@ -10,9 +10,12 @@
 //! * `bringup.gates=N` — gate round trips to measure (default [`DEFAULT_GATES`]);
 //! * `bringup.ticks=N` — PIT ticks to await at CPL 3 (default [`DEFAULT_TICKS`]);
 //! * `bringup.probe=true|false` — probe which PML4 slots CPL-3 code can read (default true);
-//! * `bringup.crash=pf|gp|ud|de|df|nested|ring0` — fault on purpose after the measurements
-//!   (`nested`: the fault reporter faults too, so ring 0 writes the failure port itself;
-//!   `ring0`: a RDMSR gate on a nonexistent MSR faults inside the ring-0 stub).
+//! * `bringup.crash=pf|gp|ud|de|df|nested|ring0|gate-caller|gate-cr3|gate-port|gate-msr|gate-notify`
+//!   — fault on purpose after the measurements (`nested`: the fault reporter faults too, so
+//!   ring 0 writes the failure port itself; `ring0`: a RDMSR gate on a nonexistent MSR
+//!   faults inside the ring-0 stub; `gate-*`: a gate call the gate refuses — from outside
+//!   the engine's `.text`, a CR3 root in the code cache, IN8 of the failure port, a WRMSR
+//!   of EFER, NOTIFY of COM1).
 
 use core::arch::asm;
 
@@ -49,6 +52,11 @@ enum Crash {
     Df,
     Nested,
     Ring0,
+    GateCaller,
+    GateCr3,
+    GatePort,
+    GateMsr,
+    GateNotify,
 }
 
 struct Options {
@@ -96,6 +104,11 @@ fn parse_options(text: &str) -> Result<Options, &str> {
                     "df" => Crash::Df,
                     "nested" => Crash::Nested,
                     "ring0" => Crash::Ring0,
+                    "gate-caller" => Crash::GateCaller,
+                    "gate-cr3" => Crash::GateCr3,
+                    "gate-port" => Crash::GatePort,
+                    "gate-msr" => Crash::GateMsr,
+                    "gate-notify" => Crash::GateNotify,
                     _ => return Err(word),
                 })
             }
@@ -149,7 +162,7 @@ pub extern "C" fn kpin_engine_main(attach: *const AttachBlock) -> ! {
     let opts = match parse_options(options) {
         Ok(o) => o,
         Err(word) => {
-            log!(Error, "engine: bad bring-up option {word:?} (known: bringup.checks=BOOL bringup.gates=N bringup.ticks=N bringup.probe=BOOL bringup.crash=pf|gp|ud|de|df|nested|ring0)");
+            log!(Error, "engine: bad bring-up option {word:?} (known: bringup.checks=BOOL bringup.gates=N bringup.ticks=N bringup.probe=BOOL bringup.crash=pf|gp|ud|de|df|nested|ring0|gate-caller|gate-cr3|gate-port|gate-msr|gate-notify)");
             fail();
         }
     };
@@ -482,6 +495,16 @@ fn crash(c: Crash) -> ! {
             Crash::Ring0 => {
                 gate::rdmsr(NO_SUCH_MSR);
             }
+            // The code cache is not .text: a return address there is refused.
+            Crash::GateCaller => gate::call_from(WINDOW_VA + kpin_abi::stolen::CODE_CACHE_OFFSET),
+            Crash::GateCr3 => gate::load_cr3(
+                crate::ring0::gate::kpin_gate_stolen_base + kpin_abi::stolen::CODE_CACHE_OFFSET,
+            ),
+            Crash::GatePort => {
+                gate::in8(kpin_abi::ports::ENGINE_FAILURE_PORT);
+            }
+            Crash::GateMsr => gate::wrmsr(kpin_abi::x86::msr::EFER, 0),
+            Crash::GateNotify => gate::notify(0x3f8, b'!'),
             Crash::Nested => {
                 crate::ring0::crash::fault_while_reporting();
                 asm!("ud2");

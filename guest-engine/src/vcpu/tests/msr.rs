@@ -175,3 +175,59 @@ fn test_writes_kvm_drops_are_dropped_without_a_fault() {
     assert_eq!(run(&mut v, WRMSR, &mut r), after(WRMSR));
     assert!(v.hw.wrmsrs.is_empty());
 }
+
+/// Every MSR the virtual CPU passes through to KVM, with every CPUID feature that enables
+/// one offered, is one the ring-0 gate lets WRMSR write (`msr::GATE_WRITABLE`); the
+/// engine's own MSRs are not.
+#[test]
+fn test_every_pass_through_msr_is_one_the_gate_writes() {
+    let mut b = block();
+    let n = b.cpuid_count as usize;
+    let kvm = u32::from_le_bytes(*b"KVMK");
+    let vmkv = u32::from_le_bytes(*b"VMKV");
+    let m = u32::from_le_bytes(*b"M\0\0\0");
+    b.cpuid[n] = cpuid_entry(0x4000_0000, [0x4000_0001, kvm, vmkv, m], false);
+    b.cpuid[n + 1] = cpuid_entry(0x4000_0001, [u32::MAX, 0, 0, 0], false);
+    b.cpuid_count += 2;
+    for e in b.cpuid.iter_mut().take(n) {
+        match e.function {
+            1 => e.ecx |= 1 << 21,
+            7 => e.ebx |= 1 << 1,
+            _ => {}
+        }
+    }
+    let file = crate::vcpu::MsrFile::new(&b);
+    let candidates = (0..0x2000)
+        .chain(0xc000_0000..0xc000_2000)
+        .chain(0x4b56_4d00..0x4b56_4e00);
+    let mut passed = 0;
+    for i in candidates {
+        if file.passes_through(i) {
+            passed += 1;
+            assert!(
+                msr::gate_writable(i),
+                "{i:#x} passes through, the gate refuses it"
+            );
+        }
+    }
+    // The microcode signature, APIC base, TSC_ADJUST, TSC_DEADLINE, 256 x2APIC registers,
+    // two old and two new kvm-clock MSRs, steal time, PV EOI, poll control.
+    assert_eq!(passed, 4 + 256 + 2 + 2 + 3);
+    for i in [msr::FS_BASE, msr::GS_BASE, msr::KERNEL_GS_BASE] {
+        assert!(msr::gate_writable(i), "{i:#x}");
+    }
+    for i in [
+        msr::EFER,
+        msr::STAR,
+        msr::LSTAR,
+        msr::SFMASK,
+        msr::PAT,
+        msr::TSC,
+        msr::TSC_AUX,
+        msr::SYSENTER_EIP,
+        msr::MISC_ENABLE,
+        0x4b56_4d02,
+    ] {
+        assert!(!msr::gate_writable(i), "{i:#x}");
+    }
+}

@@ -55,6 +55,27 @@ fn test_in_with_an_immediate_port() {
 }
 
 #[test]
+fn test_the_engines_own_ports_are_absent_for_the_guest() {
+    let b = block();
+    let mut v = vcpu(&b);
+    v.hw.in_value = 0x1234_5678;
+    for port in [
+        kpin_abi::ports::DOORBELL_PORT,
+        kpin_abi::ports::ENGINE_FAILURE_PORT,
+    ] {
+        let mut r = regs(0x1_0000_0001, u64::from(port));
+        assert_eq!(run(&mut v, OUT_DX_AL, &mut r), after(OUT_DX_AL));
+        assert_eq!(run(&mut v, IN_AL_DX, &mut r), after(IN_AL_DX));
+        assert_eq!(r.get(Gpr::Rax), 0x1_0000_00ff, "AL reads all ones");
+        assert_eq!(run(&mut v, IN_EAX_DX, &mut r), after(IN_EAX_DX));
+        assert_eq!(r.get(Gpr::Rax), 0xffff_ffff, "EAX reads all ones");
+    }
+    assert!(v.hw.outs.is_empty(), "{:?}", v.hw.outs);
+    assert!(v.hw.ins.is_empty(), "{:?}", v.hw.ins);
+    assert_eq!((v.stats.outs, v.stats.ins), (2, 4));
+}
+
+#[test]
 fn test_out_at_cpl3_with_iopl0_is_gp0_and_reaches_no_port() {
     let b = block();
     let mut v = vcpu(&b);

@@ -242,6 +242,9 @@ fn on_exception(frame: &mut TrapFrame) {
         // from ring 3), so the saved kernel context is valid.
         unsafe { user_return(frame.rax) };
     }
+    if from_user {
+        crate::steps::probe::note_user_fault(frame, cr2);
+    }
     if let Some(fixup) = lookup_fixup(frame.rip, from_user) {
         frame.rip = fixup;
         IN_EXCEPTION.set(false);

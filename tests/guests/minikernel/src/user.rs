@@ -36,7 +36,30 @@ extern "C" {
     static user_priv_cli: u8;
     static user_priv_rdmsr: u8;
     static user_priv_movcr3: u8;
+    static user_prog_probe_slots: u8;
+    static user_prog_probe_list: u8;
+    static user_probe_read: u8;
+    static user_probe_write: u8;
 }
+
+/// PML4 slots the `user-probe` slots program probes per ring-3 run (each run has its own
+/// watchdog).
+pub const PROBE_SLOTS_PER_RUN: u64 = 64;
+
+/// Addresses the `user-probe` list program reads and writes, besides one per PML4 slot
+/// (the engine window's start, its engine image and code cache, the engine's physmap at
+/// guest-physical 0, the zero page and this kernel's image, non-canonical addresses;
+/// `gen_expected.py` counts them).
+pub const PROBE_TARGETS: [u64; 8] = [
+    0xffff_8080_0000_0000,
+    0xffff_8080_0020_0000,
+    0xffff_8080_0480_0000,
+    0xffff_8100_0000_0000,
+    0xffff_8100_0000_7000,
+    0xffff_8100_0010_0000,
+    0x0000_8000_0000_0000,
+    0x8000_0000_0000_0000,
+];
 
 global_asm!(
     r#"
@@ -145,6 +168,74 @@ user_prog_selectors:
     and ebx, 0x200
     jmp user_exit_gate
 
+    // Step `user-probe`: reads and writes addresses the task has no access to; each must
+    // fault (the kernel checks and counts it, `steps::probe`) and continues through
+    // __ex_table. `slots`: the first address of PML4 slots RDI..RDI+PROBE_SLOTS_PER_RUN;
+    // `list`: the PROBE_TARGETS table. RAX = accesses that did not fault.
+    .balign 16
+    .global user_prog_probe_slots
+user_prog_probe_slots:
+    xor ebx, ebx
+    mov r12, rdi
+    mov r13d, {slots_per_run}
+2:
+    test r13, r13
+    jz 3f
+    mov rdi, r12
+    shl rdi, 39
+    cmp r12, 256
+    jb 4f
+    movabs rax, 0xffff000000000000
+    or rdi, rax
+4:
+    call user_probe_access
+    inc r12
+    dec r13
+    jmp 2b
+3:
+    mov rax, rbx
+    jmp user_exit_gate
+
+    .balign 16
+    .global user_prog_probe_list
+user_prog_probe_list:
+    xor ebx, ebx
+    lea r12, [rip + user_probe_targets]
+    mov r13d, {n_targets}
+2:
+    mov rdi, [r12]
+    call user_probe_access
+    add r12, 8
+    dec r13
+    jnz 2b
+    mov rax, rbx
+    jmp user_exit_gate
+
+    // RDI = an address: read it, then write back what was read (a write that wrongly
+    // succeeds changes nothing); RBX counts the accesses that did not fault.
+user_probe_access:
+    xor eax, eax
+    .global user_probe_read
+user_probe_read:
+    mov rax, [rdi]
+    inc rbx
+user_probe_read_done:
+    .global user_probe_write
+user_probe_write:
+    mov [rdi], rax
+    inc rbx
+user_probe_write_done:
+    ret
+    .pushsection __ex_table, "a"
+    .balign 8
+    .quad user_probe_read, user_probe_read_done
+    .quad user_probe_write, user_probe_write_done
+    .popsection
+
+    .balign 8
+user_probe_targets:
+    .quad {t0}, {t1}, {t2}, {t3}, {t4}, {t5}, {t6}, {t7}
+
     // Crash self-test `user-hang`: never comes back (the watchdog must report it).
     .balign 16
     .global user_prog_hang
@@ -156,6 +247,16 @@ user_prog_hang:
     sys_add = const SYS_ADD,
     sys_write = const SYS_WRITE,
     sys_exit = const SYS_EXIT,
+    n_targets = const PROBE_TARGETS.len(),
+    slots_per_run = const PROBE_SLOTS_PER_RUN,
+    t0 = const PROBE_TARGETS[0],
+    t1 = const PROBE_TARGETS[1],
+    t2 = const PROBE_TARGETS[2],
+    t3 = const PROBE_TARGETS[3],
+    t4 = const PROBE_TARGETS[4],
+    t5 = const PROBE_TARGETS[5],
+    t6 = const PROBE_TARGETS[6],
+    t7 = const PROBE_TARGETS[7],
 );
 
 /// A ring-3 program.
@@ -173,6 +274,10 @@ pub enum Program {
     Selectors,
     /// Loops forever (crash self-test).
     Hang,
+    /// Reads and writes the first address of PML4 slots RDI.. ([`PROBE_SLOTS_PER_RUN`]).
+    ProbeSlots,
+    /// Reads and writes each of [`PROBE_TARGETS`].
+    ProbeList,
 }
 
 /// How the kernel enters ring 3.
@@ -239,7 +344,17 @@ fn entry_va(program: Program) -> u64 {
         Program::Irq => addr_of!(user_prog_irq),
         Program::Selectors => addr_of!(user_prog_selectors),
         Program::Hang => addr_of!(user_prog_hang),
+        Program::ProbeSlots => addr_of!(user_prog_probe_slots),
+        Program::ProbeList => addr_of!(user_prog_probe_list),
     })
+}
+
+/// The user VAs of the `user-probe` programs' read and write instructions.
+pub fn probe_access_vas() -> (u64, u64) {
+    (
+        user_va(addr_of!(user_probe_read)),
+        user_va(addr_of!(user_probe_write)),
+    )
 }
 
 /// Physical frame of the page shared with the tick handler ([`USER_SHARED_VA`]).

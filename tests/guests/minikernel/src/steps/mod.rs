@@ -13,6 +13,7 @@
 mod cpu;
 mod faults;
 mod memory;
+pub mod probe;
 mod ring3;
 mod timer;
 
@@ -55,7 +56,9 @@ pub static STEPS: [Step; 19] = [
     Step { number: 18, name: "sysret", native_unsafe: false, run: ring3::sysret_to_cpl3 },
 ];
 
-/// Runs (or skips) every step in order. Step 0 (`boot`) always runs.
+/// Runs (or skips) every step in order. Step 0 (`boot`) always runs. With `kpin.probe=1`,
+/// the opt-in step 19 (`user-probe`, `probe.rs`) follows; without it the transcript is
+/// exactly `expected.txt`'s.
 pub fn run_all() {
     for step in &STEPS {
         print("step ");
@@ -71,6 +74,10 @@ pub fn run_all() {
         } else {
             (step.run)();
         }
+    }
+    if crate::bootinfo::option("kpin.probe=") == Some(b"1") {
+        print("step 19 user-probe: ");
+        probe::user_probe();
     }
 }
 
