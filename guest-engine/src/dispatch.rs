@@ -34,6 +34,7 @@ use crate::layout::{
 };
 use crate::link::branch_target;
 use crate::platform::{Emulation, Platform, SensitiveInsn};
+use crate::profile;
 use crate::softtlb::SoftTlb;
 
 /// Engine configuration.
@@ -421,6 +422,7 @@ impl Engine {
             self.stats.pressure_flushes += 1;
         }
         let t0 = self.now();
+        let prof_prev = profile::switch(profile::TRANSLATE);
         let decoded = decode_trace(mem, va, pa, mode, &mut self.scratch)
             .map_err(|f| Stop::FetchFault(f.0))?;
         // The engine's own block counts go first at each block start.
@@ -515,6 +517,7 @@ impl Engine {
         self.stats.guest_bytes += decoded.guest_bytes;
         self.stats.cache_bytes += tr.code.len() as u64;
         self.stats.translate_ns += self.now().wrapping_sub(t0);
+        profile::switch(prof_prev);
         Ok(id)
     }
 
@@ -616,6 +619,7 @@ impl Engine {
                 }
                 Next::Enter(pc) => pc,
             };
+            profile::switch(profile::TRANSLATED);
             // SAFETY: `target` is a fragment body or a resume PC inside the cache,
             // produced by the translator for the current context; the context holds a
             // guest state that code expects (the state at that point).
@@ -625,8 +629,10 @@ impl Engine {
                 self.stats.exits[kind as usize] += 1;
             }
             if kind == EXIT_FAULT {
+                profile::switch_charging(profile::TRANSLATED_TO_FAULT, profile::DISPATCH);
                 return self.stop_at_fault(mem);
             }
+            profile::switch(exit_slot(kind));
             if kind == EXIT_IBL_MISS {
                 let va = GuestVirt(self.ctx().ibl_target);
                 self.rip = va;
@@ -687,7 +693,10 @@ impl Engine {
                     // records resolve their PAs under the ones their accesses used.
                     // SAFETY: see the top of `run_inner`.
                     let fetch = self.emulated_fetch(mem, unsafe { &mut **tp }, &s);
-                    match platform.emulate(&s, &mut self.ctx_mut().regs) {
+                    profile::switch(profile::emulation_slot(s.kind));
+                    let emulation = platform.emulate(&s, &mut self.ctx_mut().regs);
+                    profile::switch(profile::DISPATCH);
+                    match emulation {
                         Emulation::Continue(n) => {
                             // SAFETY: see the top of `run_inner`.
                             Self::deliver_fetch(unsafe { &mut **tp }, fetch);
@@ -771,5 +780,16 @@ impl Engine {
         }
         self.cache.clear_lookups();
         victims.len()
+    }
+}
+
+/// The profile slot of the dispatcher's work after an exit of `kind`.
+fn exit_slot(kind: u32) -> usize {
+    match kind {
+        EXIT_DIRECT => profile::EXIT_DIRECT,
+        EXIT_IBL_MISS => profile::EXIT_IBL_MISS,
+        EXIT_PA_MISMATCH => profile::EXIT_PA_MISMATCH,
+        EXIT_BUFFER_FULL | EXIT_ANALYSIS_CALL => profile::TOOL,
+        _ => profile::DISPATCH,
     }
 }

@@ -24,6 +24,7 @@ pub mod layout;
 mod link;
 pub mod native;
 pub mod platform;
+pub mod profile;
 pub mod recover;
 pub mod shadow_mmu;
 mod softtlb;

@@ -21,6 +21,7 @@ pub mod bringup;
 pub mod cache_page_fault;
 pub mod error;
 pub mod guest_dump;
+pub mod profile;
 pub mod tools;
 pub mod vcpu;
 
@@ -28,6 +29,7 @@ use alloc::string::String;
 use core::cell::RefCell;
 use core::fmt::Write;
 
+use guest_engine::profile as prof;
 use guest_engine::shadow_mmu::{GuestFault, View};
 use guest_engine::{exit_code, Config, Engine, GuestVirt, Stop};
 use kpin_abi::attach::AttachBlock;
@@ -171,9 +173,12 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
     let mut vcpu = Vcpu::new(block, Ring0, ShadowPort::new(&shadow));
     let mut progress = cache_page_fault::Progress::default();
     let t0 = timer::tsc();
+    prof::start();
     irq::hand_over(&engine);
     loop {
+        prof::switch(profile::SHADOW_WORK);
         tell_translator(&mut engine, &shadow);
+        prof::switch(prof::ENGINE);
         // Traces are keyed by mode: it follows the virtual CPL (deliveries in this loop
         // change it outside `emulate`).
         if engine.mode() != vcpu.mode() {
@@ -260,6 +265,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                     )
                 };
                 let done = if vector == u64::from(VEC_PF) {
+                    prof::switch(profile::SHADOW_FILL);
                     let hw = cache_page_fault::HwPageFault {
                         guest_pc,
                         cr2,
@@ -282,11 +288,13 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                             Ok(())
                         }
                         Ok(Action::Reflect(f)) => {
+                            prof::switch_charging(profile::GUEST_FAULT, profile::GUEST_FAULT);
                             reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, guest_pc)
                         }
                         Err(e) => Err(e),
                     }
                 } else {
+                    prof::switch(profile::GUEST_FAULT);
                     let ev = Event::from_hardware(vector as u8, error as u32);
                     deliver_at(&mut engine, &mut vcpu, guest_pc.0, ev)
                 };
@@ -297,6 +305,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
             }
             Stop::FetchFault(va) => {
                 // The instruction starts at the engine's RIP (`va` may be its second page).
+                prof::switch(profile::GUEST_FAULT);
                 let rip = engine.rip();
                 let why = match cache_page_fault::fetch_fault(&shadow, vcpu.mode(), va) {
                     Some(f) => reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, rip),
@@ -309,6 +318,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
             }
             Stop::Attention(va) => {
                 // State is precise at `va`. Only interrupts set attention so far.
+                prof::switch(profile::INTERRUPT);
                 engine.set_attention(0);
                 match vcpu.deliver_pending(engine.regs_mut(), va.0) {
                     Ok(Some(handler)) => engine.set_rip(GuestVirt(handler)),
@@ -452,6 +462,7 @@ fn report(
     tool: &mut Chosen,
     cycles: u64,
 ) {
+    prof::switch(profile::REPORT);
     let st = engine.stats();
     let (heap_now, heap_peak) = heap::usage();
     log!(
@@ -534,6 +545,13 @@ fn report(
         .u64("ring_doorbells", log::doorbells())
         .u64("tsc_cycles", cycles)
         .u64("heap_peak_bytes", heap_peak);
+    let table = profile::write(&mut j);
+    for line in table.lines().take(16) {
+        log!(Info, "engine: profile: {line}");
+    }
+    if let Err(e) = tools::write_file("profile.txt", table.as_bytes()) {
+        log!(Error, "engine: cannot write profile.txt: {e}");
+    }
     let text = j.finish();
     if let Err(e) = tools::write_file("counters.json", text.as_bytes()) {
         log!(Error, "engine: cannot write counters.json: {e}");
