@@ -170,7 +170,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
 
     arm_fault_redirect(&engine);
     let mut mem = ShadowedMemory::new(&shadow);
-    let mut vcpu = Vcpu::new(block, Ring0, ShadowPort::new(&shadow));
+    let mut vcpu = Vcpu::new(block, Ring0::default(), ShadowPort::new(&shadow));
     let mut progress = cache_page_fault::Progress::default();
     let t0 = timer::tsc();
     prof::start();
@@ -529,6 +529,8 @@ fn report(
         .u64("port_out", v.outs)
         .u64("port_in", v.ins)
         .u64("cpuid", v.cpuids)
+        // Of the port reads, COM1 line-status reads the engine answered itself.
+        .u64("port_in_answered_in_engine", vcpu.hw.com1.answered)
         .end();
     j.begin("events")
         .u64("interrupts_delivered", v.interrupts)
