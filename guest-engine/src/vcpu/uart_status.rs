@@ -86,7 +86,7 @@ impl LineStatusCache {
             }
             // THR (or the divisor latch): with LOOP clear the byte leaves at once and the
             // LSR is unchanged; in loopback (or an unknown MCR) it may set Data Ready.
-            COM1 if !self.mcr.is_some_and(|m| m & MCR_LOOP == 0) => self.lsr = None,
+            COM1 if self.mcr.is_none_or(|m| m & MCR_LOOP != 0) => self.lsr = None,
             _ => {}
         }
     }
