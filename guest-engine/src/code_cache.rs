@@ -11,7 +11,8 @@
 //! are valid only while the VA → PA mappings they were inserted under hold (they are
 //! cleared whenever the SoftTLB replaces a mapping or the embedder drops mappings). Every
 //! filled slot is remembered (up to `FILLED_SLOTS_MAX` per table) so that a clear costs
-//! O(fills).
+//! O(fills). The dispatcher's front cache (`fast_lookup.rs`) has the IBL tables'
+//! lifetime and is cleared with them.
 
 use alloc::collections::BTreeMap;
 use alloc::vec::Vec;
@@ -20,6 +21,7 @@ use crate::addr::{CachePc, GuestPhys, GuestVirt, PAGE_BYTES};
 use crate::arch::{emit_gencode, CtxAddrs, Gencode, XsaveAreas};
 use crate::context::CacheContext;
 use crate::error::EngineError;
+use crate::fast_lookup::FastLookup;
 use crate::fragment::{ExitRecord, Fragment};
 use crate::guest_memory::Mode;
 use crate::layout::{
@@ -67,6 +69,8 @@ pub(crate) struct CodeCache {
     pub generation: u64,
     ibl_filled: [Filled; MODE_SLOTS],
     rc_filled: [Filled; MODE_SLOTS],
+    /// The dispatcher's front cache, emptied with the IBL tables.
+    pub fast: FastLookup,
 }
 
 impl CodeCache {
@@ -109,6 +113,7 @@ impl CodeCache {
             generation: 0,
             ibl_filled: Default::default(),
             rc_filled: Default::default(),
+            fast: FastLookup::new(),
         })
     }
 
@@ -165,6 +170,7 @@ impl CodeCache {
     /// Empties every mode's IBL table and return cache, touching only filled slots unless
     /// a table overflowed its fill list.
     pub(crate) fn clear_lookups(&mut self) {
+        self.fast.clear();
         for m in 0..MODE_SLOTS {
             let ibl = self.ibl_table(m) as *mut u8;
             let f = &mut self.ibl_filled[m];

@@ -411,10 +411,15 @@ impl Engine {
         va: GuestVirt,
     ) -> Result<u32, Stop> {
         let mode = self.mode;
+        if let Some((pa, id)) = self.cache.fast.get(va, mode) {
+            self.note_mapping(va, pa);
+            return Ok(id);
+        }
         let pa_page = mem.translate(va.page(), mode).ok_or(Stop::FetchFault(va))?;
         let pa = GuestPhys(pa_page.0 + (va.0 - va.page().0));
         self.note_mapping(va, pa);
         if let Some(id) = self.cache.lookup(va, pa, mode) {
+            self.cache.fast.put(va, mode, pa, id);
             return Ok(id);
         }
         if self.config.memory_pressure.is_some_and(|f| f()) {
@@ -512,6 +517,7 @@ impl Engine {
             incoming: Vec::new(),
         });
         self.cache.by_key.insert((va.0, pa.0, mode.0), id);
+        self.cache.fast.put(va, mode, pa, id);
         self.stats.fragments += 1;
         self.stats.guest_insns += decoded.insns.len() as u64;
         self.stats.guest_bytes += decoded.guest_bytes;
@@ -632,7 +638,7 @@ impl Engine {
                 profile::switch_charging(profile::TRANSLATED_TO_FAULT, profile::DISPATCH);
                 return self.stop_at_fault(mem);
             }
-            profile::switch(exit_slot(kind));
+            profile::switch(profile::exit_slot(kind));
             if kind == EXIT_IBL_MISS {
                 let va = GuestVirt(self.ctx().ibl_target);
                 self.rip = va;
@@ -780,16 +786,5 @@ impl Engine {
         }
         self.cache.clear_lookups();
         victims.len()
-    }
-}
-
-/// The profile slot of the dispatcher's work after an exit of `kind`.
-fn exit_slot(kind: u32) -> usize {
-    match kind {
-        EXIT_DIRECT => profile::EXIT_DIRECT,
-        EXIT_IBL_MISS => profile::EXIT_IBL_MISS,
-        EXIT_PA_MISMATCH => profile::EXIT_PA_MISMATCH,
-        EXIT_BUFFER_FULL | EXIT_ANALYSIS_CALL => profile::TOOL,
-        _ => profile::DISPATCH,
     }
 }

@@ -16,6 +16,7 @@ mod code_cache;
 pub mod context;
 pub mod dispatch;
 pub mod error;
+mod fast_lookup;
 mod fragment;
 pub mod guest_memory;
 mod insn_count;

@@ -201,6 +201,18 @@ const EMULATION_NAMES: [&str; SensitiveKind::COUNT] = [
     "emulate: other",
 ];
 
+/// The profile slot of the dispatcher's work after an exit of `kind`.
+pub(crate) fn exit_slot(kind: u32) -> usize {
+    use crate::arch::x86_64::entry as e;
+    match kind {
+        e::EXIT_DIRECT => EXIT_DIRECT,
+        e::EXIT_IBL_MISS => EXIT_IBL_MISS,
+        e::EXIT_PA_MISMATCH => EXIT_PA_MISMATCH,
+        e::EXIT_BUFFER_FULL | e::EXIT_ANALYSIS_CALL => TOOL,
+        _ => DISPATCH,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

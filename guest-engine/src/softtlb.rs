@@ -163,9 +163,14 @@ impl Engine {
     pub(crate) fn revalidate(&mut self, mem: &mut dyn GuestMemory, id: u32) -> bool {
         let f = &self.cache.fragments[id as usize];
         let (va, pa, mode) = (f.start, f.pa, f.mode);
+        if self.cache.fast.get(va, mode) == Some((pa, id)) {
+            self.note_mapping(va, pa);
+            return true;
+        }
         let now = mem.translate(va.page(), mode);
         if now == Some(pa.page()) && self.cache.lookup(va, pa, mode) == Some(id) {
             self.note_mapping(va, pa);
+            self.cache.fast.put(va, mode, pa, id);
             true
         } else {
             self.unlink_incoming(id);
