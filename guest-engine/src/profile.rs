@@ -125,7 +125,10 @@ pub fn switch_charging(instead: usize, slot: usize) {
         &CYCLES[instead],
         now.wrapping_sub(LAST.load(Ordering::Relaxed)),
     );
-    add(&ENTRIES[slot], 1);
+    if slot != instead {
+        // Else the work goes on in `instead`, as the entry just moved there.
+        add(&ENTRIES[slot], 1);
+    }
     LAST.store(now, Ordering::Relaxed);
     CURRENT.store(slot, Ordering::Relaxed);
 }
