@@ -103,7 +103,8 @@ pub fn switch(slot: usize) -> usize {
 /// Like [`switch`], but the cycles since the last switch (and the entry counted then)
 /// are charged to `instead` rather than to the current activity: for work whose kind is
 /// known only at its end (a cache run that ended in a fault, a page fault that turned out
-/// to be self-modifying code).
+/// to be self-modifying code). With `slot == instead` the work goes on there as the same
+/// entry.
 #[inline]
 pub fn switch_charging(instead: usize, slot: usize) {
     if !ON.load(Ordering::Relaxed) {
