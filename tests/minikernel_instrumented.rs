@@ -1,7 +1,7 @@
 //! The mini-kernel runs fully instrumented (issue #4): under `--tool null` it prints
 //! `expected.txt` exactly — every step, including those this KVM cannot run natively
 //! (`syscall` at CPL 3, selector reads at CPL 3) — and powers off; the engine's
-//! `counters.json` reports work at both virtual CPLs; under `--tool bbcount` the per-block
+//! `counters.json` reports work at both virtual CPLs and a cycle profile; under `--tool bbcount` the per-block
 //! counts, with the instructions the engine emulated outside the cache, sum to the
 //! engine's own instruction count and the body of `known_loop_1000`
 //! runs exactly 1000 times.
@@ -66,6 +66,24 @@ fn test_minikernel_under_null_tool_prints_every_step_of_expected_txt() {
     assert!(counter(&c, "/smc/frames_invalidated") >= 1, "{c}");
     assert!(counter(&c, "/shadow/fills") > 0, "{c}");
     assert!(counter(&c, "/gate_calls") > 0, "{c}");
+    // The cycle profile: exclusive activities that add up to its total, with entries
+    // that match the counters they mirror.
+    let total = counter(&c, "/profile/total_cycles");
+    let rows = c["profile"].as_object().expect("profile object");
+    let sum: u64 = rows
+        .values()
+        .filter_map(|v| v.get("cycles").and_then(serde_json::Value::as_u64))
+        .sum();
+    assert_eq!(sum, total, "{c}");
+    assert!(counter(&c, "/profile/translated_code/cycles") > 0, "{c}");
+    assert!(counter(&c, "/profile/emulate_port_i_o/count") > 0, "{c}");
+    assert_eq!(
+        counter(&c, "/profile/page_fault_write_to_a_code_frame_smc/count"),
+        counter(&c, "/shadow/write_protect_faults"),
+        "{c}"
+    );
+    let table = std::fs::read_to_string(dir.join("profile.txt")).expect("profile.txt");
+    assert!(table.contains("translated code"), "{table}");
 }
 
 /// The bytes of the loaded image at `va` (the mini-kernel's PT_LOAD segments).

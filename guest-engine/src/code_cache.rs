@@ -11,7 +11,8 @@
 //! are valid only while the VA → PA mappings they were inserted under hold (they are
 //! cleared whenever the SoftTLB replaces a mapping or the embedder drops mappings). Every
 //! filled slot is remembered (up to `FILLED_SLOTS_MAX` per table) so that a clear costs
-//! O(fills).
+//! O(fills). The dispatcher's front cache (`fast_lookup.rs`) has the IBL tables'
+//! lifetime and is cleared with them.
 
 use alloc::collections::BTreeMap;
 use alloc::vec::Vec;
@@ -20,6 +21,7 @@ use crate::addr::{CachePc, GuestPhys, GuestVirt, PAGE_BYTES};
 use crate::arch::{emit_gencode, CtxAddrs, Gencode, XsaveAreas};
 use crate::context::CacheContext;
 use crate::error::EngineError;
+use crate::fast_lookup::FastLookup;
 use crate::fragment::{ExitRecord, Fragment};
 use crate::guest_memory::Mode;
 use crate::layout::{
@@ -67,6 +69,8 @@ pub(crate) struct CodeCache {
     pub generation: u64,
     ibl_filled: [Filled; MODE_SLOTS],
     rc_filled: [Filled; MODE_SLOTS],
+    /// The dispatcher's front cache, emptied with the IBL tables.
+    pub fast: FastLookup,
 }
 
 impl CodeCache {
@@ -109,6 +113,7 @@ impl CodeCache {
             generation: 0,
             ibl_filled: Default::default(),
             rc_filled: Default::default(),
+            fast: FastLookup::new(),
         })
     }
 
@@ -165,6 +170,7 @@ impl CodeCache {
     /// Empties every mode's IBL table and return cache, touching only filled slots unless
     /// a table overflowed its fill list.
     pub(crate) fn clear_lookups(&mut self) {
+        self.fast.clear();
         for m in 0..MODE_SLOTS {
             let ibl = self.ibl_table(m) as *mut u8;
             let f = &mut self.ibl_filled[m];
@@ -197,6 +203,64 @@ impl CodeCache {
                 }
             }
             *f = Filled::default();
+        }
+    }
+
+    /// Empties what every mode's IBL table and return cache hold for the VAs of `page`
+    /// (a page-aligned VA) and the front cache: both tables are indexed by the low 16
+    /// bits of the VA, so a page's entries lie in one run of 4096 slots (IBL: plus the
+    /// second way of its last bucket), and the IBL's tag tells which are the page's. The
+    /// fill lists keep their slots (a later whole clear zeroes them again).
+    pub(crate) fn clear_lookups_page(&mut self, page: GuestVirt) {
+        self.fast.clear();
+        let span = PAGE_BYTES as usize;
+        let first = (page.0 as usize) & ((1 << IBL_HASH_BITS) - 1) & !(span - 1);
+        let rc_first = (page.0 as usize) % RC_ENTRIES;
+        for m in 0..MODE_SLOTS {
+            let ibl = self.ibl_table(m) as *mut u64;
+            let clear_bucket = |i: usize| {
+                // SAFETY: bucket i < IBL_ENTRIES lies inside the table; 16 bytes each.
+                unsafe {
+                    let tag = ibl.add(2 * i);
+                    let t = tag.read();
+                    if t != 0 && t.wrapping_neg() & !(PAGE_BYTES - 1) == page.0 {
+                        tag.write(0);
+                        tag.add(1).write(0);
+                    }
+                }
+            };
+            let last = (first + span).min(IBL_ENTRIES - 1);
+            let f = &self.ibl_filled[m];
+            if !f.overflow && f.slots.len() < span {
+                // Fewer fills than the page has slots: visit those (a fill wrote bucket
+                // i or i + 1).
+                for &i in &f.slots {
+                    let i = i as usize;
+                    if (first..=last).contains(&i) {
+                        clear_bucket(i);
+                    }
+                    if (first..=last).contains(&(i + 1)) {
+                        clear_bucket(i + 1);
+                    }
+                }
+            } else {
+                (first..=last).for_each(clear_bucket);
+            }
+            let rc = self.rc_table(m) as *mut u64;
+            let f = &self.rc_filled[m];
+            if !f.overflow && f.slots.len() < span {
+                for &i in &f.slots {
+                    let i = i as usize;
+                    if (rc_first..rc_first + span).contains(&i) {
+                        // SAFETY: i < RC_ENTRIES (it was a slot index when filled).
+                        unsafe { rc.add(i).write(0) };
+                    }
+                }
+            } else {
+                // SAFETY: RC_ENTRIES is a multiple of the page size, so the run of `span`
+                // slots from a page-aligned index stays inside the return cache.
+                unsafe { core::ptr::write_bytes(rc.add(rc_first), 0, span) };
+            }
         }
     }
 

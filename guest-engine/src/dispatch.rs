@@ -34,6 +34,7 @@ use crate::layout::{
 };
 use crate::link::branch_target;
 use crate::platform::{Emulation, Platform, SensitiveInsn};
+use crate::profile;
 use crate::softtlb::SoftTlb;
 
 /// Engine configuration.
@@ -410,10 +411,15 @@ impl Engine {
         va: GuestVirt,
     ) -> Result<u32, Stop> {
         let mode = self.mode;
+        if let Some((pa, id)) = self.cache.fast.get(va, mode) {
+            self.note_mapping(va, pa);
+            return Ok(id);
+        }
         let pa_page = mem.translate(va.page(), mode).ok_or(Stop::FetchFault(va))?;
         let pa = GuestPhys(pa_page.0 + (va.0 - va.page().0));
         self.note_mapping(va, pa);
         if let Some(id) = self.cache.lookup(va, pa, mode) {
+            self.cache.fast.put(va, mode, pa, id);
             return Ok(id);
         }
         if self.config.memory_pressure.is_some_and(|f| f()) {
@@ -421,6 +427,7 @@ impl Engine {
             self.stats.pressure_flushes += 1;
         }
         let t0 = self.now();
+        let prof_prev = profile::switch(profile::TRANSLATE);
         let decoded = decode_trace(mem, va, pa, mode, &mut self.scratch)
             .map_err(|f| Stop::FetchFault(f.0))?;
         // The engine's own block counts go first at each block start.
@@ -510,11 +517,13 @@ impl Engine {
             incoming: Vec::new(),
         });
         self.cache.by_key.insert((va.0, pa.0, mode.0), id);
+        self.cache.fast.put(va, mode, pa, id);
         self.stats.fragments += 1;
         self.stats.guest_insns += decoded.insns.len() as u64;
         self.stats.guest_bytes += decoded.guest_bytes;
         self.stats.cache_bytes += tr.code.len() as u64;
         self.stats.translate_ns += self.now().wrapping_sub(t0);
+        profile::switch(prof_prev);
         Ok(id)
     }
 
@@ -616,6 +625,7 @@ impl Engine {
                 }
                 Next::Enter(pc) => pc,
             };
+            profile::switch(profile::TRANSLATED);
             // SAFETY: `target` is a fragment body or a resume PC inside the cache,
             // produced by the translator for the current context; the context holds a
             // guest state that code expects (the state at that point).
@@ -625,8 +635,10 @@ impl Engine {
                 self.stats.exits[kind as usize] += 1;
             }
             if kind == EXIT_FAULT {
+                profile::switch_charging(profile::TRANSLATED_TO_FAULT, profile::DISPATCH);
                 return self.stop_at_fault(mem);
             }
+            profile::switch(profile::exit_slot(kind));
             if kind == EXIT_IBL_MISS {
                 let va = GuestVirt(self.ctx().ibl_target);
                 self.rip = va;
@@ -687,7 +699,10 @@ impl Engine {
                     // records resolve their PAs under the ones their accesses used.
                     // SAFETY: see the top of `run_inner`.
                     let fetch = self.emulated_fetch(mem, unsafe { &mut **tp }, &s);
-                    match platform.emulate(&s, &mut self.ctx_mut().regs) {
+                    profile::switch(profile::emulation_slot(s.kind));
+                    let emulation = platform.emulate(&s, &mut self.ctx_mut().regs);
+                    profile::switch(profile::DISPATCH);
+                    match emulation {
                         Emulation::Continue(n) => {
                             // SAFETY: see the top of `run_inner`.
                             Self::deliver_fetch(unsafe { &mut **tp }, fetch);

@@ -22,7 +22,8 @@
 //!   mapping that `GuestMemory::translate` returned since the last
 //!   `invalidate_all_mappings` / `invalidate_page` of that VA;
 //! * whenever a fill replaces a different PA for the same VA, every mode's IBL table and
-//!   return cache are cleared (their entries were made under the old mapping);
+//!   return cache entries for that VA's page are cleared (they were made under the old
+//!   mapping; entries of other pages were not);
 //! * the emitted check reads only the slot it was translated for, flag-free (`lea` +
 //!   `jrcxz`), with RCX and RDX spilled and restored, and on failure reaches its exit
 //!   stub with exactly those two registers in their spill slots ([`PA_CHECK_SPILLED`]).
@@ -150,7 +151,7 @@ impl Engine {
     /// and return cache is cleared.
     pub(crate) fn note_mapping(&mut self, va: GuestVirt, pa: GuestPhys) {
         if self.softtlb.fill(va, pa) {
-            self.cache.clear_lookups();
+            self.cache.clear_lookups_page(va.page());
         }
     }
 
@@ -163,9 +164,14 @@ impl Engine {
     pub(crate) fn revalidate(&mut self, mem: &mut dyn GuestMemory, id: u32) -> bool {
         let f = &self.cache.fragments[id as usize];
         let (va, pa, mode) = (f.start, f.pa, f.mode);
+        if self.cache.fast.get(va, mode) == Some((pa, id)) {
+            self.note_mapping(va, pa);
+            return true;
+        }
         let now = mem.translate(va.page(), mode);
         if now == Some(pa.page()) && self.cache.lookup(va, pa, mode) == Some(id) {
             self.note_mapping(va, pa);
+            self.cache.fast.put(va, mode, pa, id);
             true
         } else {
             self.unlink_incoming(id);
@@ -174,10 +180,11 @@ impl Engine {
     }
 
     /// The guest changed (or may have changed) the mapping of `va`'s page: drop it from
-    /// the SoftTLB so that cross-page entries re-validate, and drop IBL entries.
+    /// the SoftTLB so that cross-page entries re-validate, and drop the IBL and
+    /// return-cache entries of that page (those of other pages stay valid).
     pub fn invalidate_page(&mut self, va: GuestVirt) {
         self.softtlb.invalidate(va);
-        self.cache.clear_lookups();
+        self.cache.clear_lookups_page(va.page());
     }
 
     /// Every VA → PA mapping may have changed (guest CR3 write): the SoftTLB and every

@@ -339,3 +339,77 @@ fn test_invalidate_code_page_retranslates_modified_code() {
     assert_eq!(run(&mut rig), 22);
     assert_eq!(run(&mut rig), 22);
 }
+
+#[test]
+fn test_invalidate_page_drops_that_pages_ibl_entries_and_keeps_the_others() {
+    use guest_engine::exit_code::EXIT_IBL_MISS;
+    let mut rig = Rig::new(Config::default());
+    let block = Region::map(4 * 4096, 0);
+    let alias = Region::map(4096, 0);
+    // A: jump indirectly to C, which jumps indirectly to B; B adds its constant and
+    // leaves. Pages A, B and C are separate, so remapping B must not cost C's entry.
+    let (a, b, c) = (block.addr(), block.addr() + 4096, block.addr() + 2 * 4096);
+    let exit = rig.native.exit_address();
+    put(
+        &block,
+        0,
+        &asm(a, |x| {
+            x.mov(rax, 0i64).unwrap();
+            x.mov(rcx, c).unwrap();
+            x.jmp(rcx).unwrap();
+        }),
+    );
+    put(
+        &block,
+        2 * 4096,
+        &asm(c, |x| {
+            x.mov(rcx, b).unwrap();
+            x.jmp(rcx).unwrap();
+        }),
+    );
+    let page_b = |k: i32| {
+        asm(b, |x| {
+            x.add(rax, k).unwrap();
+            let mut slot = x.create_label();
+            x.jmp(qword_ptr(slot)).unwrap();
+            x.set_label(&mut slot).unwrap();
+            x.db(&exit.to_le_bytes()).unwrap();
+        })
+    };
+    put(&block, 4096, &page_b(1));
+    put(&alias, 0, &page_b(5));
+    let mut mem = HostMemory::new(vec![(a, a + 3 * 4096)]);
+    let misses = |rig: &Rig| rig.engine.stats().exits[EXIT_IBL_MISS as usize];
+    for _ in 0..2 {
+        rig.engine.set_rip(GuestVirt(a));
+        let stop = rig
+            .engine
+            .run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
+        assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+        assert_eq!(rig.engine.regs().get(Gpr::Rax), 1);
+    }
+    // Each run misses on the jump to the exit (no fragment there); the first also on C
+    // and B, the second hits both.
+    assert_eq!(misses(&rig), 4, "the second run hit both IBL entries");
+    let mut remapped = Remapped {
+        inner: mem,
+        page: b,
+        frame: alias.addr(),
+    };
+    rig.engine.invalidate_page(GuestVirt(b));
+    rig.engine.set_rip(GuestVirt(a));
+    let stop = rig
+        .engine
+        .run(&mut remapped, &mut HostPlatform::default(), &mut NullTool);
+    assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+    assert_eq!(
+        rig.engine.regs().get(Gpr::Rax),
+        5,
+        "B's IBL entry was dropped: the new frame's code ran"
+    );
+    assert_eq!(
+        misses(&rig),
+        6,
+        "only B's entry (and the exit) missed; C's stayed"
+    );
+}

@@ -36,6 +36,11 @@ pub const ADDR_MASK: u64 = 0x000f_ffff_ffff_f000;
 pub const SW_WRITABLE: u64 = 1 << 9;
 /// Software bit 10 of a shadow leaf: the guest leaf is global and CR4.PGE = 1.
 pub const SW_GLOBAL: u64 = 1 << 10;
+/// Software bit 9 of a shadow *table* entry (levels 4-2, not a leaf; ignored by the
+/// hardware there): leaves were installed below it since a CR3 write last found only
+/// global leaves there. Without it the subtree holds only global leaves, which a CR3 write
+/// keeps, so the write's zap skips it (Linux's kernel half, shared by every process).
+pub const SW_NONGLOBAL_BELOW: u64 = 1 << 9;
 /// Software bit 11 of a shadow leaf: the guest allows user accesses (U/S = 1 on all levels).
 pub const SW_GUEST_USER: u64 = 1 << 11;
 /// Software bit 52 of a shadow leaf: the guest forbids instruction fetch (XD with NXE).

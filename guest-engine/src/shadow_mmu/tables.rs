@@ -94,10 +94,14 @@ impl<M: PhysMem> ShadowMmu<M> {
                 e = 0;
             }
             table = if e & pte::PRESENT != 0 {
+                if e & pte::SW_NONGLOBAL_BELOW == 0 {
+                    self.write(slot, e | pte::SW_NONGLOBAL_BELOW)?;
+                }
                 GuestPhys(e & pte::ADDR_MASK)
             } else {
                 let t = self.alloc_table()?;
-                self.write(slot, t.0 | pte::PRESENT | pte::WRITABLE | pte::USER)?;
+                let flags = pte::PRESENT | pte::WRITABLE | pte::USER | pte::SW_NONGLOBAL_BELOW;
+                self.write(slot, t.0 | flags)?;
                 t
             };
         }
@@ -146,6 +150,9 @@ impl<M: PhysMem> ShadowMmu<M> {
     /// Drops the leaves under `table` (a `level` table), keeping global ones if
     /// `keep_global`; frees emptied sub-tables. Returns whether `table` is now empty.
     /// At the root, the reserved slots are skipped (and the engine slots kept).
+    /// With `keep_global`, subtrees whose entry lacks `pte::SW_NONGLOBAL_BELOW` are
+    /// skipped (they hold only global leaves) and the mark is cleared where only global
+    /// leaves remain.
     pub(super) fn zap_table(
         &mut self,
         table: GuestPhys,
@@ -170,6 +177,9 @@ impl<M: PhysMem> ShadowMmu<M> {
                     self.write(slot, 0)?;
                     self.stats.leaves_dropped += 1;
                 }
+            } else if keep_global && e & pte::SW_NONGLOBAL_BELOW == 0 {
+                // Only global leaves below (see `pte::SW_NONGLOBAL_BELOW`).
+                empty = false;
             } else {
                 let child = GuestPhys(e & pte::ADDR_MASK);
                 if self.zap_table(child, level - 1, keep_global)? {
@@ -177,6 +187,10 @@ impl<M: PhysMem> ShadowMmu<M> {
                     self.free_table(child);
                 } else {
                     empty = false;
+                    if keep_global {
+                        // What is left below is global.
+                        self.write(slot, e & !pte::SW_NONGLOBAL_BELOW)?;
+                    }
                 }
             }
         }

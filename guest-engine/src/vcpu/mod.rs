@@ -22,7 +22,8 @@
 //! * `msr.rs` — the virtual MSR file, `rdmsr`/`wrmsr`;
 //! * `syscall.rs` — `syscall`/`sysretq`/`swapgs`/`rd/wr{fs,gs}base`;
 //! * `port_io.rs` — `in`/`out` of AL/AX/EAX (a poweroff or reset write stops for the
-//!   final report; string port I/O stops);
+//!   final report; string port I/O stops); `uart_status.rs` — COM1's line status, which
+//!   an embedder may answer without a port exit once it is known to be constant;
 //! * `misc.rs` — `cpuid` (from the attach block's table, so native and instrumented
 //!   runs see one CPU), `wbinvd`, `invd`, `xgetbv`, `rdtscp`, `rdpid`, `hlt`;
 //! * `events.rs` — delivery through the IDT, `iretq`, `int n`/`int3`/`ud*`, external
@@ -51,6 +52,7 @@ mod segment_query;
 mod segments;
 mod syscall;
 mod tables;
+pub mod uart_status;
 mod undo;
 
 #[cfg(test)]
@@ -66,6 +68,7 @@ pub use hardware::{GuestMmu, Hardware, PageFault};
 pub use msr::{LogOnce, MsrFile, Written, LAPIC_FRAME};
 pub use segments::{Descriptor, GuestFault, Segments, Sreg};
 pub use tables::DescriptorTable;
+pub use uart_status::LineStatusCache;
 
 use crate::shadow_mmu::View;
 use crate::{GuestVirt, Mode, SensitiveKind};

@@ -3,6 +3,11 @@
 //!
 //! The console sink also watches the guest's lines for a Linux kernel panic, so that a
 //! panicking guest ends the run as a crash even if it then resets the machine.
+//!
+//! It takes no input from the host: the engine relies on that to answer the guest's
+//! line-status reads itself once it has seen the value (`guest_engine::vcpu::uart_status`;
+//! only loopback mode can then set Data Ready). Feeding input would need that cache to
+//! learn about it.
 
 use std::cell::Cell;
 use std::fs::File;

@@ -23,6 +23,7 @@
 use core::arch::{asm, global_asm};
 use core::sync::atomic::{AtomicU64, Ordering};
 
+use guest_engine::profile;
 use kpin_abi::ports::DOORBELL_PORT;
 use kpin_abi::stolen::{BOOT_PT_OFFSET, LAYOUT_BYTES, SHADOW_TABLES_OFFSET, WINDOW_VA};
 use kpin_abi::x86::msr;
@@ -376,6 +377,86 @@ const _: () = assert!(kpin_abi::ports::ENGINE_FAILURE_PORT == DOORBELL_PORT + 1)
 // The WRMSR check above tests exactly nine ranges.
 const _: () = assert!(msr::GATE_WRITABLE.len() == 9);
 
+/// Profile slots (`guest_engine::profile`) of the gate's operations: port I/O by device
+/// (each a round trip through ring 0 plus the VM exit to the VMM or KVM's in-kernel
+/// device), the rest by operation.
+pub mod slot {
+    use guest_engine::profile::EMBEDDER;
+    /// The first gate slot; the run loop's own slots are below it.
+    pub const FIRST: usize = EMBEDDER + 8;
+    /// NOP and unknown operations.
+    pub const NOP: usize = FIRST;
+    /// CR3 loads.
+    pub const LOAD_CR3: usize = FIRST + 1;
+    /// WRMSR.
+    pub const WRMSR: usize = FIRST + 2;
+    /// RDMSR and RDMSR_SAFE.
+    pub const RDMSR: usize = FIRST + 3;
+    /// INVLPG.
+    pub const INVLPG: usize = FIRST + 4;
+    /// HLT until an interrupt.
+    pub const HLT: usize = FIRST + 5;
+    /// CR4's SSE bits.
+    pub const CR4_SSE: usize = FIRST + 6;
+    /// Port I/O to the 8259 PICs (0x20-0x21, 0xa0-0xa1, ELCR 0x4d0-0x4d1).
+    pub const PORT_PIC: usize = FIRST + 7;
+    /// Port I/O to the PIT (0x40-0x43) and port 0x61.
+    pub const PORT_PIT: usize = FIRST + 8;
+    /// Port I/O to COM1 (0x3f8-0x3ff).
+    pub const PORT_COM1: usize = FIRST + 9;
+    /// The engine's own ports (doorbell, failure, attach status: 0xf10-0xf1f).
+    pub const PORT_ENGINE: usize = FIRST + 10;
+    /// Any other port.
+    pub const PORT_OTHER: usize = FIRST + 11;
+    /// One past the last gate slot.
+    pub const END: usize = FIRST + 12;
+    const _: () = assert!(END <= guest_engine::profile::SLOTS);
+
+    /// The slot of port I/O to `port`.
+    pub fn port(port: u16) -> usize {
+        match port {
+            0x20 | 0x21 | 0xa0 | 0xa1 | 0x4d0 | 0x4d1 => PORT_PIC,
+            0x40..=0x43 | 0x61 => PORT_PIT,
+            0x3f8..=0x3ff => PORT_COM1,
+            0xf10..=0xf1f => PORT_ENGINE,
+            _ => PORT_OTHER,
+        }
+    }
+
+    /// The slot of gate operation `op` (port I/O: [`port`]).
+    pub fn op(op: u64) -> usize {
+        use crate::ring0::layout::gate_op as g;
+        match op {
+            g::LOAD_CR3 => LOAD_CR3,
+            g::WRMSR => WRMSR,
+            g::RDMSR | g::RDMSR_SAFE => RDMSR,
+            g::INVLPG => INVLPG,
+            g::HLT => HLT,
+            g::CR4_SSE => CR4_SSE,
+            _ => NOP,
+        }
+    }
+
+    /// The name of gate slot `s`, `None` outside [`FIRST`]..[`END`].
+    pub fn name(s: usize) -> Option<&'static str> {
+        Some(match s {
+            NOP => "gate: nop",
+            LOAD_CR3 => "gate: load CR3",
+            WRMSR => "gate: wrmsr",
+            RDMSR => "gate: rdmsr",
+            INVLPG => "gate: invlpg",
+            HLT => "gate: hlt (waiting for an interrupt)",
+            CR4_SSE => "gate: CR4 SSE bits",
+            PORT_PIC => "gate+exit: port I/O, PIC",
+            PORT_PIT => "gate+exit: port I/O, PIT/port 0x61",
+            PORT_COM1 => "gate+exit: port I/O, COM1",
+            PORT_ENGINE => "gate+exit: port I/O, engine doorbell",
+            PORT_OTHER => "gate+exit: port I/O, other ports",
+            _ => return None,
+        })
+    }
+}
+
 /// Gate round trips made (for the run's counters).
 static CALLS: AtomicU64 = AtomicU64::new(0);
 
@@ -384,9 +465,17 @@ pub fn calls() -> u64 {
     CALLS.load(Ordering::Relaxed)
 }
 
-/// One gate call: `op` with arguments `a` and `b`; returns RAX.
+/// One gate call: `op` with arguments `a` and `b`; returns RAX. Its time is charged to
+/// the operation's profile slot.
 #[inline(always)]
 fn call(op: u64, a: u64, b: u64) -> u64 {
+    call_as(slot::op(op), op, a, b)
+}
+
+/// [`call`] charged to profile slot `prof`.
+#[inline(always)]
+fn call_as(prof: usize, op: u64, a: u64, b: u64) -> u64 {
+    let prev = profile::switch(prof);
     CALLS.fetch_add(1, Ordering::Relaxed);
     let ret: u64;
     // SAFETY: `kpin_gate` is the gate of entry.rs: it preserves every register but RAX
@@ -403,6 +492,7 @@ fn call(op: u64, a: u64, b: u64) -> u64 {
             out("rdx") _,
         );
     }
+    profile::switch(prev);
     ret
 }
 
@@ -413,7 +503,12 @@ pub fn nop() {
 
 /// `out port, value` (8 bits).
 pub fn out8(port: u16, value: u8) {
-    call(gate_op::OUT8, u64::from(port), u64::from(value));
+    call_as(
+        slot::port(port),
+        gate_op::OUT8,
+        u64::from(port),
+        u64::from(value),
+    );
 }
 
 /// `out port, value` (8 bits) to one of the engine's own ports (the doorbell, the failure
@@ -441,7 +536,7 @@ pub fn call_from(fake_return: u64) -> ! {
 
 /// `in port` (8 bits).
 pub fn in8(port: u16) -> u8 {
-    call(gate_op::IN8, u64::from(port), 0) as u8
+    call_as(slot::port(port), gate_op::IN8, u64::from(port), 0) as u8
 }
 
 /// `out port, value` of `size` bytes (1, 2 or 4; the low bytes of `value`).
@@ -451,7 +546,7 @@ pub fn out(port: u16, size: u8, value: u32) {
         2 => gate_op::OUT16,
         _ => gate_op::OUT32,
     };
-    call(op, u64::from(port), u64::from(value));
+    call_as(slot::port(port), op, u64::from(port), u64::from(value));
 }
 
 /// `in port` of `size` bytes (1, 2 or 4), zero-extended.
@@ -461,7 +556,7 @@ pub fn input(port: u16, size: u8) -> u32 {
         2 => gate_op::IN16,
         _ => gate_op::IN32,
     };
-    call(op, u64::from(port), 0) as u32
+    call_as(slot::port(port), op, u64::from(port), 0) as u32
 }
 
 /// Loads CR3.
@@ -488,6 +583,7 @@ pub fn rdmsr(index: u32) -> u64 {
 
 /// Reads an MSR, `None` if the `rdmsr` raised #GP (KVM does not have it).
 pub fn rdmsr_safe(index: u32) -> Option<u64> {
+    let prev = profile::switch(slot::RDMSR);
     CALLS.fetch_add(1, Ordering::Relaxed);
     let value: u64;
     let failed: u64;
@@ -503,6 +599,7 @@ pub fn rdmsr_safe(index: u32) -> Option<u64> {
             out("rdx") failed,
         );
     }
+    profile::switch(prev);
     (failed == 0).then_some(value)
 }
 

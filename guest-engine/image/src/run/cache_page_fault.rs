@@ -114,6 +114,11 @@ pub fn on_page_fault(
         FillOutcome::Mapped { .. } => Ok(Action::Retry),
         FillOutcome::GuestFault(f) => Ok(Action::Reflect(f)),
         FillOutcome::ProtectedCode { frame, .. } => {
+            // Known only now: the fault was self-modifying code, not a shadow miss.
+            guest_engine::profile::switch_charging(
+                crate::run::profile::SMC_FAULT,
+                crate::run::profile::SMC_FAULT,
+            );
             let n = engine.invalidate_code_page(frame);
             shadow
                 .borrow_mut()

@@ -22,6 +22,7 @@ pub mod cache_page_fault;
 pub mod detach;
 pub mod error;
 pub mod guest_dump;
+pub mod profile;
 pub mod tools;
 pub mod vcpu;
 
@@ -29,6 +30,7 @@ use alloc::string::String;
 use core::cell::RefCell;
 use core::fmt::Write;
 
+use guest_engine::profile as prof;
 use guest_engine::shadow_mmu::{GuestFault, View};
 use guest_engine::{exit_code, Config, Engine, GuestVirt, Stop};
 use kpin_abi::attach::AttachBlock;
@@ -169,20 +171,27 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
 
     arm_fault_redirect(&engine);
     let mut mem = ShadowedMemory::new(&shadow);
-    let mut vcpu = Vcpu::new(block, Ring0, ShadowPort::new(&shadow));
+    let mut vcpu = Vcpu::new(block, Ring0::default(), ShadowPort::new(&shadow));
     let mut progress = cache_page_fault::Progress::default();
     let t0 = timer::tsc();
+    prof::start();
     irq::hand_over(&engine);
     detach::publish(&engine);
     loop {
         // `kpin detach`/`attach` on this engine: served here, at a trace boundary.
         detach::note_progress(&engine);
         if detach::requested() != 0 {
-            detach::serve(&mut engine, &vcpu, &shadow, &mut tool, &mut |e, v, sh, t| {
-                report(e, v, sh, t, timer::tsc().wrapping_sub(t0))
-            });
+            detach::serve(
+                &mut engine,
+                &vcpu,
+                &shadow,
+                &mut tool,
+                &mut |e, v, sh, t| report(e, v, sh, t, timer::tsc().wrapping_sub(t0)),
+            );
         }
+        prof::switch(profile::SHADOW_WORK);
         tell_translator(&mut engine, &shadow);
+        prof::switch(prof::ENGINE);
         // Traces are keyed by mode: it follows the virtual CPL (deliveries in this loop
         // change it outside `emulate`).
         if engine.mode() != vcpu.mode() {
@@ -269,6 +278,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                     )
                 };
                 let done = if vector == u64::from(VEC_PF) {
+                    prof::switch(profile::SHADOW_FILL);
                     let hw = cache_page_fault::HwPageFault {
                         guest_pc,
                         cr2,
@@ -291,11 +301,13 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                             Ok(())
                         }
                         Ok(Action::Reflect(f)) => {
+                            prof::switch_charging(profile::GUEST_FAULT, profile::GUEST_FAULT);
                             reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, guest_pc)
                         }
                         Err(e) => Err(e),
                     }
                 } else {
+                    prof::switch(profile::GUEST_FAULT);
                     let ev = Event::from_hardware(vector as u8, error as u32);
                     deliver_at(&mut engine, &mut vcpu, guest_pc.0, ev)
                 };
@@ -306,6 +318,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
             }
             Stop::FetchFault(va) => {
                 // The instruction starts at the engine's RIP (`va` may be its second page).
+                prof::switch(profile::GUEST_FAULT);
                 let rip = engine.rip();
                 let why = match cache_page_fault::fetch_fault(&shadow, vcpu.mode(), va) {
                     Some(f) => reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, rip),
@@ -318,6 +331,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
             }
             Stop::Attention(va) => {
                 // State is precise at `va`. Only interrupts set attention so far.
+                prof::switch(profile::INTERRUPT);
                 engine.set_attention(0);
                 match vcpu.deliver_pending(engine.regs_mut(), va.0) {
                     Ok(Some(handler)) => engine.set_rip(GuestVirt(handler)),
@@ -461,6 +475,7 @@ fn report(
     tool: &mut Chosen,
     cycles: u64,
 ) {
+    prof::switch(profile::REPORT);
     let st = engine.stats();
     let (heap_now, heap_peak) = heap::usage();
     log!(
@@ -527,6 +542,8 @@ fn report(
         .u64("port_out", v.outs)
         .u64("port_in", v.ins)
         .u64("cpuid", v.cpuids)
+        // Of the port reads, COM1 line-status reads the engine answered itself.
+        .u64("port_in_answered_in_engine", vcpu.hw.com1.answered)
         .end();
     j.begin("events")
         .u64("interrupts_delivered", v.interrupts)
@@ -543,6 +560,13 @@ fn report(
         .u64("ring_doorbells", log::doorbells())
         .u64("tsc_cycles", cycles)
         .u64("heap_peak_bytes", heap_peak);
+    let table = profile::write(&mut j);
+    for line in table.lines().take(16) {
+        log!(Info, "engine: profile: {line}");
+    }
+    if let Err(e) = tools::write_file("profile.txt", table.as_bytes()) {
+        log!(Error, "engine: cannot write profile.txt: {e}");
+    }
     let text = j.finish();
     if let Err(e) = tools::write_file("counters.json", text.as_bytes()) {
         log!(Error, "engine: cannot write counters.json: {e}");

@@ -9,7 +9,7 @@ use core::cell::RefCell;
 use core::fmt;
 
 use guest_engine::shadow_mmu::{PagingControl, ShadowError, View};
-use guest_engine::vcpu::{GuestMmu, Hardware, PageFault};
+use guest_engine::vcpu::{GuestMmu, Hardware, LineStatusCache, PageFault};
 use kpin_abi::x86::msr;
 
 use crate::events::{irq, timer};
@@ -21,8 +21,13 @@ use crate::ring0::gate;
 /// The virtual CPU of the engine image.
 pub type Vcpu<'a> = guest_engine::vcpu::Vcpu<'a, Ring0, ShadowPort<'a>>;
 
-/// The hardware behind the ring-0 gate.
-pub struct Ring0;
+/// The hardware behind the ring-0 gate, and what it knows of the devices behind it.
+#[derive(Default)]
+pub struct Ring0 {
+    /// COM1's line status: a constant once learned, answered without the gate (Linux's
+    /// console polls it before every character).
+    pub com1: LineStatusCache,
+}
 
 /// Writes the hardware FS (`fs` true) or GS base: `wrfsbase`/`wrgsbase` when `_start`
 /// enabled CR4.FSGSBASE (CPUID 7.EBX[0]), else the gate's WRMSR. Measured at bring-up
@@ -51,11 +56,17 @@ pub fn set_hw_base(fs: bool, base: u64) {
 
 impl Hardware for Ring0 {
     fn port_out(&mut self, port: u16, size: u8, value: u32) {
+        self.com1.write(port, size, value);
         gate::out(port, size, value);
     }
 
     fn port_in(&mut self, port: u16, size: u8) -> u32 {
-        gate::input(port, size)
+        if let Some(v) = self.com1.answer(port, size) {
+            return v;
+        }
+        let v = gate::input(port, size);
+        self.com1.read_done(port, size, v);
+        v
     }
 
     fn rdmsr_passthrough(&mut self, index: u32) -> u64 {
@@ -103,7 +114,8 @@ impl Hardware for Ring0 {
 
     fn control_requested(&self) -> bool {
         // SAFETY: a u64 `irq::hand_over` stored before the guest ran.
-        let at = unsafe { core::ptr::read_volatile(&raw const crate::ring0::entry::kpin_attention_at) };
+        let at =
+            unsafe { core::ptr::read_volatile(&raw const crate::ring0::entry::kpin_attention_at) };
         crate::run::detach::wants_loop(at)
     }
 

@@ -242,3 +242,44 @@ fn test_cr3_write_skips_roots_with_nothing_to_drop() {
     assert_eq!(entry(&mut mmu, USER_VA, View::User), None);
     assert_eq!(mmu.stats().leaves_dropped, 2);
 }
+
+#[test]
+fn test_cr3_write_skips_subtrees_of_only_global_leaves_and_rewalks_after_a_fill() {
+    let (mut mmu, a) = setup();
+    let b = Space::new(mmu.mem_mut());
+    map(
+        &mut mmu,
+        &a,
+        KERNEL_VA,
+        1,
+        0x20_0000 | P | W | D | pte::GLOBAL,
+    );
+    map(&mut mmu, &a, KERNEL_VA + 0x1000, 1, 0x21_0000 | P | W | D);
+    map(&mut mmu, &a, USER_VA, 1, 0x30_0000 | P | W | U | D);
+    mapped(fill(&mut mmu, KERNEL_VA, Access::Read, View::Kernel));
+    mapped(fill(&mut mmu, USER_VA, Access::Read, View::Kernel));
+    mmu.write_cr3(b.pml4).expect("cr3");
+    mmu.write_cr3(a.pml4).expect("cr3");
+    // The kernel subtree now holds only the global leaf; a user fill marks only its own
+    // path, so the next CR3 write reads the root and the user path, not the kernel's.
+    mapped(fill(&mut mmu, USER_VA, Access::Read, View::Kernel));
+    mmu.write_cr3(b.pml4).expect("cr3");
+    let reads = mmu.mem().reads;
+    mmu.write_cr3(a.pml4).expect("cr3");
+    let walked = mmu.mem().reads - reads;
+    // The root's 512 slots but the 3 reserved ones, then the user PDPT, PD and PT.
+    assert_eq!(walked, 509 + 3 * 512, "{walked} reads");
+    assert!(entry(&mut mmu, KERNEL_VA, View::Kernel).is_some());
+    assert_eq!(entry(&mut mmu, USER_VA, View::Kernel), None);
+    // A non-global fill next to the global leaf is dropped by the next CR3 write.
+    mapped(fill(
+        &mut mmu,
+        KERNEL_VA + 0x1000,
+        Access::Read,
+        View::Kernel,
+    ));
+    mmu.write_cr3(b.pml4).expect("cr3");
+    mmu.write_cr3(a.pml4).expect("cr3");
+    assert_eq!(entry(&mut mmu, KERNEL_VA + 0x1000, View::Kernel), None);
+    assert!(entry(&mut mmu, KERNEL_VA, View::Kernel).is_some());
+}
