@@ -413,3 +413,39 @@ fn test_invalidate_page_drops_that_pages_ibl_entries_and_keeps_the_others() {
         "only B's entry (and the exit) missed; C's stayed"
     );
 }
+
+#[test]
+fn test_indirect_branches_to_address_zero_fault_in_the_guest() {
+    // An empty IBL bucket is [tag 0, code 0], and tag 0 is the tag of target 0: `jmp rax`,
+    // `call rax` and `ret` to 0 must stop as the guest's fetch fault at 0, never run host
+    // address 0 (a process calling through a null pointer would otherwise end the VM).
+    let sites: [(&str, fn(&mut CodeAssembler)); 3] = [
+        ("jmp rax", |a| a.jmp(rax).unwrap()),
+        ("call rax", |a| a.call(rax).unwrap()),
+        ("ret", |a| {
+            a.push(rax).unwrap();
+            a.ret().unwrap();
+        }),
+    ];
+    for (name, site) in sites {
+        let mut rig = Rig::new(Config::default());
+        let block = Region::map(4096, 0);
+        let stack = Region::map(4096, 0);
+        let base = block.addr();
+        let code = asm(base, |a| {
+            a.xor(eax, eax).unwrap();
+            site(a);
+        });
+        put(&block, 0, &code);
+        let mut mem = HostMemory::new(vec![
+            (base, base + 4096),
+            (stack.addr(), stack.addr() + 4096),
+        ]);
+        rig.engine.regs_mut().set(Gpr::Rsp, stack.addr() + 2048);
+        rig.engine.set_rip(GuestVirt(base));
+        let stop = rig
+            .engine
+            .run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
+        assert_eq!(stop, Stop::FetchFault(GuestVirt(0)), "{name}");
+    }
+}

@@ -253,11 +253,14 @@ pub(crate) unsafe fn emit_gencode(
 /// The indirect-branch lookup: RDX = guest target, RCX/RDX spilled (RAX is spilled here).
 /// Two probes of the `[-va, cache_pc]` table keyed by the low 16 bits of the target,
 /// compared flag-free with `lea` + `jrcxz`; a hit restores RAX/RCX/RDX and jumps through
-/// `ctx.jump_target`, a miss goes to `ibl_miss`.
+/// `ctx.jump_target`, a miss goes to `ibl_miss`. An empty bucket is `[0, 0]`, whose tag
+/// matches the target 0: a hit whose code pointer is 0 is a miss too (a guest `call` through
+/// a null pointer must fault in the guest, not jump to host address 0).
 pub(crate) fn emit_ibl_lookup(a: &mut Asm, c: &CtxAddrs, ibl_table: u64, ibl_miss: u64) {
     a.emit_spill(reg::RAX);
     let hit = a.new_label();
     let hit2 = a.new_label();
+    let miss = a.new_label();
     a.movzx_r32_r16(reg::RAX, reg::RDX);
     a.lea_r_bi(reg::RAX, reg::RAX, reg::RAX, 0);
     a.lea_r_rip(reg::RCX, ibl_table);
@@ -268,12 +271,14 @@ pub(crate) fn emit_ibl_lookup(a: &mut Asm, c: &CtxAddrs, ibl_table: u64, ibl_mis
     a.mov_r_mb(reg::RCX, reg::RAX, 16);
     a.lea_r_bi(reg::RCX, reg::RCX, reg::RDX, 0);
     a.jrcxz_label(hit2);
+    a.bind(miss);
     a.jmp_abs(ibl_miss);
     a.bind(hit2);
     a.lea_r_disp(reg::RAX, reg::RAX, 16);
     a.bind(hit);
-    a.mov_r_mb(reg::RAX, reg::RAX, 8);
-    a.mov_m_r(c.jump_target, reg::RAX);
+    a.mov_r_mb(reg::RCX, reg::RAX, 8);
+    a.jrcxz_label(miss);
+    a.mov_m_r(c.jump_target, reg::RCX);
     a.emit_unspill(reg::RAX);
     a.emit_unspill(reg::RCX);
     a.emit_unspill(reg::RDX);
