@@ -18,7 +18,8 @@
 
 use core::cell::RefCell;
 
-use guest_engine::shadow_mmu::{Access, FillOutcome, GuestFault};
+use guest_engine::isolation::in_isolation_zone;
+use guest_engine::shadow_mmu::{Access, FillOutcome, GuestFault, PF_USER, PF_WRITE};
 use guest_engine::{Engine, Gpr, GuestPhys, GuestRegs, GuestVirt, Mode};
 use iced_x86::{Code, Decoder, DecoderOptions, Instruction, OpKind, Register};
 
@@ -53,6 +54,17 @@ pub struct HwPageFault {
     pub cr2: u64,
     /// The hardware error code (taken at CPL 3: the U bit is always set).
     pub error: u32,
+}
+
+/// A `Stop::Isolation`: the instruction, its operand's linear address and access bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IsolationHit {
+    /// The guest instruction (state precise before it).
+    pub guest_pc: GuestVirt,
+    /// The operand's linear address.
+    pub addr: u64,
+    /// `guest_engine::instrument::access` bits.
+    pub access: u32,
 }
 
 /// The last fault handled, to detect a fault that keeps coming back.
@@ -126,6 +138,64 @@ pub fn on_page_fault(
             emulate_store(engine, shadow, vcpu, mode, guest_pc, &insn)
         }
     }
+}
+
+/// A translated memory operand of the instruction at `guest_pc` would reach the
+/// engine's reserved zone (`Stop::Isolation`; guest state precise before it): the access
+/// gets what the guest's own tables say at the virtual CPL, as a hardware #PF there
+/// would — a guest fault, or (the guest maps the address itself) an engine failure. A
+/// non-canonical address (the check's only false positives) is #GP(0). An RSP-based
+/// operand outside the zone with RSP inside it is not supported.
+pub fn on_isolation_hit(
+    engine: &mut Engine,
+    shadow: &RefCell<Shadow>,
+    vcpu: &Vcpu<'_>,
+    progress: &mut Progress,
+    mode: Mode,
+    hit: IsolationHit,
+) -> Result<Action, RunError> {
+    let IsolationHit {
+        guest_pc,
+        addr,
+        access,
+    } = hit;
+    shadow.borrow_mut().counters.isolation_hits += 1;
+    if !is_canonical(addr) {
+        return Ok(Action::Reflect(GuestFault {
+            vector: kpin_abi::x86::vector::GP,
+            error_code: 0,
+            cr2: GuestVirt(addr),
+        }));
+    }
+    if !in_isolation_zone(addr) {
+        return Err(RunError::StackInReservedZone {
+            rip: guest_pc.0,
+            rsp: engine.regs().get(Gpr::Rsp),
+        });
+    }
+    // The same path as a hardware #PF at `addr` (taken at CPL 3: U set; the view, not
+    // the U bit, gives the virtual CPL).
+    let mut error = PF_USER;
+    if access & guest_engine::instrument::access::WRITE != 0 {
+        error |= PF_WRITE;
+    }
+    let hw = HwPageFault {
+        guest_pc,
+        cr2: addr,
+        error,
+    };
+    match on_page_fault(engine, shadow, vcpu, progress, mode, hw)? {
+        Action::Reflect(f) => Ok(Action::Reflect(f)),
+        // A fill never maps the reserved zone; anything else is an engine bug.
+        _ => Err(RunError::Shadow {
+            rip: guest_pc.0,
+            error: guest_engine::shadow_mmu::ShadowError::ReservedSlot(GuestVirt(addr)),
+        }),
+    }
+}
+
+fn is_canonical(va: u64) -> bool {
+    ((va as i64) << 16 >> 16) as u64 == va
 }
 
 /// The fault a fetch at `va` in `mode` takes (the translator's `Stop::FetchFault(va)`:

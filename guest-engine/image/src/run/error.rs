@@ -40,6 +40,14 @@ pub enum RunError {
         /// The fetch address.
         va: u64,
     },
+    /// A memory operand relative to RSP lies outside the reserved zone (PML4 slots
+    /// 256-259) while RSP lies inside it.
+    StackInReservedZone {
+        /// Guest RIP of the instruction.
+        rip: u64,
+        /// The guest's RSP.
+        rsp: u64,
+    },
     /// A delivery triple-faulted.
     TripleFault {
         /// Guest RIP of the first event.
@@ -68,6 +76,10 @@ impl fmt::Display for RunError {
             RunError::Undecodable { va } => write!(
                 f,
                 "the guest fetches code at {va:#x} that the translator cannot decode"
+            ),
+            RunError::StackInReservedZone { rip, rsp } => write!(
+                f,
+                "the guest instruction at RIP {rip:#x} uses its stack with RSP {rsp:#x} in PML4 slots 256-259, which the engine reserves; not supported"
             ),
             RunError::TripleFault { rip, first, last } => write!(
                 f,

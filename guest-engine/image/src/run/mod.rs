@@ -295,6 +295,37 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                     give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
                 }
             }
+            Stop::Isolation {
+                guest_pc,
+                addr,
+                access,
+            } => {
+                let done = match cache_page_fault::on_isolation_hit(
+                    &mut engine,
+                    &shadow,
+                    &vcpu,
+                    &mut progress,
+                    vcpu.mode(),
+                    cache_page_fault::IsolationHit {
+                        guest_pc,
+                        addr,
+                        access,
+                    },
+                ) {
+                    Ok(Action::Reflect(f)) => {
+                        reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, guest_pc)
+                    }
+                    Ok(_) => {
+                        engine.set_rip(guest_pc);
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                };
+                if let Err(why) = done {
+                    log!(Error, "engine: {why}");
+                    give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
+                }
+            }
             Stop::FetchFault(va) => {
                 // The instruction starts at the engine's RIP (`va` may be its second page).
                 let rip = engine.rip();
