@@ -17,7 +17,7 @@ use alloc::vec::Vec;
 use crate::addr::{CachePc, GuestPhys, GuestVirt};
 use crate::arch::x86_64::entry::{
     split_exit_word, EXIT_ANALYSIS_CALL, EXIT_ATTENTION, EXIT_BUFFER_FULL, EXIT_DIRECT, EXIT_FAULT,
-    EXIT_IBL_MISS, EXIT_ISOLATION, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
+    EXIT_IBL_MISS, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
 };
 use crate::arch::{cache_enter, decode_trace, translate_trace, EmitEnv, ExitSpec, Scratch};
 use crate::code_cache::CodeCache;
@@ -72,7 +72,8 @@ pub struct Config {
     /// the fragment and exit tables, which keep invalidated fragments until a flush).
     pub memory_pressure: Option<fn() -> bool>,
     /// Check every translated memory operand that may reach the reserved zone, PML4
-    /// slots 256–259 (`arch::x86_64::isolate`); a hit stops with `Stop::Isolation`.
+    /// slots 256–259 (`arch::x86_64::isolate`); a hit is a #UD at the instruction
+    /// (`Stop::Fault`), which `isolation::classify_fault` explains.
     pub isolate: bool,
 }
 
@@ -113,7 +114,7 @@ pub struct Stats {
     /// Of them, flushes for `Config::memory_pressure`.
     pub pressure_flushes: u64,
     /// Exits by kind (index = exit code).
-    pub exits: [u64; 9],
+    pub exits: [u64; 8],
     /// Direct links made.
     pub links: u64,
     /// Nanoseconds spent translating (if a clock was configured).
@@ -142,18 +143,6 @@ pub enum Stop {
         guest_pc: GuestVirt,
         /// Where in the cache it faulted.
         cache_pc: CachePc,
-    },
-    /// A translated memory operand's linear address lies in the reserved zone (PML4
-    /// slots 256–259, `arch::x86_64::isolate`), or — for an RSP-based operand — RSP does:
-    /// the guest state is exactly that before `guest_pc` executes. The embedder resolves
-    /// the access against the guest's own page tables (the #PF they call for).
-    Isolation {
-        /// The guest instruction.
-        guest_pc: GuestVirt,
-        /// The operand's linear address (segment base included).
-        addr: u64,
-        /// The operand's `instrument::access` bits (READ, WRITE).
-        access: u32,
     },
     /// An engine failure.
     Error(EngineError),
@@ -509,10 +498,6 @@ impl Engine {
                     call,
                     resume: at(resume_off),
                 },
-                ExitSpec::Isolation { pc, mem } => ExitKind::Isolation {
-                    pc: GuestVirt(pc),
-                    mem,
-                },
             };
             self.cache.exits.push(ExitRecord { fragment: id, kind });
         }
@@ -765,18 +750,6 @@ impl Engine {
                     // SAFETY: see the top of `run_inner`.
                     unsafe { (**tp).analyze(routine, &args) };
                     Next::Enter(resume)
-                }
-                (EXIT_ISOLATION, ExitKind::Isolation { pc, mem }) => {
-                    self.rip = pc;
-                    let regs = self.ctx().regs;
-                    let addr = mem
-                        .effective_address(&regs)
-                        .wrapping_add(platform.segment_base(mem.seg));
-                    return Stop::Isolation {
-                        guest_pc: pc,
-                        addr,
-                        access: mem.access,
-                    };
                 }
                 _ => return Stop::Error(EngineError::ExitKindMismatch { kind, index: idx }),
             };

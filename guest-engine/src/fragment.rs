@@ -6,7 +6,7 @@
 use crate::addr::{CachePc, GuestPhys, GuestVirt};
 use crate::arch::MapMark;
 use crate::guest_memory::Mode;
-use crate::instrument::{CallSpec, MemOperand};
+use crate::instrument::CallSpec;
 use crate::platform::SensitiveInsn;
 use alloc::vec::Vec;
 
@@ -49,8 +49,6 @@ pub(crate) enum ExitKind {
     BufferFull { resume: CachePc },
     /// Analysis call `call` of the fragment.
     Call { call: usize, resume: CachePc },
-    /// Operand `mem` of the instruction at `pc` may reach the reserved zone.
-    Isolation { pc: GuestVirt, mem: MemOperand },
 }
 
 /// One exit of one fragment.

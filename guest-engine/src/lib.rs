@@ -46,13 +46,14 @@ pub use recover::{FaultRedirect, Recovered};
 pub mod exit_code {
     pub use crate::arch::x86_64::entry::{
         exit_word, EXIT_ANALYSIS_CALL, EXIT_ATTENTION, EXIT_BUFFER_FULL, EXIT_DIRECT, EXIT_FAULT,
-        EXIT_IBL_MISS, EXIT_ISOLATION, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
+        EXIT_IBL_MISS, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
     };
 }
 
 /// The reserved zone that translated memory operands are checked against.
 pub mod isolation {
     pub use crate::arch::x86_64::isolate::{
-        in_isolation_zone, ISOLATION_ZONE_END, ISOLATION_ZONE_START,
+        classify_fault, in_isolation_zone, IsolationFault, ISOLATION_ZONE_END,
+        ISOLATION_ZONE_START,
     };
 }

@@ -18,7 +18,7 @@
 
 use core::cell::RefCell;
 
-use guest_engine::isolation::in_isolation_zone;
+use guest_engine::isolation::{classify_fault, IsolationFault};
 use guest_engine::shadow_mmu::{Access, FillOutcome, GuestFault, PF_USER, PF_WRITE};
 use guest_engine::{Engine, Gpr, GuestPhys, GuestRegs, GuestVirt, Mode};
 use iced_x86::{Code, Decoder, DecoderOptions, Instruction, OpKind, Register};
@@ -56,15 +56,15 @@ pub struct HwPageFault {
     pub error: u32,
 }
 
-/// A `Stop::Isolation`: the instruction, its operand's linear address and access bits.
+/// A #UD at a translated guest instruction, with the guest's FS and GS bases.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IsolationHit {
     /// The guest instruction (state precise before it).
     pub guest_pc: GuestVirt,
-    /// The operand's linear address.
-    pub addr: u64,
-    /// `guest_engine::instrument::access` bits.
-    pub access: u32,
+    /// The guest's FS base.
+    pub fs_base: u64,
+    /// The guest's GS base.
+    pub gs_base: u64,
 }
 
 /// The last fault handled, to detect a fault that keeps coming back.
@@ -140,12 +140,13 @@ pub fn on_page_fault(
     }
 }
 
-/// A translated memory operand of the instruction at `guest_pc` would reach the
-/// engine's reserved zone (`Stop::Isolation`; guest state precise before it): the access
-/// gets what the guest's own tables say at the virtual CPL, as a hardware #PF there
-/// would — a guest fault, or (the guest maps the address itself) an engine failure. A
-/// non-canonical address (the check's only false positives) is #GP(0). An RSP-based
-/// operand outside the zone with RSP inside it is not supported.
+/// A #UD in translated code at the guest instruction `hit.guest_pc` (guest state
+/// precise before it): the isolation check's trap when an operand would reach the
+/// engine's reserved zone (`guest_engine::isolation`). Such an access gets what the
+/// guest's own tables say at the virtual CPL, as a hardware #PF there would — a guest
+/// fault, or (the guest maps the address itself) an engine failure; a non-canonical
+/// operand (the check's only false positives) is #GP(0); `Ok(None)`: the #UD is the
+/// guest's own.
 pub fn on_isolation_hit(
     engine: &mut Engine,
     shadow: &RefCell<Shadow>,
@@ -153,26 +154,31 @@ pub fn on_isolation_hit(
     progress: &mut Progress,
     mode: Mode,
     hit: IsolationHit,
-) -> Result<Action, RunError> {
-    let IsolationHit {
-        guest_pc,
-        addr,
-        access,
-    } = hit;
+) -> Result<Option<Action>, RunError> {
+    let guest_pc = hit.guest_pc;
+    let mut bytes = [0u8; MAX_INSN];
+    let n = ShadowedMemory::new(shadow).peek_code(guest_pc.0, mode, &mut bytes);
+    let regs = *engine.regs();
+    let (addr, access) = match classify_fault(&bytes[..n], guest_pc.0, &regs, hit.fs_base, hit.gs_base)
+    {
+        IsolationFault::GuestUd => return Ok(None),
+        IsolationFault::NonCanonical { addr } => {
+            shadow.borrow_mut().counters.isolation_hits += 1;
+            return Ok(Some(Action::Reflect(GuestFault {
+                vector: kpin_abi::x86::vector::GP,
+                error_code: 0,
+                cr2: GuestVirt(addr),
+            })));
+        }
+        IsolationFault::StackInZone { rsp } => {
+            return Err(RunError::StackInReservedZone {
+                rip: guest_pc.0,
+                rsp,
+            })
+        }
+        IsolationFault::Zone { addr, access } => (addr, access),
+    };
     shadow.borrow_mut().counters.isolation_hits += 1;
-    if !is_canonical(addr) {
-        return Ok(Action::Reflect(GuestFault {
-            vector: kpin_abi::x86::vector::GP,
-            error_code: 0,
-            cr2: GuestVirt(addr),
-        }));
-    }
-    if !in_isolation_zone(addr) {
-        return Err(RunError::StackInReservedZone {
-            rip: guest_pc.0,
-            rsp: engine.regs().get(Gpr::Rsp),
-        });
-    }
     // The same path as a hardware #PF at `addr` (taken at CPL 3: U set; the view, not
     // the U bit, gives the virtual CPL).
     let mut error = PF_USER;
@@ -185,17 +191,13 @@ pub fn on_isolation_hit(
         error,
     };
     match on_page_fault(engine, shadow, vcpu, progress, mode, hw)? {
-        Action::Reflect(f) => Ok(Action::Reflect(f)),
+        Action::Reflect(f) => Ok(Some(Action::Reflect(f))),
         // A fill never maps the reserved zone; anything else is an engine bug.
         _ => Err(RunError::Shadow {
             rip: guest_pc.0,
             error: guest_engine::shadow_mmu::ShadowError::ReservedSlot(GuestVirt(addr)),
         }),
     }
-}
-
-fn is_canonical(va: u64) -> bool {
-    ((va as i64) << 16 >> 16) as u64 == va
 }
 
 /// The fault a fetch at `va` in `mode` takes (the translator's `Stop::FetchFault(va)`:

@@ -79,8 +79,6 @@ pub const EXIT_BUFFER_FULL: u32 = 5;
 pub const EXIT_ANALYSIS_CALL: u32 = 6;
 /// Exit kind: fault in cache code redirected to the exit routine.
 pub const EXIT_FAULT: u32 = 7;
-/// Exit kind: a memory operand's address lies in the reserved zone (`isolate.rs`).
-pub const EXIT_ISOLATION: u32 = 8;
 
 /// Builds an exit word.
 pub const fn exit_word(kind: u32, index: u32) -> i32 {

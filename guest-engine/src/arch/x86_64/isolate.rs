@@ -19,9 +19,17 @@
 //! rorx rcx, rcx, 41          ; bits 63:41 to 22:0 (BMI2, no flags)
 //! movzx ecx, cx              ; bits 56:41: 0xffc0 for Z (also for some non-canonical)
 //! lea ecx, [rcx - 0xffc0]    ; zero iff a hit
-//! jrcxz hit                  ; → exit stub (restores RCX) → `Stop::Isolation`
-//! mov rcx, [spill.rcx]
+//! jrcxz hit
+//! jmp short ok
+//! hit: ud2                   ; #UD in the cache: `Stop::Fault`, RCX restored by the PC map
+//! ok: mov rcx, [spill.rcx]
 //! ```
+//!
+//! A hit costs no exit record (the engine's tables grow with exits, and a Linux boot
+//! translates ~10^5 traces): the embedder that sees #UD at a translated instruction asks
+//! [`classify_fault`] whether an operand lies in Z (then it resolves the access against
+//! the guest's own tables, as for a hardware #PF there), or is non-canonical (a false
+//! positive of the check: #GP(0)), or else the #UD is the guest's own.
 //!
 //! Invariants that make checking only the first byte enough: below Z lies the
 //! non-canonical hole, so an access (or an upward `rep` string) that starts below Z
@@ -38,11 +46,12 @@
 
 use iced_x86::{Mnemonic, OpAccess, OpKind, Register};
 
-use super::decode::DecodedInsn;
+use iced_x86::{Decoder, DecoderOptions, InstructionInfoFactory};
+
+use super::decode::{mem_operands, DecodedInsn};
 use super::emit::reg;
-use super::entry::EXIT_ISOLATION;
-use super::mangle::{ExitSpec, Tx};
-use crate::context::Gpr;
+use super::mangle::Tx;
+use crate::context::{Gpr, GuestRegs};
 use crate::error::EngineError;
 use crate::instrument::{MemOperand, SegBase};
 
@@ -118,8 +127,7 @@ impl Tx<'_> {
             match (m.base, m.index, m.seg) {
                 (None, None, SegBase::Flat) => {
                     if in_isolation_zone(m.disp) {
-                        let stub = self.isolation_stub(pc, *m, 0);
-                        self.a.jmp_label(stub);
+                        self.a.bytes(&[0x0F, 0x0B]); // ud2
                     }
                 }
                 (_, _, SegBase::Flat) if addr32 => {}
@@ -132,11 +140,11 @@ impl Tx<'_> {
                             disp: 0,
                             ..*m
                         };
-                        self.emit_zone_check(&at_rsp, *m, pc)?;
+                        self.emit_zone_check(&at_rsp, pc)?;
                         rsp.checked = true;
                     }
                 }
-                _ => self.emit_zone_check(m, *m, pc)?,
+                _ => self.emit_zone_check(m, pc)?,
             }
         }
         if writes_rsp_explicitly(self, d) {
@@ -145,23 +153,8 @@ impl Tx<'_> {
         Ok(())
     }
 
-    /// The exit a hit takes: restores `restore` and RCX, reports operand `m` of `pc`.
-    fn isolation_stub(&mut self, pc: u64, m: MemOperand, restore: u16) -> super::emit::Label {
-        self.new_stub(
-            EXIT_ISOLATION,
-            ExitSpec::Isolation { pc, mem: m },
-            restore,
-            pc,
-        )
-    }
-
-    /// The inline check of `checked`'s address; a hit reports operand `report`.
-    fn emit_zone_check(
-        &mut self,
-        checked: &MemOperand,
-        report: MemOperand,
-        pc: u64,
-    ) -> Result<(), EngineError> {
+    /// The inline check of `checked`'s address.
+    fn emit_zone_check(&mut self, checked: &MemOperand, pc: u64) -> Result<(), EngineError> {
         let seg = checked.seg != SegBase::Flat;
         self.a.emit_spill(reg::RCX);
         if seg {
@@ -174,17 +167,80 @@ impl Tx<'_> {
         self.a.bytes(&[0xC4, 0xE3, 0xFB, 0xF0, 0xC9, 0x29]); // rorx rcx, rcx, 41
         self.a.bytes(&[0x0F, 0xB7, 0xC9]); // movzx ecx, cx
         self.a.bytes(&[0x8D, 0x89, 0x40, 0x00, 0xFF, 0xFF]); // lea ecx, [rcx - 0xffc0]
-        let stub = self.isolation_stub(pc, report, 1 << reg::RCX);
-        let hit = self.a.new_label();
-        let ok = self.a.new_label();
-        self.a.jrcxz_label(hit);
-        self.a.bytes(&[0xEB, 0x05]); // jmp short ok (over the 5-byte jmp)
-        self.a.bind(hit);
-        self.a.jmp_label(stub);
-        self.a.bind(ok);
-        self.a.emit_unspill(reg::RCX);
+        self.a.bytes(&[0xE3, 0x02]); // jrcxz hit
+        self.a.bytes(&[0xEB, 0x02]); // jmp short ok
+        self.a.bytes(&[0x0F, 0x0B]); // hit: ud2
+        self.a.emit_unspill(reg::RCX); // ok:
         Ok(())
     }
+}
+
+/// What a #UD raised at the translation of a guest instruction means.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IsolationFault {
+    /// An operand's linear address lies in the reserved zone: the access gets what the
+    /// guest's own page tables say (as a hardware #PF at `addr` would).
+    Zone {
+        /// The operand's linear address.
+        addr: u64,
+        /// `instrument::access` bits of the operand (READ, WRITE).
+        access: u32,
+    },
+    /// An operand's address is non-canonical (the check's only false positives): #GP(0).
+    NonCanonical {
+        /// The address.
+        addr: u64,
+    },
+    /// No operand lies in the zone but RSP does (the RSP check hit): not supported.
+    StackInZone {
+        /// The guest's RSP.
+        rsp: u64,
+    },
+    /// The #UD is the guest's own (e.g. `ud2`, or nothing the check explains).
+    GuestUd,
+}
+
+/// Classifies a #UD at the guest instruction `bytes` (at `pc`) with the guest state
+/// `regs` before it and the FS/GS bases (see the module header).
+pub fn classify_fault(
+    bytes: &[u8],
+    pc: u64,
+    regs: &GuestRegs,
+    fs_base: u64,
+    gs_base: u64,
+) -> IsolationFault {
+    let i = Decoder::with_ip(64, bytes, pc, DecoderOptions::NONE).decode();
+    if i.is_invalid() || matches!(i.mnemonic(), Mnemonic::Ud0 | Mnemonic::Ud1 | Mnemonic::Ud2) {
+        return IsolationFault::GuestUd;
+    }
+    let mut factory = InstructionInfoFactory::new();
+    let ops = mem_operands(&mut factory, &i);
+    let mut non_canonical = None;
+    for m in ops.iter() {
+        let seg = match m.seg {
+            SegBase::Flat => 0,
+            SegBase::Fs => fs_base,
+            SegBase::Gs => gs_base,
+        };
+        let addr = m.effective_address(regs).wrapping_add(seg);
+        if in_isolation_zone(addr) {
+            return IsolationFault::Zone {
+                addr,
+                access: m.access,
+            };
+        }
+        if ((addr as i64) << 16 >> 16) as u64 != addr {
+            non_canonical.get_or_insert(addr);
+        }
+    }
+    if let Some(addr) = non_canonical {
+        return IsolationFault::NonCanonical { addr };
+    }
+    let rsp = regs.get(Gpr::Rsp);
+    if in_isolation_zone(rsp) && ops.iter().any(|m| m.base == Some(Gpr::Rsp)) {
+        return IsolationFault::StackInZone { rsp };
+    }
+    IsolationFault::GuestUd
 }
 
 #[cfg(test)]

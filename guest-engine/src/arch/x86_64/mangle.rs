@@ -83,8 +83,6 @@ pub(crate) enum ExitSpec {
     BufferFull { resume_off: usize },
     /// Analysis call number `call` (index in the trace's call list); resume at `resume_off`.
     Call { call: usize, resume_off: usize },
-    /// Operand `mem` of the instruction at `pc` may reach the reserved zone.
-    Isolation { pc: u64, mem: MemOperand },
 }
 
 /// A translated trace.
