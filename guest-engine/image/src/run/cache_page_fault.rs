@@ -170,10 +170,10 @@ pub fn on_isolation_hit(
                 cr2: GuestVirt(addr),
             })));
         }
-        IsolationFault::StackInZone { rsp } => {
-            return Err(RunError::StackInReservedZone {
+        IsolationFault::BaseInZone { base } => {
+            return Err(RunError::BaseInReservedZone {
                 rip: guest_pc.0,
-                rsp,
+                base,
             })
         }
         IsolationFault::Zone { addr, access } => (addr, access),

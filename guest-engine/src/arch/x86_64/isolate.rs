@@ -37,10 +37,13 @@
 //! downward `rep` string from above Z meets slot 259 first, which always faults into the
 //! engine. Elisions: absolute (and RIP-relative, already absolute here) operands are
 //! decided at translation time; 32-bit-addressed flat operands are below 4 GiB;
-//! `[rsp+disp32]` (push, pop, call, ret included) is checked through RSP once per trace
-//! before its first use and again after each explicit RSP write (a trace's implicit RSP
-//! drift is at most `MAX_TRACE_INSNS` × 8 bytes, and a displacement at most 2 GiB: with
-//! RSP outside Z, such an access lands at most in the slot-259 guard or the hole).
+//! `[reg+disp]` with |disp| < 2 GiB − 128 KiB (push, pop, call, ret included, as
+//! `[rsp-8]`…) is checked through the base register once per trace — `reg +
+//! BASE_CHECK_BIAS` against Z, before its first such use — and again only after an
+//! instruction writes `reg` (RSP's implicit push/pop adjustments excepted: at most
+//! `MAX_TRACE_INSNS` × 8 bytes per trace). A base outside `[Z_START − BIAS, Z_END −
+//! BIAS)` puts every such access either below Z in the non-canonical hole (it faults
+//! there) or above `Z_END − 4 GiB`, i.e. at worst in the slot-259 guard.
 //! A hit leaves the guest state exactly that before the instruction (the check comes
 //! before the instruction's instrumentation and translation).
 
@@ -50,8 +53,8 @@ use iced_x86::{Decoder, DecoderOptions, InstructionInfoFactory};
 
 use super::decode::{mem_operands, DecodedInsn};
 use super::emit::reg;
-use super::mangle::Tx;
-use crate::context::{Gpr, GuestRegs};
+use super::mangle::{hw, Tx};
+use crate::context::GuestRegs;
 use crate::error::EngineError;
 use crate::instrument::{MemOperand, SegBase};
 
@@ -65,18 +68,30 @@ pub const fn in_isolation_zone(va: u64) -> bool {
     va >= ISOLATION_ZONE_START && va < ISOLATION_ZONE_END
 }
 
-/// Per-trace state of the RSP elision.
+/// Offset added to a base register before its check ([`BASE_CHECK_BIAS`] below Z and
+/// above it are then both caught or both safe for every elided displacement).
+pub const BASE_CHECK_BIAS: u64 = 0x7fff_0000;
+/// Largest displacement magnitude of an operand whose check is elided through its base
+/// register; the rest of the 2 GiB below `BASE_CHECK_BIAS` covers RSP's implicit drift
+/// in one trace (`MAX_TRACE_INSNS` pushes or pops).
+const ELIDED_DISP_MAX: i64 = 0x7ffe_0000;
+
+/// Per-trace state of the base-register elision: the GPRs whose value (plus
+/// [`BASE_CHECK_BIAS`]) was checked in this trace and not written since (RSP's implicit
+/// push/pop/call/ret adjustments do not count as writes).
 #[derive(Clone, Copy, Debug, Default)]
-pub(super) struct RspState {
-    /// RSP was checked in this trace and not explicitly written since.
-    pub checked: bool,
+pub(super) struct BaseState {
+    checked: u16,
 }
 
-/// Whether `d` writes RSP other than by the implicit adjustment of a push/pop/call/ret.
-fn writes_rsp_explicitly(tx: &mut Tx<'_>, d: &DecodedInsn) -> bool {
+/// The GPRs (bit = hardware number) `d` writes, RSP only when it is written other than
+/// by the implicit adjustment of a push/pop/call/ret.
+fn written_gprs(tx: &mut Tx<'_>, d: &DecodedInsn) -> u16 {
     let i = &d.instr;
-    let writes = tx.factory.info(i).used_registers().iter().any(|u| {
-        u.register().full_register() == Register::RSP
+    let mut mask = 0u16;
+    for u in tx.factory.info(i).used_registers() {
+        let r = u.register();
+        if r.is_gpr()
             && matches!(
                 u.access(),
                 OpAccess::Write
@@ -84,17 +99,21 @@ fn writes_rsp_explicitly(tx: &mut Tx<'_>, d: &DecodedInsn) -> bool {
                     | OpAccess::ReadWrite
                     | OpAccess::ReadCondWrite
             )
-    });
-    if !writes {
-        return false;
+        {
+            mask |= 1 << hw(r);
+        }
     }
-    if i.stack_pointer_increment() == 0 || matches!(i.mnemonic(), Mnemonic::Leave | Mnemonic::Enter)
+    let rsp = 1u16 << reg::RSP;
+    if mask & rsp != 0
+        && i.stack_pointer_increment() != 0
+        && !matches!(i.mnemonic(), Mnemonic::Leave | Mnemonic::Enter)
+        && !(0..i.op_count()).any(|k| {
+            i.op_kind(k) == OpKind::Register && i.op_register(k).full_register() == Register::RSP
+        })
     {
-        return true;
+        mask &= !rsp;
     }
-    (0..i.op_count()).any(|k| {
-        i.op_kind(k) == OpKind::Register && i.op_register(k).full_register() == Register::RSP
-    })
+    mask
 }
 
 /// Whether `i`'s memory operands use 32-bit addressing (a `0x67` prefix).
@@ -111,12 +130,12 @@ fn addressing_32(i: &iced_x86::Instruction) -> bool {
 
 impl Tx<'_> {
     /// The checks for instruction `d` with memory operands `ops` (see the module header),
-    /// emitted at the instruction's start; updates `rsp` for the instruction's effect.
+    /// emitted at the instruction's start; updates `bases` for the instruction's effect.
     pub(super) fn emit_isolation_checks(
         &mut self,
         d: &DecodedInsn,
         ops: &[MemOperand],
-        rsp: &mut RspState,
+        bases: &mut BaseState,
     ) -> Result<(), EngineError> {
         let pc = d.instr.ip();
         let addr32 = addressing_32(&d.instr);
@@ -124,6 +143,7 @@ impl Tx<'_> {
             if ops[..k].contains(m) {
                 continue;
             }
+            let disp = m.disp as i64;
             match (m.base, m.index, m.seg) {
                 (None, None, SegBase::Flat) => {
                     if in_isolation_zone(m.disp) {
@@ -131,25 +151,26 @@ impl Tx<'_> {
                     }
                 }
                 (_, _, SegBase::Flat) if addr32 => {}
-                (Some(Gpr::Rsp), None, SegBase::Flat) => {
-                    if !rsp.checked {
-                        let at_rsp = MemOperand {
-                            base: Some(Gpr::Rsp),
+                (Some(b), None, SegBase::Flat)
+                    if (-ELIDED_DISP_MAX..ELIDED_DISP_MAX).contains(&disp) =>
+                {
+                    let bit = 1u16 << (b as u8);
+                    if bases.checked & bit == 0 {
+                        let biased = MemOperand {
+                            base: Some(b),
                             index: None,
                             scale: 1,
-                            disp: 0,
+                            disp: BASE_CHECK_BIAS,
                             ..*m
                         };
-                        self.emit_zone_check(&at_rsp, pc)?;
-                        rsp.checked = true;
+                        self.emit_zone_check(&biased, pc)?;
+                        bases.checked |= bit;
                     }
                 }
                 _ => self.emit_zone_check(m, pc)?,
             }
         }
-        if writes_rsp_explicitly(self, d) {
-            rsp.checked = false;
-        }
+        bases.checked &= !written_gprs(self, d);
         Ok(())
     }
 
@@ -191,10 +212,11 @@ pub enum IsolationFault {
         /// The address.
         addr: u64,
     },
-    /// No operand lies in the zone but RSP does (the RSP check hit): not supported.
-    StackInZone {
-        /// The guest's RSP.
-        rsp: u64,
+    /// No operand lies in the zone but a base register (plus [`BASE_CHECK_BIAS`]) does
+    /// (a base-register check hit): not supported.
+    BaseInZone {
+        /// The base register's value.
+        base: u64,
     },
     /// The #UD is the guest's own (e.g. `ud2`, or nothing the check explains).
     GuestUd,
@@ -236,9 +258,13 @@ pub fn classify_fault(
     if let Some(addr) = non_canonical {
         return IsolationFault::NonCanonical { addr };
     }
-    let rsp = regs.get(Gpr::Rsp);
-    if in_isolation_zone(rsp) && ops.iter().any(|m| m.base == Some(Gpr::Rsp)) {
-        return IsolationFault::StackInZone { rsp };
+    for m in ops.iter() {
+        if let (Some(b), None) = (m.base, m.index) {
+            let base = regs.get(b);
+            if in_isolation_zone(base.wrapping_add(BASE_CHECK_BIAS)) {
+                return IsolationFault::BaseInZone { base };
+            }
+        }
     }
     IsolationFault::GuestUd
 }

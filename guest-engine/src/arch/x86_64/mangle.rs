@@ -31,7 +31,7 @@ use super::entry::{
     emit_ibl_lookup, exit_word, CtxAddrs, Gencode, EXIT_ATTENTION, EXIT_DIRECT, EXIT_PA_MISMATCH,
     EXIT_SENSITIVE,
 };
-use super::isolate::RspState;
+use super::isolate::BaseState;
 use crate::addr::GuestVirt;
 use crate::error::EngineError;
 use crate::instrument::{Action, CallSpec, IPoint, Insertion, MemOperand};
@@ -494,7 +494,7 @@ pub(crate) fn translate_trace(
     let entry = tx.a.offset();
     tx.emit_attention_check(live[0] == 0, start);
     let body = tx.a.offset();
-    let mut rsp = RspState::default();
+    let mut bases = BaseState::default();
     let mut before: Vec<&Insertion> = Vec::new();
     let mut after: Vec<&Insertion> = Vec::new();
     for (k, d) in t.insns.iter().enumerate() {
@@ -510,7 +510,7 @@ pub(crate) fn translate_trace(
         }
         let info = &t.info[k];
         if env.isolate {
-            tx.emit_isolation_checks(d, &info.mem, &mut rsp)?;
+            tx.emit_isolation_checks(d, &info.mem, &mut bases)?;
             tx.a.mark_guest(pc);
         }
         let wants_records = before.iter().any(|x| x.action == Action::MemRecords);
