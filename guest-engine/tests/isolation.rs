@@ -168,6 +168,19 @@ fn test_user_and_kernel_accesses_to_the_window_and_physmap_trap_before_touching_
             }
         );
 
+        // The same with the status flags dead at the load (the shorter check).
+        let mut code = vec![0x48, 0x8B, 0x47, 0x10, 0x83, 0xC1, 0x01]; // ...; add ecx, 1
+        jmp(&mut code, base, exit);
+        expect_hit(c.run(&code, &[(Gpr::Rdi, PHYSMAP_VA), (Gpr::Rcx, 5)]), base);
+        assert_eq!(c.rig.engine.regs().get(Gpr::Rcx), 5);
+        assert_eq!(
+            c.classify(base),
+            IsolationFault::Zone {
+                addr: PHYSMAP_VA + 0x10,
+                access: access::READ
+            }
+        );
+
         // mov [rbx + rcx*8 + 0x20], eax into the physmap.
         let mut code = vec![0x89, 0x44, 0xCB, 0x20];
         jmp(&mut code, base, exit);

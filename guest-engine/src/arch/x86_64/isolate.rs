@@ -54,7 +54,7 @@ use iced_x86::{Decoder, DecoderOptions, InstructionInfoFactory};
 use super::decode::{mem_operands, DecodedInsn};
 use super::emit::reg;
 use super::mangle::{hw, Tx};
-use crate::context::GuestRegs;
+use crate::context::{Gpr, GuestRegs};
 use crate::error::EngineError;
 use crate::instrument::{MemOperand, SegBase};
 
@@ -82,6 +82,40 @@ const ELIDED_DISP_MAX: i64 = 0x7ffe_0000;
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct BaseState {
     checked: u16,
+    /// Checked `base + index*scale` expressions (base, index, scale), same rules.
+    exprs: [Option<(Option<Gpr>, Gpr, u8)>; 4],
+    next: usize,
+}
+
+impl BaseState {
+    fn has(&self, base: Option<Gpr>, index: Option<Gpr>, scale: u8) -> bool {
+        match (base, index) {
+            (Some(b), None) => self.checked & (1 << (b as u8)) != 0,
+            (b, Some(i)) => self.exprs.contains(&Some((b, i, scale))),
+            (None, None) => false,
+        }
+    }
+
+    fn add(&mut self, base: Option<Gpr>, index: Option<Gpr>, scale: u8) {
+        match (base, index) {
+            (Some(b), None) => self.checked |= 1 << (b as u8),
+            (b, Some(i)) => {
+                self.exprs[self.next] = Some((b, i, scale));
+                self.next = (self.next + 1) % self.exprs.len();
+            }
+            (None, None) => {}
+        }
+    }
+
+    fn written(&mut self, mask: u16) {
+        self.checked &= !mask;
+        let hit = |r: Option<Gpr>| r.is_some_and(|r| mask & (1 << (r as u8)) != 0);
+        for e in self.exprs.iter_mut() {
+            if e.is_some_and(|(b, i, _)| hit(b) || hit(Some(i))) {
+                *e = None;
+            }
+        }
+    }
 }
 
 /// The GPRs (bit = hardware number) `d` writes, RSP only when it is written other than
@@ -136,6 +170,7 @@ impl Tx<'_> {
         d: &DecodedInsn,
         ops: &[MemOperand],
         bases: &mut BaseState,
+        flags_dead: bool,
     ) -> Result<(), EngineError> {
         let pc = d.instr.ip();
         let addr32 = addressing_32(&d.instr);
@@ -151,31 +186,33 @@ impl Tx<'_> {
                     }
                 }
                 (_, _, SegBase::Flat) if addr32 => {}
-                (Some(b), None, SegBase::Flat)
-                    if (-ELIDED_DISP_MAX..ELIDED_DISP_MAX).contains(&disp) =>
-                {
-                    let bit = 1u16 << (b as u8);
-                    if bases.checked & bit == 0 {
+                (b, x, SegBase::Flat) if (-ELIDED_DISP_MAX..ELIDED_DISP_MAX).contains(&disp) => {
+                    let scale = if x.is_some() { m.scale } else { 1 };
+                    if !bases.has(b, x, scale) {
                         let biased = MemOperand {
-                            base: Some(b),
-                            index: None,
-                            scale: 1,
+                            scale,
                             disp: BASE_CHECK_BIAS,
                             ..*m
                         };
-                        self.emit_zone_check(&biased, pc)?;
-                        bases.checked |= bit;
+                        self.emit_zone_check(&biased, pc, flags_dead)?;
+                        bases.add(b, x, scale);
                     }
                 }
-                _ => self.emit_zone_check(m, pc)?,
+                _ => self.emit_zone_check(m, pc, flags_dead)?,
             }
         }
-        bases.checked &= !written_gprs(self, d);
+        bases.written(written_gprs(self, d));
         Ok(())
     }
 
-    /// The inline check of `checked`'s address.
-    fn emit_zone_check(&mut self, checked: &MemOperand, pc: u64) -> Result<(), EngineError> {
+    /// The inline check of `checked`'s address (a shorter one when the status flags are
+    /// dead).
+    fn emit_zone_check(
+        &mut self,
+        checked: &MemOperand,
+        pc: u64,
+        flags_dead: bool,
+    ) -> Result<(), EngineError> {
         let seg = checked.seg != SegBase::Flat;
         self.a.emit_spill(reg::RCX);
         if seg {
@@ -185,11 +222,17 @@ impl Tx<'_> {
         if seg {
             self.a.emit_unspill(reg::RAX);
         }
-        self.a.bytes(&[0xC4, 0xE3, 0xFB, 0xF0, 0xC9, 0x29]); // rorx rcx, rcx, 41
-        self.a.bytes(&[0x0F, 0xB7, 0xC9]); // movzx ecx, cx
-        self.a.bytes(&[0x8D, 0x89, 0x40, 0x00, 0xFF, 0xFF]); // lea ecx, [rcx - 0xffc0]
-        self.a.bytes(&[0xE3, 0x02]); // jrcxz hit
-        self.a.bytes(&[0xEB, 0x02]); // jmp short ok
+        if flags_dead {
+            self.a.bytes(&[0x48, 0xC1, 0xE9, 0x29]); // shr rcx, 41
+            self.a.bytes(&[0x81, 0xF9, 0xC0, 0xFF, 0x7F, 0x00]); // cmp ecx, 0x7fffc0
+            self.a.bytes(&[0x75, 0x02]); // jne ok
+        } else {
+            self.a.bytes(&[0xC4, 0xE3, 0xFB, 0xF0, 0xC9, 0x29]); // rorx rcx, rcx, 41
+            self.a.bytes(&[0x0F, 0xB7, 0xC9]); // movzx ecx, cx
+            self.a.bytes(&[0x8D, 0x89, 0x40, 0x00, 0xFF, 0xFF]); // lea ecx, [rcx - 0xffc0]
+            self.a.bytes(&[0xE3, 0x02]); // jrcxz hit
+            self.a.bytes(&[0xEB, 0x02]); // jmp short ok
+        }
         self.a.bytes(&[0x0F, 0x0B]); // hit: ud2
         self.a.emit_unspill(reg::RCX); // ok:
         Ok(())
@@ -259,11 +302,9 @@ pub fn classify_fault(
         return IsolationFault::NonCanonical { addr };
     }
     for m in ops.iter() {
-        if let (Some(b), None) = (m.base, m.index) {
-            let base = regs.get(b);
-            if in_isolation_zone(base.wrapping_add(BASE_CHECK_BIAS)) {
-                return IsolationFault::BaseInZone { base };
-            }
+        let base = m.effective_address(regs).wrapping_sub(m.disp);
+        if m.seg == SegBase::Flat && in_isolation_zone(base.wrapping_add(BASE_CHECK_BIAS)) {
+            return IsolationFault::BaseInZone { base };
         }
     }
     IsolationFault::GuestUd

@@ -510,7 +510,7 @@ pub(crate) fn translate_trace(
         }
         let info = &t.info[k];
         if env.isolate {
-            tx.emit_isolation_checks(d, &info.mem, &mut bases)?;
+            tx.emit_isolation_checks(d, &info.mem, &mut bases, live[k] == 0)?;
             tx.a.mark_guest(pc);
         }
         let wants_records = before.iter().any(|x| x.action == Action::MemRecords);
