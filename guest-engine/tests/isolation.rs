@@ -257,6 +257,26 @@ fn test_user_and_kernel_accesses_to_the_window_and_physmap_trap_before_touching_
             }
         );
 
+        // gs: with 32-bit addressing: the offset wraps at 4 GiB before the base is added,
+        // so RCX's upper bits cannot hide a physmap access.
+        let mut code = vec![0x65, 0x67, 0x8B, 0x01]; // mov eax, gs:[ecx]
+        jmp(&mut code, base, exit);
+        // SAFETY: this test thread's GS base is unused by Rust on x86-64 Linux (TLS is
+        // FS); it is restored right after the run.
+        unsafe { std::arch::asm!("wrgsbase {}", in(reg) PHYSMAP_VA) };
+        let stop = c.run(&code, &[(Gpr::Rcx, 0xffff_ffff_0000_0010)]);
+        // SAFETY: as above.
+        unsafe { std::arch::asm!("wrgsbase {}", in(reg) 0u64) };
+        expect_hit(stop, base);
+        let bytes = &c.block.slice()[..15];
+        assert_eq!(
+            classify_fault(bytes, base, c.rig.engine.regs(), 0, PHYSMAP_VA),
+            IsolationFault::Zone {
+                addr: PHYSMAP_VA + 0x10,
+                access: access::READ
+            }
+        );
+
         // The guest's own ud2 is a sensitive instruction, and a #UD there is the guest's.
         let mut code = vec![0x0F, 0x0B];
         jmp(&mut code, base, exit);

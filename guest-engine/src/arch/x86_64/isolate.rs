@@ -198,10 +198,38 @@ impl Tx<'_> {
                         bases.add(b, x, scale);
                     }
                 }
+                _ if addr32 => self.emit_zone_check_addr32(m, pc, flags_dead)?,
                 _ => self.emit_zone_check(m, pc, flags_dead)?,
             }
         }
         bases.written(written_gprs(self, d));
+        Ok(())
+    }
+
+    /// The check of an `fs:`/`gs:` operand with 32-bit addressing: the offset wraps at
+    /// 4 GiB before the segment base is added (`mov ecx, ecx`), so that upper register
+    /// bits the access ignores cannot move the checked address out of the zone.
+    fn emit_zone_check_addr32(
+        &mut self,
+        m: &MemOperand,
+        pc: u64,
+        flags_dead: bool,
+    ) -> Result<(), EngineError> {
+        let flat = MemOperand {
+            seg: SegBase::Flat,
+            ..*m
+        };
+        self.a.emit_spill(reg::RCX);
+        self.a.emit_spill(reg::RAX);
+        self.emit_ea_rcx(&flat, pc)?;
+        self.a.bytes(&[0x89, 0xC9]); // mov ecx, ecx
+        match m.seg {
+            SegBase::Fs => self.a.bytes(&[0xF3, 0x48, 0x0F, 0xAE, 0xC0]), // rdfsbase rax
+            _ => self.a.bytes(&[0xF3, 0x48, 0x0F, 0xAE, 0xC8]),           // rdgsbase rax
+        }
+        self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
+        self.a.emit_unspill(reg::RAX);
+        self.emit_zone_test(flags_dead);
         Ok(())
     }
 
@@ -222,6 +250,12 @@ impl Tx<'_> {
         if seg {
             self.a.emit_unspill(reg::RAX);
         }
+        self.emit_zone_test(flags_dead);
+        Ok(())
+    }
+
+    /// With the address in RCX (spilled): trap if it is in the zone, then unspill RCX.
+    fn emit_zone_test(&mut self, flags_dead: bool) {
         if flags_dead {
             self.a.bytes(&[0x48, 0xC1, 0xE9, 0x29]); // shr rcx, 41
             self.a.bytes(&[0x81, 0xF9, 0xC0, 0xFF, 0x7F, 0x00]); // cmp ecx, 0x7fffc0
@@ -235,7 +269,6 @@ impl Tx<'_> {
         }
         self.a.bytes(&[0x0F, 0x0B]); // hit: ud2
         self.a.emit_unspill(reg::RCX); // ok:
-        Ok(())
     }
 }
 
@@ -280,6 +313,7 @@ pub fn classify_fault(
     }
     let mut factory = InstructionInfoFactory::new();
     let ops = mem_operands(&mut factory, &i);
+    let addr32 = addressing_32(&i);
     let mut non_canonical = None;
     for m in ops.iter() {
         let seg = match m.seg {
@@ -287,7 +321,11 @@ pub fn classify_fault(
             SegBase::Fs => fs_base,
             SegBase::Gs => gs_base,
         };
-        let addr = m.effective_address(regs).wrapping_add(seg);
+        let mut offset = m.effective_address(regs);
+        if addr32 {
+            offset &= 0xffff_ffff;
+        }
+        let addr = offset.wrapping_add(seg);
         if in_isolation_zone(addr) {
             return IsolationFault::Zone {
                 addr,
