@@ -277,6 +277,40 @@ fn test_user_and_kernel_accesses_to_the_window_and_physmap_trap_before_touching_
             }
         );
 
+        // bts with a register bit offset from a valid address into the physmap (the
+        // operand names only [rdi]; the access is at rdi + (rax >> 6) * 8).
+        let data = base + 0x800;
+        let target = PHYSMAP_VA + 0x100;
+        let rax = (target.wrapping_sub(data) as i64 * 8) as u64;
+        let mut code = vec![0x48, 0x0F, 0xAB, 0x07]; // bts [rdi], rax
+        jmp(&mut code, base, exit);
+        expect_hit(c.run(&code, &[(Gpr::Rdi, data), (Gpr::Rax, rax)]), base);
+        assert_eq!(
+            c.classify(base),
+            IsolationFault::Zone {
+                addr: target,
+                access: access::READ | access::WRITE
+            }
+        );
+
+        // xlat: [rbx + al]; RAX's upper bits must not hide the window.
+        let mut code = vec![0xD7];
+        jmp(&mut code, base, exit);
+        expect_hit(
+            c.run(
+                &code,
+                &[(Gpr::Rbx, WINDOW_VA), (Gpr::Rax, 0x1000_0000_0000_0005)],
+            ),
+            base,
+        );
+        assert_eq!(
+            c.classify(base),
+            IsolationFault::Zone {
+                addr: WINDOW_VA + 5,
+                access: access::READ
+            }
+        );
+
         // The guest's own ud2 is a sensitive instruction, and a #UD there is the guest's.
         let mut code = vec![0x0F, 0x0B];
         jmp(&mut code, base, exit);
@@ -295,6 +329,7 @@ fn test_checks_keep_flags_and_registers_of_ordinary_accesses() {
     c.block.slice()[0x810..0x818].copy_from_slice(&0x9abcu64.to_le_bytes());
     let exit = base + 0x10_0000;
     let mut code = vec![
+        0x48, 0x0F, 0xAB, 0x2F, // bts [rdi], rbp: bit 65 = bit 1 of [rdi + 8]
         0x31, 0xC0, // xor eax, eax
         0x83, 0xF8, 0x01, // cmp eax, 1: CF = SF = 1, ZF = 0
         0x48, 0x8B, 0x17, // mov rdx, [rdi]          (base check of RDI)
@@ -307,7 +342,15 @@ fn test_checks_keep_flags_and_registers_of_ordinary_accesses() {
         0x0F, 0x94, 0xC0, // sete al
     ];
     jmp(&mut code, base, exit);
-    let stop = c.run(&code, &[(Gpr::Rdi, data), (Gpr::Rsi, 0), (Gpr::Rcx, 0)]);
+    let stop = c.run(
+        &code,
+        &[
+            (Gpr::Rdi, data),
+            (Gpr::Rsi, 0),
+            (Gpr::Rcx, 0),
+            (Gpr::Rbp, 65),
+        ],
+    );
     assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
     let r = c.rig.engine.regs();
     assert_eq!(r.get(Gpr::Rdx), 0x1234_5678);
@@ -321,4 +364,6 @@ fn test_checks_keep_flags_and_registers_of_ordinary_accesses() {
     assert_eq!(r.get(Gpr::Rdi), data);
     let stored = u64::from_le_bytes(c.block.slice()[0x820..0x828].try_into().unwrap());
     assert_eq!(stored, 0x1234_5678);
+    let bits = u64::from_le_bytes(c.block.slice()[0x808..0x810].try_into().unwrap());
+    assert_eq!(bits, 2, "bts with a register bit offset ran");
 }

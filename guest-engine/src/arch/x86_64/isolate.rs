@@ -150,6 +150,18 @@ fn written_gprs(tx: &mut Tx<'_>, d: &DecodedInsn) -> u16 {
     mask
 }
 
+/// `bt`/`bts`/`btr`/`btc` to memory with a register bit offset: the offset register and
+/// the operand size in bytes (the access lies at `ea + (sext(reg) >> log2(8·size)) ·
+/// size`, anywhere within ±2^60 of `ea`).
+fn bit_offset_register(i: &iced_x86::Instruction) -> Option<(Register, u32)> {
+    let bt = matches!(
+        i.mnemonic(),
+        Mnemonic::Bt | Mnemonic::Bts | Mnemonic::Btr | Mnemonic::Btc
+    );
+    (bt && i.op0_kind() == OpKind::Memory && i.op1_kind() == OpKind::Register)
+        .then(|| (i.op1_register(), i.memory_size().size() as u32))
+}
+
 /// Whether `i`'s memory operands use 32-bit addressing (a `0x67` prefix).
 fn addressing_32(i: &iced_x86::Instruction) -> bool {
     i.memory_base().is_gpr32()
@@ -174,10 +186,22 @@ impl Tx<'_> {
     ) -> Result<(), EngineError> {
         let pc = d.instr.ip();
         let addr32 = addressing_32(&d.instr);
+        let bit_offset = bit_offset_register(&d.instr);
+        let xlat = d.instr.mnemonic() == Mnemonic::Xlatb;
         for (k, m) in ops.iter().enumerate() {
             if ops[..k].contains(m) {
                 continue;
             }
+            if let Some((r, size)) = bit_offset {
+                self.emit_zone_check_bit_offset(m, r, size, addr32, pc, flags_dead)?;
+                continue;
+            }
+            // `xlat`: [rbx + al], within 255 bytes of RBX (iced names AL, read as RAX).
+            let m = &if xlat {
+                MemOperand { index: None, ..*m }
+            } else {
+                *m
+            };
             let disp = m.disp as i64;
             match (m.base, m.index, m.seg) {
                 (None, None, SegBase::Flat) => {
@@ -206,6 +230,70 @@ impl Tx<'_> {
         Ok(())
     }
 
+    /// The check of `bt*` to memory with the bit offset in register `r` (operand size
+    /// `size`): checks `ea + (sext(r) >> 3)`, which lies within `size` bytes above the
+    /// accessed address (below the zone: in the hole; above it: at worst in the slot-259
+    /// guard). Flag-free: `sarx` (BMI2) with the count in RDX.
+    fn emit_zone_check_bit_offset(
+        &mut self,
+        m: &MemOperand,
+        r: Register,
+        size: u32,
+        addr32: bool,
+        pc: u64,
+        flags_dead: bool,
+    ) -> Result<(), EngineError> {
+        let full = hw(r);
+        self.a.emit_spill(reg::RCX);
+        self.a.emit_spill(reg::RAX);
+        self.a.emit_spill(reg::RDX);
+        self.emit_linear_rcx(m, addr32, pc)?;
+        // RAX may hold the segment base now; every guest value comes from its spill slot
+        // if it was spilled.
+        if matches!(full, reg::RAX | reg::RCX | reg::RDX) {
+            self.a.mov_r_m(reg::RAX, self.a.spill_slot(full));
+        } else {
+            self.a.mov_r_r(reg::RAX, full);
+        }
+        match size {
+            2 => self.a.bytes(&[0x48, 0x0F, 0xBF, 0xC0]), // movsx rax, ax
+            4 => self.a.bytes(&[0x48, 0x63, 0xC0]),       // movsxd rax, eax
+            _ => {}
+        }
+        self.a.bytes(&[0xBA, 0x03, 0x00, 0x00, 0x00]); // mov edx, 3
+        self.a.bytes(&[0xC4, 0xE2, 0xEA, 0xF7, 0xC0]); // sarx rax, rax, rdx
+        self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
+        self.a.emit_unspill(reg::RDX);
+        self.a.emit_unspill(reg::RAX);
+        self.emit_zone_test(flags_dead);
+        Ok(())
+    }
+
+    /// RCX = the linear address of `m` (RAX and RCX spilled; RAX clobbered): with
+    /// `addr32` the offset wraps at 4 GiB before the segment base is added.
+    fn emit_linear_rcx(
+        &mut self,
+        m: &MemOperand,
+        addr32: bool,
+        pc: u64,
+    ) -> Result<(), EngineError> {
+        let flat = MemOperand {
+            seg: SegBase::Flat,
+            ..*m
+        };
+        self.emit_ea_rcx(&flat, pc)?;
+        if addr32 {
+            self.a.bytes(&[0x89, 0xC9]); // mov ecx, ecx
+        }
+        match m.seg {
+            SegBase::Flat => return Ok(()),
+            SegBase::Fs => self.a.bytes(&[0xF3, 0x48, 0x0F, 0xAE, 0xC0]), // rdfsbase rax
+            SegBase::Gs => self.a.bytes(&[0xF3, 0x48, 0x0F, 0xAE, 0xC8]), // rdgsbase rax
+        }
+        self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
+        Ok(())
+    }
+
     /// The check of an `fs:`/`gs:` operand with 32-bit addressing: the offset wraps at
     /// 4 GiB before the segment base is added (`mov ecx, ecx`), so that upper register
     /// bits the access ignores cannot move the checked address out of the zone.
@@ -215,19 +303,9 @@ impl Tx<'_> {
         pc: u64,
         flags_dead: bool,
     ) -> Result<(), EngineError> {
-        let flat = MemOperand {
-            seg: SegBase::Flat,
-            ..*m
-        };
         self.a.emit_spill(reg::RCX);
         self.a.emit_spill(reg::RAX);
-        self.emit_ea_rcx(&flat, pc)?;
-        self.a.bytes(&[0x89, 0xC9]); // mov ecx, ecx
-        match m.seg {
-            SegBase::Fs => self.a.bytes(&[0xF3, 0x48, 0x0F, 0xAE, 0xC0]), // rdfsbase rax
-            _ => self.a.bytes(&[0xF3, 0x48, 0x0F, 0xAE, 0xC8]),           // rdgsbase rax
-        }
-        self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
+        self.emit_linear_rcx(m, true, pc)?;
         self.a.emit_unspill(reg::RAX);
         self.emit_zone_test(flags_dead);
         Ok(())
@@ -269,6 +347,16 @@ impl Tx<'_> {
         }
         self.a.bytes(&[0x0F, 0x0B]); // hit: ud2
         self.a.emit_unspill(reg::RCX); // ok:
+    }
+}
+
+/// The sign-extended value of the 16/32/64-bit GPR `r`.
+fn gpr_value(regs: &GuestRegs, r: Register) -> i64 {
+    let full = Gpr::from_number(hw(r)).map_or(0, |g| regs.get(g));
+    match r.size() {
+        2 => i64::from(full as u16 as i16),
+        4 => i64::from(full as u32 as i32),
+        _ => full as i64,
     }
 }
 
@@ -321,7 +409,16 @@ pub fn classify_fault(
             SegBase::Fs => fs_base,
             SegBase::Gs => gs_base,
         };
-        let mut offset = m.effective_address(regs);
+        let mut offset = if i.mnemonic() == Mnemonic::Xlatb {
+            regs.get(Gpr::Rbx).wrapping_add(regs.get(Gpr::Rax) & 0xff)
+        } else {
+            m.effective_address(regs)
+        };
+        if let Some((r, size)) = bit_offset_register(&i) {
+            let v = gpr_value(regs, r);
+            let bits = i64::from(size * 8);
+            offset = offset.wrapping_add((v.div_euclid(bits) * i64::from(size)) as u64);
+        }
         if addr32 {
             offset &= 0xffff_ffff;
         }
@@ -363,5 +460,41 @@ mod tests {
         assert!(!in_isolation_zone(0xffff_ffff_8000_0000));
         assert_eq!(ISOLATION_ZONE_START >> 41, 0x7f_ffc0);
         assert_eq!((ISOLATION_ZONE_END - 1) >> 41, 0x7f_ffc0);
+    }
+}
+
+#[cfg(test)]
+mod encoding_tests {
+    use iced_x86::{Code, Decoder, DecoderOptions, Register};
+
+    #[test]
+    fn test_hand_encoded_check_instructions_decode_as_intended() {
+        let cases: [(&[u8], Code, [Register; 3]); 3] = [
+            (
+                &[0xC4, 0xE2, 0xEA, 0xF7, 0xC0],
+                Code::VEX_Sarx_r64_rm64_r64,
+                [Register::RAX, Register::RAX, Register::RDX],
+            ),
+            (
+                &[0xC4, 0xE3, 0xFB, 0xF0, 0xC9, 0x29],
+                Code::VEX_Rorx_r64_rm64_imm8,
+                [Register::RCX, Register::RCX, Register::None],
+            ),
+            (
+                &[0x48, 0xC1, 0xE9, 0x29],
+                Code::Shr_rm64_imm8,
+                [Register::RCX, Register::None, Register::None],
+            ),
+        ];
+        for (bytes, code, regs) in cases {
+            let i = Decoder::with_ip(64, bytes, 0, DecoderOptions::NONE).decode();
+            assert_eq!(i.code(), code);
+            assert_eq!(i.len(), bytes.len());
+            for (k, r) in regs.iter().enumerate() {
+                if *r != Register::None {
+                    assert_eq!(i.op_register(k as u32), *r);
+                }
+            }
+        }
     }
 }
