@@ -244,9 +244,9 @@ impl Tx<'_> {
         flags_dead: bool,
     ) -> Result<(), EngineError> {
         let full = hw(r);
-        self.a.emit_spill(reg::RCX);
-        self.a.emit_spill(reg::RAX);
-        self.a.emit_spill(reg::RDX);
+        self.spill_quiet(reg::RCX);
+        self.spill_quiet(reg::RAX);
+        self.spill_quiet(reg::RDX);
         self.emit_linear_rcx(m, addr32, pc)?;
         // RAX may hold the segment base now; every guest value comes from its spill slot
         // if it was spilled.
@@ -263,8 +263,8 @@ impl Tx<'_> {
         self.a.bytes(&[0xBA, 0x03, 0x00, 0x00, 0x00]); // mov edx, 3
         self.a.bytes(&[0xC4, 0xE2, 0xEA, 0xF7, 0xC0]); // sarx rax, rax, rdx
         self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
-        self.a.emit_unspill(reg::RDX);
-        self.a.emit_unspill(reg::RAX);
+        self.unspill_quiet(reg::RDX);
+        self.unspill_quiet(reg::RAX);
         self.emit_zone_test(flags_dead);
         Ok(())
     }
@@ -303,10 +303,10 @@ impl Tx<'_> {
         pc: u64,
         flags_dead: bool,
     ) -> Result<(), EngineError> {
-        self.a.emit_spill(reg::RCX);
-        self.a.emit_spill(reg::RAX);
+        self.spill_quiet(reg::RCX);
+        self.spill_quiet(reg::RAX);
         self.emit_linear_rcx(m, true, pc)?;
-        self.a.emit_unspill(reg::RAX);
+        self.unspill_quiet(reg::RAX);
         self.emit_zone_test(flags_dead);
         Ok(())
     }
@@ -320,13 +320,13 @@ impl Tx<'_> {
         flags_dead: bool,
     ) -> Result<(), EngineError> {
         let seg = checked.seg != SegBase::Flat;
-        self.a.emit_spill(reg::RCX);
+        self.spill_quiet(reg::RCX);
         if seg {
-            self.a.emit_spill(reg::RAX);
+            self.spill_quiet(reg::RAX);
         }
         self.emit_ea_rcx(checked, pc)?;
         if seg {
-            self.a.emit_unspill(reg::RAX);
+            self.unspill_quiet(reg::RAX);
         }
         self.emit_zone_test(flags_dead);
         Ok(())
@@ -334,19 +334,38 @@ impl Tx<'_> {
 
     /// With the address in RCX (spilled): trap if it is in the zone, then unspill RCX.
     fn emit_zone_test(&mut self, flags_dead: bool) {
+        // The hit path restores RCX before its `ud2`, so that the guest state there is
+        // the instruction's start with nothing spilled: the check needs no PC-map
+        // entries of its own (its other instructions cannot fault; interrupts need no
+        // recovery), which keeps the fragment tables — and heap-pressure flushes — small.
         if flags_dead {
             self.a.bytes(&[0x48, 0xC1, 0xE9, 0x29]); // shr rcx, 41
             self.a.bytes(&[0x81, 0xF9, 0xC0, 0xFF, 0x7F, 0x00]); // cmp ecx, 0x7fffc0
-            self.a.bytes(&[0x75, 0x02]); // jne ok
+            self.a.bytes(&[0x75, 0x09]); // jne ok
         } else {
             self.a.bytes(&[0xC4, 0xE3, 0xFB, 0xF0, 0xC9, 0x29]); // rorx rcx, rcx, 41
             self.a.bytes(&[0x0F, 0xB7, 0xC9]); // movzx ecx, cx
             self.a.bytes(&[0x8D, 0x89, 0x40, 0x00, 0xFF, 0xFF]); // lea ecx, [rcx - 0xffc0]
             self.a.bytes(&[0xE3, 0x02]); // jrcxz hit
-            self.a.bytes(&[0xEB, 0x02]); // jmp short ok
+            self.a.bytes(&[0xEB, 0x09]); // jmp short ok
         }
-        self.a.bytes(&[0x0F, 0x0B]); // hit: ud2
-        self.a.emit_unspill(reg::RCX); // ok:
+        let at = self.a.offset();
+        self.unspill_quiet(reg::RCX); // hit: (7 bytes)
+        debug_assert_eq!(self.a.offset() - at, 7);
+        self.a.bytes(&[0x0F, 0x0B]); // ud2
+        self.unspill_quiet(reg::RCX); // ok:
+    }
+
+    /// `mov [ctx.spill[r]], r` without a PC-map entry (see `emit_zone_test`).
+    fn spill_quiet(&mut self, r: u8) {
+        let slot = self.a.spill_slot(r);
+        self.a.mov_m_r(slot, r);
+    }
+
+    /// `mov r, [ctx.spill[r]]` without a PC-map entry.
+    fn unspill_quiet(&mut self, r: u8) {
+        let slot = self.a.spill_slot(r);
+        self.a.mov_r_m(r, slot);
     }
 }
 
