@@ -311,6 +311,28 @@ fn test_user_and_kernel_accesses_to_the_window_and_physmap_trap_before_touching_
             }
         );
 
+        // vpgatherdd ymm0, [rdi + ymm1*4], ymm2 with RDI at the physmap: the base check
+        // of 32-bit-index gathers (lanes are within 2^34 + 2^31 bytes of the base).
+        if std::arch::is_x86_feature_detected!("avx2") {
+            use iced_x86::{Code, Encoder, Instruction, MemoryOperand, Register};
+            let g = Instruction::with3(
+                Code::VEX_Vpgatherdd_ymm_vm32y_ymm,
+                Register::YMM0,
+                MemoryOperand::with_base_index_scale(Register::RDI, Register::YMM1, 4),
+                Register::YMM2,
+            )
+            .unwrap();
+            let mut enc = Encoder::new(64);
+            enc.encode(&g, base).unwrap();
+            let mut code = enc.take_buffer();
+            jmp(&mut code, base, exit);
+            expect_hit(c.run(&code, &[(Gpr::Rdi, PHYSMAP_VA)]), base);
+            assert_eq!(
+                c.classify(base),
+                IsolationFault::VectorBaseNearZone { base: PHYSMAP_VA }
+            );
+        }
+
         // The guest's own ud2 is a sensitive instruction, and a #UD there is the guest's.
         let mut code = vec![0x0F, 0x0B];
         jmp(&mut code, base, exit);
@@ -366,4 +388,42 @@ fn test_checks_keep_flags_and_registers_of_ordinary_accesses() {
     assert_eq!(stored, 0x1234_5678);
     let bits = u64::from_le_bytes(c.block.slice()[0x808..0x810].try_into().unwrap());
     assert_eq!(bits, 2, "bts with a register bit offset ran");
+
+    // A gather from ordinary memory passes its check and loads.
+    if std::arch::is_x86_feature_detected!("avx2") {
+        use iced_x86::{Code, Encoder, Instruction, MemoryOperand, Register};
+        let ymm = |c, a, b, d| Instruction::with3(c, a, b, d).unwrap();
+        let insns = [
+            ymm(
+                Code::VEX_Vpxor_ymm_ymm_ymmm256,
+                Register::YMM1,
+                Register::YMM1,
+                Register::YMM1,
+            ),
+            ymm(
+                Code::VEX_Vpcmpeqd_ymm_ymm_ymmm256,
+                Register::YMM2,
+                Register::YMM2,
+                Register::YMM2,
+            ),
+            Instruction::with3(
+                Code::VEX_Vpgatherdd_ymm_vm32y_ymm,
+                Register::YMM0,
+                MemoryOperand::with_base_index_scale(Register::RDI, Register::YMM1, 4),
+                Register::YMM2,
+            )
+            .unwrap(),
+            Instruction::with2(Code::VEX_Vmovd_rm32_xmm, Register::EAX, Register::XMM0).unwrap(),
+        ];
+        let mut code = Vec::new();
+        for i in insns {
+            let mut enc = Encoder::new(64);
+            enc.encode(&i, base + code.len() as u64).unwrap();
+            code.extend_from_slice(&enc.take_buffer());
+        }
+        jmp(&mut code, base, exit);
+        let stop = c.run(&code, &[(Gpr::Rdi, data)]);
+        assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+        assert_eq!(c.rig.engine.regs().get(Gpr::Rax), 0x1234_5678);
+    }
 }

@@ -170,7 +170,7 @@ pub fn on_isolation_hit(
                 cr2: GuestVirt(addr),
             })));
         }
-        IsolationFault::BaseInZone { base } => {
+        IsolationFault::BaseInZone { base } | IsolationFault::VectorBaseNearZone { base } => {
             return Err(RunError::BaseInReservedZone {
                 rip: guest_pc.0,
                 base,

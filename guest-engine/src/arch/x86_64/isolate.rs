@@ -76,6 +76,10 @@ pub const BASE_CHECK_BIAS: u64 = 0x7fff_0000;
 /// in one trace (`MAX_TRACE_INSNS` pushes or pops).
 const ELIDED_DISP_MAX: i64 = 0x7ffe_0000;
 
+/// Offset added to the base of a gather/scatter with 32-bit vector indices before its
+/// check (see `emit_vsib32_check`).
+const VSIB32_BIAS: u64 = 1 << 35;
+
 /// Per-trace state of the base-register elision: the GPRs whose value (plus
 /// [`BASE_CHECK_BIAS`]) was checked in this trace and not written since (RSP's implicit
 /// push/pop/call/ret adjustments do not count as writes).
@@ -188,6 +192,9 @@ impl Tx<'_> {
         let addr32 = addressing_32(&d.instr);
         let bit_offset = bit_offset_register(&d.instr);
         let xlat = d.instr.mnemonic() == Mnemonic::Xlatb;
+        if d.instr.vsib() == Some(false) {
+            self.emit_vsib32_check(&d.instr, addr32, pc, flags_dead)?;
+        }
         for (k, m) in ops.iter().enumerate() {
             if ops[..k].contains(m) {
                 continue;
@@ -264,6 +271,45 @@ impl Tx<'_> {
         self.a.bytes(&[0xC4, 0xE2, 0xEA, 0xF7, 0xC0]); // sarx rax, rax, rdx
         self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
         self.unspill_quiet(reg::RDX);
+        self.unspill_quiet(reg::RAX);
+        self.emit_zone_test(flags_dead);
+        Ok(())
+    }
+
+    /// A gather/scatter with 32-bit vector indices: every lane lies within
+    /// `2^31 · 8 + 2^31` bytes of `base + disp`, so `base + disp + VSIB32_BIAS` is checked
+    /// against the zone (lanes from a base outside `[Z_START − 2^35, Z_END − 2^35)` stay
+    /// in the hole below Z or in the slot-259 guard). No base: lanes stay near 0.
+    fn emit_vsib32_check(
+        &mut self,
+        i: &iced_x86::Instruction,
+        addr32: bool,
+        pc: u64,
+        flags_dead: bool,
+    ) -> Result<(), EngineError> {
+        let base = i.memory_base();
+        if base == Register::None || addr32 {
+            return Ok(());
+        }
+        let seg = match i.segment_prefix() {
+            Register::FS => SegBase::Fs,
+            Register::GS => SegBase::Gs,
+            _ => SegBase::Flat,
+        };
+        let m = MemOperand {
+            base: Gpr::from_number(hw(base)),
+            index: None,
+            scale: 1,
+            disp: i.memory_displacement64(),
+            size: 0,
+            access: 0,
+            seg,
+        };
+        self.spill_quiet(reg::RCX);
+        self.spill_quiet(reg::RAX);
+        self.emit_linear_rcx(&m, false, pc)?;
+        self.a.mov_r_imm64(reg::RAX, VSIB32_BIAS);
+        self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
         self.unspill_quiet(reg::RAX);
         self.emit_zone_test(flags_dead);
         Ok(())
@@ -401,6 +447,12 @@ pub enum IsolationFault {
         /// The base register's value.
         base: u64,
     },
+    /// A gather/scatter whose base lies within 2^35 bytes below the zone or in it: its
+    /// lanes are not resolved (not supported).
+    VectorBaseNearZone {
+        /// The base register's value.
+        base: u64,
+    },
     /// The #UD is the guest's own (e.g. `ud2`, or nothing the check explains).
     GuestUd,
 }
@@ -416,6 +468,21 @@ pub fn classify_fault(
 ) -> IsolationFault {
     let i = Decoder::with_ip(64, bytes, pc, DecoderOptions::NONE).decode();
     if i.is_invalid() || matches!(i.mnemonic(), Mnemonic::Ud0 | Mnemonic::Ud1 | Mnemonic::Ud2) {
+        return IsolationFault::GuestUd;
+    }
+    if i.vsib().is_some() {
+        let b = i.memory_base();
+        let base = if b == Register::None {
+            0
+        } else {
+            Gpr::from_number(hw(b)).map_or(0, |g| regs.get(g))
+        };
+        let near = base
+            .wrapping_add(i.memory_displacement64())
+            .wrapping_add(VSIB32_BIAS);
+        if i.vsib() == Some(false) && in_isolation_zone(near) {
+            return IsolationFault::VectorBaseNearZone { base };
+        }
         return IsolationFault::GuestUd;
     }
     let mut factory = InstructionInfoFactory::new();
