@@ -350,6 +350,33 @@ fn test_jump_to_an_unmapped_page_delivers_the_native_error_code_and_cr2() {
     assert_eq!(console, "0000000000000000\n0000000100000000\n");
 }
 
+/// Issue #11: guest kernel code touching the engine window (slot 257), the physmap
+/// (258) or the slot-259 guard gets the #PF its own page tables call for — they map
+/// none of it — exactly as natively, never the engine's memory and never an engine
+/// failure (the translator's isolation check traps, the engine walks the guest's tables).
+#[test]
+fn test_guest_accesses_to_the_engine_window_physmap_and_guard_fault_as_natively() {
+    require_kvm!();
+    let load_window = fault_guest(|a| {
+        a.mov(rbx, kpin_abi::stolen::WINDOW_VA).unwrap();
+        a.mov(rax, qword_ptr(rbx + 0x40)).unwrap();
+    });
+    let console = fault_run("isolation-window-load", &load_window);
+    assert_eq!(console, "0000000000000000\nffff808000000040\n");
+    let store_physmap = fault_guest(|a| {
+        a.mov(rbx, kpin_abi::stolen::PHYSMAP_VA).unwrap();
+        a.mov(rcx, 0x200_u64).unwrap();
+        a.mov(qword_ptr(rbx + rcx * 8), rcx).unwrap();
+    });
+    let console = fault_run("isolation-physmap-store", &store_physmap);
+    assert_eq!(console, "0000000000000002\nffff810000001000\n");
+    let load_guard = fault_guest(|a| {
+        a.mov(rax, qword_ptr(0xffff_8180_0000_0008_u64)).unwrap();
+    });
+    let console = fault_run("isolation-guard-load", &load_guard);
+    assert_eq!(console, "0000000000000000\nffff818000000008\n");
+}
+
 /// A guest whose tables alias one frame at the start of 2560 distinct 2 MiB regions
 /// (five 1 GiB entries → one page directory → one page table → the frame) and adds 1
 /// through each: the shadow needs a table per region, more than the engine's 2048.

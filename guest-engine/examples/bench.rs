@@ -325,6 +325,9 @@ fn main() {
             let cfg = Config {
                 analysis_preserves_vector_state: tool_name == "bbcall-nv",
                 count_insns: tool_name.ends_with("+cnt"),
+                // `--no-isolate`: without the memory-operand checks (`isolate.rs`), to
+                // measure their cost.
+                isolate: !std::env::args().any(|a| a == "--no-isolate"),
                 ..Config::default()
             };
             b.rig = Rig::new(cfg);

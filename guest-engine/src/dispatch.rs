@@ -72,6 +72,10 @@ pub struct Config {
     /// the cache whole first, as a full cache does (an embedder with a fixed heap bounds
     /// the fragment and exit tables, which keep invalidated fragments until a flush).
     pub memory_pressure: Option<fn() -> bool>,
+    /// Check every translated memory operand that may reach the reserved zone, PML4
+    /// slots 256–259 (`arch::x86_64::isolate`); a hit is a #UD at the instruction
+    /// (`Stop::Fault`), which `isolation::classify_fault` explains.
+    pub isolate: bool,
 }
 
 impl Default for Config {
@@ -90,6 +94,7 @@ impl Default for Config {
             records_need_pa: false,
             clock_ns: None,
             memory_pressure: None,
+            isolate: true,
         }
     }
 }
@@ -464,6 +469,7 @@ impl Engine {
                     .then(|| self.cache.xsave_guest()),
                 exit_base: self.cache.exits.len() as u32,
                 record_bits: u32::from(mode.cpl()) << access::CPL_SHIFT,
+                isolate: self.config.isolate,
             };
             let tr = translate_trace(&decoded, &insertions, &calls, &env, &mut self.scratch)
                 .map_err(Stop::Error)?;

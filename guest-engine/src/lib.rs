@@ -52,3 +52,10 @@ pub mod exit_code {
         EXIT_IBL_MISS, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
     };
 }
+
+/// The reserved zone that translated memory operands are checked against.
+pub mod isolation {
+    pub use crate::arch::x86_64::isolate::{
+        classify_fault, in_isolation_zone, IsolationFault, ISOLATION_ZONE_END, ISOLATION_ZONE_START,
+    };
+}

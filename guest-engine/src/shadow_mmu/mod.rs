@@ -15,7 +15,10 @@
 //! Invariants:
 //! * every shadow root carries the engine's PML4 slots ([`ENGINE_SLOTS`]) copied from the
 //!   engine's template root, and no guest mapping is ever installed in
-//!   [`RESERVED_SLOTS`] (256–258; slot 256 faults at CPL 3 on this KVM);
+//!   [`RESERVED_SLOTS`] (256–259: slot 256 faults at CPL 3 on this KVM, 259 is the
+//!   guard above the physmap that translated code's isolation checks rely on, see
+//!   `arch/x86_64/isolate.rs`); a fill there walks the guest's tables and answers with
+//!   the guest's fault, or [`ShadowError::ReservedSlot`] if the guest maps the address;
 //! * every shadow leaf has U = 1 and G = 0 (the engine reloads CR3 between views);
 //!   intermediate shadow entries are P|W|U and only the leaf restricts;
 //! * a shadow leaf is writable only if the guest allows the write in that view, the
@@ -66,9 +69,11 @@ use reverse_map::{ReverseMap, ShadowMapping};
 /// shadow root: 257 = engine window (`kpin_abi::stolen::WINDOW_VA`), 258 = physmap
 /// (`kpin_abi::stolen::PHYSMAP_VA`).
 pub const ENGINE_SLOTS: RangeInclusive<usize> = 257..=258;
-/// PML4 slots a guest may not use: the engine slots and slot 256, which faults with a
-/// reserved-bit error at CPL 3 on this KVM (`kvm_pvm`).
-pub const RESERVED_SLOTS: RangeInclusive<usize> = 256..=258;
+/// PML4 slots a guest may not use: the engine slots, slot 256, which faults with a
+/// reserved-bit error at CPL 3 on this KVM (`kvm_pvm`), and slot 259, the guard that
+/// keeps stack and downward string accesses from reaching the physmap unchecked
+/// (`arch/x86_64/isolate.rs`). Never present in a shadow root for the guest.
+pub const RESERVED_SLOTS: RangeInclusive<usize> = 256..=259;
 /// Most hardware-flush VAs remembered before [`HwFlush`] degrades to a full flush.
 pub const MAX_HW_FLUSH_PAGES: usize = 16;
 
@@ -197,8 +202,9 @@ pub enum HwFlush {
 /// Failures of the shadow MMU itself (guest faults are [`FillOutcome::GuestFault`]).
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum ShadowError {
-    /// The guest address lies in PML4 slots 256–258, which the engine reserves.
-    #[error("guest address {:#x} lies in a PML4 slot reserved for the engine (256-258)", .0.0)]
+    /// The guest's own tables map an address in PML4 slots 256–259, which the engine
+    /// reserves (an access the guest's tables deny is a guest fault, not this error).
+    #[error("the guest's page tables map {:#x}, in PML4 slots 256-259 that the engine reserves; guest accesses there are not supported", .0.0)]
     ReservedSlot(GuestVirt),
     /// The guest address is not canonical (the guest gets #GP, not #PF).
     #[error("guest address {:#x} is not canonical", .0.0)]
@@ -478,7 +484,10 @@ impl<M: PhysMem> ShadowMmu<M> {
         access: Access,
         view: View,
     ) -> Result<FillOutcome, ShadowError> {
-        Self::check_va(va)?;
+        if !pte::is_canonical(va.0) {
+            return Err(ShadowError::NonCanonical(va));
+        }
+        let reserved = RESERVED_SLOTS.contains(&pte::index(va.0, 4));
         let leaf = match walk::walk(
             &mut self.mem,
             &self.control,
@@ -495,6 +504,9 @@ impl<M: PhysMem> ShadowMmu<M> {
             }
         };
         self.stats.ad_updates += u64::from(leaf.ad_updates);
+        if reserved {
+            return Err(ShadowError::ReservedSlot(va));
+        }
         if !self.mem.guest_may_map(leaf.frame) && !self.mem.guest_may_map_device(leaf.frame) {
             return Err(ShadowError::ForbiddenFrame {
                 va,
@@ -652,7 +664,13 @@ impl<M: PhysMem> ShadowMmu<M> {
         va: GuestVirt,
         view: View,
     ) -> Result<Option<tables::LeafRef>, ShadowError> {
-        Self::check_va(va)?;
+        if !pte::is_canonical(va.0) {
+            return Err(ShadowError::NonCanonical(va));
+        }
+        if RESERVED_SLOTS.contains(&pte::index(va.0, 4)) {
+            // Never a guest leaf there; a fill walks the guest's tables.
+            return Ok(None);
+        }
         let space = self.cr3 & pte::ADDR_MASK;
         let Some(root) = self
             .roots
@@ -713,16 +731,6 @@ impl<M: PhysMem> ShadowMmu<M> {
             e |= pte::NO_EXECUTE;
         }
         e
-    }
-
-    fn check_va(va: GuestVirt) -> Result<(), ShadowError> {
-        if !pte::is_canonical(va.0) {
-            return Err(ShadowError::NonCanonical(va));
-        }
-        if RESERVED_SLOTS.contains(&pte::index(va.0, 4)) {
-            return Err(ShadowError::ReservedSlot(va));
-        }
-        Ok(())
     }
 }
 

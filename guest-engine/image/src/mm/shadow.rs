@@ -252,6 +252,8 @@ pub struct ShadowCounters {
     pub guest_cr3_writes: u64,
     /// Guest `invlpg`s.
     pub guest_invlpgs: u64,
+    /// Translated memory operands stopped by the isolation check (`Stop::Isolation`).
+    pub isolation_hits: u64,
 }
 
 /// The shadow MMU of the one vCPU, with its hardware side.
@@ -527,7 +529,7 @@ impl Shadow {
 
 impl Shadow {
     /// Every counter, named as in the statistics line and `counters.json`.
-    fn counter_fields(&self) -> [(&'static str, u64); 20] {
+    fn counter_fields(&self) -> [(&'static str, u64); 21] {
         let s = self.stats();
         let c = &self.counters;
         [
@@ -551,6 +553,7 @@ impl Shadow {
             ("cr3_loads", c.cr3_loads),
             ("guest_cr3_writes", c.guest_cr3_writes),
             ("guest_invlpgs", c.guest_invlpgs),
+            ("isolation_hits", c.isolation_hits),
         ]
     }
 

@@ -18,7 +18,8 @@
 
 use core::cell::RefCell;
 
-use guest_engine::shadow_mmu::{Access, FillOutcome, GuestFault};
+use guest_engine::isolation::{classify_fault, IsolationFault};
+use guest_engine::shadow_mmu::{Access, FillOutcome, GuestFault, PF_USER, PF_WRITE};
 use guest_engine::{Engine, Gpr, GuestPhys, GuestRegs, GuestVirt, Mode};
 use iced_x86::{Code, Decoder, DecoderOptions, Instruction, OpKind, Register};
 
@@ -53,6 +54,17 @@ pub struct HwPageFault {
     pub cr2: u64,
     /// The hardware error code (taken at CPL 3: the U bit is always set).
     pub error: u32,
+}
+
+/// A #UD at a translated guest instruction, with the guest's FS and GS bases.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IsolationHit {
+    /// The guest instruction (state precise before it).
+    pub guest_pc: GuestVirt,
+    /// The guest's FS base.
+    pub fs_base: u64,
+    /// The guest's GS base.
+    pub gs_base: u64,
 }
 
 /// The last fault handled, to detect a fault that keeps coming back.
@@ -130,6 +142,66 @@ pub fn on_page_fault(
             }
             emulate_store(engine, shadow, vcpu, mode, guest_pc, &insn)
         }
+    }
+}
+
+/// A #UD in translated code at the guest instruction `hit.guest_pc` (guest state
+/// precise before it): the isolation check's trap when an operand would reach the
+/// engine's reserved zone (`guest_engine::isolation`). Such an access gets what the
+/// guest's own tables say at the virtual CPL, as a hardware #PF there would — a guest
+/// fault, or (the guest maps the address itself) an engine failure; a non-canonical
+/// operand (the check's only false positives) is #GP(0); `Ok(None)`: the #UD is the
+/// guest's own.
+pub fn on_isolation_hit(
+    engine: &mut Engine,
+    shadow: &RefCell<Shadow>,
+    vcpu: &Vcpu<'_>,
+    progress: &mut Progress,
+    mode: Mode,
+    hit: IsolationHit,
+) -> Result<Option<Action>, RunError> {
+    let guest_pc = hit.guest_pc;
+    let mut bytes = [0u8; MAX_INSN];
+    let n = ShadowedMemory::new(shadow).peek_code(guest_pc.0, mode, &mut bytes);
+    let regs = *engine.regs();
+    let (addr, access) = match classify_fault(&bytes[..n], guest_pc.0, &regs, hit.fs_base, hit.gs_base)
+    {
+        IsolationFault::GuestUd => return Ok(None),
+        IsolationFault::NonCanonical { addr } => {
+            shadow.borrow_mut().counters.isolation_hits += 1;
+            return Ok(Some(Action::Reflect(GuestFault {
+                vector: kpin_abi::x86::vector::GP,
+                error_code: 0,
+                cr2: GuestVirt(addr),
+            })));
+        }
+        IsolationFault::BaseInZone { base } | IsolationFault::VectorBaseNearZone { base } => {
+            return Err(RunError::BaseInReservedZone {
+                rip: guest_pc.0,
+                base,
+            })
+        }
+        IsolationFault::Zone { addr, access } => (addr, access),
+    };
+    shadow.borrow_mut().counters.isolation_hits += 1;
+    // The same path as a hardware #PF at `addr` (taken at CPL 3: U set; the view, not
+    // the U bit, gives the virtual CPL).
+    let mut error = PF_USER;
+    if access & guest_engine::instrument::access::WRITE != 0 {
+        error |= PF_WRITE;
+    }
+    let hw = HwPageFault {
+        guest_pc,
+        cr2: addr,
+        error,
+    };
+    match on_page_fault(engine, shadow, vcpu, progress, mode, hw)? {
+        Action::Reflect(f) => Ok(Some(Action::Reflect(f))),
+        // A fill never maps the reserved zone; anything else is an engine bug.
+        _ => Err(RunError::Shadow {
+            rip: guest_pc.0,
+            error: guest_engine::shadow_mmu::ShadowError::ReservedSlot(GuestVirt(addr)),
+        }),
     }
 }
 

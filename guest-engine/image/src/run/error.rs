@@ -40,6 +40,14 @@ pub enum RunError {
         /// The fetch address.
         va: u64,
     },
+    /// A memory operand lies outside the reserved zone (PML4 slots 256-259) while its
+    /// base register lies inside it (or within 2 GiB below it).
+    BaseInReservedZone {
+        /// Guest RIP of the instruction.
+        rip: u64,
+        /// The base register's value.
+        base: u64,
+    },
     /// A delivery triple-faulted.
     TripleFault {
         /// Guest RIP of the first event.
@@ -68,6 +76,10 @@ impl fmt::Display for RunError {
             RunError::Undecodable { va } => write!(
                 f,
                 "the guest fetches code at {va:#x} that the translator cannot decode"
+            ),
+            RunError::BaseInReservedZone { rip, base } => write!(
+                f,
+                "the guest instruction at RIP {rip:#x} addresses memory outside PML4 slots 256-259 from a base register ({base:#x}) in or just below them, which the engine reserves; not supported"
             ),
             RunError::TripleFault { rip, first, last } => write!(
                 f,

@@ -32,7 +32,7 @@ use core::fmt::Write;
 
 use guest_engine::profile as prof;
 use guest_engine::shadow_mmu::{GuestFault, View};
-use guest_engine::{exit_code, Config, Engine, GuestVirt, Stop};
+use guest_engine::{exit_code, Config, Engine, GuestVirt, Platform, Stop};
 use kpin_abi::attach::AttachBlock;
 use kpin_abi::stolen::{CODE_CACHE_BYTES, CODE_CACHE_OFFSET, HEAP_BYTES, LAYOUT_BYTES, WINDOW_VA};
 
@@ -56,6 +56,7 @@ use crate::mm::guest_memory::{ShadowedMemory, MODE_KERNEL, MODE_USER};
 use crate::mm::heap;
 use crate::mm::shadow::Shadow;
 use crate::ring0::layout::VEC_PF;
+use kpin_abi::x86::vector::UD as VEC_UD;
 use crate::ring0::log;
 use crate::ring0::log::fail;
 use crate::ring0::{entry, gate, page_tables as paging};
@@ -308,8 +309,39 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                     }
                 } else {
                     prof::switch(profile::GUEST_FAULT);
-                    let ev = Event::from_hardware(vector as u8, error as u32);
-                    deliver_at(&mut engine, &mut vcpu, guest_pc.0, ev)
+                    let hit = (vector == u64::from(VEC_UD)).then(|| {
+                        use guest_engine::instrument::SegBase;
+                        cache_page_fault::IsolationHit {
+                            guest_pc,
+                            fs_base: Platform::segment_base(&mut vcpu, SegBase::Fs),
+                            gs_base: Platform::segment_base(&mut vcpu, SegBase::Gs),
+                        }
+                    });
+                    let isolation = match hit {
+                        Some(hit) => cache_page_fault::on_isolation_hit(
+                            &mut engine,
+                            &shadow,
+                            &vcpu,
+                            &mut progress,
+                            vcpu.mode(),
+                            hit,
+                        ),
+                        None => Ok(None),
+                    };
+                    match isolation {
+                        Ok(Some(Action::Reflect(f))) => {
+                            reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, guest_pc)
+                        }
+                        Ok(Some(_)) => {
+                            engine.set_rip(guest_pc);
+                            Ok(())
+                        }
+                        Ok(None) => {
+                            let ev = Event::from_hardware(vector as u8, error as u32);
+                            deliver_at(&mut engine, &mut vcpu, guest_pc.0, ev)
+                        }
+                        Err(e) => Err(e),
+                    }
                 };
                 if let Err(why) = done {
                     log!(Error, "engine: {why}");

@@ -290,7 +290,7 @@ pub(crate) fn strip_rep(bytes: &[u8]) -> ([u8; MAX_INSN_BYTES], usize) {
     (out, n)
 }
 
-fn mem_operands(factory: &mut InstructionInfoFactory, i: &Instruction) -> MemOps {
+pub(crate) fn mem_operands(factory: &mut InstructionInfoFactory, i: &Instruction) -> MemOps {
     let mut v = MemOps::default();
     if i.op_count() == 0 && i.stack_pointer_increment() == 0 && !is_string_op(i) {
         return v;

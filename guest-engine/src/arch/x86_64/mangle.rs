@@ -31,6 +31,7 @@ use super::entry::{
     emit_ibl_lookup, exit_word, CtxAddrs, Gencode, EXIT_ATTENTION, EXIT_DIRECT, EXIT_PA_MISMATCH,
     EXIT_SENSITIVE,
 };
+use super::isolate::BaseState;
 use crate::addr::GuestVirt;
 use crate::error::EngineError;
 use crate::instrument::{Action, CallSpec, IPoint, Insertion, MemOperand};
@@ -63,6 +64,8 @@ pub(crate) struct EmitEnv {
     /// Access bits every memory record of this trace carries (its CPL, see
     /// `instrument::access::CPL_SHIFT`).
     pub record_bits: u32,
+    /// Check memory operands against the reserved zone (`isolate.rs`).
+    pub isolate: bool,
 }
 
 /// An exit of a translated trace, before the dispatcher turns it into a record.
@@ -491,6 +494,7 @@ pub(crate) fn translate_trace(
     let entry = tx.a.offset();
     tx.emit_attention_check(live[0] == 0, start);
     let body = tx.a.offset();
+    let mut bases = BaseState::default();
     let mut before: Vec<&Insertion> = Vec::new();
     let mut after: Vec<&Insertion> = Vec::new();
     for (k, d) in t.insns.iter().enumerate() {
@@ -505,6 +509,10 @@ pub(crate) fn translate_trace(
             }
         }
         let info = &t.info[k];
+        if env.isolate {
+            tx.emit_isolation_checks(d, &info.mem, &mut bases, live[k] == 0)?;
+            tx.a.mark_guest(pc);
+        }
         let wants_records = before.iter().any(|x| x.action == Action::MemRecords);
         let rep_loop = info.rep && wants_records && !d.bytes().contains(&0x67);
         tx.insert_actions(&before, &info.mem, pc, info.len, live[k] == 0, rep_loop)?;

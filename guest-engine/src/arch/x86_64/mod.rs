@@ -4,4 +4,5 @@ pub(crate) mod decode;
 pub(crate) mod emit;
 pub mod entry;
 pub(crate) mod insert;
+pub mod isolate;
 pub(crate) mod mangle;

@@ -35,12 +35,13 @@ fn test_engine_slots_in_every_root() {
 }
 
 #[test]
-fn test_guest_use_of_slots_256_to_258_is_refused() {
+fn test_guest_use_of_slots_256_to_259_is_refused() {
     let (mut mmu, s) = setup();
     for va in [
         0xffff_8000_0000_1000u64,
         0xffff_8080_0000_2000,
         0xffff_8100_0000_3000,
+        0xffff_8180_0000_4000,
     ] {
         map(&mut mmu, &s, va, 1, 0x30_0000 | P | W | D);
         assert_eq!(
@@ -56,20 +57,44 @@ fn test_guest_use_of_slots_256_to_258_is_refused() {
         mmu.fill(GuestVirt(0x0000_8000_0000_0000), Access::Read, View::Kernel),
         Err(ShadowError::NonCanonical(GuestVirt(0x0000_8000_0000_0000)))
     );
-    // Slot 259 is the guest's.
-    map(
-        &mut mmu,
-        &s,
+}
+
+#[test]
+fn test_guest_faults_in_slots_256_to_259_are_the_guests_own() {
+    let (mut mmu, s) = setup();
+    // Supervisor page at the start of each reserved slot; unmapped page after it.
+    for slot_va in [
+        0xffff_8000_0000_0000u64,
+        0xffff_8080_0000_0000,
+        0xffff_8100_0000_0000,
         0xffff_8180_0000_0000,
-        1,
-        0x30_0000 | P | W | D,
-    );
-    mapped(fill(
-        &mut mmu,
-        0xffff_8180_0000_0000,
-        Access::Read,
-        View::Kernel,
-    ));
+    ] {
+        map(&mut mmu, &s, slot_va, 1, 0x30_0000 | P | W | D);
+        let unmapped = slot_va + 0x1000;
+        // Not present: P = 0; user view sets U; a write sets W.
+        assert_eq!(
+            fault_code(fill(&mut mmu, unmapped, Access::Read, View::Kernel)),
+            0
+        );
+        assert_eq!(
+            fault_code(fill(&mut mmu, unmapped, Access::Write, View::User)),
+            PF_WRITE | PF_USER
+        );
+        // A supervisor page read from user mode: P = 1, U = 1.
+        assert_eq!(
+            fault_code(fill(&mut mmu, slot_va, Access::Read, View::User)),
+            PF_PRESENT | PF_USER
+        );
+        assert_eq!(
+            mmu.translate(GuestVirt(unmapped), Access::Read, View::User),
+            Ok(None)
+        );
+        // Nothing of the guest's is installed: lookups still miss.
+        assert_eq!(
+            mmu.lookup(GuestVirt(unmapped), Access::Read, View::Kernel),
+            Ok(None)
+        );
+    }
 }
 
 #[test]

@@ -1,0 +1,586 @@
+//! Software fault isolation of translated memory operands: no guest access reaches the
+//! engine's reserved zone unchecked.
+//!
+//! The engine shares the address space with the guest code it translates (both run at
+//! hardware CPL 3), so the engine window (PML4 slot 257) and the physmap (258) are
+//! reachable by any guest access. The **reserved zone** Z is PML4 slots 256–259,
+//! `[ISOLATION_ZONE_START, ISOLATION_ZONE_END)`: 2 TiB aligned to 2^41, so an address is
+//! in Z iff its bits 63:41 are `0x7f_ffc0`. Slots 256 and 259 hold nothing of the
+//! engine and are never present in any shadow root: a hardware access there always
+//! faults into the engine, which resolves it against the guest's own tables. They are
+//! the guards that make the elisions below sound.
+//!
+//! Before every translated instruction, each memory operand whose linear address may lie
+//! in Z gets a flag-free check on its *first* byte:
+//!
+//! ```text
+//! mov [spill.rcx], rcx
+//! lea rcx, [ea]              ; + rdfsbase/rdgsbase for fs:/gs: operands
+//! rorx rcx, rcx, 41          ; bits 63:41 to 22:0 (BMI2, no flags)
+//! movzx ecx, cx              ; bits 56:41: 0xffc0 for Z (also for some non-canonical)
+//! lea ecx, [rcx - 0xffc0]    ; zero iff a hit
+//! jrcxz hit
+//! jmp short ok
+//! hit: ud2                   ; #UD in the cache: `Stop::Fault`, RCX restored by the PC map
+//! ok: mov rcx, [spill.rcx]
+//! ```
+//!
+//! A hit costs no exit record (the engine's tables grow with exits, and a Linux boot
+//! translates ~10^5 traces): the embedder that sees #UD at a translated instruction asks
+//! [`classify_fault`] whether an operand lies in Z (then it resolves the access against
+//! the guest's own tables, as for a hardware #PF there), or is non-canonical (a false
+//! positive of the check: #GP(0)), or else the #UD is the guest's own.
+//!
+//! Invariants that make checking only the first byte enough: below Z lies the
+//! non-canonical hole, so an access (or an upward `rep` string) that starts below Z
+//! faults before reaching it; an access starting above Z never reaches it upward, and a
+//! downward `rep` string from above Z meets slot 259 first, which always faults into the
+//! engine. Elisions: absolute (and RIP-relative, already absolute here) operands are
+//! decided at translation time; 32-bit-addressed flat operands are below 4 GiB;
+//! `[reg+disp]` with |disp| < 2 GiB − 128 KiB (push, pop, call, ret included, as
+//! `[rsp-8]`…) is checked through the base register once per trace — `reg +
+//! BASE_CHECK_BIAS` against Z, before its first such use — and again only after an
+//! instruction writes `reg` (RSP's implicit push/pop adjustments excepted: at most
+//! `MAX_TRACE_INSNS` × 8 bytes per trace). A base outside `[Z_START − BIAS, Z_END −
+//! BIAS)` puts every such access either below Z in the non-canonical hole (it faults
+//! there) or above `Z_END − 4 GiB`, i.e. at worst in the slot-259 guard.
+//! A hit leaves the guest state exactly that before the instruction (the check comes
+//! before the instruction's instrumentation and translation).
+
+use iced_x86::{Mnemonic, OpAccess, OpKind, Register};
+
+use iced_x86::{Decoder, DecoderOptions, InstructionInfoFactory};
+
+use super::decode::{mem_operands, DecodedInsn};
+use super::emit::reg;
+use super::mangle::{hw, Tx};
+use crate::context::{Gpr, GuestRegs};
+use crate::error::EngineError;
+use crate::instrument::{MemOperand, SegBase};
+
+/// First address of the reserved zone (PML4 slot 256).
+pub const ISOLATION_ZONE_START: u64 = 0xffff_8000_0000_0000;
+/// End (exclusive) of the reserved zone (PML4 slot 260).
+pub const ISOLATION_ZONE_END: u64 = 0xffff_8200_0000_0000;
+
+/// Whether `va` lies in the reserved zone.
+pub const fn in_isolation_zone(va: u64) -> bool {
+    va >= ISOLATION_ZONE_START && va < ISOLATION_ZONE_END
+}
+
+/// Offset added to a base register before its check ([`BASE_CHECK_BIAS`] below Z and
+/// above it are then both caught or both safe for every elided displacement).
+pub const BASE_CHECK_BIAS: u64 = 0x7fff_0000;
+/// Largest displacement magnitude of an operand whose check is elided through its base
+/// register; the rest of the 2 GiB below `BASE_CHECK_BIAS` covers RSP's implicit drift
+/// in one trace (`MAX_TRACE_INSNS` pushes or pops).
+const ELIDED_DISP_MAX: i64 = 0x7ffe_0000;
+
+/// Offset added to the base of a gather/scatter with 32-bit vector indices before its
+/// check (see `emit_vsib32_check`).
+const VSIB32_BIAS: u64 = 1 << 35;
+
+/// Per-trace state of the base-register elision: the GPRs whose value (plus
+/// [`BASE_CHECK_BIAS`]) was checked in this trace and not written since (RSP's implicit
+/// push/pop/call/ret adjustments do not count as writes).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct BaseState {
+    checked: u16,
+    /// Checked `base + index*scale` expressions (base, index, scale), same rules.
+    exprs: [Option<(Option<Gpr>, Gpr, u8)>; 4],
+    next: usize,
+}
+
+impl BaseState {
+    fn has(&self, base: Option<Gpr>, index: Option<Gpr>, scale: u8) -> bool {
+        match (base, index) {
+            (Some(b), None) => self.checked & (1 << (b as u8)) != 0,
+            (b, Some(i)) => self.exprs.contains(&Some((b, i, scale))),
+            (None, None) => false,
+        }
+    }
+
+    fn add(&mut self, base: Option<Gpr>, index: Option<Gpr>, scale: u8) {
+        match (base, index) {
+            (Some(b), None) => self.checked |= 1 << (b as u8),
+            (b, Some(i)) => {
+                self.exprs[self.next] = Some((b, i, scale));
+                self.next = (self.next + 1) % self.exprs.len();
+            }
+            (None, None) => {}
+        }
+    }
+
+    fn written(&mut self, mask: u16) {
+        self.checked &= !mask;
+        let hit = |r: Option<Gpr>| r.is_some_and(|r| mask & (1 << (r as u8)) != 0);
+        for e in self.exprs.iter_mut() {
+            if e.is_some_and(|(b, i, _)| hit(b) || hit(Some(i))) {
+                *e = None;
+            }
+        }
+    }
+}
+
+/// The GPRs (bit = hardware number) `d` writes, RSP only when it is written other than
+/// by the implicit adjustment of a push/pop/call/ret.
+fn written_gprs(tx: &mut Tx<'_>, d: &DecodedInsn) -> u16 {
+    let i = &d.instr;
+    let mut mask = 0u16;
+    for u in tx.factory.info(i).used_registers() {
+        let r = u.register();
+        if r.is_gpr()
+            && matches!(
+                u.access(),
+                OpAccess::Write
+                    | OpAccess::CondWrite
+                    | OpAccess::ReadWrite
+                    | OpAccess::ReadCondWrite
+            )
+        {
+            mask |= 1 << hw(r);
+        }
+    }
+    let rsp = 1u16 << reg::RSP;
+    if mask & rsp != 0
+        && i.stack_pointer_increment() != 0
+        && !matches!(i.mnemonic(), Mnemonic::Leave | Mnemonic::Enter)
+        && !(0..i.op_count()).any(|k| {
+            i.op_kind(k) == OpKind::Register && i.op_register(k).full_register() == Register::RSP
+        })
+    {
+        mask &= !rsp;
+    }
+    mask
+}
+
+/// `bt`/`bts`/`btr`/`btc` to memory with a register bit offset: the offset register and
+/// the operand size in bytes (the access lies at `ea + (sext(reg) >> log2(8·size)) ·
+/// size`, anywhere within ±2^60 of `ea`).
+fn bit_offset_register(i: &iced_x86::Instruction) -> Option<(Register, u32)> {
+    let bt = matches!(
+        i.mnemonic(),
+        Mnemonic::Bt | Mnemonic::Bts | Mnemonic::Btr | Mnemonic::Btc
+    );
+    (bt && i.op0_kind() == OpKind::Memory && i.op1_kind() == OpKind::Register)
+        .then(|| (i.op1_register(), i.memory_size().size() as u32))
+}
+
+/// Whether `i`'s memory operands use 32-bit addressing (a `0x67` prefix).
+fn addressing_32(i: &iced_x86::Instruction) -> bool {
+    i.memory_base().is_gpr32()
+        || i.memory_index().is_gpr32()
+        || (0..i.op_count()).any(|k| {
+            matches!(
+                i.op_kind(k),
+                OpKind::MemorySegESI | OpKind::MemorySegEDI | OpKind::MemoryESEDI
+            )
+        })
+}
+
+impl Tx<'_> {
+    /// The checks for instruction `d` with memory operands `ops` (see the module header),
+    /// emitted at the instruction's start; updates `bases` for the instruction's effect.
+    pub(super) fn emit_isolation_checks(
+        &mut self,
+        d: &DecodedInsn,
+        ops: &[MemOperand],
+        bases: &mut BaseState,
+        flags_dead: bool,
+    ) -> Result<(), EngineError> {
+        let pc = d.instr.ip();
+        let addr32 = addressing_32(&d.instr);
+        let bit_offset = bit_offset_register(&d.instr);
+        let xlat = d.instr.mnemonic() == Mnemonic::Xlatb;
+        if d.instr.vsib() == Some(false) {
+            self.emit_vsib32_check(&d.instr, addr32, pc, flags_dead)?;
+        }
+        for (k, m) in ops.iter().enumerate() {
+            if ops[..k].contains(m) {
+                continue;
+            }
+            if let Some((r, size)) = bit_offset {
+                self.emit_zone_check_bit_offset(m, r, size, addr32, pc, flags_dead)?;
+                continue;
+            }
+            // `xlat`: [rbx + al], within 255 bytes of RBX (iced names AL, read as RAX).
+            let m = &if xlat {
+                MemOperand { index: None, ..*m }
+            } else {
+                *m
+            };
+            let disp = m.disp as i64;
+            match (m.base, m.index, m.seg) {
+                (None, None, SegBase::Flat) => {
+                    if in_isolation_zone(m.disp) {
+                        self.a.bytes(&[0x0F, 0x0B]); // ud2
+                    }
+                }
+                (_, _, SegBase::Flat) if addr32 => {}
+                (b, x, SegBase::Flat) if (-ELIDED_DISP_MAX..ELIDED_DISP_MAX).contains(&disp) => {
+                    let scale = if x.is_some() { m.scale } else { 1 };
+                    if !bases.has(b, x, scale) {
+                        let biased = MemOperand {
+                            scale,
+                            disp: BASE_CHECK_BIAS,
+                            ..*m
+                        };
+                        self.emit_zone_check(&biased, pc, flags_dead)?;
+                        bases.add(b, x, scale);
+                    }
+                }
+                _ if addr32 => self.emit_zone_check_addr32(m, pc, flags_dead)?,
+                _ => self.emit_zone_check(m, pc, flags_dead)?,
+            }
+        }
+        bases.written(written_gprs(self, d));
+        Ok(())
+    }
+
+    /// The check of `bt*` to memory with the bit offset in register `r` (operand size
+    /// `size`): checks `ea + (sext(r) >> 3)`, which lies within `size` bytes above the
+    /// accessed address (below the zone: in the hole; above it: at worst in the slot-259
+    /// guard). Flag-free: `sarx` (BMI2) with the count in RDX.
+    fn emit_zone_check_bit_offset(
+        &mut self,
+        m: &MemOperand,
+        r: Register,
+        size: u32,
+        addr32: bool,
+        pc: u64,
+        flags_dead: bool,
+    ) -> Result<(), EngineError> {
+        let full = hw(r);
+        self.spill_quiet(reg::RCX);
+        self.spill_quiet(reg::RAX);
+        self.spill_quiet(reg::RDX);
+        self.emit_linear_rcx(m, addr32, pc)?;
+        // RAX may hold the segment base now; every guest value comes from its spill slot
+        // if it was spilled.
+        if matches!(full, reg::RAX | reg::RCX | reg::RDX) {
+            self.a.mov_r_m(reg::RAX, self.a.spill_slot(full));
+        } else {
+            self.a.mov_r_r(reg::RAX, full);
+        }
+        match size {
+            2 => self.a.bytes(&[0x48, 0x0F, 0xBF, 0xC0]), // movsx rax, ax
+            4 => self.a.bytes(&[0x48, 0x63, 0xC0]),       // movsxd rax, eax
+            _ => {}
+        }
+        self.a.bytes(&[0xBA, 0x03, 0x00, 0x00, 0x00]); // mov edx, 3
+        self.a.bytes(&[0xC4, 0xE2, 0xEA, 0xF7, 0xC0]); // sarx rax, rax, rdx
+        self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
+        self.unspill_quiet(reg::RDX);
+        self.unspill_quiet(reg::RAX);
+        self.emit_zone_test(flags_dead);
+        Ok(())
+    }
+
+    /// A gather/scatter with 32-bit vector indices: every lane lies within
+    /// `2^31 · 8 + 2^31` bytes of `base + disp`, so `base + disp + VSIB32_BIAS` is checked
+    /// against the zone (lanes from a base outside `[Z_START − 2^35, Z_END − 2^35)` stay
+    /// in the hole below Z or in the slot-259 guard). No base: lanes stay near 0.
+    fn emit_vsib32_check(
+        &mut self,
+        i: &iced_x86::Instruction,
+        addr32: bool,
+        pc: u64,
+        flags_dead: bool,
+    ) -> Result<(), EngineError> {
+        let base = i.memory_base();
+        if base == Register::None || addr32 {
+            return Ok(());
+        }
+        let seg = match i.segment_prefix() {
+            Register::FS => SegBase::Fs,
+            Register::GS => SegBase::Gs,
+            _ => SegBase::Flat,
+        };
+        let m = MemOperand {
+            base: Gpr::from_number(hw(base)),
+            index: None,
+            scale: 1,
+            disp: i.memory_displacement64(),
+            size: 0,
+            access: 0,
+            seg,
+        };
+        self.spill_quiet(reg::RCX);
+        self.spill_quiet(reg::RAX);
+        self.emit_linear_rcx(&m, false, pc)?;
+        self.a.mov_r_imm64(reg::RAX, VSIB32_BIAS);
+        self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
+        self.unspill_quiet(reg::RAX);
+        self.emit_zone_test(flags_dead);
+        Ok(())
+    }
+
+    /// RCX = the linear address of `m` (RAX and RCX spilled; RAX clobbered): with
+    /// `addr32` the offset wraps at 4 GiB before the segment base is added.
+    fn emit_linear_rcx(
+        &mut self,
+        m: &MemOperand,
+        addr32: bool,
+        pc: u64,
+    ) -> Result<(), EngineError> {
+        let flat = MemOperand {
+            seg: SegBase::Flat,
+            ..*m
+        };
+        self.emit_ea_rcx(&flat, pc)?;
+        if addr32 {
+            self.a.bytes(&[0x89, 0xC9]); // mov ecx, ecx
+        }
+        match m.seg {
+            SegBase::Flat => return Ok(()),
+            SegBase::Fs => self.a.bytes(&[0xF3, 0x48, 0x0F, 0xAE, 0xC0]), // rdfsbase rax
+            SegBase::Gs => self.a.bytes(&[0xF3, 0x48, 0x0F, 0xAE, 0xC8]), // rdgsbase rax
+        }
+        self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
+        Ok(())
+    }
+
+    /// The check of an `fs:`/`gs:` operand with 32-bit addressing: the offset wraps at
+    /// 4 GiB before the segment base is added (`mov ecx, ecx`), so that upper register
+    /// bits the access ignores cannot move the checked address out of the zone.
+    fn emit_zone_check_addr32(
+        &mut self,
+        m: &MemOperand,
+        pc: u64,
+        flags_dead: bool,
+    ) -> Result<(), EngineError> {
+        self.spill_quiet(reg::RCX);
+        self.spill_quiet(reg::RAX);
+        self.emit_linear_rcx(m, true, pc)?;
+        self.unspill_quiet(reg::RAX);
+        self.emit_zone_test(flags_dead);
+        Ok(())
+    }
+
+    /// The inline check of `checked`'s address (a shorter one when the status flags are
+    /// dead).
+    fn emit_zone_check(
+        &mut self,
+        checked: &MemOperand,
+        pc: u64,
+        flags_dead: bool,
+    ) -> Result<(), EngineError> {
+        let seg = checked.seg != SegBase::Flat;
+        self.spill_quiet(reg::RCX);
+        if seg {
+            self.spill_quiet(reg::RAX);
+        }
+        self.emit_ea_rcx(checked, pc)?;
+        if seg {
+            self.unspill_quiet(reg::RAX);
+        }
+        self.emit_zone_test(flags_dead);
+        Ok(())
+    }
+
+    /// With the address in RCX (spilled): trap if it is in the zone, then unspill RCX.
+    fn emit_zone_test(&mut self, flags_dead: bool) {
+        // The hit path restores RCX before its `ud2`, so that the guest state there is
+        // the instruction's start with nothing spilled: the check needs no PC-map
+        // entries of its own (its other instructions cannot fault; interrupts need no
+        // recovery), which keeps the fragment tables — and heap-pressure flushes — small.
+        if flags_dead {
+            self.a.bytes(&[0x48, 0xC1, 0xE9, 0x29]); // shr rcx, 41
+            self.a.bytes(&[0x81, 0xF9, 0xC0, 0xFF, 0x7F, 0x00]); // cmp ecx, 0x7fffc0
+            self.a.bytes(&[0x75, 0x09]); // jne ok
+        } else {
+            self.a.bytes(&[0xC4, 0xE3, 0xFB, 0xF0, 0xC9, 0x29]); // rorx rcx, rcx, 41
+            self.a.bytes(&[0x0F, 0xB7, 0xC9]); // movzx ecx, cx
+            self.a.bytes(&[0x8D, 0x89, 0x40, 0x00, 0xFF, 0xFF]); // lea ecx, [rcx - 0xffc0]
+            self.a.bytes(&[0xE3, 0x02]); // jrcxz hit
+            self.a.bytes(&[0xEB, 0x09]); // jmp short ok
+        }
+        let at = self.a.offset();
+        self.unspill_quiet(reg::RCX); // hit: (7 bytes)
+        debug_assert_eq!(self.a.offset() - at, 7);
+        self.a.bytes(&[0x0F, 0x0B]); // ud2
+        self.unspill_quiet(reg::RCX); // ok:
+    }
+
+    /// `mov [ctx.spill[r]], r` without a PC-map entry (see `emit_zone_test`).
+    fn spill_quiet(&mut self, r: u8) {
+        let slot = self.a.spill_slot(r);
+        self.a.mov_m_r(slot, r);
+    }
+
+    /// `mov r, [ctx.spill[r]]` without a PC-map entry.
+    fn unspill_quiet(&mut self, r: u8) {
+        let slot = self.a.spill_slot(r);
+        self.a.mov_r_m(r, slot);
+    }
+}
+
+/// The sign-extended value of the 16/32/64-bit GPR `r`.
+fn gpr_value(regs: &GuestRegs, r: Register) -> i64 {
+    let full = Gpr::from_number(hw(r)).map_or(0, |g| regs.get(g));
+    match r.size() {
+        2 => i64::from(full as u16 as i16),
+        4 => i64::from(full as u32 as i32),
+        _ => full as i64,
+    }
+}
+
+/// What a #UD raised at the translation of a guest instruction means.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IsolationFault {
+    /// An operand's linear address lies in the reserved zone: the access gets what the
+    /// guest's own page tables say (as a hardware #PF at `addr` would).
+    Zone {
+        /// The operand's linear address.
+        addr: u64,
+        /// `instrument::access` bits of the operand (READ, WRITE).
+        access: u32,
+    },
+    /// An operand's address is non-canonical (the check's only false positives): #GP(0).
+    NonCanonical {
+        /// The address.
+        addr: u64,
+    },
+    /// No operand lies in the zone but a base register (plus [`BASE_CHECK_BIAS`]) does
+    /// (a base-register check hit): not supported.
+    BaseInZone {
+        /// The base register's value.
+        base: u64,
+    },
+    /// A gather/scatter whose base lies within 2^35 bytes below the zone or in it: its
+    /// lanes are not resolved (not supported).
+    VectorBaseNearZone {
+        /// The base register's value.
+        base: u64,
+    },
+    /// The #UD is the guest's own (e.g. `ud2`, or nothing the check explains).
+    GuestUd,
+}
+
+/// Classifies a #UD at the guest instruction `bytes` (at `pc`) with the guest state
+/// `regs` before it and the FS/GS bases (see the module header).
+pub fn classify_fault(
+    bytes: &[u8],
+    pc: u64,
+    regs: &GuestRegs,
+    fs_base: u64,
+    gs_base: u64,
+) -> IsolationFault {
+    let i = Decoder::with_ip(64, bytes, pc, DecoderOptions::NONE).decode();
+    if i.is_invalid() || matches!(i.mnemonic(), Mnemonic::Ud0 | Mnemonic::Ud1 | Mnemonic::Ud2) {
+        return IsolationFault::GuestUd;
+    }
+    if i.vsib().is_some() {
+        let b = i.memory_base();
+        let base = if b == Register::None {
+            0
+        } else {
+            Gpr::from_number(hw(b)).map_or(0, |g| regs.get(g))
+        };
+        let near = base
+            .wrapping_add(i.memory_displacement64())
+            .wrapping_add(VSIB32_BIAS);
+        if i.vsib() == Some(false) && in_isolation_zone(near) {
+            return IsolationFault::VectorBaseNearZone { base };
+        }
+        return IsolationFault::GuestUd;
+    }
+    let mut factory = InstructionInfoFactory::new();
+    let ops = mem_operands(&mut factory, &i);
+    let addr32 = addressing_32(&i);
+    let mut non_canonical = None;
+    for m in ops.iter() {
+        let seg = match m.seg {
+            SegBase::Flat => 0,
+            SegBase::Fs => fs_base,
+            SegBase::Gs => gs_base,
+        };
+        let mut offset = if i.mnemonic() == Mnemonic::Xlatb {
+            regs.get(Gpr::Rbx).wrapping_add(regs.get(Gpr::Rax) & 0xff)
+        } else {
+            m.effective_address(regs)
+        };
+        if let Some((r, size)) = bit_offset_register(&i) {
+            let v = gpr_value(regs, r);
+            let bits = i64::from(size * 8);
+            offset = offset.wrapping_add((v.div_euclid(bits) * i64::from(size)) as u64);
+        }
+        if addr32 {
+            offset &= 0xffff_ffff;
+        }
+        let addr = offset.wrapping_add(seg);
+        if in_isolation_zone(addr) {
+            return IsolationFault::Zone {
+                addr,
+                access: m.access,
+            };
+        }
+        if ((addr as i64) << 16 >> 16) as u64 != addr {
+            non_canonical.get_or_insert(addr);
+        }
+    }
+    if let Some(addr) = non_canonical {
+        return IsolationFault::NonCanonical { addr };
+    }
+    for m in ops.iter() {
+        let base = m.effective_address(regs).wrapping_sub(m.disp);
+        if m.seg == SegBase::Flat && in_isolation_zone(base.wrapping_add(BASE_CHECK_BIAS)) {
+            return IsolationFault::BaseInZone { base };
+        }
+    }
+    IsolationFault::GuestUd
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_zone_is_slots_256_to_259() {
+        assert!(in_isolation_zone(0xffff_8000_0000_0000));
+        assert!(in_isolation_zone(0xffff_8080_0000_0000));
+        assert!(in_isolation_zone(0xffff_8100_0000_0000));
+        assert!(in_isolation_zone(0xffff_81ff_ffff_ffff));
+        assert!(!in_isolation_zone(0xffff_8200_0000_0000));
+        assert!(!in_isolation_zone(0x0000_7fff_ffff_ffff));
+        assert!(!in_isolation_zone(0xffff_ffff_8000_0000));
+        assert_eq!(ISOLATION_ZONE_START >> 41, 0x7f_ffc0);
+        assert_eq!((ISOLATION_ZONE_END - 1) >> 41, 0x7f_ffc0);
+    }
+}
+
+#[cfg(test)]
+mod encoding_tests {
+    use iced_x86::{Code, Decoder, DecoderOptions, Register};
+
+    #[test]
+    fn test_hand_encoded_check_instructions_decode_as_intended() {
+        let cases: [(&[u8], Code, [Register; 3]); 3] = [
+            (
+                &[0xC4, 0xE2, 0xEA, 0xF7, 0xC0],
+                Code::VEX_Sarx_r64_rm64_r64,
+                [Register::RAX, Register::RAX, Register::RDX],
+            ),
+            (
+                &[0xC4, 0xE3, 0xFB, 0xF0, 0xC9, 0x29],
+                Code::VEX_Rorx_r64_rm64_imm8,
+                [Register::RCX, Register::RCX, Register::None],
+            ),
+            (
+                &[0x48, 0xC1, 0xE9, 0x29],
+                Code::Shr_rm64_imm8,
+                [Register::RCX, Register::None, Register::None],
+            ),
+        ];
+        for (bytes, code, regs) in cases {
+            let i = Decoder::with_ip(64, bytes, 0, DecoderOptions::NONE).decode();
+            assert_eq!(i.code(), code);
+            assert_eq!(i.len(), bytes.len());
+            for (k, r) in regs.iter().enumerate() {
+                if *r != Register::None {
+                    assert_eq!(i.op_register(k as u32), *r);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,429 @@
+//! Isolation checks (`arch/x86_64/isolate.rs`): translated memory operands whose address
+//! lies in PML4 slots 256–259 (the engine window, the physmap, their guards) never reach
+//! memory. The check's trap (`ud2`, SIGILL here) is redirected to the exit routine like any
+//! fault in the cache; the engine maps it back to the guest instruction with the guest
+//! registers exactly as before it, and `isolation::classify_fault` names the operand. A
+//! check that let the access through would SIGSEGV (those addresses are kernel space in
+//! this host process) and kill the test.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use common::{HostMemory, HostPlatform, Region, Rig};
+use guest_engine::instrument::access;
+use guest_engine::isolation::{classify_fault, IsolationFault};
+use guest_engine::{Config, Gpr, GuestPhys, GuestVirt, Mode, NullTool, Stop};
+
+const WINDOW_VA: u64 = 0xffff_8080_0000_0000;
+const PHYSMAP_VA: u64 = 0xffff_8100_0000_0000;
+
+static REDIRECT: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
+/// One rig at a time owns the SIGILL redirect.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+extern "C" fn on_sigill(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut libc::c_void) {
+    let uc = uc.cast::<libc::ucontext_t>();
+    // SAFETY: the kernel passes a valid ucontext to an SA_SIGINFO handler; the stores go
+    // to the engine's context block, whose addresses `install` took from the engine.
+    unsafe {
+        let rip = (*uc).uc_mcontext.gregs[libc::REG_RIP as usize] as u64;
+        let (lo, hi) = (
+            REDIRECT[4].load(Ordering::SeqCst),
+            REDIRECT[5].load(Ordering::SeqCst),
+        );
+        if rip < lo || rip >= hi {
+            libc::signal(libc::SIGILL, libc::SIG_DFL);
+            return;
+        }
+        *(REDIRECT[0].load(Ordering::SeqCst) as *mut u64) = rip;
+        *(REDIRECT[1].load(Ordering::SeqCst) as *mut u64) = REDIRECT[2].load(Ordering::SeqCst);
+        (*uc).uc_mcontext.gregs[libc::REG_RIP as usize] = REDIRECT[3].load(Ordering::SeqCst) as i64;
+    }
+}
+
+fn install(rig: &Rig) {
+    let r = rig.engine.fault_redirect();
+    for (i, v) in [
+        r.fault_pc,
+        r.exit_word_at,
+        r.exit_word,
+        r.exit_routine,
+        r.region.0,
+        r.region.1,
+    ]
+    .iter()
+    .enumerate()
+    {
+        REDIRECT[i].store(*v, Ordering::SeqCst);
+    }
+    // The guest's RSP may be anything (a stack in slot 259): the handler runs on its own.
+    let alt = Box::leak(vec![0u8; 64 * 1024].into_boxed_slice());
+    // SAFETY: installing a signal handler and an alternate stack (leaked, so it lives as
+    // long as the thread) for this thread and process.
+    unsafe {
+        let ss = libc::stack_t {
+            ss_sp: alt.as_mut_ptr().cast(),
+            ss_flags: 0,
+            ss_size: alt.len(),
+        };
+        libc::sigaltstack(&ss, std::ptr::null_mut());
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_sigill as *const () as usize;
+        sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+        libc::sigaction(libc::SIGILL, &sa, std::ptr::null_mut());
+    }
+}
+
+struct Case {
+    rig: Rig,
+    block: Region,
+}
+
+impl Case {
+    fn new(mode: Mode) -> Case {
+        let rig = Rig::new(Config {
+            mode,
+            ..Config::default()
+        });
+        install(&rig);
+        Case {
+            rig,
+            block: Region::map(2 * 4096, 0),
+        }
+    }
+
+    /// Runs `code` (at the block's start; it must end by jumping to `exit`, outside
+    /// guest memory) with `regs` set; returns the stop and the guest bytes.
+    fn run(&mut self, code: &[u8], regs: &[(Gpr, u64)]) -> Stop {
+        let base = self.block.addr();
+        // The previous case's translation of this page goes (new code, same address).
+        self.rig.engine.invalidate_code_page(GuestPhys(base));
+        self.block.slice()[..code.len()].copy_from_slice(code);
+        let mut mem = HostMemory::new(vec![(base, base + 4096)]);
+        self.rig.engine.regs_mut().gpr = [0x1111; 16];
+        self.rig
+            .engine
+            .regs_mut()
+            .set(Gpr::Rsp, base + 2 * 4096 - 64);
+        for &(r, v) in regs {
+            self.rig.engine.regs_mut().set(r, v);
+        }
+        self.rig.engine.regs_mut().rflags = 0x202;
+        self.rig.engine.set_rip(GuestVirt(base));
+        self.rig
+            .engine
+            .run(&mut mem, &mut HostPlatform::default(), &mut NullTool)
+    }
+
+    fn classify(&self, pc: u64) -> IsolationFault {
+        let off = (pc - self.block.addr()) as usize;
+        let bytes = &self.block.slice()[off..off + 15];
+        classify_fault(bytes, pc, self.rig.engine.regs(), 0, 0)
+    }
+}
+
+/// `jmp rel32` from `at` (offset in the block) to `target`.
+fn jmp(code: &mut Vec<u8>, base: u64, target: u64) {
+    let at = base + code.len() as u64 + 5;
+    code.push(0xE9);
+    code.extend_from_slice(&((target as i64 - at as i64) as i32).to_le_bytes());
+}
+
+fn expect_hit(stop: Stop, pc: u64) {
+    match stop {
+        Stop::Fault { guest_pc, .. } => assert_eq!(guest_pc, GuestVirt(pc), "faulting guest pc"),
+        other => panic!("expected the isolation trap, got {other:?}"),
+    }
+}
+
+#[test]
+fn test_user_and_kernel_accesses_to_the_window_and_physmap_trap_before_touching_memory() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    for mode in [Mode::USER, Mode::KERNEL] {
+        let mut c = Case::new(mode);
+        let base = c.block.addr();
+        let exit = base + 0x10_0000;
+
+        // mov rdx, 7; mov rax, [rdi + 0x10]; (never reached) ...
+        let mut code = vec![0x48, 0xC7, 0xC2, 7, 0, 0, 0];
+        let load = base + code.len() as u64;
+        code.extend_from_slice(&[0x48, 0x8B, 0x47, 0x10]);
+        jmp(&mut code, base, exit);
+        let stop = c.run(&code, &[(Gpr::Rdi, WINDOW_VA), (Gpr::Rcx, 0xC0FFEE)]);
+        expect_hit(stop, load);
+        let r = c.rig.engine.regs();
+        assert_eq!(
+            r.get(Gpr::Rcx),
+            0xC0FFEE,
+            "the check's scratch register is restored"
+        );
+        assert_eq!(r.get(Gpr::Rdx), 7, "the instruction before it ran");
+        assert_eq!(r.get(Gpr::Rax), 0x1111, "the load did not run");
+        assert_eq!(
+            c.classify(load),
+            IsolationFault::Zone {
+                addr: WINDOW_VA + 0x10,
+                access: access::READ
+            }
+        );
+
+        // The same with the status flags dead at the load (the shorter check).
+        let mut code = vec![0x48, 0x8B, 0x47, 0x10, 0x83, 0xC1, 0x01]; // ...; add ecx, 1
+        jmp(&mut code, base, exit);
+        expect_hit(c.run(&code, &[(Gpr::Rdi, PHYSMAP_VA), (Gpr::Rcx, 5)]), base);
+        assert_eq!(c.rig.engine.regs().get(Gpr::Rcx), 5);
+        assert_eq!(
+            c.classify(base),
+            IsolationFault::Zone {
+                addr: PHYSMAP_VA + 0x10,
+                access: access::READ
+            }
+        );
+
+        // mov [rbx + rcx*8 + 0x20], eax into the physmap.
+        let mut code = vec![0x89, 0x44, 0xCB, 0x20];
+        jmp(&mut code, base, exit);
+        let stop = c.run(&code, &[(Gpr::Rbx, PHYSMAP_VA), (Gpr::Rcx, 3)]);
+        expect_hit(stop, base);
+        assert_eq!(
+            c.classify(base),
+            IsolationFault::Zone {
+                addr: PHYSMAP_VA + 0x38,
+                access: access::WRITE
+            }
+        );
+
+        // movabs rax, [0xffff_8000_0000_0000] (slot 256): decided at translation time.
+        let mut code = vec![0x48, 0xA1];
+        code.extend_from_slice(&0xffff_8000_0000_0000u64.to_le_bytes());
+        jmp(&mut code, base, exit);
+        expect_hit(c.run(&code, &[]), base);
+        assert!(matches!(
+            c.classify(base),
+            IsolationFault::Zone {
+                addr: 0xffff_8000_0000_0000,
+                ..
+            }
+        ));
+
+        // push rax with RSP in slot 259 (the guard): the stack's base check.
+        let mut code = vec![0x50];
+        jmp(&mut code, base, exit);
+        let rsp = 0xffff_8180_0000_0100;
+        expect_hit(c.run(&code, &[(Gpr::Rsp, rsp)]), base);
+        assert_eq!(c.rig.engine.regs().get(Gpr::Rsp), rsp);
+        assert_eq!(
+            c.classify(base),
+            IsolationFault::Zone {
+                addr: rsp - 8,
+                access: access::WRITE
+            }
+        );
+
+        // rep stosb with RDI in the window: nothing written, RCX unchanged.
+        let mut code = vec![0xF3, 0xAA];
+        jmp(&mut code, base, exit);
+        expect_hit(
+            c.run(&code, &[(Gpr::Rdi, WINDOW_VA + 0x1000), (Gpr::Rcx, 64)]),
+            base,
+        );
+        assert_eq!(c.rig.engine.regs().get(Gpr::Rcx), 64);
+
+        // A base just below the zone in the non-canonical hole reaching into it.
+        let mut code = vec![0x48, 0x8B, 0x83];
+        code.extend_from_slice(&0x2000i32.to_le_bytes()); // mov rax, [rbx + 0x2000]
+        jmp(&mut code, base, exit);
+        expect_hit(c.run(&code, &[(Gpr::Rbx, 0xffff_7fff_ffff_f000)]), base);
+        assert_eq!(
+            c.classify(base),
+            IsolationFault::Zone {
+                addr: 0xffff_8000_0000_1000,
+                access: access::READ
+            }
+        );
+
+        // A non-canonical address the check cannot tell from the zone: #GP for the guest.
+        let mut code = vec![0x48, 0x8B, 0x04, 0x0B]; // mov rax, [rbx + rcx]
+        jmp(&mut code, base, exit);
+        expect_hit(
+            c.run(&code, &[(Gpr::Rbx, 0x01ff_8000_0000_0000), (Gpr::Rcx, 0)]),
+            base,
+        );
+        assert_eq!(
+            c.classify(base),
+            IsolationFault::NonCanonical {
+                addr: 0x01ff_8000_0000_0000
+            }
+        );
+
+        // gs: with 32-bit addressing: the offset wraps at 4 GiB before the base is added,
+        // so RCX's upper bits cannot hide a physmap access.
+        let mut code = vec![0x65, 0x67, 0x8B, 0x01]; // mov eax, gs:[ecx]
+        jmp(&mut code, base, exit);
+        // SAFETY: this test thread's GS base is unused by Rust on x86-64 Linux (TLS is
+        // FS); it is restored right after the run.
+        unsafe { std::arch::asm!("wrgsbase {}", in(reg) PHYSMAP_VA) };
+        let stop = c.run(&code, &[(Gpr::Rcx, 0xffff_ffff_0000_0010)]);
+        // SAFETY: as above.
+        unsafe { std::arch::asm!("wrgsbase {}", in(reg) 0u64) };
+        expect_hit(stop, base);
+        let bytes = &c.block.slice()[..15];
+        assert_eq!(
+            classify_fault(bytes, base, c.rig.engine.regs(), 0, PHYSMAP_VA),
+            IsolationFault::Zone {
+                addr: PHYSMAP_VA + 0x10,
+                access: access::READ
+            }
+        );
+
+        // bts with a register bit offset from a valid address into the physmap (the
+        // operand names only [rdi]; the access is at rdi + (rax >> 6) * 8).
+        let data = base + 0x800;
+        let target = PHYSMAP_VA + 0x100;
+        let rax = (target.wrapping_sub(data) as i64 * 8) as u64;
+        let mut code = vec![0x48, 0x0F, 0xAB, 0x07]; // bts [rdi], rax
+        jmp(&mut code, base, exit);
+        expect_hit(c.run(&code, &[(Gpr::Rdi, data), (Gpr::Rax, rax)]), base);
+        assert_eq!(
+            c.classify(base),
+            IsolationFault::Zone {
+                addr: target,
+                access: access::READ | access::WRITE
+            }
+        );
+
+        // xlat: [rbx + al]; RAX's upper bits must not hide the window.
+        let mut code = vec![0xD7];
+        jmp(&mut code, base, exit);
+        expect_hit(
+            c.run(
+                &code,
+                &[(Gpr::Rbx, WINDOW_VA), (Gpr::Rax, 0x1000_0000_0000_0005)],
+            ),
+            base,
+        );
+        assert_eq!(
+            c.classify(base),
+            IsolationFault::Zone {
+                addr: WINDOW_VA + 5,
+                access: access::READ
+            }
+        );
+
+        // vpgatherdd ymm0, [rdi + ymm1*4], ymm2 with RDI at the physmap: the base check
+        // of 32-bit-index gathers (lanes are within 2^34 + 2^31 bytes of the base).
+        if std::arch::is_x86_feature_detected!("avx2") {
+            use iced_x86::{Code, Encoder, Instruction, MemoryOperand, Register};
+            let g = Instruction::with3(
+                Code::VEX_Vpgatherdd_ymm_vm32y_ymm,
+                Register::YMM0,
+                MemoryOperand::with_base_index_scale(Register::RDI, Register::YMM1, 4),
+                Register::YMM2,
+            )
+            .unwrap();
+            let mut enc = Encoder::new(64);
+            enc.encode(&g, base).unwrap();
+            let mut code = enc.take_buffer();
+            jmp(&mut code, base, exit);
+            expect_hit(c.run(&code, &[(Gpr::Rdi, PHYSMAP_VA)]), base);
+            assert_eq!(
+                c.classify(base),
+                IsolationFault::VectorBaseNearZone { base: PHYSMAP_VA }
+            );
+        }
+
+        // The guest's own ud2 is a sensitive instruction, and a #UD there is the guest's.
+        let mut code = vec![0x0F, 0x0B];
+        jmp(&mut code, base, exit);
+        assert!(matches!(c.run(&code, &[]), Stop::Sensitive(s) if s.pc == GuestVirt(base)));
+        assert_eq!(c.classify(base), IsolationFault::GuestUd);
+    }
+}
+
+#[test]
+fn test_checks_keep_flags_and_registers_of_ordinary_accesses() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut c = Case::new(Mode::USER);
+    let base = c.block.addr();
+    let data = base + 0x800;
+    c.block.slice()[0x800..0x808].copy_from_slice(&0x1234_5678u64.to_le_bytes());
+    c.block.slice()[0x810..0x818].copy_from_slice(&0x9abcu64.to_le_bytes());
+    let exit = base + 0x10_0000;
+    let mut code = vec![
+        0x48, 0x0F, 0xAB, 0x2F, // bts [rdi], rbp: bit 65 = bit 1 of [rdi + 8]
+        0x31, 0xC0, // xor eax, eax
+        0x83, 0xF8, 0x01, // cmp eax, 1: CF = SF = 1, ZF = 0
+        0x48, 0x8B, 0x17, // mov rdx, [rdi]          (base check of RDI)
+        0x48, 0x8B, 0x5C, 0x37, 0x10, // mov rbx, [rdi + rsi + 0x10] (full check)
+        0x48, 0x89, 0x57, 0x20, // mov [rdi + 0x20], rdx    (elided: RDI checked)
+        0x50, // push rax                  (base check of RSP)
+        0x58, // pop rax                   (elided)
+        0x0F, 0x92, 0xC1, // setb cl
+        0x0F, 0x98, 0xC5, // sets ch
+        0x0F, 0x94, 0xC0, // sete al
+    ];
+    jmp(&mut code, base, exit);
+    let stop = c.run(
+        &code,
+        &[
+            (Gpr::Rdi, data),
+            (Gpr::Rsi, 0),
+            (Gpr::Rcx, 0),
+            (Gpr::Rbp, 65),
+        ],
+    );
+    assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+    let r = c.rig.engine.regs();
+    assert_eq!(r.get(Gpr::Rdx), 0x1234_5678);
+    assert_eq!(r.get(Gpr::Rbx), 0x9abc);
+    assert_eq!(
+        r.get(Gpr::Rcx) & 0xffff,
+        0x0101,
+        "CF and SF survive the checks"
+    );
+    assert_eq!(r.get(Gpr::Rax) & 0xff, 0, "ZF survives the checks");
+    assert_eq!(r.get(Gpr::Rdi), data);
+    let stored = u64::from_le_bytes(c.block.slice()[0x820..0x828].try_into().unwrap());
+    assert_eq!(stored, 0x1234_5678);
+    let bits = u64::from_le_bytes(c.block.slice()[0x808..0x810].try_into().unwrap());
+    assert_eq!(bits, 2, "bts with a register bit offset ran");
+
+    // A gather from ordinary memory passes its check and loads.
+    if std::arch::is_x86_feature_detected!("avx2") {
+        use iced_x86::{Code, Encoder, Instruction, MemoryOperand, Register};
+        let ymm = |c, a, b, d| Instruction::with3(c, a, b, d).unwrap();
+        let insns = [
+            ymm(
+                Code::VEX_Vpxor_ymm_ymm_ymmm256,
+                Register::YMM1,
+                Register::YMM1,
+                Register::YMM1,
+            ),
+            ymm(
+                Code::VEX_Vpcmpeqd_ymm_ymm_ymmm256,
+                Register::YMM2,
+                Register::YMM2,
+                Register::YMM2,
+            ),
+            Instruction::with3(
+                Code::VEX_Vpgatherdd_ymm_vm32y_ymm,
+                Register::YMM0,
+                MemoryOperand::with_base_index_scale(Register::RDI, Register::YMM1, 4),
+                Register::YMM2,
+            )
+            .unwrap(),
+            Instruction::with2(Code::VEX_Vmovd_rm32_xmm, Register::EAX, Register::XMM0).unwrap(),
+        ];
+        let mut code = Vec::new();
+        for i in insns {
+            let mut enc = Encoder::new(64);
+            enc.encode(&i, base + code.len() as u64).unwrap();
+            code.extend_from_slice(&enc.take_buffer());
+        }
+        jmp(&mut code, base, exit);
+        let stop = c.run(&code, &[(Gpr::Rdi, data)]);
+        assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+        assert_eq!(c.rig.engine.regs().get(Gpr::Rax), 0x1234_5678);
+    }
+}
