@@ -23,7 +23,13 @@ use vmm::guests::LINUX_CMDLINE;
 const BUDGET_SECONDS: &str = "240";
 
 /// Files `kpin run --tool null` itself writes into the output directory of a clean run.
-const KPIN_FILES: &[&str] = &["console.log", "engine.log", "run.json", "counters.json"];
+const KPIN_FILES: &[&str] = &[
+    "console.log",
+    "engine.log",
+    "run.json",
+    "counters.json",
+    "profile.txt",
+];
 
 #[test]
 fn test_isolation_probe_as_an_unprivileged_process_faults_on_every_access() {
