@@ -164,25 +164,25 @@ pub fn on_isolation_hit(
     let mut bytes = [0u8; MAX_INSN];
     let n = ShadowedMemory::new(shadow).peek_code(guest_pc.0, mode, &mut bytes);
     let regs = *engine.regs();
-    let (addr, access) = match classify_fault(&bytes[..n], guest_pc.0, &regs, hit.fs_base, hit.gs_base)
-    {
-        IsolationFault::GuestUd => return Ok(None),
-        IsolationFault::NonCanonical { addr } => {
-            shadow.borrow_mut().counters.isolation_hits += 1;
-            return Ok(Some(Action::Reflect(GuestFault {
-                vector: kpin_abi::x86::vector::GP,
-                error_code: 0,
-                cr2: GuestVirt(addr),
-            })));
-        }
-        IsolationFault::BaseInZone { base } | IsolationFault::VectorBaseNearZone { base } => {
-            return Err(RunError::BaseInReservedZone {
-                rip: guest_pc.0,
-                base,
-            })
-        }
-        IsolationFault::Zone { addr, access } => (addr, access),
-    };
+    let (addr, access) =
+        match classify_fault(&bytes[..n], guest_pc.0, &regs, hit.fs_base, hit.gs_base) {
+            IsolationFault::GuestUd => return Ok(None),
+            IsolationFault::NonCanonical { addr } => {
+                shadow.borrow_mut().counters.isolation_hits += 1;
+                return Ok(Some(Action::Reflect(GuestFault {
+                    vector: kpin_abi::x86::vector::GP,
+                    error_code: 0,
+                    cr2: GuestVirt(addr),
+                })));
+            }
+            IsolationFault::BaseInZone { base } | IsolationFault::VectorBaseNearZone { base } => {
+                return Err(RunError::BaseInReservedZone {
+                    rip: guest_pc.0,
+                    base,
+                })
+            }
+            IsolationFault::Zone { addr, access } => (addr, access),
+        };
     shadow.borrow_mut().counters.isolation_hits += 1;
     // The same path as a hardware #PF at `addr` (taken at CPL 3: U set; the view, not
     // the U bit, gives the virtual CPL).

@@ -56,7 +56,6 @@ use crate::mm::guest_memory::{ShadowedMemory, MODE_KERNEL, MODE_USER};
 use crate::mm::heap;
 use crate::mm::shadow::Shadow;
 use crate::ring0::layout::VEC_PF;
-use kpin_abi::x86::vector::UD as VEC_UD;
 use crate::ring0::log;
 use crate::ring0::log::fail;
 use crate::ring0::{entry, gate, page_tables as paging};
@@ -64,6 +63,7 @@ use crate::run::error::RunError;
 use crate::run::tools::Chosen;
 use crate::run::vcpu::{Ring0, ShadowPort, Vcpu};
 use cache_page_fault::Action;
+use kpin_abi::x86::vector::UD as VEC_UD;
 
 use guest_engine::vcpu::{Event, VcpuStop};
 
