@@ -418,7 +418,7 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         Some(tool) => Some(vmm::EngineConfig {
             image: kpin_images::ensure_engine(&image_dir, &mut progress)?,
             tool: tool.clone(),
-            options: args.tool_option.join(" "),
+            options: input_check::engine_options(tool, &args.tool_option)?,
         }),
         None => None,
     };

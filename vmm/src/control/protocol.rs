@@ -133,6 +133,14 @@ pub fn check_tool(tool: &str, options: &BTreeMap<String, String>) -> Result<(), 
     {
         return Err(format!("bad tool option {k:?}={v:?}"));
     }
+    if options
+        .keys()
+        .any(|k| k == "config_file" || k == "cachesim.config_file")
+    {
+        return Err(
+            "config_file works with kpin run only (give attach the options one by one)".into(),
+        );
+    }
     let pairs: Vec<String> = options.iter().map(|(k, v)| format!("{k}={v}")).collect();
     crate::input_check::check_tool(tool, &pairs).map_err(|e| e.to_string())
 }
