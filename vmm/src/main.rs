@@ -303,14 +303,27 @@ fn trace(
     kernel: Option<&Path>,
     system_map: Option<&Path>,
 ) -> anyhow::Result<()> {
-    let symbols = match kernel {
+    let mut symbols = match kernel {
         Some(k) => KernelSymbols::load(k, system_map)?,
         None => None,
     };
+    let bin = run.join(kpin_tool_memtrace::BIN_NAME);
+    let bytes = std::fs::read(&bin).with_context(|| format!("cannot read {}", bin.display()))?;
+    // Where the kernel's instructions ran tells a KASLR slide (a bzImage boot).
+    if let (Some(s), Ok(t)) = (
+        symbols.as_mut(),
+        kpin_tool_memtrace::format::Trace::parse(&bytes),
+    ) {
+        if let Some(found) = s.find_slide(t.records().map(|r| r.insn_vaddr)) {
+            if found.slide != 0 {
+                eprintln!("kpin: names from {}", s.source);
+            }
+        }
+    }
     let name = |a: u64| symbols.as_ref().and_then(|s| s.describe(a));
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
-    match kpin_tool_memtrace::reader::print_run(run, limit, &name, &mut out) {
+    match kpin_tool_memtrace::reader::write_csv(&bytes, limit, &name, &mut out) {
         Ok(_) => {}
         // `kpin trace … | head` closes the pipe early: not an error.
         Err(kpin_tool_memtrace::reader::ReadError::Io(e))
@@ -653,7 +666,11 @@ fn bbcount_report(
     if !out.join(kpin_tool_bbcount::CSV_NAME).exists() {
         return None;
     }
-    let made = KernelSymbols::load(kernel, system_map).and_then(|symbols| {
+    let made = KernelSymbols::load(kernel, system_map).and_then(|mut symbols| {
+        // Where the kernel's blocks ran tells a KASLR slide (a bzImage boot).
+        if let (Some(s), Ok(Some(rows))) = (symbols.as_mut(), report::read_rows(out)) {
+            s.find_slide(rows.iter().filter(|r| r.cpl == 0).map(|r| r.address));
+        }
         let names = symbols.as_ref().map(|s| s as &dyn BlockNames);
         report::write_report(out, names, top)
     });
