@@ -49,13 +49,22 @@ SRC
     fi
     nice -n 19 ninja -j"$(nproc)" qemu-system-x86_64
     cp qemu-system-x86_64 "$bin"
-    # The firmware QEMU looks for next to its binary (Debian's packaged copies).
-    ln -sfn "$src/pc-bios" "$out/pc-bios"
+fi
+# Firmware (`-L images/out/qemu-plugins/pc-bios`): the Debian source package has the
+# blobs stripped (dfsg), so link Debian's built copies (seabios, qemu-system-data).
+if [ ! -e "$out/pc-bios/bios-256k.bin" ]; then
+    rm -rf "$out/pc-bios"
+    mkdir -p "$out/pc-bios"
+    for d in /usr/share/qemu /usr/share/seabios; do
+        for f in "$d"/*; do
+            [ -e "$out/pc-bios/$(basename "$f")" ] || ln -s "$f" "$out/pc-bios/"
+        done
+    done
 fi
 
 src=$(ls -d "$out"/src/qemu-*/ | head -1)
 if [ ! -f "$plugin" ] || [ "$here/qemu-cache-plugin/pa_cache.c" -nt "$plugin" ]; then
-    gcc -O2 -shared -fPIC -Wall -Wextra -Werror -I"$src/include/qemu" \
+    gcc -O2 -shared -fPIC -Wall -Wextra -Wno-unused-parameter -Werror -I"$src/include/qemu" \
         $(pkg-config --cflags glib-2.0) \
         -o "$plugin" "$here/qemu-cache-plugin/pa_cache.c"
 fi
