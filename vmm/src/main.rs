@@ -155,11 +155,12 @@ struct RunArgs {
     /// guest instruction from its code cache under this tool: null (translation only);
     /// bbcount (per-block counts in <out>/bbcount.csv, and <out>/bbcount-report.txt: the
     /// user/kernel split and the hottest blocks named from the System.map or the kernel
-    /// ELF's symbols); cachesim (a drcachesim-style L1I/L1D/[L2]/LL cache simulation over
+    /// ELF's symbols, moved by the KASLR slide the blocks show); cachesim (a drcachesim-style L1I/L1D/[L2]/LL cache simulation over
     /// guest-physical addresses, kernel and user: cachesim.txt, cachesim.json,
     /// cachesim-timeline.svg; options L1I_size, L1I_assoc, L1D_size, L1D_assoc, L2_size,
     /// L2_assoc, LL_size, LL_assoc, line_size, replace_policy=LRU|FIFO|RANDOM,
-    /// warmup_refs, sim_refs through --tool-option); insmix (dynamic counts per mnemonic,
+    /// warmup_refs, sim_refs through --tool-option, or config_file=PATH in drcachesim's
+    /// configuration-file format for deeper hierarchies); insmix (dynamic counts per mnemonic,
     /// kernel/user: insmix.txt, insmix.json); memtrace (every data access with instruction
     /// VA, data VA and PA, size, load/store and CPL in <out>/memtrace.bin, counts in
     /// memtrace-summary.txt; options cpl=0|3|all, limit=N records; `kpin trace` prints it
