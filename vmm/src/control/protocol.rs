@@ -203,6 +203,12 @@ mod tests {
         let e = parse_request(br#"{"cmd":"attach","tool":"bbcount","options":{"depth":"3"}}"#)
             .expect_err("unknown option");
         assert!(e.contains("unknown --tool-option key \"depth\""), "{e}");
+        // The daemon reads no file a client names.
+        let e = parse_request(
+            br#"{"cmd":"attach","tool":"cachesim","options":{"config_file":"/etc/passwd"}}"#,
+        )
+        .expect_err("config_file");
+        assert!(e.contains("config_file works with kpin run only"), "{e}");
         let e =
             parse_request(br#"{"cmd":"attach","tool":"null","options":{"bringup.crash":"a b"}}"#)
                 .expect_err("space");
