@@ -127,3 +127,48 @@ fn test_minikernel_cachesim_fetches_equal_engine_instructions_and_small_l1d_miss
     );
     println!("{txt}");
 }
+
+/// A four-level hierarchy from a drcachesim configuration file: the host expands it into
+/// the engine's options, the engine simulates it level by level, and the report names
+/// each cache with its child hits.
+#[test]
+fn test_minikernel_cachesim_four_level_config_file() {
+    kpin_tests::require_kvm!();
+    let conf = kpin_tests::scratch_dir("minikernel-cachesim-conf-file").join("deep.conf");
+    std::fs::write(
+        &conf,
+        "// split L1s, a private L2, a shared L3, an LLC\n\
+         num_cores 1\nline_size 64\n\
+         P0L1I { type instruction core 0 size 16K assoc 8 parent P0L2 }\n\
+         P0L1D { type data core 0 size 16K assoc 8 parent P0L2 }\n\
+         P0L2 { type unified size 128K assoc 8 parent L3 }\n\
+         L3 { size 1M assoc 16 parent LLC }\n\
+         LLC { size 8M assoc 16 parent memory }\n",
+    )
+    .unwrap();
+    let options =
+        vmm::input_check::engine_options("cachesim", &[format!("config_file={}", conf.display())])
+            .expect("a valid file");
+    let (c, engine, dir) = run("minikernel-cachesim-config-file", &options);
+    check_fetches(&c, &engine);
+    let names: Vec<&str> = c.caches.iter().map(|x| x.name.as_str()).collect();
+    assert_eq!(names, ["P0L1I", "P0L1D", "P0L2", "L3", "LLC"]);
+    // Each level sees exactly the misses of the levels below it.
+    let s = |k: usize| c.caches[k].stats;
+    let total = |v: [u64; 2]| v[0] + v[1];
+    assert_eq!(
+        total(s(2).hits) + total(s(2).misses),
+        total(s(0).misses) + total(s(1).misses)
+    );
+    assert_eq!(total(s(3).hits) + total(s(3).misses), total(s(2).misses));
+    assert_eq!(total(s(4).hits) + total(s(4).misses), total(s(3).misses));
+    let (report, _) = kpin_tool_cachesim::report::write_reports(&dir)
+        .expect("reports")
+        .expect("cachesim files present");
+    let llc = report.caches.last().unwrap();
+    assert_eq!(
+        llc.total.child_hits,
+        Some(total(s(0).hits) + total(s(1).hits) + total(s(2).hits) + total(s(3).hits))
+    );
+    println!("{}", report.text());
+}

@@ -419,7 +419,8 @@ fn test_indirect_branches_to_address_zero_fault_in_the_guest() {
     // An empty IBL bucket is [tag 0, code 0], and tag 0 is the tag of target 0: `jmp rax`,
     // `call rax` and `ret` to 0 must stop as the guest's fetch fault at 0, never run host
     // address 0 (a process calling through a null pointer would otherwise end the VM).
-    let sites: [(&str, fn(&mut CodeAssembler)); 3] = [
+    type Site = fn(&mut CodeAssembler);
+    let sites: [(&str, Site); 3] = [
         ("jmp rax", |a| a.jmp(rax).unwrap()),
         ("call rax", |a| a.call(rax).unwrap()),
         ("ret", |a| {

@@ -10,6 +10,11 @@ print the same workload md5, or the benchmark fails. Not a test: numbers for not
     tests/bench/side_by_side.py [--rounds N] [--mem MIB] [--configs qemu,null,bbcount]
                                 [--cmdline "..."] [--timeout S] [--json FILE]
 
+Cache simulation side by side: `--configs qemu-cache,cachesim` runs QEMU (built with the
+plugin API by tests/bench/build-qemu-plugins.sh) with our PA-tagged cache plugin
+(tests/bench/qemu-cache-plugin/pa_cache.c) and kpin's `--tool cachesim`, both with L1I/L1D
+16K 8-way, LL 2M 16-way, 64 B lines, LRU, and prints simulated references per second.
+
 Needs: `qemu-system-x86_64` (Debian's qemu-system-x86; on machines with a newer qemu-utils
 install it with `apt-get install --allow-downgrades --no-install-recommends qemu-system-x86
 'qemu-utils=1:7.2*'`), the guest images (`kpin images`) and a release build of kpin
@@ -102,7 +107,35 @@ def kpin_argv(img, cmdline, mem, tool, out):
         "--kernel", img["vmlinux"], "--initrd", img["initramfs"],
         "--cmdline", cmdline, "--mem", str(mem), "--tool", tool, "--out", out,
         "--timeout", "0",
-    ]
+    ] + [a for o in TOOL_OPTIONS.get(tool, []) for a in ("--tool-option", o)]
+
+
+# The cache geometry both cache simulators run with (the issue's).
+TOOL_OPTIONS = {"cachesim": ["L1I_size=16K", "L1D_size=16K", "LL_size=2M"]}
+QEMU_PLUGINS = os.path.join(ROOT, "images", "out", "qemu-plugins")
+
+
+def qemu_cache_argv(img, cmdline, mem, out):
+    argv = qemu_argv(img, cmdline, mem)
+    argv[0] = os.path.join(QEMU_PLUGINS, "bin", "qemu-system-x86_64")
+    plugin = os.path.join(QEMU_PLUGINS, "plugins", "libpa_cache.so")
+    return argv + ["-L", os.path.join(QEMU_PLUGINS, "pc-bios"),
+                   "-plugin", f"{plugin},ram={mem},out={out}"]
+
+
+def simulated_refs(c, out):
+    """References a cache-simulating run simulated (None for other configs)."""
+    try:
+        if c == "qemu-cache":
+            m = re.search(r"pa_cache refs=(\d+)", open(out).read())
+            return int(m.group(1)) if m else None
+        if c == "cachesim":
+            t = open(os.path.join(out, "cachesim-counters.txt")).read()
+            m = re.search(r"^refs fetch_kernel=(\d+) fetch_user=(\d+) data_kernel=(\d+) data_user=(\d+)", t, re.M)
+            return sum(int(x) for x in m.groups()) if m else None
+    except OSError:
+        return None
+    return None
 
 
 def main():
@@ -119,9 +152,11 @@ def main():
     cmdline = args.cmdline or builtin_cmdline()
     img = images()
     configs = [c for c in args.configs.split(",") if c]
+    if "qemu-cache" in configs and not os.access(qemu_cache_argv(img, "", 0, "")[0], os.X_OK):
+        sys.exit("side_by_side: no QEMU with plugins: run tests/bench/build-qemu-plugins.sh")
     if "qemu" in configs and not shutil.which("qemu-system-x86_64"):
         sys.exit("side_by_side: qemu-system-x86_64 not found (see the docstring)")
-    if any(c != "qemu" for c in configs) and not os.access(kpin_argv(img, "", 0, "", "")[0], os.X_OK):
+    if any(not c.startswith("qemu") for c in configs) and not os.access(kpin_argv(img, "", 0, "", "")[0], os.X_OK):
         sys.exit("side_by_side: target/release/kpin not found: cargo build --release -p vmm")
     print(f"cmdline: {cmdline}\nmem: {args.mem} MiB, rounds: {args.rounds}, configs: {configs}")
 
@@ -132,14 +167,24 @@ def main():
         # Alternate the order every round so that drift in the machine's load is shared.
         order = configs if r % 2 == 0 else list(reversed(configs))
         for c in order:
+            out = os.path.join(scratch, f"{c}-{r}")
             if c == "qemu":
                 argv = qemu_argv(img, cmdline, args.mem)
+            elif c == "qemu-cache":
+                argv = qemu_cache_argv(img, cmdline, args.mem, out)
             else:
-                argv = kpin_argv(img, cmdline, args.mem, c, os.path.join(scratch, f"{c}-{r}"))
+                argv = kpin_argv(img, cmdline, args.mem, c, out)
+            t0 = time.monotonic()
             user, done, md5 = timed_run(argv, args.timeout)
+            wall = time.monotonic() - t0
             md5s.add(md5)
             times[c].append({"userspace_s": user, "done_s": done})
-            print(f"round {r + 1} {c:>8}: userspace {user:6.2f} s, workload done {done:6.2f} s, md5 {md5}")
+            refs = simulated_refs(c, out)
+            extra = ""
+            if refs:
+                times[c][-1].update({"wall_s": wall, "refs": refs, "refs_per_s": refs / wall})
+                extra = f", {refs:,} refs simulated in {wall:.2f} s: {refs / wall / 1e6:.1f} M refs/s"
+            print(f"round {r + 1} {c:>8}: userspace {user:6.2f} s, workload done {done:6.2f} s, md5 {md5}{extra}")
             sys.stdout.flush()
     shutil.rmtree(scratch, ignore_errors=True)
     if len(md5s) != 1:
@@ -153,8 +198,13 @@ def main():
         d = [t["done_s"] for t in times[c]]
         med = statistics.median(d)
         ratio = f"{med / base:.2f}x" if base else "-"
-        name = "QEMU TCG" if c == "qemu" else f"kpin --tool {c}"
+        name = {"qemu": "QEMU TCG", "qemu-cache": "QEMU TCG + pa_cache plugin"}.get(c, f"kpin --tool {c}")
         print(f"| {name} | " + " | ".join(f"{x:.2f} s" for x in d) + f" | {med:.2f} s | {ratio} |")
+    for c in configs:
+        rates = [t["refs_per_s"] for t in times[c] if "refs_per_s" in t]
+        if rates:
+            print(f"{c}: median {statistics.median(rates) / 1e6:.1f} M simulated refs/s "
+                  f"({statistics.median(t['refs'] for t in times[c] if 'refs' in t):,} refs)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cmdline": cmdline, "mem_mib": args.mem, "md5": md5s.pop(), "times": times}, f, indent=2)

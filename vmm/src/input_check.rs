@@ -112,15 +112,65 @@ pub fn check_tool(name: &str, options: &[String]) -> Result<(), UsageError> {
         }
     }
     if name == "cachesim" {
-        // The geometry rules, checked here as the engine will: a usage error before boot.
-        kpin_tool_cachesim::options::Options::parse(&options.join(" "))
-            .map_err(|e| UsageError(format!("bad cachesim options: {e}")))?;
+        // The geometry rules and the config_file, checked here as the engine will: a
+        // usage error before boot.
+        engine_options(name, options)?;
     }
     if name == "memtrace" {
         kpin_tool_memtrace::Options::parse(&options.join(" "))
             .map_err(|e| UsageError(format!("bad memtrace options: {e}")))?;
     }
     Ok(())
+}
+
+/// Largest cachesim `config_file` read (a hierarchy is a few hundred bytes).
+const MAX_CONFIG_FILE: u64 = 64 << 10;
+
+/// cachesim's options with a `config_file=PATH` read (a regular file of at most 64 KiB).
+fn cachesim_options(
+    options: &[String],
+) -> Result<kpin_tool_cachesim::options::Options, UsageError> {
+    let mut read = |path: &str| -> Result<String, String> {
+        let p = Path::new(path);
+        let len = regular_file(p, "cachesim config_file").map_err(|e| e.to_string())?;
+        if len > MAX_CONFIG_FILE {
+            return Err(format!(
+                "{len} bytes: a cache configuration is at most {MAX_CONFIG_FILE} bytes"
+            ));
+        }
+        std::fs::read_to_string(p).map_err(|e| e.to_string())
+    };
+    kpin_tool_cachesim::options::Options::parse_host(&options.join(" "), &mut read)
+        .map_err(|e| UsageError(format!("bad cachesim options: {e}")))
+}
+
+/// The option string the engine gets for `--tool name --tool-option …`: as given, except
+/// cachesim's, which the host checks and hands over in one canonical form with a
+/// `config_file` expanded (the engine cannot read host files). Too long for the engine's
+/// option block is a usage error.
+pub fn engine_options(name: &str, options: &[String]) -> Result<String, UsageError> {
+    if name != "cachesim" {
+        return Ok(options.join(" "));
+    }
+    let o = cachesim_options(options)?;
+    let mut words: Vec<String> = options
+        .iter()
+        .filter(|w| ENGINE_OPTIONS.contains(&w.split_once('=').map_or(w.as_str(), |(k, _)| k)))
+        .cloned()
+        .collect();
+    let own = o.to_words();
+    if !own.is_empty() {
+        words.push(own);
+    }
+    let text = words.join(" ");
+    let max = kpin_abi::attach::TOOL_OPTIONS_BYTES - 1;
+    if text.len() > max {
+        return Err(UsageError(format!(
+            "bad cachesim options: the engine takes at most {max} bytes of options and these come to {} ({text}): use shorter cache names or fewer caches",
+            text.len()
+        )));
+    }
+    Ok(text)
 }
 
 /// Checks that `path` names a regular file (following symlinks: the operator chose it),

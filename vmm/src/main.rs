@@ -160,11 +160,12 @@ struct RunArgs {
     /// guest instruction from its code cache under this tool: null (translation only);
     /// bbcount (per-block counts in <out>/bbcount.csv, and <out>/bbcount-report.txt: the
     /// user/kernel split and the hottest blocks named from the System.map or the kernel
-    /// ELF's symbols); cachesim (a drcachesim-style L1I/L1D/[L2]/LL cache simulation over
+    /// ELF's symbols, moved by the KASLR slide the blocks show); cachesim (a drcachesim-style L1I/L1D/[L2]/LL cache simulation over
     /// guest-physical addresses, kernel and user: cachesim.txt, cachesim.json,
     /// cachesim-timeline.svg; options L1I_size, L1I_assoc, L1D_size, L1D_assoc, L2_size,
     /// L2_assoc, LL_size, LL_assoc, line_size, replace_policy=LRU|FIFO|RANDOM,
-    /// warmup_refs, sim_refs through --tool-option); insmix (dynamic counts per mnemonic,
+    /// warmup_refs, sim_refs through --tool-option, or config_file=PATH in drcachesim's
+    /// configuration-file format for deeper hierarchies); insmix (dynamic counts per mnemonic,
     /// kernel/user: insmix.txt, insmix.json); memtrace (every data access with instruction
     /// VA, data VA and PA, size, load/store and CPL in <out>/memtrace.bin, counts in
     /// memtrace-summary.txt; options cpl=0|3|all, limit=N records; `kpin trace` prints it
@@ -316,14 +317,27 @@ fn trace(
     kernel: Option<&Path>,
     system_map: Option<&Path>,
 ) -> anyhow::Result<()> {
-    let symbols = match kernel {
+    let mut symbols = match kernel {
         Some(k) => KernelSymbols::load(k, system_map)?,
         None => None,
     };
+    let bin = run.join(kpin_tool_memtrace::BIN_NAME);
+    let bytes = std::fs::read(&bin).with_context(|| format!("cannot read {}", bin.display()))?;
+    // Where the kernel's instructions ran tells a KASLR slide (a bzImage boot).
+    if let (Some(s), Ok(t)) = (
+        symbols.as_mut(),
+        kpin_tool_memtrace::format::Trace::parse(&bytes),
+    ) {
+        if let Some(found) = s.find_slide(t.records().map(|r| r.insn_vaddr)) {
+            if found.slide != 0 {
+                eprintln!("kpin: names from {}", s.source);
+            }
+        }
+    }
     let name = |a: u64| symbols.as_ref().and_then(|s| s.describe(a));
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
-    match kpin_tool_memtrace::reader::print_run(run, limit, &name, &mut out) {
+    match kpin_tool_memtrace::reader::write_csv(&bytes, limit, &name, &mut out) {
         Ok(_) => {}
         // `kpin trace … | head` closes the pipe early: not an error.
         Err(kpin_tool_memtrace::reader::ReadError::Io(e))
@@ -434,8 +448,8 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
     let engine = match engine_tool {
         Some(tool) => Some(vmm::EngineConfig {
             image: kpin_images::ensure_engine(&image_dir, &mut progress)?,
-            tool,
-            options: args.tool_option.join(" "),
+            tool: tool.clone(),
+            options: input_check::engine_options(&tool, &args.tool_option)?,
         }),
         None => None,
     };
@@ -672,7 +686,11 @@ fn bbcount_report(
     if !out.join(kpin_tool_bbcount::CSV_NAME).exists() {
         return None;
     }
-    let made = KernelSymbols::load(kernel, system_map).and_then(|symbols| {
+    let made = KernelSymbols::load(kernel, system_map).and_then(|mut symbols| {
+        // Where the kernel's blocks ran tells a KASLR slide (a bzImage boot).
+        if let (Some(s), Ok(Some(rows))) = (symbols.as_mut(), report::read_rows(out)) {
+            s.find_slide(rows.iter().filter(|r| r.cpl == 0).map(|r| r.address));
+        }
         let names = symbols.as_ref().map(|s| s as &dyn BlockNames);
         report::write_report(out, names, top)
     });

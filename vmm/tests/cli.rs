@@ -377,6 +377,52 @@ fn test_bad_tool_option_is_one_line_error() {
 }
 
 #[test]
+fn test_bad_cachesim_config_file_is_a_usage_error_before_boot() {
+    let dir = scratch_dir("cli-cachesim-config");
+    let conf = dir.join("deep.conf");
+    let run = |conf_text: &str, extra: &str| {
+        std::fs::write(&conf, conf_text).unwrap();
+        let opt = format!("config_file={}", conf.display());
+        let mut args = vec!["run", "--guest", "minikernel", "--tool", "cachesim"];
+        args.extend(["--tool-option", &opt]);
+        if !extra.is_empty() {
+            args.extend(["--tool-option", extra]);
+        }
+        kpin(&args, &dir)
+    };
+    let o = run("num_cores 2\nL1 { core 0 size 4K assoc 4 }\n", "");
+    assert_usage_error(&o, "line 1: num_cores 2: num_cores must be 1");
+    let o = run(
+        "I { type instruction core 0 size 32K assoc 8 parent L2 }\n\
+         D { type data core 0 size 32K assoc 8 parent L2 }\n\
+         L2 { size 256K assoc 8 parent L3 }\nL3 { size 6M assoc 12 }\n",
+        "",
+    );
+    assert_usage_error(
+        &o,
+        "L3 (size 6291456, assoc 12, line 64): size must be a nonzero power of two",
+    );
+    let o = run("L1 { core 0 size 4K assoc 4 }\n", "L1D_size=8K");
+    assert_usage_error(&o, "L1D_size=8K: cannot be combined with config_file");
+    let o = kpin(
+        &[
+            "run",
+            "--guest",
+            "minikernel",
+            "--tool",
+            "cachesim",
+            "--tool-option",
+            "config_file=/nonexistent/x.conf",
+        ],
+        &dir,
+    );
+    assert_usage_error(
+        &o,
+        "config_file=/nonexistent/x.conf: cannot read /nonexistent/x.conf",
+    );
+}
+
+#[test]
 fn test_tool_runs_the_minikernel_to_its_poweroff() {
     require_kvm!();
     let dir = scratch_dir("cli-tool");

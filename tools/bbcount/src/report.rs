@@ -169,14 +169,9 @@ impl BbcountSummary {
     }
 }
 
-/// After a `--tool bbcount` run: reads `<out>/bbcount.csv` and writes
-/// `<out>/bbcount-report.txt`. `Ok(None)` if the run wrote no CSV (another tool, or the
-/// engine stopped before the tool finished).
-pub fn write_report(
-    out: &Path,
-    symbols: Option<&dyn BlockNames>,
-    top: usize,
-) -> anyhow::Result<Option<(BbcountSummary, PathBuf)>> {
+/// `<out>/bbcount.csv`'s rows; `Ok(None)` if the run wrote no CSV. (Also what a
+/// [`BlockNames`] can calibrate on: the addresses that ran, e.g. to find a KASLR slide.)
+pub fn read_rows(out: &Path) -> anyhow::Result<Option<Vec<Row>>> {
     let csv_path = out.join(CSV_NAME);
     if std::fs::symlink_metadata(&csv_path).is_err() {
         return Ok(None);
@@ -187,6 +182,20 @@ pub fn write_report(
     let rows = parse_csv(&csv).map_err(|line| {
         anyhow::anyhow!("{} line {line} is not bbcount's format", csv_path.display())
     })?;
+    Ok(Some(rows))
+}
+
+/// After a `--tool bbcount` run: reads `<out>/bbcount.csv` and writes
+/// `<out>/bbcount-report.txt`. `Ok(None)` if the run wrote no CSV (another tool, or the
+/// engine stopped before the tool finished).
+pub fn write_report(
+    out: &Path,
+    symbols: Option<&dyn BlockNames>,
+    top: usize,
+) -> anyhow::Result<Option<(BbcountSummary, PathBuf)>> {
+    let Some(rows) = read_rows(out)? else {
+        return Ok(None);
+    };
     let summary = BbcountSummary::new(&rows, symbols, top);
     let path = out.join(REPORT_NAME);
     host_daemon::resolve::write_output_file(&path, summary.render().as_bytes())

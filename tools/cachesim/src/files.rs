@@ -86,19 +86,23 @@ pub fn write_counters(
     h: &Hierarchy,
     unresolved: u64,
 ) -> fmt::Result {
-    write!(
-        out,
-        "options L1I_size={} L1I_assoc={} L1D_size={} L1D_assoc={}",
-        o.l1i.size, o.l1i.assoc, o.l1d.size, o.l1d.assoc
-    )?;
-    if let Some(l2) = o.l2 {
-        write!(out, " L2_size={} L2_assoc={}", l2.size, l2.assoc)?;
+    match &o.caches {
+        None => {
+            write!(
+                out,
+                "options L1I_size={} L1I_assoc={} L1D_size={} L1D_assoc={}",
+                o.l1i.size, o.l1i.assoc, o.l1d.size, o.l1d.assoc
+            )?;
+            if let Some(l2) = o.l2 {
+                write!(out, " L2_size={} L2_assoc={}", l2.size, l2.assoc)?;
+            }
+            write!(out, " LL_size={} LL_assoc={}", o.ll.size, o.ll.assoc)?;
+        }
+        Some(_) => write!(out, "options hierarchy=config_file")?,
     }
     writeln!(
         out,
-        " LL_size={} LL_assoc={} line_size={} replace_policy={} warmup_refs={} sim_refs={}",
-        o.ll.size,
-        o.ll.assoc,
+        " line_size={} replace_policy={} warmup_refs={} sim_refs={}",
         o.line_size,
         o.policy.name(),
         o.warmup_refs,
@@ -114,12 +118,21 @@ pub fn write_counters(
         h.skipped_refs,
         unresolved
     )?;
-    for (name, c) in h.caches() {
+    let specs = o.specs();
+    for (k, (name, c)) in h.caches().enumerate() {
         let g = c.geometry();
         let s = c.stats;
+        let spec = &specs[k];
+        let parent = spec.parent.map_or("memory", |p| specs[p].name.as_str());
+        write!(
+            out,
+            "cache name={name} type={} core={} parent={parent} ",
+            spec.kind.name(),
+            if spec.core { "0" } else { "-" }
+        )?;
         writeln!(
             out,
-            "cache name={name} size={} assoc={} hits_kernel={} hits_user={} misses_kernel={} misses_user={} compulsory_kernel={} compulsory_user={}",
+            "size={} assoc={} hits_kernel={} hits_user={} misses_kernel={} misses_user={} compulsory_kernel={} compulsory_user={}",
             g.size, g.assoc, s.hits[KERNEL], s.hits[USER], s.misses[KERNEL], s.misses[USER],
             s.compulsory[KERNEL], s.compulsory[USER]
         )?;
@@ -130,8 +143,12 @@ pub fn write_counters(
 /// One cache's line of `cachesim-counters.txt`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CacheCounters {
-    /// `L1I`, `L1D`, `L2` or `LL`.
+    /// `L1I`, `L1D`, `L2`, `LL` or a `config_file`'s name.
     pub name: String,
+    /// Whether the core accesses it directly (an L1).
+    pub core: bool,
+    /// Index of its parent in [`Counters::caches`] (`None`: memory).
+    pub parent: Option<usize>,
     /// Bytes.
     pub size: u64,
     /// Ways.
@@ -162,6 +179,7 @@ pub struct Counters {
 pub fn parse_counters(text: &str) -> Result<Counters, usize> {
     let mut c = Counters::default();
     let mut saw_refs = false;
+    let mut parents: Vec<String> = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let bad = i + 1;
         let mut words = line.split(' ');
@@ -188,13 +206,24 @@ pub fn parse_counters(text: &str) -> Result<Counters, usize> {
                 saw_refs = true;
             }
             "cache" => {
-                let name = pairs
-                    .iter()
-                    .find(|(k, _)| k == "name")
-                    .map(|(_, v)| v.clone())
-                    .filter(|n| ["L1I", "L1D", "L2", "LL"].contains(&n.as_str()))
-                    .ok_or(bad)?;
+                let text = |key: &str| {
+                    pairs
+                        .iter()
+                        .find(|(k, _)| k == key)
+                        .map(|(_, v)| v.clone())
+                        .filter(|n| {
+                            !n.is_empty()
+                                && n.len() <= crate::config::MAX_NAME
+                                && n.bytes()
+                                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+                        })
+                        .ok_or(bad)
+                };
+                let name = text("name")?;
+                parents.push(text("parent")?);
                 c.caches.push(CacheCounters {
+                    core: text("core")? == "0",
+                    parent: None,
                     name,
                     size: num("size")?,
                     assoc: num("assoc")?,
@@ -208,8 +237,16 @@ pub fn parse_counters(text: &str) -> Result<Counters, usize> {
             _ => return Err(bad),
         }
     }
-    if !saw_refs || c.caches.len() < 3 {
-        return Err(text.lines().count() + 1);
+    let end = text.lines().count() + 1;
+    if !saw_refs || c.caches.len() < 2 {
+        return Err(end);
+    }
+    // Parents by name, always after their children (as the engine writes them).
+    for (k, p) in parents.iter().enumerate() {
+        if p != "memory" {
+            let at = c.caches.iter().position(|x| x.name == *p);
+            c.caches[k].parent = Some(at.filter(|&at| at > k).ok_or(end)?);
+        }
     }
     Ok(c)
 }

@@ -17,6 +17,7 @@
 
 extern crate alloc;
 
+pub mod config;
 pub mod files;
 pub mod options;
 #[cfg(feature = "host")]

@@ -2,7 +2,21 @@
 //! cache must satisfy (the ones drcachesim and QEMU's `contrib/plugins/cache.c` check).
 
 use alloc::format;
-use alloc::string::String;
+use alloc::string::{String, ToString};
+use alloc::vec;
+use alloc::vec::Vec;
+
+/// The options a `config_file` replaces (it describes every cache).
+const GEOMETRY_KEYS: &[&str] = &[
+    "L1I_size",
+    "L1I_assoc",
+    "L1D_size",
+    "L1D_assoc",
+    "L2_size",
+    "L2_assoc",
+    "LL_size",
+    "LL_assoc",
+];
 
 /// How a cache picks the line to evict from a full set.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,6 +49,45 @@ pub struct Geometry {
     pub assoc: u32,
 }
 
+/// What a cache holds (drcachesim's `type`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheKind {
+    /// Instructions only.
+    Instruction,
+    /// Data only.
+    Data,
+    /// Both.
+    Unified,
+}
+
+impl CacheKind {
+    /// drcachesim's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheKind::Instruction => "instruction",
+            CacheKind::Data => "data",
+            CacheKind::Unified => "unified",
+        }
+    }
+}
+
+/// One cache of a hierarchy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheSpec {
+    /// Its name (the report's, e.g. `L1D`, `P0L2`, `LLC`).
+    pub name: String,
+    /// What it holds.
+    pub kind: CacheKind,
+    /// Whether the core accesses it directly (an L1; drcachesim's `core 0`).
+    pub core: bool,
+    /// Size and ways.
+    pub geometry: Geometry,
+    /// Index of its parent in the list (always after it); `None`: memory.
+    pub parent: Option<usize>,
+    /// Its replacement policy.
+    pub policy: Policy,
+}
+
 /// The whole configuration (drcachesim's defaults).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Options {
@@ -56,6 +109,9 @@ pub struct Options {
     pub sim_refs: u64,
     /// References per timeline sample at the start (doubled whenever the timeline fills).
     pub interval_refs: u64,
+    /// A hierarchy from a `config_file` (children before parents), replacing `l1i`, `l1d`,
+    /// `l2` and `ll`; `None`: those four.
+    pub caches: Option<Vec<CacheSpec>>,
 }
 
 impl Default for Options {
@@ -79,6 +135,7 @@ impl Default for Options {
             warmup_refs: 0,
             sim_refs: 0,
             interval_refs: 1_000,
+            caches: None,
         }
     }
 }
@@ -219,29 +276,148 @@ impl Options {
                 }
                 "config_file" => {
                     return Err(format!(
-                        "{word}: config_file is not supported (give the options one by one)"
+                        "{word}: config_file is read by the host (kpin run expands it before boot)"
                     ))
                 }
+                "caches" => o.caches = Some(crate::config::decode(value)?),
                 _ if prefixed.is_some() => return Err(format!("{word}: unknown cachesim option")),
                 _ => {}
+            }
+        }
+        if o.caches.is_some() {
+            for word in text.split_ascii_whitespace() {
+                let key = word.split_once('=').map_or(word, |(k, _)| k);
+                let key = key.strip_prefix("cachesim.").unwrap_or(key);
+                if GEOMETRY_KEYS.contains(&key) {
+                    return Err(format!(
+                        "{word}: cannot be combined with config_file (the file describes every cache)"
+                    ));
+                }
             }
         }
         o.check()?;
         Ok(o)
     }
 
-    /// Checks every cache's geometry; the error names the cache and the rule.
+    /// [`Options::parse`] for the host: a `config_file=PATH` word is read with `read` and
+    /// its hierarchy and settings applied (drcachesim's format, see [`crate::config`]).
+    pub fn parse_host(
+        text: &str,
+        read: &mut dyn FnMut(&str) -> Result<String, String>,
+    ) -> Result<Self, String> {
+        let mut words: Vec<String> = Vec::new();
+        let mut file = None;
+        for word in text.split_ascii_whitespace() {
+            let key = word.split_once('=').map_or(word, |(k, _)| k);
+            if key == "config_file" || key == "cachesim.config_file" {
+                if file.is_some() {
+                    return Err(format!("{word}: config_file given twice"));
+                }
+                file = Some(word.split_once('=').map_or("", |(_, v)| v).to_string());
+            } else {
+                words.push(word.to_string());
+            }
+        }
+        if let Some(path) = file {
+            let text = read(&path).map_err(|e| format!("config_file={path}: {e}"))?;
+            let policy = Options::parse(&words.join(" "))?.policy;
+            let conf = crate::config::parse(&text, policy)
+                .map_err(|e| format!("config_file={path}: {e}"))?;
+            words.extend(conf.settings);
+            words.push(format!("caches={}", crate::config::encode(&conf.caches)));
+        }
+        Options::parse(&words.join(" "))
+    }
+
+    /// The options as `key=value` words [`Options::parse`] reads back to the same
+    /// options (what the host hands the engine).
+    pub fn to_words(&self) -> String {
+        let mut w = String::new();
+        let mut push = |k: &str, v: String| {
+            if !w.is_empty() {
+                w.push(' ');
+            }
+            w.push_str(k);
+            w.push('=');
+            w.push_str(&v);
+        };
+        match &self.caches {
+            Some(c) => push("caches", crate::config::encode(c)),
+            None => {
+                let d = Options::default();
+                for (k, v, dv) in [
+                    ("L1I", self.l1i, d.l1i),
+                    ("L1D", self.l1d, d.l1d),
+                    ("LL", self.ll, d.ll),
+                ] {
+                    if v.size != dv.size {
+                        push(&format!("{k}_size"), crate::config::size_text(v.size));
+                    }
+                    if v.assoc != dv.assoc {
+                        push(&format!("{k}_assoc"), v.assoc.to_string());
+                    }
+                }
+                if let Some(l2) = self.l2 {
+                    push("L2_size", crate::config::size_text(l2.size));
+                    push("L2_assoc", l2.assoc.to_string());
+                }
+            }
+        }
+        let d = Options::default();
+        if self.line_size != d.line_size {
+            push("line_size", self.line_size.to_string());
+        }
+        if self.policy != d.policy {
+            push("replace_policy", self.policy.name().to_string());
+        }
+        if self.warmup_refs != 0 {
+            push("warmup_refs", self.warmup_refs.to_string());
+        }
+        if self.sim_refs != 0 {
+            push("sim_refs", self.sim_refs.to_string());
+        }
+        if self.interval_refs != d.interval_refs {
+            push("interval_refs", self.interval_refs.to_string());
+        }
+        w
+    }
+
+    /// The hierarchy, children before parents: the `config_file`'s, or L1I and L1D →
+    /// L2 (if any) → LL.
+    pub fn specs(&self) -> Vec<CacheSpec> {
+        if let Some(c) = &self.caches {
+            return c.clone();
+        }
+        let spec = |name: &str, kind, core, geometry, parent| CacheSpec {
+            name: name.to_string(),
+            kind,
+            core,
+            geometry,
+            parent,
+            policy: self.policy,
+        };
+        let l1_parent = Some(2);
+        let mut v = vec![
+            spec("L1I", CacheKind::Instruction, true, self.l1i, l1_parent),
+            spec("L1D", CacheKind::Data, true, self.l1d, l1_parent),
+        ];
+        if let Some(l2) = self.l2 {
+            v.push(spec("L2", CacheKind::Unified, false, l2, Some(3)));
+        }
+        v.push(spec("LL", CacheKind::Unified, false, self.ll, None));
+        v
+    }
+
+    /// Checks every cache's geometry, and a `config_file` hierarchy's shape; the error
+    /// names the cache and the rule.
     pub fn check(&self) -> Result<(), String> {
         check_line(self.line_size)
             .map_err(|e| format!("line_size={}: {}", self.line_size, e.rule()))?;
-        let named = [
-            ("L1I", Some(self.l1i)),
-            ("L1D", Some(self.l1d)),
-            ("L2", self.l2),
-            ("LL", Some(self.ll)),
-        ];
-        for (name, g) in named {
-            if let Some(g) = g {
+        let specs = self.specs();
+        crate::config::check_tree(&specs)?;
+        for spec in &specs {
+            let (name, g) = (&spec.name, spec.geometry);
+            {
                 g.sets(self.line_size).map_err(|e| {
                     format!(
                         "{name} (size {}, assoc {}, line {}): {}",

@@ -58,6 +58,8 @@ pub struct CacheReport {
     pub kernel: Side,
     /// CPL 3.
     pub user: Side,
+    /// Whether the core accesses it directly (an L1).
+    pub core: bool,
 }
 
 /// `cachesim.json`.
@@ -102,10 +104,22 @@ impl Report {
     /// The report of parsed counters.
     pub fn new(c: &Counters) -> Self {
         let mut caches = Vec::new();
-        // Hits in the levels below the current one, `[kernel, user]`.
-        let mut below = [0u64; 2];
         for (i, cc) in c.caches.iter().enumerate() {
-            let l1 = cc.name.starts_with("L1");
+            let l1 = cc.core;
+            // Hits in the caches below this one (its children, theirs, …), `[kernel, user]`.
+            let mut below = [0u64; 2];
+            for (k, d) in c.caches.iter().enumerate().take(i) {
+                let mut at = d.parent;
+                while let Some(p) = at.filter(|&p| p <= i) {
+                    if p == i {
+                        for w in [KERNEL, USER] {
+                            below[w] += c.caches[k].stats.hits[w];
+                        }
+                        break;
+                    }
+                    at = c.caches[p].parent;
+                }
+            }
             let child =
                 |w: Option<usize>| (!l1).then(|| w.map_or(below[0] + below[1], |w| below[w]));
             caches.push(CacheReport {
@@ -115,11 +129,9 @@ impl Report {
                 total: side(&cc.stats, None, child(None)),
                 kernel: side(&cc.stats, Some(KERNEL), child(Some(KERNEL))),
                 user: side(&cc.stats, Some(USER), child(Some(USER))),
+                core: false,
             });
-            let _ = i;
-            for w in [KERNEL, USER] {
-                below[w] += cc.stats.hits[w];
-            }
+            caches.last_mut().expect("pushed").core = l1;
         }
         Report {
             options: c.options.iter().cloned().collect(),
@@ -166,7 +178,7 @@ impl Report {
         }
         let _ = writeln!(t, "Core #0 (1 vCPU)");
         for c in &self.caches {
-            let l1 = c.name.starts_with("L1");
+            let l1 = c.core;
             let indent = if l1 { "  " } else { "" };
             let _ = writeln!(
                 t,
@@ -266,7 +278,7 @@ fn intervals(t: &Timeline, names: &[String]) -> Vec<Interval> {
 /// Draws the timeline as SVG text: the L1 miss rates on the left axis, the local miss
 /// rates of the later levels on the right one (they are of another magnitude), intervals
 /// where the kernel ran most instructions shaded, and the kernel/user split beneath.
-pub fn timeline_svg(t: &Timeline, names: &[String]) -> Result<String, String> {
+pub fn timeline_svg(t: &Timeline, names: &[String], core: &[bool]) -> Result<String, String> {
     use plotters::prelude::*;
     let iv = intervals(t, names);
     let err = |e: &dyn core::fmt::Display| e.to_string();
@@ -277,12 +289,9 @@ pub fn timeline_svg(t: &Timeline, names: &[String]) -> Result<String, String> {
         RGBColor(148, 103, 189),
         RGBColor(214, 39, 40),
     ];
-    let l1: Vec<usize> = (0..names.len())
-        .filter(|&k| names[k].starts_with("L1"))
-        .collect();
-    let outer: Vec<usize> = (0..names.len())
-        .filter(|&k| !names[k].starts_with("L1"))
-        .collect();
+    let is_l1 = |k: usize| core.get(k).copied().unwrap_or(false);
+    let l1: Vec<usize> = (0..names.len()).filter(|&k| is_l1(k)).collect();
+    let outer: Vec<usize> = (0..names.len()).filter(|&k| !is_l1(k)).collect();
     let max_of = |ks: &[usize]| {
         iv.iter()
             .flat_map(|i| ks.iter().filter_map(|&k| i.rates[k]))
@@ -483,7 +492,8 @@ pub fn write_reports(out: &Path) -> Result<Option<(Report, Vec<PathBuf>)>, Strin
             )
         })?;
         let names: Vec<String> = counters.caches.iter().map(|c| c.name.clone()).collect();
-        write(SVG_NAME, &timeline_svg(&t, &names)?, &mut written)?;
+        let core: Vec<bool> = counters.caches.iter().map(|c| c.core).collect();
+        write(SVG_NAME, &timeline_svg(&t, &names, &core)?, &mut written)?;
     }
     Ok(Some((report, written)))
 }

@@ -3,10 +3,11 @@
 //! and compulsory-miss counters split kernel/user. Plain Rust: the engine image runs it on
 //! the memory records of the guest, host tests run it on synthetic streams.
 
+use alloc::string::String;
 use alloc::vec;
 use alloc::vec::Vec;
 
-use crate::options::{Geometry, Options, Policy};
+use crate::options::{CacheKind, Geometry, Options, Policy};
 
 /// Index of the kernel (CPL 0–2) half of a split counter.
 pub const KERNEL: usize = 0;
@@ -165,17 +166,18 @@ pub enum Kind {
     Write,
 }
 
-/// The hierarchy: L1I and L1D → optional L2 → LL.
+/// The hierarchy: a tree of caches (drcachesim's model for one core). Instruction fetches
+/// start at the instruction leaf, data accesses at the data leaf (the same cache for a
+/// unified L1); a miss goes on to the parent, until a hit or memory. From the options'
+/// L1I/L1D/L2/LL or from a `config_file`.
 #[derive(Clone, Debug)]
 pub struct Hierarchy {
-    /// Instruction L1.
-    pub l1i: Cache,
-    /// Data L1.
-    pub l1d: Cache,
-    /// Optional unified L2.
-    pub l2: Option<Cache>,
-    /// Last level.
-    pub ll: Cache,
+    caches: Vec<Cache>,
+    names: Vec<String>,
+    /// Per cache: the index of its parent (`None`: memory).
+    parents: Vec<Option<usize>>,
+    fetch_leaf: usize,
+    data_leaf: usize,
     line_shift: u32,
     warmup_left: u64,
     sim_left: Option<u64>,
@@ -191,12 +193,25 @@ pub struct Hierarchy {
 impl Hierarchy {
     /// An empty hierarchy for `o` (which [`Options::parse`] checked).
     pub fn new(o: &Options) -> Self {
-        let c = |g| Cache::new(g, o.line_size, o.policy);
+        let specs = o.specs();
+        // The core's caches: one instruction and one data cache, or one unified cache
+        // for both (checked by `Options::check`).
+        let leaf = |want: CacheKind| {
+            specs
+                .iter()
+                .position(|s| s.core && (s.kind == want || s.kind == CacheKind::Unified))
+                .unwrap_or(0)
+        };
+        let (fetch_leaf, data_leaf) = (leaf(CacheKind::Instruction), leaf(CacheKind::Data));
         Self {
-            l1i: c(o.l1i),
-            l1d: c(o.l1d),
-            l2: o.l2.map(c),
-            ll: c(o.ll),
+            caches: specs
+                .iter()
+                .map(|s| Cache::new(s.geometry, o.line_size, s.policy))
+                .collect(),
+            names: specs.iter().map(|s| s.name.clone()).collect(),
+            parents: specs.iter().map(|s| s.parent).collect(),
+            fetch_leaf,
+            data_leaf,
             line_shift: o.line_size.max(1).trailing_zeros(),
             warmup_left: o.warmup_refs,
             sim_left: (o.sim_refs > 0).then_some(o.sim_refs),
@@ -230,20 +245,18 @@ impl Hierarchy {
         }
         let first = addr >> self.line_shift;
         let last = addr.saturating_add(u64::from(size.max(1)) - 1) >> self.line_shift;
+        let leaf = match kind {
+            Kind::Fetch => self.fetch_leaf,
+            Kind::Read | Kind::Write => self.data_leaf,
+        };
         for line in first..=last {
-            let l1 = match kind {
-                Kind::Fetch => &mut self.l1i,
-                Kind::Read | Kind::Write => &mut self.l1d,
-            };
-            if l1.access(line, who) {
-                continue;
-            }
-            if let Some(l2) = &mut self.l2 {
-                if l2.access(line, who) {
-                    continue;
+            let mut at = Some(leaf);
+            while let Some(i) = at {
+                if self.caches[i].access(line, who) {
+                    break;
                 }
+                at = self.parents[i];
             }
-            self.ll.access(line, who);
         }
         if self.warmup_left > 0 {
             self.warmup_left -= 1;
@@ -254,32 +267,44 @@ impl Hierarchy {
     }
 
     fn reset_stats(&mut self) {
-        for c in self.caches_mut() {
+        for c in &mut self.caches {
             c.stats = Stats::default();
         }
     }
 
-    fn caches_mut(&mut self) -> impl Iterator<Item = &mut Cache> {
-        [
-            Some(&mut self.l1i),
-            Some(&mut self.l1d),
-            self.l2.as_mut(),
-            Some(&mut self.ll),
-        ]
-        .into_iter()
-        .flatten()
+    /// The caches with their names, children before parents (L1s first, the last level
+    /// last).
+    pub fn caches(&self) -> impl Iterator<Item = (&str, &Cache)> {
+        self.names.iter().map(String::as_str).zip(&self.caches)
     }
 
-    /// The caches with their drcachesim names, L1s first.
-    pub fn caches(&self) -> impl Iterator<Item = (&'static str, &Cache)> {
-        [
-            Some(("L1I", &self.l1i)),
-            Some(("L1D", &self.l1d)),
-            self.l2.as_ref().map(|c| ("L2", c)),
-            Some(("LL", &self.ll)),
-        ]
-        .into_iter()
-        .flatten()
+    /// The cache named `name`.
+    pub fn cache(&self, name: &str) -> Option<&Cache> {
+        self.caches().find(|(n, _)| *n == name).map(|(_, c)| c)
+    }
+
+    /// The index of each cache's parent (`None`: memory), in [`Hierarchy::caches`] order.
+    pub fn parents(&self) -> &[Option<usize>] {
+        &self.parents
+    }
+
+    /// The cache instruction fetches start at.
+    pub fn l1i(&self) -> &Cache {
+        &self.caches[self.fetch_leaf]
+    }
+
+    /// The cache data accesses start at.
+    pub fn l1d(&self) -> &Cache {
+        &self.caches[self.data_leaf]
+    }
+
+    /// The last level on the data path (its parent is memory).
+    pub fn ll(&self) -> &Cache {
+        let mut i = self.data_leaf;
+        while let Some(p) = self.parents[i] {
+            i = p;
+        }
+        &self.caches[i]
     }
 }
 

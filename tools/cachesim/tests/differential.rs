@@ -288,7 +288,7 @@ fn thrashing_an_n_plus_1_way_set_misses_every_time_under_lru_and_fifo() {
         for &(a, sz, k, w) in &s {
             h.access(a, sz, k, w);
         }
-        let d = h.l1d.stats;
+        let d = h.l1d().stats;
         assert_eq!(
             d.hits,
             [0, 0],
@@ -297,14 +297,14 @@ fn thrashing_an_n_plus_1_way_set_misses_every_time_under_lru_and_fifo() {
         assert_eq!(d.misses[KERNEL], rounds * (ways + 1));
         assert_eq!(d.compulsory[KERNEL], ways + 1);
         // The last level holds all of them: only compulsory misses there.
-        assert_eq!(h.ll.stats.misses[KERNEL], ways + 1);
+        assert_eq!(h.ll().stats.misses[KERNEL], ways + 1);
         // n lines fit: only the compulsory misses.
         let mut h = Hierarchy::new(&o);
         for i in 0..rounds * ways {
             h.access((i % ways) * stride, 4, Kind::Read, USER);
         }
-        assert_eq!(h.l1d.stats.misses[USER], ways);
-        assert_eq!(h.l1d.stats.hits[USER], rounds * ways - ways);
+        assert_eq!(h.l1d().stats.misses[USER], ways);
+        assert_eq!(h.l1d().stats.hits[USER], rounds * ways - ways);
     }
 }
 

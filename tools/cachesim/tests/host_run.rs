@@ -77,16 +77,16 @@ fn fetches_equal_engine_instructions_and_data_misses_are_the_loops() {
     assert_eq!(tool.unresolved(), 0);
     // The code (25 bytes from a page boundary) is one line: one compulsory L1I miss, at
     // CPL 0; the user run fetches the same physical line.
-    assert_eq!(h.l1i.stats.misses, [1, 0]);
-    assert_eq!(h.l1i.stats.hits, [per_mode - 1, per_mode]);
+    assert_eq!(h.l1i().stats.misses, [1, 0]);
+    assert_eq!(h.l1i().stats.hits, [per_mode - 1, per_mode]);
     // The data: bytes 8..808 of the next page, lines 0..=12, and the jump's target in the
     // code line: 14 compulsory misses.
-    assert_eq!(h.l1d.stats.misses, [14, 0]);
-    assert_eq!(h.l1d.stats.compulsory, [14, 0]);
-    assert_eq!(h.l1d.stats.hits, [data - 14, data]);
+    assert_eq!(h.l1d().stats.misses, [14, 0]);
+    assert_eq!(h.l1d().stats.compulsory, [14, 0]);
+    assert_eq!(h.l1d().stats.hits, [data - 14, data]);
     // The last level: the code line (its L1D miss then hits) and the 13 data lines.
-    assert_eq!(h.ll.stats.misses, [14, 0]);
-    let l1d = h.l1d.stats;
+    assert_eq!(h.ll().stats.misses, [14, 0]);
+    let l1d = h.l1d().stats;
 
     let mut files = Files::default();
     tool.finish(&engine, &mut files).expect("finish");

@@ -145,6 +145,14 @@ pub fn check_tool(tool: &str, options: &BTreeMap<String, String>) -> Result<(), 
     {
         return Err(format!("bad tool option {k:?}={v:?}"));
     }
+    if options
+        .keys()
+        .any(|k| k == "config_file" || k == "cachesim.config_file")
+    {
+        return Err(
+            "config_file works with kpin run only (give attach the options one by one)".into(),
+        );
+    }
     let pairs: Vec<String> = options.iter().map(|(k, v)| format!("{k}={v}")).collect();
     crate::input_check::check_tool(tool, &pairs).map_err(|e| e.to_string())
 }
@@ -207,6 +215,12 @@ mod tests {
         let e = parse_request(br#"{"cmd":"attach","tool":"bbcount","options":{"depth":"3"}}"#)
             .expect_err("unknown option");
         assert!(e.contains("unknown --tool-option key \"depth\""), "{e}");
+        // The daemon reads no file a client names.
+        let e = parse_request(
+            br#"{"cmd":"attach","tool":"cachesim","options":{"config_file":"/etc/passwd"}}"#,
+        )
+        .expect_err("config_file");
+        assert!(e.contains("config_file works with kpin run only"), "{e}");
         let e =
             parse_request(br#"{"cmd":"attach","tool":"null","options":{"bringup.crash":"a b"}}"#)
                 .expect_err("space");

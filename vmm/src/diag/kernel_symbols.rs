@@ -20,6 +20,8 @@ pub struct KernelSymbols {
     /// one: code that runs before paging is on (Linux's `startup_64` at 0x1000000 for
     /// 0xffffffff81000000) executes at the physical address.
     aliases: Vec<PhysAlias>,
+    /// The KASLR slide found by [`KernelSymbols::find_slide`] (0: none).
+    slide: u64,
 }
 
 /// A `PT_LOAD` segment whose physical range `[pa, pa + len)` is also its virtual range
@@ -83,6 +85,7 @@ impl KernelSymbols {
                 symbols,
                 source: format!("System.map {}", map.display()),
                 aliases: phys_aliases(kernel),
+                slide: 0,
             }));
         }
         let elf =
@@ -91,12 +94,41 @@ impl KernelSymbols {
             symbols,
             source: format!("ELF symbol table of {}", kernel.display()),
             aliases: phys_aliases(kernel),
+            slide: 0,
         }))
     }
 
+    /// Finds where the kernel image ran from the addresses it `executed` (see
+    /// [`crate::diag::kaslr`]) and names addresses with that slide from now on; the source
+    /// says so. Returns the slide found, if any (none: names stay as linked).
+    pub fn find_slide(
+        &mut self,
+        executed: impl IntoIterator<Item = u64>,
+    ) -> Option<crate::diag::kaslr::Slide> {
+        let found = crate::diag::kaslr::find_slide(self.symbols.addresses(), executed)?;
+        self.slide = found.slide;
+        if found.slide != 0 {
+            let s = found.signed();
+            self.source.push_str(&format!(
+                ", KASLR slide {}{:#x} (from {} of {} executed kernel addresses on symbol starts)",
+                if s < 0 { "-" } else { "+" },
+                s.unsigned_abs(),
+                found.matches,
+                found.executed
+            ));
+        }
+        Some(found)
+    }
+
     /// `symbol+0xoff` for `addr`; an address only a physical alias covers is named by
-    /// its link address with ` (physical)` after it.
+    /// its link address with ` (physical)` after it. Kernel-image addresses are moved
+    /// back by the KASLR slide first, if one was found.
     pub fn describe(&self, addr: u64) -> Option<String> {
+        let addr = if addr >= crate::diag::kaslr::IMAGE_START {
+            addr.wrapping_sub(self.slide)
+        } else {
+            addr
+        };
         self.symbols.describe(addr).or_else(|| {
             let a = self
                 .aliases
@@ -134,6 +166,7 @@ mod tests {
                 va: 0xffff_ffff_8100_0000,
                 len: 0x1000,
             }],
+            slide: 0,
         }
     }
 
@@ -184,5 +217,46 @@ mod tests {
         assert!(phys_aliases(&path).is_empty(), "truncated headers");
         std::fs::remove_file(&path).unwrap();
         assert!(phys_aliases(Path::new("/nonexistent")).is_empty());
+    }
+
+    #[test]
+    fn test_a_found_kaslr_slide_moves_names_back_to_their_link_addresses() {
+        let mut text = String::new();
+        for k in 0..64u64 {
+            text.push_str(&format!(
+                "{:x} T f{k}\n",
+                0xffff_ffff_8100_0000u64 + k * 0x230
+            ));
+        }
+        let mut s = KernelSymbols {
+            symbols: Symbols::parse(&text),
+            source: "System.map test".into(),
+            aliases: Vec::new(),
+            slide: 0,
+        };
+        let slide = 0x3460_0000u64;
+        let ran: Vec<u64> = (0..64u64)
+            .map(|k| 0xffff_ffff_8100_0000 + k * 0x230 + slide)
+            .chain([0x40_1000])
+            .collect();
+        assert_eq!(s.describe(ran[3] + 4), None, "off the map before");
+        let found = s.find_slide(ran.iter().copied()).expect("a clear slide");
+        assert_eq!((found.slide, found.matches), (slide, 64));
+        assert_eq!(s.describe(ran[3] + 4).as_deref(), Some("f3+0x4"));
+        assert!(
+            s.source.contains("KASLR slide +0x34600000 (from 64 of 64"),
+            "{}",
+            s.source
+        );
+        // Not moved: found as 0, nothing said.
+        let mut t = KernelSymbols {
+            slide: 0,
+            source: "m".into(),
+            ..s
+        };
+        let at_link: Vec<u64> = ran.iter().map(|a| a.wrapping_sub(slide)).collect();
+        assert_eq!(t.find_slide(at_link).map(|f| f.slide), Some(0));
+        assert_eq!(t.source, "m");
+        assert_eq!(t.describe(0xffff_ffff_8100_0004).as_deref(), Some("f0+0x4"));
     }
 }

@@ -3,6 +3,7 @@
 //! in tool reports.
 
 pub mod dump;
+pub mod kaslr;
 pub mod kernel_symbols;
 pub mod paging;
 pub mod symbols;

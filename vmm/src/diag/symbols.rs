@@ -157,6 +157,11 @@ impl Symbols {
         self.by_addr.is_empty()
     }
 
+    /// The symbols' addresses, ascending (repeats where several names share one).
+    pub fn addresses(&self) -> impl Iterator<Item = u64> + '_ {
+        self.by_addr.iter().map(|s| s.address)
+    }
+
     /// The symbol called `name` (demangled), if any.
     pub fn find(&self, name: &str) -> Option<&Symbol> {
         self.by_addr.iter().find(|s| s.name == name)
