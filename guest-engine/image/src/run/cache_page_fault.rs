@@ -164,7 +164,14 @@ pub fn on_isolation_hit(
     let mut bytes = [0u8; MAX_INSN];
     let n = ShadowedMemory::new(shadow).peek_code(guest_pc.0, mode, &mut bytes);
     let regs = *engine.regs();
-    let (addr, access) = match classify_fault(&bytes[..n], guest_pc.0, &regs, hit.fs_base, hit.gs_base)
+    let (addr, access) = match classify_fault(
+        &bytes[..n],
+        guest_pc.0,
+        &regs,
+        hit.fs_base,
+        hit.gs_base,
+        engine.vector_lane_checked(),
+    )
     {
         IsolationFault::GuestUd => return Ok(None),
         IsolationFault::NonCanonical { addr } => {
