@@ -10,8 +10,8 @@
 //! into the storing instruction's own code frame) ends the run naming why, never a hang.
 
 use iced_x86::code_asm::{
-    al, cr0, cr2, cr3, dword_ptr, dx, eax, ecx, edi, ptr, qword_ptr, r8, r8d, rax, rbx, rcx, rdi,
-    rsp, CodeAssembler, CodeLabel,
+    al, byte_ptr, cr0, cr2, cr3, dword_ptr, dx, eax, ecx, edi, ptr, qword_ptr, r8, r8d, rax, rbx,
+    rcx, rdi, rsp, word_ptr, CodeAssembler, CodeLabel,
 };
 use kpin_tests::guest_asm::{hex_digit, native_and_null, reset};
 use kpin_tests::{require_kvm, run_tiny_guest, TINY_LOAD_ADDR};
@@ -405,6 +405,10 @@ fn own_zone_mapping_guest() -> Vec<u8> {
     a.mov(r8, 0x7777_u64).unwrap();
     a.mov(r8d, dword_ptr(rbx + 4)).unwrap();
     a.call(print).unwrap();
+    a.movzx(r8, word_ptr(rbx + 2)).unwrap();
+    a.call(print).unwrap();
+    a.movsx(r8, byte_ptr(rbx)).unwrap();
+    a.call(print).unwrap();
     // Stores through the window (register) and slot 256 (immediate), read back through
     // the ordinary mapping.
     a.mov(rax, 0xaabb_ccdd_eeff_0011_u64).unwrap();
@@ -426,13 +430,13 @@ fn test_guest_mapping_slots_256_and_257_itself_reads_and_writes_its_own_pages() 
     require_kvm!();
     let code = own_zone_mapping_guest();
     let (console, log) = native_and_null("isolation-own-zone", &code);
-    let want = "1122334455667788\n0000000011223344\naabbccddeeff0011\nfffffffffffffffe\n";
+    let want = "1122334455667788\n0000000011223344\n0000000000005566\nffffffffffffff88\naabbccddeeff0011\nfffffffffffffffe\n";
     assert!(console.starts_with(want), "{console}");
     let shadow = log
         .lines()
         .find(|l| l.contains("engine: shadow: "))
         .unwrap_or_else(|| panic!("no shadow stats line: {log}"));
-    assert!(shadow.contains(" zone_emulations=4"), "{shadow}");
+    assert!(shadow.contains(" zone_emulations=6"), "{shadow}");
     println!("{console}{shadow}");
 }
 

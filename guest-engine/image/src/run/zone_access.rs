@@ -5,7 +5,8 @@
 //! check traps the access instead (`guest_engine::isolation`). When the guest's tables
 //! allow the access, the common forms are performed here on the guest's own frame
 //! (through the physmap) and the guest continues after the instruction: plain `mov`
-//! loads and stores (register or immediate) within one page. Anything else (other
+//! loads and stores (register or immediate) and `movzx`/`movsx`/`movsxd` loads, within
+//! one page. Anything else (other
 //! instructions, an access crossing a page) still ends the run naming the slot.
 
 use core::cell::RefCell;
@@ -21,8 +22,8 @@ use crate::run::error::RunError;
 
 /// A plain `mov` between memory and a register or immediate.
 enum Form {
-    /// Load into the register.
-    Load(Register),
+    /// Load into the register, sign-extended from the access size if set.
+    Load(Register, bool),
     /// Store of the value.
     Store(u64),
 }
@@ -52,7 +53,7 @@ pub fn emulate(
         return Ok(None);
     }
     let access = match form {
-        Form::Load(_) => Access::Read,
+        Form::Load(..) => Access::Read,
         Form::Store(_) => Access::Write,
     };
     let mut sh = shadow.borrow_mut();
@@ -71,11 +72,16 @@ pub fn emulate(
         return Ok(Some(Action::Reflect(GuestFault::page_fault(GuestVirt(addr), 0))));
     };
     match form {
-        Form::Load(r) => {
+        Form::Load(r, signed) => {
             let mut b = [0u8; 8];
             // SAFETY: `ptr..ptr+size` is guest RAM in the physmap (`guest_ptr` checked it).
             unsafe { core::ptr::copy_nonoverlapping(ptr, b.as_mut_ptr(), size) };
-            set_register(engine.regs_mut(), r, u64::from_le_bytes(b));
+            let mut v = u64::from_le_bytes(b);
+            if signed && size < 8 {
+                let shift = 64 - 8 * size as u32;
+                v = (((v << shift) as i64) >> shift) as u64;
+            }
+            set_register(engine.regs_mut(), r, v);
         }
         Form::Store(v) => {
             if sh.is_code_frame(pa) {
@@ -96,7 +102,28 @@ fn form_of(i: &Instruction, regs: &GuestRegs) -> Option<Form> {
         Code::Mov_r8_rm8 | Code::Mov_r16_rm16 | Code::Mov_r32_rm32 | Code::Mov_r64_rm64
             if i.op1_kind() == OpKind::Memory =>
         {
-            Some(Form::Load(i.op0_register()))
+            Some(Form::Load(i.op0_register(), false))
+        }
+        Code::Movzx_r16_rm8
+        | Code::Movzx_r32_rm8
+        | Code::Movzx_r64_rm8
+        | Code::Movzx_r16_rm16
+        | Code::Movzx_r32_rm16
+        | Code::Movzx_r64_rm16
+            if i.op1_kind() == OpKind::Memory =>
+        {
+            Some(Form::Load(i.op0_register(), false))
+        }
+        Code::Movsx_r16_rm8
+        | Code::Movsx_r32_rm8
+        | Code::Movsx_r64_rm8
+        | Code::Movsx_r16_rm16
+        | Code::Movsx_r32_rm16
+        | Code::Movsx_r64_rm16
+        | Code::Movsxd_r64_rm32
+            if i.op1_kind() == OpKind::Memory =>
+        {
+            Some(Form::Load(i.op0_register(), true))
         }
         Code::Mov_rm8_r8 | Code::Mov_rm16_r16 | Code::Mov_rm32_r32 | Code::Mov_rm64_r64
             if i.op0_kind() == OpKind::Memory =>
