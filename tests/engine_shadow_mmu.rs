@@ -5,12 +5,13 @@
 //! page; and that need more shadow tables than the engine has — each under `--tool null`
 //! exactly as natively: the same console output, the same accessed/dirty bits in their
 //! page tables, and a fault delivered to the guest's #PF handler with the error code and
-//! CR2 it sees natively. What the engine cannot do (a guest mapping the stolen region, a non-`mov` store
+//! CR2 it sees natively; a guest that maps PML4 slots 256–257 itself reads and writes its
+//! pages there. What the engine cannot do (a guest mapping the stolen region, a non-`mov` store
 //! into the storing instruction's own code frame) ends the run naming why, never a hang.
 
 use iced_x86::code_asm::{
-    al, cr0, cr2, cr3, dword_ptr, dx, eax, ecx, edi, ptr, qword_ptr, r8, r8d, rax, rbx, rcx, rdi,
-    rsp, CodeAssembler, CodeLabel,
+    al, byte_ptr, cr0, cr2, cr3, dword_ptr, dx, eax, ecx, edi, ptr, qword_ptr, r8, r8d, rax, rbx,
+    rcx, rdi, rsp, word_ptr, CodeAssembler, CodeLabel,
 };
 use kpin_tests::guest_asm::{hex_digit, native_and_null, reset};
 use kpin_tests::{require_kvm, run_tiny_guest, TINY_LOAD_ADDR};
@@ -375,6 +376,68 @@ fn test_guest_accesses_to_the_engine_window_physmap_and_guard_fault_as_natively(
     });
     let console = fault_run("isolation-guard-load", &load_guard);
     assert_eq!(console, "0000000000000000\nffff818000000008\n");
+}
+
+/// Issue #11: a guest kernel that maps pages of its own in PML4 slots 256 and 257 (where
+/// the engine keeps its guard and its window) reads and writes them with plain `mov`s:
+/// under the engine the accesses reach the guest's frame (the isolation check traps,
+/// the engine performs them on the frame the guest's tables name), with the same
+/// console output — values and the A/D bits the accesses set — as natively.
+fn own_zone_mapping_guest() -> Vec<u8> {
+    const SLOT_256: u64 = 0xffff_8000_0000_0000;
+    let window = kpin_abi::stolen::WINDOW_VA;
+    let mut a = CodeAssembler::new(64).unwrap();
+    let mut print = a.create_label();
+    build_tables_and_switch(&mut a);
+    // Slots 256 and 257 → PDPT_HIGH[0] → PD_HIGH → PT_HIGH: +0 FRAME_A writable,
+    // +0x1000 FRAME_A read-only (as at HIGH_VA).
+    store_qword(&mut a, PDPT_HIGH, PD_HIGH | 3);
+    store_qword(&mut a, PML4 + 256 * 8, PDPT_HIGH | 3);
+    store_qword(&mut a, PML4 + 257 * 8, PDPT_HIGH | 3);
+    a.mov(rax, cr3).unwrap();
+    a.mov(cr3, rax).unwrap();
+    store_qword(&mut a, HIGH_VA, 0x1122_3344_5566_7788);
+    // Loads through slot 256 (the read-only alias) and the window.
+    a.mov(rbx, SLOT_256 + 0x1000).unwrap();
+    a.mov(r8, qword_ptr(rbx)).unwrap();
+    a.call(print).unwrap();
+    a.mov(rbx, window).unwrap();
+    a.mov(r8, 0x7777_u64).unwrap();
+    a.mov(r8d, dword_ptr(rbx + 4)).unwrap();
+    a.call(print).unwrap();
+    a.movzx(r8, word_ptr(rbx + 2)).unwrap();
+    a.call(print).unwrap();
+    a.movsx(r8, byte_ptr(rbx)).unwrap();
+    a.call(print).unwrap();
+    // Stores through the window (register) and slot 256 (immediate), read back through
+    // the ordinary mapping.
+    a.mov(rax, 0xaabb_ccdd_eeff_0011_u64).unwrap();
+    a.mov(qword_ptr(rbx + 8), rax).unwrap();
+    a.mov(rcx, SLOT_256).unwrap();
+    a.mov(qword_ptr(rcx + 0x10), -2_i32).unwrap();
+    print_qword_at(&mut a, print, HIGH_VA + 8);
+    print_qword_at(&mut a, print, HIGH_VA + 0x10);
+    for entry in [PML4 + 256 * 8, PML4 + 257 * 8, PT_HIGH, PT_HIGH + 8] {
+        print_qword_at(&mut a, print, entry);
+    }
+    reset(&mut a);
+    emit_print_hex(&mut a, &mut print);
+    a.assemble(TINY_LOAD_ADDR).unwrap()
+}
+
+#[test]
+fn test_guest_mapping_slots_256_and_257_itself_reads_and_writes_its_own_pages() {
+    require_kvm!();
+    let code = own_zone_mapping_guest();
+    let (console, log) = native_and_null("isolation-own-zone", &code);
+    let want = "1122334455667788\n0000000011223344\n0000000000005566\nffffffffffffff88\naabbccddeeff0011\nfffffffffffffffe\n";
+    assert!(console.starts_with(want), "{console}");
+    let shadow = log
+        .lines()
+        .find(|l| l.contains("engine: shadow: "))
+        .unwrap_or_else(|| panic!("no shadow stats line: {log}"));
+    assert!(shadow.contains(" zone_emulations=6"), "{shadow}");
+    println!("{console}{shadow}");
 }
 
 /// A guest whose tables alias one frame at the start of 2560 distinct 2 MiB regions

@@ -114,4 +114,13 @@ pub struct CacheContext {
     /// Cache PC of a synchronous fault, written by the fault handler that redirected
     /// the faulting code to the exit routine with the `FAULT` exit word.
     pub fault_pc: u64,
+    /// The index lanes of a gather/scatter with 64-bit vector indices, stored by its
+    /// isolation check (`arch::x86_64::isolate`).
+    pub vsib_lanes: [u64; 8],
+    /// The lane address that check tested last (0 until its first lane): a lane in the
+    /// reserved zone when the check trapped.
+    pub vsib_lane: u64,
 }
+
+// The context must stay below the guest XSAVE area that follows it in the cache region.
+const _: () = assert!(core::mem::size_of::<CacheContext>() <= crate::layout::XSAVE_GUEST_OFFSET);

@@ -55,6 +55,12 @@ impl Engine {
         }
     }
 
+    /// The lane address the isolation check of a gather/scatter with 64-bit vector
+    /// indices tested last (for `isolation::classify_fault`).
+    pub fn vector_lane_checked(&self) -> u64 {
+        self.ctx().vsib_lane
+    }
+
     /// Maps a code-cache PC back to its guest instruction and register locations.
     pub fn recover(&self, pc: CachePc) -> Option<Recovered> {
         let f = self.cache.fragment_at(pc)?;

@@ -119,7 +119,14 @@ impl Case {
     fn classify(&self, pc: u64) -> IsolationFault {
         let off = (pc - self.block.addr()) as usize;
         let bytes = &self.block.slice()[off..off + 15];
-        classify_fault(bytes, pc, self.rig.engine.regs(), 0, 0)
+        classify_fault(
+            bytes,
+            pc,
+            self.rig.engine.regs(),
+            0,
+            0,
+            self.rig.engine.vector_lane_checked(),
+        )
     }
 }
 
@@ -270,7 +277,7 @@ fn test_user_and_kernel_accesses_to_the_window_and_physmap_trap_before_touching_
         expect_hit(stop, base);
         let bytes = &c.block.slice()[..15];
         assert_eq!(
-            classify_fault(bytes, base, c.rig.engine.regs(), 0, PHYSMAP_VA),
+            classify_fault(bytes, base, c.rig.engine.regs(), 0, PHYSMAP_VA, 0),
             IsolationFault::Zone {
                 addr: PHYSMAP_VA + 0x10,
                 access: access::READ
@@ -426,4 +433,200 @@ fn test_checks_keep_flags_and_registers_of_ordinary_accesses() {
         assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
         assert_eq!(c.rig.engine.regs().get(Gpr::Rax), 0x1234_5678);
     }
+}
+
+/// Encodes `insns` at `at`, one after the other.
+fn encode_at(insns: &[iced_x86::Instruction], at: u64) -> Vec<u8> {
+    let mut code = Vec::new();
+    for i in insns {
+        let mut enc = iced_x86::Encoder::new(64);
+        enc.encode(i, at + code.len() as u64).unwrap();
+        code.extend_from_slice(&enc.take_buffer());
+    }
+    code
+}
+
+#[test]
+fn test_qword_index_gathers_check_every_lane() {
+    use iced_x86::{Code, Instruction, MemoryOperand, Register};
+    if !std::arch::is_x86_feature_detected!("avx2") {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let lanes_at = |r| MemoryOperand::with_base_displ(r, 0x400);
+    let load = |v, r| Instruction::with2(Code::VEX_Vmovdqu_ymm_ymmm256, v, lanes_at(r)).unwrap();
+    let ones = Instruction::with3(
+        Code::VEX_Vpcmpeqd_ymm_ymm_ymmm256,
+        Register::YMM2,
+        Register::YMM2,
+        Register::YMM2,
+    )
+    .unwrap();
+    for mode in [Mode::USER, Mode::KERNEL] {
+        let mut c = Case::new(mode);
+        let base = c.block.addr();
+        let data = base + 0x800;
+        let exit = base + 0x10_0000;
+        let set_lanes = |c: &mut Case, lanes: [u64; 4]| {
+            for (k, l) in lanes.iter().enumerate() {
+                let at = 0xC00 + 8 * k;
+                c.block.slice()[at..at + 8].copy_from_slice(&l.to_le_bytes());
+            }
+        };
+
+        // vpgatherqq ymm0, [rdi + ymm1], ymm2: lane 2 at the window (flags dead after).
+        set_lanes(&mut c, [0, 8, WINDOW_VA.wrapping_sub(data), 16]);
+        let gather = Instruction::with3(
+            Code::VEX_Vpgatherqq_ymm_vm64y_ymm,
+            Register::YMM0,
+            MemoryOperand::with_base_index_scale(Register::RDI, Register::YMM1, 1),
+            Register::YMM2,
+        )
+        .unwrap();
+        let cmp = Instruction::with2(Code::Cmp_r32_rm32, Register::EAX, Register::EAX).unwrap();
+        let prefix = encode_at(&[load(Register::YMM1, Register::RDI), ones], base);
+        let pc = base + prefix.len() as u64;
+        let mut code = encode_at(
+            &[load(Register::YMM1, Register::RDI), ones, gather, cmp],
+            base,
+        );
+        jmp(&mut code, base, exit);
+        expect_hit(c.run(&code, &[(Gpr::Rdi, data)]), pc);
+        let r = c.rig.engine.regs();
+        assert_eq!(
+            (r.get(Gpr::Rdi), r.get(Gpr::Rax), r.get(Gpr::Rcx)),
+            (data, 0x1111, 0x1111),
+            "registers exact at the gather"
+        );
+        assert_eq!(
+            c.classify(pc),
+            IsolationFault::Zone {
+                addr: WINDOW_VA,
+                access: access::READ
+            }
+        );
+
+        // vpgatherqd xmm0, [rcx + ymm1*8 + 0x10], xmm2: RCX (spilled by the check) as
+        // the base, lane 3 in the physmap (flags live after).
+        let target = PHYSMAP_VA + 0x100;
+        set_lanes(&mut c, [0, 1, 2, target.wrapping_sub(data + 0x10) / 8]);
+        let gather = Instruction::with3(
+            Code::VEX_Vpgatherqd_xmm_vm64y_xmm,
+            Register::XMM0,
+            MemoryOperand::with_base_index_scale_displ_size(
+                Register::RCX,
+                Register::YMM1,
+                8,
+                0x10,
+                1,
+            ),
+            Register::XMM2,
+        )
+        .unwrap();
+        let prefix = encode_at(&[load(Register::YMM1, Register::RCX), ones], base);
+        let pc = base + prefix.len() as u64;
+        let mut code = encode_at(&[load(Register::YMM1, Register::RCX), ones, gather], base);
+        jmp(&mut code, base, exit);
+        expect_hit(c.run(&code, &[(Gpr::Rcx, data), (Gpr::Rax, 7)]), pc);
+        let r = c.rig.engine.regs();
+        assert_eq!((r.get(Gpr::Rcx), r.get(Gpr::Rax)), (data, 7));
+        assert_eq!(
+            c.classify(pc),
+            IsolationFault::Zone {
+                addr: target,
+                access: access::READ
+            }
+        );
+
+        // vpgatherqq xmm0, [xmm1 + 0x40], xmm2 without a base: lane 1 at the window.
+        set_lanes(&mut c, [0, WINDOW_VA - 0x40, 0, 0]);
+        let gather = Instruction::with3(
+            Code::VEX_Vpgatherqq_xmm_vm64x_xmm,
+            Register::XMM0,
+            MemoryOperand::new(
+                Register::None,
+                Register::XMM1,
+                1,
+                0x40,
+                4,
+                false,
+                Register::None,
+            ),
+            Register::XMM2,
+        )
+        .unwrap();
+        let prefix = encode_at(&[load(Register::YMM1, Register::RDI), ones], base);
+        let pc = base + prefix.len() as u64;
+        let mut code = encode_at(&[load(Register::YMM1, Register::RDI), ones, gather], base);
+        jmp(&mut code, base, exit);
+        expect_hit(c.run(&code, &[(Gpr::Rdi, data)]), pc);
+        assert_eq!(
+            c.classify(pc),
+            IsolationFault::Zone {
+                addr: WINDOW_VA,
+                access: access::READ
+            }
+        );
+    }
+
+    // An ordinary qword-index gather passes its checks, loads every lane, keeps the flags.
+    let mut c = Case::new(Mode::USER);
+    let base = c.block.addr();
+    let data = base + 0x800;
+    let exit = base + 0x10_0000;
+    for k in 0..4u64 {
+        let at = 0x800 + 8 * k as usize;
+        c.block.slice()[at..at + 8].copy_from_slice(&(0xA0 + k).to_le_bytes());
+        let at = 0xC00 + 8 * k as usize;
+        c.block.slice()[at..at + 8].copy_from_slice(&(0x18 - 8 * k).to_le_bytes());
+    }
+    let insns = [
+        Instruction::with2(Code::Xor_r32_rm32, Register::EAX, Register::EAX).unwrap(),
+        Instruction::with2(Code::Cmp_rm32_imm8, Register::EAX, 1).unwrap(),
+        load(Register::YMM1, Register::RDI),
+        ones,
+        Instruction::with3(
+            Code::VEX_Vpgatherqq_ymm_vm64y_ymm,
+            Register::YMM0,
+            MemoryOperand::with_base_index_scale(Register::RDI, Register::YMM1, 1),
+            Register::YMM2,
+        )
+        .unwrap(),
+        Instruction::with1(Code::Setb_rm8, Register::CL).unwrap(),
+        Instruction::with1(Code::Sets_rm8, Register::CH).unwrap(),
+        Instruction::with1(Code::Sete_rm8, Register::AL).unwrap(),
+        Instruction::with2(Code::VEX_Vmovq_rm64_xmm, Register::RDX, Register::XMM0).unwrap(),
+        Instruction::with3(
+            Code::VEX_Vpextrq_rm64_xmm_imm8,
+            Register::RBX,
+            Register::XMM0,
+            1,
+        )
+        .unwrap(),
+        Instruction::with3(
+            Code::VEX_Vextracti128_xmmm128_ymm_imm8,
+            Register::XMM3,
+            Register::YMM0,
+            1,
+        )
+        .unwrap(),
+        Instruction::with2(Code::VEX_Vmovq_rm64_xmm, Register::RSI, Register::XMM3).unwrap(),
+    ];
+    let mut code = encode_at(&insns, base);
+    jmp(&mut code, base, exit);
+    let stop = c.run(&code, &[(Gpr::Rdi, data), (Gpr::Rcx, 0)]);
+    assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+    let r = c.rig.engine.regs();
+    assert_eq!(
+        (r.get(Gpr::Rdx), r.get(Gpr::Rbx), r.get(Gpr::Rsi)),
+        (0xA3, 0xA2, 0xA1),
+        "lanes 0, 1, 2 loaded"
+    );
+    assert_eq!(
+        r.get(Gpr::Rcx) & 0xffff,
+        0x0101,
+        "CF and SF survive the checks"
+    );
+    assert_eq!(r.get(Gpr::Rax) & 0xff, 0, "ZF survives the checks");
+    assert_eq!(r.get(Gpr::Rdi), data);
 }

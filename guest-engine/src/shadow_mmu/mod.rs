@@ -18,7 +18,8 @@
 //!   [`RESERVED_SLOTS`] (256–259: slot 256 faults at CPL 3 on this KVM, 259 is the
 //!   guard above the physmap that translated code's isolation checks rely on, see
 //!   `arch/x86_64/isolate.rs`); a fill there walks the guest's tables and answers with
-//!   the guest's fault, or [`ShadowError::ReservedSlot`] if the guest maps the address;
+//!   the guest's fault, or [`ShadowError::ReservedSlot`] if the guest maps the address
+//!   (the embedder may then perform the access itself: [`ShadowMmu::translate_reserved`]);
 //! * every shadow leaf has U = 1 and G = 0 (the engine reloads CR3 between views);
 //!   intermediate shadow entries are P|W|U and only the leaf restricts;
 //! * a shadow leaf is writable only if the guest allows the write in that view, the
@@ -473,6 +474,46 @@ impl<M: PhysMem> ShadowMmu<M> {
         }
         self.hw_flush = HwFlush::All;
         Ok(())
+    }
+
+    /// `va` in the reserved zone ([`RESERVED_SLOTS`]) for `access` in `view` as the
+    /// guest's own tables say (A/D bits set as hardware would): the guest-physical
+    /// address, or the fault the guest takes. Nothing is installed in the shadow (the
+    /// zone stays the engine's); the embedder performs the access on that frame.
+    pub fn translate_reserved(
+        &mut self,
+        va: GuestVirt,
+        access: Access,
+        view: View,
+    ) -> Result<Result<GuestPhys, GuestFault>, ShadowError> {
+        if !pte::is_canonical(va.0) || !RESERVED_SLOTS.contains(&pte::index(va.0, 4)) {
+            return Err(ShadowError::NonCanonical(va));
+        }
+        let leaf = match walk::walk(
+            &mut self.mem,
+            &self.control,
+            self.config.phys_addr_bits,
+            self.cr3,
+            va,
+            access,
+            view,
+        )? {
+            Ok(leaf) => leaf,
+            Err(fault) => {
+                self.stats.guest_faults += 1;
+                return Ok(Err(fault));
+            }
+        };
+        self.stats.ad_updates += u64::from(leaf.ad_updates);
+        if !self.mem.guest_may_map(leaf.frame) {
+            return Err(ShadowError::ForbiddenFrame {
+                va,
+                frame: leaf.frame,
+            });
+        }
+        Ok(Ok(GuestPhys(
+            leaf.frame.0 | (va.0 & (pte::TABLE_BYTES - 1)),
+        )))
     }
 
     /// Handles a shadow miss: walks the guest tables for `access` to `va` in `view`,

@@ -254,6 +254,9 @@ pub struct ShadowCounters {
     pub guest_invlpgs: u64,
     /// Translated memory operands stopped by the isolation check (`Stop::Isolation`).
     pub isolation_hits: u64,
+    /// Accesses to the reserved zone through the guest's own mapping, performed on its
+    /// frame (`run::zone_access`).
+    pub zone_emulations: u64,
 }
 
 /// The shadow MMU of the one vCPU, with its hardware side.
@@ -410,6 +413,17 @@ impl Shadow {
         self.with_tables(|m| m.on_page_fault(GuestVirt(cr2), error, view))
     }
 
+    /// `va` in the reserved zone for `access` in `view` as the guest's own tables say
+    /// (`ShadowMmu::translate_reserved`; nothing enters the shadow).
+    pub fn translate_reserved(
+        &mut self,
+        va: u64,
+        access: Access,
+        view: View,
+    ) -> Result<Result<GuestPhys, GuestFault>, ShadowError> {
+        self.with_tables(|m| m.translate_reserved(GuestVirt(va), access, view))
+    }
+
     /// `va` for `access` in `view`, as the guest's tables say (A/D bits set as hardware
     /// would, the shadow filled): the guest-physical address, or the fault the guest
     /// would take. A non-canonical `va` is #GP(0) (`cr2` then only names the address); an
@@ -529,7 +543,7 @@ impl Shadow {
 
 impl Shadow {
     /// Every counter, named as in the statistics line and `counters.json`.
-    fn counter_fields(&self) -> [(&'static str, u64); 21] {
+    fn counter_fields(&self) -> [(&'static str, u64); 22] {
         let s = self.stats();
         let c = &self.counters;
         [
@@ -554,6 +568,7 @@ impl Shadow {
             ("guest_cr3_writes", c.guest_cr3_writes),
             ("guest_invlpgs", c.guest_invlpgs),
             ("isolation_hits", c.isolation_hits),
+            ("zone_emulations", c.zone_emulations),
         ]
     }
 

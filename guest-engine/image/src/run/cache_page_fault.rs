@@ -149,8 +149,10 @@ pub fn on_page_fault(
 /// precise before it): the isolation check's trap when an operand would reach the
 /// engine's reserved zone (`guest_engine::isolation`). Such an access gets what the
 /// guest's own tables say at the virtual CPL, as a hardware #PF there would — a guest
-/// fault, or (the guest maps the address itself) an engine failure; a non-canonical
-/// operand (the check's only false positives) is #GP(0); `Ok(None)`: the #UD is the
+/// fault, or (the guest maps the address itself) the access performed on the guest's
+/// frame for plain `mov` loads/stores (`run::zone_access`), else an engine failure; a
+/// non-canonical operand (the check's only false positives) is #GP(0); `Ok(None)`: the
+/// #UD is the
 /// guest's own.
 pub fn on_isolation_hit(
     engine: &mut Engine,
@@ -164,26 +166,39 @@ pub fn on_isolation_hit(
     let mut bytes = [0u8; MAX_INSN];
     let n = ShadowedMemory::new(shadow).peek_code(guest_pc.0, mode, &mut bytes);
     let regs = *engine.regs();
-    let (addr, access) =
-        match classify_fault(&bytes[..n], guest_pc.0, &regs, hit.fs_base, hit.gs_base) {
-            IsolationFault::GuestUd => return Ok(None),
-            IsolationFault::NonCanonical { addr } => {
-                shadow.borrow_mut().counters.isolation_hits += 1;
-                return Ok(Some(Action::Reflect(GuestFault {
-                    vector: kpin_abi::x86::vector::GP,
-                    error_code: 0,
-                    cr2: GuestVirt(addr),
-                })));
-            }
-            IsolationFault::BaseInZone { base } | IsolationFault::VectorBaseNearZone { base } => {
-                return Err(RunError::BaseInReservedZone {
-                    rip: guest_pc.0,
-                    base,
-                })
-            }
-            IsolationFault::Zone { addr, access } => (addr, access),
-        };
+    let (addr, access) = match classify_fault(
+        &bytes[..n],
+        guest_pc.0,
+        &regs,
+        hit.fs_base,
+        hit.gs_base,
+        engine.vector_lane_checked(),
+    ) {
+        IsolationFault::GuestUd => return Ok(None),
+        IsolationFault::NonCanonical { addr } => {
+            shadow.borrow_mut().counters.isolation_hits += 1;
+            return Ok(Some(Action::Reflect(GuestFault {
+                vector: kpin_abi::x86::vector::GP,
+                error_code: 0,
+                cr2: GuestVirt(addr),
+            })));
+        }
+        IsolationFault::BaseInZone { base } | IsolationFault::VectorBaseNearZone { base } => {
+            return Err(RunError::BaseInReservedZone {
+                rip: guest_pc.0,
+                base,
+            })
+        }
+        IsolationFault::Zone { addr, access } => (addr, access),
+    };
     shadow.borrow_mut().counters.isolation_hits += 1;
+    // The guest's own mapping in the zone: the common forms run on its frame.
+    let insn = Decoder::with_ip(64, &bytes[..n], guest_pc.0, DecoderOptions::NONE).decode();
+    if let Some(action) =
+        crate::run::zone_access::emulate(engine, shadow, mode, guest_pc, &insn, addr)?
+    {
+        return Ok(Some(action));
+    }
     // The same path as a hardware #PF at `addr` (taken at CPL 3: U set; the view, not
     // the U bit, gives the virtual CPL).
     let mut error = PF_USER;

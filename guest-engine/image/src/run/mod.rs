@@ -25,6 +25,7 @@ pub mod guest_dump;
 pub mod profile;
 pub mod tools;
 pub mod vcpu;
+pub mod zone_access;
 
 use alloc::string::String;
 use core::cell::RefCell;
@@ -332,7 +333,11 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                         Ok(Some(Action::Reflect(f))) => {
                             reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, guest_pc)
                         }
-                        Ok(Some(_)) => {
+                        Ok(Some(Action::Resume(next))) => {
+                            engine.set_rip(next);
+                            Ok(())
+                        }
+                        Ok(Some(Action::Retry)) => {
                             engine.set_rip(guest_pc);
                             Ok(())
                         }

@@ -111,6 +111,8 @@ pub(crate) struct CtxAddrs {
     pub call_flags: u64,
     pub call_args: u64,
     pub tool: u64,
+    pub vsib_lanes: u64,
+    pub vsib_lane: u64,
 }
 
 impl CtxAddrs {
@@ -137,6 +139,8 @@ impl CtxAddrs {
             call_flags: o(offset_of!(CacheContext, call_flags)),
             call_args: o(offset_of!(CacheContext, call_args)),
             tool: o(offset_of!(CacheContext, tool)),
+            vsib_lanes: o(offset_of!(CacheContext, vsib_lanes)),
+            vsib_lane: o(offset_of!(CacheContext, vsib_lane)),
         }
     }
 }

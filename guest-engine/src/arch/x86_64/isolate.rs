@@ -44,6 +44,9 @@
 //! `MAX_TRACE_INSNS` × 8 bytes per trace). A base outside `[Z_START − BIAS, Z_END −
 //! BIAS)` puts every such access either below Z in the non-canonical hole (it faults
 //! there) or above `Z_END − 4 GiB`, i.e. at worst in the slot-259 guard.
+//! Gathers/scatters: 32-bit vector indices keep every lane within 2^35 of the base, so
+//! the base is checked (`emit_vsib32_check`); 64-bit ones have each lane checked
+//! (`emit_vsib64_check`).
 //! A hit leaves the guest state exactly that before the instruction (the check comes
 //! before the instruction's instrumentation and translation).
 
@@ -54,6 +57,7 @@ use iced_x86::{Decoder, DecoderOptions, InstructionInfoFactory};
 use super::decode::{mem_operands, DecodedInsn};
 use super::emit::reg;
 use super::mangle::{hw, Tx};
+use crate::addr::GuestVirt;
 use crate::context::{Gpr, GuestRegs};
 use crate::error::EngineError;
 use crate::instrument::{MemOperand, SegBase};
@@ -192,8 +196,10 @@ impl Tx<'_> {
         let addr32 = addressing_32(&d.instr);
         let bit_offset = bit_offset_register(&d.instr);
         let xlat = d.instr.mnemonic() == Mnemonic::Xlatb;
-        if d.instr.vsib() == Some(false) {
-            self.emit_vsib32_check(&d.instr, addr32, pc, flags_dead)?;
+        match d.instr.vsib() {
+            Some(false) => self.emit_vsib32_check(&d.instr, addr32, pc, flags_dead)?,
+            Some(true) => self.emit_vsib64_check(&d.instr, addr32, pc, flags_dead)?,
+            None => {}
         }
         for (k, m) in ops.iter().enumerate() {
             if ops[..k].contains(m) {
@@ -315,6 +321,75 @@ impl Tx<'_> {
         Ok(())
     }
 
+    /// A gather/scatter with 64-bit vector indices: its lanes are unbounded, so each one's
+    /// address `base + index[k]·scale + disp` (+ FS/GS base) is checked like an ordinary
+    /// operand's first byte. The index register is stored to `ctx.vsib_lanes` (a VEX
+    /// `vmovdqu`, or EVEX `vmovdqu64` for ZMM and registers 16–31), and each lane's
+    /// address to `ctx.vsib_lane` before its test, so that `classify_fault` learns the
+    /// lane that trapped; `ctx.vsib_lane` is zeroed first (a #UD of the store itself is the
+    /// guest's: the gather would raise it too). Masked-off lanes are checked as well (a
+    /// conservative hit). Flag-free. With 32-bit addressing and no segment base, lanes
+    /// lie below 4 GiB: no check.
+    fn emit_vsib64_check(
+        &mut self,
+        i: &iced_x86::Instruction,
+        addr32: bool,
+        pc: u64,
+        flags_dead: bool,
+    ) -> Result<(), EngineError> {
+        let seg = i.segment_prefix();
+        let seg = (seg == Register::FS || seg == Register::GS).then_some(seg);
+        if addr32 && seg.is_none() {
+            return Ok(());
+        }
+        let index = i.memory_index();
+        let lanes = index.size() / 8;
+        let ctx = self.env.ctx;
+        self.a.mov_m64_imm32(ctx.vsib_lane, 0);
+        let store =
+            vector_store(index, ctx.vsib_lanes).ok_or(EngineError::Unsupported(GuestVirt(pc)))?;
+        let bytes = self.encode(&store, pc)?;
+        self.a.bytes(&bytes);
+        let base = i.memory_base();
+        let scale_log2 = i.memory_index_scale().trailing_zeros() as u8;
+        let disp = i.memory_displacement64() as i64 as i32;
+        self.spill_quiet(reg::RCX);
+        self.spill_quiet(reg::RAX);
+        for k in 0..lanes {
+            self.a.mov_r_m(reg::RAX, ctx.vsib_lanes + 8 * k as u64);
+            if base == Register::None {
+                self.a.bytes(&[0xB9, 0, 0, 0, 0]); // mov ecx, 0
+            } else {
+                let b = hw(base);
+                if matches!(b, reg::RAX | reg::RCX) {
+                    self.a.mov_r_m(reg::RCX, self.a.spill_slot(b));
+                } else {
+                    self.a.mov_r_r(reg::RCX, b);
+                }
+                if base.is_gpr32() {
+                    self.a.bytes(&[0x89, 0xC9]); // mov ecx, ecx
+                }
+            }
+            self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, scale_log2);
+            self.a.lea_r_disp(reg::RCX, reg::RCX, disp);
+            if addr32 {
+                self.a.bytes(&[0x89, 0xC9]); // mov ecx, ecx
+            }
+            match seg {
+                Some(Register::FS) => self.a.bytes(&[0xF3, 0x48, 0x0F, 0xAE, 0xC0]), // rdfsbase rax
+                Some(_) => self.a.bytes(&[0xF3, 0x48, 0x0F, 0xAE, 0xC8]),            // rdgsbase rax
+                None => {}
+            }
+            if seg.is_some() {
+                self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
+            }
+            self.unspill_quiet(reg::RAX);
+            self.a.mov_m_r(ctx.vsib_lane, reg::RCX);
+            self.emit_zone_test(flags_dead);
+        }
+        Ok(())
+    }
+
     /// RCX = the linear address of `m` (RAX and RCX spilled; RAX clobbered): with
     /// `addr32` the offset wraps at 4 GiB before the segment base is added.
     fn emit_linear_rcx(
@@ -415,6 +490,32 @@ impl Tx<'_> {
     }
 }
 
+/// `vmovdqu [target], index` (RIP-relative) for a VSIB index register: VEX for
+/// XMM0–15/YMM0–15, EVEX `vmovdqu64` for ZMM and registers 16–31.
+fn vector_store(index: Register, target: u64) -> Option<iced_x86::Instruction> {
+    use iced_x86::Code;
+    let n = index.number();
+    let code = if index.is_zmm() {
+        Code::EVEX_Vmovdqu64_zmmm512_k1z_zmm
+    } else if index.is_ymm() {
+        if n < 16 {
+            Code::VEX_Vmovdqu_ymmm256_ymm
+        } else {
+            Code::EVEX_Vmovdqu64_ymmm256_k1z_ymm
+        }
+    } else if index.is_xmm() {
+        if n < 16 {
+            Code::VEX_Vmovdqu_xmmm128_xmm
+        } else {
+            Code::EVEX_Vmovdqu64_xmmm128_k1z_xmm
+        }
+    } else {
+        return None;
+    };
+    let m = iced_x86::MemoryOperand::with_base_displ(Register::RIP, target as i64);
+    iced_x86::Instruction::with2(code, m, index).ok()
+}
+
 /// The sign-extended value of the 16/32/64-bit GPR `r`.
 fn gpr_value(regs: &GuestRegs, r: Register) -> i64 {
     let full = Gpr::from_number(hw(r)).map_or(0, |g| regs.get(g));
@@ -458,16 +559,42 @@ pub enum IsolationFault {
 }
 
 /// Classifies a #UD at the guest instruction `bytes` (at `pc`) with the guest state
-/// `regs` before it and the FS/GS bases (see the module header).
+/// `regs` before it and the FS/GS bases (see the module header). `vector_lane` is the
+/// lane address the check of a gather/scatter with 64-bit indices tested last
+/// (`Engine::vector_lane_checked`; ignored for other instructions).
 pub fn classify_fault(
     bytes: &[u8],
     pc: u64,
     regs: &GuestRegs,
     fs_base: u64,
     gs_base: u64,
+    vector_lane: u64,
 ) -> IsolationFault {
     let i = Decoder::with_ip(64, bytes, pc, DecoderOptions::NONE).decode();
     if i.is_invalid() || matches!(i.mnemonic(), Mnemonic::Ud0 | Mnemonic::Ud1 | Mnemonic::Ud2) {
+        return IsolationFault::GuestUd;
+    }
+    if i.vsib() == Some(true) {
+        let scatter = matches!(
+            i.mnemonic(),
+            Mnemonic::Vpscatterqd
+                | Mnemonic::Vpscatterqq
+                | Mnemonic::Vscatterqps
+                | Mnemonic::Vscatterqpd
+        );
+        let addr = vector_lane;
+        if in_isolation_zone(addr) {
+            let access = if scatter {
+                crate::instrument::access::WRITE
+            } else {
+                crate::instrument::access::READ
+            };
+            return IsolationFault::Zone { addr, access };
+        }
+        // The check's false positives: non-canonical lanes with bits 56:41 = 0xffc0.
+        if (addr >> 41) & 0xffff == 0xffc0 && ((addr as i64) << 16 >> 16) as u64 != addr {
+            return IsolationFault::NonCanonical { addr };
+        }
         return IsolationFault::GuestUd;
     }
     if i.vsib().is_some() {
@@ -551,7 +678,32 @@ mod tests {
 
 #[cfg(test)]
 mod encoding_tests {
-    use iced_x86::{Code, Decoder, DecoderOptions, Register};
+    use iced_x86::{Code, Decoder, DecoderOptions, Encoder, Register};
+
+    #[test]
+    fn test_vector_index_store_covers_every_index_register() {
+        let at = 0x1000_0000u64;
+        let target = at + 0x2000;
+        for (index, code) in [
+            (Register::XMM3, Code::VEX_Vmovdqu_xmmm128_xmm),
+            (Register::YMM15, Code::VEX_Vmovdqu_ymmm256_ymm),
+            (Register::XMM17, Code::EVEX_Vmovdqu64_xmmm128_k1z_xmm),
+            (Register::YMM31, Code::EVEX_Vmovdqu64_ymmm256_k1z_ymm),
+            (Register::ZMM5, Code::EVEX_Vmovdqu64_zmmm512_k1z_zmm),
+        ] {
+            let store = super::vector_store(index, target).unwrap();
+            let mut enc = Encoder::new(64);
+            enc.encode(&store, at).unwrap();
+            let bytes = enc.take_buffer();
+            let i = Decoder::with_ip(64, &bytes, at, DecoderOptions::NONE).decode();
+            assert_eq!(i.code(), code);
+            assert_eq!(i.op1_register(), index);
+            assert!(i.is_ip_rel_memory_operand());
+            assert_eq!(i.ip_rel_memory_address(), target);
+            assert_eq!(i.memory_size().size(), index.size());
+        }
+        assert!(super::vector_store(Register::RAX, target).is_none());
+    }
 
     #[test]
     fn test_hand_encoded_check_instructions_decode_as_intended() {
