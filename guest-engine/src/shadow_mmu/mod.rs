@@ -476,17 +476,18 @@ impl<M: PhysMem> ShadowMmu<M> {
         Ok(())
     }
 
-    /// `va` in the reserved zone ([`RESERVED_SLOTS`]) for `access` in `view` as the
-    /// guest's own tables say (A/D bits set as hardware would): the guest-physical
-    /// address, or the fault the guest takes. Nothing is installed in the shadow (the
-    /// zone stays the engine's); the embedder performs the access on that frame.
+    /// `va` (in the reserved zone ([`RESERVED_SLOTS`]), or reached from a base register
+    /// in it) for `access` in `view` as the guest's own tables say (A/D bits set as
+    /// hardware would): the guest-physical address, or the fault the guest takes. Nothing
+    /// is installed in the shadow (the zone stays the engine's); the embedder performs
+    /// the access on that frame.
     pub fn translate_reserved(
         &mut self,
         va: GuestVirt,
         access: Access,
         view: View,
     ) -> Result<Result<GuestPhys, GuestFault>, ShadowError> {
-        if !pte::is_canonical(va.0) || !RESERVED_SLOTS.contains(&pte::index(va.0, 4)) {
+        if !pte::is_canonical(va.0) {
             return Err(ShadowError::NonCanonical(va));
         }
         let leaf = match walk::walk(

@@ -183,7 +183,19 @@ pub fn on_isolation_hit(
                 cr2: GuestVirt(addr),
             })));
         }
-        IsolationFault::BaseInZone { base } | IsolationFault::VectorBaseNearZone { base } => {
+        IsolationFault::BaseInZone { base, addr, access } => {
+            return base_in_zone(
+                engine,
+                shadow,
+                mode,
+                guest_pc,
+                &bytes[..n],
+                base,
+                addr,
+                access,
+            )
+        }
+        IsolationFault::VectorBaseNearZone { base } => {
             return Err(RunError::BaseInReservedZone {
                 rip: guest_pc.0,
                 base,
@@ -216,6 +228,47 @@ pub fn on_isolation_hit(
         _ => Err(RunError::Shadow {
             rip: guest_pc.0,
             error: guest_engine::shadow_mmu::ShadowError::ReservedSlot(GuestVirt(addr)),
+        }),
+    }
+}
+
+/// An operand at `addr` (outside the zone) whose base register lies in the zone: the
+/// trace's base check keeps the instruction from running natively, so it gets what the
+/// guest's tables say — their fault (a process poking there gets its SIGSEGV, as on a
+/// real CPU), or the `mov` forms performed on the guest's frame; any other instruction
+/// through a mapping there ends the run naming it.
+#[allow(clippy::too_many_arguments)]
+fn base_in_zone(
+    engine: &mut Engine,
+    shadow: &RefCell<Shadow>,
+    mode: Mode,
+    guest_pc: GuestVirt,
+    bytes: &[u8],
+    base: u64,
+    addr: u64,
+    access: u32,
+) -> Result<Option<Action>, RunError> {
+    shadow.borrow_mut().counters.isolation_hits += 1;
+    let insn = Decoder::with_ip(64, bytes, guest_pc.0, DecoderOptions::NONE).decode();
+    if let Some(action) =
+        crate::run::zone_access::emulate(engine, shadow, mode, guest_pc, &insn, addr)?
+    {
+        return Ok(Some(action));
+    }
+    let kind = if access & guest_engine::instrument::access::WRITE != 0 {
+        Access::Write
+    } else {
+        Access::Read
+    };
+    let walked = shadow
+        .borrow_mut()
+        .translate_reserved(addr, kind, view_of(mode))
+        .map_err(|error| shadow_failure(guest_pc, error))?;
+    match walked {
+        Err(f) => Ok(Some(Action::Reflect(f))),
+        Ok(_) => Err(RunError::BaseInReservedZone {
+            rip: guest_pc.0,
+            base,
         }),
     }
 }

@@ -543,10 +543,16 @@ pub enum IsolationFault {
         addr: u64,
     },
     /// No operand lies in the zone but a base register (plus [`BASE_CHECK_BIAS`]) does
-    /// (a base-register check hit): not supported.
+    /// (a base-register check hit): the operand at `addr` (canonical, outside the zone:
+    /// the start of slot 260) gets what the guest's tables say, but the trace cannot run
+    /// it natively.
     BaseInZone {
-        /// The base register's value.
+        /// The base register's value (base + index * scale).
         base: u64,
+        /// The operand's linear address.
+        addr: u64,
+        /// `instrument::access` bits of the operand (READ, WRITE).
+        access: u32,
     },
     /// A gather/scatter whose base lies within 2^35 bytes below the zone or in it: its
     /// lanes are not resolved (not supported).
@@ -650,9 +656,14 @@ pub fn classify_fault(
         return IsolationFault::NonCanonical { addr };
     }
     for m in ops.iter() {
-        let base = m.effective_address(regs).wrapping_sub(m.disp);
+        let addr = m.effective_address(regs);
+        let base = addr.wrapping_sub(m.disp);
         if m.seg == SegBase::Flat && in_isolation_zone(base.wrapping_add(BASE_CHECK_BIAS)) {
-            return IsolationFault::BaseInZone { base };
+            return IsolationFault::BaseInZone {
+                base,
+                addr,
+                access: m.access,
+            };
         }
     }
     IsolationFault::GuestUd
