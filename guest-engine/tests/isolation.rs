@@ -318,8 +318,8 @@ fn test_user_and_kernel_accesses_to_the_window_and_physmap_trap_before_touching_
             }
         );
 
-        // vpgatherdd ymm0, [rdi + ymm1*4], ymm2 with RDI at the physmap: the base check
-        // of 32-bit-index gathers (lanes are within 2^34 + 2^31 bytes of the base).
+        // vpgatherdd ymm0, [rdi + ymm1*4], ymm2 with RDI at the physmap: every lane
+        // (within ±2^33 bytes of the base, whatever YMM1 holds) lies in the zone.
         if std::arch::is_x86_feature_detected!("avx2") {
             use iced_x86::{Code, Encoder, Instruction, MemoryOperand, Register};
             let g = Instruction::with3(
@@ -334,9 +334,11 @@ fn test_user_and_kernel_accesses_to_the_window_and_physmap_trap_before_touching_
             let mut code = enc.take_buffer();
             jmp(&mut code, base, exit);
             expect_hit(c.run(&code, &[(Gpr::Rdi, PHYSMAP_VA)]), base);
-            assert_eq!(
-                c.classify(base),
-                IsolationFault::VectorBaseNearZone { base: PHYSMAP_VA }
+            let hit = c.classify(base);
+            assert!(
+                matches!(hit, IsolationFault::Zone { addr, access: access::READ }
+                    if (0xffff_8000_0000_0000..0xffff_8200_0000_0000).contains(&addr)),
+                "{hit:?}"
             );
         }
 
@@ -629,4 +631,84 @@ fn test_qword_index_gathers_check_every_lane() {
     );
     assert_eq!(r.get(Gpr::Rax) & 0xff, 0, "ZF survives the checks");
     assert_eq!(r.get(Gpr::Rdi), data);
+}
+
+#[test]
+fn test_dword_index_gathers_check_every_lane() {
+    // A base just below the zone (non-canonical) with 32-bit indices: lane 0 reaches slot
+    // 256 and must trap at the gather with that lane's address; with an ordinary base the
+    // same gather runs and loads every lane.
+    use iced_x86::{Code, Instruction, MemoryOperand, Register};
+    if !std::arch::is_x86_feature_detected!("avx2") {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let zone_start = 0xffff_8000_0000_0000u64;
+    let load_lanes = Instruction::with2(
+        Code::VEX_Vmovdqu_ymm_ymmm256,
+        Register::YMM1,
+        MemoryOperand::with_base_displ(Register::RSI, 0x400),
+    )
+    .unwrap();
+    let ones = Instruction::with3(
+        Code::VEX_Vpcmpeqd_ymm_ymm_ymmm256,
+        Register::YMM2,
+        Register::YMM2,
+        Register::YMM2,
+    )
+    .unwrap();
+    let gather = Instruction::with3(
+        Code::VEX_Vpgatherdd_ymm_vm32y_ymm,
+        Register::YMM0,
+        MemoryOperand::with_base_index_scale(Register::RDI, Register::YMM1, 1),
+        Register::YMM2,
+    )
+    .unwrap();
+    let store_result = Instruction::with2(
+        Code::VEX_Vmovdqu_ymmm256_ymm,
+        MemoryOperand::with_base_displ(Register::RSI, 0x600),
+        Register::YMM0,
+    )
+    .unwrap();
+    for mode in [Mode::USER, Mode::KERNEL] {
+        let mut c = Case::new(mode);
+        let base = c.block.addr();
+        let data = base + 0x800;
+        let exit = base + 0x10_0000;
+        let lanes: [i32; 8] = [0x200, 0, 4, 8, 12, 16, 20, 24];
+        for (k, l) in lanes.iter().enumerate() {
+            let at = 0xC00 + 4 * k;
+            c.block.slice()[at..at + 4].copy_from_slice(&l.to_le_bytes());
+        }
+        let pc = base + encode_at(&[load_lanes, ones], base).len() as u64;
+        let mut code = encode_at(&[load_lanes, ones, gather, store_result], base);
+        jmp(&mut code, base, exit);
+
+        let stop = c.run(&code, &[(Gpr::Rsi, data), (Gpr::Rdi, zone_start - 0x100)]);
+        expect_hit(stop, pc);
+        assert_eq!(
+            c.classify(pc),
+            IsolationFault::Zone {
+                addr: zone_start + 0x100,
+                access: access::READ
+            }
+        );
+
+        // An ordinary base: the gather reads data[lane] for every lane.
+        for k in 0..0x40usize {
+            c.block.slice()[0x800 + k] = k as u8;
+        }
+        let stop = c.run(&code, &[(Gpr::Rsi, data), (Gpr::Rdi, data)]);
+        assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+        let got = &c.block.slice()[0xE00..0xE20];
+        for (k, l) in lanes.iter().enumerate() {
+            let want = if *l == 0x200 {
+                [0, 0, 0, 0] // data + 0x200 is the block's untouched zeroes
+            } else {
+                let o = *l as usize;
+                [o as u8, o as u8 + 1, o as u8 + 2, o as u8 + 3]
+            };
+            assert_eq!(got[4 * k..4 * k + 4], want, "lane {k}");
+        }
+    }
 }

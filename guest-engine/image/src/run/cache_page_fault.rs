@@ -195,12 +195,6 @@ pub fn on_isolation_hit(
                 access,
             )
         }
-        IsolationFault::VectorBaseNearZone { base } => {
-            return Err(RunError::BaseInReservedZone {
-                rip: guest_pc.0,
-                base,
-            })
-        }
         IsolationFault::Zone { addr, access } => (addr, access),
     };
     shadow.borrow_mut().counters.isolation_hits += 1;

@@ -79,7 +79,7 @@ impl fmt::Display for RunError {
             ),
             RunError::BaseInReservedZone { rip, base } => write!(
                 f,
-                "the guest instruction at RIP {rip:#x} addresses memory its own tables map from a base register ({base:#x}) in or just below PML4 slots 256-259, which the engine reserves; only `mov` forms are performed there (and gathers with a base there are not)"
+                "the guest instruction at RIP {rip:#x} addresses memory its own tables map from a base register ({base:#x}) in or just below PML4 slots 256-259, which the engine reserves; only `mov` forms are performed there"
             ),
             RunError::TripleFault { rip, first, last } => write!(
                 f,

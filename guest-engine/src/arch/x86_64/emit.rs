@@ -250,6 +250,11 @@ impl Asm {
         self.riprel(Some(rex(true, r, 0, 0)), &[0x8B], r, target, &[]);
     }
 
+    /// `movsxd r64, dword [rip+target]`.
+    pub(crate) fn movsxd_r_m(&mut self, r: u8, target: u64) {
+        self.riprel(Some(rex(true, r, 0, 0)), &[0x63], r, target, &[]);
+    }
+
     /// `lea r64, [rip+target]`.
     pub(crate) fn lea_r_rip(&mut self, r: u8, target: u64) {
         self.riprel(Some(rex(true, r, 0, 0)), &[0x8D], r, target, &[]);

@@ -44,9 +44,9 @@
 //! `MAX_TRACE_INSNS` × 8 bytes per trace). A base outside `[Z_START − BIAS, Z_END −
 //! BIAS)` puts every such access either below Z in the non-canonical hole (it faults
 //! there) or above `Z_END − 4 GiB`, i.e. at worst in the slot-259 guard.
-//! Gathers/scatters: 32-bit vector indices keep every lane within 2^35 of the base, so
-//! the base is checked (`emit_vsib32_check`); 64-bit ones have each lane checked
-//! (`emit_vsib64_check`).
+//! Gathers/scatters have each lane's address checked (`emit_vsib_check`: the index
+//! register is stored to the context and every lane computed), with 32-bit or 64-bit
+//! indices alike; 32-bit indices without a base or segment stay near 0 (no check).
 //! A hit leaves the guest state exactly that before the instruction (the check comes
 //! before the instruction's instrumentation and translation).
 
@@ -79,10 +79,6 @@ pub const BASE_CHECK_BIAS: u64 = 0x7fff_0000;
 /// register; the rest of the 2 GiB below `BASE_CHECK_BIAS` covers RSP's implicit drift
 /// in one trace (`MAX_TRACE_INSNS` pushes or pops).
 const ELIDED_DISP_MAX: i64 = 0x7ffe_0000;
-
-/// Offset added to the base of a gather/scatter with 32-bit vector indices before its
-/// check (see `emit_vsib32_check`).
-const VSIB32_BIAS: u64 = 1 << 35;
 
 /// Per-trace state of the base-register elision: the GPRs whose value (plus
 /// [`BASE_CHECK_BIAS`]) was checked in this trace and not written since (RSP's implicit
@@ -196,10 +192,8 @@ impl Tx<'_> {
         let addr32 = addressing_32(&d.instr);
         let bit_offset = bit_offset_register(&d.instr);
         let xlat = d.instr.mnemonic() == Mnemonic::Xlatb;
-        match d.instr.vsib() {
-            Some(false) => self.emit_vsib32_check(&d.instr, addr32, pc, flags_dead)?,
-            Some(true) => self.emit_vsib64_check(&d.instr, addr32, pc, flags_dead)?,
-            None => {}
+        if let Some(qword) = d.instr.vsib() {
+            self.emit_vsib_check(&d.instr, qword, addr32, pc, flags_dead)?;
         }
         for (k, m) in ops.iter().enumerate() {
             if ops[..k].contains(m) {
@@ -282,68 +276,34 @@ impl Tx<'_> {
         Ok(())
     }
 
-    /// A gather/scatter with 32-bit vector indices: every lane lies within
-    /// `2^31 · 8 + 2^31` bytes of `base + disp`, so `base + disp + VSIB32_BIAS` is checked
-    /// against the zone (lanes from a base outside `[Z_START − 2^35, Z_END − 2^35)` stay
-    /// in the hole below Z or in the slot-259 guard). No base: lanes stay near 0.
-    fn emit_vsib32_check(
-        &mut self,
-        i: &iced_x86::Instruction,
-        addr32: bool,
-        pc: u64,
-        flags_dead: bool,
-    ) -> Result<(), EngineError> {
-        let base = i.memory_base();
-        if base == Register::None || addr32 {
-            return Ok(());
-        }
-        let seg = match i.segment_prefix() {
-            Register::FS => SegBase::Fs,
-            Register::GS => SegBase::Gs,
-            _ => SegBase::Flat,
-        };
-        let m = MemOperand {
-            base: Gpr::from_number(hw(base)),
-            index: None,
-            scale: 1,
-            disp: i.memory_displacement64(),
-            size: 0,
-            access: 0,
-            seg,
-        };
-        self.spill_quiet(reg::RCX);
-        self.spill_quiet(reg::RAX);
-        self.emit_linear_rcx(&m, false, pc)?;
-        self.a.mov_r_imm64(reg::RAX, VSIB32_BIAS);
-        self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
-        self.unspill_quiet(reg::RAX);
-        self.emit_zone_test(flags_dead);
-        Ok(())
-    }
-
-    /// A gather/scatter with 64-bit vector indices: its lanes are unbounded, so each one's
-    /// address `base + index[k]·scale + disp` (+ FS/GS base) is checked like an ordinary
-    /// operand's first byte. The index register is stored to `ctx.vsib_lanes` (a VEX
+    /// A gather/scatter: each lane's address `base + index[k]·scale + disp` (+ FS/GS base;
+    /// `qword`: 64-bit indices, else 32-bit ones sign-extended) is checked like an
+    /// ordinary operand's first byte (a base near the zone with 32-bit indices reaches it
+    /// or not lane by lane). The index register is stored to `ctx.vsib_lanes` (a VEX
     /// `vmovdqu`, or EVEX `vmovdqu64` for ZMM and registers 16–31), and each lane's
     /// address to `ctx.vsib_lane` before its test, so that `classify_fault` learns the
     /// lane that trapped; `ctx.vsib_lane` is zeroed first (a #UD of the store itself is the
     /// guest's: the gather would raise it too). Masked-off lanes are checked as well (a
     /// conservative hit). Flag-free. With 32-bit addressing and no segment base, lanes
     /// lie below 4 GiB: no check.
-    fn emit_vsib64_check(
+    fn emit_vsib_check(
         &mut self,
         i: &iced_x86::Instruction,
+        qword: bool,
         addr32: bool,
         pc: u64,
         flags_dead: bool,
     ) -> Result<(), EngineError> {
         let seg = i.segment_prefix();
         let seg = (seg == Register::FS || seg == Register::GS).then_some(seg);
-        if addr32 && seg.is_none() {
+        // 32-bit indices without a base or segment: lanes stay within 2^35 + 2^31 bytes
+        // of 0, far from the zone.
+        if seg.is_none() && (addr32 || (!qword && i.memory_base() == Register::None)) {
             return Ok(());
         }
         let index = i.memory_index();
-        let lanes = index.size() / 8;
+        let width = if qword { 8 } else { 4 };
+        let lanes = index.size() / width;
         let ctx = self.env.ctx;
         self.a.mov_m64_imm32(ctx.vsib_lane, 0);
         let store =
@@ -356,7 +316,12 @@ impl Tx<'_> {
         self.spill_quiet(reg::RCX);
         self.spill_quiet(reg::RAX);
         for k in 0..lanes {
-            self.a.mov_r_m(reg::RAX, ctx.vsib_lanes + 8 * k as u64);
+            let lane = ctx.vsib_lanes + (width * k) as u64;
+            if qword {
+                self.a.mov_r_m(reg::RAX, lane);
+            } else {
+                self.a.movsxd_r_m(reg::RAX, lane);
+            }
             if base == Register::None {
                 self.a.bytes(&[0xB9, 0, 0, 0, 0]); // mov ecx, 0
             } else {
@@ -554,12 +519,6 @@ pub enum IsolationFault {
         /// `instrument::access` bits of the operand (READ, WRITE).
         access: u32,
     },
-    /// A gather/scatter whose base lies within 2^35 bytes below the zone or in it: its
-    /// lanes are not resolved (not supported).
-    VectorBaseNearZone {
-        /// The base register's value.
-        base: u64,
-    },
     /// The #UD is the guest's own (e.g. `ud2`, or nothing the check explains).
     GuestUd,
 }
@@ -580,10 +539,14 @@ pub fn classify_fault(
     if i.is_invalid() || matches!(i.mnemonic(), Mnemonic::Ud0 | Mnemonic::Ud1 | Mnemonic::Ud2) {
         return IsolationFault::GuestUd;
     }
-    if i.vsib() == Some(true) {
+    if i.vsib().is_some() {
         let scatter = matches!(
             i.mnemonic(),
-            Mnemonic::Vpscatterqd
+            Mnemonic::Vpscatterdd
+                | Mnemonic::Vpscatterdq
+                | Mnemonic::Vscatterdps
+                | Mnemonic::Vscatterdpd
+                | Mnemonic::Vpscatterqd
                 | Mnemonic::Vpscatterqq
                 | Mnemonic::Vscatterqps
                 | Mnemonic::Vscatterqpd
@@ -600,21 +563,6 @@ pub fn classify_fault(
         // The check's false positives: non-canonical lanes with bits 56:41 = 0xffc0.
         if (addr >> 41) & 0xffff == 0xffc0 && ((addr as i64) << 16 >> 16) as u64 != addr {
             return IsolationFault::NonCanonical { addr };
-        }
-        return IsolationFault::GuestUd;
-    }
-    if i.vsib().is_some() {
-        let b = i.memory_base();
-        let base = if b == Register::None {
-            0
-        } else {
-            Gpr::from_number(hw(b)).map_or(0, |g| regs.get(g))
-        };
-        let near = base
-            .wrapping_add(i.memory_displacement64())
-            .wrapping_add(VSIB32_BIAS);
-        if i.vsib() == Some(false) && in_isolation_zone(near) {
-            return IsolationFault::VectorBaseNearZone { base };
         }
         return IsolationFault::GuestUd;
     }
