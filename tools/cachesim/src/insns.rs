@@ -54,13 +54,16 @@ impl InsnMisses {
     }
 }
 
-/// A bounded open-addressing (linear probing) table of [`InsnMisses`].
+/// A bounded open-addressing (linear probing) table of [`InsnMisses`]. It has twice as
+/// many slots as instructions it holds, so a probe always ends at a free slot (a full
+/// table sends a new instruction to `other` there) and stays short.
 #[derive(Clone, Debug)]
 pub struct MissTable {
     /// `used[i]`: slot `i` holds an instruction.
     used: Vec<bool>,
     slots: Vec<InsnMisses>,
     len: usize,
+    capacity: usize,
     /// Misses of instructions that found the table full.
     pub other: InsnMisses,
 }
@@ -68,11 +71,13 @@ pub struct MissTable {
 impl MissTable {
     /// A table of `capacity` instructions (rounded up to a power of two, at least 1).
     pub fn new(capacity: usize) -> Self {
-        let n = capacity.max(1).next_power_of_two();
+        let capacity = capacity.max(1).next_power_of_two();
+        let n = 2 * capacity;
         Self {
             used: vec![false; n],
             slots: vec![InsnMisses::default(); n],
             len: 0,
+            capacity,
             other: InsnMisses::default(),
         }
     }
@@ -89,7 +94,7 @@ impl MissTable {
 
     /// Instructions it can hold.
     pub fn capacity(&self) -> usize {
-        self.slots.len()
+        self.capacity
     }
 
     /// Counts `misses` of `kind` for the instruction at `va` run at `cpl`.
@@ -103,7 +108,7 @@ impl MissTable {
         let mut i = (h >> 32) as usize & mask;
         let entry = loop {
             if !self.used[i] {
-                if self.len == self.slots.len() {
+                if self.len == self.capacity {
                     break &mut self.other;
                 }
                 self.used[i] = true;
