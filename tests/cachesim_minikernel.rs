@@ -2,13 +2,16 @@
 //! every step, the simulated L1I sees exactly one fetch per guest instruction the engine
 //! counted (`counters.json`, per CPL), every record has a physical address, a smaller L1D
 //! misses more often than the default one on the same run, and the host reports
-//! (`cachesim.txt`, `.json`, timeline `.svg`) are made from the engine's files.
+//! (`cachesim.txt`, `.json`, timeline `.svg`) are made from the engine's files, ending
+//! with the instructions that missed most, named from the mini-kernel's ELF symbols.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use kpin_tests::run_minikernel_with_options;
 use kpin_tool_cachesim::files::{parse_counters, Counters};
+use kpin_tool_cachesim::report::TopInsn;
+use vmm::diag::kernel_symbols::KernelSymbols;
 use vmm::Outcome;
 
 /// Runs the mini-kernel under cachesim with `options`; returns the parsed counters,
@@ -126,6 +129,72 @@ fn test_minikernel_cachesim_fetches_equal_engine_instructions_and_small_l1d_miss
         "{txt}"
     );
     println!("{txt}");
+    check_top(&c, &dir);
+}
+
+/// The top-N lists: every counted L1 miss is in the per-instruction file, the lists hold
+/// at most `top` instructions whose misses sum to at most the L1's, most first, and the
+/// first of each is a mini-kernel instruction its ELF symbols name.
+fn check_top(c: &Counters, dir: &std::path::Path) {
+    let insns = kpin_tool_cachesim::report::read_insns(dir)
+        .expect("a valid file")
+        .expect("cachesim-insns.csv written");
+    let misses = |name: &str| {
+        let s = c.caches.iter().find(|x| x.name == name).unwrap().stats;
+        s.misses[0] + s.misses[1]
+    };
+    let (l1d, l1i) = (misses("L1D"), misses("L1I"));
+    assert_eq!(
+        insns.totals(),
+        (l1d, l1i),
+        "per-instruction misses vs the L1D and L1I totals"
+    );
+    let symbols = KernelSymbols::load(&kpin_tests::minikernel_elf(), None)
+        .expect("the mini-kernel reads")
+        .expect("the mini-kernel ELF has symbols");
+    let (report, _) = kpin_tool_cachesim::report::write_reports_named(dir, Some(&symbols))
+        .expect("reports")
+        .expect("cachesim files present");
+    let top = report.top_instructions.as_ref().expect("top lists");
+    assert_eq!(top.top, 10, "the default");
+    for (list, total) in [(&top.data, l1d), (&top.fetch, l1i)] {
+        assert!(!list.is_empty() && list.len() <= 10, "{list:?}");
+        let sum: u64 = list.iter().map(|e| e.misses).sum();
+        assert!(sum <= total, "top-N misses {sum} > L1 misses {total}");
+        assert!(
+            list.windows(2).all(|w| w[0].misses >= w[1].misses),
+            "{list:?}"
+        );
+        let first: &TopInsn = &list[0];
+        let va = u64::from_str_radix(first.address.trim_start_matches("0x"), 16).unwrap();
+        assert_eq!(
+            first.symbol,
+            symbols.describe(va),
+            "the report names {} as the ELF symbols do",
+            first.address
+        );
+        assert!(
+            first.symbol.is_some(),
+            "{} is not a mini-kernel instruction",
+            first.address
+        );
+    }
+    let txt = std::fs::read_to_string(dir.join(kpin_tool_cachesim::report::TXT_NAME)).unwrap();
+    assert!(
+        txt.contains("Top 10 by data (L1D) misses:")
+            && txt.contains("Top 10 by fetch (L1I) misses:")
+            && txt.contains(top.data[0].symbol.as_deref().unwrap()),
+        "{txt}"
+    );
+    println!("{}", top.text());
+    let json = std::fs::read_to_string(dir.join(kpin_tool_cachesim::report::JSON_NAME)).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(
+        json.pointer("/top_instructions/fetch/0/address")
+            .and_then(serde_json::Value::as_str),
+        Some(top.fetch[0].address.as_str()),
+        "{json}"
+    );
 }
 
 /// A four-level hierarchy from a drcachesim configuration file: the host expands it into

@@ -67,6 +67,7 @@ const CACHESIM_OPTIONS: &[&str] = &[
     "warmup_refs",
     "sim_refs",
     "interval_refs",
+    "top",
     "config_file",
 ];
 

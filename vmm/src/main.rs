@@ -533,11 +533,7 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         .then(|| bbcount_report(&out, &kernel, system_map.as_deref(), args.top))
         .flatten();
     if args.tool.as_deref() == Some("cachesim") {
-        match kpin_tool_cachesim::report::write_reports(&out) {
-            Ok(Some((r, files))) => progress(&format!("{}\ncachesim: {files:?}", r.text())),
-            Ok(None) => {}
-            Err(e) => progress(&format!("no cachesim report: {e}")),
-        }
+        cachesim_report(&out, &kernel, system_map.as_deref());
     }
     let summary = Summary {
         outcome: report.outcome.describe(),
@@ -704,6 +700,32 @@ fn bbcount_report(
             progress(&format!("no bbcount report: {e:#}"));
             None
         }
+    }
+}
+
+/// Writes and prints cachesim's reports, its top-N instructions named from the kernel's
+/// symbols (with the KASLR slide found from the kernel instructions that missed); a
+/// report that cannot be made is said (the files came from inside the guest).
+fn cachesim_report(out: &Path, kernel: &Path, system_map: Option<&Path>) {
+    use kpin_tool_cachesim::report as cs;
+    let symbols = match KernelSymbols::load(kernel, system_map) {
+        Ok(s) => s,
+        Err(e) => {
+            progress(&format!("cachesim's instructions left unnamed: {e:#}"));
+            None
+        }
+    };
+    let symbols = symbols.map(|mut s| {
+        if let Ok(Some(insns)) = cs::read_insns(out) {
+            s.find_slide(insns.rows.iter().filter(|r| r.cpl == 0).map(|r| r.va));
+        }
+        s
+    });
+    let names = symbols.as_ref().map(|s| s as &dyn BlockNames);
+    match cs::write_reports_named(out, names) {
+        Ok(Some((r, files))) => progress(&format!("{}\ncachesim: {files:?}", r.text())),
+        Ok(None) => {}
+        Err(e) => progress(&format!("no cachesim report: {e}")),
     }
 }
 

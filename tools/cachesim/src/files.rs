@@ -3,7 +3,7 @@
 //!
 //! `cachesim-counters.txt`: one line per item, `kind key=value key=value …`:
 //! ```text
-//! options L1I_size=32768 L1I_assoc=8 … line_size=64 replace_policy=LRU warmup_refs=0 sim_refs=0
+//! options L1I_size=32768 L1I_assoc=8 … line_size=64 replace_policy=LRU warmup_refs=0 sim_refs=0 top=10
 //! refs fetch_kernel=… fetch_user=… data_kernel=… data_user=… skipped=… unresolved=…
 //! cache name=L1I size=32768 assoc=8 hits_kernel=… hits_user=… misses_kernel=… misses_user=… compulsory_kernel=… compulsory_user=…
 //! ```
@@ -102,11 +102,12 @@ pub fn write_counters(
     }
     writeln!(
         out,
-        " line_size={} replace_policy={} warmup_refs={} sim_refs={}",
+        " line_size={} replace_policy={} warmup_refs={} sim_refs={} top={}",
         o.line_size,
         o.policy.name(),
         o.warmup_refs,
-        o.sim_refs
+        o.sim_refs,
+        o.top
     )?;
     writeln!(
         out,

@@ -9,9 +9,11 @@
 //!   instruction and a record per memory operand, with physical addresses resolved before
 //!   any mapping can change ([`kpin_tool::Tool::records_fetches`],
 //!   [`kpin_tool::Tool::records_need_pa`]), and at the end writes [`COUNTERS_NAME`] (the
-//!   totals) and [`TIMELINE_NAME`] (cumulative counters every few references);
+//!   totals), [`TIMELINE_NAME`] (cumulative counters every few references) and
+//!   [`INSNS_NAME`] (L1D and L1I misses per instruction, see [`insns`]);
 //! * `report` (feature `host`): turns those files into `cachesim.txt` (drcachesim's
-//!   layout), `cachesim.json` and `cachesim-timeline.svg`.
+//!   layout, ending with the instructions that missed most, named from the kernel's
+//!   symbols), `cachesim.json` and `cachesim-timeline.svg`.
 #![no_std]
 #![deny(missing_docs)]
 
@@ -19,6 +21,7 @@ extern crate alloc;
 
 pub mod config;
 pub mod files;
+pub mod insns;
 pub mod options;
 #[cfg(feature = "host")]
 pub mod report;
@@ -31,6 +34,7 @@ use core::fmt;
 use kpin_tool::host::{Error, File, Sink};
 use kpin_tool::{access, Engine, KpinTool, MemRecord, Tool, TraceInstrumenter};
 
+use crate::insns::{MissKind, MissTable};
 use crate::options::Options;
 use crate::sim::{Hierarchy, Kind, KERNEL, USER};
 
@@ -38,6 +42,8 @@ use crate::sim::{Hierarchy, Kind, KERNEL, USER};
 pub const COUNTERS_NAME: &str = "cachesim-counters.txt";
 /// The timeline the engine writes (read by [`files::parse_timeline`]).
 pub const TIMELINE_NAME: &str = "cachesim-timeline.csv";
+/// The misses per instruction the engine writes (read by [`insns::parse`]).
+pub const INSNS_NAME: &str = "cachesim-insns.csv";
 /// Most timeline rows kept: when full, every other row is dropped and the sampling
 /// interval doubles (rows are cumulative, so nothing is lost but resolution).
 pub const TIMELINE_ROWS: usize = 2048;
@@ -59,6 +65,8 @@ pub struct CacheSim {
     timeline: Timeline,
     /// Records whose physical address could not be resolved (not simulated).
     unresolved: u64,
+    /// L1D and L1I misses per instruction.
+    insns: MissTable,
 }
 
 impl CacheSim {
@@ -82,6 +90,7 @@ impl CacheSim {
             options,
             hier,
             unresolved: 0,
+            insns: MissTable::new(insns::DEFAULT_CAPACITY),
         }
     }
 
@@ -93,6 +102,11 @@ impl CacheSim {
     /// The options in force.
     pub fn options(&self) -> &Options {
         &self.options
+    }
+
+    /// The misses per instruction counted so far.
+    pub fn insns(&self) -> &MissTable {
+        &self.insns
     }
 
     /// Records whose physical address could not be resolved.
@@ -108,26 +122,30 @@ impl CacheSim {
         }
         let who = if r.cpl() == 3 { USER } else { KERNEL };
         if r.access & access::FETCH != 0 {
-            self.reference(r.pa, r.size, Kind::Fetch, who);
+            let missed = self.reference(r.pa, r.size, Kind::Fetch, who);
+            self.insns.add(r.ip, r.cpl(), MissKind::Fetch, missed);
             return;
         }
         // A read-modify-write operand is a read then a write, as a tracer records it.
+        let mut missed = 0;
         if r.access & access::READ != 0 {
-            self.reference(r.pa, r.size, Kind::Read, who);
+            missed += self.reference(r.pa, r.size, Kind::Read, who);
         }
         if r.access & access::WRITE != 0 {
-            self.reference(r.pa, r.size, Kind::Write, who);
+            missed += self.reference(r.pa, r.size, Kind::Write, who);
         }
+        self.insns.add(r.ip, r.cpl(), MissKind::Data, missed);
     }
 
-    fn reference(&mut self, pa: u64, size: u32, kind: Kind, who: usize) {
+    /// Simulates one reference; returns its counted misses in the L1 it started at.
+    fn reference(&mut self, pa: u64, size: u32, kind: Kind, who: usize) -> u64 {
         let measuring = self.hier.measuring();
-        self.hier.access(pa, size, kind, who);
+        let missed = self.hier.access(pa, size, kind, who);
         if !measuring {
             // The warmup just ended (the counters were reset) or goes on.
             self.timeline.rows.clear();
             self.timeline.since = 0;
-            return;
+            return missed;
         }
         let t = &mut self.timeline;
         t.since += 1;
@@ -149,6 +167,7 @@ impl CacheSim {
                 t.interval *= 2;
             }
         }
+        missed
     }
 
     /// References simulated, fetches and data, both CPLs.
@@ -203,6 +222,9 @@ impl KpinTool for CacheSim {
         {
             let _ = files::write_timeline_row(&mut f, &last);
         }
+        f.close()?;
+        let mut f = File::create(host, INSNS_NAME)?;
+        let _ = insns::write(&mut f, &self.insns);
         f.close()
     }
 
@@ -231,6 +253,17 @@ impl KpinTool for CacheSim {
                 self.unresolved
             )?;
         }
-        out.write_str("; cachesim-counters.txt and cachesim-timeline.csv written")
+        if self.insns.other != insns::InsnMisses::default() {
+            write!(
+                out,
+                "; the per-instruction table ({} entries) was full: {} data and {} fetch misses counted as other",
+                self.insns.capacity(),
+                self.insns.other.data,
+                self.insns.other.fetch
+            )?;
+        }
+        out.write_str(
+            "; cachesim-counters.txt, cachesim-timeline.csv and cachesim-insns.csv written",
+        )
     }
 }

@@ -109,6 +109,9 @@ pub struct Options {
     pub sim_refs: u64,
     /// References per timeline sample at the start (doubled whenever the timeline fills).
     pub interval_refs: u64,
+    /// Instructions the report lists by data misses and by fetch misses (QEMU's
+    /// `cache.c` calls it `limit`).
+    pub top: u64,
     /// A hierarchy from a `config_file` (children before parents), replacing `l1i`, `l1d`,
     /// `l2` and `ll`; `None`: those four.
     pub caches: Option<Vec<CacheSpec>>,
@@ -135,6 +138,7 @@ impl Default for Options {
             warmup_refs: 0,
             sim_refs: 0,
             interval_refs: 1_000,
+            top: 10,
             caches: None,
         }
     }
@@ -271,6 +275,7 @@ impl Options {
                 }
                 "warmup_refs" => o.warmup_refs = number()?,
                 "sim_refs" => o.sim_refs = number()?,
+                "top" => o.top = number()?,
                 "interval_refs" => {
                     o.interval_refs = number()?.max(1);
                 }

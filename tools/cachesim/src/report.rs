@@ -1,7 +1,11 @@
 //! The host side (feature `host`): `cachesim.txt` in drcachesim's layout, `cachesim.json`
 //! with the same numbers, and `cachesim-timeline.svg` (miss rate of each level over the
 //! guest instructions executed, with the kernel's share of them beneath), from the files
-//! the engine wrote ([`crate::COUNTERS_NAME`], [`crate::TIMELINE_NAME`]).
+//! the engine wrote ([`crate::COUNTERS_NAME`], [`crate::TIMELINE_NAME`]). As QEMU's
+//! `contrib/plugins/cache.c` does, the text ends with the instructions with the most L1D
+//! (data) and L1I (fetch) misses ([`crate::INSNS_NAME`]), each named `symbol+0xoff` by
+//! the caller's [`BlockNames`] (the VMM passes the kernel's System.map or ELF symbols,
+//! with the KASLR slide found from the addresses that ran).
 
 extern crate std;
 
@@ -11,9 +15,11 @@ use alloc::vec::Vec;
 use core::fmt::Write;
 use std::path::{Path, PathBuf};
 
+use kpin_tool_bbcount::report::BlockNames;
 use serde::Serialize;
 
 use crate::files::{parse_counters, parse_timeline, Counters, Timeline};
+use crate::insns::{self, InsnMisses, Insns, MissKind};
 use crate::sim::{Stats, KERNEL, USER};
 
 /// The text report's name.
@@ -62,6 +68,115 @@ pub struct CacheReport {
     pub core: bool,
 }
 
+/// One instruction of a top-N list.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TopInsn {
+    /// Guest virtual address of the instruction (`0x…`).
+    pub address: String,
+    /// Virtual CPL it ran at.
+    pub cpl: u8,
+    /// `symbol+0xoff`, if a symbol covers the address.
+    pub symbol: Option<String>,
+    /// Its misses of the list's kind (line accesses that missed the L1).
+    pub misses: u64,
+    /// `misses` over all the L1 misses of that kind (both CPLs; an L1 holding both
+    /// counts its data and fetch misses apart).
+    pub share: f64,
+}
+
+/// The instructions with the most misses, from [`crate::INSNS_NAME`].
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct TopInsns {
+    /// Instructions listed per kind at most (option `top`).
+    pub top: usize,
+    /// Where the names come from (`None`: no symbols).
+    pub symbols: Option<String>,
+    /// Instructions with misses the engine's table held.
+    pub instructions: usize,
+    /// By data (L1D) misses, most first.
+    pub data: Vec<TopInsn>,
+    /// By fetch (L1I) misses, most first.
+    pub fetch: Vec<TopInsn>,
+    /// Data misses of instructions the full table could not hold.
+    pub other_data_misses: u64,
+    /// Fetch misses of instructions the full table could not hold.
+    pub other_fetch_misses: u64,
+}
+
+impl TopInsns {
+    /// The top `top` of `insns` by each kind. Every counted L1 miss is in the file (an
+    /// instruction's row or `other`), so the shares are of the L1D and L1I misses.
+    pub fn new(insns: &Insns, top: usize, names: Option<&dyn BlockNames>) -> Self {
+        let (data_misses, fetch_misses) = insns.totals();
+        let list = |kind: MissKind, total: u64| -> Vec<TopInsn> {
+            insns::top(&insns.rows, kind, top)
+                .iter()
+                .map(|r: &InsnMisses| TopInsn {
+                    address: insns::hex(r.va),
+                    cpl: r.cpl,
+                    symbol: names.and_then(|n| n.name(r.va)),
+                    misses: r.of(kind),
+                    share: rate(r.of(kind), total),
+                })
+                .collect()
+        };
+        TopInsns {
+            top,
+            symbols: names.map(|n| n.source()),
+            instructions: insns.rows.len(),
+            data: list(MissKind::Data, data_misses),
+            fetch: list(MissKind::Fetch, fetch_misses),
+            other_data_misses: insns.other.data,
+            other_fetch_misses: insns.other.fetch,
+        }
+    }
+
+    /// The text: QEMU's `cache.c` layout (address, symbol, misses, share), per kind.
+    pub fn text(&self) -> String {
+        let mut t = String::new();
+        let _ = writeln!(
+            t,
+            "Instructions by misses (names from {}):",
+            self.symbols.as_deref().unwrap_or("nowhere (no symbols)")
+        );
+        for (what, list, other) in [
+            ("data (L1D)", &self.data, self.other_data_misses),
+            ("fetch (L1I)", &self.fetch, self.other_fetch_misses),
+        ] {
+            let _ = writeln!(t, "  Top {} by {what} misses:", self.top);
+            let _ = writeln!(
+                t,
+                "    {:>3}  {:<18} {:>3} {:>14} {:>8}  symbol",
+                "#", "address", "cpl", "misses", "share"
+            );
+            for (i, e) in list.iter().enumerate() {
+                let _ = writeln!(
+                    t,
+                    "    {:>3}  {:<18} {:>3} {:>14} {:>7.2}%  {}",
+                    i + 1,
+                    e.address,
+                    e.cpl,
+                    group(e.misses),
+                    e.share * 100.0,
+                    e.symbol.as_deref().unwrap_or("?")
+                );
+            }
+            if list.is_empty() {
+                let _ = writeln!(t, "    (no misses)");
+            }
+            if other > 0 {
+                let _ = writeln!(
+                    t,
+                    "    {} misses of instructions past the table's {} entries are not ranked",
+                    group(other),
+                    self.instructions
+                );
+            }
+        }
+        t
+    }
+}
+
 /// `cachesim.json`.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Report {
@@ -77,6 +192,9 @@ pub struct Report {
     pub unresolved_records: u64,
     /// L1I, L1D, [L2,] LL.
     pub caches: Vec<CacheReport>,
+    /// The instructions with the most L1 misses, if the engine wrote them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top_instructions: Option<TopInsns>,
 }
 
 fn rate(part: u64, whole: u64) -> f64 {
@@ -140,7 +258,21 @@ impl Report {
             skipped_references: c.skipped,
             unresolved_records: c.unresolved,
             caches,
+            top_instructions: None,
         }
+    }
+
+    /// The `top` option the run used (10 if the counters do not say).
+    pub fn top(&self) -> usize {
+        self.options
+            .get("top")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(10)
+    }
+
+    /// Adds the top-N lists from the parsed per-instruction file.
+    pub fn add_top(&mut self, insns: &Insns, names: Option<&dyn BlockNames>) {
+        self.top_instructions = Some(TopInsns::new(insns, self.top(), names));
     }
 
     /// `cachesim.txt`: drcachesim's layout, each number as total, kernel and user.
@@ -214,6 +346,9 @@ impl Report {
                     p(s.total_miss_rate.unwrap_or(0.0))
                 });
             }
+        }
+        if let Some(top) = &self.top_instructions {
+            t.push_str(&top.text());
         }
         t
     }
@@ -457,10 +592,36 @@ fn human(v: f64) -> String {
     format!("{}{suffix}", s.strip_suffix(".0").unwrap_or(&s))
 }
 
-/// Reads the engine's files in `out` and writes `cachesim.txt`, `cachesim.json` and
-/// `cachesim-timeline.svg` there. `Ok(None)` if the run left no cachesim files; an error
-/// names the file that is not what the engine writes (it came from inside the guest).
+/// Largest per-instruction file read (the engine's table writes well under 1 MiB).
+pub const MAX_INSNS_BYTES: u64 = 16 << 20;
+
+/// `<out>/cachesim-insns.csv` parsed; `Ok(None)` if the run wrote none. (Also what a
+/// [`BlockNames`] can calibrate on: the kernel addresses that ran, for a KASLR slide.)
+pub fn read_insns(out: &Path) -> Result<Option<Insns>, String> {
+    let path = out.join(crate::INSNS_NAME);
+    if std::fs::symlink_metadata(&path).is_err() {
+        return Ok(None);
+    }
+    let text = host_daemon::resolve::read_output_text(&path, MAX_INSNS_BYTES)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    insns::parse(&text)
+        .map(Some)
+        .map_err(|l| format!("{}: line {l} is not what the engine writes", path.display()))
+}
+
+/// [`write_reports_named`] without symbols.
 pub fn write_reports(out: &Path) -> Result<Option<(Report, Vec<PathBuf>)>, String> {
+    write_reports_named(out, None)
+}
+
+/// Reads the engine's files in `out` and writes `cachesim.txt`, `cachesim.json` and
+/// `cachesim-timeline.svg` there, instructions named by `names`. `Ok(None)` if the run
+/// left no cachesim files; an error names the file that is not what the engine writes
+/// (it came from inside the guest).
+pub fn write_reports_named(
+    out: &Path,
+    names: Option<&dyn BlockNames>,
+) -> Result<Option<(Report, Vec<PathBuf>)>, String> {
     let counters_path = out.join(crate::COUNTERS_NAME);
     if !counters_path.exists() {
         return Ok(None);
@@ -472,7 +633,10 @@ pub fn write_reports(out: &Path) -> Result<Option<(Report, Vec<PathBuf>)>, Strin
             counters_path.display()
         )
     })?;
-    let report = Report::new(&counters);
+    let mut report = Report::new(&counters);
+    if let Some(insns) = read_insns(out)? {
+        report.add_top(&insns, names);
+    }
     let mut written = Vec::new();
     let write = |name: &str, data: &str, written: &mut Vec<PathBuf>| {
         let p = out.join(name);

@@ -227,13 +227,15 @@ impl Hierarchy {
     }
 
     /// One reference of `size` bytes at physical address `addr` by `who`; every line it
-    /// touches is accessed in turn.
-    pub fn access(&mut self, addr: u64, size: u32, kind: Kind, who: usize) {
-        if self.warmup_left == 0 {
+    /// touches is accessed in turn. Returns the line accesses that missed the L1 the
+    /// reference started at and were counted (0 during the warmup and past `sim_refs`).
+    pub fn access(&mut self, addr: u64, size: u32, kind: Kind, who: usize) -> u64 {
+        let measuring = self.warmup_left == 0;
+        if measuring {
             match &mut self.sim_left {
                 Some(0) => {
                     self.skipped_refs += 1;
-                    return;
+                    return 0;
                 }
                 Some(n) => *n -= 1,
                 None => {}
@@ -249,11 +251,15 @@ impl Hierarchy {
             Kind::Fetch => self.fetch_leaf,
             Kind::Read | Kind::Write => self.data_leaf,
         };
+        let mut leaf_misses = 0;
         for line in first..=last {
             let mut at = Some(leaf);
             while let Some(i) = at {
                 if self.caches[i].access(line, who) {
                     break;
+                }
+                if i == leaf {
+                    leaf_misses += 1;
                 }
                 at = self.parents[i];
             }
@@ -263,6 +269,11 @@ impl Hierarchy {
             if self.warmup_left == 0 {
                 self.reset_stats();
             }
+        }
+        if measuring {
+            leaf_misses
+        } else {
+            0
         }
     }
 

@@ -7,7 +7,7 @@ use guest_engine::{Config, Engine, Gpr, GuestVirt, Mode, Stop, StopPlatform};
 use kpin_tool::host_run::{CodePage, Files, Region};
 use kpin_tool::KpinTool;
 use kpin_tool_cachesim::files::parse_counters;
-use kpin_tool_cachesim::{CacheSim, COUNTERS_NAME, TIMELINE_NAME};
+use kpin_tool_cachesim::{insns, CacheSim, COUNTERS_NAME, INSNS_NAME, TIMELINE_NAME};
 
 #[test]
 fn fetches_equal_engine_instructions_and_data_misses_are_the_loops() {
@@ -91,9 +91,20 @@ fn fetches_equal_engine_instructions_and_data_misses_are_the_loops() {
     let mut files = Files::default();
     tool.finish(&engine, &mut files).expect("finish");
     let names: Vec<&str> = files.0.iter().map(|f| f.0.as_str()).collect();
-    assert_eq!(names, [COUNTERS_NAME, TIMELINE_NAME]);
+    assert_eq!(names, [COUNTERS_NAME, TIMELINE_NAME, INSNS_NAME]);
     assert!(files.0.iter().all(|f| f.2), "every file closed");
     let c = parse_counters(std::str::from_utf8(&files.0[0].1).unwrap()).expect("parses");
     assert_eq!(c.fetch_refs, [per_mode, per_mode]);
     assert_eq!(c.caches[1].stats, l1d);
+    // Misses per instruction: every L1 miss on an instruction of the code, the one L1I
+    // miss on the first (CPL 0), the 14 L1D misses on kernel instructions only.
+    let per = insns::parse(std::str::from_utf8(&files.0[2].1).unwrap()).expect("parses");
+    assert_eq!(per.totals(), (14, 1));
+    assert_eq!(per.other, insns::InsnMisses::default());
+    let fetch = insns::top(&per.rows, insns::MissKind::Fetch, 10);
+    assert_eq!((fetch.len(), fetch[0].va, fetch[0].cpl), (1, base, 0));
+    assert!(per
+        .rows
+        .iter()
+        .all(|r| r.cpl == 0 && r.va >= base && r.va < base + 25));
 }
