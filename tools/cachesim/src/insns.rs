@@ -20,7 +20,7 @@ use alloc::vec::Vec;
 use core::fmt;
 
 /// Instructions the table holds by default (a power of two).
-pub const DEFAULT_CAPACITY: usize = 4096;
+pub const DEFAULT_CAPACITY: usize = 32768;
 
 /// One instruction's misses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
