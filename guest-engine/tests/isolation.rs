@@ -8,8 +8,6 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use common::{HostMemory, HostPlatform, Region, Rig};
 use guest_engine::instrument::access;
 use guest_engine::isolation::{classify_fault, IsolationFault};
@@ -18,62 +16,8 @@ use guest_engine::{Config, Gpr, GuestPhys, GuestVirt, Mode, NullTool, Stop};
 const WINDOW_VA: u64 = 0xffff_8080_0000_0000;
 const PHYSMAP_VA: u64 = 0xffff_8100_0000_0000;
 
-static REDIRECT: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
 /// One rig at a time owns the SIGILL redirect.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-extern "C" fn on_sigill(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut libc::c_void) {
-    let uc = uc.cast::<libc::ucontext_t>();
-    // SAFETY: the kernel passes a valid ucontext to an SA_SIGINFO handler; the stores go
-    // to the engine's context block, whose addresses `install` took from the engine.
-    unsafe {
-        let rip = (*uc).uc_mcontext.gregs[libc::REG_RIP as usize] as u64;
-        let (lo, hi) = (
-            REDIRECT[4].load(Ordering::SeqCst),
-            REDIRECT[5].load(Ordering::SeqCst),
-        );
-        if rip < lo || rip >= hi {
-            libc::signal(libc::SIGILL, libc::SIG_DFL);
-            return;
-        }
-        *(REDIRECT[0].load(Ordering::SeqCst) as *mut u64) = rip;
-        *(REDIRECT[1].load(Ordering::SeqCst) as *mut u64) = REDIRECT[2].load(Ordering::SeqCst);
-        (*uc).uc_mcontext.gregs[libc::REG_RIP as usize] = REDIRECT[3].load(Ordering::SeqCst) as i64;
-    }
-}
-
-fn install(rig: &Rig) {
-    let r = rig.engine.fault_redirect();
-    for (i, v) in [
-        r.fault_pc,
-        r.exit_word_at,
-        r.exit_word,
-        r.exit_routine,
-        r.region.0,
-        r.region.1,
-    ]
-    .iter()
-    .enumerate()
-    {
-        REDIRECT[i].store(*v, Ordering::SeqCst);
-    }
-    // The guest's RSP may be anything (a stack in slot 259): the handler runs on its own.
-    let alt = Box::leak(vec![0u8; 64 * 1024].into_boxed_slice());
-    // SAFETY: installing a signal handler and an alternate stack (leaked, so it lives as
-    // long as the thread) for this thread and process.
-    unsafe {
-        let ss = libc::stack_t {
-            ss_sp: alt.as_mut_ptr().cast(),
-            ss_flags: 0,
-            ss_size: alt.len(),
-        };
-        libc::sigaltstack(&ss, std::ptr::null_mut());
-        let mut sa: libc::sigaction = std::mem::zeroed();
-        sa.sa_sigaction = on_sigill as *const () as usize;
-        sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
-        libc::sigaction(libc::SIGILL, &sa, std::ptr::null_mut());
-    }
-}
 
 struct Case {
     rig: Rig,
@@ -86,7 +30,7 @@ impl Case {
             mode,
             ..Config::default()
         });
-        install(&rig);
+        common::fault_redirect::install(&rig, libc::SIGILL);
         Case {
             rig,
             block: Region::map(2 * 4096, 0),

@@ -6,62 +6,8 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use common::{HostMemory, HostPlatform, Region, Rig};
 use guest_engine::{Config, Gpr, GuestVirt, Mode, NullTool, Stop};
-
-static REDIRECT: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
-
-extern "C" fn on_segv(_sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut libc::c_void) {
-    let uc = uc.cast::<libc::ucontext_t>();
-    // SAFETY: the kernel passes a valid ucontext to an SA_SIGINFO handler.
-    unsafe {
-        let rip = (*uc).uc_mcontext.gregs[libc::REG_RIP as usize] as u64;
-        let (lo, hi) = (
-            REDIRECT[4].load(Ordering::SeqCst),
-            REDIRECT[5].load(Ordering::SeqCst),
-        );
-        if rip < lo || rip >= hi {
-            libc::signal(libc::SIGSEGV, libc::SIG_DFL);
-            return;
-        }
-        *(REDIRECT[0].load(Ordering::SeqCst) as *mut u64) = rip;
-        *(REDIRECT[1].load(Ordering::SeqCst) as *mut u64) = REDIRECT[2].load(Ordering::SeqCst);
-        (*uc).uc_mcontext.gregs[libc::REG_RIP as usize] = REDIRECT[3].load(Ordering::SeqCst) as i64;
-    }
-}
-
-fn install(rig: &Rig) {
-    let r = rig.engine.fault_redirect();
-    for (i, v) in [
-        r.fault_pc,
-        r.exit_word_at,
-        r.exit_word,
-        r.exit_routine,
-        r.region.0,
-        r.region.1,
-    ]
-    .iter()
-    .enumerate()
-    {
-        REDIRECT[i].store(*v, Ordering::SeqCst);
-    }
-    let alt = Box::leak(vec![0u8; 64 * 1024].into_boxed_slice());
-    // SAFETY: installing a signal handler and an alternate stack for this process.
-    unsafe {
-        let ss = libc::stack_t {
-            ss_sp: alt.as_mut_ptr().cast(),
-            ss_flags: 0,
-            ss_size: alt.len(),
-        };
-        libc::sigaltstack(&ss, std::ptr::null_mut());
-        let mut sa: libc::sigaction = std::mem::zeroed();
-        sa.sa_sigaction = on_segv as *const () as usize;
-        sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
-        libc::sigaction(libc::SIGSEGV, &sa, std::ptr::null_mut());
-    }
-}
 
 #[test]
 fn test_faults_in_cache_map_back_to_the_guest_instruction() {
@@ -69,7 +15,7 @@ fn test_faults_in_cache_map_back_to_the_guest_instruction() {
         count_insns: true,
         ..Config::default()
     });
-    install(&rig);
+    common::fault_redirect::install(&rig, libc::SIGSEGV);
     let block = Region::map(3 * 4096, 0);
     let base = block.addr();
     let bad = base + 2 * 4096;

@@ -12,6 +12,7 @@ use guest_engine::{
 
 pub mod corpus;
 pub mod diff;
+pub mod fault_redirect;
 pub mod gen;
 pub mod ptrace;
 pub mod tools;
