@@ -70,6 +70,12 @@ pub enum VmmError {
     /// The host daemon failed while serving the ring.
     #[error("host daemon failed")]
     Daemon(#[source] host_daemon::DaemonError),
+    /// The host CPU lacks an instruction the engine's translated code uses.
+    #[error(
+        "the guest engine needs {0}, which this host CPU does not have (its isolation checks \
+         use BMI2's rorx/sarx: Intel Haswell or later, AMD Zen or later); run without --tool"
+    )]
+    HostCpuLacks(&'static str),
     /// The engine image is not loadable.
     #[error("cannot load the engine image {}", .0.display())]
     EngineImage(PathBuf, #[source] crate::engine::loader::EngineLoadError),

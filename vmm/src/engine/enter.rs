@@ -125,6 +125,10 @@ pub fn enter(
     cpuid: &CpuId,
     cfg: &EngineConfig,
 ) -> Result<EngineEntry> {
+    // Translated code runs on this CPU: the isolation checks emit rorx/sarx.
+    if !std::arch::is_x86_feature_detected!("bmi2") {
+        return Err(VmmError::HostCpuLacks("BMI2"));
+    }
     let elf = std::fs::read(&cfg.image).map_err(|e| VmmError::ReadFile(cfg.image.clone(), e))?;
     let plan = loader::plan(&elf, STOLEN_SIZE_BYTES)
         .map_err(|e| VmmError::EngineImage(cfg.image.clone(), e))?;
