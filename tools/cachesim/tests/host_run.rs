@@ -3,69 +3,19 @@
 //! simulator must see one fetch per instruction the engine counted, per CPL, and the data
 //! references and misses the loop must cause.
 
-use guest_engine::{Config, Engine, Gpr, GuestVirt, Mode, Stop, StopPlatform};
-use kpin_tool::host_run::{CodePage, Files, Region};
+use guest_engine::Mode;
+use kpin_tool::host_run::{run_store_reload_loop, Files, STORE_RELOAD_ITERATIONS};
 use kpin_tool::KpinTool;
 use kpin_tool_cachesim::files::parse_counters;
 use kpin_tool_cachesim::{insns, CacheSim, COUNTERS_NAME, INSNS_NAME, TIMELINE_NAME};
 
 #[test]
 fn fetches_equal_engine_instructions_and_data_misses_are_the_loops() {
-    const ITERATIONS: u64 = 100;
-    const EXIT: u64 = 0x1000; // not in guest memory: the fetch there ends the run
-    let code = Region::map(8192);
-    let mut bytes = vec![
-        0xb9,
-        ITERATIONS as u8,
-        0,
-        0,
-        0, // mov ecx, 100
-        0x48,
-        0x89,
-        0x0c,
-        0xcf, // l: mov [rdi + rcx*8], rcx
-        0x48,
-        0x03,
-        0x04,
-        0xcf, // add rax, [rdi + rcx*8]
-        0xff,
-        0xc9, // dec ecx
-        0x75,
-        0xf4, // jnz l
-        0xff,
-        0x25,
-        0,
-        0,
-        0,
-        0, // jmp [rip + 0]
-    ];
-    bytes.extend_from_slice(&EXIT.to_le_bytes());
-    // SAFETY: the mapping is 8192 bytes, writable, and nothing runs in it yet.
-    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), code.0, bytes.len()) };
-
-    let cache = Region::map(32 << 20);
-    let config = Config {
-        save_extended_state: true,
-        count_insns: true,
-        ..Config::default()
-    };
-    // SAFETY: `cache` is an RWX, page-aligned mapping owned by this test for the engine's
-    // lifetime, smaller than 2 GiB.
-    let mut engine = unsafe { Engine::new(cache.0, cache.1, config) }.expect("engine");
-    let base = code.0 as u64;
+    const ITERATIONS: u64 = STORE_RELOAD_ITERATIONS;
     let mut tool = CacheSim::new("").expect("default options");
-    for mode in [Mode::KERNEL, Mode::USER] {
-        engine.set_mode(mode).expect("mode");
-        engine.set_rip(GuestVirt(base));
-        engine.regs_mut().set(Gpr::Rax, 0);
-        engine.regs_mut().set(Gpr::Rdi, base + 4096);
-        let stop = engine.run(&mut CodePage(base, 8192), &mut StopPlatform, &mut tool);
-        assert_eq!(stop, Stop::FetchFault(GuestVirt(EXIT)));
-        assert_eq!(
-            engine.regs().get(Gpr::Rax),
-            ITERATIONS * (ITERATIONS + 1) / 2
-        );
-    }
+    // Kept whole: the engine runs in the mappings the run owns.
+    let run = run_store_reload_loop(&mut tool);
+    let (engine, base) = (&run.engine, run.base);
     let h = tool.hierarchy();
     let per_mode = 1 + 4 * ITERATIONS + 1;
     assert_eq!(engine.executed_insns(Mode::KERNEL), per_mode);
@@ -89,7 +39,7 @@ fn fetches_equal_engine_instructions_and_data_misses_are_the_loops() {
     let l1d = h.l1d().stats;
 
     let mut files = Files::default();
-    tool.finish(&engine, &mut files).expect("finish");
+    tool.finish(engine, &mut files).expect("finish");
     let names: Vec<&str> = files.0.iter().map(|f| f.0.as_str()).collect();
     assert_eq!(names, [COUNTERS_NAME, TIMELINE_NAME, INSNS_NAME]);
     assert!(files.0.iter().all(|f| f.2), "every file closed");

@@ -1,14 +1,18 @@
 //! Running a tool on the host, without a VM (feature `host-run`, for tools' tests): an
 //! executable mapping for hand-assembled guest code, guest memory that is that code page
-//! identity-mapped, and a [`Sink`] that keeps the files a tool writes in memory. The
-//! translator runs the code in the test process itself, as its own host harness does.
+//! identity-mapped, a [`Sink`] that keeps the files a tool writes in memory, and the
+//! tools' common test program ([`run_store_reload_loop`]). The translator runs the code
+//! in the test process itself, as its own host harness does.
 
 extern crate std;
 
 use std::string::{String, ToString};
 use std::vec::Vec;
 
-use guest_engine::{GuestMemory, GuestPhys, GuestVirt, Mode};
+use guest_engine::instrument::Tool;
+use guest_engine::{
+    Config, Engine, Gpr, GuestMemory, GuestPhys, GuestVirt, Mode, Stop, StopPlatform,
+};
 
 use crate::host::{Error, Sink};
 
@@ -74,5 +78,67 @@ impl Sink for Files {
     fn close(&mut self, file: u16) -> Result<(), Error> {
         self.0[usize::from(file) - 1].2 = true;
         Ok(())
+    }
+}
+
+/// Quadwords the store/reload loop writes and reads back.
+pub const STORE_RELOAD_ITERATIONS: u64 = 100;
+/// Where the loop jumps when done: not in guest memory, so the fetch there ends the run.
+pub const STORE_RELOAD_EXIT: u64 = 0x1000;
+
+/// An engine after [`run_store_reload_loop`]; the mappings it ran in live as long as the
+/// value. Keep it whole: destructuring it with `..` drops (unmaps) them at once.
+pub struct StoreReloadRun {
+    /// The engine (counting instructions per mode), for the tool's `finish`.
+    pub engine: Engine,
+    /// The guest address of the loop's first instruction (its data page follows).
+    pub base: u64,
+    _cache: Region,
+    _code: Region,
+}
+
+/// Runs `mov ecx, 100; l: mov [rdi+rcx*8], rcx; add rax, [rdi+rcx*8]; dec ecx; jnz l;
+/// jmp [STORE_RELOAD_EXIT]` (RDI = the page after the code) under `tool`, first as
+/// kernel code, then as user code, and checks that each run reached the exit with RAX
+/// the sum of 1..=100.
+pub fn run_store_reload_loop(tool: &mut dyn Tool) -> StoreReloadRun {
+    let code = Region::map(8192);
+    #[rustfmt::skip]
+    let mut bytes = std::vec![
+        0xb9, STORE_RELOAD_ITERATIONS as u8, 0, 0, 0, // mov ecx, 100
+        0x48, 0x89, 0x0c, 0xcf, // l: mov [rdi + rcx*8], rcx
+        0x48, 0x03, 0x04, 0xcf, // add rax, [rdi + rcx*8]
+        0xff, 0xc9, // dec ecx
+        0x75, 0xf4, // jnz l
+        0xff, 0x25, 0, 0, 0, 0, // jmp [rip + 0]
+    ];
+    bytes.extend_from_slice(&STORE_RELOAD_EXIT.to_le_bytes());
+    // SAFETY: the mapping is 8192 bytes, writable, and nothing runs in it yet.
+    unsafe { core::ptr::copy_nonoverlapping(bytes.as_ptr(), code.0, bytes.len()) };
+    let cache = Region::map(32 << 20);
+    let config = Config {
+        save_extended_state: true,
+        count_insns: true,
+        ..Config::default()
+    };
+    // SAFETY: `cache` is an RWX, page-aligned mapping smaller than 2 GiB that the returned
+    // run owns, and it drops the engine first.
+    let mut engine = unsafe { Engine::new(cache.0, cache.1, config) }.expect("engine");
+    let base = code.0 as u64;
+    for mode in [Mode::KERNEL, Mode::USER] {
+        engine.set_mode(mode).expect("mode");
+        engine.set_rip(GuestVirt(base));
+        engine.regs_mut().set(Gpr::Rax, 0);
+        engine.regs_mut().set(Gpr::Rdi, base + 4096);
+        let stop = engine.run(&mut CodePage(base, 8192), &mut StopPlatform, tool);
+        assert_eq!(stop, Stop::FetchFault(GuestVirt(STORE_RELOAD_EXIT)));
+        let n = STORE_RELOAD_ITERATIONS;
+        assert_eq!(engine.regs().get(Gpr::Rax), n * (n + 1) / 2);
+    }
+    StoreReloadRun {
+        engine,
+        base,
+        _cache: cache,
+        _code: code,
     }
 }
