@@ -209,23 +209,61 @@ pub const FORBIDDEN_CONSOLE: &[&str] = &[
 
 /// Hardware-vulnerability advisories a kernel prints from the CPU model alone, each with
 /// why: a native KVM guest given the same CPUID table prints them too, so they say nothing
-/// about the engine (issue #10 allows exactly these).
-pub const HARDWARE_ADVISORIES: &[(&str, &str)] = &[(
-    "RETBleed: WARNING: Spectre v2 mitigation leaves CPU vulnerable to RETBleed attacks, data leaks possible!",
-    "on an Intel host affected by RETBleed the default mitigations pick retpolines without \
-     IBRS from the CPUID and ARCH_CAPABILITIES bits alone (seen on this project's Intel \
-     machine with the default mitigations)",
-)];
+/// about the engine (issue #10 allows exactly these). An advisory with a host condition is
+/// allowed only on a host whose own kernel reports the same state in
+/// `/sys/devices/system/cpu/vulnerabilities/` (the guest's CPUID comes from the host's KVM,
+/// so the guest inherits what the host lacks).
+pub const HARDWARE_ADVISORIES: &[Advisory] = &[
+    Advisory {
+        line: "RETBleed: WARNING: Spectre v2 mitigation leaves CPU vulnerable to RETBleed attacks, data leaks possible!",
+        why: "on an Intel host affected by RETBleed the default mitigations pick retpolines \
+              without IBRS from the CPUID and ARCH_CAPABILITIES bits alone (seen on this \
+              project's Intel machine with the default mitigations)",
+        host: None,
+    },
+    Advisory {
+        line: "Speculative Return Stack Overflow: WARNING: See https://kernel.org/doc/html/latest/admin-guide/hw-vuln/srso.html",
+        why: "on an AMD host (seen on a Zen 5, family 0x1a, under nested KVM) whose CPUID \
+              lacks IBPB_BRTYPE (0x80000021 EAX bit 28) the kernel finds SRSO with no \
+              microcode fix (`IBPB-extending microcode not applied!`) and prints this notice; \
+              the host's own kernel says `Vulnerable: Safe RET, no microcode`",
+        host: Some(("spec_rstack_overflow", "no microcode")),
+    },
+];
+
+/// A console line [`noticed_the_engine`] lets through, and why.
+#[derive(Debug)]
+pub struct Advisory {
+    /// Text the console line contains.
+    pub line: &'static str,
+    /// Why the CPU model alone makes a kernel print it.
+    pub why: &'static str,
+    /// `(file, text)`: allowed only when the host's
+    /// `/sys/devices/system/cpu/vulnerabilities/<file>` contains `text`.
+    pub host: Option<(&'static str, &'static str)>,
+}
+
+impl Advisory {
+    /// Whether this host can explain the advisory (always, for one without a condition).
+    pub fn applies_here(&self) -> bool {
+        self.host.is_none_or(|(file, text)| {
+            std::fs::read_to_string(format!("/sys/devices/system/cpu/vulnerabilities/{file}"))
+                .is_ok_and(|state| state.contains(text))
+        })
+    }
+}
 
 /// The first console line with text from [`FORBIDDEN_CONSOLE`] (a `clocksource` line only
-/// when it calls one unstable) that is not one of the [`HARDWARE_ADVISORIES`], or `None`
-/// for a clean console.
+/// when it calls one unstable) that is not one of the [`HARDWARE_ADVISORIES`] this host
+/// explains, or `None` for a clean console.
 pub fn noticed_the_engine(console: &str) -> Option<&str> {
     console.lines().find(|l| {
         FORBIDDEN_CONSOLE
             .iter()
             .any(|bad| l.contains(bad) && (*bad != "clocksource" || l.contains("unstable")))
-            && !HARDWARE_ADVISORIES.iter().any(|(a, _)| l.contains(a))
+            && !HARDWARE_ADVISORIES
+                .iter()
+                .any(|a| l.contains(a.line) && a.applies_here())
     })
 }
 
@@ -420,10 +458,25 @@ mod tests {
         let unstable =
             "[ 3.0] clocksource: timekeeping watchdog: Marking clocksource 'tsc' as unstable\n";
         assert!(noticed_the_engine(unstable).is_some());
-        let advisory = format!("[ 1.5] {}\n", HARDWARE_ADVISORIES[0].0);
+        let advisory = format!("[ 1.5] {}\n", HARDWARE_ADVISORIES[0].line);
         assert_eq!(noticed_the_engine(&advisory), None);
         let other_warning = "[ 1.6] WARNING: CPU: 0 PID: 1 at kernel/foo.c:12\n";
         assert!(noticed_the_engine(other_warning).is_some());
+    }
+
+    #[test]
+    fn test_advisory_with_a_host_condition_needs_the_host_to_report_it() {
+        let unexplained = Advisory {
+            line: "x",
+            why: "test",
+            host: Some(("no-such-vulnerability-file", "anything")),
+        };
+        assert!(!unexplained.applies_here());
+        let unconditional = Advisory {
+            host: None,
+            ..unexplained
+        };
+        assert!(unconditional.applies_here());
     }
 
     #[test]
