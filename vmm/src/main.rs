@@ -165,7 +165,7 @@ struct RunArgs {
     /// cachesim-timeline.svg; options L1I_size, L1I_assoc, L1D_size, L1D_assoc, L2_size,
     /// L2_assoc, LL_size, LL_assoc, line_size, replace_policy=LRU|FIFO|RANDOM,
     /// warmup_refs, sim_refs through --tool-option, or config_file=PATH in drcachesim's
-    /// configuration-file format for deeper hierarchies); insmix (dynamic counts per mnemonic,
+    /// configuration-file format for deeper hierarchies); insmix (dynamic and static counts per mnemonic,
     /// kernel/user: insmix.txt, insmix.json); memtrace (every data access with instruction
     /// VA, data VA and PA, size, load/store and CPL in <out>/memtrace.bin, counts in
     /// memtrace-summary.txt; options cpl=0|3|all, limit=N records; `kpin trace` prints it

@@ -1,8 +1,10 @@
-//! `--tool insmix`: dynamic instruction counts per mnemonic, split kernel (CPL 0) and user
-//! (CPL 3), like DynamoRIO's `opcode_mix`. One inline counter per basic block (as
-//! bbcount), each block remembering its instructions' mnemonics; at the end of the run
-//! the counts are multiplied out into `insmix.txt` (a table, most frequent first) and
-//! `insmix.json`. Sensitive instructions the engine emulates end their trace outside any
+//! `--tool insmix`: dynamic and static instruction counts per mnemonic, split kernel
+//! (CPL 0) and user (CPL 3), like DynamoRIO's `opcode_mix`. One inline counter per basic
+//! block (as bbcount), each block remembering its instructions' mnemonics; at the end of
+//! the run the counts are multiplied out into `insmix.txt` (a table, most frequent first)
+//! and `insmix.json`. The static count of a mnemonic is how many instructions of the
+//! distinct blocks instrumented (by address, CPL and length: a block translated again
+//! after a cache flush is the same block) have it, whether they ran or not. Sensitive instructions the engine emulates end their trace outside any
 //! block and are reported as one line of their own (`counters.json` has them by CPL); a
 //! block left early by a fault counts whole, as in bbcount.
 #![no_std]
@@ -77,65 +79,99 @@ impl Tool for InsMix {
     }
 }
 
+/// One mnemonic's counts, each `[kernel, user]`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Row {
+    /// The decoder's mnemonic number (see [`mnemonic_name`]).
+    pub mnemonic: u16,
+    /// Executions.
+    pub dynamic: [u64; 2],
+    /// Instructions with this mnemonic in the distinct blocks instrumented.
+    pub static_: [u64; 2],
+}
+
 impl InsMix {
-    /// `(mnemonic number, [kernel, user])`, most executed first (ties by number).
-    pub fn mix(&self, engine: &Engine) -> Vec<(u16, [u64; 2])> {
-        let mut m: BTreeMap<u16, [u64; 2]> = BTreeMap::new();
+    /// One row per mnemonic seen, most executed first (then most seen, then by number).
+    pub fn mix(&self, engine: &Engine) -> Vec<Row> {
+        let mut m: BTreeMap<u16, Row> = BTreeMap::new();
         for b in &self.blocks {
             let n = engine.counter(b.counter);
-            if n == 0 {
-                continue;
-            }
+            let who = usize::from(b.user);
             for &op in &b.opcodes {
-                m.entry(op).or_default()[usize::from(b.user)] += n;
+                let row = m.entry(op).or_insert(Row {
+                    mnemonic: op,
+                    ..Row::default()
+                });
+                row.dynamic[who] += n;
+                row.static_[who] += 1;
             }
         }
-        let mut v: Vec<(u16, [u64; 2])> = m.into_iter().collect();
-        v.sort_by_key(|&(op, c)| (core::cmp::Reverse(c[0] + c[1]), op));
+        let mut v: Vec<Row> = m.into_values().collect();
+        v.sort_by_key(|r| {
+            (
+                core::cmp::Reverse(r.dynamic[0] + r.dynamic[1]),
+                core::cmp::Reverse(r.static_[0] + r.static_[1]),
+                r.mnemonic,
+            )
+        });
         v
     }
 }
 
 /// Writes the table for `mix` (see [`InsMix::mix`]) with `emulated` instructions.
-pub fn write_table(
-    out: &mut dyn fmt::Write,
-    mix: &[(u16, [u64; 2])],
-    emulated: u64,
-) -> fmt::Result {
-    let (k, u) = mix
-        .iter()
-        .fold((0, 0), |(k, u), (_, c)| (k + c[0], u + c[1]));
+pub fn write_table(out: &mut dyn fmt::Write, mix: &[Row], emulated: u64) -> fmt::Result {
+    let sum = |f: fn(&Row) -> [u64; 2]| {
+        mix.iter()
+            .fold([0, 0], |a, r| [a[0] + f(r)[0], a[1] + f(r)[1]])
+    };
+    let [k, u] = sum(|r| r.dynamic);
+    let [sk, su] = sum(|r| r.static_);
     writeln!(
         out,
-        "Opcode mix (kpin insmix): {} instructions executed in counted blocks (kernel {k}, user {u}); {} distinct mnemonics",
+        "Opcode mix (kpin insmix): {} instructions executed in counted blocks (kernel {k}, user {u}); {} static instructions in the distinct blocks instrumented (kernel {sk}, user {su}); {} distinct mnemonics",
         k + u,
+        sk + su,
         mix.len()
     )?;
     writeln!(
         out,
-        "{:>16} {:>16} {:>16}  mnemonic",
-        "total", "kernel", "user"
+        "{:>16} {:>16} {:>16} {:>10} {:>10} {:>10}  mnemonic",
+        "total", "kernel", "user", "static", "s.kernel", "s.user"
     )?;
-    for (op, c) in mix {
-        write!(out, "{:>16} {:>16} {:>16}  ", c[0] + c[1], c[0], c[1])?;
-        mnemonic_name(*op, out)?;
+    for r in mix {
+        let (d, s) = (r.dynamic, r.static_);
+        write!(
+            out,
+            "{:>16} {:>16} {:>16} {:>10} {:>10} {:>10}  ",
+            d[0] + d[1],
+            d[0],
+            d[1],
+            s[0] + s[1],
+            s[0],
+            s[1]
+        )?;
+        mnemonic_name(r.mnemonic, out)?;
         out.write_str("\n")?;
     }
     writeln!(
         out,
-        "{emulated:>16} {:>16} {:>16}  (sensitive instructions the engine emulated)",
-        "-", "-"
+        "{emulated:>16} {:>16} {:>16} {:>10} {:>10} {:>10}  (sensitive instructions the engine emulated)",
+        "-", "-", "-", "-", "-"
     )
 }
 
 /// Writes the JSON for `mix`.
-pub fn write_json(out: &mut dyn fmt::Write, mix: &[(u16, [u64; 2])], emulated: u64) -> fmt::Result {
+pub fn write_json(out: &mut dyn fmt::Write, mix: &[Row], emulated: u64) -> fmt::Result {
     out.write_str("{\n  \"mnemonics\": [")?;
-    for (i, (op, c)) in mix.iter().enumerate() {
+    for (i, r) in mix.iter().enumerate() {
         out.write_str(if i == 0 { "\n    " } else { ",\n    " })?;
         out.write_str("{\"mnemonic\": \"")?;
-        mnemonic_name(*op, out)?;
-        write!(out, "\", \"kernel\": {}, \"user\": {}}}", c[0], c[1])?;
+        mnemonic_name(r.mnemonic, out)?;
+        write!(
+            out,
+            "\", \"kernel\": {}, \"user\": {}, \"static_kernel\": {}, \"static_user\": {}}}",
+            r.dynamic[0], r.dynamic[1], r.static_[0], r.static_[1]
+        )?;
     }
     writeln!(out, "\n  ],\n  \"emulated\": {emulated}\n}}")
 }
@@ -160,10 +196,10 @@ impl KpinTool for InsMix {
     fn summary(&self, engine: &Engine, out: &mut dyn fmt::Write) -> fmt::Result {
         let mix = self.mix(engine);
         write!(out, "insmix: {} distinct mnemonics; top:", mix.len())?;
-        for (op, c) in mix.iter().take(5) {
+        for r in mix.iter().take(5) {
             out.write_str(" ")?;
-            mnemonic_name(*op, out)?;
-            write!(out, " {}", c[0] + c[1])?;
+            mnemonic_name(r.mnemonic, out)?;
+            write!(out, " {}", r.dynamic[0] + r.dynamic[1])?;
         }
         if self.uncounted > 0 {
             write!(
@@ -182,28 +218,42 @@ mod tests {
     use super::*;
     use alloc::string::String;
 
-    fn op(m: iced_x86::Mnemonic) -> u16 {
-        m as u16
+    fn row(m: iced_x86::Mnemonic, dynamic: [u64; 2], static_: [u64; 2]) -> Row {
+        Row {
+            mnemonic: m as u16,
+            dynamic,
+            static_,
+        }
     }
 
     #[test]
     fn table_and_json_name_mnemonics_and_split_cpls() {
         use iced_x86::Mnemonic::{Add, Mov, Ret};
-        let mix = [(op(Mov), [10, 5]), (op(Add), [3, 0]), (op(Ret), [0, 1])];
+        let mix = [
+            row(Mov, [10, 5], [4, 2]),
+            row(Add, [3, 0], [1, 0]),
+            row(Ret, [0, 1], [0, 1]),
+        ];
         let mut t = String::new();
         write_table(&mut t, &mix, 7).unwrap();
         assert!(
             t.contains("19 instructions") && t.contains("kernel 13, user 6"),
             "{t}"
         );
+        assert!(
+            t.contains("8 static instructions") && t.contains("(kernel 5, user 3)"),
+            "{t}"
+        );
         let mov = t.lines().find(|l| l.ends_with("  mov")).expect(&t);
         let nums: std::vec::Vec<&str> = mov.split_whitespace().collect();
-        assert_eq!(nums, ["15", "10", "5", "mov"]);
+        assert_eq!(nums, ["15", "10", "5", "6", "4", "2", "mov"]);
         assert!(t.contains("  ret\n") && t.lines().last().unwrap().trim_start().starts_with('7'));
         let mut j = String::new();
         write_json(&mut j, &mix, 7).unwrap();
         assert!(
-            j.contains("{\"mnemonic\": \"add\", \"kernel\": 3, \"user\": 0}"),
+            j.contains(
+                "{\"mnemonic\": \"add\", \"kernel\": 3, \"user\": 0, \"static_kernel\": 1, \"static_user\": 0}"
+            ),
             "{j}"
         );
         assert!(j.contains("\"emulated\": 7"), "{j}");
