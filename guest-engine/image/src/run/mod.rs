@@ -30,6 +30,7 @@ pub mod zone_access;
 use alloc::string::String;
 use core::cell::RefCell;
 use core::fmt::Write;
+use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use guest_engine::profile as prof;
 use guest_engine::shadow_mmu::{GuestFault, View};
@@ -37,17 +38,53 @@ use guest_engine::{exit_code, Config, Engine, GuestVirt, Platform, Stop};
 use kpin_abi::attach::AttachBlock;
 use kpin_abi::stolen::{CODE_CACHE_BYTES, CODE_CACHE_OFFSET, HEAP_BYTES, LAYOUT_BYTES, WINDOW_VA};
 
-/// Heap bytes in use past which the translator flushes the code cache before its next
-/// translation (the rest is room for the tables' doubling and the shadow MMU's reverse
-/// map).
+/// Heap bytes the translator's tables may grow to past the heap's use when the engine
+/// starts (the rest is room for the tables' doubling and the shadow MMU's reverse map).
 const HEAP_FLUSH_BYTES: u64 = HEAP_BYTES * 3 / 8;
+
+/// Heap bytes in use past which the translator's tables are flushed however little they
+/// have grown since the last flush: room for a table's doubling (a tool whose own data
+/// outgrows the rest ends the run with an allocation failure, not a flush per translation).
+const HEAP_CAP_BYTES: u64 = HEAP_BYTES * 3 / 4;
+/// Growth since the last flush below which no flush is asked for.
+const HEAP_MIN_GROWTH_BYTES: u64 = HEAP_BYTES / 32;
+
+/// Heap bytes in use after the last flush (at the first call: the engine's start), and
+/// whether the previous call asked for a flush, so that the next call finds the floor.
+static HEAP_FLOOR: AtomicU64 = AtomicU64::new(u64::MAX);
+static HEAP_FLUSH_ASKED: AtomicBool = AtomicBool::new(false);
+/// Growth allowed past the floor: what the first floor left of [`HEAP_FLUSH_BYTES`].
+static HEAP_BUDGET: AtomicU64 = AtomicU64::new(0);
 
 /// `Config::memory_pressure`: the translator's tables live on the heap and keep
 /// invalidated fragments until a flush (Linux patches its text thousands of times at
-/// boot: alternatives, ftrace, static keys), so past a heap budget the cache is flushed
-/// whole, as when it fills.
+/// boot: alternatives, ftrace, static keys), so when they have grown by a budget since
+/// the last flush the cache is flushed whole, as when it fills. The budget counts from
+/// the heap's use after the last flush, not from zero: a tool's own data (insmix's
+/// blocks, cachesim's line sets) is not freed by a flush, and a fixed threshold made a
+/// tool that crossed it flush before every translation (691 flushes and half the cycles
+/// of an insmix Linux boot).
 fn heap_pressure() -> bool {
-    heap::usage().0 > HEAP_FLUSH_BYTES
+    let used = heap::usage().0;
+    if HEAP_FLOOR.load(Ordering::Relaxed) == u64::MAX {
+        HEAP_FLOOR.store(used, Ordering::Relaxed);
+        HEAP_BUDGET.store(HEAP_FLUSH_BYTES.saturating_sub(used), Ordering::Relaxed);
+    }
+    if HEAP_FLUSH_ASKED.swap(false, Ordering::Relaxed) {
+        HEAP_FLOOR.store(used, Ordering::Relaxed);
+    } else {
+        // Memory freed since (a tool switched for a smaller one) lowers the floor.
+        HEAP_FLOOR.fetch_min(used, Ordering::Relaxed);
+    }
+    let floor = HEAP_FLOOR.load(Ordering::Relaxed);
+    let limit = floor
+        .saturating_add(HEAP_BUDGET.load(Ordering::Relaxed))
+        .min(HEAP_CAP_BYTES);
+    // Near the cap a flush still needs some growth to free, or it would come before
+    // every translation.
+    let flush = used > limit && used - floor > HEAP_MIN_GROWTH_BYTES;
+    HEAP_FLUSH_ASKED.store(flush, Ordering::Relaxed);
+    flush
 }
 
 use crate::events::{irq, timer};
