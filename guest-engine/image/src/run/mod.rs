@@ -38,13 +38,14 @@ use guest_engine::{exit_code, Config, Engine, GuestVirt, Platform, Stop};
 use kpin_abi::attach::AttachBlock;
 use kpin_abi::stolen::{CODE_CACHE_BYTES, CODE_CACHE_OFFSET, HEAP_BYTES, LAYOUT_BYTES, WINDOW_VA};
 
-/// Heap bytes the translator's tables may grow to past the heap's use when the engine
-/// starts (the rest is room for the tables' doubling and the shadow MMU's reverse map).
-const HEAP_FLUSH_BYTES: u64 = HEAP_BYTES * 3 / 8;
+/// Heap bytes the translator's tables may grow by between flushes (a fixed share: a
+/// tool's own start-up data, cachesim's caches and line sets, must not shrink it).
+const HEAP_GROWTH_BYTES: u64 = HEAP_BYTES * 5 / 16;
 
 /// Heap bytes in use past which the translator's tables are flushed however little they
-/// have grown since the last flush: room for a table's doubling (a tool whose own data
-/// outgrows the rest ends the run with an allocation failure, not a flush per translation).
+/// have grown since the last flush: room for a table's doubling and the shadow MMU's
+/// reverse map (a tool whose own data outgrows the rest ends the run with an allocation
+/// failure, not a flush per translation).
 const HEAP_CAP_BYTES: u64 = HEAP_BYTES * 3 / 4;
 /// Growth since the last flush below which no flush is asked for.
 const HEAP_MIN_GROWTH_BYTES: u64 = HEAP_BYTES / 32;
@@ -53,8 +54,6 @@ const HEAP_MIN_GROWTH_BYTES: u64 = HEAP_BYTES / 32;
 /// whether the previous call asked for a flush, so that the next call finds the floor.
 static HEAP_FLOOR: AtomicU64 = AtomicU64::new(u64::MAX);
 static HEAP_FLUSH_ASKED: AtomicBool = AtomicBool::new(false);
-/// Growth allowed past the floor: what the first floor left of [`HEAP_FLUSH_BYTES`].
-static HEAP_BUDGET: AtomicU64 = AtomicU64::new(0);
 
 /// `Config::memory_pressure`: the translator's tables live on the heap and keep
 /// invalidated fragments until a flush (Linux patches its text thousands of times at
@@ -66,20 +65,15 @@ static HEAP_BUDGET: AtomicU64 = AtomicU64::new(0);
 /// of an insmix Linux boot).
 fn heap_pressure() -> bool {
     let used = heap::usage().0;
-    if HEAP_FLOOR.load(Ordering::Relaxed) == u64::MAX {
-        HEAP_FLOOR.store(used, Ordering::Relaxed);
-        HEAP_BUDGET.store(HEAP_FLUSH_BYTES.saturating_sub(used), Ordering::Relaxed);
-    }
     if HEAP_FLUSH_ASKED.swap(false, Ordering::Relaxed) {
         HEAP_FLOOR.store(used, Ordering::Relaxed);
     } else {
-        // Memory freed since (a tool switched for a smaller one) lowers the floor.
+        // The first call sets the floor; memory freed since (a tool switched for a
+        // smaller one) lowers it.
         HEAP_FLOOR.fetch_min(used, Ordering::Relaxed);
     }
     let floor = HEAP_FLOOR.load(Ordering::Relaxed);
-    let limit = floor
-        .saturating_add(HEAP_BUDGET.load(Ordering::Relaxed))
-        .min(HEAP_CAP_BYTES);
+    let limit = floor.saturating_add(HEAP_GROWTH_BYTES).min(HEAP_CAP_BYTES);
     // Near the cap a flush still needs some growth to free, or it would come before
     // every translation.
     let flush = used > limit && used - floor > HEAP_MIN_GROWTH_BYTES;
