@@ -40,6 +40,11 @@ pub enum Kind {
     Close = 3,
     /// An engine log line; `file` carries the [`LogLevel`], payload = the text.
     Log = 4,
+    /// Bytes the guest wrote to COM1's transmit register while the UART could neither
+    /// interrupt nor loop them back, batched by the engine (one doorbell for a console
+    /// line instead of a port exit per byte); the VMM writes them to its UART in order.
+    /// `file` is unused (0).
+    Console = 5,
 }
 
 impl Kind {
@@ -50,6 +55,7 @@ impl Kind {
             2 => Kind::Write,
             3 => Kind::Close,
             4 => Kind::Log,
+            5 => Kind::Console,
             _ => return None,
         })
     }

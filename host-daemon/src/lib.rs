@@ -122,6 +122,8 @@ pub struct DaemonStats {
     pub log_lines: u64,
     /// Engine log lines dropped past [`DaemonConfig::max_output_bytes`].
     pub log_lines_dropped: u64,
+    /// Console bytes the engine batched ([`Kind::Console`]).
+    pub console_bytes: u64,
 }
 
 /// The daemon for one run.
@@ -138,7 +140,12 @@ pub struct Daemon {
     cap_noted: bool,
     first_error: Option<DaemonError>,
     stopped: bool,
+    /// Where [`Kind::Console`] bytes go: the VMM's UART ([`Daemon::set_console`]).
+    console: Option<ConsoleSink>,
 }
+
+/// Takes the console bytes of one [`Kind::Console`] record, in order.
+pub type ConsoleSink = Box<dyn FnMut(&[u8])>;
 
 impl Daemon {
     /// A daemon writing into `out_dir`, which must exist, with the default limits.
@@ -160,7 +167,14 @@ impl Daemon {
             cap_noted: false,
             first_error: None,
             stopped: false,
+            console: None,
         }
+    }
+
+    /// Sends the console bytes the engine batches to `uart` (without one they are
+    /// dropped and counted).
+    pub fn set_console(&mut self, uart: ConsoleSink) {
+        self.console = Some(uart);
     }
 
     /// Writes files the engine opens from now on beneath `out_dir` (which must exist):
@@ -260,6 +274,13 @@ impl Daemon {
             Kind::Log => {
                 let text = String::from_utf8_lossy(r.payload);
                 self.log_line(LogLevel::from_u16(r.file), &text)?;
+            }
+            Kind::Console => {
+                self.stats.console_bytes += r.payload.len() as u64;
+                match self.console.as_mut() {
+                    Some(uart) => uart(r.payload),
+                    None => self.stats.bytes_dropped += r.payload.len() as u64,
+                }
             }
         }
         Ok(())
@@ -398,6 +419,32 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         (mem, p, c, dir)
+    }
+
+    #[test]
+    fn test_console_records_reach_the_uart_in_order_or_are_counted_as_dropped() {
+        let (_mem, mut p, mut c, dir) = setup("console");
+        let mut d = Daemon::new(&dir);
+        p.push(Kind::Console, 0, b"lost").unwrap();
+        d.serve(&mut c).unwrap();
+        assert_eq!(d.stats().bytes_dropped, 4, "no UART yet");
+        let seen = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+        let uart = seen.clone();
+        d.set_console(Box::new(move |b: &[u8]| {
+            uart.borrow_mut().extend_from_slice(b)
+        }));
+        p.push(Kind::Console, 0, b"[ 0.1] hello\n").unwrap();
+        p.push(Kind::Log, LogLevel::Info as u16, b"between")
+            .unwrap();
+        p.push(Kind::Console, 0, b"[ 0.2] world\n").unwrap();
+        d.serve(&mut c).unwrap();
+        assert_eq!(&seen.borrow()[..], b"[ 0.1] hello\n[ 0.2] world\n");
+        assert_eq!(d.stats().console_bytes, 4 + 26);
+        assert!(
+            !dir.join("console.log").exists(),
+            "the daemon writes no file for the console: the VMM's UART does"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

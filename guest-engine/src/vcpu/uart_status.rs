@@ -13,6 +13,15 @@
 //! clear — then the receive buffer is empty and nothing can fill it. Anything else (an
 //! MCR write setting LOOP, a wider access touching the UART, a state it has not seen)
 //! forgets the value and the next reads go through the gate again.
+//!
+//! It also says when a byte written to the transmit register (THR) may be batched
+//! ([`LineStatusCache::batches_thr`]): with the divisor latch closed (LCR.DLAB clear), the
+//! transmit interrupt disabled (IER.THRI clear) and loopback off, the VMM's UART does
+//! nothing with it but print it — no register, no interrupt changes — so the engine may
+//! hand a console line's bytes over in one ring record (`kpin_abi::io_ring::Kind::Console`)
+//! instead of a port exit per byte, as long as it hands them over before the guest's next
+//! access that reaches the UART. Linux's console clears IER around every message it
+//! writes, so a boot's kernel messages travel this way.
 
 /// COM1's base port.
 pub const COM1: u16 = 0x3f8;
@@ -24,6 +33,14 @@ pub const MCR: u16 = COM1 + 4;
 pub const MCR_LOOP: u8 = 1 << 4;
 /// LSR.DR: data ready.
 pub const LSR_DR: u8 = 1;
+/// The interrupt enable register (with LCR.DLAB clear).
+pub const IER: u16 = COM1 + 1;
+/// IER.THRI: interrupt when the transmit register empties.
+pub const IER_THRI: u8 = 1 << 1;
+/// The line control register.
+pub const LCR: u16 = COM1 + 3;
+/// LCR.DLAB: COM1+0 and COM1+1 are the divisor latch, not THR and IER.
+pub const LCR_DLAB: u8 = 1 << 7;
 
 /// What the engine knows of COM1's line status.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -32,6 +49,10 @@ pub struct LineStatusCache {
     mcr: Option<u8>,
     /// The LSR, when known to be constant.
     lsr: Option<u8>,
+    /// The guest's last LCR write.
+    lcr: Option<u8>,
+    /// The guest's last IER write (with LCR.DLAB clear).
+    ier: Option<u8>,
     /// LSR reads answered from the cache.
     pub answered: u64,
 }
@@ -66,17 +87,35 @@ impl LineStatusCache {
         }
     }
 
+    /// Whether an `out` of `size` bytes at `port` is a THR write the UART would only
+    /// print (see the module's text), so that it may be batched.
+    pub fn batches_thr(&self, port: u16, size: u8) -> bool {
+        port == COM1
+            && size == 1
+            && self.lcr.is_some_and(|l| l & LCR_DLAB == 0)
+            && self.ier.is_some_and(|i| i & IER_THRI == 0)
+            && self.mcr.is_some_and(|m| m & MCR_LOOP == 0)
+    }
+
     /// The guest wrote `value` (`size` bytes) to `port` (before it reaches the device).
     pub fn write(&mut self, port: u16, size: u8, value: u32) {
         if !touches_com1(port, size) {
             return;
         }
         if size != 1 {
-            self.mcr = None;
-            self.lsr = None;
+            *self = LineStatusCache {
+                answered: self.answered,
+                ..LineStatusCache::default()
+            };
             return;
         }
+        let dlab = self.lcr.is_none_or(|l| l & LCR_DLAB != 0);
         match port {
+            LCR => self.lcr = Some(value as u8),
+            IER if !dlab => self.ier = Some(value as u8),
+            // A write whose meaning is unknown (with DLAB known set it is the divisor
+            // latch's high byte, and IER keeps its value).
+            IER if self.lcr.is_none() => self.ier = None,
             MCR => {
                 let m = value as u8;
                 self.mcr = Some(m);
@@ -130,6 +169,35 @@ mod tests {
         c.read_done(COM1, 1, 0x55);
         c.read_done(LSR, 1, 0x60);
         assert_eq!(c.answer(LSR, 1), Some(0x60));
+    }
+
+    #[test]
+    fn test_thr_batched_only_with_dlab_thri_and_loop_known_clear() {
+        let mut c = LineStatusCache::default();
+        assert!(!c.batches_thr(COM1, 1), "nothing known");
+        c.write(MCR, 1, 0x0b);
+        c.write(LCR, 1, 0x03);
+        assert!(!c.batches_thr(COM1, 1), "IER unknown");
+        c.write(IER, 1, 0);
+        assert!(c.batches_thr(COM1, 1));
+        assert!(!c.batches_thr(COM1, 2) && !c.batches_thr(IER, 1));
+        c.write(IER, 1, u32::from(IER_THRI));
+        assert!(!c.batches_thr(COM1, 1), "the UART would interrupt");
+        c.write(LCR, 1, 0x83);
+        assert!(!c.batches_thr(COM1, 1), "divisor latch open");
+        c.write(IER, 1, 0x00);
+        c.write(LCR, 1, 0x03);
+        assert!(
+            !c.batches_thr(COM1, 1),
+            "that write went to the divisor latch: THRI still set"
+        );
+        c.write(IER, 1, 0x01);
+        assert!(c.batches_thr(COM1, 1), "receive interrupts only");
+        c.write(MCR, 1, u32::from(MCR_LOOP));
+        assert!(!c.batches_thr(COM1, 1), "loopback");
+        c.write(MCR, 1, 0x0b);
+        c.write(COM1, 2, 0);
+        assert!(!c.batches_thr(COM1, 1), "a wide write forgets everything");
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //! only loopback mode can then set Data Ready). Feeding input would need that cache to
 //! learn about it.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::fs::File;
 use std::io::Write;
 use std::rc::Rc;
@@ -110,19 +110,44 @@ impl Write for ConsoleSink {
     }
 }
 
-/// COM1 on the port bus.
-pub struct Com1(pub Serial<IrqTrigger, vm_superio::serial::NoEvents, ConsoleSink>);
+/// The UART behind COM1.
+pub type Uart = Serial<IrqTrigger, vm_superio::serial::NoEvents, ConsoleSink>;
+
+/// COM1 on the port bus. The UART is shared with the host I/O ring's daemon, which
+/// writes the transmit bytes the engine batched (`kpin_abi::io_ring::Kind::Console`)
+/// into it as the guest's own `out`s would have.
+pub struct Com1(Rc<RefCell<Uart>>);
+
+impl Com1 {
+    /// COM1 backed by `uart`.
+    pub fn new(uart: Uart) -> Self {
+        Com1(Rc::new(RefCell::new(uart)))
+    }
+
+    /// Writes bytes to the transmit register, one `out` each, in order (what the
+    /// engine's batched console records stand for).
+    pub fn transmitter(&self) -> impl FnMut(&[u8]) + 'static {
+        let uart = self.0.clone();
+        move |bytes| {
+            let mut uart = uart.borrow_mut();
+            for &b in bytes {
+                // As for a guest `out`: a failed console write must not stop the guest.
+                let _ = uart.write(0, b);
+            }
+        }
+    }
+}
 
 impl PortDevice for Com1 {
     fn read(&mut self, offset: u16, data: &mut [u8]) {
-        let v = u8::try_from(offset).map_or(0xff, |o| self.0.read(o));
+        let v = u8::try_from(offset).map_or(0xff, |o| self.0.borrow_mut().read(o));
         data.fill(v);
     }
 
     fn write(&mut self, offset: u16, data: &[u8]) -> DeviceAction {
         if let (Ok(o), Some(&v)) = (u8::try_from(offset), data.first()) {
             // A failed console write (e.g. a closed stdout) must not stop the guest.
-            let _ = self.0.write(o, v);
+            let _ = self.0.borrow_mut().write(o, v);
         }
         DeviceAction::None
     }
@@ -156,15 +181,17 @@ mod tests {
         let file = File::create(&dir).unwrap();
         let sink = ConsoleSink::new(false, Some(file), watch);
         let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
-        let mut com = Com1(Serial::new(IrqTrigger(evt), sink));
-        for b in b"hi\n" {
+        let mut com = Com1::new(Serial::new(IrqTrigger(evt), sink));
+        for b in b"hi" {
             com.write(0, &[*b]);
         }
+        // Bytes batched by the engine reach the same UART, in order.
+        (com.transmitter())(b"!\n");
         let mut lsr = [0];
         com.read(5, &mut lsr);
         assert_eq!(lsr[0] & 0x20, 0x20, "THR empty");
         drop(com);
-        assert_eq!(std::fs::read(&dir).unwrap(), b"hi\n");
+        assert_eq!(std::fs::read(&dir).unwrap(), b"hi!\n");
         std::fs::remove_file(dir).unwrap();
     }
 }

@@ -86,6 +86,8 @@ pub struct Vm {
     mem: GuestMemory,
     bus: PortBus,
     console: Rc<ConsoleWatch>,
+    /// COM1's transmitter for the daemon (console bytes the engine batched).
+    console_tx: Option<host_daemon::ConsoleSink>,
     timeout: Option<Duration>,
     symbols: Option<Symbols>,
     /// Where the kernel was loaded and entered.
@@ -166,11 +168,9 @@ impl Vm {
             .map_err(|e| VmmError::Kvm("KVM_IRQFD", e))?;
         let sink = ConsoleSink::new(cfg.echo_console, file, console.clone());
         let mut bus = PortBus::default();
-        bus.insert(
-            COM1_PORT,
-            COM1_PORT_SPAN,
-            Box::new(Com1(Serial::new(IrqTrigger(irq), sink))),
-        );
+        let com1 = Com1::new(Serial::new(IrqTrigger(irq), sink));
+        let console_tx: host_daemon::ConsoleSink = Box::new(com1.transmitter());
+        bus.insert(COM1_PORT, COM1_PORT_SPAN, Box::new(com1));
         bus.insert(I8042_DATA_PORT, I8042_PORT_SPAN, Box::new(I8042::default()));
         bus.insert(
             ACPI_PM1A_EVT_PORT,
@@ -191,6 +191,7 @@ impl Vm {
             mem,
             bus,
             console,
+            console_tx: Some(console_tx),
             timeout: cfg.timeout,
             symbols,
             boot,
@@ -212,6 +213,9 @@ impl Vm {
         daemon: &mut Daemon,
         control: Option<ControlConfig>,
     ) -> Result<RunReport> {
+        if let Some(tx) = self.console_tx.take() {
+            daemon.set_console(tx);
+        }
         let watchdog = Watchdog::arm(self.timeout)?;
         let start = Instant::now();
         let mut exits = ExitCounters::default();

@@ -15,6 +15,8 @@ use crate::ring0::layout::fail_code;
 
 /// Longest log line in bytes.
 const LINE_BYTES: usize = 1024;
+/// Console bytes batched before they go to the ring however the guest goes on.
+const CONSOLE_BYTES: usize = 512;
 
 struct Slot(UnsafeCell<Option<Producer>>);
 // SAFETY: one vCPU, and logging runs only at CPL 3 in the engine's main flow or in the
@@ -28,6 +30,50 @@ fn producer() -> Option<&'static mut Producer> {
     unsafe { (*RING.0.get()).as_mut() }
 }
 
+struct Console(UnsafeCell<([u8; CONSOLE_BYTES], usize)>);
+// SAFETY: as for `Slot`: one vCPU, used only from the engine's main flow at CPL 3 (the
+// virtual CPU's port I/O and the run loop).
+unsafe impl Sync for Console {}
+
+/// Bytes the guest wrote to COM1's THR that the engine batches
+/// (`guest_engine::vcpu::LineStatusCache::batches_thr`), and how many.
+static CONSOLE: Console = Console(UnsafeCell::new(([0; CONSOLE_BYTES], 0)));
+
+/// Batches one byte the guest wrote to COM1's transmit register; a full batch goes to
+/// the ring at once.
+pub fn console_byte(b: u8) {
+    // SAFETY: see `Console`: no other reference to it is alive.
+    let (buf, len) = unsafe { &mut *CONSOLE.0.get() };
+    buf[*len] = b;
+    *len += 1;
+    if *len == CONSOLE_BYTES {
+        push_console();
+    }
+}
+
+/// Hands the batched console bytes to the VMM's UART now (a ring record and the
+/// doorbell): before the guest's next port access through the gate, a `hlt`, an
+/// interrupt, and every [`flush`].
+pub fn console_flush() {
+    // SAFETY: see `Console`.
+    if unsafe { (*CONSOLE.0.get()).1 } > 0 {
+        flush();
+    }
+}
+
+/// Pushes the batched console bytes as one record.
+fn push_console() {
+    // SAFETY: see `Console`.
+    let (buf, len) = unsafe { &mut *CONSOLE.0.get() };
+    if *len == 0 {
+        return;
+    }
+    let n = core::mem::take(len);
+    // A ring that cannot take them even after a doorbell is broken; the bytes are lost
+    // like the log line that would report it.
+    let _ = push(Kind::Console, 0, &buf[..n]);
+}
+
 /// Attaches to the I/O ring in the stolen region.
 pub fn init() -> Result<(), RingError> {
     let base = (WINDOW_VA + IO_RING_OFFSET) as *mut u8;
@@ -39,8 +85,10 @@ pub fn init() -> Result<(), RingError> {
     Ok(())
 }
 
-/// Rings the doorbell so that the host drains the ring now.
+/// Rings the doorbell so that the host drains the ring now (batched console bytes
+/// included).
 pub fn flush() {
+    push_console();
     if let Some(p) = producer() {
         if p.used() > 0 {
             p.note_doorbell();

@@ -401,6 +401,9 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                 // State is precise at `va`. Only interrupts set attention so far.
                 prof::switch(profile::INTERRUPT);
                 engine.set_attention(0);
+                // Console bytes wait at most for the next interrupt (a guest that spins
+                // after a message, e.g. a kernel panic without reboot, still shows it).
+                log::console_flush();
                 match vcpu.deliver_pending(engine.regs_mut(), va.0) {
                     Ok(Some(handler)) => engine.set_rip(GuestVirt(handler)),
                     Ok(None) => engine.set_rip(va),

@@ -16,7 +16,7 @@ use crate::events::{irq, timer};
 use crate::log;
 use crate::mm::guest_memory::{ShadowedMemory, MODE_KERNEL, MODE_USER};
 use crate::mm::shadow::Shadow;
-use crate::ring0::gate;
+use crate::ring0::{gate, log};
 
 /// The virtual CPU of the engine image.
 pub type Vcpu<'a> = guest_engine::vcpu::Vcpu<'a, Ring0, ShadowPort<'a>>;
@@ -56,7 +56,14 @@ pub fn set_hw_base(fs: bool, base: u64) {
 
 impl Hardware for Ring0 {
     fn port_out(&mut self, port: u16, size: u8, value: u32) {
+        let batched = self.com1.batches_thr(port, size);
         self.com1.write(port, size, value);
+        if batched {
+            log::console_byte(value as u8);
+            return;
+        }
+        // The UART sees the batched bytes before anything the guest does next.
+        log::console_flush();
         gate::out(port, size, value);
     }
 
@@ -64,6 +71,7 @@ impl Hardware for Ring0 {
         if let Some(v) = self.com1.answer(port, size) {
             return v;
         }
+        log::console_flush();
         let v = gate::input(port, size);
         self.com1.read_done(port, size, v);
         v
@@ -93,6 +101,7 @@ impl Hardware for Ring0 {
     }
 
     fn halt(&mut self) {
+        log::console_flush();
         gate::hlt();
     }
 
