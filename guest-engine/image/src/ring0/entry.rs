@@ -15,8 +15,9 @@
 //! flags; every other register is preserved. The gate is the `hlt` at `kpin_gate_insn`:
 //! at CPL 3 it raises #GP(0); the #GP stub compares the faulting RIP with
 //! `kpin_gate_insn`, performs the operation at ring 0, adds 1 to the saved RIP and
-//! `iretq`s. Operations: NOP, OUT8/OUT16/OUT32 (port RDI, value RSI), IN8/IN16/IN32 (port
-//! RDI), LOAD_CR3 (RDI), WRMSR (index RDI, value RSI), RDMSR (index RDI), INVLPG (RDI),
+//! `iretq`s. LOAD_CR3, the most frequent operation, has a `hlt` of its own
+//! (`kpin_gate_cr3_insn`), checked first, and a shorter path. Operations: NOP,
+//! OUT8/OUT16/OUT32 (port RDI, value RSI), IN8/IN16/IN32 (port RDI), LOAD_CR3 (RDI), WRMSR (index RDI, value RSI), RDMSR (index RDI), INVLPG (RDI),
 //! HLT (`sti; hlt`: back after one interrupt was handled), CR4_SSE (CR4.OSFXSR and
 //! CR4.OSXMMEXCPT := those bits of RDI, which holds no others: the guest's SSE enables,
 //! mirrored because translated code runs its SSE instructions verbatim), RDMSR_SAFE (index
@@ -128,6 +129,8 @@ pub static FAULT: FaultCell = FaultCell(UnsafeCell::new(FaultRecord {
 extern "C" {
     /// The gate; see the module header. Never call it directly: use `crate::ring0::gate`.
     pub fn kpin_gate();
+    /// LOAD_CR3's own entry to the gate. Use `crate::ring0::gate::load_cr3`.
+    pub fn kpin_gate_cr3();
     /// The probe; see the module header. Use `crate::ring0::probe`.
     pub fn kpin_probe_read();
     /// IRQ counts per PIC line (16 entries).
@@ -373,6 +376,13 @@ kpin_irq_guest:
 
     // #GP: the gate, or an unexpected #GP.
 kpin_exc_13:
+    // LOAD_CR3 first, the most frequent gate operation (a view switch on every CPL
+    // change): its own `hlt` and a shorter path (`gate.rs`).
+    push rax
+    lea rax, [rip + kpin_gate_cr3_insn]
+    cmp rax, [rsp + 16]
+    pop rax
+    je kpin_gate_cr3_entry
     push rax
     lea rax, [rip + kpin_gate_insn]
     cmp rax, [rsp + 16]
@@ -508,6 +518,13 @@ kpin_probe_fault:
     .global kpin_gate_insn
 kpin_gate:
 kpin_gate_insn:
+    hlt
+    ret
+    // LOAD_CR3's own entry to the gate (same convention; RAX = LOAD_CR3).
+    .global kpin_gate_cr3
+    .global kpin_gate_cr3_insn
+kpin_gate_cr3:
+kpin_gate_cr3_insn:
     hlt
     ret
     .popsection
