@@ -243,6 +243,40 @@ fn random_streams_match_the_reference() {
     }
 }
 
+/// A program-like stream: runs of sequential fetches (instruction lengths 1-15) with
+/// jumps, and data accesses that mostly revisit the line they touched last — so the
+/// simulator's same-line shortcut (a repeated line hits without touching LRU, FIFO or
+/// random state) is taken most of the time and must change no counter.
+#[test]
+fn sequential_runs_and_repeated_lines_match_the_reference() {
+    for policy in policies() {
+        let o = Options { policy, ..small() };
+        let mut r = Lcg(21);
+        let (mut pc, mut data) = (0x1000u64, 0x40_000u64);
+        let mut s: Vec<Ref> = Vec::new();
+        for i in 0..60_000u64 {
+            let who = (i / 5000 % 2) as usize;
+            s.push((pc, 1 + (r.next() % 15) as u32, Kind::Fetch, who));
+            pc += 1 + r.next() % 15;
+            if r.next() % 16 == 0 {
+                pc = 0x1000 + (r.next() % 256) * 64 + r.next() % 64;
+            }
+            if r.next() % 3 == 0 {
+                if r.next() % 8 == 0 {
+                    data = 0x40_000 + (r.next() % 600) * 64;
+                }
+                let kind = if r.next() & 1 == 0 {
+                    Kind::Read
+                } else {
+                    Kind::Write
+                };
+                s.push((data + r.next() % 56, 8, kind, who));
+            }
+        }
+        compare(&o, &s, "sequential");
+    }
+}
+
 #[test]
 fn strided_conflicts_and_line_crossing_match_the_reference() {
     for policy in policies() {
