@@ -258,11 +258,11 @@ fn sequential_runs_and_repeated_lines_match_the_reference() {
             let who = (i / 5000 % 2) as usize;
             s.push((pc, 1 + (r.next() % 15) as u32, Kind::Fetch, who));
             pc += 1 + r.next() % 15;
-            if r.next() % 16 == 0 {
+            if r.next().is_multiple_of(16) {
                 pc = 0x1000 + (r.next() % 256) * 64 + r.next() % 64;
             }
-            if r.next() % 3 == 0 {
-                if r.next() % 8 == 0 {
+            if r.next().is_multiple_of(3) {
+                if r.next().is_multiple_of(8) {
                     data = 0x40_000 + (r.next() % 600) * 64;
                 }
                 let kind = if r.next() & 1 == 0 {

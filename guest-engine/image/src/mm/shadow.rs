@@ -24,7 +24,7 @@ use core::fmt;
 
 use guest_engine::shadow_mmu::{
     Access, FillOutcome, GuestFault, HwFlush, PagingControl, PhysMem, ShadowConfig, ShadowError,
-    ShadowMmu, ShadowStats, View, PF_USER, PF_WRITE,
+    ShadowMmu, ShadowStats, View, PF_FETCH, PF_USER, PF_WRITE,
 };
 use guest_engine::{GuestPhys, GuestVirt};
 use kpin_abi::attach::AttachBlock;
@@ -257,6 +257,9 @@ pub struct ShadowCounters {
     /// Accesses to the reserved zone through the guest's own mapping, performed on its
     /// frame (`run::zone_access`).
     pub zone_emulations: u64,
+    /// User-view fills made on the return to user mode after a user data fault the guest
+    /// handled (`Shadow::enter`): each saves the retried access's shadow-miss trip.
+    pub retry_fills: u64,
 }
 
 /// The shadow MMU of the one vCPU, with its hardware side.
@@ -268,6 +271,11 @@ pub struct Shadow {
     loaded: Option<GuestPhys>,
     work: EngineWork,
     failure: Option<ShadowError>,
+    /// A user data #PF delivered to the guest, `(va, guest CR3)`: the guest's handler
+    /// usually maps the page and returns to the faulting instruction, whose retry would
+    /// miss the shadow and cost a second ring-0 trip; the next entry to the user view
+    /// of that space fills it first.
+    retry: Option<(u64, u64)>,
     /// Counters of this module and its callers.
     pub counters: ShadowCounters,
 }
@@ -299,6 +307,7 @@ impl Shadow {
             loaded: None,
             work: EngineWork::default(),
             failure: None,
+            retry: None,
             counters: ShadowCounters::default(),
         })
     }
@@ -314,7 +323,34 @@ impl Shadow {
             // global), which pays any debt.
             let _ = self.mmu.take_hw_flush();
         }
-        self.settle()
+        self.settle()?;
+        if view == View::User {
+            if let Some((va, cr3)) = self.retry.take() {
+                // A read fill, as a walk by the retried access would start: it sets the
+                // guest's Accessed bit (which a CPU may set speculatively) but never
+                // Dirty, and maps the page writable only if the guest's leaf is dirty
+                // already (Linux marks it so for a write fault it handled). A page the
+                // guest left unmapped stays so (its fault comes again, and is the guest's).
+                // Only in the lower half, where a user page can be (no reserved slot), and
+                // any refusal left for the retry to meet as before.
+                let va = GuestVirt(va);
+                if cr3 == self.cr3() && va.0 < 1 << 47 {
+                    let filled = self.with_tables(|m| {
+                        if m.lookup(va, Access::Read, View::User)?.is_some() {
+                            return Ok(false);
+                        }
+                        Ok(matches!(
+                            m.fill(va, Access::Read, View::User)?,
+                            FillOutcome::Mapped { .. }
+                        ))
+                    });
+                    if filled == Ok(true) {
+                        self.counters.retry_fills += 1;
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     fn load(&mut self, root: GuestPhys) {
@@ -517,7 +553,10 @@ impl Shadow {
     /// A #PF at `va` is being delivered to the guest: a CPU drops its TLB entries for
     /// the faulting address when it raises one (a handler may rely on that instead of
     /// `invlpg`), so the shadow drops its leaves for `va` too.
-    pub fn page_fault_delivered(&mut self, va: u64) -> Result<(), ShadowError> {
+    pub fn page_fault_delivered(&mut self, va: u64, error_code: u32) -> Result<(), ShadowError> {
+        if error_code & (PF_USER | PF_FETCH) == PF_USER {
+            self.retry = Some((va, self.cr3()));
+        }
         self.mmu.invlpg(GuestVirt(va))?;
         self.work.pages.push(GuestVirt(va));
         self.settle()
@@ -543,7 +582,7 @@ impl Shadow {
 
 impl Shadow {
     /// Every counter, named as in the statistics line and `counters.json`.
-    fn counter_fields(&self) -> [(&'static str, u64); 22] {
+    fn counter_fields(&self) -> [(&'static str, u64); 23] {
         let s = self.stats();
         let c = &self.counters;
         [
@@ -569,6 +608,7 @@ impl Shadow {
             ("guest_invlpgs", c.guest_invlpgs),
             ("isolation_hits", c.isolation_hits),
             ("zone_emulations", c.zone_emulations),
+            ("retry_fills", c.retry_fills),
         ]
     }
 

@@ -447,7 +447,7 @@ pub fn reflect_guest_fault(
         let mut sh = shadow.borrow_mut();
         sh.counters.reflected += 1;
         if pf {
-            sh.page_fault_delivered(fault.cr2.0)
+            sh.page_fault_delivered(fault.cr2.0, fault.error_code)
                 .map_err(|error| RunError::Shadow {
                     rip: guest_pc.0,
                     error,
