@@ -137,6 +137,21 @@ impl Asm {
         self.spill_base + 8 * u64::from(r)
     }
 
+    /// `mov [ctx.spill[r]], r` without a PC-map entry: for code that cannot fault and
+    /// restores `r` (with [`Asm::unspill_quiet`]) before anything that can — the
+    /// isolation checks, record appends. Such code needs no entries of its own, which
+    /// keeps a trace's PC map (heap) small.
+    pub(crate) fn spill_quiet(&mut self, r: u8) {
+        let slot = self.spill_slot(r);
+        self.mov_m_r(slot, r);
+    }
+
+    /// `mov r, [ctx.spill[r]]` without a PC-map entry (see [`Asm::spill_quiet`]).
+    pub(crate) fn unspill_quiet(&mut self, r: u8) {
+        let slot = self.spill_slot(r);
+        self.mov_r_m(r, slot);
+    }
+
     /// `mov [ctx.spill[r]], r` and record that `r` now lives in its slot.
     pub(crate) fn emit_spill(&mut self, r: u8) {
         self.mov_m_r(self.spill_slot(r), r);

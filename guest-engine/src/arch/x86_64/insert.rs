@@ -175,8 +175,8 @@ impl Tx<'_> {
         ip: u64,
     ) -> Result<(), EngineError> {
         for m in ops {
-            self.a.emit_spill(reg::RAX);
-            self.a.emit_spill(reg::RCX);
+            self.a.spill_quiet(reg::RAX);
+            self.a.spill_quiet(reg::RCX);
             self.emit_ea_rcx(m, ip)?;
             self.append_record(ip, None, m.size, m.access | self.env.record_bits)?;
         }
@@ -185,13 +185,16 @@ impl Tx<'_> {
 
     /// Appends the fetch record of the instruction at `ip` (`len` bytes).
     pub(super) fn insert_fetch_record(&mut self, ip: u64, len: u32) -> Result<(), EngineError> {
-        self.a.emit_spill(reg::RAX);
-        self.a.emit_spill(reg::RCX);
+        self.a.spill_quiet(reg::RAX);
+        self.a.spill_quiet(reg::RCX);
         self.append_record(ip, Some(ip), len, access::FETCH | self.env.record_bits)
     }
 
-    /// With RAX and RCX spilled: appends a record whose `ea` is `ea` or else RCX, then
-    /// unspills them; exits when the buffer is full.
+    /// With RAX and RCX spilled (quietly: nothing here can fault, and both are back in
+    /// their registers before the guest instruction and before the exit, so the code has
+    /// no PC-map entries — a record per instruction and operand would otherwise add ~7
+    /// entries each to a trace's heap): appends a record whose `ea` is `ea` or else
+    /// RCX, then unspills them; exits when the buffer is full.
     fn append_record(
         &mut self,
         ip: u64,
@@ -220,17 +223,15 @@ impl Tx<'_> {
         let full = self.a.new_label();
         let resume = self.a.new_label();
         self.a.jrcxz_label(full);
-        self.a.emit_unspill(reg::RAX);
-        self.a.emit_unspill(reg::RCX);
+        self.a.unspill_quiet(reg::RAX);
+        self.a.unspill_quiet(reg::RCX);
         // jmp short resume
         self.a.bytes(&[0xEB]);
         let at = self.a.offset();
         self.a.bytes(&[0]);
         self.a.bind(full);
-        let spilled = self.a.spilled();
-        self.a.set_spilled(spilled | 1 << reg::RAX | 1 << reg::RCX);
-        self.a.emit_unspill(reg::RAX);
-        self.a.emit_unspill(reg::RCX);
+        self.a.unspill_quiet(reg::RAX);
+        self.a.unspill_quiet(reg::RCX);
         let idx = self.exits.len();
         self.emit_exit_inline(EXIT_BUFFER_FULL, ExitSpec::BufferFull { resume_off: 0 });
         let rel = self.a.offset() - (at + 1);

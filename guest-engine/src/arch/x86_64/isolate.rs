@@ -251,9 +251,9 @@ impl Tx<'_> {
         flags_dead: bool,
     ) -> Result<(), EngineError> {
         let full = hw(r);
-        self.spill_quiet(reg::RCX);
-        self.spill_quiet(reg::RAX);
-        self.spill_quiet(reg::RDX);
+        self.a.spill_quiet(reg::RCX);
+        self.a.spill_quiet(reg::RAX);
+        self.a.spill_quiet(reg::RDX);
         self.emit_linear_rcx(m, addr32, pc)?;
         // RAX may hold the segment base now; every guest value comes from its spill slot
         // if it was spilled.
@@ -270,8 +270,8 @@ impl Tx<'_> {
         self.a.bytes(&[0xBA, 0x03, 0x00, 0x00, 0x00]); // mov edx, 3
         self.a.bytes(&[0xC4, 0xE2, 0xEA, 0xF7, 0xC0]); // sarx rax, rax, rdx
         self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
-        self.unspill_quiet(reg::RDX);
-        self.unspill_quiet(reg::RAX);
+        self.a.unspill_quiet(reg::RDX);
+        self.a.unspill_quiet(reg::RAX);
         self.emit_zone_test(flags_dead);
         Ok(())
     }
@@ -313,8 +313,8 @@ impl Tx<'_> {
         let base = i.memory_base();
         let scale_log2 = i.memory_index_scale().trailing_zeros() as u8;
         let disp = i.memory_displacement64() as i64 as i32;
-        self.spill_quiet(reg::RCX);
-        self.spill_quiet(reg::RAX);
+        self.a.spill_quiet(reg::RCX);
+        self.a.spill_quiet(reg::RAX);
         for k in 0..lanes {
             let lane = ctx.vsib_lanes + (width * k) as u64;
             if qword {
@@ -348,7 +348,7 @@ impl Tx<'_> {
             if seg.is_some() {
                 self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
             }
-            self.unspill_quiet(reg::RAX);
+            self.a.unspill_quiet(reg::RAX);
             self.a.mov_m_r(ctx.vsib_lane, reg::RCX);
             self.emit_zone_test(flags_dead);
         }
@@ -389,10 +389,10 @@ impl Tx<'_> {
         pc: u64,
         flags_dead: bool,
     ) -> Result<(), EngineError> {
-        self.spill_quiet(reg::RCX);
-        self.spill_quiet(reg::RAX);
+        self.a.spill_quiet(reg::RCX);
+        self.a.spill_quiet(reg::RAX);
         self.emit_linear_rcx(m, true, pc)?;
-        self.unspill_quiet(reg::RAX);
+        self.a.unspill_quiet(reg::RAX);
         self.emit_zone_test(flags_dead);
         Ok(())
     }
@@ -406,13 +406,13 @@ impl Tx<'_> {
         flags_dead: bool,
     ) -> Result<(), EngineError> {
         let seg = checked.seg != SegBase::Flat;
-        self.spill_quiet(reg::RCX);
+        self.a.spill_quiet(reg::RCX);
         if seg {
-            self.spill_quiet(reg::RAX);
+            self.a.spill_quiet(reg::RAX);
         }
         self.emit_ea_rcx(checked, pc)?;
         if seg {
-            self.unspill_quiet(reg::RAX);
+            self.a.unspill_quiet(reg::RAX);
         }
         self.emit_zone_test(flags_dead);
         Ok(())
@@ -436,22 +436,10 @@ impl Tx<'_> {
             self.a.bytes(&[0xEB, 0x09]); // jmp short ok
         }
         let at = self.a.offset();
-        self.unspill_quiet(reg::RCX); // hit: (7 bytes)
+        self.a.unspill_quiet(reg::RCX); // hit: (7 bytes)
         debug_assert_eq!(self.a.offset() - at, 7);
         self.a.bytes(&[0x0F, 0x0B]); // ud2
-        self.unspill_quiet(reg::RCX); // ok:
-    }
-
-    /// `mov [ctx.spill[r]], r` without a PC-map entry (see `emit_zone_test`).
-    fn spill_quiet(&mut self, r: u8) {
-        let slot = self.a.spill_slot(r);
-        self.a.mov_m_r(slot, r);
-    }
-
-    /// `mov r, [ctx.spill[r]]` without a PC-map entry.
-    fn unspill_quiet(&mut self, r: u8) {
-        let slot = self.a.spill_slot(r);
-        self.a.mov_r_m(r, slot);
+        self.a.unspill_quiet(reg::RCX); // ok:
     }
 }
 
