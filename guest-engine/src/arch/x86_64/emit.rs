@@ -122,10 +122,6 @@ impl Asm {
         });
     }
 
-    pub(crate) fn spilled(&self) -> u16 {
-        self.spilled
-    }
-
     /// Forgets the spill state for code that is only reached on a side path whose
     /// state was already described (out-of-line stubs restore before they exit).
     pub(crate) fn set_spilled(&mut self, mask: u16) {
