@@ -261,6 +261,15 @@ impl Hierarchy {
             Kind::Fetch => self.fetch_leaf,
             Kind::Read | Kind::Write => self.data_leaf,
         };
+        // Most references touch one line, the one their L1 saw last (a fetch after a
+        // fetch in the same line): a hit that changes nothing else (`Cache::last`).
+        if first == last && self.warmup_left == 0 {
+            let c = &mut self.caches[leaf];
+            if c.last == first + 1 {
+                c.stats.hits[who] += 1;
+                return 0;
+            }
+        }
         let mut leaf_misses = 0;
         for line in first..=last {
             let mut at = Some(leaf);
