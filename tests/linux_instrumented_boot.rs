@@ -6,7 +6,10 @@
 //! stall, lockup, unstable clocksource or MSR access the kernel had to recover from: those
 //! mean the guest noticed the engine. Under `bbcount` the same boot splits its
 //! instructions between kernel and user and names the hottest kernel blocks from the
-//! System.map. (Natively the boot stops at `int3_selftest` here:
+//! System.map. The tools users come for run on the same boot (issue #13): insmix's
+//! mnemonic counts sum to the engine's count, memtrace keeps exactly its `limit` of
+//! records with physical addresses, cachesim's fetches follow the engine's instruction
+//! count and its reports are made. (Natively the boot stops at `int3_selftest` here:
 //! docs/linux-native-boot.md.)
 
 use std::path::PathBuf;
@@ -31,6 +34,16 @@ fn boot_instrumented(
     tool: &str,
     cmdline: &str,
 ) -> (RunReport, String, String, PathBuf, LinuxImages) {
+    boot_with_options(name, tool, "", cmdline)
+}
+
+/// [`boot_instrumented`] with the tool's `options`.
+fn boot_with_options(
+    name: &str,
+    tool: &str,
+    options: &str,
+    cmdline: &str,
+) -> (RunReport, String, String, PathBuf, LinuxImages) {
     let images = kpin_images::default_out_dir();
     let linux = kpin_images::ensure_linux(&images, &mut |l| eprintln!("images: {l}"))
         .expect("fetch and build the Linux images");
@@ -45,7 +58,7 @@ fn boot_instrumented(
         console_file: Some(console.clone()),
         echo_console: false,
         system_map: Some(linux.system_map.clone()),
-        engine: Some(engine_config(tool, "")),
+        engine: Some(engine_config(tool, options)),
     };
     let (report, _) = run_guest(&cfg, &dir);
     let log = std::fs::read_to_string(&console).expect("console log");
@@ -138,4 +151,124 @@ fn test_linux_boots_with_the_distribution_command_line_and_default_mitigations()
         "instrumented Linux 6.1 with `{LINUX_612_CMDLINE}` (default mitigations): powered off after {:.1} s",
         report.wall.as_secs_f64()
     );
+}
+
+/// `counters.json` of a run.
+fn engine_counters(dir: &std::path::Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(dir.join("counters.json")).expect("counters.json");
+    serde_json::from_str(&text).expect("counters.json is JSON")
+}
+
+fn field(v: &serde_json::Value, path: &str) -> u64 {
+    v.pointer(path)
+        .and_then(serde_json::Value::as_u64)
+        .unwrap_or_else(|| panic!("no {path} in {v}"))
+}
+
+#[test]
+fn test_linux_under_insmix_counts_every_instruction_by_mnemonic() {
+    require_kvm!();
+    let (report, log, engine_tail, dir, _) =
+        boot_instrumented("linux-instrumented-insmix", "insmix", LINUX_CMDLINE);
+    assert_clean_boot(&report, &log, &engine_tail);
+    let text = std::fs::read_to_string(dir.join("insmix.json")).expect("insmix.json");
+    let mix: serde_json::Value = serde_json::from_str(&text).expect("insmix.json is JSON");
+    let rows = mix["mnemonics"].as_array().expect("mnemonics");
+    let sum = |key: &str| {
+        rows.iter()
+            .map(|r| field(r, &format!("/{key}")))
+            .sum::<u64>()
+    };
+    let c = engine_counters(&dir);
+    // The same relation as bbcount's: the tool's block counts, plus what the engine
+    // emulated, minus what faults cut short, are the engine's own count.
+    assert_eq!(
+        sum("kernel") + sum("user") + field(&c, "/guest_instructions/emulated")
+            - field(&c, "/guest_instructions/taken_back_after_faults"),
+        field(&c, "/guest_instructions/cpl0") + field(&c, "/guest_instructions/cpl3"),
+        "{c}"
+    );
+    assert!(sum("user") > 0 && sum("static_kernel") > 0, "{mix}");
+}
+
+#[test]
+fn test_linux_under_memtrace_records_both_cpls_with_physical_addresses() {
+    require_kvm!();
+    let (report, log, engine_tail, dir, _) = boot_with_options(
+        "linux-instrumented-memtrace",
+        "memtrace",
+        "limit=200000",
+        LINUX_CMDLINE,
+    );
+    assert_clean_boot(&report, &log, &engine_tail);
+    let bytes = std::fs::read(dir.join("memtrace.bin")).expect("memtrace.bin");
+    let trace = kpin_tool_memtrace::format::Trace::parse(&bytes).expect("a whole trace");
+    assert_eq!(trace.len(), 200_000, "limit=200000 keeps exactly that many");
+    let (mut kernel, mut user, mut unresolved) = (0, 0, 0);
+    for r in trace.records() {
+        if r.cpl() == 3 {
+            user += 1;
+        } else {
+            kernel += 1;
+        }
+        if r.mem_paddr == u64::MAX {
+            unresolved += 1;
+        }
+    }
+    // The first 200 000 accesses of a boot are the kernel's; user space comes later.
+    assert!(kernel > 0, "no kernel access");
+    assert_eq!(
+        user, 0,
+        "user space before the kernel's first 200 000 accesses?"
+    );
+    assert_eq!(unresolved, 0, "every record has its physical address");
+}
+
+#[test]
+fn test_linux_under_cachesim_fetches_follow_the_engines_instruction_count() {
+    require_kvm!();
+    let (report, log, engine_tail, dir, _) = boot_with_options(
+        "linux-instrumented-cachesim",
+        "cachesim",
+        "L1I_size=16K L1D_size=16K LL_size=2M",
+        LINUX_CMDLINE,
+    );
+    assert_clean_boot(&report, &log, &engine_tail);
+    let text = std::fs::read_to_string(dir.join(kpin_tool_cachesim::COUNTERS_NAME))
+        .expect("cachesim counters");
+    let sim = kpin_tool_cachesim::files::parse_counters(&text)
+        .unwrap_or_else(|l| panic!("line {l}:\n{text}"));
+    let c = engine_counters(&dir);
+    let engine = [
+        field(&c, "/guest_instructions/cpl0"),
+        field(&c, "/guest_instructions/cpl3"),
+    ];
+    assert_eq!(sim.unresolved, 0, "records without a PA: {sim:?}");
+    // One fetch per instruction the engine counted — nearly: a few dozen of ~2.9 G
+    // fetches come out over (34 kernel ones in every boot from the CLI, now and then one
+    // user one; the cause is not found yet, docs/benchmarks.md), never under. Bounded
+    // here so that a real regression in the fetch records still fails.
+    for (cpl, (&fetches, &insns)) in sim.fetch_refs.iter().zip(&engine).enumerate() {
+        assert!(
+            fetches >= insns && fetches - insns <= 100,
+            "CPL {}: {fetches} fetches vs {insns} instructions",
+            [0, 3][cpl]
+        );
+    }
+    // The host reports (as `kpin run` makes them after the run).
+    kpin_tool_cachesim::report::write_reports(&dir)
+        .expect("cachesim reports")
+        .expect("cachesim's files present");
+    let report = kpin_tool_cachesim::report::TXT_NAME;
+    let txt = std::fs::read_to_string(dir.join(report)).expect("cachesim.txt");
+    assert!(
+        txt.contains("L1I") && txt.contains("Top 10 by data"),
+        "{txt}"
+    );
+    for name in [
+        kpin_tool_cachesim::report::JSON_NAME,
+        kpin_tool_cachesim::report::SVG_NAME,
+    ] {
+        assert!(dir.join(name).exists(), "{name} missing");
+    }
 }
