@@ -7,15 +7,10 @@
 use std::time::Duration;
 
 use kpin_tests::{
-    compare_minikernel_transcript, minikernel_expected, require_kvm, run_minikernel_with_options,
+    compare_minikernel_transcript, engine_counters, json_u64, minikernel_expected, require_kvm,
+    run_minikernel_with_options,
 };
 use vmm::Outcome;
-
-fn field(v: &serde_json::Value, path: &str) -> u64 {
-    v.pointer(path)
-        .and_then(serde_json::Value::as_u64)
-        .unwrap_or_else(|| panic!("no {path} in {v}"))
-}
 
 #[test]
 fn test_minikernel_insmix_counts_sum_to_the_engines_instruction_count() {
@@ -42,11 +37,11 @@ fn test_minikernel_insmix_counts_sum_to_the_engines_instruction_count() {
             .unwrap_or_else(|e| panic!("{name} is not JSON ({e}):\n{text}"))
     };
     let mix = read("insmix.json");
-    let engine = read("counters.json");
+    let engine = engine_counters(&dir);
     let rows = mix["mnemonics"].as_array().expect("a mnemonics array");
     let sum = |key: &str| {
         rows.iter()
-            .map(|r| field(r, &format!("/{key}")))
+            .map(|r| json_u64(r, &format!("/{key}")))
             .sum::<u64>()
     };
     let (kernel, user) = (sum("kernel"), sum("user"));
@@ -55,22 +50,23 @@ fn test_minikernel_insmix_counts_sum_to_the_engines_instruction_count() {
         "both CPLs ran counted blocks: {mix}"
     );
     for r in rows {
-        let executed = field(r, "/kernel") + field(r, "/user");
-        let seen = field(r, "/static_kernel") + field(r, "/static_user");
+        let executed = json_u64(r, "/kernel") + json_u64(r, "/user");
+        let seen = json_u64(r, "/static_kernel") + json_u64(r, "/static_user");
         assert!(
             executed == 0 || seen > 0,
             "executed but never seen statically: {r}"
         );
     }
     assert_eq!(
-        field(&mix, "/emulated"),
-        field(&engine, "/guest_instructions/emulated"),
+        json_u64(&mix, "/emulated"),
+        json_u64(&engine, "/guest_instructions/emulated"),
         "insmix's emulated line is the engine's"
     );
     assert_eq!(
-        kernel + user + field(&engine, "/guest_instructions/emulated")
-            - field(&engine, "/guest_instructions/taken_back_after_faults"),
-        field(&engine, "/guest_instructions/cpl0") + field(&engine, "/guest_instructions/cpl3"),
+        kernel + user + json_u64(&engine, "/guest_instructions/emulated")
+            - json_u64(&engine, "/guest_instructions/taken_back_after_faults"),
+        json_u64(&engine, "/guest_instructions/cpl0")
+            + json_u64(&engine, "/guest_instructions/cpl3"),
         "insmix's mnemonic counts and the engine's count disagree\n{engine}"
     );
     let table = std::fs::read_to_string(dir.join("insmix.txt")).expect("insmix.txt");

@@ -207,6 +207,20 @@ pub const FORBIDDEN_CONSOLE: &[&str] = &[
     "KPIN-INIT-WARNING",
 ];
 
+/// A run's `counters.json` (the engine's counters).
+pub fn engine_counters(dir: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(dir.join("counters.json")).expect("counters.json");
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("counters.json: {e}\n{text}"))
+}
+
+/// The number at JSON pointer `path` in `v` (e.g. `/guest_instructions/cpl0`); panics
+/// naming the path when it is absent.
+pub fn json_u64(v: &serde_json::Value, path: &str) -> u64 {
+    v.pointer(path)
+        .and_then(serde_json::Value::as_u64)
+        .unwrap_or_else(|| panic!("no {path} in {v}"))
+}
+
 /// Hardware-vulnerability advisories a kernel prints from the CPU model alone, each with
 /// why: a native KVM guest given the same CPUID table prints them too, so they say nothing
 /// about the engine (issue #10 allows exactly these). An advisory with a host condition is

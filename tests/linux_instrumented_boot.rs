@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kpin_images::LinuxImages;
-use kpin_tests::{engine_config, require_kvm, run_guest, scratch_dir};
+use kpin_tests::{engine_config, engine_counters, json_u64, require_kvm, run_guest, scratch_dir};
 use kpin_tool_bbcount::parse_csv;
 use kpin_tool_bbcount::report::{BbcountSummary, HotBlock};
 use vmm::diag::kernel_symbols::KernelSymbols;
@@ -153,18 +153,6 @@ fn test_linux_boots_with_the_distribution_command_line_and_default_mitigations()
     );
 }
 
-/// `counters.json` of a run.
-fn engine_counters(dir: &std::path::Path) -> serde_json::Value {
-    let text = std::fs::read_to_string(dir.join("counters.json")).expect("counters.json");
-    serde_json::from_str(&text).expect("counters.json is JSON")
-}
-
-fn field(v: &serde_json::Value, path: &str) -> u64 {
-    v.pointer(path)
-        .and_then(serde_json::Value::as_u64)
-        .unwrap_or_else(|| panic!("no {path} in {v}"))
-}
-
 #[test]
 fn test_linux_under_insmix_counts_every_instruction_by_mnemonic() {
     require_kvm!();
@@ -176,16 +164,16 @@ fn test_linux_under_insmix_counts_every_instruction_by_mnemonic() {
     let rows = mix["mnemonics"].as_array().expect("mnemonics");
     let sum = |key: &str| {
         rows.iter()
-            .map(|r| field(r, &format!("/{key}")))
+            .map(|r| json_u64(r, &format!("/{key}")))
             .sum::<u64>()
     };
     let c = engine_counters(&dir);
     // The same relation as bbcount's: the tool's block counts, plus what the engine
     // emulated, minus what faults cut short, are the engine's own count.
     assert_eq!(
-        sum("kernel") + sum("user") + field(&c, "/guest_instructions/emulated")
-            - field(&c, "/guest_instructions/taken_back_after_faults"),
-        field(&c, "/guest_instructions/cpl0") + field(&c, "/guest_instructions/cpl3"),
+        sum("kernel") + sum("user") + json_u64(&c, "/guest_instructions/emulated")
+            - json_u64(&c, "/guest_instructions/taken_back_after_faults"),
+        json_u64(&c, "/guest_instructions/cpl0") + json_u64(&c, "/guest_instructions/cpl3"),
         "{c}"
     );
     assert!(sum("user") > 0 && sum("static_kernel") > 0, "{mix}");
@@ -240,8 +228,8 @@ fn test_linux_under_cachesim_fetches_follow_the_engines_instruction_count() {
         .unwrap_or_else(|l| panic!("line {l}:\n{text}"));
     let c = engine_counters(&dir);
     let engine = [
-        field(&c, "/guest_instructions/cpl0"),
-        field(&c, "/guest_instructions/cpl3"),
+        json_u64(&c, "/guest_instructions/cpl0"),
+        json_u64(&c, "/guest_instructions/cpl3"),
     ];
     assert_eq!(sim.unresolved, 0, "records without a PA: {sim:?}");
     // One fetch per instruction the engine counted — nearly: a few dozen of ~2.9 G

@@ -6,12 +6,13 @@
 //! engine's own instruction count and the body of `known_loop_1000`
 //! runs exactly 1000 times.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use iced_x86::{Decoder, DecoderOptions, FlowControl};
 use kpin_tests::{
-    compare_minikernel_transcript, minikernel_elf, minikernel_expected, require_kvm, run_minikernel,
+    compare_minikernel_transcript, engine_counters, json_u64, minikernel_elf, minikernel_expected,
+    require_kvm, run_minikernel,
 };
 use kpin_tool_bbcount::{parse_csv, Row};
 use vmm::symbols::Symbols;
@@ -21,17 +22,6 @@ use vmm::{Outcome, RunReport};
 /// console, `engine.log` and the output directory.
 fn run_instrumented(name: &str, tool: &str) -> (RunReport, String, String, PathBuf) {
     run_minikernel(name, "", Some(tool), Duration::from_secs(300))
-}
-
-fn counters(dir: &Path) -> serde_json::Value {
-    let text = std::fs::read_to_string(dir.join("counters.json")).expect("counters.json");
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("counters.json: {e}\n{text}"))
-}
-
-fn counter(c: &serde_json::Value, path: &str) -> u64 {
-    c.pointer(path)
-        .and_then(serde_json::Value::as_u64)
-        .unwrap_or_else(|| panic!("no {path} in {c}"))
 }
 
 #[test]
@@ -49,37 +39,37 @@ fn test_minikernel_under_null_tool_prints_every_step_of_expected_txt() {
         Ok(n) => panic!("{n} step(s) skipped under the engine\n{console}"),
         Err(e) => panic!("{e}\nconsole:\n{console}\nengine log:\n{log}"),
     }
-    let c = counters(&dir);
+    let c = engine_counters(&dir);
     println!(
         "mini-kernel under --tool null: {:.2} s\n{}",
         report.wall.as_secs_f64(),
         serde_json::to_string_pretty(&c).unwrap()
     );
     // Steps 10, 12, 15-18 run code at virtual CPL 3; everything else at CPL 0.
-    assert!(counter(&c, "/guest_instructions/cpl0") > 0, "{c}");
-    assert!(counter(&c, "/guest_instructions/cpl3") > 0, "{c}");
+    assert!(json_u64(&c, "/guest_instructions/cpl0") > 0, "{c}");
+    assert!(json_u64(&c, "/guest_instructions/cpl3") > 0, "{c}");
     // Step 08 (10 ticks), 14 (1) and 16 (3 at CPL 3) take timer interrupts.
-    assert!(counter(&c, "/events/interrupts_delivered") >= 14, "{c}");
+    assert!(json_u64(&c, "/events/interrupts_delivered") >= 14, "{c}");
     // Steps 03-06, 12 and 15 take exceptions (#DE, #UD, 2 #GP, #PF, user #PF x2, 4 #GP).
-    assert!(counter(&c, "/events/exceptions_delivered") >= 10, "{c}");
+    assert!(json_u64(&c, "/events/exceptions_delivered") >= 10, "{c}");
     // Step 13 patches code it has run through an alias.
-    assert!(counter(&c, "/smc/frames_invalidated") >= 1, "{c}");
-    assert!(counter(&c, "/shadow/fills") > 0, "{c}");
-    assert!(counter(&c, "/gate_calls") > 0, "{c}");
+    assert!(json_u64(&c, "/smc/frames_invalidated") >= 1, "{c}");
+    assert!(json_u64(&c, "/shadow/fills") > 0, "{c}");
+    assert!(json_u64(&c, "/gate_calls") > 0, "{c}");
     // The cycle profile: exclusive activities that add up to its total, with entries
     // that match the counters they mirror.
-    let total = counter(&c, "/profile/total_cycles");
+    let total = json_u64(&c, "/profile/total_cycles");
     let rows = c["profile"].as_object().expect("profile object");
     let sum: u64 = rows
         .values()
         .filter_map(|v| v.get("cycles").and_then(serde_json::Value::as_u64))
         .sum();
     assert_eq!(sum, total, "{c}");
-    assert!(counter(&c, "/profile/translated_code/cycles") > 0, "{c}");
-    assert!(counter(&c, "/profile/emulate_port_i_o/count") > 0, "{c}");
+    assert!(json_u64(&c, "/profile/translated_code/cycles") > 0, "{c}");
+    assert!(json_u64(&c, "/profile/emulate_port_i_o/count") > 0, "{c}");
     assert_eq!(
-        counter(&c, "/profile/page_fault_write_to_a_code_frame_smc/count"),
-        counter(&c, "/shadow/write_protect_faults"),
+        json_u64(&c, "/profile/page_fault_write_to_a_code_frame_smc/count"),
+        json_u64(&c, "/shadow/write_protect_faults"),
         "{c}"
     );
     let table = std::fs::read_to_string(dir.join("profile.txt")).expect("profile.txt");
@@ -120,12 +110,13 @@ fn test_minikernel_bbcount_sums_to_engine_count_and_counts_known_loop_exactly() 
     // Two counting mechanisms agree: bbcount's block counters (inserted by the tool)
     // and the engine's own per-mode count, which also counts the sensitive instructions
     // it emulated and takes back what a fault cut short of a counted block.
-    let c = counters(&dir);
+    let c = engine_counters(&dir);
     let blocks: u64 = rows
         .iter()
         .map(|r| u64::from(r.instructions) * r.count)
         .sum();
-    let engine = counter(&c, "/guest_instructions/cpl0") + counter(&c, "/guest_instructions/cpl3");
+    let engine =
+        json_u64(&c, "/guest_instructions/cpl0") + json_u64(&c, "/guest_instructions/cpl3");
     assert!(blocks > 0, "{c}");
     // Both virtual CPLs have counted blocks (steps 10, 12, 15-18 run user code).
     for cpl in [0, 3] {
@@ -135,8 +126,8 @@ fn test_minikernel_bbcount_sums_to_engine_count_and_counts_known_loop_exactly() 
         );
     }
     assert_eq!(
-        blocks + counter(&c, "/guest_instructions/emulated")
-            - counter(&c, "/guest_instructions/taken_back_after_faults"),
+        blocks + json_u64(&c, "/guest_instructions/emulated")
+            - json_u64(&c, "/guest_instructions/taken_back_after_faults"),
         engine,
         "bbcount's blocks and the engine's count disagree\n{c}"
     );

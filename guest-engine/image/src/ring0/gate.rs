@@ -58,15 +58,9 @@ global_asm!(
     .pushsection .text, "ax"
     // Stack: error code, RIP, CS, RFLAGS, RSP, SS. First the caller: the return address
     // the `call kpin_gate` pushed must lie in the engine's .text (a bad RSP faults here,
-    // at ring 0, and that fault is reported like any other).
-    // LOAD_CR3 through its own `hlt` (`kpin_gate_cr3`): the same caller check, then a
-    // shadow-table root (page-aligned, no PCD/PWT: a misaligned value rotates out of
-    // range) is loaded at once; anything else takes the full check below. Each ring-0
-    // instruction is emulated here (~0.5 µs on a Zen 5 host, against ~14 µs for the
-    // #GP and the `iretq`), and a boot makes ~85 000 of these loads: this path runs 20
-    // instructions where the general one ran 32.
-    .global kpin_gate_cr3_entry
-kpin_gate_cr3_entry:
+    // at ring 0, and that fault is reported like any other); then the error code goes and
+    // the saved RIP steps past the `hlt`.
+    .macro kpin_gate_caller_check
     mov rdx, [rsp + 32]
     mov rdx, [rdx]
     lea rcx, [rip + __image_start]
@@ -75,6 +69,17 @@ kpin_gate_cr3_entry:
     jae 90f
     add rsp, 8
     add qword ptr [rsp], 1
+    .endm
+
+    // LOAD_CR3 through its own `hlt` (`kpin_gate_cr3`): the same caller check, then a
+    // shadow-table root (page-aligned, no PCD/PWT: a misaligned value rotates out of
+    // range) is loaded at once; anything else takes the full check below. Each ring-0
+    // instruction is emulated here (~0.5 µs on a Zen 5 host, against ~14 µs for the
+    // #GP and the `iretq`), and a boot makes ~85 000 of these loads: this path runs 20
+    // instructions where the general one ran 32.
+    .global kpin_gate_cr3_entry
+kpin_gate_cr3_entry:
+    kpin_gate_caller_check
     mov rdx, rdi
     sub rdx, [rip + kpin_gate_stolen_base]
     sub rdx, {shadow_lo}
@@ -86,14 +91,7 @@ kpin_gate_cr3_entry:
 
     .global kpin_gate_entry
 kpin_gate_entry:
-    mov rdx, [rsp + 32]
-    mov rdx, [rdx]
-    lea rcx, [rip + __image_start]
-    sub rdx, rcx
-    cmp rdx, offset __kpin_text_len
-    jae 90f
-    add rsp, 8
-    add qword ptr [rsp], 1
+    kpin_gate_caller_check
     cmp rax, {op_nop}
     je 20f
     cmp rax, {op_out8}
