@@ -61,6 +61,17 @@ impl Engine {
         insertions
     }
 
+    /// The embedder completed the sensitive instruction the platform stopped on
+    /// (`Emulation::Stop`: a CR3 write or `invlpg` whose shadow work only the run loop
+    /// can hand to the translator): it counts as executed, in the mode it ran in, and a
+    /// tool that records fetches gets its fetch record. Call before the mode or RIP
+    /// changes. (Without this, the ~21 000 CR3 writes and `invlpg`s of a Linux boot were
+    /// counted nowhere, by the engine or by cachesim.)
+    pub fn complete_stopped_emulation(&mut self, tool: &mut dyn crate::instrument::Tool) {
+        Self::deliver_fetch(tool, self.held_fetch.take());
+        self.count_emulated();
+    }
+
     /// Counts one emulated sensitive instruction in the current mode.
     pub(crate) fn count_emulated(&mut self) {
         if self.insn_counters.is_some() {

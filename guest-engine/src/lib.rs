@@ -26,6 +26,7 @@ mod link;
 pub mod native;
 pub mod platform;
 pub mod profile;
+mod records;
 pub mod recover;
 pub mod shadow_mmu;
 mod softtlb;

@@ -246,7 +246,10 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
         }
         match stop {
             Stop::Sensitive(insn) => match vcpu.take_stop() {
-                Some(VcpuStop::ShadowWork { resume }) => engine.set_rip(resume),
+                Some(VcpuStop::ShadowWork { resume }) => {
+                    engine.complete_stopped_emulation(tool.as_tool());
+                    engine.set_rip(resume);
+                }
                 Some(VcpuStop::FinalPortWrite { port, size, value }) => {
                     report(&engine, &vcpu, &shadow, &mut tool, cycles);
                     log!(
