@@ -252,9 +252,17 @@ fn test_attach_detach_attach_on_the_native_minikernel_counts_each_window_exactly
         loop {
             let s = request(&dir, &Request::Status).expect("status");
             assert_eq!(s.state.as_deref(), Some("attached"), "{s:?}");
-            if s.guest_marks == Some(window) {
-                assert!(s.guest_instructions.unwrap_or(0) >= 1000 * 6, "{s:?}");
+            // The live count is published from the engine's run loop, which the mark's
+            // port exit does not pass through: it may trail the mark until the loop
+            // next turns (the guest's next interrupt), so wait for it a little.
+            if s.guest_marks == Some(window) && s.guest_instructions.unwrap_or(0) >= 1000 * 6 {
                 break;
+            }
+            if s.guest_marks == Some(window) {
+                assert!(
+                    start.elapsed() < Duration::from_secs(120),
+                    "mark {window} but the live count stays below the loop's 6000: {s:?}"
+                );
             }
             assert!(
                 start.elapsed() < Duration::from_secs(120),
