@@ -239,7 +239,34 @@ impl Hierarchy {
     /// One reference of `size` bytes at physical address `addr` by `who`; every line it
     /// touches is accessed in turn. Returns the line accesses that missed the L1 the
     /// reference started at and were counted (0 during the warmup and past `sim_refs`).
+    #[inline]
     pub fn access(&mut self, addr: u64, size: u32, kind: Kind, who: usize) -> u64 {
+        // Most references touch one line, the one their L1 saw last (a fetch after a
+        // fetch in the same line): a hit that changes nothing else (`Cache::last`). This
+        // path is inlined into the feed loop; everything else takes `access_lines`.
+        if self.warmup_left == 0 && self.sim_left.is_none() {
+            let first = addr >> self.line_shift;
+            let last = addr.saturating_add(u64::from(size.max(1)) - 1) >> self.line_shift;
+            let leaf = match kind {
+                Kind::Fetch => self.fetch_leaf,
+                Kind::Read | Kind::Write => self.data_leaf,
+            };
+            let c = &mut self.caches[leaf];
+            if first == last && c.last == first + 1 {
+                c.stats.hits[who] += 1;
+                match kind {
+                    Kind::Fetch => self.fetch_refs[who] += 1,
+                    Kind::Read | Kind::Write => self.data_refs[who] += 1,
+                }
+                return 0;
+            }
+        }
+        self.access_lines(addr, size, kind, who)
+    }
+
+    /// [`Hierarchy::access`] past its same-line shortcut.
+    #[inline(never)]
+    fn access_lines(&mut self, addr: u64, size: u32, kind: Kind, who: usize) -> u64 {
         let measuring = self.warmup_left == 0;
         if measuring {
             match &mut self.sim_left {
@@ -261,15 +288,6 @@ impl Hierarchy {
             Kind::Fetch => self.fetch_leaf,
             Kind::Read | Kind::Write => self.data_leaf,
         };
-        // Most references touch one line, the one their L1 saw last (a fetch after a
-        // fetch in the same line): a hit that changes nothing else (`Cache::last`).
-        if first == last && self.warmup_left == 0 {
-            let c = &mut self.caches[leaf];
-            if c.last == first + 1 {
-                c.stats.hits[who] += 1;
-                return 0;
-            }
-        }
         let mut leaf_misses = 0;
         for line in first..=last {
             let mut at = Some(leaf);
