@@ -92,6 +92,8 @@ impl CodeCache {
         // IBL tables and return caches, zero counters, initial XSAVE headers = init
         // state; the SoftTLB empties its own table).
         unsafe { core::ptr::write_bytes(base, 0, TRACES_OFFSET) };
+        // SAFETY: the context lies at the region's start (just zeroed, writable).
+        unsafe { (*base.cast::<CacheContext>()).zone_bounds = crate::arch::zone_bounds() };
         let ctx = CtxAddrs::new(base as u64);
         let xs = save_xstate.then(|| XsaveAreas {
             guest: base as u64 + XSAVE_GUEST_OFFSET as u64,

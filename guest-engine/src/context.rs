@@ -120,7 +120,23 @@ pub struct CacheContext {
     /// The lane address that check tested last (0 until its first lane): a lane in the
     /// reserved zone when the check trapped.
     pub vsib_lane: u64,
+    /// The gather/scatter's mask as its check stored it: the AVX2 mask vector register,
+    /// or the AVX-512 opmask in the first word (masked-off lanes are not checked).
+    pub vsib_mask: [u64; 4],
+    /// Constant bounds the isolation checks compare base registers with (`cmp reg,
+    /// [bound]`, no scratch register): `[lo, hi)` of the bases whose plain check hits,
+    /// then of those whose wide check hits (`arch::x86_64::isolate`).
+    pub zone_bounds: [u64; 4],
+    /// The memory operand of an instruction run redirected (`redirect.rs`): its bytes,
+    /// the first at the operand address's offset modulo 64.
+    pub redirect_data: RedirectData,
 }
+
+/// 128 bytes aligned like a cache line, so that an operand placed at its address modulo
+/// 64 keeps its alignment (alignment checks behave as at the guest address).
+#[derive(Clone, Copy, Debug)]
+#[repr(C, align(64))]
+pub struct RedirectData(pub [u8; 128]);
 
 // The context must stay below the guest XSAVE area that follows it in the cache region.
 const _: () = assert!(core::mem::size_of::<CacheContext>() <= crate::layout::XSAVE_GUEST_OFFSET);

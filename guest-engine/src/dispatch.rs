@@ -12,12 +12,13 @@
 //! the current mode's tables. The dispatcher caches no VA → PA translation of its own:
 //! every lookup asks `GuestMemory::translate`.
 
+use alloc::collections::BTreeSet;
 use alloc::vec::Vec;
 
 use crate::addr::{CachePc, GuestPhys, GuestVirt};
 use crate::arch::x86_64::entry::{
     split_exit_word, EXIT_ANALYSIS_CALL, EXIT_ATTENTION, EXIT_BUFFER_FULL, EXIT_DIRECT, EXIT_FAULT,
-    EXIT_IBL_MISS, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
+    EXIT_HOIST_MISS, EXIT_IBL_MISS, EXIT_KINDS, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
 };
 use crate::arch::{cache_enter, decode_trace, translate_trace, EmitEnv, ExitSpec, Scratch};
 use crate::code_cache::CodeCache;
@@ -113,7 +114,7 @@ pub struct Stats {
     /// Of them, flushes for `Config::memory_pressure`.
     pub pressure_flushes: u64,
     /// Exits by kind (index = exit code).
-    pub exits: [u64; 8],
+    pub exits: [u64; EXIT_KINDS],
     /// Direct links made.
     pub links: u64,
     /// Nanoseconds spent translating (if a clock was configured).
@@ -168,6 +169,9 @@ pub struct Engine {
     pub(crate) buffer: Vec<MemRecord>,
     /// The fetch record of the instruction the platform last stopped on (`insn_count.rs`).
     pub(crate) held_fetch: Option<MemRecord>,
+    /// Traces (start, mode) whose hoisted isolation checks hit once: built without
+    /// hoisting from then on.
+    pub(crate) no_hoist: BTreeSet<(u64, u32)>,
     pub(crate) rip: GuestVirt,
     pub(crate) stats: Stats,
     pub(crate) scratch: Scratch,
@@ -216,6 +220,7 @@ impl Engine {
             recent_n: 0,
             buffer: alloc::vec![MemRecord::default(); records],
             held_fetch: None,
+            no_hoist: BTreeSet::new(),
             rip: GuestVirt(0),
             stats: Stats::default(),
             scratch: Scratch::new(),
@@ -384,6 +389,7 @@ impl Engine {
                 exit_base: self.cache.exits.len() as u32,
                 record_bits: u32::from(mode.cpl()) << access::CPL_SHIFT,
                 isolate: self.config.isolate,
+                hoist: !self.no_hoist.contains(&(va.0, mode.0)),
             };
             let tr = translate_trace(&decoded, &insertions, &calls, &env, &mut self.scratch)
                 .map_err(Stop::Error)?;
@@ -419,6 +425,7 @@ impl Engine {
                     call,
                     resume: at(resume_off),
                 },
+                ExitSpec::HoistMiss => ExitKind::HoistMiss,
             };
             self.cache.exits.push(ExitRecord { fragment: id, kind });
         }
@@ -432,6 +439,7 @@ impl Engine {
             ret_entry: at(tr.ret_entry),
             entry: at(tr.entry),
             body: at(tr.body),
+            loop_entry: tr.loop_entry.map(at),
             marks: tr.marks,
             calls,
             incoming: Vec::new(),
@@ -677,6 +685,14 @@ impl Engine {
                     self.deliver_buffer(mem, unsafe { &mut **tp });
                     Next::Enter(resume)
                 }
+                (EXIT_HOIST_MISS, ExitKind::HoistMiss) => {
+                    // Rare (a guest base register near the zone): the trace is built
+                    // again without hoisting, where the check names the instruction.
+                    self.rip = frag_start;
+                    self.no_hoist.insert((frag_start.0, self.mode.0));
+                    self.drop_fragment(rec.fragment);
+                    Next::Lookup
+                }
                 (EXIT_ANALYSIS_CALL, ExitKind::Call { call, resume }) => {
                     let routine = self.eval_args(mem, platform, rec.fragment, call, &mut args);
                     // SAFETY: see the top of `run_inner`.
@@ -686,6 +702,15 @@ impl Engine {
                 _ => return Stop::Error(EngineError::ExitKindMismatch { kind, index: idx }),
             };
         }
+    }
+
+    /// Drops fragment `id` from lookup and undoes the links into it.
+    fn drop_fragment(&mut self, id: u32) {
+        let f = &self.cache.fragments[id as usize];
+        let key = (f.start.0, f.pa.0, f.mode.0);
+        self.cache.by_key.remove(&key);
+        self.unlink_incoming(id);
+        self.cache.clear_lookups();
     }
 
     /// The guest wrote to (or unmapped) the code frame `pa_page`: every fragment translated

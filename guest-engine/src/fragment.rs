@@ -22,6 +22,8 @@ pub(crate) struct Fragment {
     pub ret_entry: CachePc,
     pub entry: CachePc,
     pub body: CachePc,
+    /// Where a link of the trace's own back edge enters (past its hoisted checks).
+    pub loop_entry: Option<CachePc>,
     pub marks: Vec<MapMark>,
     pub calls: Vec<CallSpec>,
     /// Exit records currently linked to this fragment (undone by `unlink_incoming`).
@@ -49,6 +51,8 @@ pub(crate) enum ExitKind {
     BufferFull { resume: CachePc },
     /// Analysis call `call` of the fragment.
     Call { call: usize, resume: CachePc },
+    /// A check hoisted to the fragment's top hit.
+    HoistMiss,
 }
 
 /// One exit of one fragment.

@@ -64,6 +64,9 @@ pub const COUNTERS_OFFSET: usize = SOFTTLB_OFFSET + SOFTTLB_BYTES;
 pub const GENCODE_OFFSET: usize = COUNTERS_OFFSET + COUNTER_SLOTS * 8;
 /// Bytes reserved for the generated routines.
 pub const GENCODE_BYTES: usize = 4096;
+/// Bytes at the end of the generated routines' area where `Engine::run_redirected`
+/// writes the one instruction it runs.
+pub const REDIRECT_CODE_BYTES: usize = 64;
 /// Offset of the first trace.
 pub const TRACES_OFFSET: usize = GENCODE_OFFSET + GENCODE_BYTES;
 /// Smallest usable region: the fixed part (about 3.6 MiB) plus 64 KiB of traces.

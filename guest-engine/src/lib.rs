@@ -50,7 +50,7 @@ pub use recover::{FaultRedirect, Recovered};
 pub mod exit_code {
     pub use crate::arch::x86_64::entry::{
         exit_word, EXIT_ANALYSIS_CALL, EXIT_ATTENTION, EXIT_BUFFER_FULL, EXIT_DIRECT, EXIT_FAULT,
-        EXIT_IBL_MISS, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
+        EXIT_HOIST_MISS, EXIT_IBL_MISS, EXIT_KINDS, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
     };
 }
 

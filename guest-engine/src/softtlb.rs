@@ -133,10 +133,16 @@ pub(crate) fn emit_pa_check(
     a.emit_unspill(reg::RDX);
 }
 
-/// Where a link from `src` to `dst` enters `dst`: its `entry` when both lie on the same
+/// Where a link from `src` to `dst` enters `dst`: its `loop_entry` for its own back edge
+/// if it has one (past the checks hoisted to its top); its `entry` when both lie on the same
 /// VA page and frame (a fragment that runs proves its page's mapping, so the target's
 /// holds too), else its `checked_entry`.
 pub(crate) fn link_target(src: &Fragment, dst: &Fragment) -> CachePc {
+    if src.base == dst.base {
+        if let Some(l) = dst.loop_entry {
+            return l;
+        }
+    }
     let same_page = src.start.page() == dst.start.page() && src.pa.page() == dst.pa.page();
     if same_page {
         dst.entry

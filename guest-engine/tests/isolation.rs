@@ -262,10 +262,18 @@ fn test_user_and_kernel_accesses_to_the_window_and_physmap_trap_before_touching_
             }
         );
 
-        // vpgatherdd ymm0, [rdi + ymm1*4], ymm2 with RDI at the physmap: every lane
-        // (within ±2^33 bytes of the base, whatever YMM1 holds) lies in the zone.
+        // vpgatherdd ymm0, [rdi + ymm1*4], ymm2 with RDI at the physmap and every lane
+        // enabled: every lane (within ±2^33 bytes of the base, whatever YMM1 holds) lies
+        // in the zone.
         if std::arch::is_x86_feature_detected!("avx2") {
-            use iced_x86::{Code, Encoder, Instruction, MemoryOperand, Register};
+            use iced_x86::{Code, Instruction, MemoryOperand, Register};
+            let ones = Instruction::with3(
+                Code::VEX_Vpcmpeqd_ymm_ymm_ymmm256,
+                Register::YMM2,
+                Register::YMM2,
+                Register::YMM2,
+            )
+            .unwrap();
             let g = Instruction::with3(
                 Code::VEX_Vpgatherdd_ymm_vm32y_ymm,
                 Register::YMM0,
@@ -273,12 +281,11 @@ fn test_user_and_kernel_accesses_to_the_window_and_physmap_trap_before_touching_
                 Register::YMM2,
             )
             .unwrap();
-            let mut enc = Encoder::new(64);
-            enc.encode(&g, base).unwrap();
-            let mut code = enc.take_buffer();
+            let pc = base + encode_at(&[ones], base).len() as u64;
+            let mut code = encode_at(&[ones, g], base);
             jmp(&mut code, base, exit);
-            expect_hit(c.run(&code, &[(Gpr::Rdi, PHYSMAP_VA)]), base);
-            let hit = c.classify(base);
+            expect_hit(c.run(&code, &[(Gpr::Rdi, PHYSMAP_VA)]), pc);
+            let hit = c.classify(pc);
             assert!(
                 matches!(hit, IsolationFault::Zone { addr, access: access::READ }
                     if (0xffff_8000_0000_0000..0xffff_8200_0000_0000).contains(&addr)),
@@ -654,5 +661,270 @@ fn test_dword_index_gathers_check_every_lane() {
             };
             assert_eq!(got[4 * k..4 * k + 4], want, "lane {k}");
         }
+    }
+}
+
+#[test]
+fn test_masked_off_gather_lanes_never_trap() {
+    // A lane whose mask is off accesses nothing on a real CPU, wherever it points: it
+    // must not trap, while the same lane enabled does. AVX2 (mask vector, qword and dword
+    // elements) and, where the host has it, AVX-512 (opmask).
+    use iced_x86::{Code, Instruction, MemoryOperand, Register};
+    if !std::arch::is_x86_feature_detected!("avx2") {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let at = |r, d| MemoryOperand::with_base_displ(r, d);
+    let vload = |v, d| Instruction::with2(Code::VEX_Vmovdqu_ymm_ymmm256, v, at(Register::RSI, d));
+    let mut c = Case::new(Mode::USER);
+    let base = c.block.addr();
+    let data = base + 0x800;
+    let exit = base + 0x10_0000;
+    let put = |c: &mut Case, off: usize, words: &[u64]| {
+        for (k, w) in words.iter().enumerate() {
+            c.block.slice()[off + 8 * k..off + 8 * k + 8].copy_from_slice(&w.to_le_bytes());
+        }
+    };
+    // Lanes at 0xC00 (index register), mask at 0xA00.
+    put(&mut c, 0xC00, &[0, 8, WINDOW_VA.wrapping_sub(data), 16]);
+    put(&mut c, 0x800, &[0xA0, 0xA1, 0xA2, 0xA3]);
+    let qq = Instruction::with3(
+        Code::VEX_Vpgatherqq_ymm_vm64y_ymm,
+        Register::YMM0,
+        MemoryOperand::with_base_index_scale(Register::RDI, Register::YMM1, 1),
+        Register::YMM2,
+    )
+    .unwrap();
+    let lanes = vload(Register::YMM1, 0x400).unwrap();
+    let mask = vload(Register::YMM2, 0x200).unwrap();
+    let first =
+        Instruction::with2(Code::VEX_Vmovq_rm64_xmm, Register::RAX, Register::XMM0).unwrap();
+    let pc = base + encode_at(&[lanes, mask], base).len() as u64;
+    let mut code = encode_at(&[lanes, mask, qq, first], base);
+    jmp(&mut code, base, exit);
+    for (mask_words, traps) in [
+        ([!0u64, !0, 0, !0], false),
+        ([0, 0, 1 << 63, 0], true),
+        ([!0u64, !0, 0x7fff_ffff_ffff_ffff, !0], false),
+    ] {
+        put(&mut c, 0xA00, &mask_words);
+        let stop = c.run(&code, &[(Gpr::Rsi, data), (Gpr::Rdi, data)]);
+        if traps {
+            expect_hit(stop, pc);
+            assert_eq!(
+                c.classify(pc),
+                IsolationFault::Zone {
+                    addr: WINDOW_VA,
+                    access: access::READ
+                }
+            );
+        } else {
+            assert_eq!(
+                stop,
+                Stop::FetchFault(GuestVirt(exit)),
+                "mask {mask_words:x?}"
+            );
+            assert_eq!(c.rig.engine.regs().get(Gpr::Rax), 0xA0, "lane 0 loaded");
+        }
+    }
+
+    // vpgatherdd with RDI in the physmap: every lane is in the zone; all masked off, the
+    // gather runs (and loads nothing); one dword mask element on, it traps.
+    let dd = Instruction::with3(
+        Code::VEX_Vpgatherdd_ymm_vm32y_ymm,
+        Register::YMM0,
+        MemoryOperand::with_base_index_scale(Register::RDI, Register::YMM1, 4),
+        Register::YMM2,
+    )
+    .unwrap();
+    let pc = base + encode_at(&[lanes, mask], base).len() as u64;
+    let mut code = encode_at(&[lanes, mask, dd], base);
+    jmp(&mut code, base, exit);
+    put(&mut c, 0xA00, &[0, 0, 0, 0]);
+    let stop = c.run(&code, &[(Gpr::Rsi, data), (Gpr::Rdi, PHYSMAP_VA)]);
+    assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+    put(&mut c, 0xA00, &[0, 0, 0x8000_0000 << 32, 0]); // element 5
+    let stop = c.run(&code, &[(Gpr::Rsi, data), (Gpr::Rdi, PHYSMAP_VA)]);
+    expect_hit(stop, pc);
+
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // vpgatherqq zmm0{k1}, [rdi + zmm1]: lane 2 at the window; k1 from RBX.
+        put(
+            &mut c,
+            0xC00,
+            &[0, 8, WINDOW_VA.wrapping_sub(data), 16, 0, 8, 16, 24],
+        );
+        let zlanes = Instruction::with2(
+            Code::EVEX_Vmovdqu64_zmm_k1z_zmmm512,
+            Register::ZMM1,
+            at(Register::RSI, 0x400),
+        )
+        .unwrap();
+        let setk = Instruction::with2(Code::VEX_Kmovq_kr_r64, Register::K1, Register::RBX).unwrap();
+        let mut g = Instruction::with2(
+            Code::EVEX_Vpgatherqq_zmm_k1_vm64z,
+            Register::ZMM0,
+            MemoryOperand::with_base_index_scale(Register::RDI, Register::ZMM1, 1),
+        )
+        .unwrap();
+        g.set_op_mask(Register::K1);
+        let pc = base + encode_at(&[zlanes, setk], base).len() as u64;
+        let mut code = encode_at(&[zlanes, setk, g, first], base);
+        jmp(&mut code, base, exit);
+        let stop = c.run(
+            &code,
+            &[(Gpr::Rsi, data), (Gpr::Rdi, data), (Gpr::Rbx, 0xfb)],
+        );
+        assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+        assert_eq!(c.rig.engine.regs().get(Gpr::Rax), 0xA0, "lane 0 loaded");
+        let stop = c.run(
+            &code,
+            &[(Gpr::Rsi, data), (Gpr::Rdi, data), (Gpr::Rbx, 0x04)],
+        );
+        expect_hit(stop, pc);
+        assert_eq!(
+            c.classify(pc),
+            IsolationFault::Zone {
+                addr: WINDOW_VA,
+                access: access::READ
+            }
+        );
+    }
+}
+
+#[test]
+fn test_indexed_operands_check_base_wide_and_index_range() {
+    // `mov rax, [rbx + rcx*8]` with the status flags dead (the `add` after it): the base
+    // is checked wide once, the index against 2^31 at each use, a larger index through
+    // the full check out of line. Each way into the zone traps at the load with the
+    // registers as before it; an ordinary base and index load.
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    for mode in [Mode::USER, Mode::KERNEL] {
+        let mut c = Case::new(mode);
+        let base = c.block.addr();
+        let data = base + 0x800;
+        c.block.slice()[0x818..0x820].copy_from_slice(&0xFEEDu64.to_le_bytes());
+        let exit = base + 0x10_0000;
+        // mov rax, [rbx + rcx*8]; add rdx, 1
+        let mut code = vec![0x48, 0x8B, 0x04, 0xCB, 0x48, 0x83, 0xC2, 0x01];
+        jmp(&mut code, base, exit);
+        let stop = c.run(&code, &[(Gpr::Rbx, data), (Gpr::Rcx, 3), (Gpr::Rdx, 0)]);
+        assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+        assert_eq!(c.rig.engine.regs().get(Gpr::Rax), 0xFEED);
+        assert_eq!(c.rig.engine.regs().get(Gpr::Rdx), 1);
+
+        // The base in the window, a small index: the wide base check.
+        let stop = c.run(&code, &[(Gpr::Rbx, WINDOW_VA), (Gpr::Rcx, 3)]);
+        expect_hit(stop, base);
+        assert_eq!(c.rig.engine.regs().get(Gpr::Rcx), 3);
+        assert_eq!(
+            c.classify(base),
+            IsolationFault::Zone {
+                addr: WINDOW_VA + 24,
+                access: access::READ
+            }
+        );
+
+        // An ordinary base, an index reaching the physmap: the out-of-line full check.
+        let rcx = PHYSMAP_VA.wrapping_sub(data) / 8;
+        let stop = c.run(&code, &[(Gpr::Rbx, data), (Gpr::Rcx, rcx)]);
+        expect_hit(stop, base);
+        assert_eq!(c.rig.engine.regs().get(Gpr::Rcx), rcx, "RCX restored");
+        assert_eq!(
+            c.classify(base),
+            IsolationFault::Zone {
+                addr: data.wrapping_add(rcx * 8),
+                access: access::READ
+            }
+        );
+
+        // A base in the non-canonical hole just below the zone (the wide check hits):
+        // the access is non-canonical, #GP as on a real CPU.
+        let hole = 0xffff_8000_0000_0000 - (1 << 36);
+        expect_hit(c.run(&code, &[(Gpr::Rbx, hole), (Gpr::Rcx, 0)]), base);
+        assert_eq!(
+            c.classify(base),
+            IsolationFault::NonCanonical { addr: hole }
+        );
+        // A base in the physmap with an index that takes the access above the zone: the
+        // wide base check hits and the classifier names the base register.
+        let above = 0xffff_8200_0000_1000u64;
+        let rcx = (above - PHYSMAP_VA) / 8;
+        let stop = c.run(&code, &[(Gpr::Rbx, PHYSMAP_VA), (Gpr::Rcx, rcx)]);
+        expect_hit(stop, base);
+        assert_eq!(
+            c.classify(base),
+            IsolationFault::BaseInZone {
+                base: PHYSMAP_VA,
+                addr: above,
+                access: access::READ
+            }
+        );
+    }
+}
+
+#[test]
+fn test_self_looping_traces_hoist_checks_and_fall_back_on_a_hit() {
+    use guest_engine::exit_code::EXIT_HOIST_MISS;
+    // loop: mov rax, [rbx + rcx*8]; add rdx, rax; mov rsi, [rdi + 8]; add rcx, 1;
+    //       cmp rcx, 4; jb loop
+    // RBX and RDI are never written in the loop: their checks run once at the trace's
+    // top. Ordinary values: the loop sums four words. RBX or RDI in the zone: the hoisted
+    // check exits, the trace is built again without hoisting and the load traps there
+    // with the registers of the first iteration.
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let code_at = |base: u64| {
+        let mut code = vec![
+            0x48, 0x8B, 0x04, 0xCB, // mov rax, [rbx + rcx*8]
+            0x48, 0x01, 0xC2, // add rdx, rax
+            0x48, 0x8B, 0x77, 0x08, // mov rsi, [rdi + 8]
+            0x48, 0x83, 0xC1, 0x01, // add rcx, 1
+            0x48, 0x83, 0xF9, 0x04, // cmp rcx, 4
+            0x72, 0xEB, // jb loop
+        ];
+        jmp(&mut code, base, base + 0x10_0000);
+        code
+    };
+    let misses = |c: &Case| c.rig.engine.stats().exits[EXIT_HOIST_MISS as usize];
+    for (zone_reg, value, offset, addr) in [
+        (None, 0, 0, 0),
+        (Some(Gpr::Rbx), WINDOW_VA, 0, WINDOW_VA),
+        (Some(Gpr::Rdi), PHYSMAP_VA, 7, PHYSMAP_VA + 8),
+    ] {
+        // A fresh engine each time: once a trace's hoisted check hit, that trace is
+        // built without hoisting.
+        let mut c = Case::new(Mode::USER);
+        let base = c.block.addr();
+        let data = base + 0x800;
+        for k in 0..4u64 {
+            let at = 0x800 + 8 * k as usize;
+            c.block.slice()[at..at + 8].copy_from_slice(&(10 + k).to_le_bytes());
+        }
+        let mut regs = [
+            (Gpr::Rbx, data),
+            (Gpr::Rdi, data),
+            (Gpr::Rcx, 0),
+            (Gpr::Rdx, 0),
+        ];
+        let Some(r) = zone_reg else {
+            let stop = c.run(&code_at(base), &regs);
+            assert_eq!(stop, Stop::FetchFault(GuestVirt(base + 0x10_0000)));
+            assert_eq!(c.rig.engine.regs().get(Gpr::Rdx), 10 + 11 + 12 + 13);
+            assert_eq!(c.rig.engine.regs().get(Gpr::Rsi), 11);
+            assert_eq!(misses(&c), 0);
+            continue;
+        };
+        regs.iter_mut().find(|x| x.0 == r).unwrap().1 = value;
+        let at = base + offset;
+        expect_hit(c.run(&code_at(base), &regs), at);
+        assert_eq!(misses(&c), 1, "the hoisted check hit once");
+        assert_eq!(c.rig.engine.regs().get(Gpr::Rcx), 0, "first iteration");
+        assert_eq!(
+            c.classify(at),
+            IsolationFault::Zone {
+                addr,
+                access: access::READ
+            }
+        );
     }
 }

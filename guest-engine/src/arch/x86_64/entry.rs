@@ -41,6 +41,7 @@
 //! | 5    | `BUFFER_FULL`   | exit record            | memory-reference buffer full; resume at record's PC |
 //! | 6    | `ANALYSIS_CALL` | exit record            | call an analysis routine; resume at record's PC |
 //! | 7    | `FAULT`         | 0 (PC in `ctx.fault_pc`) | a fault handler redirected faulting cache code to the exit routine |
+//! | 8    | `HOIST_MISS`    | exit record            | a check hoisted to a self-looping trace's top found a register in the reserved zone |
 //!
 //! # Inline analysis calls
 //!
@@ -79,6 +80,10 @@ pub const EXIT_BUFFER_FULL: u32 = 5;
 pub const EXIT_ANALYSIS_CALL: u32 = 6;
 /// Exit kind: fault in cache code redirected to the exit routine.
 pub const EXIT_FAULT: u32 = 7;
+/// Exit kind: a hoisted isolation check hit (`isolate.rs`).
+pub const EXIT_HOIST_MISS: u32 = 8;
+/// Number of exit kinds.
+pub const EXIT_KINDS: usize = 9;
 
 /// Builds an exit word.
 pub const fn exit_word(kind: u32, index: u32) -> i32 {
@@ -113,6 +118,9 @@ pub(crate) struct CtxAddrs {
     pub tool: u64,
     pub vsib_lanes: u64,
     pub vsib_lane: u64,
+    pub vsib_mask: u64,
+    pub zone_bounds: u64,
+    pub redirect_data: u64,
 }
 
 impl CtxAddrs {
@@ -141,6 +149,9 @@ impl CtxAddrs {
             tool: o(offset_of!(CacheContext, tool)),
             vsib_lanes: o(offset_of!(CacheContext, vsib_lanes)),
             vsib_lane: o(offset_of!(CacheContext, vsib_lane)),
+            vsib_mask: o(offset_of!(CacheContext, vsib_mask)),
+            zone_bounds: o(offset_of!(CacheContext, zone_bounds)),
+            redirect_data: o(offset_of!(CacheContext, redirect_data)),
         }
     }
 }
@@ -240,7 +251,7 @@ pub(crate) unsafe fn emit_gencode(
 
     let (code, _) = a.finish().expect("gencode labels are all bound");
     assert!(
-        code.len() <= GENCODE_BYTES,
+        code.len() <= GENCODE_BYTES - crate::layout::REDIRECT_CODE_BYTES,
         "gencode exceeds its reserved area"
     );
     // SAFETY: the caller guarantees `at` is writable for GENCODE_BYTES bytes, and the

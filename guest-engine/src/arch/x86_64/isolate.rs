@@ -54,8 +54,9 @@ use iced_x86::{Mnemonic, OpAccess, OpKind, Register};
 
 use iced_x86::{Decoder, DecoderOptions, InstructionInfoFactory};
 
-use super::decode::{mem_operands, DecodedInsn};
+use super::decode::{mem_operands, Class, DecodedInsn, DecodedTrace};
 use super::emit::reg;
+use super::emit::Label;
 use super::mangle::{hw, Tx};
 use crate::addr::GuestVirt;
 use crate::context::{Gpr, GuestRegs};
@@ -75,6 +76,25 @@ pub const fn in_isolation_zone(va: u64) -> bool {
 /// Offset added to a base register before its check ([`BASE_CHECK_BIAS`] below Z and
 /// above it are then both caught or both safe for every elided displacement).
 pub const BASE_CHECK_BIAS: u64 = 0x7fff_0000;
+/// Offset added to a base register before its *wide* check (64 GiB): a base outside
+/// `[Z_START − WIDE, Z_END − WIDE)` keeps `base + off` out of slots 256–258 for every
+/// `off` in `[−448 GiB, 64 GiB)` (above, it lands at worst in the 512 GiB slot-259 guard).
+/// Used with an index register known to be small (below).
+pub const WIDE_BASE_CHECK_BIAS: u64 = 1 << 36;
+/// Largest index value (unsigned) of the index fast path: `index · scale ≤ 16 GiB`, so
+/// with `|disp| < 2 GiB` the operand lies within `[−2 GiB, 18 GiB)` of a wide-checked base.
+const SMALL_INDEX_MAX: i32 = 0x7fff_ffff;
+/// `CacheContext::zone_bounds`: the bases whose plain check hits, `[Z_START − BIAS, Z_END −
+/// BIAS)`, then those whose wide check hits.
+pub(crate) const fn zone_bounds() -> [u64; 4] {
+    [
+        ISOLATION_ZONE_START - BASE_CHECK_BIAS,
+        ISOLATION_ZONE_END - BASE_CHECK_BIAS,
+        ISOLATION_ZONE_START - WIDE_BASE_CHECK_BIAS,
+        ISOLATION_ZONE_END - WIDE_BASE_CHECK_BIAS,
+    ]
+}
+
 /// Largest displacement magnitude of an operand whose check is elided through its base
 /// register; the rest of the 2 GiB below `BASE_CHECK_BIAS` covers RSP's implicit drift
 /// in one trace (`MAX_TRACE_INSNS` pushes or pops).
@@ -86,6 +106,8 @@ const ELIDED_DISP_MAX: i64 = 0x7ffe_0000;
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct BaseState {
     checked: u16,
+    /// GPRs whose value plus [`WIDE_BASE_CHECK_BIAS`] was checked (implies `checked`).
+    checked_wide: u16,
     /// Checked `base + index*scale` expressions (base, index, scale), same rules.
     exprs: [Option<(Option<Gpr>, Gpr, u8)>; 4],
     next: usize,
@@ -111,8 +133,18 @@ impl BaseState {
         }
     }
 
+    fn has_wide(&self, base: Gpr) -> bool {
+        self.checked_wide & (1 << (base as u8)) != 0
+    }
+
+    fn add_wide(&mut self, base: Gpr) {
+        self.checked_wide |= 1 << (base as u8);
+        self.checked |= 1 << (base as u8);
+    }
+
     fn written(&mut self, mask: u16) {
         self.checked &= !mask;
+        self.checked_wide &= !mask;
         let hit = |r: Option<Gpr>| r.is_some_and(|r| mask & (1 << (r as u8)) != 0);
         for e in self.exprs.iter_mut() {
             if e.is_some_and(|(b, i, _)| hit(b) || hit(Some(i))) {
@@ -217,9 +249,44 @@ impl Tx<'_> {
                     }
                 }
                 (_, _, SegBase::Flat) if addr32 => {}
+                (b, Some(x), SegBase::Flat)
+                    if flags_dead
+                        && (-ELIDED_DISP_MAX..ELIDED_DISP_MAX).contains(&disp)
+                        && !bases.has(b, Some(x), m.scale) =>
+                {
+                    // The index fast path: the base checked wide (once per trace until
+                    // written), then per use only `cmp index, SMALL_INDEX_MAX; jbe ok`;
+                    // a larger index takes the full check of the expression.
+                    if let Some(b) = b.filter(|b| !bases.has_wide(*b)) {
+                        self.emit_base_bounds_check(b, 2, None);
+                        bases.add_wide(b);
+                    }
+                    // The slow path is out of line: the fast path falls through.
+                    let (slow, back) = (self.a.new_label(), self.a.new_label());
+                    let n = x as u8;
+                    self.a.bytes(&[0x48 | (n >> 3), 0x81, 0xF8 | (n & 7)]); // cmp x, imm32
+                    self.a.bytes(&SMALL_INDEX_MAX.to_le_bytes());
+                    self.a.jcc_label(0x7, slow); // ja slow
+                    self.a.bind(back);
+                    self.cold.push(ColdCheck {
+                        slow,
+                        back,
+                        operand: MemOperand {
+                            disp: BASE_CHECK_BIAS,
+                            ..*m
+                        },
+                        pc,
+                    });
+                    bases.add(b, Some(x), m.scale);
+                }
                 (b, x, SegBase::Flat) if (-ELIDED_DISP_MAX..ELIDED_DISP_MAX).contains(&disp) => {
                     let scale = if x.is_some() { m.scale } else { 1 };
-                    if !bases.has(b, x, scale) {
+                    if let (Some(b), None, true) = (b, x, flags_dead) {
+                        if !bases.has(Some(b), None, 1) {
+                            self.emit_base_bounds_check(b, 0, None);
+                            bases.add(Some(b), None, 1);
+                        }
+                    } else if !bases.has(b, x, scale) {
                         let biased = MemOperand {
                             scale,
                             disp: BASE_CHECK_BIAS,
@@ -234,6 +301,18 @@ impl Tx<'_> {
             }
         }
         bases.written(written_gprs(self, d));
+        Ok(())
+    }
+
+    /// The out-of-line slow paths (`self.cold`): each the full check of its operand, then
+    /// back to the instruction.
+    pub(super) fn emit_cold_checks(&mut self) -> Result<(), EngineError> {
+        for c in core::mem::take(&mut self.cold) {
+            self.a.bind(c.slow);
+            self.a.mark_guest(c.pc);
+            self.emit_zone_check(&c.operand, c.pc, true)?;
+            self.a.jmp_label(c.back);
+        }
         Ok(())
     }
 
@@ -283,8 +362,9 @@ impl Tx<'_> {
     /// `vmovdqu`, or EVEX `vmovdqu64` for ZMM and registers 16–31), and each lane's
     /// address to `ctx.vsib_lane` before its test, so that `classify_fault` learns the
     /// lane that trapped; `ctx.vsib_lane` is zeroed first (a #UD of the store itself is the
-    /// guest's: the gather would raise it too). Masked-off lanes are checked as well (a
-    /// conservative hit). Flag-free. With 32-bit addressing and no segment base, lanes
+    /// guest's: the gather would raise it too). The mask (AVX2 vector or AVX-512 opmask)
+    /// is stored to `ctx.vsib_mask` too and a masked-off lane's address becomes 0 before
+    /// its test: it accesses nothing, so it never traps. Flag-free (`cqo`, `pext`: BMI2). With 32-bit addressing and no segment base, lanes
     /// lie below 4 GiB: no check.
     fn emit_vsib_check(
         &mut self,
@@ -310,6 +390,24 @@ impl Tx<'_> {
             vector_store(index, ctx.vsib_lanes).ok_or(EngineError::Unsupported(GuestVirt(pc)))?;
         let bytes = self.encode(&store, pc)?;
         self.a.bytes(&bytes);
+        let mask = vsib_mask(i);
+        let store_mask = match mask {
+            LaneMask::Vector(r, _) => vector_store(r, ctx.vsib_mask),
+            LaneMask::Opmask(k) => opmask_store(k, ctx.vsib_mask),
+            LaneMask::All => None,
+        };
+        if let Some(store) = store_mask {
+            let bytes = self.encode(&store, pc)?;
+            self.a.bytes(&bytes);
+        }
+        let pext = iced_x86::Instruction::with3(
+            iced_x86::Code::VEX_Pext_r64_r64_rm64,
+            Register::RCX,
+            Register::RCX,
+            Register::RDX,
+        )
+        .map_err(|_| EngineError::Encode(GuestVirt(pc)))?;
+        let pext = self.encode(&pext, pc)?;
         let base = i.memory_base();
         let scale_log2 = i.memory_index_scale().trailing_zeros() as u8;
         let disp = i.memory_displacement64() as i64 as i32;
@@ -347,6 +445,32 @@ impl Tx<'_> {
             }
             if seg.is_some() {
                 self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
+            }
+            // A masked-off lane accesses nothing: its address becomes 0 (flag-free: RDX =
+            // the lane's mask bit spread by `cqo`, then `pext rcx, rcx, rdx`).
+            let masked = match mask {
+                LaneMask::Vector(_, 8) => {
+                    self.a.mov_r_m(reg::RAX, ctx.vsib_mask + 8 * k as u64);
+                    true
+                }
+                LaneMask::Vector(..) => {
+                    self.a.movsxd_r_m(reg::RAX, ctx.vsib_mask + 4 * k as u64);
+                    true
+                }
+                LaneMask::Opmask(_) => {
+                    self.a.mov_r_m(reg::RAX, ctx.vsib_mask);
+                    // rorx rax, rax, k + 1: the lane's bit to bit 63.
+                    self.a
+                        .bytes(&[0xC4, 0xE3, 0xFB, 0xF0, 0xC0, (k as u8 + 1) & 63]);
+                    true
+                }
+                LaneMask::All => false,
+            };
+            if masked {
+                self.a.spill_quiet(reg::RDX);
+                self.a.bytes(&[0x48, 0x99]); // cqo
+                self.a.bytes(&pext);
+                self.a.unspill_quiet(reg::RDX);
             }
             self.a.unspill_quiet(reg::RAX);
             self.a.mov_m_r(ctx.vsib_lane, reg::RCX);
@@ -418,29 +542,226 @@ impl Tx<'_> {
         Ok(())
     }
 
+    /// The check of base register `b` with the status flags dead, against the bounds
+    /// `k` of `ctx.zone_bounds` (0: plain, `b + BASE_CHECK_BIAS`; 2: wide, `b +
+    /// WIDE_BASE_CHECK_BIAS`): two compares with the constant bounds, no scratch register:
+    /// `cmp b, [lo]; jb ok; cmp b, [hi]; jae ok; ud2 (or jmp hit); ok:`.
+    fn emit_base_bounds_check(&mut self, b: Gpr, k: u64, hit: Option<Label>) {
+        let bounds = self.env.ctx.zone_bounds + 8 * k;
+        let ok = self.a.new_label();
+        self.a.cmp_r_m(b as u8, bounds);
+        self.a.jcc8_label(0x2, ok); // jb
+        self.a.cmp_r_m(b as u8, bounds + 8);
+        self.a.jcc8_label(0x3, ok); // jae
+        match hit {
+            None => self.a.bytes(&[0x0F, 0x0B]), // ud2
+            Some(l) => {
+                self.a.jmp_label(l);
+            }
+        }
+        self.a.bind(ok);
+    }
+
     /// With the address in RCX (spilled): trap if it is in the zone, then unspill RCX.
     fn emit_zone_test(&mut self, flags_dead: bool) {
+        self.emit_zone_test_to(flags_dead, None);
+    }
+
+    /// [`Self::emit_zone_test`], a hit going to the exit stub `hit` if given.
+    fn emit_zone_test_to(&mut self, flags_dead: bool, hit: Option<Label>) {
         // The hit path restores RCX before its `ud2`, so that the guest state there is
         // the instruction's start with nothing spilled: the check needs no PC-map
         // entries of its own (its other instructions cannot fault; interrupts need no
         // recovery), which keeps the fragment tables — and heap-pressure flushes — small.
+        let skip = hit_tail_len(hit);
         if flags_dead {
             self.a.bytes(&[0x48, 0xC1, 0xE9, 0x29]); // shr rcx, 41
             self.a.bytes(&[0x81, 0xF9, 0xC0, 0xFF, 0x7F, 0x00]); // cmp ecx, 0x7fffc0
-            self.a.bytes(&[0x75, 0x09]); // jne ok
+            self.a.bytes(&[0x75, skip]); // jne ok
         } else {
             self.a.bytes(&[0xC4, 0xE3, 0xFB, 0xF0, 0xC9, 0x29]); // rorx rcx, rcx, 41
             self.a.bytes(&[0x0F, 0xB7, 0xC9]); // movzx ecx, cx
             self.a.bytes(&[0x8D, 0x89, 0x40, 0x00, 0xFF, 0xFF]); // lea ecx, [rcx - 0xffc0]
             self.a.bytes(&[0xE3, 0x02]); // jrcxz hit
-            self.a.bytes(&[0xEB, 0x09]); // jmp short ok
+            self.a.bytes(&[0xEB, skip]); // jmp short ok
         }
+        self.emit_hit_tail(hit);
+    }
+
+    /// `hit: unspill rcx; ud2 (or jmp to the stub); ok: unspill rcx` (the test before it
+    /// jumps [`hit_tail_len`] bytes ahead to `ok` when it passes).
+    fn emit_hit_tail(&mut self, hit: Option<Label>) {
         let at = self.a.offset();
-        self.a.unspill_quiet(reg::RCX); // hit: (7 bytes)
-        debug_assert_eq!(self.a.offset() - at, 7);
-        self.a.bytes(&[0x0F, 0x0B]); // ud2
+        self.a.unspill_quiet(reg::RCX); // hit:
+        match hit {
+            None => self.a.bytes(&[0x0F, 0x0B]), // ud2
+            Some(l) => {
+                self.a.jmp_label(l);
+            }
+        }
+        debug_assert_eq!(self.a.offset() - at, usize::from(hit_tail_len(hit)));
         self.a.unspill_quiet(reg::RCX); // ok:
     }
+
+    /// The checks of a trace that branches back to its own start, hoisted to its top
+    /// (`hoisted`, from [`hoistable`]): each such register keeps its value across
+    /// iterations, so one check per entry from outside covers them all (the back edge,
+    /// linked to the trace's `loop_entry`, skips them). A hit cannot name an instruction
+    /// here: it exits to `hit` (the dispatcher builds the trace again without hoisting,
+    /// where the check traps at the instruction). Marks the registers checked in `bases`.
+    pub(super) fn emit_hoisted_checks(
+        &mut self,
+        hoisted: Hoisted,
+        pc: u64,
+        bases: &mut BaseState,
+        hit: Label,
+    ) -> Result<(), EngineError> {
+        for b in Gpr::ALL {
+            let bit = 1u16 << (b as u8);
+            if hoisted.wide & bit != 0 {
+                self.emit_base_bounds_check(b, 2, Some(hit));
+                bases.add_wide(b);
+            } else if hoisted.narrow & bit != 0 && hoisted.flags_dead {
+                self.emit_base_bounds_check(b, 0, Some(hit));
+                bases.add(Some(b), None, 1);
+            } else if hoisted.narrow & bit != 0 {
+                let biased = MemOperand {
+                    base: Some(b),
+                    index: None,
+                    scale: 1,
+                    disp: BASE_CHECK_BIAS,
+                    seg: SegBase::Flat,
+                    size: 8,
+                    access: 0,
+                };
+                self.a.spill_quiet(reg::RCX);
+                self.emit_ea_rcx(&biased, pc)?;
+                self.emit_zone_test_to(hoisted.flags_dead, Some(hit));
+                bases.add(Some(b), None, 1);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Base registers whose checks a self-looping trace hoists to its top (bit = hardware
+/// number).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Hoisted {
+    /// Checked wide (bases of the index fast path).
+    wide: u16,
+    /// Checked as plain bases.
+    narrow: u16,
+    /// The status flags are dead at the trace's top.
+    flags_dead: bool,
+}
+
+impl Hoisted {
+    pub(super) fn any(&self) -> bool {
+        self.wide | self.narrow != 0
+    }
+}
+
+/// The base registers of elidable operands that no instruction of `t` up to its last
+/// branch back to its start writes (RSP's implicit adjustments count as writes here: they
+/// add up over iterations); `live` is the trace's flag liveness. Instructions after that
+/// branch run at most once per entry: their writes are tracked as usual (`BaseState`).
+pub(super) fn hoistable(tx: &mut Tx<'_>, t: &DecodedTrace, live: &[u32]) -> Hoisted {
+    let start = t.start.0;
+    let Some(last) = t.insns.iter().rposition(|d| {
+        matches!(d.class, Class::Jcc { target, .. } | Class::Jmp { target }
+            | Class::LoopLike { target } if target == start)
+    }) else {
+        return Hoisted::default();
+    };
+    let looped = &t.insns[..=last];
+    let mut written = 0u16;
+    for d in looped {
+        written |= written_gprs(tx, d);
+        if d.instr.stack_pointer_increment() != 0 {
+            written |= 1 << reg::RSP;
+        }
+    }
+    let (mut narrow, mut wide) = (0u16, 0u16);
+    for (k, d) in looped.iter().enumerate() {
+        let i = &d.instr;
+        if i.vsib().is_some() || bit_offset_register(i).is_some() || addressing_32(i) {
+            continue;
+        }
+        for m in t.info[k].mem.iter() {
+            let index = if i.mnemonic() == Mnemonic::Xlatb {
+                None
+            } else {
+                m.index
+            };
+            let disp = m.disp as i64;
+            if m.seg != SegBase::Flat || !(-ELIDED_DISP_MAX..ELIDED_DISP_MAX).contains(&disp) {
+                continue;
+            }
+            match (m.base, index) {
+                (Some(b), None) => narrow |= 1 << (b as u8),
+                (Some(b), Some(_)) if live[k] == 0 => wide |= 1 << (b as u8),
+                _ => {}
+            }
+        }
+    }
+    // The wide check needs the status flags dead at the top.
+    let flags_dead = live.first() == Some(&0);
+    if !flags_dead {
+        wide = 0;
+    }
+    wide &= !written;
+    narrow &= !written & !wide;
+    Hoisted {
+        wide,
+        narrow,
+        flags_dead,
+    }
+}
+
+/// The out-of-line slow path of an index fast-path check (status flags dead there).
+pub(super) struct ColdCheck {
+    slow: Label,
+    back: Label,
+    /// The operand with [`BASE_CHECK_BIAS`] as displacement.
+    operand: MemOperand,
+    /// The guest instruction.
+    pc: u64,
+}
+
+/// Bytes of [`Tx::emit_hit_tail`] up to `ok`.
+fn hit_tail_len(hit: Option<Label>) -> u8 {
+    7 + if hit.is_some() { 5 } else { 2 }
+}
+
+/// Which lanes of a gather/scatter access memory.
+#[derive(Clone, Copy, Debug)]
+enum LaneMask {
+    /// An AVX2 mask vector register and its element size in bytes (the sign bit of each
+    /// element enables its lane).
+    Vector(Register, usize),
+    /// An AVX-512 opmask register (bit k enables lane k).
+    Opmask(Register),
+    /// No mask (an EVEX form with k0, which raises #UD anyway).
+    All,
+}
+
+/// The mask of the gather/scatter `i`.
+fn vsib_mask(i: &iced_x86::Instruction) -> LaneMask {
+    if i.op_mask() != Register::None {
+        return LaneMask::Opmask(i.op_mask());
+    }
+    // VEX gathers: dest, memory, mask; the mask's elements are the gathered elements.
+    if i.op_count() == 3 && i.op2_kind() == OpKind::Register {
+        return LaneMask::Vector(i.op2_register(), i.memory_size().size());
+    }
+    LaneMask::All
+}
+
+/// `kmovq [target], k` (RIP-relative).
+fn opmask_store(k: Register, target: u64) -> Option<iced_x86::Instruction> {
+    let m = iced_x86::MemoryOperand::with_base_displ(Register::RIP, target as i64);
+    iced_x86::Instruction::with2(iced_x86::Code::VEX_Kmovq_m64_kr, m, k).ok()
 }
 
 /// `vmovdqu [target], index` (RIP-relative) for a VSIB index register: VEX for
@@ -594,7 +915,20 @@ pub fn classify_fault(
     for m in ops.iter() {
         let addr = m.effective_address(regs);
         let base = addr.wrapping_sub(m.disp);
+        // The index fast path checks the base register alone, wide.
+        let wide = m
+            .index
+            .and(m.base)
+            .map(|b| regs.get(b))
+            .filter(|b| in_isolation_zone(b.wrapping_add(WIDE_BASE_CHECK_BIAS)));
         if m.seg == SegBase::Flat && in_isolation_zone(base.wrapping_add(BASE_CHECK_BIAS)) {
+            return IsolationFault::BaseInZone {
+                base,
+                addr,
+                access: m.access,
+            };
+        }
+        if let (SegBase::Flat, Some(base)) = (m.seg, wide) {
             return IsolationFault::BaseInZone {
                 base,
                 addr,

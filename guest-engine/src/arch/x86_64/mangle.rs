@@ -28,10 +28,10 @@ use super::decode::{
 };
 use super::emit::{reg, Asm, Label, MapMark};
 use super::entry::{
-    emit_ibl_lookup, exit_word, CtxAddrs, Gencode, EXIT_ATTENTION, EXIT_DIRECT, EXIT_PA_MISMATCH,
-    EXIT_SENSITIVE,
+    emit_ibl_lookup, exit_word, CtxAddrs, Gencode, EXIT_ATTENTION, EXIT_DIRECT, EXIT_HOIST_MISS,
+    EXIT_PA_MISMATCH, EXIT_SENSITIVE,
 };
-use super::isolate::BaseState;
+use super::isolate::{hoistable, BaseState, Hoisted};
 use crate::addr::GuestVirt;
 use crate::error::EngineError;
 use crate::instrument::{Action, CallSpec, IPoint, Insertion, MemOperand};
@@ -66,6 +66,9 @@ pub(crate) struct EmitEnv {
     pub record_bits: u32,
     /// Check memory operands against the reserved zone (`isolate.rs`).
     pub isolate: bool,
+    /// Hoist the checks of registers a self-looping trace never writes to its top
+    /// (`isolate.rs`, `emit_hoisted_checks`).
+    pub hoist: bool,
 }
 
 /// An exit of a translated trace, before the dispatcher turns it into a record.
@@ -83,6 +86,8 @@ pub(crate) enum ExitSpec {
     BufferFull { resume_off: usize },
     /// Analysis call number `call` (index in the trace's call list); resume at `resume_off`.
     Call { call: usize, resume_off: usize },
+    /// A hoisted check at the top of a self-looping trace found a register in the zone.
+    HoistMiss,
 }
 
 /// A translated trace.
@@ -93,6 +98,9 @@ pub(crate) struct Translated {
     pub ret_entry: usize,
     pub entry: usize,
     pub body: usize,
+    /// Where the trace's own back edge enters when linked (attention check, then the
+    /// body past the hoisted checks), if it has one.
+    pub loop_entry: Option<usize>,
     pub exits: Vec<ExitSpec>,
     pub marks: Vec<MapMark>,
 }
@@ -111,6 +119,8 @@ pub(super) struct Tx<'e> {
     pub(super) exits: Vec<ExitSpec>,
     /// Direct exits whose patch offset is filled once the branch is emitted.
     pub(super) stubs: Vec<Stub>,
+    /// Out-of-line slow paths of isolation checks, emitted before the stubs.
+    pub(super) cold: Vec<super::isolate::ColdCheck>,
     pub(super) factory: &'e mut InstructionInfoFactory,
 }
 
@@ -480,6 +490,7 @@ pub(crate) fn translate_trace(
         calls,
         exits: Vec::with_capacity(8),
         stubs: Vec::with_capacity(8),
+        cold: Vec::new(),
         factory: &mut scratch.factory,
     };
     let live = flags_liveness(t);
@@ -492,9 +503,25 @@ pub(crate) fn translate_trace(
     tx.emit_ret_entry(start);
     tx.a.bind(entry_label);
     let entry = tx.a.offset();
-    tx.emit_attention_check(live[0] == 0, start);
-    let body = tx.a.offset();
     let mut bases = BaseState::default();
+    let hoisted = if env.isolate && env.hoist {
+        hoistable(&mut tx, t, &live)
+    } else {
+        Hoisted::default()
+    };
+    // A self-looping trace with hoisted checks: they come first (the dispatcher enters
+    // there too), the back edge enters at `loop_entry`, the attention check after them.
+    let (body, loop_entry) = if hoisted.any() {
+        let hit = tx.new_stub(EXIT_HOIST_MISS, ExitSpec::HoistMiss, 0, start);
+        tx.a.mark_guest(start);
+        tx.emit_hoisted_checks(hoisted, start, &mut bases, hit)?;
+        let loop_entry = tx.a.offset();
+        tx.emit_attention_check(live[0] == 0, start);
+        (entry, Some(loop_entry))
+    } else {
+        tx.emit_attention_check(live[0] == 0, start);
+        (tx.a.offset(), None)
+    };
     let mut before: Vec<&Insertion> = Vec::new();
     let mut after: Vec<&Insertion> = Vec::new();
     for (k, d) in t.insns.iter().enumerate() {
@@ -539,6 +566,7 @@ pub(crate) fn translate_trace(
         }
         TraceEnd::Transfer => {}
     }
+    tx.emit_cold_checks()?;
     tx.emit_stubs();
     let exits = core::mem::take(&mut tx.exits);
     let (code, marks) = tx.a.finish()?;
@@ -548,6 +576,7 @@ pub(crate) fn translate_trace(
         ret_entry,
         entry,
         body,
+        loop_entry,
         exits,
         marks,
     })
