@@ -417,6 +417,24 @@ fn own_zone_mapping_guest() -> Vec<u8> {
     a.mov(qword_ptr(rcx + 0x10), -2_i32).unwrap();
     print_qword_at(&mut a, print, HIGH_VA + 8);
     print_qword_at(&mut a, print, HIGH_VA + 0x10);
+    // Other instructions there (run on a copy of the operand): ALU read-modify-write,
+    // a locked exchange, a bit set, a page-crossing load (the writable page then its
+    // read-only alias), a multiply from memory.
+    a.mov(rbx, window).unwrap();
+    a.mov(rcx, SLOT_256).unwrap();
+    a.add(qword_ptr(rbx + 8), 5_i32).unwrap();
+    a.mov(rax, 3_u64).unwrap();
+    a.lock().xadd(qword_ptr(rcx + 0x10), rax).unwrap();
+    a.mov(r8, rax).unwrap();
+    a.call(print).unwrap();
+    a.bts(qword_ptr(rbx + 0x18), 63_i32).unwrap();
+    a.mov(r8, qword_ptr(rbx + 0xffc)).unwrap();
+    a.call(print).unwrap();
+    a.imul_3(r8, qword_ptr(rbx + 8), 3_i32).unwrap();
+    a.call(print).unwrap();
+    for at in [8, 0x10, 0x18] {
+        print_qword_at(&mut a, print, HIGH_VA + at);
+    }
     for entry in [PML4 + 256 * 8, PML4 + 257 * 8, PT_HIGH, PT_HIGH + 8] {
         print_qword_at(&mut a, print, entry);
     }
@@ -432,11 +450,21 @@ fn test_guest_mapping_slots_256_and_257_itself_reads_and_writes_its_own_pages() 
     let (console, log) = native_and_null("isolation-own-zone", &code);
     let want = "1122334455667788\n0000000011223344\n0000000000005566\nffffffffffffff88\naabbccddeeff0011\nfffffffffffffffe\n";
     assert!(console.starts_with(want), "{console}");
+    let lines: Vec<&str> = console.lines().collect();
+    assert_eq!(lines[6], "fffffffffffffffe", "xadd's old value");
+    assert!(
+        lines[7].starts_with("55667788"),
+        "page-crossing load: {}",
+        lines[7]
+    );
+    assert_eq!(lines[8], "00336699ccfd0042", "imul from the zone");
+    assert_eq!(&lines[9..11], ["aabbccddeeff0016", "0000000000000001"]);
+    assert!(lines[11].starts_with('8'), "bts set bit 63: {}", lines[11]);
     let shadow = log
         .lines()
         .find(|l| l.contains("engine: shadow: "))
         .unwrap_or_else(|| panic!("no shadow stats line: {log}"));
-    assert!(shadow.contains(" zone_emulations=6"), "{shadow}");
+    assert!(shadow.contains(" zone_emulations=11"), "{shadow}");
     println!("{console}{shadow}");
 }
 

@@ -28,6 +28,7 @@ pub mod platform;
 pub mod profile;
 mod records;
 pub mod recover;
+pub mod redirect;
 pub mod shadow_mmu;
 mod softtlb;
 mod tool_switch;

@@ -48,6 +48,13 @@ pub enum RunError {
         /// The base register's value.
         base: u64,
     },
+    /// The guest's own access in the reserved zone could not be performed.
+    ZoneAccess {
+        /// Guest RIP of the instruction.
+        rip: u64,
+        /// Why.
+        error: guest_engine::EngineError,
+    },
     /// A delivery triple-faulted.
     TripleFault {
         /// Guest RIP of the first event.
@@ -79,7 +86,11 @@ impl fmt::Display for RunError {
             ),
             RunError::BaseInReservedZone { rip, base } => write!(
                 f,
-                "the guest instruction at RIP {rip:#x} addresses memory its own tables map from a base register ({base:#x}) in or just below PML4 slots 256-259, which the engine reserves; only `mov` forms are performed there"
+                "the guest instruction at RIP {rip:#x} addresses memory its own tables map from a base register ({base:#x}) in or just below PML4 slots 256-259, which the engine reserves; only instructions whose one memory access is their explicit operand are performed there"
+            ),
+            RunError::ZoneAccess { rip, error } => write!(
+                f,
+                "the guest instruction at RIP {rip:#x} accesses its own mapping in PML4 slots 256-259 (reserved by the engine), and running it on a copy of the operand failed: {error}"
             ),
             RunError::TripleFault { rip, first, last } => write!(
                 f,

@@ -464,7 +464,7 @@ pub fn reflect_guest_fault(
         engine,
         vcpu,
         guest_pc.0,
-        Event::fault(fault.vector, fault.error_code),
+        Event::from_hardware(fault.vector, fault.error_code),
     )
 }
 

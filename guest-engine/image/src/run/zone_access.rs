@@ -1,22 +1,28 @@
-//! Guest accesses to the reserved zone (PML4 slots 256–259) that the guest maps itself.
+//! Guest accesses to the reserved zone (PML4 slots 256–259) that the guest maps itself,
+//! and operands whose base register lies there.
 //!
 //! The engine owns those slots in every shadow root (its window, the physmap, the
 //! guards), so a guest mapping of its own there can never be installed; the isolation
 //! check traps the access instead (`guest_engine::isolation`). When the guest's tables
-//! allow the access, the common forms are performed here on the guest's own frame
-//! (through the physmap) and the guest continues after the instruction: plain `mov`
-//! loads and stores (register or immediate) and `movzx`/`movsx`/`movsxd` loads, within
-//! one page. Anything else (other
-//! instructions, an access crossing a page) still ends the run naming the slot.
+//! allow it, the access is performed on the guest's own frames (through the physmap) and
+//! the guest continues after the instruction: plain `mov` loads and stores within one page
+//! here in Rust; every other instruction whose one memory access is its explicit operand
+//! (ALU, SSE/AVX, x87, `cmpxchg`, page-crossing accesses…) runs natively with that operand
+//! redirected to engine memory (`guest_engine::redirect`), its bytes copied in from the
+//! guest's frames and back for a write. What remains (string instructions, stack
+//! operations with RSP there, gathers, control transfers through memory there) ends the
+//! run naming the slot.
 
 use core::cell::RefCell;
 
+use guest_engine::redirect::{redirectable, Redirected, REDIRECT_MAX_BYTES};
 use guest_engine::shadow_mmu::{Access, GuestFault};
 use guest_engine::{Engine, Gpr, GuestRegs, GuestVirt, Mode};
-use iced_x86::{Code, Instruction, OpKind, Register};
+use iced_x86::{Code, Instruction, InstructionInfoFactory, OpAccess, OpKind, Register};
 
 use crate::mm::guest_memory::view_of;
 use crate::mm::shadow::Shadow;
+use crate::ring0::entry;
 use crate::run::cache_page_fault::Action;
 use crate::run::error::RunError;
 
@@ -29,9 +35,10 @@ enum Form {
 }
 
 /// Performs `i` (at `guest_pc`, guest state before it), whose memory operand lies at
-/// `addr` in the reserved zone (`isolation::classify_fault` computed it: a `mov` has one
-/// memory operand), on the guest's own frame: `Ok(Some(action))` when done
-/// (or when the guest takes a fault), `Ok(None)` when `i` is not a form handled here.
+/// `addr` (in the reserved zone, or reached from a base register there;
+/// `isolation::classify_fault` computed it), on the guest's own frames: `Ok(Some(action))`
+/// when done (or when the guest takes a fault), `Ok(None)` when `i` is not a form handled
+/// here.
 pub fn emulate(
     engine: &mut Engine,
     shadow: &RefCell<Shadow>,
@@ -41,14 +48,13 @@ pub fn emulate(
     addr: u64,
 ) -> Result<Option<Action>, RunError> {
     let regs = *engine.regs();
-    let Some(form) = form_of(i, &regs) else {
-        return Ok(None);
-    };
     let size = i.memory_size().size();
     let page_end = (addr | 0xfff).wrapping_add(1);
-    if size == 0 || size > 8 || addr.wrapping_add(size as u64) > page_end && page_end != 0 {
-        return Ok(None);
-    }
+    let one_page = size != 0 && (addr.wrapping_add(size as u64) <= page_end || page_end == 0);
+    let form = form_of(i, &regs).filter(|_| one_page && size <= 8);
+    let Some(form) = form else {
+        return redirect(engine, shadow, mode, guest_pc, i, addr);
+    };
     let access = match form {
         Form::Load(..) => Access::Read,
         Form::Store(_) => Access::Write,
@@ -90,6 +96,97 @@ pub fn emulate(
             // SAFETY: as for the load; the frame's translations are listed for
             // invalidation before guest code runs again (`Shadow::take_work`).
             unsafe { core::ptr::copy_nonoverlapping(v.to_le_bytes().as_ptr(), ptr, size) };
+        }
+    }
+    sh.counters.zone_emulations += 1;
+    Ok(Some(Action::Resume(GuestVirt(i.next_ip()))))
+}
+
+/// `i` run natively with its operand (at `addr`, on one or two pages) redirected to a
+/// copy of the guest's bytes (`guest_engine::redirect`); `Ok(None)` if `i` does not
+/// qualify.
+fn redirect(
+    engine: &mut Engine,
+    shadow: &RefCell<Shadow>,
+    mode: Mode,
+    guest_pc: GuestVirt,
+    i: &Instruction,
+    addr: u64,
+) -> Result<Option<Action>, RunError> {
+    let mut factory = InstructionInfoFactory::new();
+    let Some(size) = redirectable(&mut factory, i) else {
+        return Ok(None);
+    };
+    let writes = factory.info(i).used_memory().iter().any(|m| {
+        matches!(
+            m.access(),
+            OpAccess::Write | OpAccess::CondWrite | OpAccess::ReadWrite | OpAccess::ReadCondWrite
+        )
+    });
+    let access = if writes { Access::Write } else { Access::Read };
+    let failure = |error| RunError::Shadow {
+        rip: guest_pc.0,
+        error,
+    };
+    // The operand's pieces on its (at most two) pages: (guest-physical, offset, length).
+    let first = size.min((0x1000 - (addr & 0xfff)) as usize);
+    let pieces = [
+        (addr, 0, first),
+        (addr.wrapping_add(first as u64), first, size - first),
+    ];
+    let mut frames = [None; 2];
+    let mut data = [0u8; REDIRECT_MAX_BYTES];
+    {
+        let mut sh = shadow.borrow_mut();
+        for (k, &(va, off, len)) in pieces.iter().enumerate().filter(|(_, p)| p.2 != 0) {
+            let pa = match sh
+                .translate_reserved(va, access, view_of(mode))
+                .map_err(failure)?
+            {
+                Ok(pa) => pa,
+                Err(f) => return Ok(Some(Action::Reflect(f))),
+            };
+            let Some(ptr) = sh.mem().guest_ptr(pa.0, len) else {
+                return Ok(Some(Action::Reflect(GuestFault::page_fault(
+                    GuestVirt(va),
+                    0,
+                ))));
+            };
+            // SAFETY: `ptr..ptr+len` is guest RAM in the physmap (`guest_ptr` checked it).
+            unsafe { core::ptr::copy_nonoverlapping(ptr, data[off..].as_mut_ptr(), len) };
+            frames[k] = Some((pa, ptr, off, len));
+        }
+    }
+    let ran = engine
+        .run_redirected(i, addr, &mut data[..size])
+        .map_err(|error| RunError::ZoneAccess {
+            rip: guest_pc.0,
+            error,
+        })?;
+    if ran == Redirected::Fault {
+        // SAFETY: written by the ring-0 trap path before it redirected the fault to the
+        // exit routine, which ran before `run_redirected` returned.
+        let (vector, error) = unsafe {
+            (
+                core::ptr::read_volatile(&raw const entry::kpin_cache_fault_vector),
+                core::ptr::read_volatile(&raw const entry::kpin_cache_fault_error),
+            )
+        };
+        return Ok(Some(Action::Reflect(GuestFault {
+            vector: vector as u8,
+            error_code: error as u32,
+            cr2: GuestVirt(addr),
+        })));
+    }
+    let mut sh = shadow.borrow_mut();
+    if writes {
+        for (pa, ptr, off, len) in frames.into_iter().flatten() {
+            if sh.is_code_frame(pa) {
+                sh.code_frame_written(pa).map_err(failure)?;
+            }
+            // SAFETY: as above; the frame's translations are listed for invalidation
+            // before guest code runs again (`Shadow::take_work`).
+            unsafe { core::ptr::copy_nonoverlapping(data[off..].as_ptr(), ptr, len) };
         }
     }
     sh.counters.zone_emulations += 1;
