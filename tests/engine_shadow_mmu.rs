@@ -10,8 +10,8 @@
 //! into the storing instruction's own code frame) ends the run naming why, never a hang.
 
 use iced_x86::code_asm::{
-    al, byte_ptr, cr0, cr2, cr3, dword_ptr, dx, eax, ecx, edi, ptr, qword_ptr, r8, r8d, rax, rbx,
-    rcx, rdi, rsp, word_ptr, CodeAssembler, CodeLabel,
+    al, byte_ptr, cr0, cr2, cr3, dword_ptr, dx, eax, ecx, edi, ptr, qword_ptr, r10, r11, r8, r8d,
+    r9, rax, rbx, rcx, rdi, rsi, rsp, word_ptr, CodeAssembler, CodeLabel,
 };
 use kpin_tests::guest_asm::{hex_digit, native_and_null, reset};
 use kpin_tests::{require_kvm, run_tiny_guest, TINY_LOAD_ADDR};
@@ -435,6 +435,39 @@ fn own_zone_mapping_guest() -> Vec<u8> {
     for at in [8, 0x10, 0x18] {
         print_qword_at(&mut a, print, HIGH_VA + at);
     }
+    // String instructions and the stack there (emulated through the guest's tables):
+    // `rep stosq` into the window, `rep movsb` from the read-only alias in slot 256 into
+    // the window, then push/pop/call/ret with RSP in the window.
+    a.cld().unwrap();
+    a.mov(rdi, window + 0x100).unwrap();
+    a.mov(rax, 0x0102_0304_0506_0708_u64).unwrap();
+    a.mov(ecx, 4_u32).unwrap();
+    a.rep().stosq().unwrap();
+    a.mov(rsi, SLOT_256 + 0x1100).unwrap();
+    a.mov(rdi, window + 0x200).unwrap();
+    a.mov(ecx, 3_u32).unwrap();
+    a.rep().movsb().unwrap();
+    let mut sub = a.create_label();
+    let mut over = a.create_label();
+    a.mov(r9, rsp).unwrap();
+    a.mov(rsp, window + 0x800).unwrap();
+    a.push(0x1234_i32).unwrap();
+    a.push(rax).unwrap();
+    a.pop(r10).unwrap();
+    a.pop(r11).unwrap();
+    a.call(sub).unwrap();
+    a.jmp(over).unwrap();
+    a.set_label(&mut sub).unwrap();
+    a.ret().unwrap();
+    a.set_label(&mut over).unwrap();
+    a.mov(rsp, r9).unwrap();
+    for r in [r10, r11] {
+        a.mov(r8, r).unwrap();
+        a.call(print).unwrap();
+    }
+    for at in [0x118, 0x200, 0x7f0] {
+        print_qword_at(&mut a, print, HIGH_VA + at);
+    }
     for entry in [PML4 + 256 * 8, PML4 + 257 * 8, PT_HIGH, PT_HIGH + 8] {
         print_qword_at(&mut a, print, entry);
     }
@@ -460,11 +493,22 @@ fn test_guest_mapping_slots_256_and_257_itself_reads_and_writes_its_own_pages() 
     assert_eq!(lines[8], "00336699ccfd0042", "imul from the zone");
     assert_eq!(&lines[9..11], ["aabbccddeeff0016", "0000000000000001"]);
     assert!(lines[11].starts_with('8'), "bts set bit 63: {}", lines[11]);
+    assert_eq!(
+        &lines[12..17],
+        [
+            "0102030405060708",
+            "0000000000001234",
+            "0102030405060708",
+            "0000000000060708",
+            "0102030405060708"
+        ],
+        "pushed and popped, stored with rep stosq, copied with rep movsb, the stack slot"
+    );
     let shadow = log
         .lines()
         .find(|l| l.contains("engine: shadow: "))
         .unwrap_or_else(|| panic!("no shadow stats line: {log}"));
-    assert!(shadow.contains(" zone_emulations=11"), "{shadow}");
+    assert!(shadow.contains(" zone_emulations=19"), "{shadow}");
     println!("{console}{shadow}");
 }
 

@@ -461,8 +461,8 @@ impl Shadow {
     }
 
     /// `va` for `access` in `view`, as the guest's tables say (A/D bits set as hardware
-    /// would, the shadow filled): the guest-physical address, or the fault the guest
-    /// would take. A non-canonical `va` is #GP(0) (`cr2` then only names the address); an
+    /// would, the shadow filled, except in the reserved zone): the guest-physical address,
+    /// or the fault the guest would take. A non-canonical `va` is #GP(0) (`cr2` then only names the address); an
     /// engine failure is recorded and answered with the #PF a refused mapping would be.
     pub fn access(&mut self, va: u64, access: Access, view: View) -> Result<GuestPhys, GuestFault> {
         let va = GuestVirt(va);
@@ -470,9 +470,14 @@ impl Shadow {
             if let Some(pa) = m.lookup(va, access, view)? {
                 return Ok(Ok(pa));
             }
-            Ok(match m.fill(va, access, view)? {
-                FillOutcome::Mapped { pa } | FillOutcome::ProtectedCode { pa, .. } => Ok(pa),
-                FillOutcome::GuestFault(f) => Err(f),
+            Ok(match m.fill(va, access, view) {
+                // The guest's own mapping in the reserved zone never enters the shadow:
+                // the access goes to the frame its tables name.
+                Err(ShadowError::ReservedSlot(_)) => m.translate_reserved(va, access, view)?,
+                r => match r? {
+                    FillOutcome::Mapped { pa } | FillOutcome::ProtectedCode { pa, .. } => Ok(pa),
+                    FillOutcome::GuestFault(f) => Err(f),
+                },
             })
         });
         match r {

@@ -368,7 +368,7 @@ fn emulate_store(
 /// element, and a fault leaves them at the faulting element (the guest's handler sees a
 /// restartable `rep`). `None` if `i` is not one of them. (Linux's `text_poke` copies with
 /// `memcpy`'s `rep movsb`, which may lie in the very frame it patches.)
-fn emulate_string_store(
+pub(crate) fn emulate_string_store(
     engine: &mut Engine,
     mem: &ShadowedMemory<'_>,
     mode: Mode,

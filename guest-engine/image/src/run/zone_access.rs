@@ -9,9 +9,10 @@
 //! here in Rust; every other instruction whose one memory access is its explicit operand
 //! (ALU, SSE/AVX, x87, `cmpxchg`, page-crossing accesses…) runs natively with that operand
 //! redirected to engine memory (`guest_engine::redirect`), its bytes copied in from the
-//! guest's frames and back for a write. What remains (string instructions, stack
-//! operations with RSP there, gathers, control transfers through memory there) ends the
-//! run naming the slot.
+//! guest's frames and back for a write; `movs`/`stos` and `push`/`pop`/`call`/`ret` with
+//! the stack there are emulated through the guest's tables. What remains (`lods`,
+//! `cmps`/`scas`, other stack operations there, gathers with an enabled lane there,
+//! control transfers through memory there) ends the run naming the slot.
 
 use core::cell::RefCell;
 
@@ -20,7 +21,7 @@ use guest_engine::shadow_mmu::{Access, GuestFault};
 use guest_engine::{Engine, Gpr, GuestRegs, GuestVirt, Mode};
 use iced_x86::{Code, Instruction, InstructionInfoFactory, OpAccess, OpKind, Register};
 
-use crate::mm::guest_memory::view_of;
+use crate::mm::guest_memory::{view_of, ShadowedMemory};
 use crate::mm::shadow::Shadow;
 use crate::ring0::entry;
 use crate::run::cache_page_fault::Action;
@@ -115,7 +116,7 @@ fn redirect(
 ) -> Result<Option<Action>, RunError> {
     let mut factory = InstructionInfoFactory::new();
     let Some(size) = redirectable(&mut factory, i) else {
-        return Ok(None);
+        return Ok(stack_or_string(engine, shadow, mode, i));
     };
     let writes = factory.info(i).used_memory().iter().any(|m| {
         matches!(
@@ -191,6 +192,72 @@ fn redirect(
     }
     sh.counters.zone_emulations += 1;
     Ok(Some(Action::Resume(GuestVirt(i.next_ip()))))
+}
+
+/// `movs`/`stos` (element by element, as for a store into its own code frame) and the
+/// common stack operations (`push`, `pop`, `call rel32`, `ret`) with an operand in the
+/// zone, performed through the guest's tables (`Shadow::access` walks them there);
+/// `None` for anything else.
+fn stack_or_string(
+    engine: &mut Engine,
+    shadow: &RefCell<Shadow>,
+    mode: Mode,
+    i: &Instruction,
+) -> Option<Action> {
+    let mem = ShadowedMemory::new(shadow);
+    if let Some(done) = crate::run::cache_page_fault::emulate_string_store(engine, &mem, mode, i) {
+        shadow.borrow_mut().counters.zone_emulations += 1;
+        return Some(done);
+    }
+    let regs = engine.regs_mut();
+    let rsp = regs.get(Gpr::Rsp);
+    let next = GuestVirt(i.next_ip());
+    let push = |regs: &mut GuestRegs, v: u64, then: GuestVirt| {
+        let at = rsp.wrapping_sub(8);
+        match mem.try_write_virt(at, mode, &v.to_le_bytes()) {
+            Ok(()) => {
+                regs.set(Gpr::Rsp, at);
+                Action::Resume(then)
+            }
+            Err(f) => Action::Reflect(f),
+        }
+    };
+    let pop = |regs: &mut GuestRegs, extra: u64| -> Result<u64, Action> {
+        let mut b = [0u8; 8];
+        mem.try_read_virt(rsp, mode, &mut b)
+            .map_err(Action::Reflect)?;
+        regs.set(Gpr::Rsp, rsp.wrapping_add(8 + extra));
+        Ok(u64::from_le_bytes(b))
+    };
+    let done = match i.code() {
+        Code::Push_r64 => {
+            let v = register_value(regs, i.op0_register())?;
+            push(regs, v, next)
+        }
+        Code::Pushq_imm32 | Code::Pushq_imm8 => push(regs, i.immediate(0), next),
+        Code::Call_rel32_64 => push(regs, next.0, GuestVirt(i.near_branch_target())),
+        Code::Pop_r64 => match pop(regs, 0) {
+            Ok(v) => {
+                set_register(regs, i.op0_register(), v);
+                Action::Resume(next)
+            }
+            Err(a) => a,
+        },
+        Code::Retnq | Code::Retnq_imm16 => {
+            let extra = if i.code() == Code::Retnq_imm16 {
+                u64::from(i.immediate16())
+            } else {
+                0
+            };
+            match pop(regs, extra) {
+                Ok(v) => Action::Resume(GuestVirt(v)),
+                Err(a) => a,
+            }
+        }
+        _ => return None,
+    };
+    shadow.borrow_mut().counters.zone_emulations += 1;
+    Some(done)
 }
 
 /// The handled form of `i`, if any.
