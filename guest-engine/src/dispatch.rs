@@ -388,6 +388,7 @@ impl Engine {
                     .then(|| self.cache.xsave_guest()),
                 exit_base: self.cache.exits.len() as u32,
                 record_bits: u32::from(mode.cpl()) << access::CPL_SHIFT,
+                upper_half: va.0 >> 63 == 1,
                 isolate: self.config.isolate,
                 hoist: !self.no_hoist.contains(&(va.0, mode.0)),
             };

@@ -220,12 +220,6 @@ impl Asm {
         at
     }
 
-    /// `jcc rel8` (condition nibble `cc`) to a label within 127 bytes.
-    pub(crate) fn jcc8_label(&mut self, cc: u8, l: Label) {
-        self.buf.push(0x70 | (cc & 0xF));
-        self.fixup(1, l);
-    }
-
     /// `cmp r64, qword [rip+target]`.
     pub(crate) fn cmp_r_m(&mut self, r: u8, target: u64) {
         self.riprel(Some(rex(true, r, 0, 0)), &[0x3B], r, target, &[]);

@@ -258,7 +258,7 @@ impl Tx<'_> {
                     // written), then per use only `cmp index, SMALL_INDEX_MAX; jbe ok`;
                     // a larger index takes the full check of the expression.
                     if let Some(b) = b.filter(|b| !bases.has_wide(*b)) {
-                        self.emit_base_bounds_check(b, 2, None);
+                        self.emit_base_bounds_check(b, 2, pc, None);
                         bases.add_wide(b);
                     }
                     // The slow path is out of line: the fast path falls through.
@@ -271,11 +271,11 @@ impl Tx<'_> {
                     self.cold.push(ColdCheck {
                         slow,
                         back,
-                        operand: MemOperand {
+                        pc,
+                        kind: ColdKind::Full(MemOperand {
                             disp: BASE_CHECK_BIAS,
                             ..*m
-                        },
-                        pc,
+                        }),
                     });
                     bases.add(b, Some(x), m.scale);
                 }
@@ -283,7 +283,7 @@ impl Tx<'_> {
                     let scale = if x.is_some() { m.scale } else { 1 };
                     if let (Some(b), None, true) = (b, x, flags_dead) {
                         if !bases.has(Some(b), None, 1) {
-                            self.emit_base_bounds_check(b, 0, None);
+                            self.emit_base_bounds_check(b, 0, pc, None);
                             bases.add(Some(b), None, 1);
                         }
                     } else if !bases.has(b, x, scale) {
@@ -304,14 +304,32 @@ impl Tx<'_> {
         Ok(())
     }
 
-    /// The out-of-line slow paths (`self.cold`): each the full check of its operand, then
-    /// back to the instruction.
+    /// The out-of-line slow paths (`self.cold`), then back to the instruction.
     pub(super) fn emit_cold_checks(&mut self) -> Result<(), EngineError> {
         for c in core::mem::take(&mut self.cold) {
             self.a.bind(c.slow);
             self.a.mark_guest(c.pc);
-            self.emit_zone_check(&c.operand, c.pc, true)?;
-            self.a.jmp_label(c.back);
+            match c.kind {
+                ColdKind::Full(operand) => {
+                    self.emit_zone_check(&operand, c.pc, true)?;
+                    self.a.jmp_label(c.back);
+                }
+                ColdKind::Bound {
+                    reg,
+                    bound,
+                    back_cc,
+                    hit,
+                } => {
+                    self.a.cmp_r_m(reg as u8, bound);
+                    self.a.jcc_label(back_cc, c.back);
+                    match hit {
+                        None => self.a.bytes(&[0x0F, 0x0B]), // ud2
+                        Some(l) => {
+                            self.a.jmp_label(l);
+                        }
+                    }
+                }
+            }
         }
         Ok(())
     }
@@ -544,22 +562,34 @@ impl Tx<'_> {
 
     /// The check of base register `b` with the status flags dead, against the bounds
     /// `k` of `ctx.zone_bounds` (0: plain, `b + BASE_CHECK_BIAS`; 2: wide, `b +
-    /// WIDE_BASE_CHECK_BIAS`): two compares with the constant bounds, no scratch register:
-    /// `cmp b, [lo]; jb ok; cmp b, [hi]; jae ok; ud2 (or jmp hit); ok:`.
-    fn emit_base_bounds_check(&mut self, b: Gpr, k: u64, hit: Option<Label>) {
+    /// WIDE_BASE_CHECK_BIAS`): compares with the constant bounds, no scratch register.
+    /// The common case falls through after one compare — a base above the zone in code
+    /// that runs in the upper half (`cmp b, [hi]; jb cold`), below it in code in the lower
+    /// half (`cmp b, [lo]; jae cold`); the other compare and the `ud2` (or `jmp hit`) are
+    /// out of line.
+    fn emit_base_bounds_check(&mut self, b: Gpr, k: u64, pc: u64, hit: Option<Label>) {
         let bounds = self.env.ctx.zone_bounds + 8 * k;
-        let ok = self.a.new_label();
-        self.a.cmp_r_m(b as u8, bounds);
-        self.a.jcc8_label(0x2, ok); // jb
-        self.a.cmp_r_m(b as u8, bounds + 8);
-        self.a.jcc8_label(0x3, ok); // jae
-        match hit {
-            None => self.a.bytes(&[0x0F, 0x0B]), // ud2
-            Some(l) => {
-                self.a.jmp_label(l);
-            }
-        }
-        self.a.bind(ok);
+        let (cold, back) = (self.a.new_label(), self.a.new_label());
+        let (first, cc, second) = if self.env.upper_half {
+            (bounds + 8, 0x2, bounds) // jb cold; then below lo: not a hit
+        } else {
+            (bounds, 0x3, bounds + 8) // jae cold; then at or above hi: not a hit
+        };
+        self.a.cmp_r_m(b as u8, first);
+        self.a.jcc_label(cc, cold);
+        self.a.bind(back);
+        self.cold.push(ColdCheck {
+            slow: cold,
+            back,
+            pc,
+            kind: ColdKind::Bound {
+                reg: b,
+                bound: second,
+                // Back when b < lo (kernel order) or b >= hi (user order).
+                back_cc: if self.env.upper_half { 0x2 } else { 0x3 },
+                hit,
+            },
+        });
     }
 
     /// With the address in RCX (spilled): trap if it is in the zone, then unspill RCX.
@@ -619,10 +649,10 @@ impl Tx<'_> {
         for b in Gpr::ALL {
             let bit = 1u16 << (b as u8);
             if hoisted.wide & bit != 0 {
-                self.emit_base_bounds_check(b, 2, Some(hit));
+                self.emit_base_bounds_check(b, 2, pc, Some(hit));
                 bases.add_wide(b);
             } else if hoisted.narrow & bit != 0 && hoisted.flags_dead {
-                self.emit_base_bounds_check(b, 0, Some(hit));
+                self.emit_base_bounds_check(b, 0, pc, Some(hit));
                 bases.add(Some(b), None, 1);
             } else if hoisted.narrow & bit != 0 {
                 let biased = MemOperand {
@@ -719,14 +749,28 @@ pub(super) fn hoistable(tx: &mut Tx<'_>, t: &DecodedTrace, live: &[u32]) -> Hois
     }
 }
 
-/// The out-of-line slow path of an index fast-path check (status flags dead there).
+/// An out-of-line slow path of a check (status flags dead there).
 pub(super) struct ColdCheck {
     slow: Label,
     back: Label,
-    /// The operand with [`BASE_CHECK_BIAS`] as displacement.
-    operand: MemOperand,
     /// The guest instruction.
     pc: u64,
+    kind: ColdKind,
+}
+
+/// What a [`ColdCheck`] does.
+enum ColdKind {
+    /// The full check of this operand (the index fast path's, with [`BASE_CHECK_BIAS`] as
+    /// displacement).
+    Full(MemOperand),
+    /// The second compare of a base bounds check: back if `reg` compared with the
+    /// bound at `bound` satisfies `back_cc`, else a hit (`ud2`, or a jump to `hit`).
+    Bound {
+        reg: Gpr,
+        bound: u64,
+        back_cc: u8,
+        hit: Option<Label>,
+    },
 }
 
 /// Bytes of [`Tx::emit_hit_tail`] up to `ok`.

@@ -64,6 +64,9 @@ pub(crate) struct EmitEnv {
     /// Access bits every memory record of this trace carries (its CPL, see
     /// `instrument::access::CPL_SHIFT`).
     pub record_bits: u32,
+    /// The trace's code lies in the upper half of the address space (where its data most
+    /// likely lies too: the order of the isolation checks' compares).
+    pub upper_half: bool,
     /// Check memory operands against the reserved zone (`isolate.rs`).
     pub isolate: bool,
     /// Hoist the checks of registers a self-looping trace never writes to its top
