@@ -11,7 +11,7 @@
 
 use iced_x86::code_asm::{
     al, byte_ptr, cr0, cr2, cr3, dword_ptr, dx, eax, ecx, edi, ptr, qword_ptr, r10, r11, r8, r8d,
-    r9, rax, rbx, rcx, rdi, rsi, rsp, word_ptr, CodeAssembler, CodeLabel,
+    r9, rax, rbp, rbx, rcx, rdi, rsi, rsp, word_ptr, CodeAssembler, CodeLabel,
 };
 use kpin_tests::guest_asm::{hex_digit, native_and_null, reset};
 use kpin_tests::{require_kvm, run_tiny_guest, TINY_LOAD_ADDR};
@@ -468,6 +468,43 @@ fn own_zone_mapping_guest() -> Vec<u8> {
     for at in [0x118, 0x200, 0x7f0] {
         print_qword_at(&mut a, print, HIGH_VA + at);
     }
+    // A call through a function pointer kept there, `lodsq` and `leave` there, and code
+    // that runs from there (`mov eax, 0x4242; ret` written through the ordinary mapping).
+    let mut sub2 = a.create_label();
+    let mut over2 = a.create_label();
+    a.lea(rax, ptr(sub2)).unwrap();
+    a.mov(rdi, HIGH_VA + 0x300).unwrap();
+    a.mov(qword_ptr(rdi), rax).unwrap();
+    a.mov(rbx, window).unwrap();
+    a.call(qword_ptr(rbx + 0x300)).unwrap();
+    a.jmp(over2).unwrap();
+    a.set_label(&mut sub2).unwrap();
+    a.mov(r10, 0x5151_u64).unwrap();
+    a.ret().unwrap();
+    a.set_label(&mut over2).unwrap();
+    a.mov(r8, r10).unwrap();
+    a.call(print).unwrap();
+    a.mov(rsi, window + 0x100).unwrap();
+    a.lodsq().unwrap();
+    a.mov(r8, rax).unwrap();
+    a.call(print).unwrap();
+    store_qword(&mut a, HIGH_VA + 0x880, 0x7777);
+    a.mov(r9, rsp).unwrap();
+    a.mov(r11, rbp).unwrap();
+    a.mov(rbp, window + 0x880).unwrap();
+    a.leave().unwrap();
+    a.mov(r8, rbp).unwrap();
+    a.mov(r10, rsp).unwrap();
+    a.mov(rsp, r9).unwrap();
+    a.mov(rbp, r11).unwrap();
+    a.call(print).unwrap();
+    a.mov(r8, r10).unwrap();
+    a.call(print).unwrap();
+    store_qword(&mut a, HIGH_VA + 0x500, 0x0000_c300_0042_42b8);
+    a.mov(rax, window + 0x500).unwrap();
+    a.call(rax).unwrap();
+    a.mov(r8, rax).unwrap();
+    a.call(print).unwrap();
     for entry in [PML4 + 256 * 8, PML4 + 257 * 8, PT_HIGH, PT_HIGH + 8] {
         print_qword_at(&mut a, print, entry);
     }
@@ -504,11 +541,23 @@ fn test_guest_mapping_slots_256_and_257_itself_reads_and_writes_its_own_pages() 
         ],
         "pushed and popped, stored with rep stosq, copied with rep movsb, the stack slot"
     );
+    let leave_rsp = format!("{:016x}", kpin_abi::stolen::WINDOW_VA + 0x888);
+    assert_eq!(
+        &lines[17..22],
+        [
+            "0000000000005151",
+            "0102030405060708",
+            "0000000000007777",
+            leave_rsp.as_str(),
+            "0000000000004242"
+        ],
+        "call through a pointer there, lodsq, leave, code run from there"
+    );
     let shadow = log
         .lines()
         .find(|l| l.contains("engine: shadow: "))
         .unwrap_or_else(|| panic!("no shadow stats line: {log}"));
-    assert!(shadow.contains(" zone_emulations=19"), "{shadow}");
+    assert!(shadow.contains(" zone_emulations=22"), "{shadow}");
     println!("{console}{shadow}");
 }
 

@@ -132,11 +132,12 @@ pub struct CacheContext {
     pub redirect_data: RedirectData,
 }
 
-/// 128 bytes aligned like a cache line, so that an operand placed at its address modulo
-/// 64 keeps its alignment (alignment checks behave as at the guest address).
+/// Room for the largest redirected operand at any offset modulo 64, aligned like a cache
+/// line, so that an operand placed at its address modulo 64 keeps its alignment (alignment
+/// checks behave as at the guest address).
 #[derive(Clone, Copy, Debug)]
 #[repr(C, align(64))]
-pub struct RedirectData(pub [u8; 128]);
+pub struct RedirectData(pub [u8; crate::redirect::REDIRECT_MAX_BYTES + 64]);
 
 // The context must stay below the guest XSAVE area that follows it in the cache region.
 const _: () = assert!(core::mem::size_of::<CacheContext>() <= crate::layout::XSAVE_GUEST_OFFSET);

@@ -10,7 +10,8 @@
 //! vector state) is the hardware's own, exactly as in place. The embedder then copies
 //! the bytes back for a write. Only instructions whose one memory access is their
 //! explicit operand qualify ([`redirectable`]): no control transfer, no stack, no string
-//! or VSIB forms, at most 64 bytes.
+//! or VSIB forms, at most 512 bytes (`fxsave`; `xsave`'s size depends on its mask: not
+//! run redirected).
 
 use iced_x86::{FlowControl, Instruction, InstructionInfoFactory, OpKind, Register};
 
@@ -22,8 +23,8 @@ use crate::dispatch::Engine;
 use crate::error::EngineError;
 use crate::layout::{GENCODE_BYTES, GENCODE_OFFSET, REDIRECT_CODE_BYTES};
 
-/// Largest operand run redirected.
-pub const REDIRECT_MAX_BYTES: usize = 64;
+/// Largest operand run redirected (`fxsave`'s 512 bytes).
+pub const REDIRECT_MAX_BYTES: usize = 512;
 
 /// What running an instruction redirected did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

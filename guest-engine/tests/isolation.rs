@@ -172,6 +172,21 @@ fn test_user_and_kernel_accesses_to_the_window_and_physmap_trap_before_touching_
             }
         );
 
+        // leave with RBP in the window (no explicit operand, no fixed stack increment:
+        // its pop reads [rbp]).
+        let mut code = vec![0xC9];
+        jmp(&mut code, base, exit);
+        expect_hit(c.run(&code, &[(Gpr::Rbp, WINDOW_VA + 0x100)]), base);
+        assert_eq!(c.rig.engine.regs().get(Gpr::Rbp), WINDOW_VA + 0x100);
+        assert_eq!(c.rig.engine.regs().get(Gpr::Rsp), base + 2 * 4096 - 64);
+        assert_eq!(
+            c.classify(base),
+            IsolationFault::Zone {
+                addr: WINDOW_VA + 0x100,
+                access: access::READ
+            }
+        );
+
         // rep stosb with RDI in the window: nothing written, RCX unchanged.
         let mut code = vec![0xF3, 0xAA];
         jmp(&mut code, base, exit);

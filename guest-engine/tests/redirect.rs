@@ -86,6 +86,25 @@ fn test_an_exception_of_the_instruction_is_a_fault_with_the_state_before_it() {
 }
 
 #[test]
+fn test_fxsave_writes_its_512_bytes_to_the_buffer() {
+    // fxsave [rbx] redirected stores what fxsave stores in place: the control word first.
+    let mut rig = Rig::new(Config::default());
+    let mut f = InstructionInfoFactory::new();
+    let fxsave = decode(&[0x0F, 0xAE, 0x03]);
+    assert_eq!(redirectable(&mut f, &fxsave), Some(512));
+    let mut data = [0xEEu8; 512];
+    let r = rig
+        .engine
+        .run_redirected(&fxsave, 0xffff_8100_0000_0040, &mut data);
+    assert_eq!(r, Ok(Redirected::Done));
+    let mut fcw = 0u16;
+    // SAFETY: fnstcw stores two bytes to a valid local.
+    unsafe { std::arch::asm!("fnstcw [{}]", in(reg) &mut fcw) };
+    assert_eq!(u16::from_le_bytes([data[0], data[1]]), fcw);
+    assert_ne!(&data[..32], &[0xEE; 32][..], "written");
+}
+
+#[test]
 fn test_only_single_explicit_operand_forms_qualify() {
     let mut f = InstructionInfoFactory::new();
     for (bytes, what) in [
@@ -98,7 +117,10 @@ fn test_only_single_explicit_operand_forms_qualify() {
         (&[0xD7][..], "xlat"),
         (&[0x48, 0x0F, 0xAB, 0x03][..], "bts [rbx], rax"),
         (&[0xC4, 0xE2, 0x6D, 0x90, 0x04, 0x8F][..], "vpgatherdd"),
-        (&[0x0F, 0xAE, 0x03][..], "fxsave [rbx] (512 bytes)"),
+        (
+            &[0x0F, 0xAE, 0x23][..],
+            "xsave [rbx] (its size depends on its mask)",
+        ),
     ] {
         assert_eq!(redirectable(&mut f, &decode(bytes)), None, "{what}");
     }
@@ -111,6 +133,7 @@ fn test_only_single_explicit_operand_forms_qualify() {
         ),
         (&[0xC5, 0xFE, 0x6F, 0x03][..], 32, "vmovdqu ymm0, [rbx]"),
         (&[0xDD, 0x03][..], 8, "fld qword [rbx]"),
+        (&[0x0F, 0xAE, 0x03][..], 512, "fxsave [rbx]"),
     ] {
         assert_eq!(redirectable(&mut f, &decode(bytes)), Some(size), "{what}");
     }

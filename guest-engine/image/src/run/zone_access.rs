@@ -9,10 +9,11 @@
 //! here in Rust; every other instruction whose one memory access is its explicit operand
 //! (ALU, SSE/AVX, x87, `cmpxchg`, page-crossing accesses…) runs natively with that operand
 //! redirected to engine memory (`guest_engine::redirect`), its bytes copied in from the
-//! guest's frames and back for a write; `movs`/`stos` and `push`/`pop`/`call`/`ret` with
-//! the stack there are emulated through the guest's tables. What remains (`lods`,
-//! `cmps`/`scas`, other stack operations there, gathers with an enabled lane there,
-//! control transfers through memory there) ends the run naming the slot.
+//! guest's frames and back for a write; `movs`/`stos`/`lods`, `push`/`pop`/`call`/`ret`/
+//! `leave` with the stack there, and `call`/`jmp`/`push` through a memory operand there
+//! are emulated through the guest's tables. What remains (`cmps`/`scas`, other stack
+//! operations there, gathers with an enabled lane there, `xsave`) ends the run naming
+//! the slot.
 
 use core::cell::RefCell;
 
@@ -116,7 +117,7 @@ fn redirect(
 ) -> Result<Option<Action>, RunError> {
     let mut factory = InstructionInfoFactory::new();
     let Some(size) = redirectable(&mut factory, i) else {
-        return Ok(stack_or_string(engine, shadow, mode, i));
+        return Ok(stack_or_string(engine, shadow, mode, i, addr));
     };
     let writes = factory.info(i).used_memory().iter().any(|m| {
         matches!(
@@ -203,9 +204,12 @@ fn stack_or_string(
     shadow: &RefCell<Shadow>,
     mode: Mode,
     i: &Instruction,
+    addr: u64,
 ) -> Option<Action> {
     let mem = ShadowedMemory::new(shadow);
-    if let Some(done) = crate::run::cache_page_fault::emulate_string_store(engine, &mem, mode, i) {
+    let string = crate::run::cache_page_fault::emulate_string_store(engine, &mem, mode, i)
+        .or_else(|| emulate_lods(engine, &mem, mode, i));
+    if let Some(done) = string {
         shadow.borrow_mut().counters.zone_emulations += 1;
         return Some(done);
     }
@@ -243,6 +247,35 @@ fn stack_or_string(
             }
             Err(a) => a,
         },
+        // Through a memory operand there (a function-pointer table in the zone): the
+        // operand is read first, as the CPU does.
+        Code::Call_rm64 | Code::Jmp_rm64 | Code::Push_rm64 if i.op0_kind() == OpKind::Memory => {
+            let mut b = [0u8; 8];
+            match mem.try_read_virt(addr, mode, &mut b) {
+                Err(f) => Action::Reflect(f),
+                Ok(()) => {
+                    let v = u64::from_le_bytes(b);
+                    match i.code() {
+                        Code::Jmp_rm64 => Action::Resume(GuestVirt(v)),
+                        Code::Call_rm64 => push(regs, next.0, GuestVirt(v)),
+                        _ => push(regs, v, next),
+                    }
+                }
+            }
+        }
+        Code::Leaveq => {
+            // mov rsp, rbp; pop rbp
+            let rbp = regs.get(Gpr::Rbp);
+            let mut b = [0u8; 8];
+            match mem.try_read_virt(rbp, mode, &mut b) {
+                Err(f) => Action::Reflect(f),
+                Ok(()) => {
+                    regs.set(Gpr::Rsp, rbp.wrapping_add(8));
+                    regs.set(Gpr::Rbp, u64::from_le_bytes(b));
+                    Action::Resume(next)
+                }
+            }
+        }
         Code::Retnq | Code::Retnq_imm16 => {
             let extra = if i.code() == Code::Retnq_imm16 {
                 u64::from(i.immediate16())
@@ -258,6 +291,51 @@ fn stack_or_string(
     };
     shadow.borrow_mut().counters.zone_emulations += 1;
     Some(done)
+}
+
+/// `lods` (byte … quadword, with or without `rep`, 64-bit addressing, no segment
+/// override but DS) element by element; `None` for anything else.
+fn emulate_lods(
+    engine: &mut Engine,
+    mem: &ShadowedMemory<'_>,
+    mode: Mode,
+    i: &Instruction,
+) -> Option<Action> {
+    let (size, dst) = match i.code() {
+        Code::Lodsb_AL_m8 => (1, Register::AL),
+        Code::Lodsw_AX_m16 => (2, Register::AX),
+        Code::Lodsd_EAX_m32 => (4, Register::EAX),
+        Code::Lodsq_RAX_m64 => (8, Register::RAX),
+        _ => return None,
+    };
+    if i.op1_kind() != OpKind::MemorySegRSI
+        || !matches!(i.segment_prefix(), Register::None | Register::DS)
+    {
+        return None;
+    }
+    let rep = i.has_rep_prefix() || i.has_repne_prefix();
+    let regs = engine.regs_mut();
+    let step = if regs.rflags & (1 << 10) != 0 {
+        (size as u64).wrapping_neg()
+    } else {
+        size as u64
+    };
+    loop {
+        if rep && regs.get(Gpr::Rcx) == 0 {
+            break;
+        }
+        let mut b = [0u8; 8];
+        if let Err(f) = mem.try_read_virt(regs.get(Gpr::Rsi), mode, &mut b[..size]) {
+            return Some(Action::Reflect(f));
+        }
+        set_register(regs, dst, u64::from_le_bytes(b));
+        regs.set(Gpr::Rsi, regs.get(Gpr::Rsi).wrapping_add(step));
+        if !rep {
+            break;
+        }
+        regs.set(Gpr::Rcx, regs.get(Gpr::Rcx) - 1);
+    }
+    Some(Action::Resume(GuestVirt(i.next_ip())))
 }
 
 /// The handled form of `i`, if any.

@@ -292,9 +292,6 @@ pub(crate) fn strip_rep(bytes: &[u8]) -> ([u8; MAX_INSN_BYTES], usize) {
 
 pub(crate) fn mem_operands(factory: &mut InstructionInfoFactory, i: &Instruction) -> MemOps {
     let mut v = MemOps::default();
-    if i.op_count() == 0 && i.stack_pointer_increment() == 0 && !is_string_op(i) {
-        return v;
-    }
     let size_hint = i.memory_size().size() as u32;
     let info = factory.info(i);
     for m in info.used_memory() {
