@@ -17,7 +17,7 @@
 //!   engine's template root, and no guest mapping is ever installed in
 //!   [`RESERVED_SLOTS`] (256–259: slot 256 faults at CPL 3 on this KVM, 259 is the
 //!   guard above the physmap that translated code's isolation checks rely on, see
-//!   `arch/x86_64/isolate.rs`); a fill there walks the guest's tables and answers with
+//!   `arch/x86_64/isolate/`); a fill there walks the guest's tables and answers with
 //!   the guest's fault, or [`ShadowError::ReservedSlot`] if the guest maps the address
 //!   (the embedder may then perform the access itself: [`ShadowMmu::translate_reserved`]);
 //! * every shadow leaf has U = 1 and G = 0 (the engine reloads CR3 between views);
@@ -73,7 +73,7 @@ pub const ENGINE_SLOTS: RangeInclusive<usize> = 257..=258;
 /// PML4 slots a guest may not use: the engine slots, slot 256, which faults with a
 /// reserved-bit error at CPL 3 on this KVM (`kvm_pvm`), and slot 259, the guard that
 /// keeps stack and downward string accesses from reaching the physmap unchecked
-/// (`arch/x86_64/isolate.rs`). Never present in a shadow root for the guest.
+/// (`arch/x86_64/isolate/`). Never present in a shadow root for the guest.
 pub const RESERVED_SLOTS: RangeInclusive<usize> = 256..=259;
 /// Most hardware-flush VAs remembered before [`HwFlush`] degrades to a full flush.
 pub const MAX_HW_FLUSH_PAGES: usize = 16;

@@ -80,7 +80,7 @@ pub const EXIT_BUFFER_FULL: u32 = 5;
 pub const EXIT_ANALYSIS_CALL: u32 = 6;
 /// Exit kind: fault in cache code redirected to the exit routine.
 pub const EXIT_FAULT: u32 = 7;
-/// Exit kind: a hoisted isolation check hit (`isolate.rs`).
+/// Exit kind: a hoisted isolation check hit (`isolate/`).
 pub const EXIT_HOIST_MISS: u32 = 8;
 /// Number of exit kinds.
 pub const EXIT_KINDS: usize = 9;

@@ -67,10 +67,10 @@ pub(crate) struct EmitEnv {
     /// The trace's code lies in the upper half of the address space (where its data most
     /// likely lies too: the order of the isolation checks' compares).
     pub upper_half: bool,
-    /// Check memory operands against the reserved zone (`isolate.rs`).
+    /// Check memory operands against the reserved zone (`isolate/`).
     pub isolate: bool,
     /// Hoist the checks of registers a self-looping trace never writes to its top
-    /// (`isolate.rs`, `emit_hoisted_checks`).
+    /// (`isolate/hoist.rs`).
     pub hoist: bool,
 }
 

@@ -49,19 +49,32 @@
 //! indices alike; 32-bit indices without a base or segment stay near 0 (no check).
 //! A hit leaves the guest state exactly that before the instruction (the check comes
 //! before the instruction's instrumentation and translation).
+//!
+//! Cheaper forms where the status flags are dead: a base register is compared with
+//! constant bounds (`CacheContext::zone_bounds`, no scratch register), the common case
+//! falling through after one compare, the other out of line; `[base + index*scale +
+//! disp]` checks the base *wide* ([`WIDE_BASE_CHECK_BIAS`]) once and then the index alone
+//! (`cmp index, SMALL_INDEX_MAX; ja slow`, the full check out of line: [`ColdCheck`]).
+//!
+//! Submodules: `gather` (VSIB lanes, masked-off ones skipped), `hoist` (checks of the
+//! bases a self-looping trace never writes, moved to its top), `classify` (what a #UD
+//! at a translated instruction means).
 
 use iced_x86::{Mnemonic, OpAccess, OpKind, Register};
 
-use iced_x86::{Decoder, DecoderOptions, InstructionInfoFactory};
-
-use super::decode::{mem_operands, Class, DecodedInsn, DecodedTrace};
-use super::emit::reg;
-use super::emit::Label;
+use super::decode::DecodedInsn;
+use super::emit::{reg, Label};
 use super::mangle::{hw, Tx};
-use crate::addr::GuestVirt;
-use crate::context::{Gpr, GuestRegs};
+use crate::context::Gpr;
 use crate::error::EngineError;
 use crate::instrument::{MemOperand, SegBase};
+
+mod classify;
+mod gather;
+mod hoist;
+
+pub use classify::{classify_fault, IsolationFault};
+pub(super) use hoist::{hoistable, Hoisted};
 
 /// First address of the reserved zone (PML4 slot 256).
 pub const ISOLATION_ZONE_START: u64 = 0xffff_8000_0000_0000;
@@ -373,130 +386,6 @@ impl Tx<'_> {
         Ok(())
     }
 
-    /// A gather/scatter: each lane's address `base + index[k]·scale + disp` (+ FS/GS base;
-    /// `qword`: 64-bit indices, else 32-bit ones sign-extended) is checked like an
-    /// ordinary operand's first byte (a base near the zone with 32-bit indices reaches it
-    /// or not lane by lane). The index register is stored to `ctx.vsib_lanes` (a VEX
-    /// `vmovdqu`, or EVEX `vmovdqu64` for ZMM and registers 16–31), and each lane's
-    /// address to `ctx.vsib_lane` before its test, so that `classify_fault` learns the
-    /// lane that trapped; `ctx.vsib_lane` is zeroed first (a #UD of the store itself is the
-    /// guest's: the gather would raise it too). The mask (AVX2 vector or AVX-512 opmask)
-    /// is stored to `ctx.vsib_mask` too and a masked-off lane's address becomes 0 before
-    /// its test: it accesses nothing, so it never traps. Flag-free (`cqo`, `pext`: BMI2). With 32-bit addressing and no segment base, lanes
-    /// lie below 4 GiB: no check.
-    fn emit_vsib_check(
-        &mut self,
-        i: &iced_x86::Instruction,
-        qword: bool,
-        addr32: bool,
-        pc: u64,
-        flags_dead: bool,
-    ) -> Result<(), EngineError> {
-        let seg = i.segment_prefix();
-        let seg = (seg == Register::FS || seg == Register::GS).then_some(seg);
-        // 32-bit indices without a base or segment: lanes stay within 2^35 + 2^31 bytes
-        // of 0, far from the zone.
-        if seg.is_none() && (addr32 || (!qword && i.memory_base() == Register::None)) {
-            return Ok(());
-        }
-        let index = i.memory_index();
-        let width = if qword { 8 } else { 4 };
-        let lanes = index.size() / width;
-        let ctx = self.env.ctx;
-        self.a.mov_m64_imm32(ctx.vsib_lane, 0);
-        let store =
-            vector_store(index, ctx.vsib_lanes).ok_or(EngineError::Unsupported(GuestVirt(pc)))?;
-        let bytes = self.encode(&store, pc)?;
-        self.a.bytes(&bytes);
-        let mask = vsib_mask(i);
-        let store_mask = match mask {
-            LaneMask::Vector(r, _) => vector_store(r, ctx.vsib_mask),
-            LaneMask::Opmask(k) => opmask_store(k, ctx.vsib_mask),
-            LaneMask::All => None,
-        };
-        if let Some(store) = store_mask {
-            let bytes = self.encode(&store, pc)?;
-            self.a.bytes(&bytes);
-        }
-        let pext = iced_x86::Instruction::with3(
-            iced_x86::Code::VEX_Pext_r64_r64_rm64,
-            Register::RCX,
-            Register::RCX,
-            Register::RDX,
-        )
-        .map_err(|_| EngineError::Encode(GuestVirt(pc)))?;
-        let pext = self.encode(&pext, pc)?;
-        let base = i.memory_base();
-        let scale_log2 = i.memory_index_scale().trailing_zeros() as u8;
-        let disp = i.memory_displacement64() as i64 as i32;
-        self.a.spill_quiet(reg::RCX);
-        self.a.spill_quiet(reg::RAX);
-        for k in 0..lanes {
-            let lane = ctx.vsib_lanes + (width * k) as u64;
-            if qword {
-                self.a.mov_r_m(reg::RAX, lane);
-            } else {
-                self.a.movsxd_r_m(reg::RAX, lane);
-            }
-            if base == Register::None {
-                self.a.bytes(&[0xB9, 0, 0, 0, 0]); // mov ecx, 0
-            } else {
-                let b = hw(base);
-                if matches!(b, reg::RAX | reg::RCX) {
-                    self.a.mov_r_m(reg::RCX, self.a.spill_slot(b));
-                } else {
-                    self.a.mov_r_r(reg::RCX, b);
-                }
-                if base.is_gpr32() {
-                    self.a.bytes(&[0x89, 0xC9]); // mov ecx, ecx
-                }
-            }
-            self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, scale_log2);
-            self.a.lea_r_disp(reg::RCX, reg::RCX, disp);
-            if addr32 {
-                self.a.bytes(&[0x89, 0xC9]); // mov ecx, ecx
-            }
-            match seg {
-                Some(Register::FS) => self.a.bytes(&[0xF3, 0x48, 0x0F, 0xAE, 0xC0]), // rdfsbase rax
-                Some(_) => self.a.bytes(&[0xF3, 0x48, 0x0F, 0xAE, 0xC8]),            // rdgsbase rax
-                None => {}
-            }
-            if seg.is_some() {
-                self.a.lea_r_bi(reg::RCX, reg::RCX, reg::RAX, 0);
-            }
-            // A masked-off lane accesses nothing: its address becomes 0 (flag-free: RDX =
-            // the lane's mask bit spread by `cqo`, then `pext rcx, rcx, rdx`).
-            let masked = match mask {
-                LaneMask::Vector(_, 8) => {
-                    self.a.mov_r_m(reg::RAX, ctx.vsib_mask + 8 * k as u64);
-                    true
-                }
-                LaneMask::Vector(..) => {
-                    self.a.movsxd_r_m(reg::RAX, ctx.vsib_mask + 4 * k as u64);
-                    true
-                }
-                LaneMask::Opmask(_) => {
-                    self.a.mov_r_m(reg::RAX, ctx.vsib_mask);
-                    // rorx rax, rax, k + 1: the lane's bit to bit 63.
-                    self.a
-                        .bytes(&[0xC4, 0xE3, 0xFB, 0xF0, 0xC0, (k as u8 + 1) & 63]);
-                    true
-                }
-                LaneMask::All => false,
-            };
-            if masked {
-                self.a.spill_quiet(reg::RDX);
-                self.a.bytes(&[0x48, 0x99]); // cqo
-                self.a.bytes(&pext);
-                self.a.unspill_quiet(reg::RDX);
-            }
-            self.a.unspill_quiet(reg::RAX);
-            self.a.mov_m_r(ctx.vsib_lane, reg::RCX);
-            self.emit_zone_test(flags_dead);
-        }
-        Ok(())
-    }
-
     /// RCX = the linear address of `m` (RAX and RCX spilled; RAX clobbered): with
     /// `addr32` the offset wraps at 4 GiB before the segment base is added.
     fn emit_linear_rcx(
@@ -632,121 +521,6 @@ impl Tx<'_> {
         debug_assert_eq!(self.a.offset() - at, usize::from(hit_tail_len(hit)));
         self.a.unspill_quiet(reg::RCX); // ok:
     }
-
-    /// The checks of a trace that branches back to its own start, hoisted to its top
-    /// (`hoisted`, from [`hoistable`]): each such register keeps its value across
-    /// iterations, so one check per entry from outside covers them all (the back edge,
-    /// linked to the trace's `loop_entry`, skips them). A hit cannot name an instruction
-    /// here: it exits to `hit` (the dispatcher builds the trace again without hoisting,
-    /// where the check traps at the instruction). Marks the registers checked in `bases`.
-    pub(super) fn emit_hoisted_checks(
-        &mut self,
-        hoisted: Hoisted,
-        pc: u64,
-        bases: &mut BaseState,
-        hit: Label,
-    ) -> Result<(), EngineError> {
-        for b in Gpr::ALL {
-            let bit = 1u16 << (b as u8);
-            if hoisted.wide & bit != 0 {
-                self.emit_base_bounds_check(b, 2, pc, Some(hit));
-                bases.add_wide(b);
-            } else if hoisted.narrow & bit != 0 && hoisted.flags_dead {
-                self.emit_base_bounds_check(b, 0, pc, Some(hit));
-                bases.add(Some(b), None, 1);
-            } else if hoisted.narrow & bit != 0 {
-                let biased = MemOperand {
-                    base: Some(b),
-                    index: None,
-                    scale: 1,
-                    disp: BASE_CHECK_BIAS,
-                    seg: SegBase::Flat,
-                    size: 8,
-                    access: 0,
-                };
-                self.a.spill_quiet(reg::RCX);
-                self.emit_ea_rcx(&biased, pc)?;
-                self.emit_zone_test_to(hoisted.flags_dead, Some(hit));
-                bases.add(Some(b), None, 1);
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Base registers whose checks a self-looping trace hoists to its top (bit = hardware
-/// number).
-#[derive(Clone, Copy, Debug, Default)]
-pub(super) struct Hoisted {
-    /// Checked wide (bases of the index fast path).
-    wide: u16,
-    /// Checked as plain bases.
-    narrow: u16,
-    /// The status flags are dead at the trace's top.
-    flags_dead: bool,
-}
-
-impl Hoisted {
-    pub(super) fn any(&self) -> bool {
-        self.wide | self.narrow != 0
-    }
-}
-
-/// The base registers of elidable operands that no instruction of `t` up to its last
-/// branch back to its start writes (RSP's implicit adjustments count as writes here: they
-/// add up over iterations); `live` is the trace's flag liveness. Instructions after that
-/// branch run at most once per entry: their writes are tracked as usual (`BaseState`).
-pub(super) fn hoistable(tx: &mut Tx<'_>, t: &DecodedTrace, live: &[u32]) -> Hoisted {
-    let start = t.start.0;
-    let Some(last) = t.insns.iter().rposition(|d| {
-        matches!(d.class, Class::Jcc { target, .. } | Class::Jmp { target }
-            | Class::LoopLike { target } if target == start)
-    }) else {
-        return Hoisted::default();
-    };
-    let looped = &t.insns[..=last];
-    let mut written = 0u16;
-    for d in looped {
-        written |= written_gprs(tx, d);
-        if d.instr.stack_pointer_increment() != 0 {
-            written |= 1 << reg::RSP;
-        }
-    }
-    let (mut narrow, mut wide) = (0u16, 0u16);
-    for (k, d) in looped.iter().enumerate() {
-        let i = &d.instr;
-        if i.vsib().is_some() || bit_offset_register(i).is_some() || addressing_32(i) {
-            continue;
-        }
-        for m in t.info[k].mem.iter() {
-            let index = if i.mnemonic() == Mnemonic::Xlatb {
-                None
-            } else {
-                m.index
-            };
-            let disp = m.disp as i64;
-            if m.seg != SegBase::Flat || !(-ELIDED_DISP_MAX..ELIDED_DISP_MAX).contains(&disp) {
-                continue;
-            }
-            match (m.base, index) {
-                (Some(b), None) => narrow |= 1 << (b as u8),
-                (Some(b), Some(_)) if live[k] == 0 => wide |= 1 << (b as u8),
-                _ => {}
-            }
-        }
-    }
-    // The wide check needs the status flags dead at the top.
-    let flags_dead = live.first() == Some(&0);
-    if !flags_dead {
-        wide = 0;
-    }
-    wide &= !written;
-    narrow &= !written & !wide;
-    Hoisted {
-        wide,
-        narrow,
-        flags_dead,
-    }
 }
 
 /// An out-of-line slow path of a check (status flags dead there).
@@ -778,211 +552,6 @@ fn hit_tail_len(hit: Option<Label>) -> u8 {
     7 + if hit.is_some() { 5 } else { 2 }
 }
 
-/// Which lanes of a gather/scatter access memory.
-#[derive(Clone, Copy, Debug)]
-enum LaneMask {
-    /// An AVX2 mask vector register and its element size in bytes (the sign bit of each
-    /// element enables its lane).
-    Vector(Register, usize),
-    /// An AVX-512 opmask register (bit k enables lane k).
-    Opmask(Register),
-    /// No mask (an EVEX form with k0, which raises #UD anyway).
-    All,
-}
-
-/// The mask of the gather/scatter `i`.
-fn vsib_mask(i: &iced_x86::Instruction) -> LaneMask {
-    if i.op_mask() != Register::None {
-        return LaneMask::Opmask(i.op_mask());
-    }
-    // VEX gathers: dest, memory, mask; the mask's elements are the gathered elements.
-    if i.op_count() == 3 && i.op2_kind() == OpKind::Register {
-        return LaneMask::Vector(i.op2_register(), i.memory_size().size());
-    }
-    LaneMask::All
-}
-
-/// `kmovq [target], k` (RIP-relative).
-fn opmask_store(k: Register, target: u64) -> Option<iced_x86::Instruction> {
-    let m = iced_x86::MemoryOperand::with_base_displ(Register::RIP, target as i64);
-    iced_x86::Instruction::with2(iced_x86::Code::VEX_Kmovq_m64_kr, m, k).ok()
-}
-
-/// `vmovdqu [target], index` (RIP-relative) for a VSIB index register: VEX for
-/// XMM0–15/YMM0–15, EVEX `vmovdqu64` for ZMM and registers 16–31.
-fn vector_store(index: Register, target: u64) -> Option<iced_x86::Instruction> {
-    use iced_x86::Code;
-    let n = index.number();
-    let code = if index.is_zmm() {
-        Code::EVEX_Vmovdqu64_zmmm512_k1z_zmm
-    } else if index.is_ymm() {
-        if n < 16 {
-            Code::VEX_Vmovdqu_ymmm256_ymm
-        } else {
-            Code::EVEX_Vmovdqu64_ymmm256_k1z_ymm
-        }
-    } else if index.is_xmm() {
-        if n < 16 {
-            Code::VEX_Vmovdqu_xmmm128_xmm
-        } else {
-            Code::EVEX_Vmovdqu64_xmmm128_k1z_xmm
-        }
-    } else {
-        return None;
-    };
-    let m = iced_x86::MemoryOperand::with_base_displ(Register::RIP, target as i64);
-    iced_x86::Instruction::with2(code, m, index).ok()
-}
-
-/// The sign-extended value of the 16/32/64-bit GPR `r`.
-fn gpr_value(regs: &GuestRegs, r: Register) -> i64 {
-    let full = Gpr::from_number(hw(r)).map_or(0, |g| regs.get(g));
-    match r.size() {
-        2 => i64::from(full as u16 as i16),
-        4 => i64::from(full as u32 as i32),
-        _ => full as i64,
-    }
-}
-
-/// What a #UD raised at the translation of a guest instruction means.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum IsolationFault {
-    /// An operand's linear address lies in the reserved zone: the access gets what the
-    /// guest's own page tables say (as a hardware #PF at `addr` would).
-    Zone {
-        /// The operand's linear address.
-        addr: u64,
-        /// `instrument::access` bits of the operand (READ, WRITE).
-        access: u32,
-    },
-    /// An operand's address is non-canonical (the check's only false positives): #GP(0).
-    NonCanonical {
-        /// The address.
-        addr: u64,
-    },
-    /// No operand lies in the zone but a base register (plus [`BASE_CHECK_BIAS`]) does
-    /// (a base-register check hit): the operand at `addr` (canonical, outside the zone:
-    /// the start of slot 260) gets what the guest's tables say, but the trace cannot run
-    /// it natively.
-    BaseInZone {
-        /// The base register's value (base + index * scale).
-        base: u64,
-        /// The operand's linear address.
-        addr: u64,
-        /// `instrument::access` bits of the operand (READ, WRITE).
-        access: u32,
-    },
-    /// The #UD is the guest's own (e.g. `ud2`, or nothing the check explains).
-    GuestUd,
-}
-
-/// Classifies a #UD at the guest instruction `bytes` (at `pc`) with the guest state
-/// `regs` before it and the FS/GS bases (see the module header). `vector_lane` is the
-/// lane address the check of a gather/scatter with 64-bit indices tested last
-/// (`Engine::vector_lane_checked`; ignored for other instructions).
-pub fn classify_fault(
-    bytes: &[u8],
-    pc: u64,
-    regs: &GuestRegs,
-    fs_base: u64,
-    gs_base: u64,
-    vector_lane: u64,
-) -> IsolationFault {
-    let i = Decoder::with_ip(64, bytes, pc, DecoderOptions::NONE).decode();
-    if i.is_invalid() || matches!(i.mnemonic(), Mnemonic::Ud0 | Mnemonic::Ud1 | Mnemonic::Ud2) {
-        return IsolationFault::GuestUd;
-    }
-    if i.vsib().is_some() {
-        let scatter = matches!(
-            i.mnemonic(),
-            Mnemonic::Vpscatterdd
-                | Mnemonic::Vpscatterdq
-                | Mnemonic::Vscatterdps
-                | Mnemonic::Vscatterdpd
-                | Mnemonic::Vpscatterqd
-                | Mnemonic::Vpscatterqq
-                | Mnemonic::Vscatterqps
-                | Mnemonic::Vscatterqpd
-        );
-        let addr = vector_lane;
-        if in_isolation_zone(addr) {
-            let access = if scatter {
-                crate::instrument::access::WRITE
-            } else {
-                crate::instrument::access::READ
-            };
-            return IsolationFault::Zone { addr, access };
-        }
-        // The check's false positives: non-canonical lanes with bits 56:41 = 0xffc0.
-        if (addr >> 41) & 0xffff == 0xffc0 && ((addr as i64) << 16 >> 16) as u64 != addr {
-            return IsolationFault::NonCanonical { addr };
-        }
-        return IsolationFault::GuestUd;
-    }
-    let mut factory = InstructionInfoFactory::new();
-    let ops = mem_operands(&mut factory, &i);
-    let addr32 = addressing_32(&i);
-    let mut non_canonical = None;
-    for m in ops.iter() {
-        let seg = match m.seg {
-            SegBase::Flat => 0,
-            SegBase::Fs => fs_base,
-            SegBase::Gs => gs_base,
-        };
-        let mut offset = if i.mnemonic() == Mnemonic::Xlatb {
-            regs.get(Gpr::Rbx).wrapping_add(regs.get(Gpr::Rax) & 0xff)
-        } else {
-            m.effective_address(regs)
-        };
-        if let Some((r, size)) = bit_offset_register(&i) {
-            let v = gpr_value(regs, r);
-            let bits = i64::from(size * 8);
-            offset = offset.wrapping_add((v.div_euclid(bits) * i64::from(size)) as u64);
-        }
-        if addr32 {
-            offset &= 0xffff_ffff;
-        }
-        let addr = offset.wrapping_add(seg);
-        if in_isolation_zone(addr) {
-            return IsolationFault::Zone {
-                addr,
-                access: m.access,
-            };
-        }
-        if ((addr as i64) << 16 >> 16) as u64 != addr {
-            non_canonical.get_or_insert(addr);
-        }
-    }
-    if let Some(addr) = non_canonical {
-        return IsolationFault::NonCanonical { addr };
-    }
-    for m in ops.iter() {
-        let addr = m.effective_address(regs);
-        let base = addr.wrapping_sub(m.disp);
-        // The index fast path checks the base register alone, wide.
-        let wide = m
-            .index
-            .and(m.base)
-            .map(|b| regs.get(b))
-            .filter(|b| in_isolation_zone(b.wrapping_add(WIDE_BASE_CHECK_BIAS)));
-        if m.seg == SegBase::Flat && in_isolation_zone(base.wrapping_add(BASE_CHECK_BIAS)) {
-            return IsolationFault::BaseInZone {
-                base,
-                addr,
-                access: m.access,
-            };
-        }
-        if let (SegBase::Flat, Some(base)) = (m.seg, wide) {
-            return IsolationFault::BaseInZone {
-                base,
-                addr,
-                access: m.access,
-            };
-        }
-    }
-    IsolationFault::GuestUd
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1003,32 +572,7 @@ mod tests {
 
 #[cfg(test)]
 mod encoding_tests {
-    use iced_x86::{Code, Decoder, DecoderOptions, Encoder, Register};
-
-    #[test]
-    fn test_vector_index_store_covers_every_index_register() {
-        let at = 0x1000_0000u64;
-        let target = at + 0x2000;
-        for (index, code) in [
-            (Register::XMM3, Code::VEX_Vmovdqu_xmmm128_xmm),
-            (Register::YMM15, Code::VEX_Vmovdqu_ymmm256_ymm),
-            (Register::XMM17, Code::EVEX_Vmovdqu64_xmmm128_k1z_xmm),
-            (Register::YMM31, Code::EVEX_Vmovdqu64_ymmm256_k1z_ymm),
-            (Register::ZMM5, Code::EVEX_Vmovdqu64_zmmm512_k1z_zmm),
-        ] {
-            let store = super::vector_store(index, target).unwrap();
-            let mut enc = Encoder::new(64);
-            enc.encode(&store, at).unwrap();
-            let bytes = enc.take_buffer();
-            let i = Decoder::with_ip(64, &bytes, at, DecoderOptions::NONE).decode();
-            assert_eq!(i.code(), code);
-            assert_eq!(i.op1_register(), index);
-            assert!(i.is_ip_rel_memory_operand());
-            assert_eq!(i.ip_rel_memory_address(), target);
-            assert_eq!(i.memory_size().size(), index.size());
-        }
-        assert!(super::vector_store(Register::RAX, target).is_none());
-    }
+    use iced_x86::{Code, Decoder, DecoderOptions, Register};
 
     #[test]
     fn test_hand_encoded_check_instructions_decode_as_intended() {

@@ -1,0 +1,161 @@
+//! What a #UD at a translated guest instruction means: an isolation check's trap (and
+//! which operand), a non-canonical operand, or the guest's own #UD.
+
+use iced_x86::{Decoder, DecoderOptions, InstructionInfoFactory, Mnemonic, Register};
+
+use super::super::decode::mem_operands;
+use super::super::mangle::hw;
+use super::{
+    addressing_32, bit_offset_register, in_isolation_zone, BASE_CHECK_BIAS, WIDE_BASE_CHECK_BIAS,
+};
+use crate::context::{Gpr, GuestRegs};
+use crate::instrument::SegBase;
+
+/// The sign-extended value of the 16/32/64-bit GPR `r`.
+fn gpr_value(regs: &GuestRegs, r: Register) -> i64 {
+    let full = Gpr::from_number(hw(r)).map_or(0, |g| regs.get(g));
+    match r.size() {
+        2 => i64::from(full as u16 as i16),
+        4 => i64::from(full as u32 as i32),
+        _ => full as i64,
+    }
+}
+
+/// What a #UD raised at the translation of a guest instruction means.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IsolationFault {
+    /// An operand's linear address lies in the reserved zone: the access gets what the
+    /// guest's own page tables say (as a hardware #PF at `addr` would).
+    Zone {
+        /// The operand's linear address.
+        addr: u64,
+        /// `instrument::access` bits of the operand (READ, WRITE).
+        access: u32,
+    },
+    /// An operand's address is non-canonical (the check's only false positives): #GP(0).
+    NonCanonical {
+        /// The address.
+        addr: u64,
+    },
+    /// No operand lies in the zone but a base register (plus [`BASE_CHECK_BIAS`]) does
+    /// (a base-register check hit): the operand at `addr` (canonical, outside the zone:
+    /// the start of slot 260) gets what the guest's tables say, but the trace cannot run
+    /// it natively.
+    BaseInZone {
+        /// The base register's value (base + index * scale).
+        base: u64,
+        /// The operand's linear address.
+        addr: u64,
+        /// `instrument::access` bits of the operand (READ, WRITE).
+        access: u32,
+    },
+    /// The #UD is the guest's own (e.g. `ud2`, or nothing the check explains).
+    GuestUd,
+}
+
+/// Classifies a #UD at the guest instruction `bytes` (at `pc`) with the guest state
+/// `regs` before it and the FS/GS bases (see the module header). `vector_lane` is the
+/// lane address the check of a gather/scatter with 64-bit indices tested last
+/// (`Engine::vector_lane_checked`; ignored for other instructions).
+pub fn classify_fault(
+    bytes: &[u8],
+    pc: u64,
+    regs: &GuestRegs,
+    fs_base: u64,
+    gs_base: u64,
+    vector_lane: u64,
+) -> IsolationFault {
+    let i = Decoder::with_ip(64, bytes, pc, DecoderOptions::NONE).decode();
+    if i.is_invalid() || matches!(i.mnemonic(), Mnemonic::Ud0 | Mnemonic::Ud1 | Mnemonic::Ud2) {
+        return IsolationFault::GuestUd;
+    }
+    if i.vsib().is_some() {
+        let scatter = matches!(
+            i.mnemonic(),
+            Mnemonic::Vpscatterdd
+                | Mnemonic::Vpscatterdq
+                | Mnemonic::Vscatterdps
+                | Mnemonic::Vscatterdpd
+                | Mnemonic::Vpscatterqd
+                | Mnemonic::Vpscatterqq
+                | Mnemonic::Vscatterqps
+                | Mnemonic::Vscatterqpd
+        );
+        let addr = vector_lane;
+        if in_isolation_zone(addr) {
+            let access = if scatter {
+                crate::instrument::access::WRITE
+            } else {
+                crate::instrument::access::READ
+            };
+            return IsolationFault::Zone { addr, access };
+        }
+        // The check's false positives: non-canonical lanes with bits 56:41 = 0xffc0.
+        if (addr >> 41) & 0xffff == 0xffc0 && ((addr as i64) << 16 >> 16) as u64 != addr {
+            return IsolationFault::NonCanonical { addr };
+        }
+        return IsolationFault::GuestUd;
+    }
+    let mut factory = InstructionInfoFactory::new();
+    let ops = mem_operands(&mut factory, &i);
+    let addr32 = addressing_32(&i);
+    let mut non_canonical = None;
+    for m in ops.iter() {
+        let seg = match m.seg {
+            SegBase::Flat => 0,
+            SegBase::Fs => fs_base,
+            SegBase::Gs => gs_base,
+        };
+        let mut offset = if i.mnemonic() == Mnemonic::Xlatb {
+            regs.get(Gpr::Rbx).wrapping_add(regs.get(Gpr::Rax) & 0xff)
+        } else {
+            m.effective_address(regs)
+        };
+        if let Some((r, size)) = bit_offset_register(&i) {
+            let v = gpr_value(regs, r);
+            let bits = i64::from(size * 8);
+            offset = offset.wrapping_add((v.div_euclid(bits) * i64::from(size)) as u64);
+        }
+        if addr32 {
+            offset &= 0xffff_ffff;
+        }
+        let addr = offset.wrapping_add(seg);
+        if in_isolation_zone(addr) {
+            return IsolationFault::Zone {
+                addr,
+                access: m.access,
+            };
+        }
+        if ((addr as i64) << 16 >> 16) as u64 != addr {
+            non_canonical.get_or_insert(addr);
+        }
+    }
+    if let Some(addr) = non_canonical {
+        return IsolationFault::NonCanonical { addr };
+    }
+    for m in ops.iter() {
+        let addr = m.effective_address(regs);
+        let base = addr.wrapping_sub(m.disp);
+        // The index fast path checks the base register alone, wide.
+        let wide = m
+            .index
+            .and(m.base)
+            .map(|b| regs.get(b))
+            .filter(|b| in_isolation_zone(b.wrapping_add(WIDE_BASE_CHECK_BIAS)));
+        if m.seg == SegBase::Flat && in_isolation_zone(base.wrapping_add(BASE_CHECK_BIAS)) {
+            return IsolationFault::BaseInZone {
+                base,
+                addr,
+                access: m.access,
+            };
+        }
+        if let (SegBase::Flat, Some(base)) = (m.seg, wide) {
+            return IsolationFault::BaseInZone {
+                base,
+                addr,
+                access: m.access,
+            };
+        }
+    }
+    IsolationFault::GuestUd
+}
