@@ -218,4 +218,93 @@ mod tests {
         }
         assert!(super::vector_store(Register::RAX, target).is_none());
     }
+
+    #[test]
+    fn test_masks_name_the_register_and_element_size_the_gather_uses() {
+        use super::LaneMask;
+        use iced_x86::{Instruction, MemoryOperand};
+        let m = |i| MemoryOperand::with_base_index_scale(Register::RDI, i, 1);
+        let vex = |code, d, i, k| Instruction::with3(code, d, m(i), k).unwrap();
+        // The mask's elements are the gathered elements, whatever the index width.
+        for (g, reg, size) in [
+            (
+                vex(
+                    Code::VEX_Vpgatherdd_ymm_vm32y_ymm,
+                    Register::YMM0,
+                    Register::YMM1,
+                    Register::YMM2,
+                ),
+                Register::YMM2,
+                4,
+            ),
+            (
+                vex(
+                    Code::VEX_Vpgatherdq_ymm_vm32x_ymm,
+                    Register::YMM0,
+                    Register::XMM1,
+                    Register::YMM2,
+                ),
+                Register::YMM2,
+                8,
+            ),
+            (
+                vex(
+                    Code::VEX_Vpgatherqd_xmm_vm64y_xmm,
+                    Register::XMM0,
+                    Register::YMM1,
+                    Register::XMM3,
+                ),
+                Register::XMM3,
+                4,
+            ),
+            (
+                vex(
+                    Code::VEX_Vgatherqpd_xmm_vm64x_xmm,
+                    Register::XMM0,
+                    Register::XMM1,
+                    Register::XMM4,
+                ),
+                Register::XMM4,
+                8,
+            ),
+        ] {
+            match super::vsib_mask(&g) {
+                LaneMask::Vector(r, s) => assert_eq!((r, s), (reg, size), "{g:?}"),
+                other => panic!("{g:?}: {other:?}"),
+            }
+        }
+        let mut evex = Instruction::with2(
+            Code::EVEX_Vpgatherqq_zmm_k1_vm64z,
+            Register::ZMM0,
+            m(Register::ZMM1),
+        )
+        .unwrap();
+        evex.set_op_mask(Register::K3);
+        assert!(matches!(
+            super::vsib_mask(&evex),
+            LaneMask::Opmask(Register::K3)
+        ));
+        let mut scatter = Instruction::with2(
+            Code::EVEX_Vpscatterdd_vm32z_k1_zmm,
+            m(Register::ZMM1),
+            Register::ZMM2,
+        )
+        .unwrap();
+        scatter.set_op_mask(Register::K1);
+        assert!(matches!(
+            super::vsib_mask(&scatter),
+            LaneMask::Opmask(Register::K1)
+        ));
+
+        // kmovq [rip + target], k3
+        let at = 0x1000_0000u64;
+        let store = super::opmask_store(Register::K3, at + 0x40).unwrap();
+        let mut enc = Encoder::new(64);
+        enc.encode(&store, at).unwrap();
+        let bytes = enc.take_buffer();
+        let i = Decoder::with_ip(64, &bytes, at, DecoderOptions::NONE).decode();
+        assert_eq!(i.code(), Code::VEX_Kmovq_m64_kr);
+        assert_eq!(i.op1_register(), Register::K3);
+        assert_eq!(i.ip_rel_memory_address(), at + 0x40);
+    }
 }
