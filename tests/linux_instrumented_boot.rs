@@ -232,14 +232,12 @@ fn test_linux_under_cachesim_fetches_follow_the_engines_instruction_count() {
         json_u64(&c, "/guest_instructions/cpl3"),
     ];
     assert_eq!(sim.unresolved, 0, "records without a PA: {sim:?}");
-    // One fetch per instruction the engine counted — nearly: a few dozen of ~2.9 G
-    // fetches come out over (34 kernel ones in every boot from the CLI, now and then one
-    // user one; the cause is not found yet, docs/benchmarks.md), never under. Bounded
-    // here so that a real regression in the fetch records still fails.
+    // One fetch per instruction the engine counted, in each mode.
     for (cpl, (&fetches, &insns)) in sim.fetch_refs.iter().zip(&engine).enumerate() {
-        assert!(
-            fetches >= insns && fetches - insns <= 100,
-            "CPL {}: {fetches} fetches vs {insns} instructions",
+        assert_eq!(
+            fetches,
+            insns,
+            "CPL {}: fetches against the engine's instruction count",
             [0, 3][cpl]
         );
     }

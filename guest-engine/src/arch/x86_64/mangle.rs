@@ -545,9 +545,20 @@ pub(crate) fn translate_trace(
         }
         let wants_records = before.iter().any(|x| x.action == Action::MemRecords);
         let rep_loop = info.rep && wants_records && !d.bytes().contains(&0x67);
+        // A `rep` string run as a loop of records may fault after some iterations, with
+        // buffer deliveries between them: its fetch record goes after it, so that an
+        // attempt that faults (taken back, then retried) has delivered none.
+        let fetch_after = rep_loop && before.iter().any(|x| x.action == Action::FetchRecord);
+        if fetch_after {
+            before.retain(|x| x.action != Action::FetchRecord);
+        }
         tx.insert_actions(&before, &info.mem, pc, info.len, live[k] == 0, rep_loop)?;
         tx.a.mark_guest(pc);
         tx.mangle_insn(d, if rep_loop { Some(&info.mem) } else { None })?;
+        if fetch_after {
+            tx.a.mark_guest(d.instr.next_ip());
+            tx.insert_fetch_record(pc, u32::from(info.len))?;
+        }
         let falls_through = matches!(
             d.class,
             Class::Plain | Class::RipRel | Class::Jcc { .. } | Class::LoopLike { .. }
