@@ -330,7 +330,7 @@ fn emulate_store(
 ) -> Result<Action, RunError> {
     let mem = ShadowedMemory::new(shadow);
     let regs = *engine.regs();
-    if let Some(r) = emulate_string_store(engine, &mem, mode, i) {
+    if let Some(r) = emulate_string(engine, &mem, mode, i) {
         if matches!(r, Action::Resume(_)) {
             shadow.borrow_mut().counters.emulated_stores += 1;
         }
@@ -363,32 +363,49 @@ fn emulate_store(
     Ok(Action::Resume(GuestVirt(i.next_ip())))
 }
 
-/// Emulates `movs`/`stos` (byte … quadword, with or without `rep`, 64-bit addressing, no
-/// segment override) element by element as the CPU does: RSI/RDI/RCX advance per
-/// element, and a fault leaves them at the faulting element (the guest's handler sees a
-/// restartable `rep`). `None` if `i` is not one of them. (Linux's `text_poke` copies with
-/// `memcpy`'s `rep movsb`, which may lie in the very frame it patches.)
-pub(crate) fn emulate_string_store(
+/// Emulates `movs`/`stos`/`lods` (byte … quadword, with or without `rep`, 64-bit
+/// addressing, no segment override but DS) element by element as the CPU does:
+/// RSI/RDI/RCX advance per element, and a fault leaves them at the faulting element (the
+/// guest's handler sees a restartable `rep`). `None` if `i` is not one of them. (Linux's
+/// `text_poke` copies with `memcpy`'s `rep movsb`, which may lie in the very frame it
+/// patches; the guest's own mappings of the reserved zone use it too.)
+pub(crate) fn emulate_string(
     engine: &mut Engine,
     mem: &ShadowedMemory<'_>,
     mode: Mode,
     i: &Instruction,
 ) -> Option<Action> {
-    let (size, movs) = match i.code() {
-        Code::Movsb_m8_m8 => (1, true),
-        Code::Movsw_m16_m16 => (2, true),
-        Code::Movsd_m32_m32 => (4, true),
-        Code::Movsq_m64_m64 => (8, true),
-        Code::Stosb_m8_AL => (1, false),
-        Code::Stosw_m16_AX => (2, false),
-        Code::Stosd_m32_EAX => (4, false),
-        Code::Stosq_m64_RAX => (8, false),
+    #[derive(PartialEq)]
+    enum Op {
+        Movs,
+        Stos,
+        Lods(Register),
+    }
+    let (size, op) = match i.code() {
+        Code::Movsb_m8_m8 => (1, Op::Movs),
+        Code::Movsw_m16_m16 => (2, Op::Movs),
+        Code::Movsd_m32_m32 => (4, Op::Movs),
+        Code::Movsq_m64_m64 => (8, Op::Movs),
+        Code::Stosb_m8_AL => (1, Op::Stos),
+        Code::Stosw_m16_AX => (2, Op::Stos),
+        Code::Stosd_m32_EAX => (4, Op::Stos),
+        Code::Stosq_m64_RAX => (8, Op::Stos),
+        Code::Lodsb_AL_m8 => (1, Op::Lods(Register::AL)),
+        Code::Lodsw_AX_m16 => (2, Op::Lods(Register::AX)),
+        Code::Lodsd_EAX_m32 => (4, Op::Lods(Register::EAX)),
+        Code::Lodsq_RAX_m64 => (8, Op::Lods(Register::RAX)),
         _ => return None,
     };
+    let (reads, writes) = (op != Op::Stos, !matches!(op, Op::Lods(_)));
+    let forms_ok = if writes {
+        i.op0_kind() == OpKind::MemoryESRDI
+    } else {
+        i.op1_kind() == OpKind::MemorySegRSI
+    };
     if i.memory_size().size() != size
-        || i.op0_kind() != OpKind::MemoryESRDI
+        || !forms_ok
         || i.has_repne_prefix()
-        || (movs && !matches!(i.segment_prefix(), Register::None | Register::DS))
+        || (reads && !matches!(i.segment_prefix(), Register::None | Register::DS))
     {
         return None;
     }
@@ -403,21 +420,25 @@ pub(crate) fn emulate_string_store(
         if rep && regs.get(Gpr::Rcx) == 0 {
             break;
         }
-        let mut b = [0u8; 8];
-        if movs {
+        let mut b = regs.get(Gpr::Rax).to_le_bytes();
+        if reads {
             if let Err(f) = mem.try_read_virt(regs.get(Gpr::Rsi), mode, &mut b[..size]) {
                 return Some(Action::Reflect(f));
             }
-        } else {
-            b = regs.get(Gpr::Rax).to_le_bytes();
-        }
-        if let Err(f) = mem.try_write_virt(regs.get(Gpr::Rdi), mode, &b[..size]) {
-            return Some(Action::Reflect(f));
-        }
-        if movs {
             regs.set(Gpr::Rsi, regs.get(Gpr::Rsi).wrapping_add(step));
         }
-        regs.set(Gpr::Rdi, regs.get(Gpr::Rdi).wrapping_add(step));
+        match op {
+            Op::Lods(r) => crate::run::zone_access::set_register(regs, r, u64::from_le_bytes(b)),
+            _ => {
+                if let Err(f) = mem.try_write_virt(regs.get(Gpr::Rdi), mode, &b[..size]) {
+                    if reads {
+                        regs.set(Gpr::Rsi, regs.get(Gpr::Rsi).wrapping_sub(step));
+                    }
+                    return Some(Action::Reflect(f));
+                }
+                regs.set(Gpr::Rdi, regs.get(Gpr::Rdi).wrapping_add(step));
+            }
+        }
         if !rep {
             break;
         }

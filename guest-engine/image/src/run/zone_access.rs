@@ -19,7 +19,7 @@ use core::cell::RefCell;
 
 use guest_engine::redirect::{redirectable, Redirected, REDIRECT_MAX_BYTES};
 use guest_engine::shadow_mmu::{Access, GuestFault};
-use guest_engine::{Engine, Gpr, GuestRegs, GuestVirt, Mode};
+use guest_engine::{Engine, Gpr, GuestPhys, GuestRegs, GuestVirt, Mode};
 use iced_x86::{Code, Instruction, InstructionInfoFactory, OpAccess, OpKind, Register};
 
 use crate::mm::guest_memory::{view_of, ShadowedMemory};
@@ -66,18 +66,9 @@ pub fn emulate(
         rip: guest_pc.0,
         error,
     };
-    let pa = match sh
-        .translate_reserved(addr, access, view_of(mode))
-        .map_err(failure)?
-    {
-        Ok(pa) => pa,
+    let (pa, ptr) = match own_frame(&mut sh, addr, size, access, mode).map_err(failure)? {
+        Ok(frame) => frame,
         Err(f) => return Ok(Some(Action::Reflect(f))),
-    };
-    let Some(ptr) = sh.mem().guest_ptr(pa.0, size) else {
-        return Ok(Some(Action::Reflect(GuestFault::page_fault(
-            GuestVirt(addr),
-            0,
-        ))));
     };
     match form {
         Form::Load(r, signed) => {
@@ -92,12 +83,7 @@ pub fn emulate(
             set_register(engine.regs_mut(), r, v);
         }
         Form::Store(v) => {
-            if sh.is_code_frame(pa) {
-                sh.code_frame_written(pa).map_err(failure)?;
-            }
-            // SAFETY: as for the load; the frame's translations are listed for
-            // invalidation before guest code runs again (`Shadow::take_work`).
-            unsafe { core::ptr::copy_nonoverlapping(v.to_le_bytes().as_ptr(), ptr, size) };
+            write_frame(&mut sh, pa, ptr, &v.to_le_bytes()[..size]).map_err(failure)?;
         }
     }
     sh.counters.zone_emulations += 1;
@@ -141,18 +127,9 @@ fn redirect(
     {
         let mut sh = shadow.borrow_mut();
         for (k, &(va, off, len)) in pieces.iter().enumerate().filter(|(_, p)| p.2 != 0) {
-            let pa = match sh
-                .translate_reserved(va, access, view_of(mode))
-                .map_err(failure)?
-            {
-                Ok(pa) => pa,
+            let (pa, ptr) = match own_frame(&mut sh, va, len, access, mode).map_err(failure)? {
+                Ok(frame) => frame,
                 Err(f) => return Ok(Some(Action::Reflect(f))),
-            };
-            let Some(ptr) = sh.mem().guest_ptr(pa.0, len) else {
-                return Ok(Some(Action::Reflect(GuestFault::page_fault(
-                    GuestVirt(va),
-                    0,
-                ))));
             };
             // SAFETY: `ptr..ptr+len` is guest RAM in the physmap (`guest_ptr` checked it).
             unsafe { core::ptr::copy_nonoverlapping(ptr, data[off..].as_mut_ptr(), len) };
@@ -183,19 +160,52 @@ fn redirect(
     let mut sh = shadow.borrow_mut();
     if writes {
         for (pa, ptr, off, len) in frames.into_iter().flatten() {
-            if sh.is_code_frame(pa) {
-                sh.code_frame_written(pa).map_err(failure)?;
-            }
-            // SAFETY: as above; the frame's translations are listed for invalidation
-            // before guest code runs again (`Shadow::take_work`).
-            unsafe { core::ptr::copy_nonoverlapping(data[off..].as_ptr(), ptr, len) };
+            write_frame(&mut sh, pa, ptr, &data[off..off + len]).map_err(failure)?;
         }
     }
     sh.counters.zone_emulations += 1;
     Ok(Some(Action::Resume(GuestVirt(i.next_ip()))))
 }
 
-/// `movs`/`stos` (element by element, as for a store into its own code frame) and the
+/// The guest frame behind `va` (`len` bytes within its page) as the guest's own tables map
+/// it for `access` at the virtual CPL of `mode`, and its physmap address; the guest's fault
+/// if they do not allow the access (or name no RAM).
+fn own_frame(
+    sh: &mut Shadow,
+    va: u64,
+    len: usize,
+    access: Access,
+    mode: Mode,
+) -> Result<Result<(GuestPhys, *mut u8), GuestFault>, guest_engine::shadow_mmu::ShadowError> {
+    let pa = match sh.translate_reserved(va, access, view_of(mode))? {
+        Ok(pa) => pa,
+        Err(f) => return Ok(Err(f)),
+    };
+    Ok(match sh.mem().guest_ptr(pa.0, len) {
+        Some(ptr) => Ok((pa, ptr)),
+        None => Err(GuestFault::page_fault(GuestVirt(va), 0)),
+    })
+}
+
+/// Writes `bytes` to the guest frame `pa` at `ptr` (its physmap address, checked by
+/// `guest_ptr`); a code frame's translations are listed for invalidation first.
+fn write_frame(
+    sh: &mut Shadow,
+    pa: GuestPhys,
+    ptr: *mut u8,
+    bytes: &[u8],
+) -> Result<(), guest_engine::shadow_mmu::ShadowError> {
+    if sh.is_code_frame(pa) {
+        sh.code_frame_written(pa)?;
+    }
+    // SAFETY: `ptr..ptr+len` is guest RAM in the physmap (`guest_ptr` checked it); the
+    // frame's translations are invalidated before guest code runs again
+    // (`Shadow::take_work`).
+    unsafe { core::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len()) };
+    Ok(())
+}
+
+/// `movs`/`stos`/`lods` (element by element, as for a store into its own code frame) and the
 /// common stack operations (`push`, `pop`, `call rel32`, `ret`) with an operand in the
 /// zone, performed through the guest's tables (`Shadow::access` walks them there);
 /// `None` for anything else.
@@ -207,9 +217,7 @@ fn stack_or_string(
     addr: u64,
 ) -> Option<Action> {
     let mem = ShadowedMemory::new(shadow);
-    let string = crate::run::cache_page_fault::emulate_string_store(engine, &mem, mode, i)
-        .or_else(|| emulate_lods(engine, &mem, mode, i));
-    if let Some(done) = string {
+    if let Some(done) = crate::run::cache_page_fault::emulate_string(engine, &mem, mode, i) {
         shadow.borrow_mut().counters.zone_emulations += 1;
         return Some(done);
     }
@@ -293,51 +301,6 @@ fn stack_or_string(
     Some(done)
 }
 
-/// `lods` (byte … quadword, with or without `rep`, 64-bit addressing, no segment
-/// override but DS) element by element; `None` for anything else.
-fn emulate_lods(
-    engine: &mut Engine,
-    mem: &ShadowedMemory<'_>,
-    mode: Mode,
-    i: &Instruction,
-) -> Option<Action> {
-    let (size, dst) = match i.code() {
-        Code::Lodsb_AL_m8 => (1, Register::AL),
-        Code::Lodsw_AX_m16 => (2, Register::AX),
-        Code::Lodsd_EAX_m32 => (4, Register::EAX),
-        Code::Lodsq_RAX_m64 => (8, Register::RAX),
-        _ => return None,
-    };
-    if i.op1_kind() != OpKind::MemorySegRSI
-        || !matches!(i.segment_prefix(), Register::None | Register::DS)
-    {
-        return None;
-    }
-    let rep = i.has_rep_prefix() || i.has_repne_prefix();
-    let regs = engine.regs_mut();
-    let step = if regs.rflags & (1 << 10) != 0 {
-        (size as u64).wrapping_neg()
-    } else {
-        size as u64
-    };
-    loop {
-        if rep && regs.get(Gpr::Rcx) == 0 {
-            break;
-        }
-        let mut b = [0u8; 8];
-        if let Err(f) = mem.try_read_virt(regs.get(Gpr::Rsi), mode, &mut b[..size]) {
-            return Some(Action::Reflect(f));
-        }
-        set_register(regs, dst, u64::from_le_bytes(b));
-        regs.set(Gpr::Rsi, regs.get(Gpr::Rsi).wrapping_add(step));
-        if !rep {
-            break;
-        }
-        regs.set(Gpr::Rcx, regs.get(Gpr::Rcx) - 1);
-    }
-    Some(Action::Resume(GuestVirt(i.next_ip())))
-}
-
 /// The handled form of `i`, if any.
 fn form_of(i: &Instruction, regs: &GuestRegs) -> Option<Form> {
     match i.code() {
@@ -398,7 +361,7 @@ fn register_value(regs: &GuestRegs, r: Register) -> Option<u64> {
 
 /// Writes `v` to the register operand `r` as a `mov` does: 8/16-bit writes keep the
 /// other bits, 32-bit ones zero the upper half.
-fn set_register(regs: &mut GuestRegs, r: Register, v: u64) {
+pub(crate) fn set_register(regs: &mut GuestRegs, r: Register, v: u64) {
     let Some((g, high)) = gpr_of(r) else {
         return;
     };
