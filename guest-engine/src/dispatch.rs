@@ -419,8 +419,9 @@ impl Engine {
                 ExitSpec::Sensitive(s) => ExitKind::Sensitive(s),
                 ExitSpec::Attention => ExitKind::Attention,
                 ExitSpec::PaMismatch => ExitKind::PaMismatch,
-                ExitSpec::BufferFull { resume_off } => ExitKind::BufferFull {
+                ExitSpec::BufferFull { resume_off, held } => ExitKind::BufferFull {
                     resume: at(resume_off),
+                    held,
                 },
                 ExitSpec::Call { call, resume_off } => ExitKind::Call {
                     call,
@@ -681,9 +682,11 @@ impl Engine {
                         Next::Enter(self.cache.fragments[rec.fragment as usize].body)
                     }
                 }
-                (EXIT_BUFFER_FULL, ExitKind::BufferFull { resume }) => {
+                (EXIT_BUFFER_FULL, ExitKind::BufferFull { resume, held }) => {
+                    // The records of the instruction about to run stay: if it faults,
+                    // they are taken back (`drop_records_of`), never delivered.
                     // SAFETY: see the top of `run_inner`.
-                    self.deliver_buffer(mem, unsafe { &mut **tp });
+                    self.deliver_buffer_holding(mem, unsafe { &mut **tp }, usize::from(held));
                     Next::Enter(resume)
                 }
                 (EXIT_HOIST_MISS, ExitKind::HoistMiss) => {

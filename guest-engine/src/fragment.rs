@@ -47,8 +47,8 @@ pub(crate) enum ExitKind {
     Attention,
     /// Cross-page entry with a stale PA.
     PaMismatch,
-    /// Record buffer full.
-    BufferFull { resume: CachePc },
+    /// Record buffer full; the last `held` records belong to the instruction about to run.
+    BufferFull { resume: CachePc, held: u8 },
     /// Analysis call `call` of the fragment.
     Call { call: usize, resume: CachePc },
     /// A check hoisted to the fragment's top hit.

@@ -19,8 +19,23 @@ impl Engine {
     }
 
     pub(crate) fn deliver_buffer(&mut self, mem: &mut dyn GuestMemory, tool: &mut dyn Tool) {
+        self.deliver_buffer_holding(mem, tool, 0);
+    }
+
+    /// Delivers the buffer but its last `held` records (those of the instruction about to
+    /// run, which may still fault), which move to its start.
+    pub(crate) fn deliver_buffer_holding(
+        &mut self,
+        mem: &mut dyn GuestMemory,
+        tool: &mut dyn Tool,
+        held: usize,
+    ) {
         let start = self.buffer.as_ptr() as u64;
-        let n = ((self.ctx().buf_ptr - start) as usize) / MEM_RECORD_BYTES;
+        let total = ((self.ctx().buf_ptr - start) as usize) / MEM_RECORD_BYTES;
+        // Holding everything would free nothing (a buffer smaller than one instruction's
+        // records): then all go.
+        let held = if held < total { held } else { 0 };
+        let n = total - held;
         if n == 0 {
             return;
         }
@@ -46,6 +61,10 @@ impl Engine {
         }
         tool.buffer_full(&self.buffer[..n]);
         self.reset_buffer();
+        if held != 0 {
+            self.buffer.copy_within(n..total, 0);
+            self.ctx_mut().buf_ptr = start + (held * MEM_RECORD_BYTES) as u64;
+        }
     }
 
     /// Before the platform emulates `s`: delivers the pending records (emulation may

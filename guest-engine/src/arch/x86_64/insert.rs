@@ -232,13 +232,22 @@ impl Tx<'_> {
         self.a.bind(full);
         self.a.unspill_quiet(reg::RAX);
         self.a.unspill_quiet(reg::RCX);
+        self.records_pending = self.records_pending.saturating_add(1);
+        let held = self.records_pending;
         let idx = self.exits.len();
-        self.emit_exit_inline(EXIT_BUFFER_FULL, ExitSpec::BufferFull { resume_off: 0 });
+        self.emit_exit_inline(
+            EXIT_BUFFER_FULL,
+            ExitSpec::BufferFull {
+                resume_off: 0,
+                held,
+            },
+        );
         let rel = self.a.offset() - (at + 1);
         self.a.buf[at] = u8::try_from(rel).map_err(|_| EngineError::BranchOutOfRange)?;
         self.a.bind(resume);
         self.exits[idx] = ExitSpec::BufferFull {
             resume_off: self.a.offset(),
+            held,
         };
         Ok(())
     }

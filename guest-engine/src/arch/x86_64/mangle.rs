@@ -85,8 +85,9 @@ pub(crate) enum ExitSpec {
     Attention,
     /// PA check failed at the checked entry.
     PaMismatch,
-    /// Record buffer full; resume at `resume_off`.
-    BufferFull { resume_off: usize },
+    /// Record buffer full; resume at `resume_off`. The last `held` records are those of
+    /// the instruction about to run: not delivered yet (it may still fault).
+    BufferFull { resume_off: usize, held: u8 },
     /// Analysis call number `call` (index in the trace's call list); resume at `resume_off`.
     Call { call: usize, resume_off: usize },
     /// A hoisted check at the top of a self-looping trace found a register in the zone.
@@ -122,6 +123,9 @@ pub(super) struct Tx<'e> {
     pub(super) exits: Vec<ExitSpec>,
     /// Direct exits whose patch offset is filled once the branch is emitted.
     pub(super) stubs: Vec<Stub>,
+    /// Records appended so far for the guest instruction (or `rep` iteration) about to
+    /// run: a buffer-full exit holds them back.
+    pub(super) records_pending: u8,
     /// Out-of-line slow paths of isolation checks, emitted before the stubs.
     pub(super) cold: Vec<super::isolate::ColdCheck>,
     pub(super) factory: &'e mut InstructionInfoFactory,
@@ -407,6 +411,7 @@ impl Tx<'_> {
         self.a.bind(z);
         self.a.jmp_label(done);
         self.a.bind(body);
+        self.records_pending = 0;
         self.insert_mem_records(ops, i.ip())?;
         self.a.bytes(&one[..n]);
         self.a.lea_r_disp(reg::RCX, reg::RCX, -1);
@@ -493,6 +498,7 @@ pub(crate) fn translate_trace(
         calls,
         exits: Vec::with_capacity(8),
         stubs: Vec::with_capacity(8),
+        records_pending: 0,
         cold: Vec::new(),
         factory: &mut scratch.factory,
     };
@@ -552,11 +558,13 @@ pub(crate) fn translate_trace(
         if fetch_after {
             before.retain(|x| x.action != Action::FetchRecord);
         }
+        tx.records_pending = 0;
         tx.insert_actions(&before, &info.mem, pc, info.len, live[k] == 0, rep_loop)?;
         tx.a.mark_guest(pc);
         tx.mangle_insn(d, if rep_loop { Some(&info.mem) } else { None })?;
         if fetch_after {
             tx.a.mark_guest(d.instr.next_ip());
+            tx.records_pending = 0;
             tx.insert_fetch_record(pc, u32::from(info.len))?;
         }
         let falls_through = matches!(
@@ -566,6 +574,7 @@ pub(crate) fn translate_trace(
         if falls_through && !after.is_empty() {
             let next = d.instr.next_ip();
             tx.a.mark_guest(next);
+            tx.records_pending = 0;
             tx.insert_actions(&after, &[], next, 0, live[k + 1] == 0, true)?;
         }
     }
