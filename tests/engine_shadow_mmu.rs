@@ -500,6 +500,21 @@ fn own_zone_mapping_guest() -> Vec<u8> {
     a.call(print).unwrap();
     a.mov(r8, r10).unwrap();
     a.call(print).unwrap();
+    // push qword [rdi] with RDI outside the zone and the stack in it, then pop there;
+    // xlat through the window.
+    a.mov(r9, rsp).unwrap();
+    a.mov(rsp, window + 0x900).unwrap();
+    a.mov(rdi, HIGH_VA).unwrap();
+    a.push(qword_ptr(rdi)).unwrap();
+    a.pop(r10).unwrap();
+    a.mov(rsp, r9).unwrap();
+    a.mov(r8, r10).unwrap();
+    a.call(print).unwrap();
+    a.mov(rbx, window).unwrap();
+    a.mov(eax, 5_u32).unwrap();
+    a.xlatb().unwrap();
+    a.mov(r8, rax).unwrap();
+    a.call(print).unwrap();
     store_qword(&mut a, HIGH_VA + 0x500, 0x0000_c300_0042_42b8);
     a.mov(rax, window + 0x500).unwrap();
     a.call(rax).unwrap();
@@ -543,21 +558,24 @@ fn test_guest_mapping_slots_256_and_257_itself_reads_and_writes_its_own_pages() 
     );
     let leave_rsp = format!("{:016x}", kpin_abi::stolen::WINDOW_VA + 0x888);
     assert_eq!(
-        &lines[17..22],
+        &lines[17..24],
         [
             "0000000000005151",
             "0102030405060708",
             "0000000000007777",
             leave_rsp.as_str(),
+            "1122334455667788",
+            "0000000000000033",
             "0000000000004242"
         ],
-        "call through a pointer there, lodsq, leave, code run from there"
+        "call through a pointer there, lodsq, leave, push [mem] and pop with the stack \
+         there, xlat, code run from there"
     );
     let shadow = log
         .lines()
         .find(|l| l.contains("engine: shadow: "))
         .unwrap_or_else(|| panic!("no shadow stats line: {log}"));
-    assert!(shadow.contains(" zone_emulations=22"), "{shadow}");
+    assert!(shadow.contains(" zone_emulations=25"), "{shadow}");
     println!("{console}{shadow}");
 }
 

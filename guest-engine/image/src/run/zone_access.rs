@@ -11,9 +11,9 @@
 //! redirected to engine memory (`guest_engine::redirect`), its bytes copied in from the
 //! guest's frames and back for a write; `movs`/`stos`/`lods`, `push`/`pop`/`call`/`ret`/
 //! `leave` with the stack there, and `call`/`jmp`/`push` through a memory operand there
-//! are emulated through the guest's tables. What remains (`cmps`/`scas`, other stack
-//! operations there, gathers with an enabled lane there, `xsave`) ends the run naming
-//! the slot.
+//! and `xlat` are emulated through the guest's tables. What remains (`cmps`/`scas`, other
+//! stack operations there, gathers with an enabled lane there, `xsave`) ends the run
+//! naming the slot.
 
 use core::cell::RefCell;
 
@@ -255,11 +255,13 @@ fn stack_or_string(
             }
             Err(a) => a,
         },
-        // Through a memory operand there (a function-pointer table in the zone): the
-        // operand is read first, as the CPU does.
+        // Through a memory operand (a function-pointer table in the zone, or the stack
+        // there): the operand is read first, as the CPU does. `addr` may be the stack's
+        // address; the operand's own comes from the registers (no FS/GS: not handled).
         Code::Call_rm64 | Code::Jmp_rm64 | Code::Push_rm64 if i.op0_kind() == OpKind::Memory => {
+            let at = operand_address(i, regs)?;
             let mut b = [0u8; 8];
-            match mem.try_read_virt(addr, mode, &mut b) {
+            match mem.try_read_virt(at, mode, &mut b) {
                 Err(f) => Action::Reflect(f),
                 Ok(()) => {
                     let v = u64::from_le_bytes(b);
@@ -268,6 +270,17 @@ fn stack_or_string(
                         Code::Call_rm64 => push(regs, next.0, GuestVirt(v)),
                         _ => push(regs, v, next),
                     }
+                }
+            }
+        }
+        Code::Xlat_m8 => {
+            // al = [rbx + al]
+            let mut b = [0u8; 1];
+            match mem.try_read_virt(addr, mode, &mut b) {
+                Err(f) => Action::Reflect(f),
+                Ok(()) => {
+                    set_register(regs, Register::AL, u64::from(b[0]));
+                    Action::Resume(next)
                 }
             }
         }
@@ -299,6 +312,26 @@ fn stack_or_string(
     };
     shadow.borrow_mut().counters.zone_emulations += 1;
     Some(done)
+}
+
+/// The linear address of `i`'s explicit memory operand 0 from the guest registers, if it
+/// has no FS/GS segment base.
+fn operand_address(i: &Instruction, regs: &GuestRegs) -> Option<u64> {
+    i.virtual_address(0, 0, |r, _, _| match r {
+        Register::ES | Register::CS | Register::SS | Register::DS => Some(0),
+        r if r.is_gpr() => {
+            let (g, high) = gpr_of(r)?;
+            let v = regs.get(g);
+            Some(match (r.size(), high) {
+                (1, true) => (v >> 8) & 0xff,
+                (1, false) => v & 0xff,
+                (2, _) => v & 0xffff,
+                (4, _) => v & 0xffff_ffff,
+                _ => v,
+            })
+        }
+        _ => None,
+    })
 }
 
 /// The handled form of `i`, if any.
