@@ -515,6 +515,21 @@ fn own_zone_mapping_guest() -> Vec<u8> {
     a.xlatb().unwrap();
     a.mov(r8, rax).unwrap();
     a.call(print).unwrap();
+    // repe cmpsb between the window and the ordinary mapping of the same frame (equal all
+    // the way: RCX 0), repne scasb for 0x05 among 08 07 06 05 there (RCX 16 - 4).
+    a.cld().unwrap();
+    a.mov(rsi, window + 0x100).unwrap();
+    a.mov(rdi, HIGH_VA + 0x100).unwrap();
+    a.mov(ecx, 32_u32).unwrap();
+    a.repe().cmpsb().unwrap();
+    a.mov(r8, rcx).unwrap();
+    a.call(print).unwrap();
+    a.mov(rdi, window + 0x100).unwrap();
+    a.mov(eax, 5_u32).unwrap();
+    a.mov(ecx, 16_u32).unwrap();
+    a.repne().scasb().unwrap();
+    a.mov(r8, rcx).unwrap();
+    a.call(print).unwrap();
     store_qword(&mut a, HIGH_VA + 0x500, 0x0000_c300_0042_42b8);
     a.mov(rax, window + 0x500).unwrap();
     a.call(rax).unwrap();
@@ -558,7 +573,7 @@ fn test_guest_mapping_slots_256_and_257_itself_reads_and_writes_its_own_pages() 
     );
     let leave_rsp = format!("{:016x}", kpin_abi::stolen::WINDOW_VA + 0x888);
     assert_eq!(
-        &lines[17..24],
+        &lines[17..26],
         [
             "0000000000005151",
             "0102030405060708",
@@ -566,16 +581,18 @@ fn test_guest_mapping_slots_256_and_257_itself_reads_and_writes_its_own_pages() 
             leave_rsp.as_str(),
             "1122334455667788",
             "0000000000000033",
+            "0000000000000000",
+            "000000000000000c",
             "0000000000004242"
         ],
         "call through a pointer there, lodsq, leave, push [mem] and pop with the stack \
-         there, xlat, code run from there"
+         there, xlat, repe cmpsb, repne scasb, code run from there"
     );
     let shadow = log
         .lines()
         .find(|l| l.contains("engine: shadow: "))
         .unwrap_or_else(|| panic!("no shadow stats line: {log}"));
-    assert!(shadow.contains(" zone_emulations=25"), "{shadow}");
+    assert!(shadow.contains(" zone_emulations=27"), "{shadow}");
     println!("{console}{shadow}");
 }
 

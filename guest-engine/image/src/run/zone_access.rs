@@ -11,7 +11,7 @@
 //! redirected to engine memory (`guest_engine::redirect`), its bytes copied in from the
 //! guest's frames and back for a write; `movs`/`stos`/`lods`, `push`/`pop`/`call`/`ret`/
 //! `leave` with the stack there, and `call`/`jmp`/`push` through a memory operand there
-//! and `xlat` are emulated through the guest's tables. What remains (`cmps`/`scas`, other
+//! `xlat` and `cmps`/`scas` are emulated through the guest's tables. What remains (other
 //! stack operations there, gathers with an enabled lane there, `xsave`) ends the run
 //! naming the slot.
 
@@ -217,7 +217,9 @@ fn stack_or_string(
     addr: u64,
 ) -> Option<Action> {
     let mem = ShadowedMemory::new(shadow);
-    if let Some(done) = crate::run::cache_page_fault::emulate_string(engine, &mem, mode, i) {
+    let string = crate::run::cache_page_fault::emulate_string(engine, &mem, mode, i)
+        .or_else(|| emulate_compare_string(engine, &mem, mode, i));
+    if let Some(done) = string {
         shadow.borrow_mut().counters.zone_emulations += 1;
         return Some(done);
     }
@@ -312,6 +314,106 @@ fn stack_or_string(
     };
     shadow.borrow_mut().counters.zone_emulations += 1;
     Some(done)
+}
+
+/// `cmps`/`scas` (byte … quadword, `repe`/`repne` or none, 64-bit addressing, no segment
+/// override but DS) element by element, each comparison's flags computed as `cmp` sets
+/// them; `None` for anything else.
+fn emulate_compare_string(
+    engine: &mut Engine,
+    mem: &ShadowedMemory<'_>,
+    mode: Mode,
+    i: &Instruction,
+) -> Option<Action> {
+    let (size, cmps) = match i.code() {
+        Code::Cmpsb_m8_m8 => (1, true),
+        Code::Cmpsw_m16_m16 => (2, true),
+        Code::Cmpsd_m32_m32 => (4, true),
+        Code::Cmpsq_m64_m64 => (8, true),
+        Code::Scasb_AL_m8 => (1, false),
+        Code::Scasw_AX_m16 => (2, false),
+        Code::Scasd_EAX_m32 => (4, false),
+        Code::Scasq_RAX_m64 => (8, false),
+        _ => return None,
+    };
+    let forms_ok = if cmps {
+        i.op0_kind() == OpKind::MemorySegRSI
+            && i.op1_kind() == OpKind::MemoryESRDI
+            && matches!(i.segment_prefix(), Register::None | Register::DS)
+    } else {
+        i.op1_kind() == OpKind::MemoryESRDI
+    };
+    if !forms_ok {
+        return None;
+    }
+    let (repe, repne) = (i.has_repe_prefix(), i.has_repne_prefix());
+    let regs = engine.regs_mut();
+    let step = if regs.rflags & (1 << 10) != 0 {
+        (size as u64).wrapping_neg()
+    } else {
+        size as u64
+    };
+    let read = |va: u64| -> Result<u64, GuestFault> {
+        let mut b = [0u8; 8];
+        mem.try_read_virt(va, mode, &mut b[..size])?;
+        Ok(u64::from_le_bytes(b))
+    };
+    loop {
+        if (repe || repne) && regs.get(Gpr::Rcx) == 0 {
+            break;
+        }
+        let a = if cmps {
+            read(regs.get(Gpr::Rsi))
+        } else {
+            Ok(regs.get(Gpr::Rax))
+        };
+        let (a, b) = match (a, read(regs.get(Gpr::Rdi))) {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(f), _) | (_, Err(f)) => return Some(Action::Reflect(f)),
+        };
+        regs.rflags = sub_flags(regs.rflags, a, b, size);
+        if cmps {
+            regs.set(Gpr::Rsi, regs.get(Gpr::Rsi).wrapping_add(step));
+        }
+        regs.set(Gpr::Rdi, regs.get(Gpr::Rdi).wrapping_add(step));
+        if !(repe || repne) {
+            break;
+        }
+        regs.set(Gpr::Rcx, regs.get(Gpr::Rcx) - 1);
+        let zf = regs.rflags & (1 << 6) != 0;
+        if (repe && !zf) || (repne && zf) {
+            break;
+        }
+    }
+    Some(Action::Resume(GuestVirt(i.next_ip())))
+}
+
+/// RFLAGS with CF, PF, AF, ZF, SF and OF as `cmp` of the `size`-byte values `a` and `b`
+/// sets them.
+fn sub_flags(rflags: u64, a: u64, b: u64, size: usize) -> u64 {
+    let bits = 8 * size as u32;
+    let mask = if bits == 64 {
+        u64::MAX
+    } else {
+        (1u64 << bits) - 1
+    };
+    let (a, b) = (a & mask, b & mask);
+    let r = a.wrapping_sub(b) & mask;
+    let sign = 1u64 << (bits - 1);
+    let mut f = rflags & !0x8d5;
+    for (set, bit) in [
+        (a < b, 0),
+        ((r as u8).count_ones().is_multiple_of(2), 2),
+        ((a ^ b ^ r) & 0x10 != 0, 4),
+        (r == 0, 6),
+        (r & sign != 0, 7),
+        ((a ^ b) & (a ^ r) & sign != 0, 11),
+    ] {
+        if set {
+            f |= 1 << bit;
+        }
+    }
+    f
 }
 
 /// The linear address of `i`'s explicit memory operand 0 from the guest registers, if it
