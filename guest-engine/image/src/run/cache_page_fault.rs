@@ -20,7 +20,7 @@ use core::cell::RefCell;
 
 use guest_engine::isolation::{classify_fault, IsolationFault};
 use guest_engine::shadow_mmu::{Access, FillOutcome, GuestFault, PF_USER, PF_WRITE};
-use guest_engine::{Engine, Gpr, GuestPhys, GuestRegs, GuestVirt, Mode};
+use guest_engine::{Engine, Gpr, GuestPhys, GuestVirt, Mode};
 use iced_x86::{Code, Decoder, DecoderOptions, Instruction, OpKind, Register};
 
 use crate::mm::guest_memory::{view_of, ShadowedMemory};
@@ -340,7 +340,7 @@ fn emulate_store(
         Code::Mov_rm8_r8 | Code::Mov_rm16_r16 | Code::Mov_rm32_r32 | Code::Mov_rm64_r64
             if i.op0_kind() == OpKind::Memory =>
         {
-            register_value(&regs, i.op1_register())
+            crate::run::zone_access::register_value(&regs, i.op1_register())
         }
         Code::Mov_rm8_imm8 | Code::Mov_rm16_imm16 | Code::Mov_rm32_imm32 | Code::Mov_rm64_imm32
             if i.op0_kind() == OpKind::Memory =>
@@ -445,14 +445,4 @@ pub(crate) fn emulate_string(
         regs.set(Gpr::Rcx, regs.get(Gpr::Rcx) - 1);
     }
     Some(Action::Resume(GuestVirt(i.next_ip())))
-}
-
-/// The value of a general-purpose register operand (AH/CH/DH/BH included).
-fn register_value(regs: &GuestRegs, r: Register) -> Option<u64> {
-    let full = r.full_register();
-    let v = regs.get(Gpr::from_number(full.number() as u8).filter(|_| full.is_gpr64())?);
-    Some(match r {
-        Register::AH | Register::CH | Register::DH | Register::BH => v >> 8,
-        _ => v,
-    })
 }

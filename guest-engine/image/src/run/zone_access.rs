@@ -422,15 +422,8 @@ fn operand_address(i: &Instruction, regs: &GuestRegs) -> Option<u64> {
     i.virtual_address(0, 0, |r, _, _| match r {
         Register::ES | Register::CS | Register::SS | Register::DS => Some(0),
         r if r.is_gpr() => {
-            let (g, high) = gpr_of(r)?;
-            let v = regs.get(g);
-            Some(match (r.size(), high) {
-                (1, true) => (v >> 8) & 0xff,
-                (1, false) => v & 0xff,
-                (2, _) => v & 0xffff,
-                (4, _) => v & 0xffff_ffff,
-                _ => v,
-            })
+            let bits = 8 * r.size() as u32;
+            register_value(regs, r).map(|v| v & (u64::MAX >> (64 - bits)))
         }
         _ => None,
     })
@@ -488,7 +481,7 @@ fn gpr_of(r: Register) -> Option<(Gpr, bool)> {
 }
 
 /// The value of a general-purpose register operand.
-fn register_value(regs: &GuestRegs, r: Register) -> Option<u64> {
+pub(crate) fn register_value(regs: &GuestRegs, r: Register) -> Option<u64> {
     let (g, high) = gpr_of(r)?;
     let v = regs.get(g);
     Some(if high { v >> 8 } else { v })
