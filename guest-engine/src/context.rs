@@ -125,8 +125,9 @@ pub struct CacheContext {
     pub vsib_mask: [u64; 4],
     /// Constant bounds the isolation checks compare base registers with (`cmp reg,
     /// [bound]`, no scratch register): `[lo, hi)` of the bases whose plain check hits,
-    /// then of those whose wide check hits (`arch::x86_64::isolate`).
-    pub zone_bounds: [u64; 4],
+    /// then of those whose wide check hits, for the kernel's fence then the user's
+    /// (`arch::x86_64::isolate`).
+    pub zone_bounds: [u64; 8],
     /// The memory operand of an instruction run redirected (`redirect.rs`): its bytes,
     /// the first at the operand address's offset modulo 64.
     pub redirect_data: RedirectData,

@@ -390,6 +390,7 @@ impl Engine {
                 record_bits: u32::from(mode.cpl()) << access::CPL_SHIFT,
                 upper_half: va.0 >> 63 == 1,
                 isolate: self.config.isolate,
+                fence: crate::arch::Fence::for_cpl(mode.cpl()),
                 hoist: !self.no_hoist.contains(&(va.0, mode.0)),
             };
             let tr = translate_trace(&decoded, &insertions, &calls, &env, &mut self.scratch)

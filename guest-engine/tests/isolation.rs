@@ -10,7 +10,7 @@ mod common;
 
 use common::{HostMemory, HostPlatform, Region, Rig};
 use guest_engine::instrument::access;
-use guest_engine::isolation::{classify_fault, IsolationFault};
+use guest_engine::isolation::{classify_fault, Fence, IsolationFault};
 use guest_engine::{Config, Gpr, GuestPhys, GuestVirt, Mode, NullTool, Stop};
 
 const WINDOW_VA: u64 = 0xffff_8080_0000_0000;
@@ -22,6 +22,7 @@ static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 struct Case {
     rig: Rig,
     block: Region,
+    mode: Mode,
 }
 
 impl Case {
@@ -34,6 +35,7 @@ impl Case {
         Case {
             rig,
             block: Region::map(2 * 4096, 0),
+            mode,
         }
     }
 
@@ -64,6 +66,7 @@ impl Case {
         let off = (pc - self.block.addr()) as usize;
         let bytes = &self.block.slice()[off..off + 15];
         classify_fault(
+            Fence::for_cpl(self.mode.cpl()),
             bytes,
             pc,
             self.rig.engine.regs(),
@@ -236,7 +239,15 @@ fn test_user_and_kernel_accesses_to_the_window_and_physmap_trap_before_touching_
         expect_hit(stop, base);
         let bytes = &c.block.slice()[..15];
         assert_eq!(
-            classify_fault(bytes, base, c.rig.engine.regs(), 0, PHYSMAP_VA, 0),
+            classify_fault(
+                Fence::for_cpl(mode.cpl()),
+                bytes,
+                base,
+                c.rig.engine.regs(),
+                0,
+                PHYSMAP_VA,
+                0
+            ),
             IsolationFault::Zone {
                 addr: PHYSMAP_VA + 0x10,
                 access: access::READ
@@ -862,16 +873,129 @@ fn test_indexed_operands_check_base_wide_and_index_range() {
             IsolationFault::NonCanonical { addr: hole }
         );
         // A base in the physmap with an index that takes the access above the zone: the
-        // wide base check hits and the classifier names the base register.
+        // wide base check hits and the classifier names the base register (in user mode
+        // the address itself is fenced off: the whole upper half is).
         let above = 0xffff_8200_0000_1000u64;
         let rcx = (above - PHYSMAP_VA) / 8;
         let stop = c.run(&code, &[(Gpr::Rbx, PHYSMAP_VA), (Gpr::Rcx, rcx)]);
         expect_hit(stop, base);
-        assert_eq!(
-            c.classify(base),
+        let expected = if mode == Mode::USER {
+            IsolationFault::Zone {
+                addr: above,
+                access: access::READ,
+            }
+        } else {
             IsolationFault::BaseInZone {
                 base: PHYSMAP_VA,
                 addr: above,
+                access: access::READ,
+            }
+        };
+        assert_eq!(c.classify(base), expected);
+    }
+}
+
+#[test]
+fn test_user_mode_operands_in_the_upper_half_trap() {
+    // User code may run on the kernel's shadow root (the shadow MMU's unified view), so
+    // every user operand in the upper half traps, not only those in the zone: a base
+    // register there (flags live and dead), an absolute address, the stack, a negative
+    // displacement too large for the base check to cover, and a gather whose 32-bit
+    // indices (no base) reach below 0. Each is classified at its address.
+    use iced_x86::{Code, Instruction, MemoryOperand, Register};
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let kernel = 0xffff_ffff_8100_0000u64;
+    let mut c = Case::new(Mode::USER);
+    let base = c.block.addr();
+    let exit = base + 0x10_0000;
+    let mut abs = vec![0x48, 0xA1];
+    abs.extend_from_slice(&kernel.to_le_bytes());
+    // (instruction, registers, the operand's address, its access)
+    type Probe<'a> = (&'a [u8], &'a [(Gpr, u64)], u64, u32);
+    let cases: [Probe; 5] = [
+        (
+            &[0x48, 0x8B, 0x47, 0x10],
+            &[(Gpr::Rdi, kernel)],
+            kernel + 0x10,
+            access::READ,
+        ),
+        (
+            &[0x48, 0x8B, 0x47, 0x10, 0x48, 0x83, 0xC2, 0x01],
+            &[(Gpr::Rdi, kernel)],
+            kernel + 0x10,
+            access::READ,
+        ),
+        (&abs, &[], kernel, access::READ),
+        (
+            &[0x50],
+            &[(Gpr::Rsp, kernel + 0x100)],
+            kernel + 0xF8,
+            access::WRITE,
+        ),
+        (
+            &[0x48, 0x8B, 0x87, 0x00, 0x00, 0xC0, 0xFF], // mov rax, [rdi - 0x400000]
+            &[(Gpr::Rdi, 0x1000)],
+            0xffff_ffff_ffc0_1000,
+            access::READ,
+        ),
+    ];
+    for (insn, regs, addr, kind) in cases {
+        let mut code = insn.to_vec();
+        jmp(&mut code, base, exit);
+        expect_hit(c.run(&code, regs), base);
+        assert_eq!(c.rig.engine.regs().get(Gpr::Rax), 0x1111, "nothing ran");
+        assert_eq!(
+            c.classify(base),
+            IsolationFault::Zone { addr, access: kind },
+            "{insn:02x?}"
+        );
+    }
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // vpgatherdd ymm0, [ymm1*1], ymm2 with lane 0's index −64.
+        let code = encode_at(
+            &[
+                Instruction::with2(
+                    Code::VEX_Vmovdqu_ymm_ymmm256,
+                    Register::YMM1,
+                    MemoryOperand::with_base_displ(Register::RSI, 0x400),
+                )
+                .unwrap(),
+                Instruction::with3(
+                    Code::VEX_Vpcmpeqd_ymm_ymm_ymmm256,
+                    Register::YMM2,
+                    Register::YMM2,
+                    Register::YMM2,
+                )
+                .unwrap(),
+            ],
+            base,
+        );
+        let pc = base + code.len() as u64;
+        let gather = Instruction::with3(
+            Code::VEX_Vpgatherdd_ymm_vm32y_ymm,
+            Register::YMM0,
+            MemoryOperand::new(
+                Register::None,
+                Register::YMM1,
+                1,
+                0,
+                4,
+                false,
+                Register::None,
+            ),
+            Register::YMM2,
+        )
+        .unwrap();
+        let mut code = [code, encode_at(&[gather], pc)].concat();
+        jmp(&mut code, base, exit);
+        let data = base + 0x800;
+        c.block.slice()[0xC00..0xC20].fill(0);
+        c.block.slice()[0xC00..0xC04].copy_from_slice(&(-64i32).to_le_bytes());
+        expect_hit(c.run(&code, &[(Gpr::Rsi, data)]), pc);
+        assert_eq!(
+            c.classify(pc),
+            IsolationFault::Zone {
+                addr: 0u64.wrapping_sub(64),
                 access: access::READ
             }
         );

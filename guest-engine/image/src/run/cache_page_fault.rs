@@ -18,7 +18,7 @@
 
 use core::cell::RefCell;
 
-use guest_engine::isolation::{classify_fault, IsolationFault};
+use guest_engine::isolation::{classify_fault, Fence, IsolationFault};
 use guest_engine::shadow_mmu::{Access, FillOutcome, GuestFault, PF_USER, PF_WRITE};
 use guest_engine::{Engine, Gpr, GuestPhys, GuestVirt, Mode};
 use iced_x86::{Code, Decoder, DecoderOptions, Instruction, OpKind, Register};
@@ -167,6 +167,7 @@ pub fn on_isolation_hit(
     let n = ShadowedMemory::new(shadow).peek_code(guest_pc.0, mode, &mut bytes);
     let regs = *engine.regs();
     let (addr, access) = match classify_fault(
+        Fence::for_cpl(mode.cpl()),
         &bytes[..n],
         guest_pc.0,
         &regs,

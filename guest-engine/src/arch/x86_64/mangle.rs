@@ -69,6 +69,8 @@ pub(crate) struct EmitEnv {
     pub upper_half: bool,
     /// Check memory operands against the reserved zone (`isolate/`).
     pub isolate: bool,
+    /// What those checks fence off: the zone (kernel mode) or the upper half (user mode).
+    pub fence: super::isolate::Fence,
     /// Hoist the checks of registers a self-looping trace never writes to its top
     /// (`isolate/hoist.rs`).
     pub hoist: bool,

@@ -5,9 +5,7 @@ use iced_x86::{Decoder, DecoderOptions, InstructionInfoFactory, Mnemonic, Regist
 
 use super::super::decode::mem_operands;
 use super::super::mangle::hw;
-use super::{
-    addressing_32, bit_offset_register, in_isolation_zone, BASE_CHECK_BIAS, WIDE_BASE_CHECK_BIAS,
-};
+use super::{addressing_32, bit_offset_register, in_isolation_zone, Fence};
 use crate::context::{Gpr, GuestRegs};
 use crate::instrument::SegBase;
 
@@ -24,8 +22,9 @@ fn gpr_value(regs: &GuestRegs, r: Register) -> i64 {
 /// What a #UD raised at the translation of a guest instruction means.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IsolationFault {
-    /// An operand's linear address lies in the reserved zone: the access gets what the
-    /// guest's own page tables say (as a hardware #PF at `addr` would).
+    /// An operand's linear address lies in the reserved zone (user mode: in the upper
+    /// half): the access gets what the guest's own page tables say (as a hardware #PF at
+    /// `addr` would).
     Zone {
         /// The operand's linear address.
         addr: u64,
@@ -37,10 +36,9 @@ pub enum IsolationFault {
         /// The address.
         addr: u64,
     },
-    /// No operand lies in the zone but a base register (plus [`BASE_CHECK_BIAS`]) does
-    /// (a base-register check hit): the operand at `addr` (canonical, outside the zone:
-    /// the start of slot 260) gets what the guest's tables say, but the trace cannot run
-    /// it natively.
+    /// No operand lies in the zone but a base register (plus its bias) does (a
+    /// base-register check hit): the operand at `addr` (canonical, outside the fence)
+    /// gets what the guest's tables say, but the trace cannot run it natively.
     BaseInZone {
         /// The base register's value (base + index * scale).
         base: u64,
@@ -53,11 +51,13 @@ pub enum IsolationFault {
     GuestUd,
 }
 
-/// Classifies a #UD at the guest instruction `bytes` (at `pc`) with the guest state
-/// `regs` before it and the FS/GS bases (see the module header). `vector_lane` is the
-/// lane address the check of a gather/scatter with 64-bit indices tested last
-/// (`Engine::vector_lane_checked`; ignored for other instructions).
+/// Classifies a #UD at the guest instruction `bytes` (at `pc`), translated with `fence`
+/// (`Fence::for_cpl` of its mode), with the guest state `regs` before it and the FS/GS
+/// bases (see the module header). `vector_lane` is the lane address the check of a
+/// gather/scatter tested last (`Engine::vector_lane_checked`; ignored for other
+/// instructions).
 pub fn classify_fault(
+    fence: Fence,
     bytes: &[u8],
     pc: u64,
     regs: &GuestRegs,
@@ -82,7 +82,8 @@ pub fn classify_fault(
                 | Mnemonic::Vscatterqpd
         );
         let addr = vector_lane;
-        if in_isolation_zone(addr) {
+        let canonical = ((addr as i64) << 16 >> 16) as u64 == addr;
+        if fence.contains(addr) && (canonical || fence == Fence::Zone) {
             let access = if scatter {
                 crate::instrument::access::WRITE
             } else {
@@ -90,8 +91,10 @@ pub fn classify_fault(
             };
             return IsolationFault::Zone { addr, access };
         }
-        // The check's false positives: non-canonical lanes with bits 56:41 = 0xffc0.
-        if (addr >> 41) & 0xffff == 0xffc0 && ((addr as i64) << 16 >> 16) as u64 != addr {
+        // The check's false positives: non-canonical lanes with bits 56:41 = 0xffc0 (user
+        // mode: any non-canonical lane).
+        let zone_like = (addr >> 41) & 0xffff == 0xffc0 || fence == Fence::UpperHalf;
+        if zone_like && !canonical {
             return IsolationFault::NonCanonical { addr };
         }
         return IsolationFault::GuestUd;
@@ -120,13 +123,14 @@ pub fn classify_fault(
             offset &= 0xffff_ffff;
         }
         let addr = offset.wrapping_add(seg);
-        if in_isolation_zone(addr) {
+        let canonical = ((addr as i64) << 16 >> 16) as u64 == addr;
+        if in_isolation_zone(addr) || (fence.contains(addr) && canonical) {
             return IsolationFault::Zone {
                 addr,
                 access: m.access,
             };
         }
-        if ((addr as i64) << 16 >> 16) as u64 != addr {
+        if !canonical {
             non_canonical.get_or_insert(addr);
         }
     }
@@ -141,8 +145,8 @@ pub fn classify_fault(
             .index
             .and(m.base)
             .map(|b| regs.get(b))
-            .filter(|b| in_isolation_zone(b.wrapping_add(WIDE_BASE_CHECK_BIAS)));
-        if m.seg == SegBase::Flat && in_isolation_zone(base.wrapping_add(BASE_CHECK_BIAS)) {
+            .filter(|b| fence.base_hits(*b, true));
+        if m.seg == SegBase::Flat && fence.base_hits(base, false) {
             return IsolationFault::BaseInZone {
                 base,
                 addr,

@@ -5,6 +5,7 @@ use iced_x86::{OpKind, Register};
 
 use super::super::emit::reg;
 use super::super::mangle::{hw, Tx};
+use super::Fence;
 use crate::addr::GuestVirt;
 use crate::error::EngineError;
 
@@ -31,8 +32,10 @@ impl Tx<'_> {
         let seg = i.segment_prefix();
         let seg = (seg == Register::FS || seg == Register::GS).then_some(seg);
         // 32-bit indices without a base or segment: lanes stay within 2^35 + 2^31 bytes
-        // of 0, far from the zone.
-        if seg.is_none() && (addr32 || (!qword && i.memory_base() == Register::None)) {
+        // of 0, far from the zone (but not from the user fence: below 0 is the top).
+        let near_zero =
+            !qword && i.memory_base() == Register::None && self.env.fence == Fence::Zone;
+        if seg.is_none() && (addr32 || near_zero) {
             return Ok(());
         }
         let index = i.memory_index();

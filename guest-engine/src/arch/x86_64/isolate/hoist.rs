@@ -6,9 +6,7 @@ use iced_x86::Mnemonic;
 use super::super::decode::{Class, DecodedTrace};
 use super::super::emit::{reg, Label};
 use super::super::mangle::Tx;
-use super::{
-    addressing_32, bit_offset_register, written_gprs, BaseState, BASE_CHECK_BIAS, ELIDED_DISP_MAX,
-};
+use super::{addressing_32, bit_offset_register, written_gprs, BaseState};
 use crate::context::Gpr;
 use crate::error::EngineError;
 use crate::instrument::{MemOperand, SegBase};
@@ -40,7 +38,7 @@ impl Tx<'_> {
                     base: Some(b),
                     index: None,
                     scale: 1,
-                    disp: BASE_CHECK_BIAS,
+                    disp: self.env.fence.bias(),
                     seg: SegBase::Flat,
                     size: 8,
                     access: 0,
@@ -110,7 +108,7 @@ pub(in crate::arch::x86_64) fn hoistable(
                 m.index
             };
             let disp = m.disp as i64;
-            if m.seg != SegBase::Flat || !(-ELIDED_DISP_MAX..ELIDED_DISP_MAX).contains(&disp) {
+            if m.seg != SegBase::Flat || !tx.env.fence.elides(disp) {
                 continue;
             }
             match (m.base, index) {

@@ -56,6 +56,18 @@
 //! disp]` checks the base *wide* ([`WIDE_BASE_CHECK_BIAS`]) once and then the index alone
 //! (`cmp index, SMALL_INDEX_MAX; ja slow`, the full check out of line: [`ColdCheck`]).
 //!
+//! **User mode** (virtual CPL 3) has a larger fence, [`Fence::UpperHalf`]: everything at
+//! or above `USER_LIMIT` = 2^47 (the upper half, and the non-canonical hole). The shadow
+//! MMU may then serve the user view with the kernel root (`shadow_mmu`, "unified"), which
+//! maps the guest kernel's upper half, so a user operand there must not run natively
+//! either. The same forms apply with other constants: the check tests bits 62:47 (`rorx
+//! rcx, rcx, 47; movzx ecx, cx; jrcxz ok`, or `shr rcx, 47; jz ok`); a base register is
+//! checked with no bias (`cmp b, [2^47]; jae cold`), covering displacements in
+//! `[−USER_ELIDED_NEG, ELIDED_DISP_MAX)`: upward from a base below 2^47 an access at worst
+//! enters the hole (#GP), downward from a base near 0 at worst the shadow's `TOP_GUARD`,
+//! the top 2 MiB that a unified root never maps. 32-bit lanes of a gather are not
+//! exempt there (sign-extended, they reach below 0).
+//!
 //! Submodules: `gather` (VSIB lanes, masked-off ones skipped), `hoist` (checks of the
 //! bases a self-looping trace never writes, moved to its top), `classify` (what a #UD
 //! at a translated instruction means).
@@ -75,6 +87,82 @@ mod hoist;
 
 pub use classify::{classify_fault, IsolationFault};
 pub(super) use hoist::{hoistable, Hoisted};
+
+/// What a translated memory operand may not reach natively: chosen by the trace's
+/// virtual CPL (module header).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fence {
+    /// Kernel mode: the reserved zone (PML4 slots 256–259).
+    Zone,
+    /// User mode: every address at or above 2^47 (`shadow_mmu::USER_LIMIT`).
+    UpperHalf,
+}
+
+/// Most negative displacement (magnitude) of a user-mode operand whose check is elided
+/// through its base register: the shadow's 2 MiB `TOP_GUARD` less the room RSP's implicit
+/// drift in one trace takes (`MAX_TRACE_INSNS` pushes).
+const USER_ELIDED_NEG: i64 = 0x1e_0000;
+
+impl Fence {
+    /// The fence of code translated for virtual CPL `cpl`.
+    pub const fn for_cpl(cpl: u8) -> Fence {
+        if cpl == 3 {
+            Fence::UpperHalf
+        } else {
+            Fence::Zone
+        }
+    }
+
+    /// Whether an access starting at `addr` hits the fence.
+    pub const fn contains(self, addr: u64) -> bool {
+        match self {
+            Fence::Zone => in_isolation_zone(addr),
+            Fence::UpperHalf => addr >= crate::shadow_mmu::USER_LIMIT,
+        }
+    }
+
+    /// Added to a base register before its plain check.
+    const fn bias(self) -> u64 {
+        match self {
+            Fence::Zone => BASE_CHECK_BIAS,
+            Fence::UpperHalf => 0,
+        }
+    }
+
+    /// Added to a base register before its wide check.
+    const fn wide_bias(self) -> u64 {
+        match self {
+            Fence::Zone => WIDE_BASE_CHECK_BIAS,
+            Fence::UpperHalf => 0,
+        }
+    }
+
+    /// Whether a check through the base register covers displacement `disp`.
+    pub(super) fn elides(self, disp: i64) -> bool {
+        match self {
+            Fence::Zone => (-ELIDED_DISP_MAX..ELIDED_DISP_MAX).contains(&disp),
+            Fence::UpperHalf => (-USER_ELIDED_NEG..ELIDED_DISP_MAX).contains(&disp),
+        }
+    }
+
+    /// Whether a base register's plain check (`wide`: its wide check) hits for `base`.
+    pub(super) fn base_hits(self, base: u64, wide: bool) -> bool {
+        let bias = if wide { self.wide_bias() } else { self.bias() };
+        match self {
+            Fence::Zone => in_isolation_zone(base.wrapping_add(bias)),
+            // `ctx.zone_bounds`' user half: [2^47, u64::MAX).
+            Fence::UpperHalf => self.contains(base) && base != u64::MAX,
+        }
+    }
+
+    /// Index of the fence's first bound in `ctx.zone_bounds`.
+    const fn bounds_index(self) -> u64 {
+        match self {
+            Fence::Zone => 0,
+            Fence::UpperHalf => 4,
+        }
+    }
+}
 
 /// First address of the reserved zone (PML4 slot 256).
 pub const ISOLATION_ZONE_START: u64 = 0xffff_8000_0000_0000;
@@ -98,13 +186,20 @@ pub const WIDE_BASE_CHECK_BIAS: u64 = 1 << 36;
 /// with `|disp| < 2 GiB` the operand lies within `[−2 GiB, 18 GiB)` of a wide-checked base.
 const SMALL_INDEX_MAX: i32 = 0x7fff_ffff;
 /// `CacheContext::zone_bounds`: the bases whose plain check hits, `[Z_START − BIAS, Z_END −
-/// BIAS)`, then those whose wide check hits.
-pub(crate) const fn zone_bounds() -> [u64; 4] {
+/// BIAS)`, then those whose wide check hits; then the same for [`Fence::UpperHalf`]: both
+/// `[2^47, u64::MAX)` (a base of −1 reaches at worst 2 MiB below 0: the shadow's top
+/// guard).
+pub(crate) const fn zone_bounds() -> [u64; 8] {
+    let user = crate::shadow_mmu::USER_LIMIT;
     [
         ISOLATION_ZONE_START - BASE_CHECK_BIAS,
         ISOLATION_ZONE_END - BASE_CHECK_BIAS,
         ISOLATION_ZONE_START - WIDE_BASE_CHECK_BIAS,
         ISOLATION_ZONE_END - WIDE_BASE_CHECK_BIAS,
+        user,
+        u64::MAX,
+        user,
+        u64::MAX,
     ]
 }
 
@@ -237,6 +332,7 @@ impl Tx<'_> {
         let addr32 = addressing_32(&d.instr);
         let bit_offset = bit_offset_register(&d.instr);
         let xlat = d.instr.mnemonic() == Mnemonic::Xlatb;
+        let fence = self.env.fence;
         if let Some(qword) = d.instr.vsib() {
             self.emit_vsib_check(&d.instr, qword, addr32, pc, flags_dead)?;
         }
@@ -257,15 +353,13 @@ impl Tx<'_> {
             let disp = m.disp as i64;
             match (m.base, m.index, m.seg) {
                 (None, None, SegBase::Flat) => {
-                    if in_isolation_zone(m.disp) {
+                    if fence.contains(m.disp) {
                         self.a.bytes(&[0x0F, 0x0B]); // ud2
                     }
                 }
                 (_, _, SegBase::Flat) if addr32 => {}
                 (b, Some(x), SegBase::Flat)
-                    if flags_dead
-                        && (-ELIDED_DISP_MAX..ELIDED_DISP_MAX).contains(&disp)
-                        && !bases.has(b, Some(x), m.scale) =>
+                    if flags_dead && fence.elides(disp) && !bases.has(b, Some(x), m.scale) =>
                 {
                     // The index fast path: the base checked wide (once per trace until
                     // written), then per use only `cmp index, SMALL_INDEX_MAX; jbe ok`;
@@ -286,13 +380,13 @@ impl Tx<'_> {
                         back,
                         pc,
                         kind: ColdKind::Full(MemOperand {
-                            disp: BASE_CHECK_BIAS,
+                            disp: fence.bias(),
                             ..*m
                         }),
                     });
                     bases.add(b, Some(x), m.scale);
                 }
-                (b, x, SegBase::Flat) if (-ELIDED_DISP_MAX..ELIDED_DISP_MAX).contains(&disp) => {
+                (b, x, SegBase::Flat) if fence.elides(disp) => {
                     let scale = if x.is_some() { m.scale } else { 1 };
                     if let (Some(b), None, true) = (b, x, flags_dead) {
                         if !bases.has(Some(b), None, 1) {
@@ -302,7 +396,7 @@ impl Tx<'_> {
                     } else if !bases.has(b, x, scale) {
                         let biased = MemOperand {
                             scale,
-                            disp: BASE_CHECK_BIAS,
+                            disp: fence.bias(),
                             ..*m
                         };
                         self.emit_zone_check(&biased, pc, flags_dead)?;
@@ -450,16 +544,17 @@ impl Tx<'_> {
     }
 
     /// The check of base register `b` with the status flags dead, against the bounds
-    /// `k` of `ctx.zone_bounds` (0: plain, `b + BASE_CHECK_BIAS`; 2: wide, `b +
-    /// WIDE_BASE_CHECK_BIAS`): compares with the constant bounds, no scratch register.
-    /// The common case falls through after one compare — a base above the zone in code
-    /// that runs in the upper half (`cmp b, [hi]; jb cold`), below it in code in the lower
-    /// half (`cmp b, [lo]; jae cold`); the other compare and the `ud2` (or `jmp hit`) are
-    /// out of line.
+    /// `k` of the fence's part of `ctx.zone_bounds` (0: plain, `b + bias`; 2: wide, `b +
+    /// wide bias`): compares with the constant bounds, no scratch register. The common
+    /// case falls through after one compare — a base above the zone in kernel code that
+    /// runs in the upper half (`cmp b, [hi]; jb cold`), below it otherwise (`cmp b, [lo];
+    /// jae cold`); the other compare and the `ud2` (or `jmp hit`) are out of line.
     fn emit_base_bounds_check(&mut self, b: Gpr, k: u64, pc: u64, hit: Option<Label>) {
-        let bounds = self.env.ctx.zone_bounds + 8 * k;
+        let fence = self.env.fence;
+        let bounds = self.env.ctx.zone_bounds + 8 * (fence.bounds_index() + k);
         let (cold, back) = (self.a.new_label(), self.a.new_label());
-        let (first, cc, second) = if self.env.upper_half {
+        let above_first = self.env.upper_half && fence == Fence::Zone;
+        let (first, cc, second) = if above_first {
             (bounds + 8, 0x2, bounds) // jb cold; then below lo: not a hit
         } else {
             (bounds, 0x3, bounds + 8) // jae cold; then at or above hi: not a hit
@@ -474,8 +569,8 @@ impl Tx<'_> {
             kind: ColdKind::Bound {
                 reg: b,
                 bound: second,
-                // Back when b < lo (kernel order) or b >= hi (user order).
-                back_cc: if self.env.upper_half { 0x2 } else { 0x3 },
+                // Back when b < lo (upper-half order) or b >= hi (the other).
+                back_cc: if above_first { 0x2 } else { 0x3 },
                 hit,
             },
         });
@@ -493,7 +588,17 @@ impl Tx<'_> {
         // entries of its own (its other instructions cannot fault; interrupts need no
         // recovery), which keeps the fragment tables — and heap-pressure flushes — small.
         let skip = hit_tail_len(hit);
-        if flags_dead {
+        if self.env.fence == Fence::UpperHalf {
+            // Bits 62:47 (an address with bit 63 alone set is non-canonical: #GP natively).
+            if flags_dead {
+                self.a.bytes(&[0x48, 0xC1, 0xE9, 0x2F]); // shr rcx, 47
+                self.a.bytes(&[0x74, skip]); // jz ok
+            } else {
+                self.a.bytes(&[0xC4, 0xE3, 0xFB, 0xF0, 0xC9, 0x2F]); // rorx rcx, rcx, 47
+                self.a.bytes(&[0x0F, 0xB7, 0xC9]); // movzx ecx, cx
+                self.a.bytes(&[0xE3, skip]); // jrcxz ok
+            }
+        } else if flags_dead {
             self.a.bytes(&[0x48, 0xC1, 0xE9, 0x29]); // shr rcx, 41
             self.a.bytes(&[0x81, 0xF9, 0xC0, 0xFF, 0x7F, 0x00]); // cmp ecx, 0x7fffc0
             self.a.bytes(&[0x75, skip]); // jne ok
@@ -534,8 +639,8 @@ pub(super) struct ColdCheck {
 
 /// What a [`ColdCheck`] does.
 enum ColdKind {
-    /// The full check of this operand (the index fast path's, with [`BASE_CHECK_BIAS`] as
-    /// displacement).
+    /// The full check of this operand (the index fast path's, with the fence's base bias
+    /// as displacement).
     Full(MemOperand),
     /// The second compare of a base bounds check: back if `reg` compared with the
     /// bound at `bound` satisfies `back_cc`, else a hit (`ud2`, or a jump to `hit`).
