@@ -8,6 +8,16 @@
 //! guest CR3's PML4 frame) has two shadow roots, one per [`View`]; a small LRU cache keeps
 //! the roots of recently used spaces.
 //!
+//! With [`ShadowConfig::unified`], the user view of a space is its kernel root as long as
+//! that root is *unified* — it maps no guest supervisor page in the lower half (below
+//! [`USER_LIMIT`]), nothing from [`TOP_GUARD`] to the top of the address space, and
+//! CR0.WP = 1 (so a user page is writable for the kernel only if it is for the user).
+//! Then a change of the virtual CPL needs no CR3 load: translated user code may not reach
+//! an address at or above [`USER_LIMIT`] natively (its memory operands are checked for
+//! that, `arch/x86_64/isolate/`), and what lies below is the same in both views. The
+//! first kernel-view leaf that breaks the rule splits that root from the user view for
+//! its lifetime (a guest's own choice: Linux never does it in a process's space).
+//!
 //! With [`ShadowConfig::prefetch`], a 4 KiB fill also shadows the other pages of its
 //! aligned group that the guest has already accessed (`prefetch.rs`), so that pages
 //! touched again after a CR3 write do not fault one by one.
@@ -20,11 +30,13 @@
 //!   `arch/x86_64/isolate/`); a fill there walks the guest's tables and answers with
 //!   the guest's fault, or [`ShadowError::ReservedSlot`] if the guest maps the address
 //!   (the embedder may then perform the access itself: [`ShadowMmu::translate_reserved`]);
-//! * every shadow leaf has U = 1 and G = 0 (the engine reloads CR3 between views);
+//! * every shadow leaf has U = 1 and G = 0 (the engine reloads CR3 between views, unless
+//!   they share one unified root);
 //!   intermediate shadow entries are P|W|U and only the leaf restricts;
 //! * a shadow leaf is writable only if the guest allows the write in that view, the
 //!   guest leaf is dirty, and the frame is not a protected code frame;
-//! * the user view never maps a guest supervisor page;
+//! * a user-view root never maps a guest supervisor page; a unified kernel root maps
+//!   none below [`USER_LIMIT`] and nothing from [`TOP_GUARD`] up;
 //! * shadow leaves are 4 KiB, or 2 MiB (with [`ShadowConfig::large_pages`]) where the
 //!   guest maps the whole 2 MiB with one leaf and no frame in it is protected;
 //! * every present shadow leaf is in the [`ReverseMap`];
@@ -75,6 +87,13 @@ pub const ENGINE_SLOTS: RangeInclusive<usize> = 257..=258;
 /// keeps stack and downward string accesses from reaching the physmap unchecked
 /// (`arch/x86_64/isolate/`). Never present in a shadow root for the guest.
 pub const RESERVED_SLOTS: RangeInclusive<usize> = 256..=259;
+/// Translated user code reaches addresses below this natively (the lower half); at and
+/// above it, its memory operands are checked (`arch/x86_64/isolate/`).
+pub const USER_LIMIT: u64 = 1 << 47;
+/// Start of the top 2 MiB of the address space, never mapped by a unified root: a user access just
+/// below address 0 (a small base with a negative displacement, a downward string) wraps
+/// into it and faults into the engine.
+pub const TOP_GUARD: u64 = 0u64.wrapping_sub(pte::LARGE_PAGE_BYTES);
 /// Most hardware-flush VAs remembered before [`HwFlush`] degrades to a full flush.
 pub const MAX_HW_FLUSH_PAGES: usize = 16;
 
@@ -142,6 +161,10 @@ pub struct ShadowConfig {
     /// a 4 KiB fill also shadows the other pages of its aligned group that the guest has
     /// already accessed (see `prefetch.rs`).
     pub prefetch: usize,
+    /// The user view of a space shares its kernel root while that root stays unified
+    /// (module header); the embedder's translated user code must then check its memory
+    /// operands against [`USER_LIMIT`].
+    pub unified: bool,
 }
 
 /// A page fault the guest must see, as a real CPU at the virtual CPL would raise it.
@@ -278,6 +301,9 @@ struct RootSlot {
     /// Leaves were installed since the last CR3-write flush of this root, so the next CR3
     /// write must walk it (else it holds nothing a CR3 write drops and is skipped).
     filled: bool,
+    /// A kernel root that installed a leaf the user view may not see (module header): the
+    /// space's user view has a root of its own from then on.
+    split: bool,
 }
 
 /// The shadow MMU of one vCPU.
@@ -375,6 +401,7 @@ impl<M: PhysMem> ShadowMmu<M> {
     /// The shadow root to load into the real CR3 for the current space and `view`,
     /// built (engine slots copied, nothing else mapped) if it is not cached.
     pub fn root(&mut self, view: View) -> Result<GuestPhys, ShadowError> {
+        let view = self.backing_view(view);
         let space = self.cr3 & pte::ADDR_MASK;
         self.clock += 1;
         let clock = self.clock;
@@ -400,8 +427,49 @@ impl<M: PhysMem> ShadowMmu<M> {
             root,
             last_use: clock,
             filled: false,
+            split: false,
         });
         Ok(root)
+    }
+
+    /// The view whose root serves `view` in the current space: the kernel's for the user
+    /// view while the space's kernel root is unified (or not built yet).
+    fn backing_view(&self, view: View) -> View {
+        if view == View::Kernel || !self.config.unified || !self.control.wp {
+            return view;
+        }
+        let space = self.cr3 & pte::ADDR_MASK;
+        let split = self
+            .roots
+            .iter()
+            .any(|r| r.space == space && r.view == View::Kernel && r.split);
+        if split {
+            View::User
+        } else {
+            View::Kernel
+        }
+    }
+
+    /// Whether the user view of the current space shares the kernel root.
+    pub fn is_unified(&self) -> bool {
+        self.backing_view(View::User) == View::Kernel
+    }
+
+    /// A leaf for `va` with guest user rights `user` is about to enter the kernel view of
+    /// the current space: split that root from the user view if the leaf breaks the rule
+    /// of a unified root.
+    pub(super) fn note_kernel_leaf(&mut self, va: GuestVirt, user: bool, view: View) {
+        if view != View::Kernel || !((va.0 < USER_LIMIT && !user) || va.0 >= TOP_GUARD) {
+            return;
+        }
+        let space = self.cr3 & pte::ADDR_MASK;
+        if let Some(r) = self
+            .roots
+            .iter_mut()
+            .find(|r| r.space == space && r.view == View::Kernel)
+        {
+            r.split = true;
+        }
     }
 
     /// The guest writes CR3: switch spaces and drop the new space's non-global shadow
@@ -559,6 +627,7 @@ impl<M: PhysMem> ShadowMmu<M> {
         if let Some(r) = self.roots.iter_mut().find(|r| r.root == root) {
             r.filled = true;
         }
+        self.note_kernel_leaf(va, leaf.user, view);
         let large = self.config.large_pages && leaf.level >= 2 && self.large_ok(leaf.frame);
         let level = if large { 2 } else { 1 };
         let slot = self.leaf_slot_alloc(root, va, level)?;
@@ -714,6 +783,7 @@ impl<M: PhysMem> ShadowMmu<M> {
             return Ok(None);
         }
         let space = self.cr3 & pte::ADDR_MASK;
+        let view = self.backing_view(view);
         let Some(root) = self
             .roots
             .iter()

@@ -40,9 +40,10 @@ impl<M: PhysMem> ShadowMmu<M> {
             if (view == View::User && !n.user) || !self.mem.guest_may_map(n.frame) {
                 continue;
             }
+            let nva = GuestVirt(region | i << pte::PAGE_SHIFT);
+            self.note_kernel_leaf(nva, n.user, view);
             let e = self.shadow_leaf(&n, view, false);
             self.write(nslot, e)?;
-            let nva = GuestVirt(region | i << pte::PAGE_SHIFT);
             self.rmap.insert(
                 n.frame,
                 ShadowMapping {

@@ -44,6 +44,11 @@ impl<M: PhysMem> ShadowMmu<M> {
         let Some(e) = self.shadow_entry(va, view)? else {
             return Ok(None);
         };
+        // The user view may be served by a unified kernel root: its supervisor leaves
+        // (in the upper half) are not the user's.
+        if view == View::User && e & pte::SW_GUEST_USER == 0 {
+            return Ok(None);
+        }
         let permitted = match access {
             Access::Read => true,
             Access::Write => e & pte::SW_WRITABLE != 0,

@@ -299,6 +299,9 @@ impl Shadow {
             hw_nx: false,
             large_pages: true,
             prefetch: PREFETCH_PAGES,
+            // Translated user code checks its operands against the upper half
+            // (`guest_engine::isolation`), so a CPL change needs no CR3 load.
+            unified: true,
         };
         let control = guest_engine::vcpu::paging_control(s.cr0, s.cr4, s.efer);
         Ok(Self {

@@ -9,6 +9,7 @@ mod large;
 mod prefetch;
 mod protection;
 mod translate;
+mod unified;
 
 use alloc::collections::BTreeMap;
 use alloc::vec;
@@ -175,6 +176,7 @@ fn config() -> ShadowConfig {
         hw_nx: true,
         large_pages: false,
         prefetch: 0,
+        unified: false,
     }
 }
 
