@@ -5,7 +5,7 @@
 //! guest's zero page, kernel text, the stolen region), Linux's own regions, non-canonical
 //! addresses and one address in every PML4 slot of both halves; forges an I/O ring record
 //! and rings the doorbell; and jumps to the canonical targets. On a real CPU — and under
-//! QEMU TCG, where the probe was validated (`KPIN-PROBE ok 1117 accesses faulted`) — every
+//! QEMU TCG, where the probe was validated (`KPIN-PROBE ok 1123 accesses faulted`) — every
 //! one of these accesses faults with the signal, `si_code` and `si_addr` the guest's own
 //! page tables and privilege rules call for. The run must then power off cleanly, and the
 //! output directory must hold only kpin's own files: nothing the guest forged.

@@ -51,11 +51,12 @@ pub fn workload_expected_md5() -> String {
 pub const PROGRAMS: [&str; 5] = ["jit", "sigsegv", "timer", "forkpipe", "fpu"];
 
 /// Accesses the isolation probe (`kpin-test probe`, the `probe` workload) makes, every one
-/// of which must fault as on a real CPU: read and write at 26 named targets (engine window,
-/// physmap, Linux's regions, non-canonical addresses), a jump to the 23 canonical ones, a
-/// read and a write in every one of the 512 PML4 slots, 6 accesses forging an I/O ring
-/// record, and an `in` and an `out` on 6 ports.
-pub const PROBE_ACCESSES: u64 = 26 * 2 + 23 + 512 * 2 + 6 + 6 * 2;
+/// of which must fault as on a real CPU: read and write at 27 named targets (engine window,
+/// physmap, Linux's regions, non-canonical addresses, the top page), a jump to the 24
+/// canonical ones, 3 reads through a base register 4 KiB above the target (one wrapping
+/// from 0 to the top page), a read and a write in every one of the 512 PML4 slots, 6
+/// accesses forging an I/O ring record, and an `in` and an `out` on 6 ports.
+pub const PROBE_ACCESSES: u64 = 27 * 2 + 24 + 3 + 512 * 2 + 6 + 6 * 2;
 
 /// The isolation probe's last line when every access faulted as expected.
 pub fn probe_verdict() -> String {

@@ -476,8 +476,11 @@ static int test_fpu(void) {
 #define PROBE_UID 65534
 #define SI_KERNEL_CODE 0x80
 
-enum access { A_READ, A_WRITE, A_EXEC, A_OUT, A_IN };
-static const char *const ACCESS_NAME[] = {"read", "write", "exec", "out", "in"};
+/* A_READ_BELOW reads `addr` as `[addr + 4096 - 4096]`: a base register 4 KiB above it and
+ * a negative displacement (from a base of 0 the access wraps to the top of the address
+ * space, which the engine's checks of user operands must cover too). */
+enum access { A_READ, A_WRITE, A_EXEC, A_OUT, A_IN, A_READ_BELOW };
+static const char *const ACCESS_NAME[] = {"read", "write", "exec", "out", "in", "read-below"};
 
 static sigjmp_buf probe_env;
 static volatile int probe_signo, probe_code;
@@ -533,6 +536,13 @@ static int probe_one(enum access kind, uint64_t addr, uint64_t value, uint64_t *
         case A_WRITE:
             __asm__ volatile("movq %1, (%0)" : : "r"(addr), "r"(value) : "memory");
             break;
+        case A_READ_BELOW:
+        {
+            uint64_t v;
+            __asm__ volatile("movq -4096(%1), %0" : "=r"(v) : "r"(addr + 4096) : "memory");
+            got = v;
+            break;
+        }
         case A_EXEC:
             ((void (*)(void))(uintptr_t)addr)();
             break;
@@ -611,6 +621,7 @@ static const struct {
     {0xfffffe0000000000ULL, "linux-cpu-entry-area"},
     {0xffffffff81000000ULL, "linux-kernel-text"},
     {0xffffffffa0000000ULL, "linux-modules"},
+    {0xfffffffffffff000ULL, "top-page"},
 };
 
 /* A lower-half address in PML4 slot `slot` that this process has not mapped. */
@@ -646,6 +657,12 @@ static int test_probe(void) {
     /* Named targets: read, then write back what was read. */
     for (size_t i = 0; i < sizeof PROBE_TARGETS / sizeof PROBE_TARGETS[0]; i++)
         probe_rw(PROBE_TARGETS[i].addr, PROBE_TARGETS[i].what, 1);
+
+    /* Reads through a base register above the target: a base of 0 (the access wraps to
+     * the top page), one in the kernel's text, one in the engine's window. */
+    static const uint64_t BELOW[] = {0xfffffffffffff000ULL, 0xffffffff81000000ULL, WINDOW_VA};
+    for (size_t i = 0; i < sizeof BELOW / sizeof BELOW[0]; i++)
+        probe_one(A_READ_BELOW, BELOW[i], 0, NULL, "read-below", 1);
 
     /* Every PML4 slot: the first unmapped address of each lower-half slot, the start of
      * each upper-half one. */
