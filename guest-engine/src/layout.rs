@@ -48,7 +48,7 @@ pub const RC_OFFSET: usize = IBL_OFFSET + MODE_SLOTS * IBL_STRIDE;
 /// Bytes of one return cache (also the distance between two modes' return caches).
 pub const RC_BYTES: usize = RC_ENTRIES * 8;
 /// Number of SoftTLB slots (direct mapped by virtual page number; `softtlb.rs`).
-pub const SOFTTLB_ENTRIES: usize = 256;
+pub const SOFTTLB_ENTRIES: usize = 4096;
 /// Offset of the SoftTLB: slots of `[va_page: u64, pa_page: u64]` (shared by all
 /// modes: the kernel and user views of a VA map to the same frame).
 pub const SOFTTLB_OFFSET: usize = RC_OFFSET + MODE_SLOTS * RC_BYTES;
@@ -77,9 +77,6 @@ pub const MAX_REGION_BYTES: usize = 1 << 30;
 pub const MAX_TRACE_INSNS: usize = 96;
 /// Bytes of one memory-reference record (`MemRecord`).
 pub const MEM_RECORD_BYTES: usize = 32;
-/// Most lookup-table slots whose fills are remembered for a cheap clear
-/// (`invalidate_all_mappings`); beyond this a table is cleared whole.
-pub const FILLED_SLOTS_MAX: usize = 4096;
 /// Counter slots per mode for the engine's own instruction count
 /// (`Config::count_insns`), taken from the counter area before any tool's.
 pub const INSN_COUNTER_SPREAD: usize = 256;
