@@ -15,6 +15,7 @@
 //! lifetime and is cleared with them.
 
 use alloc::collections::BTreeMap;
+use alloc::vec;
 use alloc::vec::Vec;
 
 use crate::addr::{CachePc, GuestPhys, GuestVirt, PAGE_BYTES};
@@ -25,33 +26,141 @@ use crate::fast_lookup::FastLookup;
 use crate::fragment::{ExitRecord, Fragment};
 use crate::guest_memory::Mode;
 use crate::layout::{
-    COUNTERS_OFFSET, FILLED_SLOTS_MAX, GENCODE_OFFSET, IBL_ENTRIES, IBL_ENTRY_BYTES, IBL_HASH_BITS,
-    IBL_OFFSET, IBL_STRIDE, IBL_TABLE_BYTES, MAX_REGION_BYTES, MIN_REGION_BYTES, MODE_SLOTS,
-    RC_BYTES, RC_ENTRIES, RC_OFFSET, TRACES_OFFSET, XSAVE_GUEST_OFFSET, XSAVE_HOST_OFFSET,
+    COUNTERS_OFFSET, GENCODE_OFFSET, IBL_ENTRIES, IBL_ENTRY_BYTES, IBL_HASH_BITS, IBL_OFFSET,
+    IBL_STRIDE, MAX_REGION_BYTES, MIN_REGION_BYTES, MODE_SLOTS, RC_BYTES, RC_ENTRIES, RC_OFFSET,
+    TRACES_OFFSET, XSAVE_GUEST_OFFSET, XSAVE_HOST_OFFSET,
 };
 
 /// Fragment map key.
 pub(crate) type Key = (u64, u64, u32);
 
-/// The slots of one lookup table filled since its last clear.
-#[derive(Debug, Default)]
-struct Filled {
-    slots: Vec<u32>,
-    /// More than `FILLED_SLOTS_MAX` fills: the next clear is a whole-table clear.
-    overflow: bool,
+/// Which slots of one lookup table hold an entry, and which of those were made for a
+/// non-global page (a guest CR3 write empties those; entries of global pages survive it,
+/// as global TLB entries do). One bit per slot, and a summary bit per word of bits that
+/// has any set: a clear visits only what it empties.
+#[derive(Debug)]
+struct Occupancy {
+    used: Bits,
+    nonglobal: Bits,
 }
 
-impl Filled {
-    fn note(&mut self, slot: usize) {
-        if self.overflow {
-            return;
+/// A two-level bitmap.
+#[derive(Debug)]
+struct Bits {
+    words: Vec<u64>,
+    /// Bit `w` set iff `words[w] != 0`.
+    summary: Vec<u64>,
+}
+
+impl Bits {
+    fn new(bits: usize) -> Self {
+        let words = bits.div_ceil(64);
+        Bits {
+            words: vec![0; words],
+            summary: vec![0; words.div_ceil(64)],
         }
-        if self.slots.len() == FILLED_SLOTS_MAX {
-            self.overflow = true;
-            self.slots = Vec::new();
+    }
+
+    fn set(&mut self, i: usize) {
+        self.words[i / 64] |= 1 << (i % 64);
+        self.summary[i / 4096] |= 1 << (i / 64 % 64);
+    }
+
+    fn get(&self, i: usize) -> bool {
+        self.words[i / 64] & (1 << (i % 64)) != 0
+    }
+
+    /// Clears `mask` in word `w`.
+    fn clear(&mut self, w: usize, mask: u64) {
+        self.words[w] &= !mask;
+        if self.words[w] == 0 {
+            self.summary[w / 64] &= !(1 << (w % 64));
+        }
+    }
+
+    /// The non-zero words among `words`, in order.
+    fn nonzero_words(&self, words: core::ops::Range<usize>) -> Vec<usize> {
+        let mut out = Vec::new();
+        for s in words.start / 64..words.end.div_ceil(64) {
+            let mut bits = self.summary[s];
+            while bits != 0 {
+                let w = s * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                if words.contains(&w) {
+                    out.push(w);
+                }
+            }
+        }
+        out
+    }
+}
+
+impl Occupancy {
+    fn new(slots: usize) -> Self {
+        Occupancy {
+            used: Bits::new(slots),
+            nonglobal: Bits::new(slots),
+        }
+    }
+
+    /// Slot `i` now holds an entry (of a global page if `global`).
+    fn set(&mut self, i: usize, global: bool) {
+        self.used.set(i);
+        if global {
+            self.nonglobal.clear(i / 64, 1 << (i % 64));
         } else {
-            self.slots.push(slot as u32);
+            self.nonglobal.set(i);
         }
+    }
+
+    fn is_global(&self, i: usize) -> bool {
+        !self.nonglobal.get(i)
+    }
+
+    fn unset(&mut self, i: usize) {
+        self.used.clear(i / 64, 1 << (i % 64));
+        self.nonglobal.clear(i / 64, 1 << (i % 64));
+    }
+
+    /// Takes the occupied slots among `words` (all of them, or with `nonglobal_only`
+    /// those of non-global pages), calling `empty` on each.
+    fn drain(
+        &mut self,
+        words: core::ops::Range<usize>,
+        nonglobal_only: bool,
+        mut empty: impl FnMut(usize),
+    ) {
+        let nonzero = if nonglobal_only {
+            self.nonglobal.nonzero_words(words)
+        } else {
+            self.used.nonzero_words(words)
+        };
+        for w in nonzero {
+            let mut bits = if nonglobal_only {
+                self.nonglobal.words[w]
+            } else {
+                self.used.words[w]
+            };
+            self.used.clear(w, bits);
+            self.nonglobal.clear(w, bits);
+            while bits != 0 {
+                empty(w * 64 + bits.trailing_zeros() as usize);
+                bits &= bits - 1;
+            }
+        }
+    }
+
+    /// The slots in use among `words` (each word's bits).
+    fn used_in(&self, words: core::ops::Range<usize>) -> Vec<(usize, u64)> {
+        self.used
+            .nonzero_words(words)
+            .into_iter()
+            .map(|w| (w, self.used.words[w]))
+            .collect()
+    }
+
+    fn words(&self) -> core::ops::Range<usize> {
+        0..self.used.words.len()
     }
 }
 
@@ -67,8 +176,8 @@ pub(crate) struct CodeCache {
     pub exits: Vec<ExitRecord>,
     /// Bumped by every flush.
     pub generation: u64,
-    ibl_filled: [Filled; MODE_SLOTS],
-    rc_filled: [Filled; MODE_SLOTS],
+    ibl_used: [Occupancy; MODE_SLOTS],
+    rc_used: [Occupancy; MODE_SLOTS],
     /// The dispatcher's front cache, emptied with the IBL tables.
     pub fast: FastLookup,
 }
@@ -113,8 +222,8 @@ impl CodeCache {
             by_key: BTreeMap::new(),
             exits: Vec::new(),
             generation: 0,
-            ibl_filled: Default::default(),
-            rc_filled: Default::default(),
+            ibl_used: core::array::from_fn(|_| Occupancy::new(IBL_ENTRIES)),
+            rc_used: core::array::from_fn(|_| Occupancy::new(RC_ENTRIES)),
             fast: FastLookup::new(),
         })
     }
@@ -173,38 +282,31 @@ impl CodeCache {
     /// a table overflowed its fill list.
     pub(crate) fn clear_lookups(&mut self) {
         self.fast.clear();
+        self.clear_tables(true);
+    }
+
+    /// After a guest CR3 write: empties the entries made for non-global pages (and the
+    /// front cache's); those of global pages stay, as global TLB entries do (they go at
+    /// `invlpg`, `clear_lookups_page`, or a whole clear).
+    pub(crate) fn clear_nonglobal_lookups(&mut self) {
+        self.fast.clear_nonglobal();
+        self.clear_tables(false);
+    }
+
+    fn clear_tables(&mut self, global: bool) {
         for m in 0..MODE_SLOTS {
-            let ibl = self.ibl_table(m) as *mut u8;
-            let f = &mut self.ibl_filled[m];
-            if f.overflow {
-                // SAFETY: the table lies inside the region.
-                unsafe { core::ptr::write_bytes(ibl, 0, IBL_TABLE_BYTES) };
-            } else {
-                for &i in &f.slots {
-                    // SAFETY: a fill wrote bucket i or i+1, both inside the table (it has
-                    // one spare bucket).
-                    unsafe {
-                        core::ptr::write_bytes(
-                            ibl.add(i as usize * IBL_ENTRY_BYTES),
-                            0,
-                            2 * IBL_ENTRY_BYTES,
-                        )
-                    };
-                }
-            }
-            *f = Filled::default();
+            let ibl = self.ibl_table(m) as *mut u64;
+            let used = &mut self.ibl_used[m];
+            used.drain(used.words(), !global, |i| {
+                // SAFETY: bucket i < IBL_ENTRIES lies inside the table; 16 bytes each.
+                unsafe { core::ptr::write_bytes(ibl.add(2 * i), 0, 2) };
+            });
             let rc = self.rc_table(m) as *mut u64;
-            let f = &mut self.rc_filled[m];
-            if f.overflow {
-                // SAFETY: the return cache lies inside the region.
-                unsafe { core::ptr::write_bytes(rc, 0, RC_ENTRIES) };
-            } else {
-                for &i in &f.slots {
-                    // SAFETY: i < RC_ENTRIES (it was a slot index when filled).
-                    unsafe { rc.add(i as usize).write(0) };
-                }
-            }
-            *f = Filled::default();
+            let used = &mut self.rc_used[m];
+            used.drain(used.words(), !global, |i| {
+                // SAFETY: i < RC_ENTRIES (a set bit is a slot).
+                unsafe { rc.add(i).write(0) };
+            });
         }
     }
 
@@ -220,49 +322,29 @@ impl CodeCache {
         let rc_first = (page.0 as usize) % RC_ENTRIES;
         for m in 0..MODE_SLOTS {
             let ibl = self.ibl_table(m) as *mut u64;
-            let clear_bucket = |i: usize| {
-                // SAFETY: bucket i < IBL_ENTRIES lies inside the table; 16 bytes each.
-                unsafe {
-                    let tag = ibl.add(2 * i);
-                    let t = tag.read();
-                    if t != 0 && t.wrapping_neg() & !(PAGE_BYTES - 1) == page.0 {
-                        tag.write(0);
-                        tag.add(1).write(0);
-                    }
-                }
-            };
+            let used = &mut self.ibl_used[m];
+            // The page's IBL entries lie in buckets first..=first + span (the last one the
+            // second way of the page's last bucket); the return cache's in its run.
             let last = (first + span).min(IBL_ENTRIES - 1);
-            let f = &self.ibl_filled[m];
-            if !f.overflow && f.slots.len() < span {
-                // Fewer fills than the page has slots: visit those (a fill wrote bucket
-                // i or i + 1).
-                for &i in &f.slots {
-                    let i = i as usize;
-                    if (first..=last).contains(&i) {
-                        clear_bucket(i);
-                    }
-                    if (first..=last).contains(&(i + 1)) {
-                        clear_bucket(i + 1);
+            for (w, mut bits) in used.used_in(first / 64..last / 64 + 1) {
+                while bits != 0 {
+                    let i = w * 64 + bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    // SAFETY: bucket i < IBL_ENTRIES lies inside the table; 16 bytes each.
+                    let t = unsafe { ibl.add(2 * i).read() };
+                    if t.wrapping_neg() & !(PAGE_BYTES - 1) == page.0 {
+                        // SAFETY: as above.
+                        unsafe { core::ptr::write_bytes(ibl.add(2 * i), 0, 2) };
+                        used.unset(i);
                     }
                 }
-            } else {
-                (first..=last).for_each(clear_bucket);
             }
             let rc = self.rc_table(m) as *mut u64;
-            let f = &self.rc_filled[m];
-            if !f.overflow && f.slots.len() < span {
-                for &i in &f.slots {
-                    let i = i as usize;
-                    if (rc_first..rc_first + span).contains(&i) {
-                        // SAFETY: i < RC_ENTRIES (it was a slot index when filled).
-                        unsafe { rc.add(i).write(0) };
-                    }
-                }
-            } else {
-                // SAFETY: RC_ENTRIES is a multiple of the page size, so the run of `span`
-                // slots from a page-aligned index stays inside the return cache.
-                unsafe { core::ptr::write_bytes(rc.add(rc_first), 0, span) };
-            }
+            let used = &mut self.rc_used[m];
+            used.drain(rc_first / 64..(rc_first + span) / 64, false, |i| {
+                // SAFETY: i < RC_ENTRIES (a set bit is a slot).
+                unsafe { rc.add(i).write(0) };
+            });
         }
     }
 
@@ -275,10 +357,11 @@ impl CodeCache {
         self.addr(RC_OFFSET + m * RC_BYTES)
     }
 
-    /// Points mode slot `m`'s return-cache slot of `va` at a fragment's `ret_entry`.
-    pub(crate) fn rc_insert(&mut self, m: usize, va: GuestVirt, ret_entry: CachePc) {
+    /// Points mode slot `m`'s return-cache slot of `va` at a fragment's `ret_entry`
+    /// (`global`: `va`'s page is global).
+    pub(crate) fn rc_insert(&mut self, m: usize, va: GuestVirt, ret_entry: CachePc, global: bool) {
         let idx = (va.0 as usize) % RC_ENTRIES;
-        self.rc_filled[m].note(idx);
+        self.rc_used[m].set(idx, global);
         // SAFETY: the slot lies inside the return cache.
         unsafe { ((self.rc_table(m) + 8 * idx as u64) as *mut u64).write(ret_entry.0) };
     }
@@ -289,25 +372,29 @@ impl CodeCache {
     }
 
     /// Inserts `va → entry` into mode slot `m`'s IBL table (two-way bucket, first way
-    /// evicted).
-    pub(crate) fn ibl_insert(&mut self, m: usize, va: GuestVirt, entry: CachePc) {
+    /// evicted; `global`: `va`'s page is global).
+    pub(crate) fn ibl_insert(&mut self, m: usize, va: GuestVirt, entry: CachePc, global: bool) {
         let idx = (va.0 & ((1 << IBL_HASH_BITS) - 1)) as usize;
         debug_assert!(idx + 1 < IBL_ENTRIES);
-        self.ibl_filled[m].note(idx);
         let e0 = (self.ibl_table(m) + (idx * IBL_ENTRY_BYTES) as u64) as *mut u64;
+        let used = &mut self.ibl_used[m];
         let tag = va.0.wrapping_neg();
         // SAFETY: bucket idx and idx+1 lie inside the table (IBL_ENTRIES has one spare).
         unsafe {
             let e1 = e0.add(2);
-            let slot = if e0.read() == 0 || e0.read() == tag {
-                e0
+            let way = if e0.read() == 0 || e0.read() == tag {
+                0
             } else if e1.read() == 0 || e1.read() == tag {
-                e1
+                1
             } else {
+                // The first way's entry moves to the second, with its kind.
+                used.set(idx + 1, used.is_global(idx));
                 e1.write(e0.read());
                 e1.add(1).write(e0.add(1).read());
-                e0
+                0
             };
+            used.set(idx + way, global);
+            let slot = e0.add(2 * way);
             slot.add(1).write(entry.0);
             slot.write(tag);
         }

@@ -172,6 +172,9 @@ pub struct Engine {
     /// Traces (start, mode) whose hoisted isolation checks hit once: built without
     /// hoisting from then on.
     pub(crate) no_hoist: BTreeSet<(u64, u32)>,
+    /// Whether the page of the VA `fragment_for` last looked up is global (the lookup
+    /// tables it fills then keep the entry across `invalidate_nonglobal_mappings`).
+    lookup_global: bool,
     pub(crate) rip: GuestVirt,
     pub(crate) stats: Stats,
     pub(crate) scratch: Scratch,
@@ -221,6 +224,7 @@ impl Engine {
             buffer: alloc::vec![MemRecord::default(); records],
             held_fetch: None,
             no_hoist: BTreeSet::new(),
+            lookup_global: false,
             rip: GuestVirt(0),
             stats: Stats::default(),
             scratch: Scratch::new(),
@@ -335,15 +339,19 @@ impl Engine {
         va: GuestVirt,
     ) -> Result<u32, Stop> {
         let mode = self.mode;
-        if let Some((pa, id)) = self.cache.fast.get(va, mode) {
-            self.note_mapping(va, pa);
+        if let Some((pa, id, global)) = self.cache.fast.get(va, mode) {
+            self.note_mapping(va, pa, global);
+            self.lookup_global = global;
             return Ok(id);
         }
-        let pa_page = mem.translate(va.page(), mode).ok_or(Stop::FetchFault(va))?;
+        let (pa_page, global) = mem
+            .translate_global(va.page(), mode)
+            .ok_or(Stop::FetchFault(va))?;
         let pa = GuestPhys(pa_page.0 + (va.0 - va.page().0));
-        self.note_mapping(va, pa);
+        self.note_mapping(va, pa, global);
+        self.lookup_global = global;
         if let Some(id) = self.cache.lookup(va, pa, mode) {
-            self.cache.fast.put(va, mode, pa, id);
+            self.cache.fast.put(va, mode, pa, id, global);
             return Ok(id);
         }
         if self.config.memory_pressure.is_some_and(|f| f()) {
@@ -448,7 +456,7 @@ impl Engine {
             incoming: Vec::new(),
         });
         self.cache.by_key.insert((va.0, pa.0, mode.0), id);
-        self.cache.fast.put(va, mode, pa, id);
+        self.cache.fast.put(va, mode, pa, id, self.lookup_global);
         self.stats.fragments += 1;
         self.stats.guest_insns += decoded.insns.len() as u64;
         self.stats.guest_bytes += decoded.guest_bytes;
@@ -579,9 +587,10 @@ impl Engine {
                         let f = &self.cache.fragments[id as usize];
                         let (entry, body, ret_entry) = (f.entry, f.body, f.ret_entry);
                         if self.config.fill_ibl {
-                            self.cache.ibl_insert(self.slot, va, entry);
+                            let global = self.lookup_global;
+                            self.cache.ibl_insert(self.slot, va, entry, global);
                             if self.config.return_cache {
-                                self.cache.rc_insert(self.slot, va, ret_entry);
+                                self.cache.rc_insert(self.slot, va, ret_entry, global);
                             }
                         }
                         next = if self.ctx().attention != 0 {

@@ -38,6 +38,13 @@ impl Mode {
 pub trait GuestMemory {
     /// Translates `va` for instruction fetch in `mode`; `None` if the fetch would fault.
     fn translate(&mut self, va: GuestVirt, mode: Mode) -> Option<GuestPhys>;
+    /// [`GuestMemory::translate`], and whether the page is global (its mapping survives
+    /// a guest CR3 write: only `invlpg` or a global flush drops it, so the engine may
+    /// keep what it learnt of it across `Engine::invalidate_nonglobal_mappings`). By
+    /// default never global.
+    fn translate_global(&mut self, va: GuestVirt, mode: Mode) -> Option<(GuestPhys, bool)> {
+        self.translate(va, mode).map(|pa| (pa, false))
+    }
     /// Translates `va` for a data access in `mode` (physical addresses of memory records
     /// and `IArg::MemPa`); by default as a fetch, which is wrong only for no-execute pages.
     fn translate_data(&mut self, va: GuestVirt, mode: Mode) -> Option<GuestPhys> {

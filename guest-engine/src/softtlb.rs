@@ -4,9 +4,13 @@
 //! direct-mapped table of [`SOFTTLB_ENTRIES`] slots `[va_page: u64, pa_page: u64]` at
 //! [`SOFTTLB_OFFSET`] of the cache region, indexed by virtual page number and shared by
 //! the modes (both views of a VA map to the same frame). The dispatcher fills a slot from
-//! every fresh `GuestMemory::translate` answer it gets (in the engine image that answer
-//! comes from the shadow entries, `shadow_mmu/translate.rs`); `Engine::invalidate_page`
-//! empties one slot, `Engine::invalidate_all_mappings` all of them. The fragment map of
+//! every fresh `GuestMemory::translate_global` answer it gets (in the engine image that
+//! answer comes from the shadow entries, `shadow_mmu/translate.rs`); `Engine::invalidate_page`
+//! empties one slot, `Engine::invalidate_all_mappings` all of them, and
+//! `Engine::invalidate_nonglobal_mappings` (a guest CR3 write) those of non-global pages:
+//! a global guest page keeps its mapping across CR3 writes, as its TLB entry does, so
+//! Linux's kernel code keeps its SoftTLB slots, lookup-table entries and the front
+//! cache's across context switches. The fragment map of
 //! the code cache keys fragments by ⟨VA, PA, mode⟩ and needs no SoftTLB; the SoftTLB
 //! is what code running *inside* the cache checks instead of asking the dispatcher.
 //!
@@ -19,8 +23,9 @@
 //!
 //! Invariants:
 //! * a slot holds either `u64::MAX` in both words (empty; never a page address) or a
-//!   mapping that `GuestMemory::translate` returned since the last
-//!   `invalidate_all_mappings` / `invalidate_page` of that VA;
+//!   mapping that `GuestMemory::translate_global` returned since the last
+//!   `invalidate_all_mappings` / `invalidate_page` of that VA, and since the last
+//!   `invalidate_nonglobal_mappings` unless it said the page was global;
 //! * whenever a fill replaces a different PA for the same VA, every mode's IBL table and
 //!   return cache entries for that VA's page are cleared (they were made under the old
 //!   mapping; entries of other pages were not);
@@ -47,6 +52,9 @@ pub(crate) const PA_CHECK_SPILLED: u16 = 1 << reg::RCX | 1 << reg::RDX;
 pub(crate) struct SoftTlb {
     /// Address of slot 0.
     table: u64,
+    /// Slots filled with a non-global mapping since the last clear of any kind (a slot
+    /// may be listed twice, or hold a global mapping by now: clearing it is harmless).
+    nonglobal: alloc::vec::Vec<u16>,
 }
 
 impl SoftTlb {
@@ -59,6 +67,7 @@ impl SoftTlb {
     pub(crate) unsafe fn new(region_base: u64) -> Self {
         let mut t = Self {
             table: region_base + SOFTTLB_OFFSET as u64,
+            nonglobal: alloc::vec::Vec::new(),
         };
         t.clear();
         t
@@ -70,12 +79,31 @@ impl SoftTlb {
         self.table + idx * SLOT_BYTES
     }
 
-    /// Forgets every mapping (4 KiB of stores).
+    /// Forgets every mapping.
     pub(crate) fn clear(&mut self) {
+        self.nonglobal.clear();
         for i in 0..SOFTTLB_ENTRIES as u64 {
-            let slot = (self.table + i * SLOT_BYTES) as *mut u64;
-            // SAFETY: the slot lies inside the table (contract of `new`).
-            unsafe { slot.write(EMPTY) };
+            self.empty_slot(i);
+        }
+    }
+
+    /// Forgets the mappings of non-global pages (a guest CR3 write).
+    pub(crate) fn clear_nonglobal(&mut self) {
+        if self.nonglobal.len() >= SOFTTLB_ENTRIES {
+            return self.clear();
+        }
+        for i in core::mem::take(&mut self.nonglobal) {
+            self.empty_slot(u64::from(i));
+        }
+    }
+
+    fn empty_slot(&mut self, i: u64) {
+        let slot = (self.table + i * SLOT_BYTES) as *mut u64;
+        // SAFETY: slot i < SOFTTLB_ENTRIES (two u64) lies inside the table (contract of
+        // `new`).
+        unsafe {
+            slot.write(EMPTY);
+            slot.add(1).write(EMPTY);
         }
     }
 
@@ -91,9 +119,14 @@ impl SoftTlb {
         }
     }
 
-    /// Records `va → pa` (pages). Returns whether a different mapping for that VA page
-    /// was replaced.
-    pub(crate) fn fill(&mut self, va: GuestVirt, pa: GuestPhys) -> bool {
+    /// Records `va → pa` (pages; `global`: a global guest page). Returns whether a
+    /// different mapping for that VA page was replaced.
+    pub(crate) fn fill(&mut self, va: GuestVirt, pa: GuestPhys, global: bool) -> bool {
+        // Past SOFTTLB_ENTRIES listed, the next clear of non-global ones is a whole clear.
+        if !global && self.nonglobal.len() < SOFTTLB_ENTRIES {
+            self.nonglobal
+                .push(((va.0 / PAGE_BYTES) % SOFTTLB_ENTRIES as u64) as u16);
+        }
         let slot = self.slot(va) as *mut u64;
         // SAFETY: the slot (two u64) lies inside the table (contract of `new`).
         unsafe {
@@ -152,11 +185,11 @@ pub(crate) fn link_target(src: &Fragment, dst: &Fragment) -> CachePc {
 }
 
 impl Engine {
-    /// Records a fresh translation `va → pa` in the SoftTLB; if it replaced a different
-    /// mapping of that VA, lookups made under the old one are stale and every IBL table
-    /// and return cache is cleared.
-    pub(crate) fn note_mapping(&mut self, va: GuestVirt, pa: GuestPhys) {
-        if self.softtlb.fill(va, pa) {
+    /// Records a fresh translation `va → pa` (`global`: of a global page) in the SoftTLB;
+    /// if it replaced a different mapping of that VA, lookups made under the old one are
+    /// stale and that page's entries in every IBL table and return cache are cleared.
+    pub(crate) fn note_mapping(&mut self, va: GuestVirt, pa: GuestPhys, global: bool) {
+        if self.softtlb.fill(va, pa, global) {
             self.cache.clear_lookups_page(va.page());
         }
     }
@@ -170,14 +203,17 @@ impl Engine {
     pub(crate) fn revalidate(&mut self, mem: &mut dyn GuestMemory, id: u32) -> bool {
         let f = &self.cache.fragments[id as usize];
         let (va, pa, mode) = (f.start, f.pa, f.mode);
-        if self.cache.fast.get(va, mode) == Some((pa, id)) {
-            self.note_mapping(va, pa);
-            return true;
+        if let Some((fpa, fid, global)) = self.cache.fast.get(va, mode) {
+            if (fpa, fid) == (pa, id) {
+                self.note_mapping(va, pa, global);
+                return true;
+            }
         }
-        let now = mem.translate(va.page(), mode);
-        if now == Some(pa.page()) && self.cache.lookup(va, pa, mode) == Some(id) {
-            self.note_mapping(va, pa);
-            self.cache.fast.put(va, mode, pa, id);
+        let now = mem.translate_global(va.page(), mode);
+        if now.map(|(p, _)| p) == Some(pa.page()) && self.cache.lookup(va, pa, mode) == Some(id) {
+            let global = now.is_some_and(|(_, g)| g);
+            self.note_mapping(va, pa, global);
+            self.cache.fast.put(va, mode, pa, id, global);
             true
         } else {
             self.unlink_incoming(id);
@@ -201,5 +237,14 @@ impl Engine {
     pub fn invalidate_all_mappings(&mut self) {
         self.softtlb.clear();
         self.cache.clear_lookups();
+    }
+
+    /// A guest CR3 write with global pages enabled (CR4.PGE = 1): as
+    /// [`Engine::invalidate_all_mappings`], except that what was learnt of global pages
+    /// stays (their guest TLB entries survive the write too; `invalidate_page` and
+    /// `invalidate_all_mappings` still drop them).
+    pub fn invalidate_nonglobal_mappings(&mut self) {
+        self.softtlb.clear_nonglobal();
+        self.cache.clear_nonglobal_lookups();
     }
 }

@@ -1,7 +1,7 @@
 //! Trace-entry checks and sensitive instructions: the attention byte stops a running
 //! (self-linked) loop at a trace entry, with flags live or dead; a cross-page link
 //! re-validates the PA after the page was remapped; `cpuid` goes to the platform and
-//! `hlt` stops the run.
+//! `hlt` stops the run; lookups of global pages survive a CR3 write, others do not.
 
 mod common;
 
@@ -448,5 +448,109 @@ fn test_indirect_branches_to_address_zero_fault_in_the_guest() {
             .engine
             .run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
         assert_eq!(stop, Stop::FetchFault(GuestVirt(0)), "{name}");
+    }
+}
+
+/// Identity memory (one page optionally remapped) that calls some pages global.
+struct WithGlobals {
+    inner: Remapped,
+    global: Vec<u64>,
+}
+
+impl GuestMemory for WithGlobals {
+    fn translate(&mut self, va: GuestVirt, mode: Mode) -> Option<GuestPhys> {
+        self.inner.translate(va, mode)
+    }
+    fn translate_global(&mut self, va: GuestVirt, mode: Mode) -> Option<(GuestPhys, bool)> {
+        let pa = self.inner.translate(va, mode)?;
+        Some((pa, self.global.contains(&va.page().0)))
+    }
+    fn read(&mut self, pa: GuestPhys, out: &mut [u8]) -> bool {
+        self.inner.read(pa, out)
+    }
+}
+
+#[test]
+fn test_lookups_of_global_pages_survive_a_cr3_write_and_others_do_not() {
+    use guest_engine::exit_code::EXIT_IBL_MISS;
+    // Page A jumps through memory to page B (an IBL lookup), which adds to RAX and
+    // leaves. With B global, its IBL entry survives `invalidate_nonglobal_mappings` (no
+    // new miss) but not `invalidate_all_mappings`; with B not global, a CR3 write's clear
+    // drops it, so that B remapped to another frame runs the new frame's code.
+    for b_global in [true, false] {
+        let mut rig = Rig::new(Config::default());
+        let block = Region::map(2 * 4096, 0);
+        let alias = Region::map(4096, 0);
+        let (a, b) = (block.addr(), block.addr() + 4096);
+        let exit = rig.native.exit_address();
+        put(
+            &block,
+            0,
+            &asm(a, |x| {
+                x.mov(rax, 0i64).unwrap();
+                let mut slot = x.create_label();
+                x.jmp(qword_ptr(slot)).unwrap();
+                x.set_label(&mut slot).unwrap();
+                x.db(&b.to_le_bytes()).unwrap();
+            }),
+        );
+        let page_b = |k: i32| {
+            asm(b, |x| {
+                x.add(rax, k).unwrap();
+                let mut slot = x.create_label();
+                x.jmp(qword_ptr(slot)).unwrap();
+                x.set_label(&mut slot).unwrap();
+                x.db(&exit.to_le_bytes()).unwrap();
+            })
+        };
+        put(&block, 4096, &page_b(1));
+        put(&alias, 0, &page_b(5));
+        let mut mem = WithGlobals {
+            inner: Remapped {
+                inner: HostMemory::new(vec![(a, a + 2 * 4096)]),
+                page: 0,
+                frame: 0,
+            },
+            global: if b_global { vec![a, b] } else { vec![a] },
+        };
+        // (RAX, whether A's jump to B missed the IBL table); B's jump to the exit
+        // address always misses (it faults: nothing to insert).
+        let run = |rig: &mut Rig, mem: &mut WithGlobals| {
+            let misses = |rig: &Rig| rig.engine.stats().exits[EXIT_IBL_MISS as usize];
+            let before = misses(rig);
+            rig.engine.set_rip(GuestVirt(a));
+            let stop = rig
+                .engine
+                .run(mem, &mut HostPlatform::default(), &mut NullTool);
+            assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+            (rig.engine.regs().get(Gpr::Rax), misses(rig) - before == 2)
+        };
+        assert_eq!(run(&mut rig, &mut mem), (1, true), "the first jump misses");
+        assert_eq!(run(&mut rig, &mut mem), (1, false), "then hits");
+        rig.engine.invalidate_nonglobal_mappings();
+        if b_global {
+            assert_eq!(
+                run(&mut rig, &mut mem),
+                (1, false),
+                "kept across a CR3 write"
+            );
+            rig.engine.invalidate_all_mappings();
+            assert_eq!(
+                run(&mut rig, &mut mem),
+                (1, true),
+                "dropped by a global flush"
+            );
+        } else {
+            assert_eq!(run(&mut rig, &mut mem), (1, true), "dropped by a CR3 write");
+            // The next space maps B elsewhere.
+            mem.inner.page = b;
+            mem.inner.frame = alias.addr();
+            rig.engine.invalidate_nonglobal_mappings();
+            assert_eq!(
+                run(&mut rig, &mut mem),
+                (5, true),
+                "the new frame's code ran"
+            );
+        }
     }
 }

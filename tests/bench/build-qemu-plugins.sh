@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Builds QEMU with the TCG plugin API (Debian's qemu-system-x86 7.2 is configured without
 # it) from Debian bookworm's own source package, x86_64-softmmu only, no docs, and the
-# PA-tagged cache plugin tests/bench/qemu-cache-plugin/pa_cache.c against it.
+# PA-tagged cache plugin tests/bench/qemu-cache-plugin/pa_cache.c against it, and QEMU's own
+# block-counting test plugin (tests/plugin/bb.c, `inline=on`: block and instruction totals
+# counted by inline TCG ops) for the bbcount comparison.
 #
-#   tests/bench/build-qemu-plugins.sh            # -> images/out/qemu-plugins/{bin,plugins}
+#   tests/bench/build-qemu-plugins.sh   # -> images/out/qemu-plugins/{bin,plugins/libpa_cache.so,libbb.so}
 #
 # Needs root (apt-get build-dep / install) and the Debian archive (a deb-src line for
 # bookworm is added under /etc/apt/sources.list.d/ if there is none). Cached: a second run
@@ -68,5 +70,11 @@ if [ ! -f "$plugin" ] || [ "$here/qemu-cache-plugin/pa_cache.c" -nt "$plugin" ];
         $(pkg-config --cflags glib-2.0) \
         -o "$plugin" "$here/qemu-cache-plugin/pa_cache.c"
 fi
+bb=$out/plugins/libbb.so
+if [ ! -f "$bb" ]; then
+    gcc -O2 -shared -fPIC -I"$src/include/qemu" $(pkg-config --cflags glib-2.0) \
+        -o "$bb" "$src/tests/plugin/bb.c"
+fi
 echo "$bin"
 echo "$plugin"
+echo "$bb"

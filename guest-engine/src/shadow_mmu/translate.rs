@@ -33,6 +33,14 @@ impl<M: PhysMem> ShadowMmu<M> {
         })
     }
 
+    /// Whether the shadow leaf mapping `va` in `view` is of a global guest page (G = 1
+    /// with CR4.PGE = 1: it survives CR3 writes); `false` without a leaf.
+    pub fn is_global(&mut self, va: GuestVirt, view: View) -> Result<bool, ShadowError> {
+        Ok(self
+            .shadow_entry(va, view)?
+            .is_some_and(|e| e & pte::SW_GLOBAL != 0))
+    }
+
     /// Answers from the shadow entry alone: `Some(pa)` if a present leaf permits `access`,
     /// `None` if a fill is needed (which may still succeed).
     pub fn lookup(

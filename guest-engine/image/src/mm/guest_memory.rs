@@ -149,6 +149,12 @@ impl GuestMemory for ShadowedMemory<'_> {
             .ok()
     }
 
+    fn translate_global(&mut self, va: GuestVirt, mode: Mode) -> Option<(GuestPhys, bool)> {
+        let mut sh = self.shadow.borrow_mut();
+        let pa = sh.access(va.0, Access::Fetch, view_of(mode)).ok()?;
+        Some((pa, sh.is_global(va.0, view_of(mode))))
+    }
+
     fn translate_data(&mut self, va: GuestVirt, mode: Mode) -> Option<GuestPhys> {
         self.shadow
             .borrow_mut()

@@ -219,13 +219,19 @@ pub struct EngineWork {
     pub code_frames: Vec<GuestPhys>,
     /// Pages whose mapping the guest dropped (`invlpg`): `Engine::invalidate_page` each.
     pub pages: Vec<GuestVirt>,
-    /// Every VA → PA mapping may have changed (CR3 write, paging-control change).
+    /// Every VA → PA mapping may have changed (a paging-control change, or a CR3 write
+    /// with CR4.PGE = 0).
     pub all_mappings: bool,
+    /// Every mapping of a non-global page may have changed (a CR3 write).
+    pub nonglobal_mappings: bool,
 }
 
 impl EngineWork {
     fn is_empty(&self) -> bool {
-        self.code_frames.is_empty() && self.pages.is_empty() && !self.all_mappings
+        self.code_frames.is_empty()
+            && self.pages.is_empty()
+            && !self.all_mappings
+            && !self.nonglobal_mappings
     }
 }
 
@@ -452,6 +458,12 @@ impl Shadow {
         self.with_tables(|m| m.on_page_fault(GuestVirt(cr2), error, view))
     }
 
+    /// Whether the shadow maps `va` in `view` as a global page (`ShadowMmu::is_global`;
+    /// `false` on any doubt).
+    pub fn is_global(&mut self, va: u64, view: View) -> bool {
+        self.mmu.is_global(GuestVirt(va), view).unwrap_or(false)
+    }
+
     /// `va` in the reserved zone for `access` in `view` as the guest's own tables say
     /// (`ShadowMmu::translate_reserved`; nothing enters the shadow).
     pub fn translate_reserved(
@@ -551,7 +563,11 @@ impl Shadow {
     pub fn write_cr3(&mut self, cr3: u64) -> Result<(), ShadowError> {
         self.counters.guest_cr3_writes += 1;
         self.mmu.write_cr3(cr3)?;
-        self.work.all_mappings = true;
+        if self.mmu.control().pge {
+            self.work.nonglobal_mappings = true;
+        } else {
+            self.work.all_mappings = true;
+        }
         let view = self.view;
         self.with_tables(|m| m.root(view).map(|_| ()))?;
         // The write's HwFlush::All: `settle` (in `with_tables`) reloaded the new root.
