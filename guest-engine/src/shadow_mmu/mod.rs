@@ -62,6 +62,7 @@
 mod phys;
 mod prefetch;
 mod pte;
+mod revalidate;
 pub mod reverse_map;
 mod tables;
 mod translate;
@@ -165,6 +166,9 @@ pub struct ShadowConfig {
     /// (module header); the embedder's translated user code must then check its memory
     /// operands against [`USER_LIMIT`].
     pub unified: bool,
+    /// A guest CR3 write keeps the new space's leaves that the guest's tables still map
+    /// alike (`revalidate.rs`) instead of dropping every non-global one.
+    pub revalidate_on_cr3_write: bool,
 }
 
 /// A page fault the guest must see, as a real CPU at the virtual CPL would raise it.
@@ -280,6 +284,9 @@ pub struct ShadowStats {
     pub invalidations: u64,
     /// Shadow leaves dropped by invalidations and evictions.
     pub leaves_dropped: u64,
+    /// Non-global shadow leaves a CR3 write kept because the guest's tables still map
+    /// them alike ([`ShadowConfig::revalidate_on_cr3_write`]).
+    pub leaves_kept: u64,
     /// Writes that faulted on a protected code frame.
     pub write_protect_faults: u64,
     /// Code frames currently protected.
@@ -473,7 +480,9 @@ impl<M: PhysMem> ShadowMmu<M> {
     }
 
     /// The guest writes CR3: switch spaces and drop the new space's non-global shadow
-    /// leaves (all of them if CR4.PGE = 0), as the real TLB would be flushed.
+    /// leaves (all of them if CR4.PGE = 0), as the real TLB would be flushed — or, with
+    /// [`ShadowConfig::revalidate_on_cr3_write`], keep those the guest's tables still map
+    /// alike (`revalidate.rs`).
     pub fn write_cr3(&mut self, cr3: u64) -> Result<(), ShadowError> {
         self.stats.invalidations += 1;
         self.cr3 = cr3;
@@ -486,10 +495,24 @@ impl<M: PhysMem> ShadowMmu<M> {
             .filter(|r| r.space == space && r.filled)
         {
             r.filled = false;
-            roots.push(r.root);
+            roots.push((r.root, r.view));
         }
-        for root in roots {
-            self.zap_table(root, pte::LEVELS, keep_global)?;
+        for (root, view) in roots {
+            if self.config.revalidate_on_cr3_write {
+                let all = Rights {
+                    writable: true,
+                    user: true,
+                    no_execute: false,
+                };
+                let guest = cr3 & pte::ADDR_MASK;
+                let (_, nonglobal) =
+                    self.revalidate_table(root, pte::LEVELS, 0, Some(guest), all, view)?;
+                if let Some(r) = self.roots.iter_mut().find(|r| r.root == root) {
+                    r.filled = nonglobal;
+                }
+            } else {
+                self.zap_table(root, pte::LEVELS, keep_global)?;
+            }
         }
         self.hw_flush = HwFlush::All;
         Ok(())

@@ -46,7 +46,7 @@ impl<M: PhysMem> ShadowMmu<M> {
         Ok(t)
     }
 
-    fn free_table(&mut self, t: GuestPhys) {
+    pub(super) fn free_table(&mut self, t: GuestPhys) {
         self.mem.free_table(t);
         self.stats.tables = self.stats.tables.saturating_sub(1);
     }

@@ -308,6 +308,9 @@ impl Shadow {
             // Translated user code checks its operands against the upper half
             // (`guest_engine::isolation`), so a CPL change needs no CR3 load.
             unified: true,
+            // A process's pages survive a context switch back to it (checked against
+            // its tables), which saves a shadow-miss trip per page touched again.
+            revalidate_on_cr3_write: true,
         };
         let control = guest_engine::vcpu::paging_control(s.cr0, s.cr4, s.efer);
         Ok(Self {
@@ -606,7 +609,7 @@ impl Shadow {
 
 impl Shadow {
     /// Every counter, named as in the statistics line and `counters.json`.
-    fn counter_fields(&self) -> [(&'static str, u64); 23] {
+    fn counter_fields(&self) -> [(&'static str, u64); 24] {
         let s = self.stats();
         let c = &self.counters;
         [
@@ -622,6 +625,7 @@ impl Shadow {
             ("ad_updates", s.ad_updates),
             ("invalidations", s.invalidations),
             ("leaves_dropped", s.leaves_dropped),
+            ("leaves_kept_across_cr3_writes", s.leaves_kept),
             ("roots_evicted", s.roots_evicted),
             ("tables", s.tables),
             ("free_table_frames", self.mem().free_frames()),

@@ -8,6 +8,7 @@ mod isolation;
 mod large;
 mod prefetch;
 mod protection;
+mod revalidate;
 mod translate;
 mod unified;
 
@@ -177,6 +178,7 @@ fn config() -> ShadowConfig {
         large_pages: false,
         prefetch: 0,
         unified: false,
+        revalidate_on_cr3_write: false,
     }
 }
 
