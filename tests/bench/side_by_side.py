@@ -10,6 +10,10 @@ print the same workload md5, or the benchmark fails. Not a test: numbers for not
     tests/bench/side_by_side.py [--rounds N] [--mem MIB] [--configs qemu,null,bbcount]
                                 [--cmdline "..."] [--timeout S] [--json FILE]
 
+Block counting side by side: `--configs qemu-bb,bbcount` runs the plugin-enabled QEMU with its
+own tests/plugin/bb.c (`inline=on`: block and instruction totals added by inline TCG ops)
+against kpin's per-block `--tool bbcount`.
+
 Cache simulation side by side: `--configs qemu-cache,cachesim` runs QEMU (built with the
 plugin API by tests/bench/build-qemu-plugins.sh) with our PA-tagged cache plugin
 (tests/bench/qemu-cache-plugin/pa_cache.c) and kpin's `--tool cachesim`, both with L1I/L1D
@@ -123,6 +127,15 @@ def qemu_cache_argv(img, cmdline, mem, out):
                    "-plugin", f"{plugin},ram={mem},out={out}"]
 
 
+def qemu_bb_argv(img, cmdline, mem):
+    """QEMU (the plugin build) with its own tests/plugin/bb.c counting blocks and
+    instructions inline: the counterpart of kpin's bbcount."""
+    argv = qemu_argv(img, cmdline, mem)
+    argv[0] = os.path.join(QEMU_PLUGINS, "bin", "qemu-system-x86_64")
+    plugin = os.path.join(QEMU_PLUGINS, "plugins", "libbb.so")
+    return argv + ["-L", os.path.join(QEMU_PLUGINS, "pc-bios"), "-plugin", f"{plugin},inline=on"]
+
+
 def simulated_refs(c, out):
     """References a cache-simulating run simulated (None for other configs)."""
     try:
@@ -143,7 +156,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mem", type=int, default=256)
     ap.add_argument("--configs", default="qemu,null,bbcount",
-                    help="comma-separated: qemu (TCG, no plugin) and kpin tools by name")
+                    help="comma-separated: qemu (TCG, no plugin), qemu-bb (QEMU's bb plugin, "
+                    "inline), qemu-cache (our PA cache plugin) and kpin tools by name")
     ap.add_argument("--cmdline", default=None)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", default=None, help="also write the raw times here")
@@ -152,7 +166,7 @@ def main():
     cmdline = args.cmdline or builtin_cmdline()
     img = images()
     configs = [c for c in args.configs.split(",") if c]
-    if "qemu-cache" in configs and not os.access(qemu_cache_argv(img, "", 0, "")[0], os.X_OK):
+    if {"qemu-cache", "qemu-bb"} & set(configs) and not os.access(qemu_cache_argv(img, "", 0, "")[0], os.X_OK):
         sys.exit("side_by_side: no QEMU with plugins: run tests/bench/build-qemu-plugins.sh")
     if "qemu" in configs and not shutil.which("qemu-system-x86_64"):
         sys.exit("side_by_side: qemu-system-x86_64 not found (see the docstring)")
@@ -172,6 +186,8 @@ def main():
                 argv = qemu_argv(img, cmdline, args.mem)
             elif c == "qemu-cache":
                 argv = qemu_cache_argv(img, cmdline, args.mem, out)
+            elif c == "qemu-bb":
+                argv = qemu_bb_argv(img, cmdline, args.mem)
             else:
                 argv = kpin_argv(img, cmdline, args.mem, c, out)
             t0 = time.monotonic()
@@ -198,7 +214,8 @@ def main():
         d = [t["done_s"] for t in times[c]]
         med = statistics.median(d)
         ratio = f"{med / base:.2f}x" if base else "-"
-        name = {"qemu": "QEMU TCG", "qemu-cache": "QEMU TCG + pa_cache plugin"}.get(c, f"kpin --tool {c}")
+        name = {"qemu": "QEMU TCG", "qemu-cache": "QEMU TCG + pa_cache plugin",
+                "qemu-bb": "QEMU TCG + bb plugin (inline)"}.get(c, f"kpin --tool {c}")
         print(f"| {name} | " + " | ".join(f"{x:.2f} s" for x in d) + f" | {med:.2f} s | {ratio} |")
     for c in configs:
         rates = [t["refs_per_s"] for t in times[c] if "refs_per_s" in t]
