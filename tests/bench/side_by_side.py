@@ -4,7 +4,7 @@
 Runs the same kernel (the pinned bzImage for QEMU, its vmlinux for kpin), the same busybox
 initramfs, the same command line and the same memory under each configuration, alternating
 configurations within every round, and prints each run's time from start to the console's
-`KPIN-WORKLOAD-DONE <md5>` line, the medians and the ratios against QEMU TCG. Every run must
+`KPIN-WORKLOAD-DONE <md5>` line, the medians and the ratios (median of per-round ratios) against QEMU TCG. Every run must
 print the same workload md5, or the benchmark fails. Not a test: numbers for notes and docs.
 
     tests/bench/side_by_side.py [--rounds N] [--mem MIB] [--configs qemu,null,bbcount]
@@ -206,17 +206,27 @@ def main():
     if len(md5s) != 1:
         sys.exit(f"side_by_side: the runs disagree on the workload md5: {sorted(md5s)}")
 
-    base = statistics.median(t["done_s"] for t in times["qemu"]) if "qemu" in times else None
+    # Ratios are taken round by round (each kpin run against the QEMU run of the same
+    # round, which ran next to it) and their median printed: on a shared machine the load
+    # moves whole rounds, and a ratio of medians would mix rounds.
+    def ratio(c, base):
+        if base not in times or c == base:
+            return "-"
+        r = [t["done_s"] / b["done_s"] for t, b in zip(times[c], times[base])]
+        return f"{statistics.median(r):.2f}x"
+
+    counterpart = {"bbcount": "qemu-bb", "cachesim": "qemu-cache"}
     print("\n| run | " + " | ".join(f"round {i + 1}" for i in range(args.rounds))
-          + " | median | ratio to QEMU TCG |")
-    print("|---|" + "---:|" * (args.rounds + 2))
+          + " | median | ratio to QEMU TCG | ratio to its QEMU plugin counterpart |")
+    print("|---|" + "---:|" * (args.rounds + 3))
     for c in configs:
         d = [t["done_s"] for t in times[c]]
         med = statistics.median(d)
-        ratio = f"{med / base:.2f}x" if base else "-"
         name = {"qemu": "QEMU TCG", "qemu-cache": "QEMU TCG + pa_cache plugin",
                 "qemu-bb": "QEMU TCG + bb plugin (inline)"}.get(c, f"kpin --tool {c}")
-        print(f"| {name} | " + " | ".join(f"{x:.2f} s" for x in d) + f" | {med:.2f} s | {ratio} |")
+        other = ratio(c, counterpart[c]) if c in counterpart else "-"
+        print(f"| {name} | " + " | ".join(f"{x:.2f} s" for x in d)
+              + f" | {med:.2f} s | {ratio(c, 'qemu')} | {other} |")
     for c in configs:
         rates = [t["refs_per_s"] for t in times[c] if "refs_per_s" in t]
         if rates:
