@@ -47,6 +47,10 @@ impl Engine {
             let mut memo = [(u64::MAX, 0u64); MEMO];
             for r in &mut self.buffer[..n] {
                 let fetch = r.access & access::FETCH != 0;
+                if fetch {
+                    // Written at the append, from the trace's frame.
+                    continue;
+                }
                 let page = r.ea & !0xfff;
                 let tag = page | u64::from(fetch);
                 let slot = &mut memo[(r.ea >> 12) as usize % MEMO];

@@ -2,6 +2,7 @@
 //! takes the instruction back (its count and its records), so the retry must leave
 //! exactly one fetch record per execution — also when the record buffer filled up (and
 //! was delivered) between the instruction's records and the instruction itself.
+//! Fetch records carry the physical address of the frame their trace was translated from.
 
 mod common;
 
@@ -75,5 +76,87 @@ fn test_a_faulting_instruction_whose_fetch_filled_the_buffer_is_fetched_once() {
         [1, 1, 1, 1],
         "fetch records per instruction: {:x?}",
         tool.0
+    );
+}
+
+/// Every page maps to itself but `page`, which maps to `frame`.
+struct OnePageElsewhere {
+    inner: HostMemory,
+    page: u64,
+    frame: u64,
+}
+
+impl guest_engine::GuestMemory for OnePageElsewhere {
+    fn translate(&mut self, va: GuestVirt, mode: Mode) -> Option<GuestPhys> {
+        if va.page().0 == self.page {
+            return Some(GuestPhys(self.frame + (va.0 - self.page)));
+        }
+        self.inner.translate(va, mode)
+    }
+    fn read(&mut self, pa: GuestPhys, out: &mut [u8]) -> bool {
+        if pa.page().0 == self.frame {
+            // SAFETY: the frame is a live page of this process (a `Region`).
+            unsafe {
+                std::ptr::copy_nonoverlapping(pa.0 as *const u8, out.as_mut_ptr(), out.len())
+            };
+            return true;
+        }
+        self.inner.read(pa, out)
+    }
+}
+
+/// Collects the fetch records' (ip, pa).
+#[derive(Default)]
+struct FetchPas(Vec<(u64, u64)>);
+
+impl Tool for FetchPas {
+    fn buffer_full(&mut self, records: &[MemRecord]) {
+        let fetches = records.iter().filter(|r| r.access & access::FETCH != 0);
+        self.0.extend(fetches.map(|r| (r.ip, r.pa)));
+    }
+    fn records_fetches(&self) -> bool {
+        true
+    }
+    fn records_need_pa(&self) -> bool {
+        true
+    }
+}
+
+#[test]
+fn test_fetch_records_carry_the_frame_the_code_was_translated_from() {
+    // The code's page maps to another frame (whose bytes are the code that runs): each
+    // fetch record's physical address is in that frame, written by the append itself.
+    let mut rig = Rig::new(Config {
+        mode: Mode::USER,
+        ..Config::default()
+    });
+    let block = Region::map(4096, 0);
+    let frame = Region::map(4096, 0);
+    let va = block.addr();
+    let exit = va + 0x10_0000;
+    let mut code = vec![0x90, 0x48, 0x31, 0xC0]; // nop; xor rax, rax
+    let at = va + 0x40 + code.len() as u64 + 5;
+    code.push(0xE9);
+    code.extend_from_slice(&((exit as i64 - at as i64) as i32).to_le_bytes());
+    frame.slice()[0x40..0x40 + code.len()].copy_from_slice(&code);
+    let mut mem = OnePageElsewhere {
+        inner: HostMemory::new(vec![(va, va + 4096)]),
+        page: va,
+        frame: frame.addr(),
+    };
+    let mut tool = FetchPas::default();
+    rig.engine.set_rip(GuestVirt(va + 0x40));
+    let stop = rig
+        .engine
+        .run(&mut mem, &mut HostPlatform::default(), &mut tool);
+    assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+    let f = frame.addr();
+    assert_eq!(
+        tool.0,
+        [
+            (va + 0x40, f + 0x40),
+            (va + 0x41, f + 0x41),
+            (va + 0x44, f + 0x44)
+        ]
     );
 }

@@ -178,27 +178,33 @@ impl Tx<'_> {
             self.a.spill_quiet(reg::RAX);
             self.a.spill_quiet(reg::RCX);
             self.emit_ea_rcx(m, ip)?;
-            self.append_record(ip, None, m.size, m.access | self.env.record_bits)?;
+            self.append_record(ip, None, None, m.size, m.access | self.env.record_bits)?;
         }
         Ok(())
     }
 
-    /// Appends the fetch record of the instruction at `ip` (`len` bytes).
+    /// Appends the fetch record of the instruction at `ip` (`len` bytes), with its
+    /// physical address: the frame the trace was translated from, which its page maps to
+    /// whenever the trace runs (`softtlb.rs`), so the delivery need not resolve it.
     pub(super) fn insert_fetch_record(&mut self, ip: u64, len: u32) -> Result<(), EngineError> {
         self.a.spill_quiet(reg::RAX);
         self.a.spill_quiet(reg::RCX);
-        self.append_record(ip, Some(ip), len, access::FETCH | self.env.record_bits)
+        let (va_page, pa_page) = self.page;
+        let pa = pa_page + (ip - va_page);
+        let access = access::FETCH | self.env.record_bits;
+        self.append_record(ip, Some(ip), Some(pa), len, access)
     }
 
     /// With RAX and RCX spilled (quietly: nothing here can fault, and both are back in
     /// their registers before the guest instruction and before the exit, so the code has
     /// no PC-map entries — a record per instruction and operand would otherwise add ~7
     /// entries each to a trace's heap): appends a record whose `ea` is `ea` or else
-    /// RCX, then unspills them; exits when the buffer is full.
+    /// RCX (and `pa` if given), then unspills them; exits when the buffer is full.
     fn append_record(
         &mut self,
         ip: u64,
         ea: Option<u64>,
+        pa: Option<u64>,
         size: u32,
         access: u32,
     ) -> Result<(), EngineError> {
@@ -215,6 +221,10 @@ impl Tx<'_> {
         }
         self.a.mov_mb32_imm32(reg::RAX, 16, size);
         self.a.mov_mb32_imm32(reg::RAX, 20, access);
+        if let Some(pa) = pa {
+            self.a.mov_mb32_imm32(reg::RAX, 24, pa as u32);
+            self.a.mov_mb32_imm32(reg::RAX, 28, (pa >> 32) as u32);
+        }
         self.a
             .lea_r_disp(reg::RAX, reg::RAX, MEM_RECORD_BYTES as i32);
         self.a.mov_m_r(c.buf_ptr, reg::RAX);

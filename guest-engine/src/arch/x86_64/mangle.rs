@@ -130,6 +130,9 @@ pub(super) struct Tx<'e> {
     pub(super) records_pending: u8,
     /// Out-of-line slow paths of isolation checks, emitted before the stubs.
     pub(super) cold: Vec<super::isolate::ColdCheck>,
+    /// The trace's VA page and the frame it was translated from (every instruction starts
+    /// on that page): fetch records carry their physical address from here.
+    pub(super) page: (u64, u64),
     pub(super) factory: &'e mut InstructionInfoFactory,
 }
 
@@ -502,6 +505,7 @@ pub(crate) fn translate_trace(
         stubs: Vec::with_capacity(8),
         records_pending: 0,
         cold: Vec::new(),
+        page: (t.start.page().0, t.pa.page().0),
         factory: &mut scratch.factory,
     };
     let live = flags_liveness(t);
