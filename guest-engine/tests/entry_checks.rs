@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{HostMemory, HostPlatform, Region, Rig};
+use common::{HostMemory, HostPlatform, Region, Remapped, Rig};
 use guest_engine::attention::reason;
 use guest_engine::exit_code::EXIT_PA_MISMATCH;
 use guest_engine::{
@@ -86,30 +86,15 @@ fn test_attention_stops_a_linked_loop_at_trace_entry() {
     }
 }
 
-/// Identity memory except one page remapped to another frame.
-struct Remapped {
-    inner: HostMemory,
-    page: u64,
-    frame: u64,
-}
-
-impl GuestMemory for Remapped {
-    fn translate(&mut self, va: GuestVirt, mode: Mode) -> Option<GuestPhys> {
-        if va.page().0 == self.page {
-            return Some(GuestPhys(self.frame + (va.0 - self.page)));
-        }
-        self.inner.translate(va, mode)
-    }
-    fn read(&mut self, pa: GuestPhys, out: &mut [u8]) -> bool {
-        if pa.page().0 == self.frame {
-            // SAFETY: the alias frame is a live host page.
-            unsafe {
-                std::ptr::copy_nonoverlapping(pa.0 as *const u8, out.as_mut_ptr(), out.len())
-            };
-            return true;
-        }
-        self.inner.read(pa, out)
-    }
+/// `add rax, k; jmp [exit]` at `at`.
+fn add_then_leave(at: u64, k: i32, exit: u64) -> Vec<u8> {
+    asm(at, |x| {
+        x.add(rax, k).unwrap();
+        let mut slot = x.create_label();
+        x.jmp(qword_ptr(slot)).unwrap();
+        x.set_label(&mut slot).unwrap();
+        x.db(&exit.to_le_bytes()).unwrap();
+    })
 }
 
 #[test]
@@ -127,17 +112,8 @@ fn test_cross_page_link_revalidates_pa_after_remap() {
             x.jmp(b).unwrap();
         }),
     );
-    let page_b = |k: i32| {
-        asm(b, |x| {
-            x.add(rax, k).unwrap();
-            let mut slot = x.create_label();
-            x.jmp(qword_ptr(slot)).unwrap();
-            x.set_label(&mut slot).unwrap();
-            x.db(&exit.to_le_bytes()).unwrap();
-        })
-    };
-    put(&block, 4096, &page_b(1));
-    put(&alias, 0, &page_b(5));
+    put(&block, 4096, &add_then_leave(b, 1, exit));
+    put(&alias, 0, &add_then_leave(b, 5, exit));
     let mut mem = HostMemory::new(vec![(a, a + 2 * 4096)]);
     for _ in 0..2 {
         rig.engine.set_rip(GuestVirt(a));
@@ -367,17 +343,8 @@ fn test_invalidate_page_drops_that_pages_ibl_entries_and_keeps_the_others() {
             x.jmp(rcx).unwrap();
         }),
     );
-    let page_b = |k: i32| {
-        asm(b, |x| {
-            x.add(rax, k).unwrap();
-            let mut slot = x.create_label();
-            x.jmp(qword_ptr(slot)).unwrap();
-            x.set_label(&mut slot).unwrap();
-            x.db(&exit.to_le_bytes()).unwrap();
-        })
-    };
-    put(&block, 4096, &page_b(1));
-    put(&alias, 0, &page_b(5));
+    put(&block, 4096, &add_then_leave(b, 1, exit));
+    put(&alias, 0, &add_then_leave(b, 5, exit));
     let mut mem = HostMemory::new(vec![(a, a + 3 * 4096)]);
     let misses = |rig: &Rig| rig.engine.stats().exits[EXIT_IBL_MISS as usize];
     for _ in 0..2 {
@@ -494,17 +461,8 @@ fn test_lookups_of_global_pages_survive_a_cr3_write_and_others_do_not() {
                 x.db(&b.to_le_bytes()).unwrap();
             }),
         );
-        let page_b = |k: i32| {
-            asm(b, |x| {
-                x.add(rax, k).unwrap();
-                let mut slot = x.create_label();
-                x.jmp(qword_ptr(slot)).unwrap();
-                x.set_label(&mut slot).unwrap();
-                x.db(&exit.to_le_bytes()).unwrap();
-            })
-        };
-        put(&block, 4096, &page_b(1));
-        put(&alias, 0, &page_b(5));
+        put(&block, 4096, &add_then_leave(b, 1, exit));
+        put(&alias, 0, &add_then_leave(b, 5, exit));
         let mut mem = WithGlobals {
             inner: Remapped {
                 inner: HostMemory::new(vec![(a, a + 2 * 4096)]),

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{HostMemory, HostPlatform, Region, Rig};
+use common::{HostMemory, HostPlatform, Region, Remapped, Rig};
 use guest_engine::instrument::{access, MemRecord, Tool, TraceInstrumenter};
 use guest_engine::{Config, Gpr, GuestPhys, GuestVirt, Mode, Stop};
 
@@ -79,32 +79,6 @@ fn test_a_faulting_instruction_whose_fetch_filled_the_buffer_is_fetched_once() {
     );
 }
 
-/// Every page maps to itself but `page`, which maps to `frame`.
-struct OnePageElsewhere {
-    inner: HostMemory,
-    page: u64,
-    frame: u64,
-}
-
-impl guest_engine::GuestMemory for OnePageElsewhere {
-    fn translate(&mut self, va: GuestVirt, mode: Mode) -> Option<GuestPhys> {
-        if va.page().0 == self.page {
-            return Some(GuestPhys(self.frame + (va.0 - self.page)));
-        }
-        self.inner.translate(va, mode)
-    }
-    fn read(&mut self, pa: GuestPhys, out: &mut [u8]) -> bool {
-        if pa.page().0 == self.frame {
-            // SAFETY: the frame is a live page of this process (a `Region`).
-            unsafe {
-                std::ptr::copy_nonoverlapping(pa.0 as *const u8, out.as_mut_ptr(), out.len())
-            };
-            return true;
-        }
-        self.inner.read(pa, out)
-    }
-}
-
 /// Collects the fetch records' (ip, pa).
 #[derive(Default)]
 struct FetchPas(Vec<(u64, u64)>);
@@ -139,7 +113,7 @@ fn test_fetch_records_carry_the_frame_the_code_was_translated_from() {
     code.push(0xE9);
     code.extend_from_slice(&((exit as i64 - at as i64) as i32).to_le_bytes());
     frame.slice()[0x40..0x40 + code.len()].copy_from_slice(&code);
-    let mut mem = OnePageElsewhere {
+    let mut mem = Remapped {
         inner: HostMemory::new(vec![(va, va + 4096)]),
         page: va,
         frame: frame.addr(),

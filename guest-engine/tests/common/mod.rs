@@ -128,6 +128,33 @@ impl GuestMemory for HostMemory {
     }
 }
 
+/// [`HostMemory`] except one page, `page`, mapped to another frame of this process,
+/// `frame` (0: none): the guest remapped it.
+pub struct Remapped {
+    pub inner: HostMemory,
+    pub page: u64,
+    pub frame: u64,
+}
+
+impl GuestMemory for Remapped {
+    fn translate(&mut self, va: GuestVirt, mode: Mode) -> Option<GuestPhys> {
+        if self.frame != 0 && va.page().0 == self.page {
+            return Some(GuestPhys(self.frame + (va.0 - self.page)));
+        }
+        self.inner.translate(va, mode)
+    }
+    fn read(&mut self, pa: GuestPhys, out: &mut [u8]) -> bool {
+        if self.frame != 0 && pa.page().0 == self.frame {
+            // SAFETY: the frame is a live page of this process (a `Region`).
+            unsafe {
+                std::ptr::copy_nonoverlapping(pa.0 as *const u8, out.as_mut_ptr(), out.len())
+            };
+            return true;
+        }
+        self.inner.read(pa, out)
+    }
+}
+
 /// Emulates `cpuid` on the host; everything else stops.
 #[derive(Default)]
 pub struct HostPlatform {
