@@ -128,6 +128,21 @@ pub struct CacheContext {
     /// then of those whose wide check hits, for the kernel's fence then the user's
     /// (`arch::x86_64::isolate`).
     pub zone_bounds: [u64; 8],
+    /// The virtual RFLAGS.IF as its bit (0 or 0x200) and IOPL as its bits (`iopl << 12`),
+    /// kept here for the inline `cli`/`sti`/`pushfq`/`popfq` of kernel-mode traces
+    /// (`Config::inline_virtual_flags`; `vflags.rs`).
+    pub vif: u64,
+    /// See `vif`.
+    pub viopl: u64,
+    /// Non-zero while an interrupt is pending that the virtual IF holds back: an inline
+    /// `sti` or `popfq` that sets IF then sets the attention byte.
+    pub irq_held: u64,
+    /// The RFLAGS value an inline `popfq` loads, and the guest RSP it returns to (the
+    /// real `popfq` pops from here, not from the guest's stack), and the stack of the
+    /// `pushfq`/`popfq` pair around an inline `sti`'s `or` into the attention byte.
+    pub flags_slot: u64,
+    /// See `flags_slot`.
+    pub flags_rsp: u64,
     /// The memory operand of an instruction run redirected (`redirect.rs`): its bytes,
     /// the first at the operand address's offset modulo 64.
     pub redirect_data: RedirectData,

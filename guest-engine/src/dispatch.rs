@@ -75,6 +75,12 @@ pub struct Config {
     /// slots 256–259 (`arch::x86_64::isolate`); a hit is a #UD at the instruction
     /// (`Stop::Fault`), which `isolation::classify_fault` explains.
     pub isolate: bool,
+    /// Translate `cli`, `sti` (unless a `hlt` follows), `pushfq` and `popfq` of virtual
+    /// CPL 0 inline against the virtual IF and IOPL in the cache context
+    /// (`Engine::set_virtual_flags`), instead of exits to the platform; the platform sees
+    /// them through `Platform::set_virtual_flags` / `virtual_flags` around every
+    /// emulation.
+    pub inline_virtual_flags: bool,
 }
 
 impl Default for Config {
@@ -94,6 +100,7 @@ impl Default for Config {
             clock_ns: None,
             memory_pressure: None,
             isolate: true,
+            inline_virtual_flags: false,
         }
     }
 }
@@ -360,7 +367,8 @@ impl Engine {
         }
         let t0 = self.now();
         let prof_prev = profile::switch(profile::TRANSLATE);
-        let decoded = decode_trace(mem, va, pa, mode, &mut self.scratch)
+        let inline_flags = self.config.inline_virtual_flags;
+        let decoded = decode_trace(mem, va, pa, mode, inline_flags, &mut self.scratch)
             .map_err(|f| Stop::FetchFault(f.0))?;
         // The engine's own block counts go first at each block start.
         let mut insertions = self.block_count_insertions(&decoded.bbls);
@@ -640,7 +648,14 @@ impl Engine {
                     // SAFETY: see the top of `run_inner`.
                     let fetch = self.emulated_fetch(mem, unsafe { &mut **tp }, &s);
                     profile::switch(profile::emulation_slot(s.kind));
+                    if self.config.inline_virtual_flags {
+                        let (vif, iopl) = self.virtual_flags();
+                        platform.set_virtual_flags(vif, iopl);
+                    }
                     let emulation = platform.emulate(&s, &mut self.ctx_mut().regs);
+                    if let Some((vif, iopl)) = platform.virtual_flags() {
+                        self.set_virtual_flags(vif, iopl);
+                    }
                     profile::switch(profile::DISPATCH);
                     match emulation {
                         Emulation::Continue(n) => {

@@ -109,7 +109,14 @@ impl Engine {
         let (start, pa, mode) = (f.start, f.pa, f.mode);
         let (Some(m), Ok(t)) = (
             mode.slot(),
-            decode_trace(mem, start, pa, mode, &mut self.scratch),
+            decode_trace(
+                mem,
+                start,
+                pa,
+                mode,
+                self.config.inline_virtual_flags,
+                &mut self.scratch,
+            ),
         ) else {
             return;
         };

@@ -33,6 +33,7 @@ pub mod shadow_mmu;
 mod softtlb;
 mod tool_switch;
 pub mod vcpu;
+pub mod vflags;
 
 pub use addr::{CachePc, GuestPhys, GuestVirt};
 pub use attention::AttentionHandle;

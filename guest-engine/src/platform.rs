@@ -110,6 +110,18 @@ pub trait Platform {
         let _ = seg;
         0
     }
+
+    /// With `Config::inline_virtual_flags`: the virtual IF and IOPL as translated code
+    /// left them, handed over before every emulation.
+    fn set_virtual_flags(&mut self, vif: bool, iopl: u8) {
+        let _ = (vif, iopl);
+    }
+
+    /// With `Config::inline_virtual_flags`: the virtual IF and IOPL after an emulation,
+    /// for translated code (`None`: unchanged).
+    fn virtual_flags(&self) -> Option<(bool, u8)> {
+        None
+    }
 }
 
 /// A platform that emulates nothing: every sensitive instruction stops the run.

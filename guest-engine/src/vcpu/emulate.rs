@@ -332,4 +332,13 @@ impl<H: Hardware, M: GuestMmu> Platform for Vcpu<'_, H, M> {
             _ => 0,
         }
     }
+
+    fn set_virtual_flags(&mut self, vif: bool, iopl: u8) {
+        self.vif = vif;
+        self.iopl = iopl;
+    }
+
+    fn virtual_flags(&self) -> Option<(bool, u8)> {
+        Some((self.vif, self.iopl))
+    }
 }

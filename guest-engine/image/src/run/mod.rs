@@ -166,6 +166,8 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
         // Guest instructions executed per virtual CPL, for counters.json.
         count_insns: true,
         memory_pressure: Some(heap_pressure),
+        // Linux's `cli`/`sti`/`pushfq`/`popfq` at CPL 0 (~10^6 a boot) run inline.
+        inline_virtual_flags: true,
         ..Config::default()
     };
     // SAFETY: the code-cache region lies in the stolen region, which the window maps
@@ -233,7 +235,12 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                 give_up(&engine, &vcpu, &shadow, &mut tool, 0, &mem);
             }
         }
+        // The virtual IF and IOPL go to the cache context for the inline flag
+        // instructions, and come back after the run (deliveries and reports read them).
+        engine.set_virtual_flags(vcpu.vif, vcpu.iopl);
+        engine.set_irq_held(crate::events::irq::highest().is_some());
         let stop = engine.run(&mut mem, &mut vcpu, tool.as_tool());
+        (vcpu.vif, vcpu.iopl) = engine.virtual_flags();
         let cycles = timer::tsc().wrapping_sub(t0);
         let failure = shadow.borrow().failure().cloned();
         if let Some(e) = failure {

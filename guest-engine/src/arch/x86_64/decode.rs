@@ -44,6 +44,9 @@ pub(crate) enum Class {
     CallInd,
     /// `ret` / `ret imm16`.
     Ret { pop: u16 },
+    /// `cli`, `sti`, `pushfq` or `popfq` at virtual CPL 0, against the virtual flags in
+    /// the context (`crate::vflags`).
+    VirtFlags,
 }
 
 /// One decoded guest instruction.
@@ -328,7 +331,7 @@ pub(crate) fn mem_operands(factory: &mut InstructionInfoFactory, i: &Instruction
 
 fn ins_kind(c: Class) -> InsKind {
     match c {
-        Class::Plain | Class::RipRel => InsKind::Plain,
+        Class::Plain | Class::RipRel | Class::VirtFlags => InsKind::Plain,
         Class::Jcc { .. } | Class::LoopLike { .. } => InsKind::CondBranch,
         Class::Jmp { .. } | Class::JmpElided { .. } => InsKind::Jump,
         Class::Call { .. } => InsKind::Call,
@@ -385,11 +388,23 @@ impl Scratch {
     }
 }
 
+/// Whether `i` (at virtual CPL 0, followed by the byte `next` if known) runs inline
+/// against the virtual flags (`crate::vflags`): `cli`, `pushfq`, `popfq`, and `sti`
+/// unless a `hlt` follows (or the next byte is unknown).
+fn inline_flag_insn(i: &Instruction, next: Option<u8>) -> bool {
+    match i.code() {
+        Code::Cli | Code::Pushfq | Code::Popfq => true,
+        Code::Sti => next.is_some_and(|b| b != 0xF4),
+        _ => false,
+    }
+}
+
 pub(crate) fn decode_trace(
     mem: &mut dyn GuestMemory,
     va: GuestVirt,
     pa: GuestPhys,
     mode: Mode,
+    inline_flags: bool,
     scratch: &mut Scratch,
 ) -> Result<DecodedTrace, FetchFault> {
     let mut buf = [0u8; MAX_TRACE_BYTES + 2 * MAX_INSN_BYTES];
@@ -441,7 +456,9 @@ pub(crate) fn decode_trace(
         let len = instr.len();
         let mut bytes = [0u8; MAX_INSN_BYTES];
         bytes[..len].copy_from_slice(&buf[off..off + len]);
-        if let Some(kind) = sensitive_kind(&instr) {
+        let next_byte = (off + len < avail).then(|| buf[off + len]);
+        let virt_flags = inline_flags && mode.cpl() == 0 && inline_flag_insn(&instr, next_byte);
+        if let Some(kind) = sensitive_kind(&instr).filter(|_| !virt_flags) {
             t.end = TraceEnd::Sensitive(SensitiveInsn {
                 pc: GuestVirt(pc),
                 len: len as u8,
@@ -450,7 +467,11 @@ pub(crate) fn decode_trace(
             });
             break;
         }
-        let mut class = classify(&instr);
+        let mut class = if virt_flags {
+            Class::VirtFlags
+        } else {
+            classify(&instr)
+        };
         if let Class::Jmp { target } = class {
             // Follow a direct jump that stays on the trace's page and does not loop back
             // into the trace (at most `MAX_FOLLOWED_JUMPS` per trace).
@@ -518,7 +539,7 @@ pub(crate) fn decode_trace(
                 t.end = TraceEnd::Transfer;
                 break;
             }
-            Class::Plain | Class::RipRel => {}
+            Class::Plain | Class::RipRel | Class::VirtFlags => {}
         }
     }
     if bbl_first < t.insns.len() {

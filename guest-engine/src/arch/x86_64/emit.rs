@@ -307,6 +307,11 @@ impl Asm {
         self.riprel(None, &[0x80], 7, target, &[imm]);
     }
 
+    /// `or byte [rip+target], imm8` — WRITES EFLAGS.
+    pub(crate) fn or_m8_imm8(&mut self, target: u64, imm: u8) {
+        self.riprel(None, &[0x80], 1, target, &[imm]);
+    }
+
     /// `movzx ecx, byte [rip+target]`.
     pub(crate) fn movzx_r32_m8(&mut self, r: u8, target: u64) {
         let rx = if r >= 8 {

@@ -121,6 +121,11 @@ pub(crate) struct CtxAddrs {
     pub vsib_mask: u64,
     pub zone_bounds: u64,
     pub redirect_data: u64,
+    pub vif: u64,
+    pub viopl: u64,
+    pub irq_held: u64,
+    pub flags_slot: u64,
+    pub flags_rsp: u64,
 }
 
 impl CtxAddrs {
@@ -152,6 +157,11 @@ impl CtxAddrs {
             vsib_mask: o(offset_of!(CacheContext, vsib_mask)),
             zone_bounds: o(offset_of!(CacheContext, zone_bounds)),
             redirect_data: o(offset_of!(CacheContext, redirect_data)),
+            vif: o(offset_of!(CacheContext, vif)),
+            viopl: o(offset_of!(CacheContext, viopl)),
+            irq_held: o(offset_of!(CacheContext, irq_held)),
+            flags_slot: o(offset_of!(CacheContext, flags_slot)),
+            flags_rsp: o(offset_of!(CacheContext, flags_rsp)),
         }
     }
 }

@@ -468,6 +468,7 @@ impl Tx<'_> {
                 self.emit_direct_exit(None, target, pc);
             }
             Class::JmpInd | Class::CallInd | Class::Ret { .. } => self.mangle_indirect(d)?,
+            Class::VirtFlags => self.emit_virtual_flags(d)?,
         }
         Ok(())
     }
@@ -575,7 +576,11 @@ pub(crate) fn translate_trace(
         }
         let falls_through = matches!(
             d.class,
-            Class::Plain | Class::RipRel | Class::Jcc { .. } | Class::LoopLike { .. }
+            Class::Plain
+                | Class::RipRel
+                | Class::Jcc { .. }
+                | Class::LoopLike { .. }
+                | Class::VirtFlags
         );
         if falls_through && !after.is_empty() {
             let next = d.instr.next_ip();

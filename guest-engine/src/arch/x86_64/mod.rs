@@ -6,3 +6,4 @@ pub mod entry;
 pub(crate) mod insert;
 pub mod isolate;
 pub(crate) mod mangle;
+mod vflags;

@@ -1,0 +1,52 @@
+//! The virtual IF and IOPL in the cache context, for `cli`, `sti`, `pushfq` and `popfq`
+//! translated inline at virtual CPL 0 (`Config::inline_virtual_flags`): Linux runs them
+//! about a million times a boot (`local_irq_save`/`restore`, spinlocks), and each was an
+//! exit, an emulation and a re-entry.
+//!
+//! Translated code runs at hardware CPL 3 with the real IF = 1 and IOPL = 0, so the
+//! guest's IF and IOPL live in `CacheContext::vif` (0 or 0x200) and `viopl` (`iopl << 12`),
+//! as their RFLAGS bits. The embedder keeps its virtual CPU's copy in step: it hands its
+//! flags to the engine before a run (`Engine::set_virtual_flags`) and reads them back
+//! after (`Engine::virtual_flags`); around each emulation inside a run the engine does
+//! the same with the platform (`Platform::set_virtual_flags`/`virtual_flags`).
+//!
+//! The sequences (`arch/x86_64/mangle.rs`, `emit_virtual_flags`):
+//! * `cli`: `mov qword [vif], 0`;
+//! * `sti`: `mov qword [vif], 0x200`, then, if `irq_held` (an interrupt pending that IF
+//!   held back), OR `attention::reason::INTERRUPT` into the attention byte, the flags kept
+//!   by a `pushfq`/`popfq` pair on a stack in the context. An `sti` followed by `hlt`
+//!   stays an exit (the emulation delivers a pending interrupt after the `hlt`, as the
+//!   CPU's interrupt shadow does);
+//! * `pushfq`: the real `pushfq` (the guest's arithmetic flags, DF, AC; IF = 1, IOPL = 0),
+//!   then the pushed word adjusted with `lea` (flag-free): `− 0x200 + vif + viopl`;
+//! * `popfq`: reads the guest's word (the only access that can fault: RAX is in its spill
+//!   slot then), stores its IF and IOPL bits to the context (and sets attention if IF is
+//!   set with an interrupt held), clears TF (single-stepping is not virtualized), and loads
+//!   the rest with a real `popfq` from `flags_slot` (RSP pointed there and back), which at
+//!   CPL 3 leaves the real IF and IOPL alone, as the emulation does.
+//!
+//! Their memory operands (`[rsp − 8]`, `[rsp]`) are checked and recorded like any
+//! `push`/`pop`'s.
+
+use crate::dispatch::Engine;
+
+impl Engine {
+    /// Sets the virtual IF and IOPL that inline flag instructions see.
+    pub fn set_virtual_flags(&mut self, vif: bool, iopl: u8) {
+        let c = self.ctx_mut();
+        c.vif = if vif { 0x200 } else { 0 };
+        c.viopl = u64::from(iopl & 3) << 12;
+    }
+
+    /// The virtual IF and IOPL as inline flag instructions left them.
+    pub fn virtual_flags(&self) -> (bool, u8) {
+        let c = self.ctx();
+        (c.vif & 0x200 != 0, ((c.viopl >> 12) & 3) as u8)
+    }
+
+    /// Whether an interrupt is pending that the virtual IF holds back (an inline `sti` or
+    /// `popfq` setting IF then sets the attention byte).
+    pub fn set_irq_held(&mut self, held: bool) {
+        self.ctx_mut().irq_held = u64::from(held);
+    }
+}

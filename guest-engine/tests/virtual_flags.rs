@@ -1,0 +1,115 @@
+//! `cli`, `sti`, `pushfq` and `popfq` at virtual CPL 0 with `Config::inline_virtual_flags`:
+//! they run inline against the virtual IF and IOPL in the cache context, with the images
+//! and effects the emulation gives (IF and IOPL virtual, TF never loaded), no exit; an
+//! `sti` that finds an interrupt held back sets the attention byte; `sti; hlt` still
+//! exits to the platform.
+
+mod common;
+
+use common::{HostMemory, HostPlatform, Region, Rig};
+use guest_engine::exit_code::EXIT_SENSITIVE;
+use guest_engine::{Config, Gpr, GuestVirt, Mode, NullTool, Stop};
+use iced_x86::code_asm::*;
+
+const IF: u64 = 1 << 9;
+const TF: u64 = 1 << 8;
+const IOPL3: u64 = 3 << 12;
+
+fn rig() -> Rig {
+    Rig::new(Config {
+        mode: Mode::KERNEL,
+        inline_virtual_flags: true,
+        ..Config::default()
+    })
+}
+
+fn run(rig: &mut Rig, block: &Region, code: &[u8]) -> Stop {
+    let base = block.addr();
+    block.slice()[..code.len()].copy_from_slice(code);
+    let mut mem = HostMemory::new(vec![(base, base + 4096)]);
+    rig.engine.regs_mut().set(Gpr::Rsp, base + 0xf00);
+    rig.engine.regs_mut().rflags = 0x202;
+    rig.engine.set_rip(GuestVirt(base));
+    rig.engine
+        .run(&mut mem, &mut HostPlatform::default(), &mut NullTool)
+}
+
+#[test]
+fn test_flag_instructions_run_inline_with_the_emulations_images() {
+    let mut rig = rig();
+    let block = Region::map(4096, 0);
+    let base = block.addr();
+    let exit = rig.native.exit_address();
+    let code = {
+        let mut a = CodeAssembler::new(64).unwrap();
+        a.cli().unwrap();
+        a.pushfq().unwrap();
+        a.pop(rax).unwrap();
+        a.sti().unwrap();
+        a.pushfq().unwrap();
+        a.pop(rbx).unwrap();
+        a.push(rcx).unwrap();
+        a.popfq().unwrap();
+        a.pushfq().unwrap();
+        a.pop(rdx).unwrap();
+        let mut slot = a.create_label();
+        a.jmp(qword_ptr(slot)).unwrap();
+        a.set_label(&mut slot).unwrap();
+        a.db(&exit.to_le_bytes()).unwrap();
+        a.assemble(base).unwrap()
+    };
+    rig.engine.set_virtual_flags(true, 0);
+    // The word popped: CF, IOPL 3, TF, IF clear (bit 1 is always set).
+    rig.engine.regs_mut().set(Gpr::Rcx, 0x3103);
+    let stop = run(&mut rig, &block, &code);
+    assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+    let r = *rig.engine.regs();
+    assert_eq!(r.get(Gpr::Rax) & (IF | IOPL3), 0, "after cli: IF clear");
+    assert_eq!(r.get(Gpr::Rbx) & (IF | IOPL3), IF, "after sti: IF set");
+    let popped = r.get(Gpr::Rdx);
+    assert_eq!(
+        popped & (IF | IOPL3 | TF | 1),
+        IOPL3 | 1,
+        "after popfq: CF and IOPL 3, no IF or TF"
+    );
+    assert_eq!(rig.engine.virtual_flags(), (false, 3));
+    assert_eq!(r.rflags & (1 | TF), 1, "the real CF loaded, TF not");
+    assert_eq!(
+        rig.engine.stats().exits[EXIT_SENSITIVE as usize],
+        0,
+        "no exits"
+    );
+}
+
+#[test]
+fn test_sti_with_an_interrupt_held_back_sets_attention_and_sti_hlt_exits() {
+    let mut rig = rig();
+    let block = Region::map(4096, 0);
+    let base = block.addr();
+    // sti; jmp [next] (a new trace: its entry checks attention); next: hlt
+    let next = base + 0x100;
+    let code = {
+        let mut a = CodeAssembler::new(64).unwrap();
+        a.sti().unwrap();
+        let mut slot = a.create_label();
+        a.jmp(qword_ptr(slot)).unwrap();
+        a.set_label(&mut slot).unwrap();
+        a.db(&next.to_le_bytes()).unwrap();
+        a.assemble(base).unwrap()
+    };
+    block.slice()[0x100] = 0xF4; // hlt
+    rig.engine.set_virtual_flags(false, 0);
+    rig.engine.set_irq_held(true);
+    let stop = run(&mut rig, &block, &code);
+    assert_eq!(stop, Stop::Attention(GuestVirt(next)));
+    assert_eq!(rig.engine.virtual_flags(), (true, 0));
+    assert_eq!(rig.engine.stats().exits[EXIT_SENSITIVE as usize], 0);
+
+    // `sti; hlt`: the `sti` stays an exit (the platform's emulation keeps the interrupt
+    // shadow); the host platform stops on it.
+    rig.engine.set_attention(0);
+    rig.engine.set_irq_held(false);
+    rig.engine.set_virtual_flags(false, 0);
+    let stop = run(&mut rig, &block, &[0xFB, 0xF4]);
+    assert!(matches!(stop, Stop::Sensitive(_)), "{stop:?}");
+}
