@@ -467,6 +467,23 @@ impl Asm {
         self.u32le(imm);
     }
 
+    /// Stores the u64 `v` at `[base + disp32]`: one `mov qword [..], simm32` when `v` is
+    /// a sign-extended 32-bit value (kernel-half and low addresses), else two dword stores.
+    pub(crate) fn mov_mb64_imm(&mut self, base: u8, disp: i32, v: u64) {
+        match i32::try_from(v as i64) {
+            Ok(imm) => {
+                self.buf.push(rex(true, 0, 0, base));
+                self.buf.push(0xC7);
+                self.mem_base_disp(0, base, disp);
+                self.u32le(imm as u32);
+            }
+            Err(_) => {
+                self.mov_mb32_imm32(base, disp, v as u32);
+                self.mov_mb32_imm32(base, disp + 4, (v >> 32) as u32);
+            }
+        }
+    }
+
     /// `movzx dst32, src16`.
     pub(crate) fn movzx_r32_r16(&mut self, dst: u8, src: u8) {
         if dst >= 8 || src >= 8 {
@@ -541,6 +558,9 @@ mod tests {
         a.mov_r_mbi(reg::RCX, reg::RDX, reg::RCX, 3);
         a.jmp_r(reg::RCX);
         a.jmp_r(reg::R13);
+        a.or_m8_imm8(base + 0x210, 1);
+        a.mov_mb64_imm(reg::RAX, 24, 0xffff_ffff_8100_0040);
+        a.mov_mb64_imm(reg::RAX, 16, 0x0000_0101_0000_0004);
         let (code, _) = a.finish().expect("no labels");
         let text = dis(base, &code);
         let expect = [
@@ -570,6 +590,10 @@ mod tests {
             "mov rcx,[rdx+rcx*8]",
             "jmp rcx",
             "jmp r13",
+            "or byte [rel 700000000210h],1",
+            "mov qword [rax+18h],0FFFFFFFF81000040h",
+            "mov dword [rax+10h],4",
+            "mov dword [rax+14h],101h",
         ];
         assert_eq!(text, expect);
     }

@@ -210,20 +210,15 @@ impl Tx<'_> {
     ) -> Result<(), EngineError> {
         let c = self.env.ctx;
         self.a.mov_r_m(reg::RAX, c.buf_ptr);
-        self.a.mov_mb32_imm32(reg::RAX, 0, ip as u32);
-        self.a.mov_mb32_imm32(reg::RAX, 4, (ip >> 32) as u32);
+        self.a.mov_mb64_imm(reg::RAX, 0, ip);
         match ea {
-            Some(ea) => {
-                self.a.mov_mb32_imm32(reg::RAX, 8, ea as u32);
-                self.a.mov_mb32_imm32(reg::RAX, 12, (ea >> 32) as u32);
-            }
+            Some(ea) => self.a.mov_mb64_imm(reg::RAX, 8, ea),
             None => self.a.mov_mb_r(reg::RAX, 8, reg::RCX),
         }
-        self.a.mov_mb32_imm32(reg::RAX, 16, size);
-        self.a.mov_mb32_imm32(reg::RAX, 20, access);
+        self.a
+            .mov_mb64_imm(reg::RAX, 16, u64::from(size) | u64::from(access) << 32);
         if let Some(pa) = pa {
-            self.a.mov_mb32_imm32(reg::RAX, 24, pa as u32);
-            self.a.mov_mb32_imm32(reg::RAX, 28, (pa >> 32) as u32);
+            self.a.mov_mb64_imm(reg::RAX, 24, pa);
         }
         self.a
             .lea_r_disp(reg::RAX, reg::RAX, MEM_RECORD_BYTES as i32);
