@@ -375,7 +375,13 @@ impl Engine {
         let mut ti =
             TraceInstrumenter::new(va, mode, &decoded.info, &decoded.bbls, &mut self.counters);
         tool.instrument_trace(&mut ti);
-        if tool.records_fetches() {
+        if tool.records_fetches() && tool.fetch_runs() {
+            insertions.extend(crate::records::fetch_runs(
+                &decoded.info,
+                &decoded.bbls,
+                &ti.insertions,
+            ));
+        } else if tool.records_fetches() {
             insertions.extend((0..decoded.info.len()).map(|ins| Insertion {
                 ins,
                 point: IPoint::Before,

@@ -33,6 +33,10 @@ pub mod access {
     /// An instruction fetch record ([`super::Tool::records_fetches`]): `ea` is the
     /// instruction's address, `size` its length.
     pub const FETCH: u32 = 4;
+    /// With [`FETCH`], for a tool answering [`super::Tool::fetch_runs`]: the record stands
+    /// for the fetches of `size` consecutive instructions from `ip` (`pa` the first one's),
+    /// whose lengths are the 4-bit fields of `ea` from bit 0 up (at most 16).
+    pub const FETCH_RUN: u32 = 16;
     /// Shift of the record's virtual CPL (bits 8–9: the mode its code was translated for,
     /// or ran in when the platform emulated it).
     pub const CPL_SHIFT: u32 = 8;
@@ -263,6 +267,12 @@ pub(crate) enum Action {
     MemRecords,
     /// A fetch record for the instruction (`Tool::records_fetches`).
     FetchRecord,
+    /// One fetch record for the instruction and the `n − 1` after it, of lengths `lens`
+    /// (4 bits each; `Tool::fetch_runs`).
+    FetchRun {
+        n: u8,
+        lens: u64,
+    },
     Call(usize),
 }
 
@@ -410,6 +420,14 @@ pub trait Tool {
     /// guest instruction executes (translated or emulated), ahead of the instruction's
     /// memory records. Asked at each translation.
     fn records_fetches(&self) -> bool {
+        false
+    }
+    /// With [`Tool::records_fetches`]: whether one record ([`access::FETCH_RUN`]) may stand
+    /// for the fetches of a run of instructions of one basic block that have no other
+    /// insertions (no memory records or calls), in order, so the stream of references is
+    /// the same; fewer records to append and to feed. A fault inside a run trims it to the
+    /// instructions before the faulting one.
+    fn fetch_runs(&self) -> bool {
         false
     }
     /// Whether records carry physical addresses (as `Config::records_need_pa`).

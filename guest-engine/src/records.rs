@@ -2,10 +2,14 @@
 //! (with physical addresses resolved for a tool that needs them), the fetch records of
 //! emulated instructions, and the records a fault takes back.
 
+use alloc::vec::Vec;
+
 use crate::addr::GuestVirt;
 use crate::dispatch::Engine;
 use crate::guest_memory::GuestMemory;
-use crate::instrument::{access, resolve_pa, MemRecord, Tool};
+use crate::instrument::{
+    access, resolve_pa, Action, Bbl, IPoint, InsInfo, Insertion, MemRecord, Tool,
+};
 use crate::layout::MEM_RECORD_BYTES;
 use crate::platform::SensitiveInsn;
 
@@ -115,8 +119,69 @@ impl Engine {
         while n > 0 && self.buffer[n - 1].ip == guest_pc.0 {
             n -= 1;
         }
+        // A run of fetches that the faulting instruction is part of (not its first, whose
+        // record went above) keeps only the instructions before it.
+        if n > 0 {
+            let r = &mut self.buffer[n - 1];
+            let run = access::FETCH | access::FETCH_RUN;
+            if r.access & run == run {
+                let mut at = r.ip;
+                for k in 0..r.size {
+                    if at == guest_pc.0 {
+                        r.size = k;
+                        break;
+                    }
+                    at += (r.ea >> (4 * k)) & 0xf;
+                }
+                if r.size == 0 {
+                    n -= 1;
+                }
+            }
+        }
         if n != before {
             self.ctx_mut().buf_ptr = start + (n * MEM_RECORD_BYTES) as u64;
         }
     }
+}
+
+/// Most instructions one fetch-run record stands for (4-bit lengths in a u64).
+const MAX_RUN: usize = 16;
+
+/// The fetch insertions of a trace for a tool answering `Tool::fetch_runs`: one record per
+/// run of consecutive instructions of a basic block that have none of the tool's
+/// `insertions` (so no record or call comes between their fetches) and are not `rep`
+/// strings (whose fetch follows their loop); any other instruction gets its own record.
+pub(crate) fn fetch_runs(
+    info: &[InsInfo],
+    bbls: &[Bbl],
+    insertions: &[Insertion],
+) -> Vec<Insertion> {
+    let busy = |i: usize| info[i].rep || insertions.iter().any(|x| x.ins == i);
+    let mut out = Vec::new();
+    for b in bbls {
+        let end = b.first + b.count;
+        let mut i = b.first;
+        while i < end {
+            let mut n = 1;
+            let mut lens = u64::from(info[i].len);
+            if !busy(i) {
+                while n < MAX_RUN && i + n < end && !busy(i + n) {
+                    lens |= u64::from(info[i + n].len) << (4 * n);
+                    n += 1;
+                }
+            }
+            let action = if n == 1 {
+                Action::FetchRecord
+            } else {
+                Action::FetchRun { n: n as u8, lens }
+            };
+            out.push(Insertion {
+                ins: i,
+                point: IPoint::Before,
+                action,
+            });
+            i += n;
+        }
+    }
+    out
 }

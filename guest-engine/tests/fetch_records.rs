@@ -2,7 +2,8 @@
 //! takes the instruction back (its count and its records), so the retry must leave
 //! exactly one fetch record per execution — also when the record buffer filled up (and
 //! was delivered) between the instruction's records and the instruction itself.
-//! Fetch records carry the physical address of the frame their trace was translated from.
+//! Fetch records carry the physical address of the frame their trace was translated from;
+//! fetch runs give the same stream as a record per instruction.
 
 mod common;
 
@@ -133,4 +134,106 @@ fn test_fetch_records_carry_the_frame_the_code_was_translated_from() {
             (va + 0x44, f + 0x44)
         ]
     );
+}
+
+/// Every record as an event: fetches expanded from runs, `(ip, pa, len, is_fetch)`.
+struct Stream {
+    runs: bool,
+    events: Vec<(u64, u64, u32, bool)>,
+    records: usize,
+}
+
+impl Tool for Stream {
+    fn instrument_trace(&mut self, trace: &mut TraceInstrumenter<'_>) {
+        for i in 0..trace.instructions().len() {
+            trace.insert_mem_records(i);
+        }
+    }
+    fn buffer_full(&mut self, records: &[MemRecord]) {
+        self.records += records.len();
+        for r in records {
+            if r.access & access::FETCH_RUN != 0 {
+                let mut off = 0;
+                for k in 0..r.size {
+                    let len = ((r.ea >> (4 * k)) & 0xf) as u32;
+                    self.events.push((r.ip + off, r.pa + off, len, true));
+                    off += u64::from(len);
+                }
+            } else {
+                let fetch = r.access & access::FETCH != 0;
+                self.events.push((r.ip, r.pa, r.size, fetch));
+            }
+        }
+    }
+    fn records_fetches(&self) -> bool {
+        true
+    }
+    fn fetch_runs(&self) -> bool {
+        self.runs
+    }
+    fn records_need_pa(&self) -> bool {
+        true
+    }
+}
+
+#[test]
+fn test_fetch_runs_give_the_same_stream_and_a_fault_inside_one_trims_it() {
+    // nop; xor eax, eax; add rcx, 1; mov rdx, [rbx]; inc rdx; div rsi; nop; jmp exit:
+    // with runs, the instructions without memory records share records, and the stream
+    // of fetches and data accesses is the same as with a record each. RSI = 0 makes the
+    // div fault inside the second run: the run keeps `inc` only, and the retry (RSI = 1)
+    // records the div and what follows once.
+    let mut streams = Vec::new();
+    for runs in [false, true] {
+        let mut rig = Rig::new(Config {
+            mode: Mode::USER,
+            ..Config::default()
+        });
+        common::fault_redirect::install(&rig, libc::SIGFPE);
+        let block = Region::map(4096, 0);
+        let base = block.addr();
+        let exit = base + 0x10_0000;
+        let mut code = vec![
+            0x90, 0x31, 0xC0, 0x48, 0x83, 0xC1, 0x01, 0x48, 0x8B, 0x13, 0x48, 0xFF, 0xC2, 0x48,
+            0xF7, 0xF6, 0x90,
+        ];
+        let div = base + 13;
+        let at = base + code.len() as u64 + 5;
+        code.push(0xE9);
+        code.extend_from_slice(&((exit as i64 - at as i64) as i32).to_le_bytes());
+        block.slice()[..code.len()].copy_from_slice(&code);
+        let mut mem = HostMemory::new(vec![(base, base + 4096)]);
+        let mut tool = Stream {
+            runs,
+            events: Vec::new(),
+            records: 0,
+        };
+        rig.engine.regs_mut().set(Gpr::Rsp, base + 0xf00);
+        rig.engine.regs_mut().set(Gpr::Rbx, base + 0x800);
+        rig.engine.regs_mut().set(Gpr::Rsi, 0);
+        rig.engine.set_rip(GuestVirt(base));
+        let stop = rig
+            .engine
+            .run(&mut mem, &mut HostPlatform::default(), &mut tool);
+        assert!(
+            matches!(stop, Stop::Fault { guest_pc, .. } if guest_pc == GuestVirt(div)),
+            "{stop:?}"
+        );
+        rig.engine.regs_mut().set(Gpr::Rsi, 1);
+        rig.engine.regs_mut().set(Gpr::Rdx, 0);
+        rig.engine.set_rip(GuestVirt(div));
+        let stop = rig
+            .engine
+            .run(&mut mem, &mut HostPlatform::default(), &mut tool);
+        assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+        let fetched: Vec<u64> = tool.events.iter().filter(|e| e.3).map(|e| e.0).collect();
+        let starts = [0, 1, 3, 7, 10, 13, 16, 17].map(|o| base + o);
+        assert_eq!(
+            fetched, starts,
+            "each instruction fetched once, runs={runs}"
+        );
+        streams.push((tool.events, tool.records));
+    }
+    assert_eq!(streams[0].0, streams[1].0, "the same stream");
+    assert!(streams[1].1 < streams[0].1, "fewer records with runs");
 }

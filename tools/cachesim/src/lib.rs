@@ -121,6 +121,18 @@ impl CacheSim {
             return;
         }
         let who = if r.cpl() == 3 { USER } else { KERNEL };
+        if r.access & access::FETCH_RUN != 0 {
+            // `size` instructions from `ip`, lengths in `ea`'s nibbles: their fetches in
+            // order, as one record each would be.
+            let mut off = 0;
+            for k in 0..r.size.min(16) {
+                let len = ((r.ea >> (4 * k)) & 0xf) as u32;
+                let missed = self.reference(r.pa + off, len, Kind::Fetch, who);
+                self.insns.add(r.ip + off, r.cpl(), MissKind::Fetch, missed);
+                off += u64::from(len);
+            }
+            return;
+        }
         if r.access & access::FETCH != 0 {
             let missed = self.reference(r.pa, r.size, Kind::Fetch, who);
             self.insns.add(r.ip, r.cpl(), MissKind::Fetch, missed);
@@ -194,6 +206,10 @@ impl Tool for CacheSim {
     }
 
     fn records_fetches(&self) -> bool {
+        true
+    }
+
+    fn fetch_runs(&self) -> bool {
         true
     }
 

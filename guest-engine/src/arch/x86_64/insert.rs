@@ -195,6 +195,22 @@ impl Tx<'_> {
         self.append_record(ip, Some(ip), Some(pa), len, access)
     }
 
+    /// Appends the one record of a run of `n` instructions from `ip` (lengths `lens`, 4
+    /// bits each; `access::FETCH_RUN`), with the first one's physical address.
+    pub(super) fn insert_fetch_run(
+        &mut self,
+        ip: u64,
+        n: u8,
+        lens: u64,
+    ) -> Result<(), EngineError> {
+        self.a.spill_quiet(reg::RAX);
+        self.a.spill_quiet(reg::RCX);
+        let (va_page, pa_page) = self.page;
+        let pa = pa_page + (ip - va_page);
+        let access = access::FETCH | access::FETCH_RUN | self.env.record_bits;
+        self.append_record(ip, Some(lens), Some(pa), u32::from(n), access)
+    }
+
     /// With RAX and RCX spilled (quietly: nothing here can fault, and both are back in
     /// their registers before the guest instruction and before the exit, so the code has
     /// no PC-map entries — a record per instruction and operand would otherwise add ~7
@@ -275,6 +291,7 @@ impl Tx<'_> {
                 Action::MemRecords if !skip_records => self.insert_mem_records(ops, ip)?,
                 Action::MemRecords => {}
                 Action::FetchRecord => self.insert_fetch_record(ip, u32::from(len))?,
+                Action::FetchRun { n, lens } => self.insert_fetch_run(ip, *n, *lens)?,
                 Action::Call(c) => {
                     let spec = &self.calls[*c];
                     let inline = self.env.inline_calls
