@@ -122,16 +122,7 @@ impl CacheSim {
         }
         let who = if r.cpl() == 3 { USER } else { KERNEL };
         if r.access & access::FETCH_RUN != 0 {
-            // `size` instructions from `ip`, lengths in `ea`'s nibbles: their fetches in
-            // order, as one record each would be.
-            let mut off = 0;
-            for k in 0..r.size.min(16) {
-                let len = ((r.ea >> (4 * k)) & 0xf) as u32;
-                let missed = self.reference(r.pa + off, len, Kind::Fetch, who);
-                self.insns.add(r.ip + off, r.cpl(), MissKind::Fetch, missed);
-                off += u64::from(len);
-            }
-            return;
+            return self.feed_run(r, who);
         }
         if r.access & access::FETCH != 0 {
             let missed = self.reference(r.pa, r.size, Kind::Fetch, who);
@@ -147,6 +138,42 @@ impl CacheSim {
             missed += self.reference(r.pa, r.size, Kind::Write, who);
         }
         self.insns.add(r.ip, r.cpl(), MissKind::Data, missed);
+    }
+
+    /// A run record: `size` instructions from `ip`, lengths in `ea`'s nibbles, fetched in
+    /// order as one record each would be — except that the fetches wholly within the line
+    /// the instruction L1 saw last are counted as its hits in one step (what the
+    /// simulation of each would do), short of the timeline's next sample.
+    fn feed_run(&mut self, r: &MemRecord, who: usize) {
+        let n = r.size.min(16);
+        let len = |k: u32| (r.ea >> (4 * k)) & 0xf;
+        let (mut k, mut off) = (0, 0u64);
+        while k < n {
+            let missed = self.reference(r.pa + off, len(k) as u32, Kind::Fetch, who);
+            self.insns.add(r.ip + off, r.cpl(), MissKind::Fetch, missed);
+            off += len(k);
+            k += 1;
+            let Some(line) = self.hier.fetch_line() else {
+                continue;
+            };
+            let shift = self.hier.line_shift();
+            let t = &self.timeline;
+            let room = t.interval - 1 - t.since.min(t.interval - 1);
+            let mut same = 0;
+            while k < n && same < room {
+                let (first, last) = (r.pa + off, r.pa + off + len(k).max(1) - 1);
+                if first >> shift != line || last >> shift != line {
+                    break;
+                }
+                off += len(k);
+                k += 1;
+                same += 1;
+            }
+            if same > 0 {
+                self.hier.add_fetch_hits(same, who);
+                self.timeline.since += same;
+            }
+        }
     }
 
     /// Simulates one reference; returns its counted misses in the L1 it started at.

@@ -236,6 +236,26 @@ impl Hierarchy {
         self.warmup_left == 0
     }
 
+    /// The line the instruction L1 accessed last, while every reference is simulated and
+    /// counted (after the warmup, no `sim_refs` limit): a fetch within it is a hit that
+    /// changes nothing but counters ([`Hierarchy::add_fetch_hits`]).
+    pub fn fetch_line(&self) -> Option<u64> {
+        let last = self.caches[self.fetch_leaf].last;
+        (self.warmup_left == 0 && self.sim_left.is_none() && last != 0).then(|| last - 1)
+    }
+
+    /// Counts `n` fetches within [`Hierarchy::fetch_line`] by `who`: what `n` calls of
+    /// [`Hierarchy::access`] would do for them.
+    pub fn add_fetch_hits(&mut self, n: u64, who: usize) {
+        self.caches[self.fetch_leaf].stats.hits[who] += n;
+        self.fetch_refs[who] += n;
+    }
+
+    /// The line size as a shift.
+    pub fn line_shift(&self) -> u32 {
+        self.line_shift
+    }
+
     /// One reference of `size` bytes at physical address `addr` by `who`; every line it
     /// touches is accessed in turn. Returns the line accesses that missed the L1 the
     /// reference started at and were counted (0 during the warmup and past `sim_refs`).
