@@ -15,7 +15,10 @@ fn fetch(ip: u64, pa: u64, len: u32) -> MemRecord {
     }
 }
 
-fn summary(s: &CacheSim) -> (Vec<String>, u64, Vec<(u64, u8, u64, u64)>) {
+/// Per cache its stats, the references, and per instruction (va, cpl, data, fetch) misses.
+type Summary = (Vec<String>, u64, Vec<(u64, u8, u64, u64)>);
+
+fn summary(s: &CacheSim) -> Summary {
     let caches = s
         .hierarchy()
         .caches()
