@@ -15,11 +15,12 @@
 //! lifetime and is cleared with them.
 
 use alloc::collections::BTreeMap;
-use alloc::vec;
 use alloc::vec::Vec;
+use core::ops::Range;
 
 use crate::addr::{CachePc, GuestPhys, GuestVirt, PAGE_BYTES};
 use crate::arch::{emit_gencode, CtxAddrs, Gencode, XsaveAreas};
+use crate::bits::Bits;
 use crate::context::CacheContext;
 use crate::error::EngineError;
 use crate::fast_lookup::FastLookup;
@@ -36,63 +37,11 @@ pub(crate) type Key = (u64, u64, u32);
 
 /// Which slots of one lookup table hold an entry, and which of those were made for a
 /// non-global page (a guest CR3 write empties those; entries of global pages survive it,
-/// as global TLB entries do). One bit per slot, and a summary bit per word of bits that
-/// has any set: a clear visits only what it empties.
+/// as global TLB entries do): a clear visits only what it empties.
 #[derive(Debug)]
 struct Occupancy {
     used: Bits,
     nonglobal: Bits,
-}
-
-/// A two-level bitmap.
-#[derive(Debug)]
-struct Bits {
-    words: Vec<u64>,
-    /// Bit `w` set iff `words[w] != 0`.
-    summary: Vec<u64>,
-}
-
-impl Bits {
-    fn new(bits: usize) -> Self {
-        let words = bits.div_ceil(64);
-        Bits {
-            words: vec![0; words],
-            summary: vec![0; words.div_ceil(64)],
-        }
-    }
-
-    fn set(&mut self, i: usize) {
-        self.words[i / 64] |= 1 << (i % 64);
-        self.summary[i / 4096] |= 1 << (i / 64 % 64);
-    }
-
-    fn get(&self, i: usize) -> bool {
-        self.words[i / 64] & (1 << (i % 64)) != 0
-    }
-
-    /// Clears `mask` in word `w`.
-    fn clear(&mut self, w: usize, mask: u64) {
-        self.words[w] &= !mask;
-        if self.words[w] == 0 {
-            self.summary[w / 64] &= !(1 << (w % 64));
-        }
-    }
-
-    /// The non-zero words among `words`, in order.
-    fn nonzero_words(&self, words: core::ops::Range<usize>) -> Vec<usize> {
-        let mut out = Vec::new();
-        for s in words.start / 64..words.end.div_ceil(64) {
-            let mut bits = self.summary[s];
-            while bits != 0 {
-                let w = s * 64 + bits.trailing_zeros() as usize;
-                bits &= bits - 1;
-                if words.contains(&w) {
-                    out.push(w);
-                }
-            }
-        }
-        out
-    }
 }
 
 impl Occupancy {
@@ -122,45 +71,25 @@ impl Occupancy {
         self.nonglobal.clear(i / 64, 1 << (i % 64));
     }
 
-    /// Takes the occupied slots among `words` (all of them, or with `nonglobal_only`
-    /// those of non-global pages), calling `empty` on each.
-    fn drain(
-        &mut self,
-        words: core::ops::Range<usize>,
-        nonglobal_only: bool,
-        mut empty: impl FnMut(usize),
-    ) {
-        let nonzero = if nonglobal_only {
-            self.nonglobal.nonzero_words(words)
+    /// Takes the occupied slots among `words` of bits (all of them, or with
+    /// `nonglobal_only` those of non-global pages), calling `empty` on each.
+    fn drain(&mut self, words: Range<usize>, nonglobal_only: bool, mut empty: impl FnMut(usize)) {
+        let Occupancy { used, nonglobal } = self;
+        if nonglobal_only {
+            nonglobal.drain(words, |i| {
+                used.clear(i / 64, 1 << (i % 64));
+                empty(i);
+            });
         } else {
-            self.used.nonzero_words(words)
-        };
-        for w in nonzero {
-            let mut bits = if nonglobal_only {
-                self.nonglobal.words[w]
-            } else {
-                self.used.words[w]
-            };
-            self.used.clear(w, bits);
-            self.nonglobal.clear(w, bits);
-            while bits != 0 {
-                empty(w * 64 + bits.trailing_zeros() as usize);
-                bits &= bits - 1;
-            }
+            used.drain(words, |i| {
+                nonglobal.clear(i / 64, 1 << (i % 64));
+                empty(i);
+            });
         }
     }
 
-    /// The slots in use among `words` (each word's bits).
-    fn used_in(&self, words: core::ops::Range<usize>) -> Vec<(usize, u64)> {
-        self.used
-            .nonzero_words(words)
-            .into_iter()
-            .map(|w| (w, self.used.words[w]))
-            .collect()
-    }
-
-    fn words(&self) -> core::ops::Range<usize> {
-        0..self.used.words.len()
+    fn words(&self) -> Range<usize> {
+        0..self.used.len_words()
     }
 }
 
@@ -326,7 +255,9 @@ impl CodeCache {
             // The page's IBL entries lie in buckets first..=first + span (the last one the
             // second way of the page's last bucket); the return cache's in its run.
             let last = (first + span).min(IBL_ENTRIES - 1);
-            for (w, mut bits) in used.used_in(first / 64..last / 64 + 1) {
+            let mut at = first / 64;
+            while let Some(w) = used.used.next_word(at..last / 64 + 1) {
+                let mut bits = used.used.words[w];
                 while bits != 0 {
                     let i = w * 64 + bits.trailing_zeros() as usize;
                     bits &= bits - 1;
@@ -338,6 +269,7 @@ impl CodeCache {
                         used.unset(i);
                     }
                 }
+                at = w + 1;
             }
             let rc = self.rc_table(m) as *mut u64;
             let used = &mut self.rc_used[m];

@@ -12,6 +12,7 @@ extern crate alloc;
 pub mod addr;
 mod arch;
 pub mod attention;
+mod bits;
 mod code_cache;
 pub mod context;
 pub mod dispatch;

@@ -35,6 +35,7 @@
 
 use crate::addr::{CachePc, GuestPhys, GuestVirt, PAGE_BYTES};
 use crate::arch::x86_64::emit::{reg, Asm, Label};
+use crate::bits::Bits;
 use crate::dispatch::Engine;
 use crate::fragment::Fragment;
 use crate::guest_memory::GuestMemory;
@@ -52,9 +53,8 @@ pub(crate) const PA_CHECK_SPILLED: u16 = 1 << reg::RCX | 1 << reg::RDX;
 pub(crate) struct SoftTlb {
     /// Address of slot 0.
     table: u64,
-    /// Slots filled with a non-global mapping since the last clear of any kind (a slot
-    /// may be listed twice, or hold a global mapping by now: clearing it is harmless).
-    nonglobal: alloc::vec::Vec<u16>,
+    /// The slots that hold a mapping of a non-global page.
+    nonglobal: Bits,
 }
 
 impl SoftTlb {
@@ -67,7 +67,7 @@ impl SoftTlb {
     pub(crate) unsafe fn new(region_base: u64) -> Self {
         let mut t = Self {
             table: region_base + SOFTTLB_OFFSET as u64,
-            nonglobal: alloc::vec::Vec::new(),
+            nonglobal: Bits::new(SOFTTLB_ENTRIES),
         };
         t.clear();
         t
@@ -75,57 +75,41 @@ impl SoftTlb {
 
     /// The address of `va`'s slot (what the PA check of a trace on `va`'s page reads).
     pub(crate) fn slot(&self, va: GuestVirt) -> u64 {
-        let idx = (va.0 / PAGE_BYTES) % SOFTTLB_ENTRIES as u64;
-        self.table + idx * SLOT_BYTES
+        self.table + index(va) as u64 * SLOT_BYTES
     }
 
     /// Forgets every mapping.
     pub(crate) fn clear(&mut self) {
-        self.nonglobal.clear();
-        for i in 0..SOFTTLB_ENTRIES as u64 {
-            self.empty_slot(i);
+        let words = 0..self.nonglobal.len_words();
+        self.nonglobal.drain(words, |_| {});
+        for i in 0..SOFTTLB_ENTRIES {
+            empty(self.table, i);
         }
     }
 
     /// Forgets the mappings of non-global pages (a guest CR3 write).
     pub(crate) fn clear_nonglobal(&mut self) {
-        if self.nonglobal.len() >= SOFTTLB_ENTRIES {
-            return self.clear();
-        }
-        for i in core::mem::take(&mut self.nonglobal) {
-            self.empty_slot(u64::from(i));
-        }
-    }
-
-    fn empty_slot(&mut self, i: u64) {
-        let slot = (self.table + i * SLOT_BYTES) as *mut u64;
-        // SAFETY: slot i < SOFTTLB_ENTRIES (two u64) lies inside the table (contract of
-        // `new`).
-        unsafe {
-            slot.write(EMPTY);
-            slot.add(1).write(EMPTY);
-        }
+        let (table, words) = (self.table, 0..self.nonglobal.len_words());
+        self.nonglobal.drain(words, |i| empty(table, i));
     }
 
     /// Forgets the mapping of `va`'s page, if its slot holds that page.
     pub(crate) fn invalidate(&mut self, va: GuestVirt) {
         let slot = self.slot(va) as *mut u64;
         // SAFETY: the slot (two u64) lies inside the table (contract of `new`).
-        unsafe {
-            if slot.read() == va.page().0 {
-                slot.write(EMPTY);
-                slot.add(1).write(EMPTY);
-            }
+        if unsafe { slot.read() } == va.page().0 {
+            empty(self.table, index(va));
         }
     }
 
     /// Records `va → pa` (pages; `global`: a global guest page). Returns whether a
     /// different mapping for that VA page was replaced.
     pub(crate) fn fill(&mut self, va: GuestVirt, pa: GuestPhys, global: bool) -> bool {
-        // Past SOFTTLB_ENTRIES listed, the next clear of non-global ones is a whole clear.
-        if !global && self.nonglobal.len() < SOFTTLB_ENTRIES {
-            self.nonglobal
-                .push(((va.0 / PAGE_BYTES) % SOFTTLB_ENTRIES as u64) as u16);
+        let i = index(va);
+        if global {
+            self.nonglobal.clear(i / 64, 1 << (i % 64));
+        } else {
+            self.nonglobal.set(i);
         }
         let slot = self.slot(va) as *mut u64;
         // SAFETY: the slot (two u64) lies inside the table (contract of `new`).
@@ -136,6 +120,22 @@ impl SoftTlb {
             slot.add(1).write(pa.page().0);
             old_va == va.page().0 && old_pa != pa.page().0
         }
+    }
+}
+
+/// The slot index of `va`'s page.
+fn index(va: GuestVirt) -> usize {
+    ((va.0 / PAGE_BYTES) % SOFTTLB_ENTRIES as u64) as usize
+}
+
+/// Empties slot `i` of the table at `table`.
+fn empty(table: u64, i: usize) {
+    let slot = (table + (i as u64) * SLOT_BYTES) as *mut u64;
+    // SAFETY: slot i < SOFTTLB_ENTRIES (two u64) lies inside the table (contract of
+    // `SoftTlb::new`, whose table this is).
+    unsafe {
+        slot.write(EMPTY);
+        slot.add(1).write(EMPTY);
     }
 }
 
