@@ -659,7 +659,10 @@ impl Engine {
                         platform.set_virtual_flags(vif, iopl);
                     }
                     let emulation = platform.emulate(&s, &mut self.ctx_mut().regs);
-                    if let Some((vif, iopl)) = platform.virtual_flags() {
+                    if let Some((vif, iopl)) = platform
+                        .virtual_flags()
+                        .filter(|_| self.config.inline_virtual_flags)
+                    {
                         self.set_virtual_flags(vif, iopl);
                     }
                     profile::switch(profile::DISPATCH);

@@ -483,14 +483,12 @@ fn tell_translator(engine: &mut Engine, shadow: &RefCell<Shadow>) {
         // Every VA→PA assumption of the cache goes (SoftTLB mirror, lookup tables);
         // translations stay, keyed by frame, and so do the frames' protections.
         engine.invalidate_all_mappings();
-    } else if work.nonglobal_mappings {
-        // A CR3 write: the same, but what the cache knows of global pages stays (as
-        // their TLB entries do); the `invlpg`s below still drop theirs.
-        engine.invalidate_nonglobal_mappings();
-        for va in &work.pages {
-            engine.invalidate_page(*va);
-        }
     } else {
+        if work.nonglobal_mappings {
+            // A CR3 write: the same, but what the cache knows of global pages stays (as
+            // their TLB entries do); the `invlpg`s below still drop theirs.
+            engine.invalidate_nonglobal_mappings();
+        }
         for va in &work.pages {
             engine.invalidate_page(*va);
         }
