@@ -95,7 +95,11 @@ mod tests {
         assert_eq!(b.next_word(1..100), Some(1));
         assert_eq!(b.next_word(2..63), None);
         assert_eq!(b.next_word(2..64), Some(63), "bit 4095");
-        assert_eq!(b.next_word(64..100), Some(64), "bit 4096, past a summary word");
+        assert_eq!(
+            b.next_word(64..100),
+            Some(64),
+            "bit 4096, past a summary word"
+        );
         let mut seen = Vec::new();
         b.drain(1..64, |i| seen.push(i));
         assert_eq!(seen, [64, 4095]);
