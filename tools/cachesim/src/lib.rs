@@ -124,12 +124,68 @@ impl CacheSim {
         if r.access & access::FETCH_RUN != 0 {
             return self.feed_run(r, who);
         }
-        if r.access & access::FETCH != 0 {
-            let missed = self.reference(r.pa, r.size, Kind::Fetch, who);
-            self.insns.add(r.ip, r.cpl(), MissKind::Fetch, missed);
+        let last = r.pa.wrapping_add(u64::from(r.size.max(1)) - 1);
+        let (kind, miss_kind, refs) = if r.access & access::FETCH != 0 {
+            (Kind::Fetch, MissKind::Fetch, 1)
+        } else {
+            // A read-modify-write operand is a read then a write, as a tracer records it.
+            let reads = u64::from(r.access & access::READ != 0);
+            (
+                Kind::Read,
+                MissKind::Data,
+                reads + u64::from(r.access & access::WRITE != 0),
+            )
+        };
+        if refs == 0 || self.same_line_hits(kind, r.pa, last, refs, who) {
             return;
         }
-        // A read-modify-write operand is a read then a write, as a tracer records it.
+        let missed = match self.lines_direct(kind, r.pa, last, refs, who) {
+            Some(missed) => missed,
+            None => self.feed_each(r, who),
+        };
+        self.insns.add(r.ip, r.cpl(), miss_kind, missed);
+    }
+
+    /// While every reference is counted and no timeline sample falls among them: `refs`
+    /// references of `kind` to the bytes `first..=last`, one after the other, each
+    /// accessing its lines in turn; returns the L1 misses.
+    #[inline]
+    fn lines_direct(
+        &mut self,
+        kind: Kind,
+        first: u64,
+        last: u64,
+        refs: u64,
+        who: usize,
+    ) -> Option<u64> {
+        if !self.hier.counting_all() || self.timeline.since + refs >= self.timeline.interval {
+            return None;
+        }
+        let shift = self.hier.line_shift();
+        let (first, last) = (first >> shift, last >> shift);
+        let mut missed = 0;
+        for _ in 0..refs {
+            let mut line = first;
+            loop {
+                missed += u64::from(!self.hier.access_line(kind, line, who));
+                if line >= last {
+                    break;
+                }
+                line += 1;
+            }
+        }
+        self.hier.count_refs(kind, refs, who);
+        self.timeline.since += refs;
+        Some(missed)
+    }
+
+    /// A fetch or data record one reference at a time (warming up, counting up to
+    /// `sim_refs`, or a timeline sample due); returns the L1 misses.
+    #[inline(never)]
+    fn feed_each(&mut self, r: &MemRecord, who: usize) -> u64 {
+        if r.access & access::FETCH != 0 {
+            return self.reference(r.pa, r.size, Kind::Fetch, who);
+        }
         let mut missed = 0;
         if r.access & access::READ != 0 {
             missed += self.reference(r.pa, r.size, Kind::Read, who);
@@ -137,46 +193,100 @@ impl CacheSim {
         if r.access & access::WRITE != 0 {
             missed += self.reference(r.pa, r.size, Kind::Write, who);
         }
-        self.insns.add(r.ip, r.cpl(), MissKind::Data, missed);
+        missed
     }
 
     /// A run record: `size` instructions from `ip`, lengths in `ea`'s nibbles, fetched in
-    /// order as one record each would be — except that the fetches wholly within the line
-    /// the instruction L1 saw last are counted as its hits in one step (what the
-    /// simulation of each would do), short of the timeline's next sample.
+    /// order as one record each would be. Simulated line by line: each line of the run
+    /// is accessed once, the other fetches counted as the hits on the line just accessed
+    /// that simulating them one by one would give (one by one while warming up, up to
+    /// `sim_refs`, or with a timeline sample inside the run).
     fn feed_run(&mut self, r: &MemRecord, who: usize) {
         let n = r.size.min(16);
+        if n == 0 {
+            return;
+        }
         let len = |k: u32| (r.ea >> (4 * k)) & 0xf;
-        let (mut k, mut off) = (0, 0u64);
-        while k < n {
-            let missed = self.reference(r.pa + off, len(k) as u32, Kind::Fetch, who);
-            self.insns.add(r.ip + off, r.cpl(), MissKind::Fetch, missed);
-            off += len(k);
-            k += 1;
-            let Some(line) = self.hier.fetch_line() else {
-                continue;
-            };
-            let shift = self.hier.line_shift();
-            let t = &self.timeline;
-            let room = t.interval - 1 - t.since.min(t.interval - 1);
-            let mut same = 0;
-            while k < n && same < room {
-                let (first, last) = (r.pa + off, r.pa + off + len(k).max(1) - 1);
-                if first >> shift != line || last >> shift != line {
-                    break;
-                }
+        // Most runs lie wholly in the line the instruction L1 saw last: `n` hits at once.
+        // The run's bytes: the lengths' sum, and one more if it ends in zero-length
+        // instructions (each touches the byte it starts at, as `Hierarchy::access` has it).
+        let lens = if n >= 16 {
+            r.ea
+        } else {
+            r.ea & ((1 << (4 * n)) - 1)
+        };
+        let end =
+            r.pa.wrapping_add(nibble_sum(lens))
+                .wrapping_sub(u64::from(len(n - 1) != 0));
+        if self.same_line_hits(Kind::Fetch, r.pa, end, u64::from(n), who) {
+            return;
+        }
+        let t = &self.timeline;
+        if !self.hier.counting_all() || t.since + u64::from(n) >= t.interval {
+            // Warming up, counting up to `sim_refs`, or a timeline sample inside the run:
+            // one reference at a time.
+            let mut off = 0;
+            for k in 0..n {
+                let missed = self.reference(r.pa + off, len(k) as u32, Kind::Fetch, who);
+                self.insns.add(r.ip + off, r.cpl(), MissKind::Fetch, missed);
                 off += len(k);
-                k += 1;
-                same += 1;
             }
-            if same > 0 {
-                self.hier.add_fetch_hits(same, who);
-                self.timeline.since += same;
+            return;
+        }
+        // Instruction `k` touches the lines from its first byte to its last; the run's
+        // line accesses never go back, so each of its lines is accessed once in full
+        // (the first maybe a hit on the L1's last line), and every other access repeats
+        // the line just accessed: a hit that changes nothing but counters.
+        let shift = self.hier.line_shift();
+        let (first, last) = (r.pa >> shift, end >> shift);
+        let mut accesses = u64::from(n);
+        if first != last {
+            let mut off = 0;
+            for k in 0..n {
+                let at = r.pa.wrapping_add(off);
+                let end = at.wrapping_add(len(k).max(1) - 1);
+                accesses += (end >> shift) - (at >> shift);
+                off += len(k);
             }
         }
+        let mut line = first;
+        loop {
+            if !self.hier.access_line(Kind::Fetch, line, who) {
+                // The miss is the instruction's that touches the line first.
+                let mut off = 0;
+                for k in 0..n {
+                    let end = r.pa.wrapping_add(off + len(k).max(1) - 1);
+                    if end >> shift >= line {
+                        break;
+                    }
+                    off += len(k);
+                }
+                self.insns.add(r.ip + off, r.cpl(), MissKind::Fetch, 1);
+            }
+            if line >= last {
+                break;
+            }
+            line += 1;
+        }
+        self.hier.count_refs(Kind::Fetch, u64::from(n), who);
+        self.hier
+            .add_repeat_hits(Kind::Fetch, accesses - (last - first + 1), who);
+        self.timeline.since += u64::from(n);
+    }
+
+    /// [`Hierarchy::same_line_hits`] short of the timeline's next sample.
+    #[inline]
+    fn same_line_hits(&mut self, kind: Kind, first: u64, last: u64, n: u64, who: usize) -> bool {
+        let t = &self.timeline;
+        if t.since + n >= t.interval || !self.hier.same_line_hits(kind, first, last, n, who) {
+            return false;
+        }
+        self.timeline.since += n;
+        true
     }
 
     /// Simulates one reference; returns its counted misses in the L1 it started at.
+    #[inline]
     fn reference(&mut self, pa: u64, size: u32, kind: Kind, who: usize) -> u64 {
         let measuring = self.hier.measuring();
         let missed = self.hier.access(pa, size, kind, who);
@@ -209,48 +319,9 @@ impl CacheSim {
         missed
     }
 
-    /// References simulated, fetches and data, both CPLs.
-    pub fn references(&self) -> u64 {
-        self.hier
-            .fetch_refs
-            .iter()
-            .chain(&self.hier.data_refs)
-            .sum()
-    }
-}
-
-impl Tool for CacheSim {
-    fn instrument_trace(&mut self, trace: &mut TraceInstrumenter<'_>) {
-        for i in 0..trace.instructions().len() {
-            trace.insert_mem_records(i);
-        }
-    }
-
-    fn buffer_full(&mut self, records: &[MemRecord]) {
-        for r in records {
-            self.feed(r);
-        }
-    }
-
-    fn records_fetches(&self) -> bool {
-        true
-    }
-
-    fn fetch_runs(&self) -> bool {
-        true
-    }
-
-    fn records_need_pa(&self) -> bool {
-        true
-    }
-}
-
-impl KpinTool for CacheSim {
-    fn name(&self) -> &'static str {
-        "cachesim"
-    }
-
-    fn finish(&mut self, _engine: &Engine, host: &mut dyn Sink) -> Result<(), Error> {
+    /// Writes [`COUNTERS_NAME`], [`TIMELINE_NAME`] and [`INSNS_NAME`] through `host` (the
+    /// engine's I/O ring, or the host's output directory when the simulation ran there).
+    pub fn write_files(&self, host: &mut dyn Sink) -> Result<(), Error> {
         let mut f = File::create(host, COUNTERS_NAME)?;
         // A failed write is kept by `File` and returned by `close`.
         let _ = files::write_counters(&mut f, &self.options, &self.hier, self.unresolved);
@@ -271,7 +342,8 @@ impl KpinTool for CacheSim {
         f.close()
     }
 
-    fn summary(&self, _engine: &Engine, out: &mut dyn fmt::Write) -> fmt::Result {
+    /// The one-line summary of the simulation for the log.
+    pub fn write_summary(&self, out: &mut dyn fmt::Write) -> fmt::Result {
         let h = &self.hier;
         write!(
             out,
@@ -308,5 +380,62 @@ impl KpinTool for CacheSim {
         out.write_str(
             "; cachesim-counters.txt, cachesim-timeline.csv and cachesim-insns.csv written",
         )
+    }
+
+    /// References simulated, fetches and data, both CPLs.
+    pub fn references(&self) -> u64 {
+        self.hier
+            .fetch_refs
+            .iter()
+            .chain(&self.hier.data_refs)
+            .sum()
+    }
+}
+
+/// The sum of the 16 nibbles of `x`.
+fn nibble_sum(x: u64) -> u64 {
+    const LOW: u64 = 0x0f0f_0f0f_0f0f_0f0f;
+    // Bytes of at most 30, then all eight added into the top byte (at most 240).
+    let bytes = (x & LOW) + ((x >> 4) & LOW);
+    bytes.wrapping_mul(0x0101_0101_0101_0101) >> 56
+}
+
+impl Tool for CacheSim {
+    fn instrument_trace(&mut self, trace: &mut TraceInstrumenter<'_>) {
+        for i in 0..trace.instructions().len() {
+            trace.insert_mem_records(i);
+        }
+    }
+
+    fn buffer_full(&mut self, records: &[MemRecord]) {
+        for r in records {
+            self.feed(r);
+        }
+    }
+
+    fn records_fetches(&self) -> bool {
+        true
+    }
+
+    fn fetch_runs(&self) -> bool {
+        true
+    }
+
+    fn records_need_pa(&self) -> bool {
+        true
+    }
+}
+
+impl KpinTool for CacheSim {
+    fn name(&self) -> &'static str {
+        "cachesim"
+    }
+
+    fn finish(&mut self, _engine: &Engine, host: &mut dyn Sink) -> Result<(), Error> {
+        self.write_files(host)
+    }
+
+    fn summary(&self, _engine: &Engine, out: &mut dyn fmt::Write) -> fmt::Result {
+        self.write_summary(out)
     }
 }

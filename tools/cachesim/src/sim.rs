@@ -66,6 +66,13 @@ impl LineSet {
 }
 
 /// One set-associative cache.
+///
+/// Each set's ways are kept in recency order for LRU (most recently used first) and in
+/// fill order for FIFO (newest first), so the victim is always the last way and a hit is
+/// usually found in the first ways searched; invalid ways (tag 0) gather at the end. The
+/// contents of a set, and so every hit and miss, are those of the textbook policy. For
+/// random replacement ways keep their places, and the victim is the first invalid way or
+/// a random one.
 #[derive(Clone, Debug)]
 pub struct Cache {
     geometry: Geometry,
@@ -73,9 +80,6 @@ pub struct Cache {
     set_mask: u64,
     /// `sets × assoc` tags: line address plus one, 0 for an invalid way.
     tags: Vec<u64>,
-    /// Per way: last use (LRU) or fill time (FIFO).
-    stamps: Vec<u64>,
-    clock: u64,
     policy: Policy,
     rng: u64,
     seen: LineSet,
@@ -99,8 +103,6 @@ impl Cache {
             assoc,
             set_mask: sets - 1,
             tags: vec![0; ways],
-            stamps: vec![0; ways],
-            clock: 0,
             policy,
             rng: 0x2545_F491_4F6C_DD1D,
             seen: LineSet::new(),
@@ -116,19 +118,23 @@ impl Cache {
 
     /// Accesses line `line` (an address divided by the line size) for `who` ([`KERNEL`]
     /// or [`USER`]); returns whether it hit. A miss fills the line.
+    #[inline]
     pub fn access(&mut self, line: u64, who: usize) -> bool {
-        let tag = line + 1;
+        let tag = line.wrapping_add(1);
         if tag == self.last {
             self.stats.hits[who] += 1;
             return true;
         }
         self.last = tag;
         let base = (line & self.set_mask) as usize * self.assoc;
-        let ways = base..base + self.assoc;
-        self.clock += 1;
-        if let Some(w) = self.tags[ways.clone()].iter().position(|&t| t == tag) {
+        let set = &mut self.tags[base..base + self.assoc];
+        if let Some(w) = set.iter().position(|&t| t == tag) {
             if self.policy == Policy::Lru {
-                self.stamps[base + w] = self.clock;
+                // To the front (a few ways at most, mostly: no call to `memmove`).
+                for k in (1..=w).rev() {
+                    set[k] = set[k - 1];
+                }
+                set[0] = tag;
             }
             self.stats.hits[who] += 1;
             return true;
@@ -137,30 +143,27 @@ impl Cache {
         if self.seen.insert(line) {
             self.stats.compulsory[who] += 1;
         }
-        let victim = match self.tags[ways.clone()].iter().position(|&t| t == 0) {
-            Some(w) => w,
-            None => match self.policy {
-                Policy::Lru | Policy::Fifo => {
-                    let stamps = &self.stamps[ways];
-                    let mut best = 0;
-                    for (w, &s) in stamps.iter().enumerate() {
-                        if s < stamps[best] {
-                            best = w;
-                        }
+        match self.policy {
+            Policy::Lru | Policy::Fifo => {
+                // The last way is the least recently used (or filled), or invalid.
+                let n = set.len();
+                set.copy_within(0..n - 1, 1);
+                set[0] = tag;
+            }
+            Policy::Random => {
+                let victim = match set.iter().position(|&t| t == 0) {
+                    Some(w) => w,
+                    None => {
+                        // xorshift64: reproducible from the fixed seed.
+                        self.rng ^= self.rng << 13;
+                        self.rng ^= self.rng >> 7;
+                        self.rng ^= self.rng << 17;
+                        (self.rng % set.len() as u64) as usize
                     }
-                    best
-                }
-                Policy::Random => {
-                    // xorshift64: reproducible from the fixed seed.
-                    self.rng ^= self.rng << 13;
-                    self.rng ^= self.rng >> 7;
-                    self.rng ^= self.rng << 17;
-                    (self.rng % self.assoc as u64) as usize
-                }
-            },
-        };
-        self.tags[base + victim] = tag;
-        self.stamps[base + victim] = self.clock;
+                };
+                set[victim] = tag;
+            }
+        }
         false
     }
 }
@@ -236,19 +239,81 @@ impl Hierarchy {
         self.warmup_left == 0
     }
 
-    /// The line the instruction L1 accessed last, while every reference is simulated and
-    /// counted (after the warmup, no `sim_refs` limit): a fetch within it is a hit that
-    /// changes nothing but counters ([`Hierarchy::add_fetch_hits`]).
-    pub fn fetch_line(&self) -> Option<u64> {
-        let last = self.caches[self.fetch_leaf].last;
-        (self.warmup_left == 0 && self.sim_left.is_none() && last != 0).then(|| last - 1)
+    /// Whether every reference is simulated and counted (the warmup is over and there is
+    /// no `sim_refs` limit).
+    #[inline]
+    pub fn counting_all(&self) -> bool {
+        self.warmup_left == 0 && self.sim_left.is_none()
     }
 
-    /// Counts `n` fetches within [`Hierarchy::fetch_line`] by `who`: what `n` calls of
-    /// [`Hierarchy::access`] would do for them.
-    pub fn add_fetch_hits(&mut self, n: u64, who: usize) {
-        self.caches[self.fetch_leaf].stats.hits[who] += n;
-        self.fetch_refs[who] += n;
+    /// While [`Hierarchy::counting_all`]: one access of `line` by a reference of `kind`
+    /// (its L1, then the caches above on a miss), the reference itself counted by the
+    /// caller ([`Hierarchy::count_fetches`]). Returns whether the L1 hit.
+    #[inline]
+    pub fn access_line(&mut self, kind: Kind, line: u64, who: usize) -> bool {
+        let leaf = match kind {
+            Kind::Fetch => self.fetch_leaf,
+            Kind::Read | Kind::Write => self.data_leaf,
+        };
+        let hit = self.caches[leaf].access(line, who);
+        if !hit {
+            self.miss_from(leaf, line, who);
+        }
+        hit
+    }
+
+    /// While [`Hierarchy::counting_all`]: counts `refs` references of `kind` by `who`
+    /// whose line accesses [`Hierarchy::access_line`] made.
+    #[inline]
+    pub fn count_refs(&mut self, kind: Kind, refs: u64, who: usize) {
+        match kind {
+            Kind::Fetch => self.fetch_refs[who] += refs,
+            Kind::Read | Kind::Write => self.data_refs[who] += refs,
+        }
+    }
+
+    /// While [`Hierarchy::counting_all`]: counts `n` more accesses by `who` to the line
+    /// the L1 of `kind` has just accessed (hits that change nothing else).
+    #[inline]
+    pub fn add_repeat_hits(&mut self, kind: Kind, n: u64, who: usize) {
+        let leaf = match kind {
+            Kind::Fetch => self.fetch_leaf,
+            Kind::Read | Kind::Write => self.data_leaf,
+        };
+        self.caches[leaf].stats.hits[who] += n;
+    }
+
+    /// Counts `n` references of `kind` by `who` that touch only the bytes `first..=last`,
+    /// when those lie in the line their L1 accessed last and every reference is simulated
+    /// and counted: then each would be a hit that changes nothing but counters. Returns
+    /// whether it counted them (else nothing changed).
+    #[inline]
+    pub fn same_line_hits(
+        &mut self,
+        kind: Kind,
+        first: u64,
+        last: u64,
+        n: u64,
+        who: usize,
+    ) -> bool {
+        if !self.counting_all() {
+            return false;
+        }
+        let line = first >> self.line_shift;
+        let leaf = match kind {
+            Kind::Fetch => self.fetch_leaf,
+            Kind::Read | Kind::Write => self.data_leaf,
+        };
+        let c = &mut self.caches[leaf];
+        if last >> self.line_shift != line || c.last != line.wrapping_add(1) {
+            return false;
+        }
+        c.stats.hits[who] += n;
+        match kind {
+            Kind::Fetch => self.fetch_refs[who] += n,
+            Kind::Read | Kind::Write => self.data_refs[who] += n,
+        }
+        true
     }
 
     /// The line size as a shift.
@@ -309,17 +374,16 @@ impl Hierarchy {
             Kind::Read | Kind::Write => self.data_leaf,
         };
         let mut leaf_misses = 0;
-        for line in first..=last {
-            let mut at = Some(leaf);
-            while let Some(i) = at {
-                if self.caches[i].access(line, who) {
-                    break;
-                }
-                if i == leaf {
-                    leaf_misses += 1;
-                }
-                at = self.parents[i];
+        let mut line = first;
+        loop {
+            if !self.caches[leaf].access(line, who) {
+                leaf_misses += 1;
+                self.miss_from(leaf, line, who);
             }
+            if line >= last {
+                break;
+            }
+            line += 1;
         }
         if self.warmup_left > 0 {
             self.warmup_left -= 1;
@@ -331,6 +395,19 @@ impl Hierarchy {
             leaf_misses
         } else {
             0
+        }
+    }
+
+    /// `line` missed cache `child`: accesses it in the caches above, up to a hit or
+    /// memory.
+    #[inline(never)]
+    fn miss_from(&mut self, child: usize, line: u64, who: usize) {
+        let mut at = self.parents[child];
+        while let Some(i) = at {
+            if self.caches[i].access(line, who) {
+                break;
+            }
+            at = self.parents[i];
         }
     }
 
