@@ -408,3 +408,53 @@ fn test_a_tool_run_detaches_to_resident_and_switches_tools_with_exact_counts() {
     }
     assert!(!dir.join("attach-2").exists());
 }
+
+/// cachesim started with the run simulates on a host thread; its window ends with a
+/// detach, and its files must land in window 0's directory (`<out>/`), written by the
+/// host when the engine closed the record ring. The next window's cachesim simulates in
+/// the engine (`attach-1/`, its summary line in that window's log). Each window's L1I
+/// references are positive and its records all had a physical address.
+#[test]
+fn test_cachesim_on_the_host_writes_window_0_files_into_its_directory() {
+    require_kvm!();
+    let dir = scratch_dir("attach-cachesim-minikernel");
+    let (vm_thread, console) = start_minikernel(&dir, "kpin.attach_cycles=2", Some("cachesim"));
+    wait_marks(&dir, 1);
+    let d = request(&dir, &Request::Detach).expect("detach");
+    assert!(d.ok, "{d:?}");
+    let a = request(
+        &dir,
+        &Request::Attach {
+            tool: "cachesim".into(),
+            options: Default::default(),
+        },
+    )
+    .expect("attach");
+    assert!(a.ok, "{a:?}");
+    wait_marks(&dir, 2);
+    let d = request(&dir, &Request::Detach).expect("detach");
+    assert!(d.ok, "{d:?}");
+    let report = vm_thread.join().expect("the VM thread");
+    let text = std::fs::read_to_string(&console).unwrap_or_default();
+    let log = std::fs::read_to_string(dir.join("engine.log")).unwrap_or_default();
+    assert_eq!(
+        report.outcome,
+        Outcome::Poweroff,
+        "console:\n{text}\nengine.log:\n{log}\ndump:\n{}",
+        report.dump.unwrap_or_default()
+    );
+    for window in [dir.clone(), dir.join("attach-1")] {
+        let path = window.join(kpin_tool_cachesim::COUNTERS_NAME);
+        let counters = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}\n{log}", path.display()));
+        let c = kpin_tool_cachesim::files::parse_counters(&counters)
+            .unwrap_or_else(|l| panic!("line {l}:\n{counters}"));
+        assert!(c.fetch_refs[0] > 0 && c.unresolved == 0, "{c:?}");
+    }
+    let log1 = std::fs::read_to_string(dir.join("attach-1/engine.log")).unwrap_or_default();
+    assert!(
+        log1.lines()
+            .any(|l| l.starts_with("[Info] cachesim: ") && l.contains("references simulated")),
+        "{log1}"
+    );
+}

@@ -2,27 +2,33 @@
 //! every step, the simulated L1I sees exactly one fetch per guest instruction the engine
 //! counted (`counters.json`, per CPL), every record has a physical address, a smaller L1D
 //! misses more often than the default one on the same run, and the host reports
-//! (`cachesim.txt`, `.json`, timeline `.svg`) are made from the engine's files, ending
+//! (`cachesim.txt`, `.json`, timeline `.svg`) are made from the tool's files, ending
 //! with the instructions that missed most, named from the mini-kernel's ELF symbols.
+//! The simulation runs on a host thread fed through the record ring (the default), and
+//! inside the engine (`kpin run --sim-in-engine`): both hold the same invariants.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kpin_tests::run_minikernel_with_options;
+use kpin_tests::{engine_config, run_minikernel_with_engine};
 use kpin_tool_cachesim::files::{parse_counters, Counters};
 use kpin_tool_cachesim::report::TopInsn;
 use vmm::diag::kernel_symbols::KernelSymbols;
 use vmm::Outcome;
 
-/// Runs the mini-kernel under cachesim with `options`; returns the parsed counters,
-/// `counters.json` and the output directory.
+/// Runs the mini-kernel under cachesim with `options`, simulating on a host thread or in
+/// the engine; returns the parsed counters, `counters.json` and the output directory.
 fn run(name: &str, options: &str) -> (Counters, serde_json::Value, PathBuf) {
-    let (report, text, log, dir) = run_minikernel_with_options(
-        name,
-        "",
-        Some(("cachesim", options)),
-        Duration::from_secs(300),
-    );
+    run_where(name, options, true)
+}
+
+fn run_where(name: &str, options: &str, host_sim: bool) -> (Counters, serde_json::Value, PathBuf) {
+    let engine = vmm::EngineConfig {
+        host_sim,
+        ..engine_config("cachesim", options)
+    };
+    let (report, text, log, dir) =
+        run_minikernel_with_engine(name, "", Some(engine), Duration::from_secs(300));
     assert_eq!(
         report.outcome,
         Outcome::Poweroff,
@@ -30,8 +36,21 @@ fn run(name: &str, options: &str) -> (Counters, serde_json::Value, PathBuf) {
         report.dump.unwrap_or_default()
     );
     println!(
-        "mini-kernel under cachesim {options:?}: {:.2} s",
+        "mini-kernel under cachesim {options:?} (host simulation: {host_sim}): {:.2} s",
         report.wall.as_secs_f64()
+    );
+    // Which side simulated: the summary line of the host's simulator (after the engine's
+    // line saying where its records went), or the engine's.
+    let line =
+        |start: &str, has: &str| log.lines().any(|l| l.starts_with(start) && l.contains(has));
+    assert_eq!(
+        (
+            line("[Info] cachesim: ", "records sent to the host's simulator"),
+            line("[Info] host: cachesim: ", "references simulated"),
+            line("[Info] cachesim: ", "references simulated"),
+        ),
+        (host_sim, host_sim, !host_sim),
+        "{log}"
     );
     let counters = std::fs::read_to_string(dir.join(kpin_tool_cachesim::COUNTERS_NAME))
         .unwrap_or_else(|e| panic!("no cachesim counters ({e}); engine log:\n{log}"));
@@ -102,7 +121,12 @@ fn test_minikernel_cachesim_fetches_equal_engine_instructions_and_small_l1d_miss
 
     // The mini-kernel waits for timer ticks, so the two runs differ in length a little;
     // the same code and data either way.
-    let (small, engine, _) = run("minikernel-cachesim-small-l1d", "L1D_size=1K L1D_assoc=2");
+    // The second run simulates inside the engine: the same invariants hold.
+    let (small, engine, _) = run_where(
+        "minikernel-cachesim-small-l1d",
+        "L1D_size=1K L1D_assoc=2",
+        false,
+    );
     check_fetches(&small, &engine);
     let (big, tiny) = (miss_rate(&c, "L1D"), miss_rate(&small, "L1D"));
     let (big_k, tiny_k) = (kernel_misses(&c, "L1D"), kernel_misses(&small, "L1D"));

@@ -100,6 +100,7 @@ pub fn engine_config(tool: &str, options: &str) -> vmm::EngineConfig {
         .expect("build the engine image"),
         tool: tool.into(),
         options: options.into(),
+        host_sim: true,
     }
 }
 
@@ -170,6 +171,17 @@ pub fn run_minikernel_with_options(
     tool: Option<(&str, &str)>,
     timeout: std::time::Duration,
 ) -> (RunReport, String, String, PathBuf) {
+    let engine = tool.map(|(t, options)| engine_config(t, options));
+    run_minikernel_with_engine(name, cmdline, engine, timeout)
+}
+
+/// [`run_minikernel`] under `engine` as given (natively if `None`).
+pub fn run_minikernel_with_engine(
+    name: &str,
+    cmdline: &str,
+    engine: Option<vmm::EngineConfig>,
+    timeout: std::time::Duration,
+) -> (RunReport, String, String, PathBuf) {
     let dir = scratch_dir(name);
     let console = dir.join("console.log");
     let cfg = VmConfig {
@@ -181,7 +193,7 @@ pub fn run_minikernel_with_options(
         console_file: Some(console.clone()),
         echo_console: false,
         system_map: None,
-        engine: tool.map(|(t, options)| engine_config(t, options)),
+        engine,
     };
     let (report, _) = run_guest(&cfg, &dir);
     let text = std::fs::read_to_string(&console).unwrap_or_default();

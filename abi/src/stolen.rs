@@ -9,7 +9,8 @@
 //! | [`ENGINE_OFFSET`]   | [`ENGINE_BYTES`]      | the engine image (code, data, `.bss`: stacks, its page tables) |
 //! | [`HEAP_OFFSET`]     | [`HEAP_BYTES`]        | the engine's heap (its global allocator)  |
 //! | [`CODE_CACHE_OFFSET`] | [`CODE_CACHE_BYTES`] | the code cache (`guest_engine::Engine::new`'s region: context, lookup tables, traces) |
-//! | [`SHADOW_TABLES_OFFSET`] | [`SHADOW_TABLES_BYTES`] (to the region end) | frames for the shadow page tables (the engine image's `mm/shadow.rs` allocates them) |
+//! | [`SHADOW_TABLES_OFFSET`] | [`SHADOW_TABLES_BYTES`] | frames for the shadow page tables (the engine image's `mm/shadow.rs` allocates them) |
+//! | [`RECORD_RING_OFFSET`] | [`RECORD_RING_BYTES`] (to the region end) | the record ring ([`crate::record_ring`]): a tool's records to a simulator on the host |
 //!
 //! The engine image is linked at `WINDOW_VA + ENGINE_OFFSET`; the VMM loads each ELF
 //! segment at `stolen_base + (p_vaddr - WINDOW_VA)`.
@@ -60,13 +61,19 @@ pub const CODE_CACHE_BYTES: u64 = 0x200_0000;
 /// Offset of the frames for the shadow MMU's page tables (4 KiB each, up to the end of
 /// the region).
 pub const SHADOW_TABLES_OFFSET: u64 = CODE_CACHE_OFFSET + CODE_CACHE_BYTES;
-/// Bytes of the stolen region the layout above assumes (the VMM steals exactly this).
-pub const LAYOUT_BYTES: u64 = 112 << 20;
 /// Bytes for shadow page tables: 2048 frames.
-pub const SHADOW_TABLES_BYTES: u64 = LAYOUT_BYTES - SHADOW_TABLES_OFFSET;
+pub const SHADOW_TABLES_BYTES: u64 = (112 << 20) - SHADOW_TABLES_OFFSET;
+/// Offset of the record ring (header, then records).
+pub const RECORD_RING_OFFSET: u64 = SHADOW_TABLES_OFFSET + SHADOW_TABLES_BYTES;
+/// Bytes of the record ring: 8 MiB, ~262 k records (64 engine buffers' worth).
+pub const RECORD_RING_BYTES: u64 = 8 << 20;
+/// Bytes of the stolen region the layout above assumes (the VMM steals exactly this).
+pub const LAYOUT_BYTES: u64 = RECORD_RING_OFFSET + RECORD_RING_BYTES;
 
 const _: () = assert!(IO_RING_OFFSET + IO_RING_BYTES <= ENGINE_OFFSET);
-const _: () = assert!(SHADOW_TABLES_OFFSET < LAYOUT_BYTES);
+const _: () = assert!(SHADOW_TABLES_OFFSET < RECORD_RING_OFFSET);
+const _: () =
+    assert!(RECORD_RING_OFFSET.is_multiple_of(2 << 20) && LAYOUT_BYTES.is_multiple_of(2 << 20));
 const _: () = assert!(SHADOW_TABLES_OFFSET.is_multiple_of(4096));
 const _: () = assert!(CODE_CACHE_OFFSET.is_multiple_of(2 << 20));
 const _: () = assert!(BOOT_PT_OFFSET + BOOT_PT_BYTES <= IO_RING_OFFSET);

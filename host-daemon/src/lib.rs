@@ -191,6 +191,42 @@ impl Daemon {
         self.dir = None;
     }
 
+    /// Writes a whole file the host computed for the run (a tool whose work ran on the
+    /// host, e.g. cachesim's simulation) under the same name rules, limits and output
+    /// budget as the engine's files; a refusal is logged like theirs. Returns whether the
+    /// file was written.
+    pub fn write_host_file(&mut self, name: &str, data: &[u8]) -> bool {
+        // The engine numbers its files from 1 and never uses `u16::MAX`.
+        const HOST_FILE: u16 = u16::MAX;
+        let written = self.open(HOST_FILE, name.as_bytes()).and_then(|()| {
+            if !self.files.contains_key(&HOST_FILE) || !self.take_budget(data.len() as u64)? {
+                return Ok(false);
+            }
+            let (path, mut f) = self.files.remove(&HOST_FILE).expect("opened above");
+            f.write_all(data)
+                .and_then(|()| f.flush())
+                .map_err(|e| DaemonError::Io(path, e))?;
+            self.stats.bytes_written += data.len() as u64;
+            Ok(true)
+        });
+        self.files.remove(&HOST_FILE);
+        match written {
+            Ok(w) => w,
+            Err(e) => {
+                self.first_error.get_or_insert(e);
+                false
+            }
+        }
+    }
+
+    /// A line the host adds to `engine.log` (charged to the output budget like the
+    /// engine's own lines).
+    pub fn log_host_line(&mut self, level: LogLevel, text: &str) {
+        if let Err(e) = self.log_line(level, text) {
+            self.first_error.get_or_insert(e);
+        }
+    }
+
     /// Drains every record the engine has published. After an error the daemon is
     /// stopped: later calls return `Ok(0)` and leave the ring alone.
     pub fn serve(&mut self, ring: &mut Consumer) -> Result<usize, DaemonError> {
@@ -445,6 +481,41 @@ mod tests {
             "the daemon writes no file for the console: the VMM's UART does"
         );
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn test_host_files_follow_the_rules_of_the_engines_files() {
+        let (_mem, _p, _c, dir) = setup("host-files");
+        let mut d = Daemon::with_config(
+            &dir,
+            DaemonConfig {
+                max_output_bytes: 1000,
+                ..Default::default()
+            },
+        );
+        assert!(d.write_host_file("cachesim-counters.txt", b"refs 1\n"));
+        assert!(!d.write_host_file("run.json", b"{}"), "kpin's own file");
+        assert!(
+            !d.write_host_file("../outside", b"x"),
+            "outside the directory"
+        );
+        assert!(
+            !d.write_host_file("big", &[b'x'; 2000]),
+            "over the output budget"
+        );
+        let stats = d.finish().unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dir.join("cachesim-counters.txt")).unwrap(),
+            "refs 1\n"
+        );
+        assert!(!dir.join("run.json").exists());
+        // As for the engine's files: created, the write past the budget dropped (and
+        // the log says the output reached its limit).
+        assert_eq!(std::fs::read(dir.join("big")).unwrap().len(), 0);
+        assert!(!dir.parent().unwrap().join("outside").exists());
+        assert_eq!(stats.files_refused, 2);
+        let log = std::fs::read_to_string(dir.join(ENGINE_LOG)).unwrap();
+        assert!(log.contains("reached its limit"), "{log}");
     }
 
     #[test]

@@ -67,6 +67,9 @@ pub enum VmmError {
     /// The host I/O ring could not be set up in the stolen region.
     #[error("cannot set up the host I/O ring ({0:?})")]
     Ring(kpin_abi::io_ring::RingError),
+    /// The record ring or cachesim's simulator thread could not be set up.
+    #[error("cannot start cachesim's host simulation: {0}")]
+    HostSim(String),
     /// The host daemon failed while serving the ring.
     #[error("host daemon failed")]
     Daemon(#[source] host_daemon::DaemonError),

@@ -182,6 +182,11 @@ struct RunArgs {
     /// --resident runs natively and detaches back to native.
     #[arg(long, conflicts_with = "tool")]
     resident: bool,
+    /// cachesim: simulate inside the engine, on the guest's core, instead of on a host
+    /// thread fed through the record ring (the default; it uses a second core). For
+    /// comparing the two; the results are the same.
+    #[arg(long)]
+    sim_in_engine: bool,
     /// A tool option KEY=VALUE for --tool (repeatable), e.g. bringup.crash=pf to make the
     /// engine fault on purpose. A key neither the engine nor the tool knows is refused
     /// (exit status 2) with the list of known keys.
@@ -450,6 +455,7 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
             image: kpin_images::ensure_engine(&image_dir, &mut progress)?,
             tool: tool.clone(),
             options: input_check::engine_options(&tool, &args.tool_option)?,
+            host_sim: !args.sim_in_engine,
         }),
         None => None,
     };

@@ -367,6 +367,8 @@ impl Windows {
             image,
             tool: tool.to_owned(),
             options: options.to_owned(),
+            // Windows simulate in the engine: the record ring serves the boot tool only.
+            host_sim: false,
         };
         match engine::enter::enter(vcpu, mem, cpuid, &cfg) {
             Ok(_) => {}

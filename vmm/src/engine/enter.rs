@@ -37,6 +37,9 @@ pub struct EngineConfig {
     pub tool: String,
     /// Tool options, `key=value` separated by spaces.
     pub options: String,
+    /// cachesim started with the run simulates on a host thread fed through the record
+    /// ring ([`crate::engine::host_sim`]) rather than inside the engine.
+    pub host_sim: bool,
 }
 
 /// Where the engine was entered.

@@ -5,6 +5,7 @@
 pub mod attach;
 pub mod detach;
 pub mod enter;
+pub mod host_sim;
 pub mod loader;
 
 pub use enter::{EngineConfig, EngineEntry};

@@ -31,6 +31,7 @@ use crate::devices::serial::{
 };
 use crate::diag::dump;
 use crate::diag::symbols::Symbols;
+use crate::engine::host_sim::HostSim;
 use crate::engine::{self, EngineConfig, EngineEntry};
 use crate::error::{Result, VmmError};
 use crate::vstate::cpuid;
@@ -96,6 +97,8 @@ pub struct Vm {
     pub cpuid: CpuId,
     /// Where the engine was entered, when instrumenting.
     pub engine: Option<EngineEntry>,
+    /// cachesim's options when its simulation runs on a host thread ([`HostSim`]).
+    host_sim: Option<String>,
 }
 
 impl Vm {
@@ -197,6 +200,11 @@ impl Vm {
             boot,
             cpuid,
             engine,
+            host_sim: cfg
+                .engine
+                .as_ref()
+                .filter(|e| e.host_sim && e.tool == "cachesim")
+                .map(|e| e.options.clone()),
         })
     }
 
@@ -216,6 +224,11 @@ impl Vm {
         if let Some(tx) = self.console_tx.take() {
             daemon.set_console(tx);
         }
+        // Before the vCPU first runs: the engine looks for a formatted record ring.
+        let mut host_sim = match &self.host_sim {
+            Some(options) => HostSim::start(&self.mem, options)?,
+            None => None,
+        };
         let watchdog = Watchdog::arm(self.timeout)?;
         let start = Instant::now();
         let mut exits = ExitCounters::default();
@@ -233,13 +246,19 @@ impl Vm {
             None => (None, None),
         };
         let (mem, cpuid) = (&self.mem, &self.cpuid);
-        let mut between = |vcpu: &mut VcpuFd,
-                           daemon: &mut Daemon,
-                           ring: &mut Consumer,
-                           exits: &ExitCounters| match &mut windows {
-            Some(w) => w.poll(vcpu, mem, cpuid, daemon, ring, exits),
-            None => Ok(()),
-        };
+        let mut between =
+            |vcpu: &mut VcpuFd, daemon: &mut Daemon, ring: &mut Consumer, exits: &ExitCounters| {
+                // cachesim's window ended (before a detach moves the output directory on).
+                if host_sim.as_ref().is_some_and(HostSim::closed) {
+                    if let Some(h) = host_sim.take() {
+                        h.finish(daemon);
+                    }
+                }
+                match &mut windows {
+                    Some(w) => w.poll(vcpu, mem, cpuid, daemon, ring, exits),
+                    None => Ok(()),
+                }
+            };
         let outcome = vcpu::run_loop(
             &mut self.vcpu,
             &mut self.bus,
@@ -256,6 +275,9 @@ impl Vm {
         watchdog.finish();
         let outcome = outcome?;
         let wall = start.elapsed();
+        if let Some(h) = host_sim {
+            h.finish(daemon);
+        }
         // Whatever the engine wrote before the end (its last log lines on a failure); a
         // daemon that failed already leaves the ring alone.
         let outcome = match daemon.serve(&mut self.ring) {

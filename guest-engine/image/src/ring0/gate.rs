@@ -25,7 +25,9 @@ use core::sync::atomic::{AtomicU64, Ordering};
 
 use guest_engine::profile;
 use kpin_abi::ports::DOORBELL_PORT;
-use kpin_abi::stolen::{BOOT_PT_OFFSET, LAYOUT_BYTES, SHADOW_TABLES_OFFSET, WINDOW_VA};
+use kpin_abi::stolen::{
+    BOOT_PT_OFFSET, LAYOUT_BYTES, SHADOW_TABLES_BYTES, SHADOW_TABLES_OFFSET, WINDOW_VA,
+};
 use kpin_abi::x86::msr;
 
 use crate::ring0::entry::{kpin_gate, kpin_gate_cr3};
@@ -365,7 +367,7 @@ kpin_gate_refused:
     cr4_sse_clear = const !(crate::ring0::layout::CR4_SSE_BITS as i64) as i32,
     doorbell = const DOORBELL_PORT,
     shadow_lo = const SHADOW_TABLES_OFFSET,
-    shadow_pages = const (LAYOUT_BYTES - SHADOW_TABLES_OFFSET) / 4096,
+    shadow_pages = const SHADOW_TABLES_BYTES / 4096,
     layout_bytes = const LAYOUT_BYTES,
     boot_pt = const BOOT_PT_OFFSET,
     engine_root = sym crate::ring0::page_tables::TABLES,

@@ -106,14 +106,6 @@ const EFER_LMA: u64 = kpin_abi::x86::efer::LMA;
 /// Runs the guest described by `block` under tool `tool_name`; never returns.
 pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
     let options = core::str::from_utf8(block.tool_options()).unwrap_or("");
-    let Some(mut tool) = Chosen::by_name(tool_name, options) else {
-        log!(
-            Error,
-            "engine: unknown tool {tool_name:?} (this engine has: {})",
-            tools::NAMES
-        );
-        fail();
-    };
     if block.stolen_bytes < LAYOUT_BYTES {
         log!(
             Error,
@@ -122,6 +114,14 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
         );
         fail();
     }
+    let Some(mut tool) = Chosen::for_boot(tool_name, options) else {
+        log!(
+            Error,
+            "engine: unknown tool {tool_name:?} (this engine has: {})",
+            tools::NAMES
+        );
+        fail();
+    };
     let s = &block.sregs;
     if s.cr0 & CR0_PG == 0 || s.efer & EFER_LMA == 0 || s.cs.l != 1 {
         log!(

@@ -5,12 +5,18 @@
 //! mnemonic, `insmix.txt`/`insmix.json`) and `memtrace` (every data access into
 //! `memtrace.bin`, streamed over the ring as it runs). A tool's files travel as `Open`/`Write`/`Close` records of the host I/O
 //! ring ([`RingSink`]) and land in the run's output directory.
+//!
+//! cachesim chosen at boot, when the VMM formatted the record ring (it then runs the
+//! simulation on a host thread, on another core), is [`HostCacheSim`]: the same
+//! instrumentation, its records handed to the host instead of simulated here.
 
 use core::fmt;
 
 use kpin_abi::io_ring::Kind;
+use kpin_abi::record_ring::{self, Producer};
+use kpin_abi::stolen::{RECORD_RING_BYTES, RECORD_RING_OFFSET, WINDOW_VA};
 use kpin_tool::host::{Error, Sink};
-use kpin_tool::{Engine, KpinTool, Tool};
+use kpin_tool::{Engine, KpinTool, MemRecord, Tool, TraceInstrumenter};
 use kpin_tool_bbcount::BbCount;
 use kpin_tool_cachesim::CacheSim;
 use kpin_tool_insmix::InsMix;
@@ -31,6 +37,8 @@ pub enum Chosen {
     BbCount(BbCount),
     /// `cachesim`.
     CacheSim(alloc::boxed::Box<CacheSim>),
+    /// `cachesim`, simulating on the host.
+    HostCacheSim(alloc::boxed::Box<HostCacheSim>),
     /// `insmix`.
     InsMix(InsMix),
     /// `memtrace`.
@@ -38,6 +46,18 @@ pub enum Chosen {
 }
 
 impl Chosen {
+    /// The tool the run starts with: [`Chosen::by_name`], except that cachesim simulates
+    /// on the host when the VMM formatted the record ring for it.
+    pub fn for_boot(name: &str, options: &str) -> Option<Self> {
+        match Self::by_name(name, options)? {
+            Chosen::CacheSim(sim) => Some(match HostCacheSim::attach(sim) {
+                Ok(t) => Chosen::HostCacheSim(alloc::boxed::Box::new(t)),
+                Err(sim) => Chosen::CacheSim(sim),
+            }),
+            other => Some(other),
+        }
+    }
+
     /// The tool called `name`, if the engine has it, configured by `options` (the
     /// `key=value` words of `--tool-option`). Options a tool refuses end the run.
     pub fn by_name(name: &str, options: &str) -> Option<Self> {
@@ -71,6 +91,7 @@ impl Chosen {
             Chosen::Null(t) => t,
             Chosen::BbCount(t) => t,
             Chosen::CacheSim(t) => &mut **t,
+            Chosen::HostCacheSim(t) => &mut **t,
             Chosen::InsMix(t) => t,
             Chosen::MemTrace(t) => &mut **t,
         }
@@ -82,6 +103,7 @@ impl Chosen {
             Chosen::Null(t) => t,
             Chosen::BbCount(t) => t,
             Chosen::CacheSim(t) => &mut **t,
+            Chosen::HostCacheSim(t) => &mut **t,
             Chosen::InsMix(t) => t,
             Chosen::MemTrace(t) => &mut **t,
         }
@@ -101,6 +123,96 @@ impl Chosen {
         if tool.summary(engine, &mut line).is_ok() && !line.0.is_empty() {
             log!(Info, "{}", line.0);
         }
+    }
+}
+
+/// cachesim whose simulation runs on the host: the instrumentation of [`CacheSim`] (the
+/// same records, physical addresses resolved by the engine), the records pushed into the
+/// record ring for the VMM's simulator thread, which writes the tool's files when the run
+/// ends. A push waits while the ring is full, so the simulation sees every record.
+pub struct HostCacheSim {
+    /// Instruments traces and checked the options; its counters stay empty.
+    sim: alloc::boxed::Box<CacheSim>,
+    ring: Producer,
+}
+
+/// Whether the record ring's producer was taken (it has one, for the run).
+static RING_TAKEN: core::sync::atomic::AtomicBool = core::sync::atomic::AtomicBool::new(false);
+
+const _: () = assert!(core::mem::size_of::<MemRecord>() == record_ring::RECORD_BYTES);
+
+impl HostCacheSim {
+    /// `sim` feeding the host's simulator, or `sim` back if no consumer formatted the
+    /// ring (or its producer was taken already).
+    fn attach(sim: alloc::boxed::Box<CacheSim>) -> Result<Self, alloc::boxed::Box<CacheSim>> {
+        if RING_TAKEN.swap(true, core::sync::atomic::Ordering::Relaxed) {
+            return Err(sim);
+        }
+        let base = (WINDOW_VA + RECORD_RING_OFFSET) as *mut u8;
+        // SAFETY: the window maps the whole stolen region (the bring-up checked its size
+        // against the layout), `RECORD_RING_OFFSET` is 2 MiB aligned and reserved for the
+        // ring, and `RING_TAKEN` makes this the ring's only producer.
+        match unsafe { Producer::attach(base, RECORD_RING_BYTES as usize) } {
+            Ok(ring) => Ok(Self { sim, ring }),
+            Err(_) => Err(sim),
+        }
+    }
+}
+
+impl Tool for HostCacheSim {
+    fn instrument_trace(&mut self, trace: &mut TraceInstrumenter<'_>) {
+        self.sim.instrument_trace(trace);
+    }
+
+    fn buffer_full(&mut self, records: &[MemRecord]) {
+        // SAFETY: `MemRecord` is `repr(C)` with only integer fields and no padding (32
+        // bytes, asserted above): its bytes may be read as `u8`s.
+        let bytes = unsafe {
+            core::slice::from_raw_parts(
+                records.as_ptr().cast::<u8>(),
+                core::mem::size_of_val(records),
+            )
+        };
+        if let Err(e) = self.ring.push(bytes) {
+            log!(
+                Error,
+                "engine: cachesim: the host's simulator no longer takes records ({e:?})"
+            );
+            log::fail();
+        }
+    }
+
+    fn records_fetches(&self) -> bool {
+        self.sim.records_fetches()
+    }
+
+    fn fetch_runs(&self) -> bool {
+        self.sim.fetch_runs()
+    }
+
+    fn records_need_pa(&self) -> bool {
+        self.sim.records_need_pa()
+    }
+}
+
+impl KpinTool for HostCacheSim {
+    fn name(&self) -> &'static str {
+        "cachesim"
+    }
+
+    fn finish(&mut self, _engine: &Engine, _host: &mut dyn Sink) -> Result<(), Error> {
+        // The host's simulator writes the files once it has read every record.
+        self.ring.close();
+        Ok(())
+    }
+
+    fn summary(&self, _engine: &Engine, out: &mut dyn fmt::Write) -> fmt::Result {
+        write!(
+            out,
+            "cachesim: {} records sent to the host's simulator ({} waits for room); it writes cachesim-counters.txt, cachesim-timeline.csv and cachesim-insns.csv",
+            self.ring.published(),
+            self.ring.waits()
+        )
     }
 }
 

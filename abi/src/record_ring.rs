@@ -1,0 +1,436 @@
+//! The record ring: a single-producer (engine) / single-consumer (a VMM thread) ring of
+//! fixed-size memory records in the stolen region, through which a tool's records reach
+//! a simulator running on the host, on another core, while the guest goes on (cachesim's
+//! simulation: see `vmm/src/engine/host_sim.rs`).
+//!
+//! Layout: a [`HEADER_BYTES`] header ([`RingHeader`]), then `capacity` records of
+//! [`RECORD_BYTES`] each. `head` and `tail` count records ever produced and consumed;
+//! record `n` sits at slot `n % capacity`. The producer copies records into free slots,
+//! then publishes them with a release store of `head`; the consumer reads `head` with
+//! acquire, reads the records, then releases their slots with a release store of `tail`.
+//! When the producer has no more records for the run (its tool's window ended) it stores
+//! its final count in `end`. A consumer that stops on an error says so in `state`, and
+//! the producer stops waiting for room.
+//!
+//! The VMM formats the ring only when a consumer will serve it; the engine uses it only
+//! if it finds the header formatted. The consumer treats the records as data: any bytes
+//! make a record it can simulate.
+
+use core::sync::atomic::{AtomicU64, Ordering};
+
+/// `magic` of an initialised ring: "KPINRECS".
+pub const MAGIC: u64 = u64::from_le_bytes(*b"KPINRECS");
+/// Layout version; bump on any change.
+pub const VERSION: u32 = 1;
+/// Bytes of the header page in front of the records.
+pub const HEADER_BYTES: usize = 4096;
+/// Bytes of one record (`guest_engine::MemRecord`: ip, ea, size and access, pa).
+pub const RECORD_BYTES: usize = 32;
+/// `end` while the producer may still publish records.
+pub const OPEN: u64 = u64::MAX;
+/// `state` while the consumer serves the ring.
+pub const CONSUMER_RUNNING: u64 = 0;
+/// `state` once the consumer stopped (it fails the run; the producer stops waiting).
+pub const CONSUMER_STOPPED: u64 = 1;
+
+/// The ring header. `head` and `tail` sit on their own cache lines.
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub struct RingHeader {
+    /// [`MAGIC`].
+    pub magic: u64,
+    /// [`VERSION`].
+    pub version: u32,
+    /// [`RECORD_BYTES`].
+    pub record_bytes: u32,
+    /// Records the data area holds.
+    pub capacity: u64,
+    /// Padding.
+    pub pad0: [u64; 5],
+    /// Records ever published (written only by the producer).
+    pub head: AtomicU64,
+    /// Padding.
+    pub pad1: [u64; 7],
+    /// Records ever consumed (written only by the consumer).
+    pub tail: AtomicU64,
+    /// Padding.
+    pub pad2: [u64; 7],
+    /// [`OPEN`], or the producer's final `head` (written once, by the producer).
+    pub end: AtomicU64,
+    /// [`CONSUMER_RUNNING`] or [`CONSUMER_STOPPED`] (written by the consumer).
+    pub state: AtomicU64,
+    /// Pushes that found the ring full and waited for the consumer (producer statistics).
+    pub waits: AtomicU64,
+}
+
+const _: () = assert!(core::mem::size_of::<RingHeader>() <= HEADER_BYTES);
+
+/// Why a ring cannot be used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordRingError {
+    /// The region is too small for the header and one record, or misaligned.
+    BadGeometry,
+    /// The header's magic, version, record size or capacity does not match.
+    BadHeader,
+    /// The consumer stopped: nothing pushed now will be read.
+    ConsumerStopped,
+    /// The producer closed the ring already.
+    Closed,
+}
+
+/// Records a region of `total_bytes` holds.
+pub const fn capacity(total_bytes: usize) -> usize {
+    total_bytes.saturating_sub(HEADER_BYTES) / RECORD_BYTES
+}
+
+/// Raw view of a ring's memory shared by the producer and consumer handles.
+struct Raw {
+    header: *const RingHeader,
+    data: *mut u8,
+    capacity: u64,
+}
+
+impl Raw {
+    /// # Safety
+    /// `base` is valid for reads and writes of `total_bytes` for the handle's lifetime,
+    /// 64-byte aligned, and only one producer and one consumer use it.
+    unsafe fn new(base: *mut u8, total_bytes: usize) -> Result<Self, RecordRingError> {
+        let capacity = capacity(total_bytes);
+        if capacity == 0 || !(base as usize).is_multiple_of(64) {
+            return Err(RecordRingError::BadGeometry);
+        }
+        Ok(Raw {
+            header: base.cast(),
+            // SAFETY: `HEADER_BYTES` is within the region (capacity > 0).
+            data: unsafe { base.add(HEADER_BYTES) },
+            capacity: capacity as u64,
+        })
+    }
+
+    fn check_header(&self) -> Result<(), RecordRingError> {
+        let h = self.header();
+        if h.magic != MAGIC
+            || h.version != VERSION
+            || h.record_bytes as usize != RECORD_BYTES
+            || h.capacity != self.capacity
+        {
+            return Err(RecordRingError::BadHeader);
+        }
+        Ok(())
+    }
+
+    fn header(&self) -> &RingHeader {
+        // SAFETY: `Raw::new`'s contract: the header memory is valid and aligned for the
+        // handle's lifetime; every field shared between the two sides is atomic.
+        unsafe { &*self.header }
+    }
+}
+
+/// Initialises an empty ring in `total_bytes` at `base`. The owner of the stolen region
+/// (the VMM) does this, before the engine starts, only when a consumer will serve it.
+///
+/// # Safety
+/// `base` is valid for writes of `total_bytes`, 64-byte aligned, and no producer or
+/// consumer is attached to it.
+pub unsafe fn format(base: *mut u8, total_bytes: usize) -> Result<(), RecordRingError> {
+    // SAFETY: forwarded from this function's contract.
+    let raw = unsafe { Raw::new(base, total_bytes)? };
+    let header = RingHeader {
+        magic: MAGIC,
+        version: VERSION,
+        record_bytes: RECORD_BYTES as u32,
+        capacity: raw.capacity,
+        pad0: [0; 5],
+        head: AtomicU64::new(0),
+        pad1: [0; 7],
+        tail: AtomicU64::new(0),
+        pad2: [0; 7],
+        end: AtomicU64::new(OPEN),
+        state: AtomicU64::new(CONSUMER_RUNNING),
+        waits: AtomicU64::new(0),
+    };
+    // SAFETY: the header slot is valid and aligned, and nothing is attached to the ring.
+    unsafe { core::ptr::write_volatile(raw.header.cast_mut(), header) };
+    Ok(())
+}
+
+/// Whether the producer of the ring [`format`] initialised at `base` closed it (its
+/// consumer may still be reading the last records).
+///
+/// # Safety
+/// `base` is the base of a formatted ring, valid for reads of its header for the call.
+pub unsafe fn is_closed(base: *const u8) -> bool {
+    // SAFETY: forwarded from this function's contract; `end` is atomic.
+    let h = unsafe { &*base.cast::<RingHeader>() };
+    h.end.load(Ordering::Acquire) != OPEN
+}
+
+/// The engine's end of the ring.
+pub struct Producer {
+    raw: Raw,
+}
+
+impl Producer {
+    /// Attaches to a ring that [`format`] initialised (`BadHeader` if nobody did: then no
+    /// consumer serves it) and no producer closed.
+    ///
+    /// # Safety
+    /// `base` is valid for reads and writes of `total_bytes` for the producer's lifetime,
+    /// 64-byte aligned, and no other producer uses it.
+    pub unsafe fn attach(base: *mut u8, total_bytes: usize) -> Result<Self, RecordRingError> {
+        // SAFETY: forwarded from this function's contract.
+        let raw = unsafe { Raw::new(base, total_bytes)? };
+        raw.check_header()?;
+        if raw.header().end.load(Ordering::Acquire) != OPEN {
+            return Err(RecordRingError::Closed);
+        }
+        Ok(Producer { raw })
+    }
+
+    /// Publishes `records` (a whole number of [`RECORD_BYTES`] records; a trailing part
+    /// record is ignored), waiting for room while the consumer works. Fails only when the
+    /// consumer has stopped (`ConsumerStopped`), or after [`Producer::close`] (`Closed`).
+    pub fn push(&mut self, records: &[u8]) -> Result<(), RecordRingError> {
+        let h = self.raw.header();
+        if h.end.load(Ordering::Relaxed) != OPEN {
+            return Err(RecordRingError::Closed);
+        }
+        let mut left = records.len() / RECORD_BYTES;
+        let mut src = records.as_ptr();
+        let mut head = h.head.load(Ordering::Relaxed);
+        let mut waited = false;
+        while left > 0 {
+            let used = head.wrapping_sub(h.tail.load(Ordering::Acquire));
+            let free = self.raw.capacity.saturating_sub(used);
+            if free == 0 {
+                if !waited {
+                    waited = true;
+                    h.waits.fetch_add(1, Ordering::Relaxed);
+                }
+                if h.state.load(Ordering::Acquire) != CONSUMER_RUNNING {
+                    return Err(RecordRingError::ConsumerStopped);
+                }
+                core::hint::spin_loop();
+                continue;
+            }
+            let slot = head % self.raw.capacity;
+            let n = (left as u64).min(free).min(self.raw.capacity - slot);
+            let bytes = n as usize * RECORD_BYTES;
+            // SAFETY: slots `slot..slot + n` are inside the data area (bounded by the
+            // capacity above) and free (the consumer released them: `used + n <= capacity`);
+            // `src` has `bytes` more bytes of `records`.
+            unsafe {
+                core::ptr::copy_nonoverlapping(
+                    src,
+                    self.raw.data.add(slot as usize * RECORD_BYTES),
+                    bytes,
+                );
+                src = src.add(bytes);
+            }
+            head = head.wrapping_add(n);
+            h.head.store(head, Ordering::Release);
+            left -= n as usize;
+        }
+        Ok(())
+    }
+
+    /// No more records: the consumer may finish once it has read those published.
+    pub fn close(&mut self) {
+        let h = self.raw.header();
+        let head = h.head.load(Ordering::Relaxed);
+        h.end.store(head, Ordering::Release);
+    }
+
+    /// Records published so far.
+    pub fn published(&self) -> u64 {
+        self.raw.header().head.load(Ordering::Relaxed)
+    }
+
+    /// Pushes that waited for the consumer.
+    pub fn waits(&self) -> u64 {
+        self.raw.header().waits.load(Ordering::Relaxed)
+    }
+}
+
+// SAFETY: a `Producer` is the ring's only writer of records and `head` (its constructor's
+// contract), its memory stays valid wherever the handle goes, and all state shared with
+// the consumer is accessed through atomics with release/acquire ordering.
+unsafe impl Send for Producer {}
+
+/// The host's end of the ring.
+pub struct Consumer {
+    raw: Raw,
+    tail: u64,
+    /// `tail % capacity`, kept without a division per record.
+    slot: u64,
+}
+
+impl Consumer {
+    /// Attaches to a ring that [`format`] initialised.
+    ///
+    /// # Safety
+    /// `base` is valid for reads and writes of `total_bytes` for the consumer's lifetime,
+    /// 64-byte aligned, and no other consumer uses it.
+    pub unsafe fn attach(base: *mut u8, total_bytes: usize) -> Result<Self, RecordRingError> {
+        // SAFETY: forwarded from this function's contract.
+        let raw = unsafe { Raw::new(base, total_bytes)? };
+        raw.check_header()?;
+        let tail = raw.header().tail.load(Ordering::Relaxed);
+        let slot = tail % raw.capacity;
+        Ok(Consumer { raw, tail, slot })
+    }
+
+    /// Records published and not yet released, at most a ring's worth (a `head` further
+    /// ahead than that is not the producer's: it is clamped).
+    pub fn available(&self) -> u64 {
+        let head = self.raw.header().head.load(Ordering::Acquire);
+        head.wrapping_sub(self.tail).min(self.raw.capacity)
+    }
+
+    /// How many of the available records lie in order before the end of the data area
+    /// (the rest follow from its start): `record(i)` for `i` below this is one slot after
+    /// another.
+    pub fn contiguous(&self) -> u64 {
+        self.available().min(self.raw.capacity - self.slot)
+    }
+
+    /// The `i`-th available record (`i < contiguous()`), as four little-endian words.
+    #[inline]
+    pub fn record(&self, i: u64) -> [u64; 4] {
+        let slot = (self.slot + i).min(self.raw.capacity - 1);
+        // SAFETY: `slot < capacity`, so the record lies in the data area, 8-aligned
+        // (the header and records are multiples of 8 bytes); published slots are not
+        // written by the producer until released, and a volatile read takes whatever
+        // bytes are there.
+        unsafe {
+            core::ptr::read_volatile(
+                self.raw
+                    .data
+                    .add(slot as usize * RECORD_BYTES)
+                    .cast::<[u64; 4]>(),
+            )
+        }
+    }
+
+    /// Releases the first `n` available records to the producer.
+    pub fn release(&mut self, n: u64) {
+        let n = n.min(self.available());
+        self.tail = self.tail.wrapping_add(n);
+        self.slot = (self.slot + n) % self.raw.capacity;
+        self.raw.header().tail.store(self.tail, Ordering::Release);
+    }
+
+    /// Whether the producer closed the ring and every record it published was released.
+    pub fn finished(&self) -> bool {
+        self.raw.header().end.load(Ordering::Acquire) == self.tail
+    }
+
+    /// Whether the producer closed the ring.
+    pub fn closed(&self) -> bool {
+        self.raw.header().end.load(Ordering::Acquire) != OPEN
+    }
+
+    /// Tells the producer the consumer stopped (it stops waiting for room).
+    pub fn stop(&self) {
+        self.raw
+            .header()
+            .state
+            .store(CONSUMER_STOPPED, Ordering::Release);
+    }
+
+    /// Pushes that waited for the consumer (the producer's count).
+    pub fn producer_waits(&self) -> u64 {
+        self.raw.header().waits.load(Ordering::Relaxed)
+    }
+}
+
+// SAFETY: a `Consumer` is the ring's only reader of records and writer of `tail` (its
+// constructor's contract), its memory stays valid wherever the handle goes (the caller
+// keeps the mapping alive), and shared state is accessed through atomics.
+unsafe impl Send for Consumer {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    extern crate std;
+    use std::vec;
+    use std::vec::Vec;
+
+    #[repr(C, align(64))]
+    struct Mem([u8; HEADER_BYTES + 5 * RECORD_BYTES]);
+
+    fn rec(n: u64) -> [u8; RECORD_BYTES] {
+        let mut r = [0u8; RECORD_BYTES];
+        for (k, w) in r.chunks_mut(8).enumerate() {
+            w.copy_from_slice(&(n * 10 + k as u64).to_le_bytes());
+        }
+        r
+    }
+
+    #[test]
+    fn records_wrap_in_order_and_the_end_is_seen() {
+        let mut mem = std::boxed::Box::new(Mem([0; HEADER_BYTES + 5 * RECORD_BYTES]));
+        let (base, len) = (mem.0.as_mut_ptr(), mem.0.len());
+        // SAFETY: the boxed memory outlives both handles and is 64-byte aligned.
+        unsafe { format(base, len) }.unwrap();
+        // SAFETY: as above.
+        let mut p = unsafe { Producer::attach(base, len) }.unwrap();
+        // SAFETY: as above.
+        let mut c = unsafe { Consumer::attach(base, len) }.unwrap();
+        let mut seen = Vec::new();
+        for round in 0..4u64 {
+            let batch: Vec<u8> = (0..3).flat_map(|k| rec(round * 3 + k)).collect();
+            p.push(&batch).unwrap();
+            assert_eq!(c.available(), 3);
+            let mut left = 3;
+            while left > 0 {
+                let n = c.contiguous();
+                for i in 0..n {
+                    seen.push(c.record(i)[0] / 10);
+                    assert_eq!(c.record(i)[3] % 10, 3);
+                }
+                c.release(n);
+                left -= n;
+            }
+            assert!(!c.closed());
+        }
+        // SAFETY: the ring is formatted and its memory alive.
+        assert!(!unsafe { is_closed(base) });
+        p.close();
+        assert!(c.closed() && c.finished());
+        // SAFETY: as above.
+        assert!(unsafe { is_closed(base) });
+        assert_eq!(seen, (0..12).collect::<Vec<_>>());
+        assert_eq!(p.waits(), 0);
+        assert_eq!(p.push(&rec(99)), Err(RecordRingError::Closed));
+    }
+
+    #[test]
+    fn a_full_ring_fails_the_push_once_the_consumer_stops() {
+        let mut mem = std::boxed::Box::new(Mem([0; HEADER_BYTES + 5 * RECORD_BYTES]));
+        let (base, len) = (mem.0.as_mut_ptr(), mem.0.len());
+        // SAFETY: as in the test above.
+        unsafe { format(base, len) }.unwrap();
+        // SAFETY: as above.
+        let mut p = unsafe { Producer::attach(base, len) }.unwrap();
+        // SAFETY: as above.
+        let c = unsafe { Consumer::attach(base, len) }.unwrap();
+        c.stop();
+        let batch: Vec<u8> = (0..7).flat_map(rec).collect();
+        assert_eq!(p.push(&batch), Err(RecordRingError::ConsumerStopped));
+        assert_eq!(c.available(), 5, "the records that fitted were published");
+        assert_eq!(c.producer_waits(), 1);
+    }
+
+    #[test]
+    fn an_unformatted_region_is_not_attached() {
+        let mut mem = vec![0u64; (HEADER_BYTES + RECORD_BYTES) / 8];
+        let (base, len) = (mem.as_mut_ptr().cast::<u8>(), mem.len() * 8);
+        // SAFETY: the vector outlives the call; 8-byte aligned may not be 64: either
+        // error is a refusal.
+        assert!(unsafe { Producer::attach(base, len) }.is_err());
+        // SAFETY: as above.
+        assert!(unsafe { Consumer::attach(base, HEADER_BYTES - 1) }.is_err());
+    }
+}

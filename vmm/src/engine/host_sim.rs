@@ -1,0 +1,356 @@
+//! cachesim's simulation on a host thread: the engine appends and resolves the records
+//! (the guest's side of the work) and pushes them into the record ring
+//! ([`kpin_abi::record_ring`]); a thread of the VMM, on another core, feeds them to the
+//! same simulator ([`CacheSim`]) while the guest runs on. When the run ends the thread
+//! drains the ring and the VMM writes the tool's files through the daemon, as the engine
+//! would have.
+//!
+//! drcachesim's online mode has the same shape (the traced process writes records into a
+//! pipe, a simulator process reads them). The ring applies back-pressure: a full ring makes
+//! the engine wait, so every record is simulated, in order.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use host_daemon::Daemon;
+use kpin_abi::record_ring::{self, Consumer};
+use kpin_abi::stolen::{RECORD_RING_BYTES, RECORD_RING_OFFSET};
+use kpin_tool::host::{Error as SinkError, Sink};
+use kpin_tool::MemRecord;
+use kpin_tool_cachesim::CacheSim;
+
+use crate::error::{Result, VmmError};
+use crate::vstate::memory::GuestMemory;
+
+/// Records simulated between two releases of ring slots.
+const BATCH: u64 = 4096;
+/// Empty polls spun before the thread starts sleeping between polls.
+const SPINS: u32 = 20_000;
+/// Sleep between polls of an idle ring (the guest halted, or little to record).
+const IDLE_SLEEP: Duration = Duration::from_micros(50);
+
+/// The simulator thread of a run.
+pub struct HostSim {
+    /// The ring's base in the VMM's mapping of the stolen region.
+    ring: *const u8,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<Served>>,
+}
+
+/// What the thread did.
+struct Served {
+    sim: CacheSim,
+    /// The engine closed the ring (its tool's window ended) and every record was read.
+    finished: bool,
+    records: u64,
+    producer_waits: u64,
+    /// Time spent simulating, and the thread's whole life.
+    busy: Duration,
+    life: Duration,
+    /// The simulation panicked (a bug): the files are not written.
+    panicked: bool,
+}
+
+impl HostSim {
+    /// Formats the record ring in `mem`'s stolen region and starts the thread with a
+    /// simulator for `options` (`None` if cachesim refuses them: the engine then refuses
+    /// them too, and says so).
+    pub fn start(mem: &GuestMemory, options: &str) -> Result<Option<Self>> {
+        let base = mem.stolen_host_address(RECORD_RING_OFFSET)?;
+        // SAFETY: the stolen region's mapping covers the layout (the abi asserts the ring
+        // lies inside it), is page-aligned, and outlives the thread: `HostSim` joins it
+        // in `finish` or on drop, and the `Vm` that owns the mapping drops after it
+        // (`Vm::run_with_control` holds both). No engine runs yet.
+        unsafe { Self::start_at(base, RECORD_RING_BYTES as usize, options) }
+    }
+
+    /// [`HostSim::start`] on the ring of `len` bytes at `base`.
+    ///
+    /// # Safety
+    /// `base` is 64-byte aligned and valid for reads and writes of `len` bytes until the
+    /// returned `HostSim` is finished or dropped, and nothing else consumes the ring.
+    unsafe fn start_at(base: *mut u8, len: usize, options: &str) -> Result<Option<Self>> {
+        let Ok(sim) = CacheSim::new(options) else {
+            return Ok(None);
+        };
+        let bad = |e| VmmError::HostSim(format!("the record ring: {e:?}"));
+        // SAFETY: forwarded from this function's contract.
+        unsafe { record_ring::format(base, len) }.map_err(bad)?;
+        // SAFETY: as above; this is the ring's only consumer.
+        let ring = unsafe { Consumer::attach(base, len) }.map_err(bad)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("kpin-cachesim".into())
+            .spawn(move || serve(ring, sim, &stop2))
+            .map_err(|e| VmmError::HostSim(format!("its thread: {e}")))?;
+        Ok(Some(Self {
+            ring: base,
+            stop,
+            thread: Some(thread),
+        }))
+    }
+
+    /// Whether the engine closed the ring: the window's last record is in, and the
+    /// results can be written (into the window's directory: before the VMM moves on to
+    /// the next window's).
+    pub fn closed(&self) -> bool {
+        // SAFETY: `start` formatted the ring at `ring`, in the stolen region's mapping,
+        // which outlives `self` (see `start`).
+        unsafe { record_ring::is_closed(self.ring) }
+    }
+
+    /// The vCPU stopped, or the engine closed the ring: drains the ring, then writes the tool's files and a summary line
+    /// through `daemon` if the engine closed the ring (its window ended in order).
+    pub fn finish(mut self, daemon: &mut Daemon) {
+        let Some(s) = self.join() else {
+            return;
+        };
+        if s.panicked {
+            daemon.log_host_line(
+                kpin_abi::io_ring::LogLevel::Error,
+                "host: cachesim's simulator thread failed; its files are not written",
+            );
+            return;
+        }
+        if !s.finished {
+            daemon.log_host_line(
+                kpin_abi::io_ring::LogLevel::Warn,
+                &format!(
+                    "host: cachesim's window did not end in order; {} records simulated, no files written",
+                    s.records
+                ),
+            );
+            return;
+        }
+        let mut files = Collected::default();
+        if let Err(e) = s.sim.write_files(&mut files) {
+            daemon.log_host_line(
+                kpin_abi::io_ring::LogLevel::Error,
+                &format!("host: cachesim could not write its files: {e}"),
+            );
+        }
+        for (name, bytes) in &files.0 {
+            daemon.write_host_file(name, bytes);
+        }
+        let mut line = String::from("host: ");
+        if s.sim.write_summary(&mut line).is_ok() {
+            line.push_str(&format!(
+                " ({} records from the engine, which waited for room {} times; the simulator thread busy {:.2} s of {:.2} s)",
+                s.records,
+                s.producer_waits,
+                s.busy.as_secs_f64(),
+                s.life.as_secs_f64()
+            ));
+            daemon.log_host_line(kpin_abi::io_ring::LogLevel::Info, &line);
+        }
+    }
+
+    fn join(&mut self) -> Option<Served> {
+        self.stop.store(true, Ordering::Release);
+        self.thread.take()?.join().ok()
+    }
+}
+
+impl Drop for HostSim {
+    fn drop(&mut self) {
+        // The thread reads the stolen region: it ends before the mapping can go.
+        let _ = self.join();
+    }
+}
+
+/// The thread: simulates the published records in order until the engine closes the
+/// ring and everything is read, or the VMM stops it and nothing is left.
+fn serve(mut ring: Consumer, mut sim: CacheSim, stop: &AtomicBool) -> Served {
+    let mut records = 0u64;
+    let born = Instant::now();
+    let mut busy = Duration::ZERO;
+    let run = catch_unwind(AssertUnwindSafe(|| {
+        let mut idle = 0u32;
+        loop {
+            let n = ring.contiguous().min(BATCH);
+            if n == 0 {
+                if ring.finished() {
+                    return true;
+                }
+                if stop.load(Ordering::Acquire) && ring.available() == 0 {
+                    return false;
+                }
+                idle = idle.saturating_add(1);
+                if idle < SPINS {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::sleep(IDLE_SLEEP);
+                }
+                continue;
+            }
+            idle = 0;
+            let t0 = Instant::now();
+            for i in 0..n {
+                let [ip, ea, size_access, pa] = ring.record(i);
+                sim.feed(&MemRecord {
+                    ip,
+                    ea,
+                    size: size_access as u32,
+                    access: (size_access >> 32) as u32,
+                    pa,
+                });
+            }
+            records += n;
+            ring.release(n);
+            busy += t0.elapsed();
+        }
+    }));
+    // From here on nothing reads the ring: a producer waiting for room must not wait on.
+    ring.stop();
+    Served {
+        finished: matches!(run, Ok(true)),
+        panicked: run.is_err(),
+        producer_waits: ring.producer_waits(),
+        records,
+        busy,
+        life: born.elapsed(),
+        sim,
+    }
+}
+
+/// The tool's files, collected to be written through the daemon.
+#[derive(Default)]
+struct Collected(Vec<(String, Vec<u8>)>);
+
+impl Sink for Collected {
+    fn open(&mut self, name: &str) -> std::result::Result<u16, SinkError> {
+        self.0.push((name.to_owned(), Vec::new()));
+        u16::try_from(self.0.len()).map_err(|_| SinkError::TooManyFiles)
+    }
+
+    fn write(&mut self, file: u16, data: &[u8]) -> std::result::Result<(), SinkError> {
+        match self.0.get_mut(usize::from(file).wrapping_sub(1)) {
+            Some((_, bytes)) => {
+                bytes.extend_from_slice(data);
+                Ok(())
+            }
+            None => Err(SinkError::Transport),
+        }
+    }
+
+    fn close(&mut self, _file: u16) -> std::result::Result<(), SinkError> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kpin_abi::record_ring::Producer;
+    use kpin_tool::access;
+    use kpin_tool_cachesim::files::parse_counters;
+
+    use super::*;
+
+    const RING_BYTES: usize = record_ring::HEADER_BYTES + 64 * record_ring::RECORD_BYTES;
+
+    #[repr(C, align(64))]
+    struct Ring([u8; RING_BYTES]);
+
+    fn out_dir(test: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("kpin-host-sim-{test}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// Pushes `n` one-byte fetches at kernel addresses one line apart, in batches larger
+    /// than the ring (the producer waits for the thread).
+    fn push_fetches(p: &mut Producer, n: u64) {
+        let records: Vec<u8> = (0..n)
+            .flat_map(|k| {
+                let r = MemRecord {
+                    ip: 0xffff_ffff_8100_0000 + k,
+                    ea: 0xffff_ffff_8100_0000 + k * 64,
+                    size: 1,
+                    access: access::FETCH,
+                    pa: 0x10_0000 + k * 64,
+                };
+                [
+                    r.ip,
+                    r.ea,
+                    u64::from(r.size) | u64::from(r.access) << 32,
+                    r.pa,
+                ]
+            })
+            .flat_map(u64::to_le_bytes)
+            .collect();
+        p.push(&records).unwrap();
+    }
+
+    #[test]
+    fn a_closed_ring_is_simulated_in_full_and_its_files_written() {
+        let mut ring = Box::new(Ring([0; RING_BYTES]));
+        let base = ring.0.as_mut_ptr();
+        // SAFETY: the boxed ring outlives the simulator (finished below, before the box
+        // drops) and is 64-byte aligned.
+        let sim = unsafe { HostSim::start_at(base, RING_BYTES, "L1I_size=1K LL_size=4K") }
+            .unwrap()
+            .expect("options accepted");
+        // SAFETY: as above; the test is the ring's only producer.
+        let mut p = unsafe { Producer::attach(base, RING_BYTES) }.unwrap();
+        push_fetches(&mut p, 1000);
+        assert!(!sim.closed());
+        p.close();
+        assert!(sim.closed());
+        let dir = out_dir("closed");
+        let mut daemon = Daemon::new(&dir);
+        sim.finish(&mut daemon);
+        let text = std::fs::read_to_string(dir.join(kpin_tool_cachesim::COUNTERS_NAME)).unwrap();
+        let c = parse_counters(&text).unwrap();
+        assert_eq!(c.fetch_refs, [1000, 0]);
+        // 1000 distinct lines through a 16-line L1I: every fetch misses, once each.
+        assert_eq!(c.caches[0].stats.misses, [1000, 0]);
+        assert!(dir.join(kpin_tool_cachesim::INSNS_NAME).exists());
+        daemon.finish().unwrap();
+        let log = std::fs::read_to_string(dir.join(host_daemon::ENGINE_LOG)).unwrap();
+        assert!(
+            log.contains("host: cachesim: 1000 references simulated"),
+            "{log}"
+        );
+    }
+
+    #[test]
+    fn a_ring_left_open_writes_no_files_and_says_so() {
+        let mut ring = Box::new(Ring([0; RING_BYTES]));
+        let base = ring.0.as_mut_ptr();
+        // SAFETY: as in the test above.
+        let sim = unsafe { HostSim::start_at(base, RING_BYTES, "") }
+            .unwrap()
+            .expect("options accepted");
+        // SAFETY: as above.
+        let mut p = unsafe { Producer::attach(base, RING_BYTES) }.unwrap();
+        push_fetches(&mut p, 10);
+        let dir = out_dir("open");
+        let mut daemon = Daemon::new(&dir);
+        sim.finish(&mut daemon);
+        assert!(!dir.join(kpin_tool_cachesim::COUNTERS_NAME).exists());
+        daemon.finish().unwrap();
+        let log = std::fs::read_to_string(dir.join(host_daemon::ENGINE_LOG)).unwrap();
+        assert!(
+            log.contains("did not end in order; 10 records simulated"),
+            "{log}"
+        );
+        // The thread is gone: a producer waiting for room stops waiting.
+        assert_eq!(
+            p.push(&vec![0; 100 * record_ring::RECORD_BYTES]),
+            Err(record_ring::RecordRingError::ConsumerStopped)
+        );
+    }
+
+    #[test]
+    fn refused_options_start_no_thread() {
+        let mut ring = Box::new(Ring([0; RING_BYTES]));
+        // SAFETY: as above.
+        let sim = unsafe { HostSim::start_at(ring.0.as_mut_ptr(), RING_BYTES, "L1I_size=3K") };
+        assert!(sim.unwrap().is_none());
+    }
+}
