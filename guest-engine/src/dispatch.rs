@@ -380,6 +380,7 @@ impl Engine {
                 &decoded.info,
                 &decoded.bbls,
                 &ti.insertions,
+                self.config.records_need_pa || tool.records_need_pa(),
             ));
         } else if tool.records_fetches() {
             insertions.extend((0..decoded.info.len()).map(|ins| Insertion {

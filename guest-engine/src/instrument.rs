@@ -37,6 +37,14 @@ pub mod access {
     /// for the fetches of `size` consecutive instructions from `ip` (`pa` the first one's),
     /// whose lengths are the 4-bit fields of `ea` from bit 0 up (at most 16).
     pub const FETCH_RUN: u32 = 16;
+    /// On the first operand record of an instruction, for a tool answering
+    /// [`super::Tool::fetch_runs`] and [`super::Tool::records_need_pa`]: the record also
+    /// stands for the instruction's fetch, which comes before its data access. Its length
+    /// is in bits [`FETCH_LEN_SHIFT`].. (4 bits), and once delivered, `ea` holds the
+    /// instruction's physical address (the data access's is in `pa` as usual).
+    pub const WITH_FETCH: u32 = 32;
+    /// Shift of the instruction length in the `access` of a [`WITH_FETCH`] record.
+    pub const FETCH_LEN_SHIFT: u32 = 12;
     /// Shift of the record's virtual CPL (bits 8–9: the mode its code was translated for,
     /// or ran in when the platform emulated it).
     pub const CPL_SHIFT: u32 = 8;
@@ -273,6 +281,9 @@ pub(crate) enum Action {
         n: u8,
         lens: u64,
     },
+    /// The instruction's fetch goes into its first operand record (`access::WITH_FETCH`;
+    /// a fetch record of its own if it appends none).
+    FetchInRecords,
     Call(usize),
 }
 

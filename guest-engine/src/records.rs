@@ -55,6 +55,21 @@ impl Engine {
                     // Written at the append, from the trace's frame.
                     continue;
                 }
+                if r.access & access::WITH_FETCH != 0 {
+                    // The instruction's physical address, written at the append, moves
+                    // to `ea` (resolved below from the data address).
+                    let data = core::mem::replace(&mut r.ea, r.pa);
+                    let page = data & !0xfff;
+                    let slot = &mut memo[(data >> 12) as usize % MEMO];
+                    if slot.0 != page {
+                        *slot = (page, resolve_pa(mem, mode, page, false));
+                    }
+                    r.pa = match slot.1 {
+                        u64::MAX => u64::MAX,
+                        pa => pa + (data & 0xfff),
+                    };
+                    continue;
+                }
                 let page = r.ea & !0xfff;
                 let tag = page | u64::from(fetch);
                 let slot = &mut memo[(r.ea >> 12) as usize % MEMO];
@@ -150,13 +165,21 @@ const MAX_RUN: usize = 16;
 /// The fetch insertions of a trace for a tool answering `Tool::fetch_runs`: one record per
 /// run of consecutive instructions of a basic block that have none of the tool's
 /// `insertions` (so no record or call comes between their fetches) and are not `rep`
-/// strings (whose fetch follows their loop); any other instruction gets its own record.
+/// strings (whose fetch follows their loop). With `merge` (the tool's records get
+/// physical addresses), an instruction with operand records has its fetch carried by the
+/// first of them; any other instruction gets its own record.
 pub(crate) fn fetch_runs(
     info: &[InsInfo],
     bbls: &[Bbl],
     insertions: &[Insertion],
+    merge: bool,
 ) -> Vec<Insertion> {
     let busy = |i: usize| info[i].rep || insertions.iter().any(|x| x.ins == i);
+    let records = |i: usize| {
+        insertions
+            .iter()
+            .any(|x| x.ins == i && x.action == Action::MemRecords)
+    };
     let mut out = Vec::new();
     for b in bbls {
         let end = b.first + b.count;
@@ -170,10 +193,12 @@ pub(crate) fn fetch_runs(
                     n += 1;
                 }
             }
-            let action = if n == 1 {
-                Action::FetchRecord
-            } else {
+            let action = if n > 1 {
                 Action::FetchRun { n: n as u8, lens }
+            } else if merge && !info[i].rep && records(i) {
+                Action::FetchInRecords
+            } else {
+                Action::FetchRecord
             };
             out.push(Insertion {
                 ins: i,

@@ -11,6 +11,9 @@ use common::{HostMemory, HostPlatform, Region, Remapped, Rig};
 use guest_engine::instrument::{access, MemRecord, Tool, TraceInstrumenter};
 use guest_engine::{Config, Gpr, GuestPhys, GuestVirt, Mode, Stop};
 
+/// The fault redirect serves one rig at a time: the tests that install it take turns.
+static ONE_RIG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Counts the fetch records delivered per instruction address.
 #[derive(Default)]
 struct Fetches(Vec<u64>);
@@ -40,6 +43,7 @@ fn test_a_faulting_instruction_whose_fetch_filled_the_buffer_is_fetched_once() {
         record_buffer_records: 4,
         ..Config::default()
     });
+    let _turn = ONE_RIG.lock().unwrap_or_else(|e| e.into_inner());
     common::fault_redirect::install(&rig, libc::SIGSEGV);
     let block = Region::map(4096, 0);
     let base = block.addr();
@@ -141,6 +145,8 @@ struct Stream {
     runs: bool,
     events: Vec<(u64, u64, u32, bool)>,
     records: usize,
+    /// Operand records that carried their instruction's fetch.
+    with_fetch: usize,
 }
 
 impl Tool for Stream {
@@ -160,6 +166,11 @@ impl Tool for Stream {
                     off += u64::from(len);
                 }
             } else {
+                if r.access & access::WITH_FETCH != 0 {
+                    self.with_fetch += 1;
+                    let len = (r.access >> access::FETCH_LEN_SHIFT) & 0xf;
+                    self.events.push((r.ip, r.ea, len, true));
+                }
                 let fetch = r.access & access::FETCH != 0;
                 self.events.push((r.ip, r.pa, r.size, fetch));
             }
@@ -189,6 +200,7 @@ fn test_fetch_runs_give_the_same_stream_and_a_fault_inside_one_trims_it() {
             mode: Mode::USER,
             ..Config::default()
         });
+        let _turn = ONE_RIG.lock().unwrap_or_else(|e| e.into_inner());
         common::fault_redirect::install(&rig, libc::SIGFPE);
         let block = Region::map(4096, 0);
         let base = block.addr();
@@ -207,6 +219,7 @@ fn test_fetch_runs_give_the_same_stream_and_a_fault_inside_one_trims_it() {
             runs,
             events: Vec::new(),
             records: 0,
+            with_fetch: 0,
         };
         rig.engine.regs_mut().set(Gpr::Rsp, base + 0xf00);
         rig.engine.regs_mut().set(Gpr::Rbx, base + 0x800);
@@ -236,4 +249,71 @@ fn test_fetch_runs_give_the_same_stream_and_a_fault_inside_one_trims_it() {
     }
     assert_eq!(streams[0].0, streams[1].0, "the same stream");
     assert!(streams[1].1 < streams[0].1, "fewer records with runs");
+}
+
+#[test]
+fn test_an_operand_record_carrying_the_fetch_goes_with_a_faulting_instruction() {
+    // nop; mov rdx, [rbx]; nop; jmp exit — with runs and physical addresses the mov's
+    // fetch rides on its operand record (`WITH_FETCH`). RBX unmapped makes the mov fault:
+    // that record is taken back whole, and the retry fetches and reads once; the stream
+    // is the one a record per fetch gives.
+    let mut streams = Vec::new();
+    for runs in [false, true] {
+        let mut rig = Rig::new(Config {
+            mode: Mode::USER,
+            ..Config::default()
+        });
+        let _turn = ONE_RIG.lock().unwrap_or_else(|e| e.into_inner());
+        common::fault_redirect::install(&rig, libc::SIGSEGV);
+        let block = Region::map(4096, 0);
+        let base = block.addr();
+        let exit = base + 0x10_0000;
+        let mut code = vec![0x90, 0x48, 0x8B, 0x13, 0x90];
+        let at = base + code.len() as u64 + 5;
+        code.push(0xE9);
+        code.extend_from_slice(&((exit as i64 - at as i64) as i32).to_le_bytes());
+        block.slice()[..code.len()].copy_from_slice(&code);
+        let mov = base + 1;
+        let mut mem = HostMemory::new(vec![(base, base + 4096)]);
+        let mut tool = Stream {
+            runs,
+            events: Vec::new(),
+            records: 0,
+            with_fetch: 0,
+        };
+        rig.engine.regs_mut().set(Gpr::Rsp, base + 0xf00);
+        rig.engine.regs_mut().set(Gpr::Rbx, 0x10); // unmapped in this process
+        rig.engine.set_rip(GuestVirt(base));
+        let stop = rig
+            .engine
+            .run(&mut mem, &mut HostPlatform::default(), &mut tool);
+        assert!(
+            matches!(stop, Stop::Fault { guest_pc, .. } if guest_pc == GuestVirt(mov)),
+            "{stop:?}"
+        );
+        rig.engine.regs_mut().set(Gpr::Rbx, base + 0x800);
+        rig.engine.set_rip(GuestVirt(mov));
+        let stop = rig
+            .engine
+            .run(&mut mem, &mut HostPlatform::default(), &mut tool);
+        assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+        let fetched: Vec<u64> = tool.events.iter().filter(|e| e.3).map(|e| e.0).collect();
+        assert_eq!(fetched, [0, 1, 4, 5].map(|o| base + o), "runs={runs}");
+        let reads: Vec<u64> = tool.events.iter().filter(|e| !e.3).map(|e| e.0).collect();
+        assert_eq!(reads, [mov], "runs={runs}");
+        assert_eq!(
+            tool.with_fetch,
+            usize::from(runs),
+            "the mov's fetch rode on its read"
+        );
+        // Relative to the code (the block may map elsewhere in the other pass).
+        let rel = |a: u64| a.wrapping_sub(base);
+        let events: Vec<_> = tool
+            .events
+            .iter()
+            .map(|&(ip, pa, size, fetch)| (rel(ip), rel(pa), size, fetch))
+            .collect();
+        streams.push(events);
+    }
+    assert_eq!(streams[0], streams[1], "the same stream");
 }

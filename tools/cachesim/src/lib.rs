@@ -116,11 +116,14 @@ impl CacheSim {
 
     /// Feeds one memory record (as the engine delivers them).
     pub fn feed(&mut self, r: &MemRecord) {
+        if r.access & access::WITH_FETCH != 0 {
+            return self.feed_with_fetch(r);
+        }
         if r.pa == u64::MAX {
             self.unresolved += 1;
             return;
         }
-        let who = if r.cpl() == 3 { USER } else { KERNEL };
+        let who = who(r);
         if r.access & access::FETCH_RUN != 0 {
             return self.feed_run(r, who);
         }
@@ -143,7 +146,27 @@ impl CacheSim {
             Some(missed) => missed,
             None => self.feed_each(r, who),
         };
-        self.insns.add(r.ip, r.cpl(), miss_kind, missed);
+        if missed > 0 {
+            self.insns.add(r.ip, r.cpl(), miss_kind, missed);
+        }
+    }
+
+    /// An operand record carrying its instruction's fetch: the fetch (its physical address
+    /// in `ea`), then the data access.
+    #[inline]
+    fn feed_with_fetch(&mut self, r: &MemRecord) {
+        let cpl = r.access & (3 << access::CPL_SHIFT);
+        self.feed(&MemRecord {
+            ip: r.ip,
+            ea: r.ip,
+            size: (r.access >> access::FETCH_LEN_SHIFT) & 0xf,
+            access: access::FETCH | cpl,
+            pa: r.ea,
+        });
+        self.feed(&MemRecord {
+            access: r.access & !access::WITH_FETCH,
+            ..*r
+        });
     }
 
     /// While every reference is counted and no timeline sample falls among them: `refs`
@@ -228,7 +251,9 @@ impl CacheSim {
             let mut off = 0;
             for k in 0..n {
                 let missed = self.reference(r.pa + off, len(k) as u32, Kind::Fetch, who);
-                self.insns.add(r.ip + off, r.cpl(), MissKind::Fetch, missed);
+                if missed > 0 {
+                    self.insns.add(r.ip + off, r.cpl(), MissKind::Fetch, missed);
+                }
                 off += len(k);
             }
             return;
@@ -390,6 +415,13 @@ impl CacheSim {
             .chain(&self.hier.data_refs)
             .sum()
     }
+}
+
+/// [`USER`] for a record of CPL 3, else [`KERNEL`].
+#[inline]
+fn who(r: &MemRecord) -> usize {
+    const _: () = assert!(USER == 1 && KERNEL == 0);
+    usize::from(r.access >> access::CPL_SHIFT & 3 == 3)
 }
 
 /// The sum of the 16 nibbles of `x`.

@@ -1,6 +1,9 @@
 //! A run record (`access::FETCH_RUN`) simulates exactly what one fetch record per
 //! instruction would: same hits, misses and compulsory misses in every cache, same
 //! per-instruction misses — also with runs that cross lines, start cold, and follow data.
+//! So does an operand record carrying its instruction's fetch (`access::WITH_FETCH`),
+//! against a fetch record followed by the operand's (also when the operand has no
+//! physical address: the fetch still counts).
 
 use kpin_tool::{access, MemRecord};
 use kpin_tool_cachesim::CacheSim;
@@ -63,16 +66,34 @@ fn test_run_records_simulate_like_one_fetch_record_each() {
             access: access::FETCH | access::FETCH_RUN,
             pa: start,
         });
+        // The data access of the instruction after the run: a read or a read-modify-write,
+        // now and then without a physical address.
+        let dlen = 1 + next() % 15;
+        let rmw = next() % 4 == 0;
         let d = MemRecord {
             ip: 0xffff_8000_0000_0000 + at,
             ea: 0,
             size: 8,
-            access: access::READ,
-            pa: 0x10_0000 + (next() % 0x2000),
+            access: if rmw {
+                access::READ | access::WRITE
+            } else {
+                access::READ
+            },
+            pa: if next() % 50 == 0 {
+                u64::MAX
+            } else {
+                0x10_0000 + (next() % 0x2000)
+            },
         };
+        each.feed(&fetch(d.ip, at, dlen as u32));
         each.feed(&d);
-        runs.feed(&d);
+        runs.feed(&MemRecord {
+            ea: at,
+            access: d.access | access::WITH_FETCH | (dlen as u32) << access::FETCH_LEN_SHIFT,
+            ..d
+        });
     }
     assert_eq!(summary(&each), summary(&runs));
-    assert!(each.references() > 100_000);
+    assert_eq!(each.unresolved(), runs.unresolved());
+    assert!(each.references() > 100_000 && each.unresolved() > 0);
 }

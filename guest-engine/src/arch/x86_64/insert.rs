@@ -168,17 +168,29 @@ impl Tx<'_> {
         Ok(())
     }
 
-    /// Appends one record per operand to the buffer; exits when it fills up.
+    /// Appends one record per operand to the buffer; exits when it fills up. With
+    /// `fetch` (the instruction's length), the first record carries the instruction's
+    /// fetch too (`access::WITH_FETCH`, its physical address in `pa` until delivery).
     pub(super) fn insert_mem_records(
         &mut self,
         ops: &[MemOperand],
         ip: u64,
+        fetch: Option<u8>,
     ) -> Result<(), EngineError> {
-        for m in ops {
+        for (k, m) in ops.iter().enumerate() {
             self.a.spill_quiet(reg::RAX);
             self.a.spill_quiet(reg::RCX);
             self.emit_ea_rcx(m, ip)?;
-            self.append_record(ip, None, None, m.size, m.access | self.env.record_bits)?;
+            let access = m.access | self.env.record_bits;
+            match fetch.filter(|_| k == 0) {
+                Some(len) => {
+                    let (va_page, pa_page) = self.page;
+                    let pa = pa_page + (ip - va_page);
+                    let with = access::WITH_FETCH | u32::from(len & 0xf) << access::FETCH_LEN_SHIFT;
+                    self.append_record(ip, None, Some(pa), m.size, access | with)?;
+                }
+                None => self.append_record(ip, None, None, m.size, access)?,
+            }
         }
         Ok(())
     }
@@ -282,15 +294,24 @@ impl Tx<'_> {
         flags_dead: bool,
         skip_records: bool,
     ) -> Result<(), EngineError> {
+        // The fetch rides on the first operand record when the instruction appends one.
+        let records =
+            !skip_records && !ops.is_empty() && acts.iter().any(|x| x.action == Action::MemRecords);
+        let fetch_in = records && acts.iter().any(|x| x.action == Action::FetchInRecords);
         for ins in acts {
             match &ins.action {
                 Action::Counter { id, amount } => {
                     let slot = self.env.counters + 8 * u64::from(id.0);
                     self.insert_counter(slot, *amount, flags_dead);
                 }
-                Action::MemRecords if !skip_records => self.insert_mem_records(ops, ip)?,
+                Action::MemRecords if !skip_records => {
+                    self.insert_mem_records(ops, ip, fetch_in.then_some(len))?;
+                }
                 Action::MemRecords => {}
-                Action::FetchRecord => self.insert_fetch_record(ip, u32::from(len))?,
+                Action::FetchInRecords if fetch_in => {}
+                Action::FetchRecord | Action::FetchInRecords => {
+                    self.insert_fetch_record(ip, u32::from(len))?;
+                }
                 Action::FetchRun { n, lens } => self.insert_fetch_run(ip, *n, *lens)?,
                 Action::Call(c) => {
                     let spec = &self.calls[*c];

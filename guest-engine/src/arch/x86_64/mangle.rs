@@ -417,7 +417,7 @@ impl Tx<'_> {
         self.a.jmp_label(done);
         self.a.bind(body);
         self.records_pending = 0;
-        self.insert_mem_records(ops, i.ip())?;
+        self.insert_mem_records(ops, i.ip(), None)?;
         self.a.bytes(&one[..n]);
         self.a.lea_r_disp(reg::RCX, reg::RCX, -1);
         let conditional = matches!(
