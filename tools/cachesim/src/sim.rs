@@ -248,7 +248,7 @@ impl Hierarchy {
 
     /// While [`Hierarchy::counting_all`]: one access of `line` by a reference of `kind`
     /// (its L1, then the caches above on a miss), the reference itself counted by the
-    /// caller ([`Hierarchy::count_fetches`]). Returns whether the L1 hit.
+    /// caller ([`Hierarchy::count_refs`]). Returns whether the L1 hit.
     #[inline(always)]
     pub fn access_line(&mut self, kind: Kind, line: u64, who: usize) -> bool {
         let leaf = match kind {
