@@ -76,6 +76,14 @@ impl CacheSim {
         Ok(Self::with_options(options))
     }
 
+    /// [`CacheSim::new`] with a per-instruction table of `insns` instructions (the
+    /// engine's default is [`insns::DEFAULT_CAPACITY`]).
+    pub fn with_insn_capacity(options: &str, insns: usize) -> Result<Self, String> {
+        let mut sim = Self::new(options)?;
+        sim.insns = MissTable::new(insns);
+        Ok(sim)
+    }
+
     /// The tool for already checked options.
     pub fn with_options(options: Options) -> Self {
         let hier = Hierarchy::new(&options);
@@ -116,57 +124,53 @@ impl CacheSim {
 
     /// Feeds one memory record (as the engine delivers them).
     pub fn feed(&mut self, r: &MemRecord) {
-        if r.access & access::WITH_FETCH != 0 {
-            return self.feed_with_fetch(r);
+        let a = r.access;
+        let who = who(r);
+        if a & access::FETCH_RUN != 0 {
+            if r.pa == u64::MAX {
+                self.unresolved += 1;
+                return;
+            }
+            return self.feed_run(r, who);
         }
-        if r.pa == u64::MAX {
+        // A fetch record, or an operand record carrying its instruction's fetch (its
+        // physical address in `ea`), which comes before the data access.
+        if a & access::FETCH != 0 {
+            return self.refs(Kind::Fetch, r, r.pa, r.size, 1, who);
+        }
+        if a & access::WITH_FETCH != 0 {
+            let len = (a >> access::FETCH_LEN_SHIFT) & 0xf;
+            self.refs(Kind::Fetch, r, r.ea, len, 1, who);
+        }
+        // A read-modify-write operand is a read then a write, as a tracer records it
+        // (both simulated alike: write-allocate).
+        let refs = u64::from(a & access::READ != 0) + u64::from(a & access::WRITE != 0);
+        self.refs(Kind::Read, r, r.pa, r.size, refs, who);
+    }
+
+    /// `n` references of `kind` in a row by `r`'s instruction to the `size` bytes at `pa`
+    /// (`u64::MAX`: unresolved, not simulated), its L1 misses counted for it.
+    #[inline(always)]
+    fn refs(&mut self, kind: Kind, r: &MemRecord, pa: u64, size: u32, n: u64, who: usize) {
+        if pa == u64::MAX {
             self.unresolved += 1;
             return;
         }
-        let who = who(r);
-        if r.access & access::FETCH_RUN != 0 {
-            return self.feed_run(r, who);
-        }
-        let last = r.pa.wrapping_add(u64::from(r.size.max(1)) - 1);
-        let (kind, miss_kind, refs) = if r.access & access::FETCH != 0 {
-            (Kind::Fetch, MissKind::Fetch, 1)
-        } else {
-            // A read-modify-write operand is a read then a write, as a tracer records it.
-            let reads = u64::from(r.access & access::READ != 0);
-            (
-                Kind::Read,
-                MissKind::Data,
-                reads + u64::from(r.access & access::WRITE != 0),
-            )
-        };
-        if refs == 0 || self.same_line_hits(kind, r.pa, last, refs, who) {
+        let last = pa.wrapping_add(u64::from(size.max(1)) - 1);
+        if self.same_line_hits(kind, pa, last, n, who) {
             return;
         }
-        let missed = match self.lines_direct(kind, r.pa, last, refs, who) {
+        let missed = match self.lines_direct(kind, pa, last, n, who) {
             Some(missed) => missed,
-            None => self.feed_each(r, who),
+            None => self.refs_each(kind, pa, size, n, who),
         };
         if missed > 0 {
+            let miss_kind = match kind {
+                Kind::Fetch => MissKind::Fetch,
+                Kind::Read | Kind::Write => MissKind::Data,
+            };
             self.insns.add(r.ip, r.cpl(), miss_kind, missed);
         }
-    }
-
-    /// An operand record carrying its instruction's fetch: the fetch (its physical address
-    /// in `ea`), then the data access.
-    #[inline]
-    fn feed_with_fetch(&mut self, r: &MemRecord) {
-        let cpl = r.access & (3 << access::CPL_SHIFT);
-        self.feed(&MemRecord {
-            ip: r.ip,
-            ea: r.ip,
-            size: (r.access >> access::FETCH_LEN_SHIFT) & 0xf,
-            access: access::FETCH | cpl,
-            pa: r.ea,
-        });
-        self.feed(&MemRecord {
-            access: r.access & !access::WITH_FETCH,
-            ..*r
-        });
     }
 
     /// While every reference is counted and no timeline sample falls among them: `refs`
@@ -202,21 +206,11 @@ impl CacheSim {
         Some(missed)
     }
 
-    /// A fetch or data record one reference at a time (warming up, counting up to
-    /// `sim_refs`, or a timeline sample due); returns the L1 misses.
+    /// [`CacheSim::refs`] one reference at a time (warming up, counting up to `sim_refs`,
+    /// or a timeline sample due); returns the L1 misses.
     #[inline(never)]
-    fn feed_each(&mut self, r: &MemRecord, who: usize) -> u64 {
-        if r.access & access::FETCH != 0 {
-            return self.reference(r.pa, r.size, Kind::Fetch, who);
-        }
-        let mut missed = 0;
-        if r.access & access::READ != 0 {
-            missed += self.reference(r.pa, r.size, Kind::Read, who);
-        }
-        if r.access & access::WRITE != 0 {
-            missed += self.reference(r.pa, r.size, Kind::Write, who);
-        }
-        missed
+    fn refs_each(&mut self, kind: Kind, pa: u64, size: u32, n: u64, who: usize) -> u64 {
+        (0..n).map(|_| self.reference(pa, size, kind, who)).sum()
     }
 
     /// A run record: `size` instructions from `ip`, lengths in `ea`'s nibbles, fetched in

@@ -20,7 +20,7 @@ use kpin_abi::record_ring::{self, Consumer};
 use kpin_abi::stolen::{RECORD_RING_BYTES, RECORD_RING_OFFSET};
 use kpin_tool::host::{Error as SinkError, Sink};
 use kpin_tool::MemRecord;
-use kpin_tool_cachesim::CacheSim;
+use kpin_tool_cachesim::{insns, CacheSim};
 
 use crate::error::{Result, VmmError};
 use crate::vstate::memory::GuestMemory;
@@ -73,7 +73,8 @@ impl HostSim {
     /// `base` is 64-byte aligned and valid for reads and writes of `len` bytes until the
     /// returned `HostSim` is finished or dropped, and nothing else consumes the ring.
     unsafe fn start_at(base: *mut u8, len: usize, options: &str) -> Result<Option<Self>> {
-        let Ok(sim) = CacheSim::new(options) else {
+        // The host affords a larger per-instruction table than the engine's heap.
+        let Ok(sim) = CacheSim::with_insn_capacity(options, insns::HOST_CAPACITY) else {
             return Ok(None);
         };
         let bad = |e| VmmError::HostSim(format!("the record ring: {e:?}"));
