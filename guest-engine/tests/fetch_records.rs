@@ -14,6 +14,42 @@ use guest_engine::{Config, Gpr, GuestPhys, GuestVirt, Mode, Stop};
 /// The fault redirect serves one rig at a time: the tests that install it take turns.
 static ONE_RIG: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// A user-mode rig under `config` whose faults of `signal` the fault redirect serves, and
+/// `code` followed by a `jmp` to `exit` (1 MiB past the block: unmapped, so the run ends
+/// there) at the start of a fresh 4 KiB block at `base`; `_turn` holds the redirect for
+/// the test.
+struct Setup {
+    block: Region,
+    rig: Rig,
+    base: u64,
+    exit: u64,
+    _turn: std::sync::MutexGuard<'static, ()>,
+}
+
+fn setup(config: Config, signal: libc::c_int, code: &[u8]) -> Setup {
+    let rig = Rig::new(Config {
+        mode: Mode::USER,
+        ..config
+    });
+    let turn = ONE_RIG.lock().unwrap_or_else(|e| e.into_inner());
+    common::fault_redirect::install(&rig, signal);
+    let block = Region::map(4096, 0);
+    let base = block.addr();
+    let exit = base + 0x10_0000;
+    let mut code = code.to_vec();
+    let at = base + code.len() as u64 + 5;
+    code.push(0xE9);
+    code.extend_from_slice(&((exit as i64 - at as i64) as i32).to_le_bytes());
+    block.slice()[..code.len()].copy_from_slice(&code);
+    Setup {
+        block,
+        rig,
+        base,
+        exit,
+        _turn: turn,
+    }
+}
+
 /// Counts the fetch records delivered per instruction address.
 #[derive(Default)]
 struct Fetches(Vec<u64>);
@@ -38,21 +74,20 @@ fn test_a_faulting_instruction_whose_fetch_filled_the_buffer_is_fetched_once() {
     // nop; nop; nop; mov rax, [rbx]; jmp exit — with a buffer of four records the mov's
     // fetch record fills it (a delivery right before the mov runs); RBX unmapped makes
     // the mov fault; the retry with RBX valid completes it.
-    let mut rig = Rig::new(Config {
-        mode: Mode::USER,
-        record_buffer_records: 4,
-        ..Config::default()
-    });
-    let _turn = ONE_RIG.lock().unwrap_or_else(|e| e.into_inner());
-    common::fault_redirect::install(&rig, libc::SIGSEGV);
-    let block = Region::map(4096, 0);
-    let base = block.addr();
-    let exit = base + 0x10_0000;
-    let mut code = vec![0x90, 0x90, 0x90, 0x48, 0x8B, 0x03];
-    let at = base + code.len() as u64 + 5;
-    code.push(0xE9);
-    code.extend_from_slice(&((exit as i64 - at as i64) as i32).to_le_bytes());
-    block.slice()[..code.len()].copy_from_slice(&code);
+    let Setup {
+        mut rig,
+        base,
+        exit,
+        block: _block,
+        _turn,
+    } = setup(
+        Config {
+            record_buffer_records: 4,
+            ..Config::default()
+        },
+        libc::SIGSEGV,
+        &[0x90, 0x90, 0x90, 0x48, 0x8B, 0x03],
+    );
     let mov = base + 3;
     let data = base + 0x800;
     let mut mem = HostMemory::new(vec![(base, base + 4096)]);
@@ -196,24 +231,21 @@ fn test_fetch_runs_give_the_same_stream_and_a_fault_inside_one_trims_it() {
     // records the div and what follows once.
     let mut streams = Vec::new();
     for runs in [false, true] {
-        let mut rig = Rig::new(Config {
-            mode: Mode::USER,
-            ..Config::default()
-        });
-        let _turn = ONE_RIG.lock().unwrap_or_else(|e| e.into_inner());
-        common::fault_redirect::install(&rig, libc::SIGFPE);
-        let block = Region::map(4096, 0);
-        let base = block.addr();
-        let exit = base + 0x10_0000;
-        let mut code = vec![
-            0x90, 0x31, 0xC0, 0x48, 0x83, 0xC1, 0x01, 0x48, 0x8B, 0x13, 0x48, 0xFF, 0xC2, 0x48,
-            0xF7, 0xF6, 0x90,
-        ];
+        let Setup {
+            mut rig,
+            base,
+            exit,
+            block: _block,
+            _turn,
+        } = setup(
+            Config::default(),
+            libc::SIGFPE,
+            &[
+                0x90, 0x31, 0xC0, 0x48, 0x83, 0xC1, 0x01, 0x48, 0x8B, 0x13, 0x48, 0xFF, 0xC2, 0x48,
+                0xF7, 0xF6, 0x90,
+            ],
+        );
         let div = base + 13;
-        let at = base + code.len() as u64 + 5;
-        code.push(0xE9);
-        code.extend_from_slice(&((exit as i64 - at as i64) as i32).to_le_bytes());
-        block.slice()[..code.len()].copy_from_slice(&code);
         let mut mem = HostMemory::new(vec![(base, base + 4096)]);
         let mut tool = Stream {
             runs,
@@ -259,20 +291,17 @@ fn test_an_operand_record_carrying_the_fetch_goes_with_a_faulting_instruction() 
     // is the one a record per fetch gives.
     let mut streams = Vec::new();
     for runs in [false, true] {
-        let mut rig = Rig::new(Config {
-            mode: Mode::USER,
-            ..Config::default()
-        });
-        let _turn = ONE_RIG.lock().unwrap_or_else(|e| e.into_inner());
-        common::fault_redirect::install(&rig, libc::SIGSEGV);
-        let block = Region::map(4096, 0);
-        let base = block.addr();
-        let exit = base + 0x10_0000;
-        let mut code = vec![0x90, 0x48, 0x8B, 0x13, 0x90];
-        let at = base + code.len() as u64 + 5;
-        code.push(0xE9);
-        code.extend_from_slice(&((exit as i64 - at as i64) as i32).to_le_bytes());
-        block.slice()[..code.len()].copy_from_slice(&code);
+        let Setup {
+            mut rig,
+            base,
+            exit,
+            block: _block,
+            _turn,
+        } = setup(
+            Config::default(),
+            libc::SIGSEGV,
+            &[0x90, 0x48, 0x8B, 0x13, 0x90],
+        );
         let mov = base + 1;
         let mut mem = HostMemory::new(vec![(base, base + 4096)]);
         let mut tool = Stream {
