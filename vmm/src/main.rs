@@ -184,7 +184,8 @@ struct RunArgs {
     resident: bool,
     /// cachesim: simulate inside the engine, on the guest's core, instead of on a host
     /// thread fed through the record ring (the default; it uses a second core). For
-    /// comparing the two; the results are the same.
+    /// comparing the two: the counters are the same, but the engine's per-instruction
+    /// table is smaller, so more misses may end up unranked in the report.
     #[arg(long)]
     sim_in_engine: bool,
     /// A tool option KEY=VALUE for --tool (repeatable), e.g. bringup.crash=pf to make the
