@@ -411,9 +411,11 @@ fn test_a_tool_run_detaches_to_resident_and_switches_tools_with_exact_counts() {
 
 /// cachesim started with the run simulates on a host thread; its window ends with a
 /// detach, and its files must land in window 0's directory (`<out>/`), written by the
-/// host when the engine closed the record ring. The next window's cachesim simulates in
-/// the engine (`attach-1/`, its summary line in that window's log). Each window's L1I
-/// references are positive and its records all had a physical address.
+/// host when the engine closed the record ring, with the host's summary line in
+/// `<out>/engine.log` (kept when the log returns there after the last window). The next
+/// window's cachesim simulates in the engine (`attach-1/`, its summary line in that
+/// window's log). Each window's L1I references are positive and its records all had a
+/// physical address.
 #[test]
 fn test_cachesim_on_the_host_writes_window_0_files_into_its_directory() {
     require_kvm!();
@@ -443,6 +445,7 @@ fn test_cachesim_on_the_host_writes_window_0_files_into_its_directory() {
         "console:\n{text}\nengine.log:\n{log}\ndump:\n{}",
         report.dump.unwrap_or_default()
     );
+    assert!(log.contains("[Info] host: cachesim: "), "{log}");
     for window in [dir.clone(), dir.join("attach-1")] {
         let path = window.join(kpin_tool_cachesim::COUNTERS_NAME);
         let counters = std::fs::read_to_string(&path)

@@ -133,6 +133,8 @@ pub struct Daemon {
     config: DaemonConfig,
     files: HashMap<u16, (PathBuf, BufWriter<File>)>,
     log: Option<BufWriter<File>>,
+    /// Directories whose `engine.log` this daemon created.
+    logs_begun: std::collections::HashSet<PathBuf>,
     stats: DaemonStats,
     /// Bytes written to tool files and `engine.log`.
     output_bytes: u64,
@@ -161,6 +163,7 @@ impl Daemon {
             config,
             files: HashMap::new(),
             log: None,
+            logs_begun: Default::default(),
             stats: DaemonStats::default(),
             output_bytes: 0,
             echoed: 0,
@@ -179,8 +182,8 @@ impl Daemon {
 
     /// Writes files the engine opens from now on beneath `out_dir` (which must exist):
     /// each instrumentation window of `kpin attach` gets its own directory. Files already
-    /// open stay where they are; `engine.log` is closed and starts again in `out_dir`
-    /// with the next log line.
+    /// open stay where they are; `engine.log` is closed and continues in `out_dir` with
+    /// the next log line (a new file, or the end of the one this run began there).
     pub fn set_out_dir(&mut self, out_dir: &Path) {
         if let Some(mut log) = self.log.take() {
             // A write error here would have shown on the line that failed; the lines
@@ -405,11 +408,18 @@ impl Daemon {
     fn write_log(&mut self, level: LogLevel, text: &str) -> Result<(), DaemonError> {
         let path = self.out_dir.join(ENGINE_LOG);
         if self.log.is_none() {
-            let f = self
-                .dir()?
-                .create_file(ENGINE_LOG)
-                .map_err(|e| DaemonError::Io(path.clone(), e))?;
-            self.log = Some(BufWriter::new(f));
+            // A directory whose log this run began already (window 0's `<out>/`, written
+            // to again once the last window closes) gets the new lines at its end.
+            let again = !self.logs_begun.insert(self.out_dir.clone());
+            let dir = self.dir()?;
+            let f = if again {
+                dir.append_file(ENGINE_LOG)
+            } else {
+                dir.create_file(ENGINE_LOG)
+            };
+            self.log = Some(BufWriter::new(
+                f.map_err(|e| DaemonError::Io(path.clone(), e))?,
+            ));
         }
         let log = self.log.as_mut().expect("just created");
         let text = terminal_safe(text.trim_end_matches('\n'));
@@ -516,6 +526,33 @@ mod tests {
         assert_eq!(stats.files_refused, 2);
         let log = std::fs::read_to_string(dir.join(ENGINE_LOG)).unwrap();
         assert!(log.contains("reached its limit"), "{log}");
+    }
+
+    #[test]
+    fn test_a_directory_the_log_returns_to_keeps_its_earlier_lines() {
+        let (_mem, mut p, mut c, dir) = setup("log-return");
+        let window = dir.join("attach-1");
+        std::fs::create_dir_all(&window).unwrap();
+        let mut d = Daemon::new(&dir);
+        for (at, line) in [
+            (&dir, "window 0"),
+            (&window, "window 1"),
+            (&dir, "resident"),
+        ] {
+            d.set_out_dir(at);
+            p.push(Kind::Log, LogLevel::Info as u16, line.as_bytes())
+                .unwrap();
+            d.serve(&mut c).unwrap();
+        }
+        d.finish().unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dir.join(ENGINE_LOG)).unwrap(),
+            "[Info] window 0\n[Info] resident\n"
+        );
+        assert_eq!(
+            std::fs::read_to_string(window.join(ENGINE_LOG)).unwrap(),
+            "[Info] window 1\n"
+        );
     }
 
     #[test]

@@ -59,6 +59,13 @@ fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
 
 /// Checks that an opened file is a regular file nobody else links to, then truncates it.
 fn regular_single_link_truncated(f: File, what: &Path) -> io::Result<File> {
+    let f = regular_single_link(f, what)?;
+    f.set_len(0)?;
+    Ok(f)
+}
+
+/// `f` if it is a regular file with one link (else an error naming `what`).
+fn regular_single_link(f: File, what: &Path) -> io::Result<File> {
     let meta = f.metadata()?;
     if !meta.file_type().is_file() {
         return Err(io::Error::other(format!(
@@ -72,7 +79,6 @@ fn regular_single_link_truncated(f: File, what: &Path) -> io::Result<File> {
             what.display()
         )));
     }
-    f.set_len(0)?;
     Ok(f)
 }
 
@@ -214,9 +220,24 @@ impl OutDir {
         self.create_file_with(rel, true)
     }
 
+    /// [`OutDir::create_file`], but an existing file is kept and written at its end.
+    pub fn append_file(&self, rel: &str) -> io::Result<File> {
+        let f = self.open_file_with(rel, true)?;
+        let mut f = regular_single_link(f, &self.path.join(rel))?;
+        std::io::Seek::seek(&mut f, std::io::SeekFrom::End(0))?;
+        Ok(f)
+    }
+
     /// [`Self::create_file`], with `openat2` or (`use_openat2 == false`, `ENOSYS`, `EPERM`) the
     /// component walk alone.
     pub(crate) fn create_file_with(&self, rel: &str, use_openat2: bool) -> io::Result<File> {
+        let f = self.open_file_with(rel, use_openat2)?;
+        regular_single_link_truncated(f, &self.path.join(rel))
+    }
+
+    /// Opens (creating) `rel` for writing beneath the directory, as
+    /// [`OutDir::create_file`] describes, without checking or truncating the file.
+    fn open_file_with(&self, rel: &str, use_openat2: bool) -> io::Result<File> {
         let what = self.path.join(rel);
         let comps: Vec<&str> = rel.split('/').collect();
         let (last, parents) = comps
@@ -292,7 +313,7 @@ impl OutDir {
                 unsafe { OwnedFd::from_raw_fd(fd) }
             }
         };
-        regular_single_link_truncated(File::from(fd), &what)
+        Ok(File::from(fd))
     }
 
     fn openat2(&self, rel: &str) -> io::Result<OwnedFd> {
