@@ -445,7 +445,10 @@ fn test_cachesim_on_the_host_writes_window_0_files_into_its_directory() {
         "console:\n{text}\nengine.log:\n{log}\ndump:\n{}",
         report.dump.unwrap_or_default()
     );
-    assert!(log.contains("[Info] host: cachesim: "), "{log}");
+    // (A one-core host simulates in the engine.)
+    if vmm::engine::host_sim::HostSim::worthwhile() {
+        assert!(log.contains("[Info] host: cachesim: "), "{log}");
+    }
     for window in [dir.clone(), dir.join("attach-1")] {
         let path = window.join(kpin_tool_cachesim::COUNTERS_NAME);
         let counters = std::fs::read_to_string(&path)

@@ -38,7 +38,8 @@ pub struct EngineConfig {
     /// Tool options, `key=value` separated by spaces.
     pub options: String,
     /// cachesim started with the run simulates on a host thread fed through the record
-    /// ring ([`crate::engine::host_sim`]) rather than inside the engine.
+    /// ring ([`crate::engine::host_sim`]) rather than inside the engine (if the host has a
+    /// second core).
     pub host_sim: bool,
 }
 

@@ -55,6 +55,12 @@ struct Served {
 }
 
 impl HostSim {
+    /// Whether this host has a core for the simulator besides the vCPU's: with one, the
+    /// two threads would take turns and the engine simulates itself.
+    pub fn worthwhile() -> bool {
+        std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2)
+    }
+
     /// Formats the record ring in `mem`'s stolen region and starts the thread with a
     /// simulator for `options` (`None` if cachesim refuses them: the engine then refuses
     /// them too, and says so).

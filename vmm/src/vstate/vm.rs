@@ -97,7 +97,8 @@ pub struct Vm {
     pub cpuid: CpuId,
     /// Where the engine was entered, when instrumenting.
     pub engine: Option<EngineEntry>,
-    /// cachesim's options when its simulation runs on a host thread ([`HostSim`]).
+    /// cachesim's options when its simulation runs on a host thread ([`HostSim`]: asked
+    /// for, and the host has a second core).
     host_sim: Option<String>,
 }
 
@@ -203,7 +204,7 @@ impl Vm {
             host_sim: cfg
                 .engine
                 .as_ref()
-                .filter(|e| e.host_sim && e.tool == "cachesim")
+                .filter(|e| e.host_sim && e.tool == "cachesim" && HostSim::worthwhile())
                 .map(|e| e.options.clone()),
         })
     }
