@@ -222,30 +222,29 @@ impl Tool for Stream {
     }
 }
 
-#[test]
-fn test_fetch_runs_give_the_same_stream_and_a_fault_inside_one_trims_it() {
-    // nop; xor eax, eax; add rcx, 1; mov rdx, [rbx]; inc rdx; div rsi; nop; jmp exit:
-    // with runs, the instructions without memory records share records, and the stream
-    // of fetches and data accesses is the same as with a record each. RSI = 0 makes the
-    // div fault inside the second run: the run keeps `inc` only, and the retry (RSI = 1)
-    // records the div and what follows once.
-    let mut streams = Vec::new();
-    for runs in [false, true] {
+/// What one pass of [`fault_and_retry`] saw: the stream (addresses relative to the
+/// code's base), the records delivered, and the operand records that carried their
+/// instruction's fetch.
+type Pass = (Vec<(u64, u64, u32, bool)>, usize, usize);
+
+/// Runs `code` (see [`setup`]) under a [`Stream`], without fetch runs and with them: from
+/// its start, with `first` setting registers (given the code's base), until it faults at
+/// `base + fault_at`; then from there, with `retry` setting registers, until it leaves.
+fn fault_and_retry(
+    signal: libc::c_int,
+    code: &[u8],
+    fault_at: u64,
+    first: impl Fn(&mut guest_engine::GuestRegs, u64),
+    retry: impl Fn(&mut guest_engine::GuestRegs, u64),
+) -> [Pass; 2] {
+    [false, true].map(|runs| {
         let Setup {
             mut rig,
             base,
             exit,
             block: _block,
             _turn,
-        } = setup(
-            Config::default(),
-            libc::SIGFPE,
-            &[
-                0x90, 0x31, 0xC0, 0x48, 0x83, 0xC1, 0x01, 0x48, 0x8B, 0x13, 0x48, 0xFF, 0xC2, 0x48,
-                0xF7, 0xF6, 0x90,
-            ],
-        );
-        let div = base + 13;
+        } = setup(Config::default(), signal, code);
         let mut mem = HostMemory::new(vec![(base, base + 4096)]);
         let mut tool = Stream {
             runs,
@@ -254,33 +253,78 @@ fn test_fetch_runs_give_the_same_stream_and_a_fault_inside_one_trims_it() {
             with_fetch: 0,
         };
         rig.engine.regs_mut().set(Gpr::Rsp, base + 0xf00);
-        rig.engine.regs_mut().set(Gpr::Rbx, base + 0x800);
-        rig.engine.regs_mut().set(Gpr::Rsi, 0);
+        first(rig.engine.regs_mut(), base);
         rig.engine.set_rip(GuestVirt(base));
         let stop = rig
             .engine
             .run(&mut mem, &mut HostPlatform::default(), &mut tool);
+        let at = GuestVirt(base + fault_at);
         assert!(
-            matches!(stop, Stop::Fault { guest_pc, .. } if guest_pc == GuestVirt(div)),
-            "{stop:?}"
+            matches!(stop, Stop::Fault { guest_pc, .. } if guest_pc == at),
+            "runs={runs}: {stop:?}"
         );
-        rig.engine.regs_mut().set(Gpr::Rsi, 1);
-        rig.engine.regs_mut().set(Gpr::Rdx, 0);
-        rig.engine.set_rip(GuestVirt(div));
+        retry(rig.engine.regs_mut(), base);
+        rig.engine.set_rip(at);
         let stop = rig
             .engine
             .run(&mut mem, &mut HostPlatform::default(), &mut tool);
-        assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
-        let fetched: Vec<u64> = tool.events.iter().filter(|e| e.3).map(|e| e.0).collect();
-        let starts = [0, 1, 3, 7, 10, 13, 16, 17].map(|o| base + o);
+        assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)), "runs={runs}");
+        let rel = |a: u64| a.wrapping_sub(base);
+        let events = tool
+            .events
+            .iter()
+            .map(|&(ip, pa, size, fetch)| (rel(ip), rel(pa), size, fetch))
+            .collect();
+        (events, tool.records, tool.with_fetch)
+    })
+}
+
+/// The instructions fetched, and those with a data access, in a pass's stream.
+fn fetched_and_accessed(pass: &Pass) -> (Vec<u64>, Vec<u64>) {
+    let of = |fetch: bool| {
+        pass.0
+            .iter()
+            .filter(|e| e.3 == fetch)
+            .map(|e| e.0)
+            .collect()
+    };
+    (of(true), of(false))
+}
+
+#[test]
+fn test_fetch_runs_give_the_same_stream_and_a_fault_inside_one_trims_it() {
+    // nop; xor eax, eax; add rcx, 1; mov rdx, [rbx]; inc rdx; div rsi; nop; jmp exit:
+    // with runs, the instructions without memory records share records, and the stream
+    // of fetches and data accesses is the same as with a record each. RSI = 0 makes the
+    // div fault inside the second run: the run keeps `inc` only, and the retry (RSI = 1)
+    // records the div and what follows once.
+    let code = [
+        0x90, 0x31, 0xC0, 0x48, 0x83, 0xC1, 0x01, 0x48, 0x8B, 0x13, 0x48, 0xFF, 0xC2, 0x48, 0xF7,
+        0xF6, 0x90,
+    ];
+    let [each, runs] = fault_and_retry(
+        libc::SIGFPE,
+        &code,
+        13,
+        |r, base| {
+            r.set(Gpr::Rbx, base + 0x800);
+            r.set(Gpr::Rsi, 0);
+        },
+        |r, _| {
+            r.set(Gpr::Rsi, 1);
+            r.set(Gpr::Rdx, 0);
+        },
+    );
+    for pass in [&each, &runs] {
+        let (fetched, _) = fetched_and_accessed(pass);
         assert_eq!(
-            fetched, starts,
-            "each instruction fetched once, runs={runs}"
+            fetched,
+            [0, 1, 3, 7, 10, 13, 16, 17],
+            "each instruction fetched once"
         );
-        streams.push((tool.events, tool.records));
     }
-    assert_eq!(streams[0].0, streams[1].0, "the same stream");
-    assert!(streams[1].1 < streams[0].1, "fewer records with runs");
+    assert_eq!(each.0, runs.0, "the same stream");
+    assert!(runs.1 < each.1, "fewer records with runs");
 }
 
 #[test]
@@ -289,60 +333,16 @@ fn test_an_operand_record_carrying_the_fetch_goes_with_a_faulting_instruction() 
     // fetch rides on its operand record (`WITH_FETCH`). RBX unmapped makes the mov fault:
     // that record is taken back whole, and the retry fetches and reads once; the stream
     // is the one a record per fetch gives.
-    let mut streams = Vec::new();
-    for runs in [false, true] {
-        let Setup {
-            mut rig,
-            base,
-            exit,
-            block: _block,
-            _turn,
-        } = setup(
-            Config::default(),
-            libc::SIGSEGV,
-            &[0x90, 0x48, 0x8B, 0x13, 0x90],
-        );
-        let mov = base + 1;
-        let mut mem = HostMemory::new(vec![(base, base + 4096)]);
-        let mut tool = Stream {
-            runs,
-            events: Vec::new(),
-            records: 0,
-            with_fetch: 0,
-        };
-        rig.engine.regs_mut().set(Gpr::Rsp, base + 0xf00);
-        rig.engine.regs_mut().set(Gpr::Rbx, 0x10); // unmapped in this process
-        rig.engine.set_rip(GuestVirt(base));
-        let stop = rig
-            .engine
-            .run(&mut mem, &mut HostPlatform::default(), &mut tool);
-        assert!(
-            matches!(stop, Stop::Fault { guest_pc, .. } if guest_pc == GuestVirt(mov)),
-            "{stop:?}"
-        );
-        rig.engine.regs_mut().set(Gpr::Rbx, base + 0x800);
-        rig.engine.set_rip(GuestVirt(mov));
-        let stop = rig
-            .engine
-            .run(&mut mem, &mut HostPlatform::default(), &mut tool);
-        assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
-        let fetched: Vec<u64> = tool.events.iter().filter(|e| e.3).map(|e| e.0).collect();
-        assert_eq!(fetched, [0, 1, 4, 5].map(|o| base + o), "runs={runs}");
-        let reads: Vec<u64> = tool.events.iter().filter(|e| !e.3).map(|e| e.0).collect();
-        assert_eq!(reads, [mov], "runs={runs}");
-        assert_eq!(
-            tool.with_fetch,
-            usize::from(runs),
-            "the mov's fetch rode on its read"
-        );
-        // Relative to the code (the block may map elsewhere in the other pass).
-        let rel = |a: u64| a.wrapping_sub(base);
-        let events: Vec<_> = tool
-            .events
-            .iter()
-            .map(|&(ip, pa, size, fetch)| (rel(ip), rel(pa), size, fetch))
-            .collect();
-        streams.push(events);
+    let [each, runs] = fault_and_retry(
+        libc::SIGSEGV,
+        &[0x90, 0x48, 0x8B, 0x13, 0x90],
+        1,
+        |r, _| r.set(Gpr::Rbx, 0x10), // unmapped in this process
+        |r, base| r.set(Gpr::Rbx, base + 0x800),
+    );
+    for pass in [&each, &runs] {
+        assert_eq!(fetched_and_accessed(pass), (vec![0, 1, 4, 5], vec![1]));
     }
-    assert_eq!(streams[0], streams[1], "the same stream");
+    assert_eq!((each.2, runs.2), (0, 1), "the mov's fetch rode on its read");
+    assert_eq!(each.0, runs.0, "the same stream");
 }
