@@ -45,40 +45,30 @@ impl Engine {
         }
         if self.config.records_need_pa || tool.records_need_pa() {
             let mode = self.mode;
-            // No mapping changes during one delivery: remember the pages resolved so far
-            // (direct-mapped by page number; tag = page | fetch bit), as a TLB would.
+            // No mapping changes during one delivery: remember the data pages resolved so
+            // far (direct-mapped by page number), as a TLB would.
             const MEMO: usize = 64;
             let mut memo = [(u64::MAX, 0u64); MEMO];
             for r in &mut self.buffer[..n] {
-                let fetch = r.access & access::FETCH != 0;
-                if fetch {
+                if r.access & access::FETCH != 0 {
                     // Written at the append, from the trace's frame.
                     continue;
                 }
-                if r.access & access::WITH_FETCH != 0 {
+                let data = if r.access & access::WITH_FETCH != 0 {
                     // The instruction's physical address, written at the append, moves
-                    // to `ea` (resolved below from the data address).
-                    let data = core::mem::replace(&mut r.ea, r.pa);
-                    let page = data & !0xfff;
-                    let slot = &mut memo[(data >> 12) as usize % MEMO];
-                    if slot.0 != page {
-                        *slot = (page, resolve_pa(mem, mode, page, false));
-                    }
-                    r.pa = match slot.1 {
-                        u64::MAX => u64::MAX,
-                        pa => pa + (data & 0xfff),
-                    };
-                    continue;
-                }
-                let page = r.ea & !0xfff;
-                let tag = page | u64::from(fetch);
-                let slot = &mut memo[(r.ea >> 12) as usize % MEMO];
-                if slot.0 != tag {
-                    *slot = (tag, resolve_pa(mem, mode, page, fetch));
+                    // to `ea`; `pa` is resolved from the data address.
+                    core::mem::replace(&mut r.ea, r.pa)
+                } else {
+                    r.ea
+                };
+                let page = data & !0xfff;
+                let slot = &mut memo[(data >> 12) as usize % MEMO];
+                if slot.0 != page {
+                    *slot = (page, resolve_pa(mem, mode, page, false));
                 }
                 r.pa = match slot.1 {
                     u64::MAX => u64::MAX,
-                    pa => pa + (r.ea & 0xfff),
+                    pa => pa + (data & 0xfff),
                 };
             }
         }

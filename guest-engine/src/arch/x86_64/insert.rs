@@ -184,8 +184,7 @@ impl Tx<'_> {
             let access = m.access | self.env.record_bits;
             match fetch.filter(|_| k == 0) {
                 Some(len) => {
-                    let (va_page, pa_page) = self.page;
-                    let pa = pa_page + (ip - va_page);
+                    let pa = self.frame_pa(ip);
                     let with = access::WITH_FETCH | u32::from(len & 0xf) << access::FETCH_LEN_SHIFT;
                     self.append_record(ip, None, Some(pa), m.size, access | with)?;
                 }
@@ -201,10 +200,15 @@ impl Tx<'_> {
     pub(super) fn insert_fetch_record(&mut self, ip: u64, len: u32) -> Result<(), EngineError> {
         self.a.spill_quiet(reg::RAX);
         self.a.spill_quiet(reg::RCX);
-        let (va_page, pa_page) = self.page;
-        let pa = pa_page + (ip - va_page);
         let access = access::FETCH | self.env.record_bits;
-        self.append_record(ip, Some(ip), Some(pa), len, access)
+        self.append_record(ip, Some(ip), Some(self.frame_pa(ip)), len, access)
+    }
+
+    /// The physical address of the instruction at `ip`: in the frame the trace was
+    /// translated from, which its page maps to whenever the trace runs (`softtlb.rs`).
+    fn frame_pa(&self, ip: u64) -> u64 {
+        let (va_page, pa_page) = self.page;
+        pa_page + (ip - va_page)
     }
 
     /// Appends the one record of a run of `n` instructions from `ip` (lengths `lens`, 4
@@ -217,10 +221,14 @@ impl Tx<'_> {
     ) -> Result<(), EngineError> {
         self.a.spill_quiet(reg::RAX);
         self.a.spill_quiet(reg::RCX);
-        let (va_page, pa_page) = self.page;
-        let pa = pa_page + (ip - va_page);
         let access = access::FETCH | access::FETCH_RUN | self.env.record_bits;
-        self.append_record(ip, Some(lens), Some(pa), u32::from(n), access)
+        self.append_record(
+            ip,
+            Some(lens),
+            Some(self.frame_pa(ip)),
+            u32::from(n),
+            access,
+        )
     }
 
     /// With RAX and RCX spilled (quietly: nothing here can fault, and both are back in
