@@ -239,6 +239,15 @@ impl Hierarchy {
         self.warmup_left == 0
     }
 
+    /// The cache references of `kind` start at.
+    #[inline]
+    fn leaf(&self, kind: Kind) -> usize {
+        match kind {
+            Kind::Fetch => self.fetch_leaf,
+            Kind::Read | Kind::Write => self.data_leaf,
+        }
+    }
+
     /// Whether every reference is simulated and counted (the warmup is over and there is
     /// no `sim_refs` limit).
     #[inline]
@@ -251,10 +260,7 @@ impl Hierarchy {
     /// caller ([`Hierarchy::count_refs`]). Returns whether the L1 hit.
     #[inline(always)]
     pub fn access_line(&mut self, kind: Kind, line: u64, who: usize) -> bool {
-        let leaf = match kind {
-            Kind::Fetch => self.fetch_leaf,
-            Kind::Read | Kind::Write => self.data_leaf,
-        };
+        let leaf = self.leaf(kind);
         let hit = self.caches[leaf].access(line, who);
         if !hit {
             self.miss_from(leaf, line, who);
@@ -262,8 +268,8 @@ impl Hierarchy {
         hit
     }
 
-    /// While [`Hierarchy::counting_all`]: counts `refs` references of `kind` by `who`
-    /// whose line accesses [`Hierarchy::access_line`] made.
+    /// Counts `refs` references of `kind` by `who` (their line accesses made by
+    /// [`Hierarchy::access_line`] or the caller).
     #[inline]
     pub fn count_refs(&mut self, kind: Kind, refs: u64, who: usize) {
         match kind {
@@ -276,10 +282,7 @@ impl Hierarchy {
     /// the L1 of `kind` has just accessed (hits that change nothing else).
     #[inline]
     pub fn add_repeat_hits(&mut self, kind: Kind, n: u64, who: usize) {
-        let leaf = match kind {
-            Kind::Fetch => self.fetch_leaf,
-            Kind::Read | Kind::Write => self.data_leaf,
-        };
+        let leaf = self.leaf(kind);
         self.caches[leaf].stats.hits[who] += n;
     }
 
@@ -300,19 +303,13 @@ impl Hierarchy {
             return false;
         }
         let line = first >> self.line_shift;
-        let leaf = match kind {
-            Kind::Fetch => self.fetch_leaf,
-            Kind::Read | Kind::Write => self.data_leaf,
-        };
+        let leaf = self.leaf(kind);
         let c = &mut self.caches[leaf];
         if last >> self.line_shift != line || c.last != line.wrapping_add(1) {
             return false;
         }
         c.stats.hits[who] += n;
-        match kind {
-            Kind::Fetch => self.fetch_refs[who] += n,
-            Kind::Read | Kind::Write => self.data_refs[who] += n,
-        }
+        self.count_refs(kind, n, who);
         true
     }
 
@@ -327,24 +324,10 @@ impl Hierarchy {
     #[inline]
     pub fn access(&mut self, addr: u64, size: u32, kind: Kind, who: usize) -> u64 {
         // Most references touch one line, the one their L1 saw last (a fetch after a
-        // fetch in the same line): a hit that changes nothing else (`Cache::last`). This
-        // path is inlined into the feed loop; everything else takes `access_lines`.
-        if self.warmup_left == 0 && self.sim_left.is_none() {
-            let first = addr >> self.line_shift;
-            let last = addr.saturating_add(u64::from(size.max(1)) - 1) >> self.line_shift;
-            let leaf = match kind {
-                Kind::Fetch => self.fetch_leaf,
-                Kind::Read | Kind::Write => self.data_leaf,
-            };
-            let c = &mut self.caches[leaf];
-            if first == last && c.last == first + 1 {
-                c.stats.hits[who] += 1;
-                match kind {
-                    Kind::Fetch => self.fetch_refs[who] += 1,
-                    Kind::Read | Kind::Write => self.data_refs[who] += 1,
-                }
-                return 0;
-            }
+        // fetch in the same line): a hit that changes nothing else (`Cache::last`).
+        let last = addr.saturating_add(u64::from(size.max(1)) - 1);
+        if self.same_line_hits(kind, addr, last, 1, who) {
+            return 0;
         }
         self.access_lines(addr, size, kind, who)
     }
@@ -362,17 +345,11 @@ impl Hierarchy {
                 Some(n) => *n -= 1,
                 None => {}
             }
-            match kind {
-                Kind::Fetch => self.fetch_refs[who] += 1,
-                Kind::Read | Kind::Write => self.data_refs[who] += 1,
-            }
+            self.count_refs(kind, 1, who);
         }
         let first = addr >> self.line_shift;
         let last = addr.saturating_add(u64::from(size.max(1)) - 1) >> self.line_shift;
-        let leaf = match kind {
-            Kind::Fetch => self.fetch_leaf,
-            Kind::Read | Kind::Write => self.data_leaf,
-        };
+        let leaf = self.leaf(kind);
         let mut leaf_misses = 0;
         let mut line = first;
         loop {
