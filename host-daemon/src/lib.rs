@@ -202,20 +202,18 @@ impl Daemon {
         // The engine numbers its files from 1 and never uses `u16::MAX`.
         const HOST_FILE: u16 = u16::MAX;
         let written = self.open(HOST_FILE, name.as_bytes()).and_then(|()| {
-            if !self.files.contains_key(&HOST_FILE) || !self.take_budget(data.len() as u64)? {
+            if !self.files.contains_key(&HOST_FILE) {
                 return Ok(false);
             }
-            let (path, mut f) = self.files.remove(&HOST_FILE).expect("opened above");
-            f.write_all(data)
-                .and_then(|()| f.flush())
-                .map_err(|e| DaemonError::Io(path, e))?;
-            self.stats.bytes_written += data.len() as u64;
-            Ok(true)
+            let written = self.write(HOST_FILE, data)?;
+            self.close(HOST_FILE)?;
+            Ok(written)
         });
-        self.files.remove(&HOST_FILE);
         match written {
             Ok(w) => w,
             Err(e) => {
+                // The file may still be open after a failed write.
+                self.files.remove(&HOST_FILE);
                 self.first_error.get_or_insert(e);
                 false
             }
@@ -294,22 +292,11 @@ impl Daemon {
             Kind::Pad => {}
             Kind::Open => self.open(r.file, r.payload)?,
             Kind::Write => {
-                let len = r.payload.len() as u64;
-                if !self.files.contains_key(&r.file) {
-                    self.stats.writes_dropped += 1;
-                    self.stats.bytes_dropped += len;
-                } else if !self.take_budget(len)? {
-                    self.stats.writes_dropped += 1;
-                } else if let Some((path, f)) = self.files.get_mut(&r.file) {
-                    f.write_all(r.payload)
-                        .map_err(|e| DaemonError::Io(path.clone(), e))?;
-                    self.stats.bytes_written += len;
-                }
+                self.write(r.file, r.payload)?;
             }
-            Kind::Close => match self.files.remove(&r.file) {
-                Some((path, mut f)) => f.flush().map_err(|e| DaemonError::Io(path, e))?,
-                None => self.stats.writes_dropped += 1,
-            },
+            Kind::Close => {
+                self.close(r.file)?;
+            }
             Kind::Log => {
                 let text = String::from_utf8_lossy(r.payload);
                 self.log_line(LogLevel::from_u16(r.file), &text)?;
@@ -323,6 +310,37 @@ impl Daemon {
             }
         }
         Ok(())
+    }
+
+    /// Appends `data` to file `id`; whether it was written (not if the file is not open
+    /// or the output budget is spent: counted as dropped).
+    fn write(&mut self, id: u16, data: &[u8]) -> Result<bool, DaemonError> {
+        let len = data.len() as u64;
+        if !self.files.contains_key(&id) {
+            self.stats.writes_dropped += 1;
+            self.stats.bytes_dropped += len;
+            return Ok(false);
+        }
+        if !self.take_budget(len)? {
+            self.stats.writes_dropped += 1;
+            return Ok(false);
+        }
+        let (path, f) = self.files.get_mut(&id).expect("checked above");
+        f.write_all(data)
+            .map_err(|e| DaemonError::Io(path.clone(), e))?;
+        self.stats.bytes_written += len;
+        Ok(true)
+    }
+
+    /// Closes file `id` (a close of a file not open counts as a dropped write).
+    fn close(&mut self, id: u16) -> Result<(), DaemonError> {
+        match self.files.remove(&id) {
+            Some((path, mut f)) => f.flush().map_err(|e| DaemonError::Io(path, e)),
+            None => {
+                self.stats.writes_dropped += 1;
+                Ok(())
+            }
+        }
     }
 
     /// Takes `len` bytes of the output budget; `false` (and a note, once) if they do not
