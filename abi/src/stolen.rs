@@ -58,8 +58,8 @@ pub const HEAP_BYTES: u64 = 0x400_0000;
 pub const CODE_CACHE_OFFSET: u64 = HEAP_OFFSET + HEAP_BYTES;
 /// Bytes of the code cache.
 pub const CODE_CACHE_BYTES: u64 = 0x200_0000;
-/// Offset of the frames for the shadow MMU's page tables (4 KiB each, up to the end of
-/// the region).
+/// Offset of the frames for the shadow MMU's page tables (4 KiB each,
+/// [`SHADOW_TABLES_BYTES`] of them).
 pub const SHADOW_TABLES_OFFSET: u64 = CODE_CACHE_OFFSET + CODE_CACHE_BYTES;
 /// Bytes for shadow page tables: 2048 frames.
 pub const SHADOW_TABLES_BYTES: u64 = (112 << 20) - SHADOW_TABLES_OFFSET;

@@ -110,8 +110,9 @@ impl HostSim {
         unsafe { record_ring::is_closed(self.ring) }
     }
 
-    /// The vCPU stopped, or the engine closed the ring: drains the ring, then writes the tool's files and a summary line
-    /// through `daemon` if the engine closed the ring (its window ended in order).
+    /// The vCPU stopped, or the engine closed the ring: drains the ring, then writes the
+    /// tool's files and a summary line through `daemon` if the engine closed the ring (its
+    /// window ended in order).
     pub fn finish(mut self, daemon: &mut Daemon) {
         let Some(s) = self.join() else {
             return;
