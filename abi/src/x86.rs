@@ -153,6 +153,8 @@ pub mod rflags {
     pub const CF: u64 = 1 << 0;
     /// Bit 1: reserved, always 1.
     pub const FIXED: u64 = 1 << 1;
+    /// The status flags: CF, PF, AF, ZF, SF, OF.
+    pub const STATUS: u64 = 0x8d5;
     /// ZF: zero flag (also the result of `lar`/`lsl`/`verr`/`verw`).
     pub const ZF: u64 = 1 << 6;
     /// Trap flag (single step).

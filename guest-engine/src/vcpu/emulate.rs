@@ -167,6 +167,55 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             Code::Rdtscp => Self::rdtscp,
             Code::Rdpid_r64 => Self::rdpid,
             Code::Hlt => Self::hlt,
+            // optional.rs
+            Code::Sysenter => Self::sysenter,
+            Code::Sysexitd | Code::Sysexitq => Self::sysexit,
+            Code::Int1 => Self::int1,
+            Code::Rdpmc => Self::rdpmc,
+            Code::Rdpkru | Code::Wrpkru => Self::pkru,
+            Code::Monitorq | Code::Mwait => Self::monitor,
+            Code::Monitorxq | Code::Mwaitx | Code::Umwait_r32 | Code::Umwait_r64 => Self::user_wait,
+            Code::Tpause_r32 | Code::Tpause_r64 => Self::user_wait,
+            Code::Xbegin_rel32 | Code::Xabort_imm8 | Code::Xend | Code::Xtest => Self::tsx,
+            Code::Clac | Code::Stac => Self::clac_stac,
+            Code::Xsaves_mem | Code::Xsaves64_mem | Code::Xrstors_mem | Code::Xrstors64_mem => {
+                Self::supervisor_only
+            }
+            Code::Invpcid_r64_m128 => Self::supervisor_only,
+            // Facilities the virtual CPU never enables: VMX (CR4.VMXE), SVM (EFER.SVME),
+            // SMX (CR4.SMXE), SGX, user interrupts, SMM, IA-64 and hypercalls.
+            Code::Vmcall
+            | Code::Vmmcall
+            | Code::Vmfunc
+            | Code::Vmlaunch
+            | Code::Vmresume
+            | Code::Vmxoff
+            | Code::Vmxon_m64
+            | Code::Vmptrld_m64
+            | Code::Vmptrst_m64
+            | Code::Vmclear_m64
+            | Code::Vmread_rm64_r64
+            | Code::Vmwrite_r64_rm64
+            | Code::Invept_r64_m128
+            | Code::Invvpid_r64_m128
+            | Code::Vmrunq
+            | Code::Vmloadq
+            | Code::Vmsaveq
+            | Code::Stgi
+            | Code::Clgi
+            | Code::Skinit
+            | Code::Invlpgaq
+            | Code::Invlpgbq
+            | Code::Tlbsync
+            | Code::Getsecd
+            | Code::Getsecq
+            | Code::Encls
+            | Code::Enclu
+            | Code::Stui
+            | Code::Clui
+            | Code::Senduipi_r64
+            | Code::Uiret
+            | Code::Rsm => Self::ud,
             // events.rs
             Code::Iretq => Self::iretq,
             Code::Int3 => Self::int3,
@@ -216,10 +265,26 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
         let next = GuestVirt(insn.pc.0.wrapping_add(len as u64));
         let before = *regs;
         self.sti_next = None;
+        let user = self.cpl() == 3;
         let step = if len == 0 || i.is_invalid() {
             Err(Event::ud())
         } else {
-            self.emulate_insn(insn, &i, regs, next)
+            match self.emulate_insn(insn, &i, regs, next) {
+                // No instruction of a user process ends the run: what the virtual CPU
+                // does not model yet is the #UD of a CPU without it (logged once).
+                Ok(Flow::Stop(VcpuStop::Unsupported { mnemonic, why })) if user => {
+                    let key = mnemonic.map_or(u32::MAX, |m| m as u32);
+                    if self.unsupported_logged.first(key) {
+                        self.hw.log(format_args!(
+                            "engine: `{:?}` at CPL 3 ({why}) raises #UD in the guest (logged once)",
+                            mnemonic.unwrap_or(Mnemonic::INVALID)
+                        ));
+                    }
+                    self.stats.user_unsupported += 1;
+                    Err(Event::ud())
+                }
+                other => other,
+            }
         };
         match step {
             Ok(flow) => flow,

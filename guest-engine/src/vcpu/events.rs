@@ -36,6 +36,9 @@ pub enum Kind {
     Software,
     /// `int3` / `into` (DPL-checked, an exception otherwise).
     SoftException,
+    /// An exception that is a trap: the saved RIP is the next instruction's (`int1`'s
+    /// #DB; not DPL-checked).
+    Trap,
 }
 
 /// One event to deliver.
@@ -401,7 +404,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         match ev.kind {
             Kind::External => self.stats.interrupts += 1,
             Kind::Software => self.stats.software_ints += 1,
-            Kind::Exception | Kind::SoftException => {
+            Kind::Exception | Kind::SoftException | Kind::Trap => {
                 if let Some(c) = self.stats.exceptions.get_mut(usize::from(ev.vector)) {
                     *c += 1;
                 }
@@ -497,7 +500,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
     /// Delivers the exception an emulation raised (registers are as before the
     /// instruction; software interrupts return to `next`).
     pub(super) fn raise(&mut self, regs: &mut GuestRegs, pc: u64, next: u64, ev: Event) -> Flow {
-        let rip = if matches!(ev.kind, Kind::Software | Kind::SoftException) {
+        let rip = if matches!(ev.kind, Kind::Software | Kind::SoftException | Kind::Trap) {
             next
         } else {
             pc

@@ -24,13 +24,17 @@
 //! * `port_io.rs` — `in`/`out` of AL/AX/EAX (a poweroff or reset write stops for the
 //!   final report; string port I/O stops); `uart_status.rs` — COM1's line status, which
 //!   an embedder may answer without a port exit once it is known to be constant;
+//! * `optional.rs` — instructions that follow a CPUID feature, a control bit or the
+//!   vendor (`sysenter`, `int1`, `rdpmc`, PKU, MONITOR, TSX, SMAP, VMX/SVM…);
 //! * `misc.rs` — `cpuid` (from the attach block's table, so native and instrumented
 //!   runs see one CPU), `wbinvd`, `invd`, `xgetbv`, `rdtscp`, `rdpid`, `hlt`;
 //! * `events.rs` — delivery through the IDT, `iretq`, `int n`/`int3`/`ud*`, external
 //!   interrupts; `undo.rs` — the undo log that keeps a failed delivery invisible.
 //!
-//! Privileged instructions at virtual CPL 3 raise #GP(0). Anything else stops the run
-//! naming the instruction ([`VcpuStop::Unsupported`]): never a guess.
+//! Privileged instructions at virtual CPL 3 raise #GP(0). An instruction the virtual CPU
+//! does not model stops the run naming it ([`VcpuStop::Unsupported`]) when it comes from
+//! CPL 0-2; from CPL 3 it is the #UD a CPU without it raises (counted, logged once), so
+//! no user process can end the run.
 //!
 //! The translator must hear about some emulations' effects (a CR3 write drops mappings, a
 //! write into a code frame drops its traces) before guest code runs again, and only the
@@ -47,6 +51,7 @@ mod hardware;
 mod mce;
 mod misc;
 mod msr;
+mod optional;
 mod port_io;
 mod segment_query;
 mod segments;
@@ -136,6 +141,8 @@ pub struct VcpuStats {
     pub software_ints: u64,
     /// `hlt`s that waited.
     pub halts: u64,
+    /// Instructions at CPL 3 the virtual CPU does not model, answered with #UD.
+    pub user_unsupported: u64,
 }
 
 /// The virtual CPU's state and counters, over the embedder's hardware `H` and guest
@@ -181,6 +188,8 @@ pub struct Vcpu<'a, H: Hardware, M: GuestMmu> {
     sti_next: Option<u64>,
     /// MSR indices whose #GP was already logged (a guest probing in a loop logs once).
     msr_gp_logged: LogOnce,
+    /// Mnemonics whose #UD at CPL 3 (not modelled) was already logged.
+    unsupported_logged: LogOnce,
 }
 
 impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
@@ -213,6 +222,7 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             stop: None,
             sti_next: None,
             msr_gp_logged: LogOnce::new(),
+            unsupported_logged: LogOnce::new(),
         };
         v.sync_hw_bases();
         if v.cr4 & cr4::SSE_BITS != 0 {

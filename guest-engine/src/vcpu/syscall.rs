@@ -20,7 +20,7 @@ use super::Vcpu;
 use crate::{Gpr, GuestRegs, GuestVirt};
 
 /// A flat segment cache as `syscall`/`sysret` load it (they read no descriptor).
-fn flat(selector: u16, code: bool, dpl: u8) -> Segment {
+pub(super) fn flat(selector: u16, code: bool, dpl: u8) -> Segment {
     Segment {
         base: 0,
         limit: 0xffff_ffff,

@@ -636,6 +636,8 @@ fn report(
         .u64("exceptions_delivered", v.exceptions.iter().sum())
         .u64("software_interrupts", v.software_ints)
         .u64("halts", v.halts)
+        // CPL-3 instructions the virtual CPU does not model, answered with #UD.
+        .u64("user_unsupported_ud", v.user_unsupported)
         .end();
     j.begin("smc")
         .u64("frames_invalidated", sh.counters.code_writes)

@@ -296,7 +296,18 @@ impl Tx<'_> {
                 if i.segment_prefix() == Register::None {
                     self.a.mov_r_mb(reg::RDX, reg::RDX, 0);
                 } else {
-                    return Err(EngineError::Unsupported(GuestVirt(i.ip())));
+                    // `fs:`/`gs:` through the absolute offset: `mov rdx, seg:[rdx]`.
+                    let mo = MemoryOperand::with_base_index_scale_bcst_seg(
+                        Register::RDX,
+                        Register::None,
+                        1,
+                        false,
+                        i.segment_prefix(),
+                    );
+                    let l = Instruction::with2(Code::Mov_r64_rm64, Register::RDX, mo)
+                        .map_err(|_| EngineError::Encode(GuestVirt(i.ip())))?;
+                    let b = self.encode(&l, i.ip())?;
+                    self.a.bytes(&b);
                 }
             }
             OpKind::Memory => {

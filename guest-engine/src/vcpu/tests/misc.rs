@@ -171,15 +171,15 @@ fn test_ud2_is_ud() {
 }
 
 #[test]
-fn test_an_instruction_without_a_handler_stops_naming_it() {
+fn test_an_instruction_without_a_handler_stops_naming_it_at_cpl0() {
     let b = block();
     let mut v = vcpu(&b);
     let mut r = kregs();
-    assert_eq!(run(&mut v, &[0x0f, 0x34], &mut r), Emulation::Stop); // sysenter
+    assert_eq!(run(&mut v, &[0x48, 0xff, 0x28], &mut r), Emulation::Stop); // jmp far [rax]
     assert_eq!(
         stop(&mut v),
         VcpuStop::Unsupported {
-            mnemonic: Some(iced_x86::Mnemonic::Sysenter),
+            mnemonic: Some(iced_x86::Mnemonic::Jmp),
             why: "not emulated by the virtual CPU yet"
         }
     );

@@ -15,6 +15,7 @@ mod events;
 mod flags;
 mod misc;
 mod msr;
+mod optional;
 mod port_io;
 mod segment_query;
 mod segments;
