@@ -160,6 +160,12 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             | Code::In_AX_DX
             | Code::In_EAX_imm8
             | Code::In_EAX_DX => Self::port_io,
+            Code::Insb_m8_DX
+            | Code::Insw_m16_DX
+            | Code::Insd_m32_DX
+            | Code::Outsb_DX_m8
+            | Code::Outsw_DX_m16
+            | Code::Outsd_DX_m32 => Self::port_string,
             // misc.rs
             Code::Cpuid => Self::cpuid,
             Code::Wbinvd | Code::Invd => Self::cache_control,
@@ -247,13 +253,7 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
         }
         match Self::handler(i.code()) {
             Some(h) => h(self, i, regs, next),
-            None => Ok(Flow::unsupported(
-                i,
-                match insn.kind {
-                    SensitiveKind::PortIo => "string port I/O is not emulated",
-                    _ => "not emulated by the virtual CPU yet",
-                },
-            )),
+            None => Ok(Flow::unsupported(i, "not emulated by the virtual CPU yet")),
         }
     }
 

@@ -138,14 +138,103 @@ fn test_acpi_poweroff_stops_and_other_pm1_writes_pass() {
     ));
 }
 
+/// Gives the guest TSS an I/O permission bitmap right after its 0x68 bytes that allows
+/// only `allowed` of ports 0–0xff (plus the trailing all-ones byte), its limit covering it.
+fn io_bitmap(v: &mut V<'_>, allowed: &[u16]) {
+    let mut map = [0xffu8; 0x21];
+    for &p in allowed {
+        map[usize::from(p / 8)] &= !(1 << (p % 8));
+    }
+    v.mem.poke(TSS + 0x66, &0x68u16.to_le_bytes());
+    v.mem.poke(TSS + 0x68, &map);
+    v.segs.tr.limit = 0x68 + map.len() as u32 - 1;
+}
+
 #[test]
-fn test_string_port_io_stops_unsupported() {
+fn test_at_cpl3_above_iopl_the_tss_io_bitmap_decides() {
     let b = block();
     let mut v = vcpu(&b);
+    io_bitmap(&mut v, &[0x80]);
+    let mut r = regs(0x41, 0x80);
+    to_user(&mut v, &mut r);
+    assert_eq!(run(&mut v, OUT_DX_AL, &mut r), after(OUT_DX_AL));
+    assert_eq!(run(&mut v, IN_AL_DX, &mut r), after(IN_AL_DX));
+    assert_eq!(v.hw.outs, [(0x80, 1, 0x41)]);
+    // A word at 0x80 also needs 0x81's bit.
+    let e = run(&mut v, OUT_DX_AX, &mut r);
+    assert_user_fault(&v, e, &r, 13, Some(0));
+    assert_eq!(v.hw.outs.len(), 1);
+}
+
+#[test]
+fn test_at_cpl3_a_port_beyond_the_tss_limit_or_a_denied_bit_is_gp0() {
+    let b = block();
+    for port in [0x81u64, 0x3f8] {
+        let mut v = vcpu(&b);
+        io_bitmap(&mut v, &[0x80]);
+        let mut r = regs(0, port);
+        to_user(&mut v, &mut r);
+        let e = run(&mut v, IN_AL_DX, &mut r);
+        assert_user_fault(&v, e, &r, 13, Some(0));
+        assert!(v.hw.ins.is_empty());
+    }
+}
+
+#[test]
+fn test_rep_insb_fills_memory_and_counts_rcx_down() {
+    let b = block();
+    let mut v = vcpu(&b);
+    v.hw.in_value = 0x5a;
+    let mut r = regs(0, 0x80);
+    to_user(&mut v, &mut r);
+    v.iopl = 3;
+    r.set(Gpr::Rdi, USER_PAGE + 0x10);
+    r.set(Gpr::Rcx, 3);
+    let rep_insb = [0xf3, 0x6c];
+    assert_eq!(run(&mut v, &rep_insb, &mut r), after(&rep_insb));
+    let mut got = [0u8; 4];
+    v.mem.peek(USER_PAGE + 0x10, &mut got);
+    assert_eq!(got, [0x5a, 0x5a, 0x5a, 0]);
+    assert_eq!(r.get(Gpr::Rdi), USER_PAGE + 0x13);
+    assert_eq!(r.get(Gpr::Rcx), 0);
+    assert_eq!(v.hw.ins.len(), 3);
+}
+
+#[test]
+fn test_rep_outsb_faulting_midway_keeps_the_elements_done_and_retries() {
+    let b = block();
+    let mut v = vcpu(&b);
+    let mut r = regs(0, 0x80);
+    to_user(&mut v, &mut r);
+    v.iopl = 3;
+    v.mem.poke(USER_PAGE + 0xffe, &[1, 2]);
+    // The third byte is on the next, unmapped page.
+    r.set(Gpr::Rsi, USER_PAGE + 0xffe);
+    r.set(Gpr::Rcx, 5);
+    let rep_outsb = [0xf3, 0x6e];
+    assert_eq!(
+        run(&mut v, &rep_outsb, &mut r),
+        Emulation::Continue(GuestVirt(PC)),
+        "the instruction runs again from the element that faults"
+    );
+    assert_eq!(v.hw.outs, [(0x80, 1, 1), (0x80, 1, 2)]);
+    assert_eq!(r.get(Gpr::Rsi), USER_PAGE + 0x1000);
+    assert_eq!(r.get(Gpr::Rcx), 3);
+    let e = run(&mut v, &rep_outsb, &mut r);
+    // Not present, a read, from user mode.
+    assert_user_fault(&v, e, &r, 14, Some(0x4));
+    assert_eq!(v.cr2, USER_PAGE + 0x1000);
+}
+
+#[test]
+fn test_outsb_at_cpl3_without_permission_is_gp0() {
+    let b = block();
+    let mut v = vcpu(&b);
+    // (The block's TSS has a map base of 0 and limit 0x67: port 0x3f8's byte is past it.)
     let mut r = regs(0, 0x3f8);
-    assert_eq!(run(&mut v, OUTSB, &mut r), Emulation::Stop);
-    assert!(matches!(
-        stop(&mut v),
-        VcpuStop::Unsupported { why, .. } if why.contains("string port I/O")
-    ));
+    to_user(&mut v, &mut r);
+    r.set(Gpr::Rsi, USER_PAGE);
+    let e = run(&mut v, OUTSB, &mut r);
+    assert_user_fault(&v, e, &r, 13, Some(0));
+    assert!(v.hw.outs.is_empty());
 }
