@@ -14,7 +14,7 @@ use kpin_abi::x86::{cr0, cr4};
 use super::emulate::{gp0, gpr, Flow, Step};
 use super::events::Event;
 use super::hardware::{GuestMmu, Hardware};
-use super::{Vcpu, DR6_INIT, DR7_INIT};
+use super::{Vcpu, DR6_INIT, DR7_ENABLES, DR7_GD, DR7_INIT};
 use crate::shadow_mmu::{PagingControl, ShadowError};
 use crate::{GuestRegs, GuestVirt};
 
@@ -216,7 +216,8 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
     }
 
     /// `mov drN, r64`: DR0–DR3 stored; DR6/DR7 upper halves must be 0 (#GP(0)); a DR7
-    /// that enables a breakpoint stops (breakpoints are not virtualized).
+    /// that enables a breakpoint is kept but inert (breakpoints are not virtualized
+    /// yet); one that enables general detect stops.
     pub(super) fn mov_to_dr(
         &mut self,
         i: &Instruction,
@@ -240,12 +241,24 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
                 if v >> 32 != 0 {
                     return Err(gp0());
                 }
-                // L0–L3/G0–G3 enable breakpoints, GD the general-detect trap.
-                if v & 0x20ff != 0 {
+                // GD arms the general-detect trap on every debug-register access.
+                if v & DR7_GD != 0 {
                     return Ok(Flow::unsupported(
                         i,
-                        "a DR7 write that enables a hardware breakpoint (or general detect) is not virtualized",
+                        "a DR7 write that enables general detect is not virtualized",
                     ));
+                }
+                // L0–L3/G0–G3 enable breakpoints. Linux writes them for ptrace's
+                // u_debugreg (gdb's hbreak and watch), so the write must not end the
+                // run: kept and read back, but the breakpoints do not fire yet (logged
+                // once, counted).
+                if v & DR7_ENABLES != 0 {
+                    self.stats.inert_breakpoints += 1;
+                    if self.stats.inert_breakpoints == 1 {
+                        self.hw.log(format_args!(
+                            "engine: the guest enabled a hardware breakpoint (DR7 {v:#x}): kept, but breakpoints are not virtualized yet and will not fire"
+                        ));
+                    }
                 }
                 self.dr7 = (v & !0xd800) | DR7_INIT;
             }

@@ -87,6 +87,10 @@ pub const MODE_USER: Mode = Mode(3);
 const DR6_INIT: u64 = 0xffff_0ff0;
 /// DR7 at reset.
 const DR7_INIT: u64 = 0x400;
+/// DR7's L0–L3/G0–G3: breakpoint enables.
+const DR7_ENABLES: u64 = 0xff;
+/// DR7.GD: general detect.
+const DR7_GD: u64 = 1 << 13;
 
 /// Why an emulation stopped the run (`Emulation::Stop`); [`Vcpu::take_stop`] hands it to
 /// the run loop.
@@ -143,6 +147,9 @@ pub struct VcpuStats {
     pub halts: u64,
     /// Instructions at CPL 3 the virtual CPU does not model, answered with #UD.
     pub user_unsupported: u64,
+    /// DR7 writes that enabled a hardware breakpoint, which does not fire (breakpoints
+    /// are not virtualized yet).
+    pub inert_breakpoints: u64,
 }
 
 /// The virtual CPU's state and counters, over the embedder's hardware `H` and guest
@@ -160,8 +167,8 @@ pub struct Vcpu<'a, H: Hardware, M: GuestMmu> {
     pub cr2: u64,
     /// Guest CR4.
     pub cr4: u64,
-    /// Guest DR0–DR3 (stored only: breakpoints are not virtualized, so a DR7 write that
-    /// enables one stops).
+    /// Guest DR0–DR3 (stored only: breakpoints are not virtualized yet, so one that DR7
+    /// enables never fires).
     pub dr: [u64; 4],
     /// Guest DR6.
     pub dr6: u64,

@@ -638,6 +638,8 @@ fn report(
         .u64("halts", v.halts)
         // CPL-3 instructions the virtual CPU does not model, answered with #UD.
         .u64("user_unsupported_ud", v.user_unsupported)
+        // DR7 writes enabling a breakpoint that does not fire (not virtualized yet).
+        .u64("inert_breakpoints", v.inert_breakpoints)
         .end();
     j.begin("smc")
         .u64("frames_invalidated", sh.counters.code_writes)
