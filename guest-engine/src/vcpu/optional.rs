@@ -16,6 +16,8 @@
 //! * TSX — `xbegin`/`xabort`/`xend`/`xtest` #UD without RTM (`xtest`: RTM or HLE); with
 //!   it a transaction aborts as it begins (status 0, "no reason given"), `xend` outside
 //!   one is #GP(0), `xtest` says "not in one";
+//! * a null selector loaded into FS/GS zeroes the base on Intel and on AMD CPUs with
+//!   NullSelectClearsBase, and keeps it on older AMD ones;
 //! * `clac`/`stac` — #UD at CPL > 0 or without SMAP, else AC cleared or set;
 //! * `xsaves`/`xrstors`, `invpcid` — #UD without their feature (and CR4.OSXSAVE),
 //!   #GP(0) at CPL > 0;
@@ -55,6 +57,8 @@ const SMAP: Feature = Feature(7, 0, 1, 20);
 const INVPCID: Feature = Feature(7, 0, 1, 10);
 /// `xsaves`/`xrstors` (CPUID 0xd.1.EAX[3]).
 const XSAVES: Feature = Feature(0xd, 1, 0, 3);
+/// A null selector loaded into FS/GS zeroes the base (AMD: CPUID 0x8000_0021.EAX[6]).
+const NULL_SELECT_CLEARS_BASE: Feature = Feature(0x8000_0021, 0, 0, 6);
 
 impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
     /// Whether the guest's CPUID table offers `f`.
@@ -72,6 +76,13 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         vendor[4..8].copy_from_slice(&d.to_le_bytes());
         vendor[8..].copy_from_slice(&c.to_le_bytes());
         &vendor == b"AuthenticAMD" || &vendor == b"HygonGenuine"
+    }
+
+    /// Whether loading a null selector into FS or GS zeroes its base: on Intel's CPUs,
+    /// and on AMD's that say so (CPUID 0x8000_0021 EAX[6], NullSelectClearsBase); older
+    /// AMD CPUs keep the base (Linux's X86_BUG_NULL_SEG).
+    pub(super) fn null_clears_base(&self) -> bool {
+        !self.amd_like() || self.has(NULL_SELECT_CLEARS_BASE)
     }
 
     /// `sysenter` in 64-bit mode.

@@ -215,7 +215,9 @@ impl Segments {
             if reg == Sreg::Ss && (cpl == 3 || rpl != cpl) {
                 return Err(gp(0));
             }
-            // The base is left as it was (Intel); the register becomes unusable.
+            // The base is left as it was (AMD without NullSelectClearsBase; the
+            // virtual CPU clears FS/GS's where the vendor does, `load_sreg`); the
+            // register becomes unusable.
             let s = &mut self.sregs[slot];
             s.selector = sel;
             s.unusable = 1;
@@ -370,6 +372,9 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         self.segs
             .load_data(&mut self.mem, self.gdtr, reg, sel)
             .map_err(Event::from_guest_fault)?;
+        if sel & 0xfffc == 0 && matches!(reg, Sreg::Fs | Sreg::Gs) && self.null_clears_base() {
+            self.segs.sregs[reg as usize].base = 0;
+        }
         let base = self.segs.sregs[reg as usize].base;
         if matches!(reg, Sreg::Fs | Sreg::Gs) && base != old_base {
             self.hw.set_hw_base(reg == Sreg::Fs, base);

@@ -51,6 +51,42 @@ fn test_mov_ds_null_makes_it_unusable() {
     assert_eq!(seg(&v, Sreg::Ds).selector, 0);
 }
 
+/// The block's CPU with `vendor` and CPUID 0x8000_0021 EAX = `eax`.
+fn with_vendor(vendor: &[u8; 12], eax_8000_0021: u32) -> Box<AttachBlock> {
+    let mut b = block();
+    b.cpuid[0].ebx = u32::from_le_bytes(vendor[..4].try_into().unwrap());
+    b.cpuid[0].edx = u32::from_le_bytes(vendor[4..8].try_into().unwrap());
+    b.cpuid[0].ecx = u32::from_le_bytes(vendor[8..].try_into().unwrap());
+    let n = b.cpuid_count as usize;
+    b.cpuid[n] = CpuidEntry {
+        function: 0x8000_0021,
+        eax: eax_8000_0021,
+        ..b.cpuid[n]
+    };
+    b.cpuid_count += 1;
+    b
+}
+
+#[test]
+fn test_a_null_fs_load_zeroes_the_base_on_intel_and_on_amd_with_null_select_clears_base() {
+    // (vendor, CPUID 0x8000_0021 EAX, base cleared)
+    let cases: [(&[u8; 12], u32, bool); 3] = [
+        (b"GenuineIntel", 0, true),
+        (b"AuthenticAMD", 1 << 6, true),
+        (b"AuthenticAMD", 0, false),
+    ];
+    for (vendor, eax, cleared) in cases {
+        let b = with_vendor(vendor, eax);
+        let mut v = vcpu(&b);
+        let mut r = with_rax(0);
+        to_user(&mut v, &mut r);
+        assert_eq!(run(&mut v, MOV_FS_AX, &mut r), after(MOV_FS_AX));
+        let expect = if cleared { 0 } else { 0x7000_0000 };
+        assert_eq!(seg(&v, Sreg::Fs).base, expect, "{vendor:?} {eax:#x}");
+        assert_eq!(v.hw.fs_base, expect, "the hardware base follows");
+    }
+}
+
 #[test]
 fn test_mov_ss_null_at_cpl3_is_gp0() {
     let b = block();
