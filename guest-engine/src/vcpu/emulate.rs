@@ -189,10 +189,9 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             }
             Code::Invpcid_r64_m128 => Self::supervisor_only,
             // Facilities the virtual CPU never enables: VMX (CR4.VMXE), SVM (EFER.SVME),
-            // SMX (CR4.SMXE), SGX, user interrupts, SMM, IA-64 and hypercalls.
-            Code::Vmcall
-            | Code::Vmmcall
-            | Code::Vmfunc
+            // SMX (CR4.SMXE), SGX, user interrupts, SMM and IA-64.
+            Code::Vmcall | Code::Vmmcall => Self::hypercall,
+            Code::Vmfunc
             | Code::Vmlaunch
             | Code::Vmresume
             | Code::Vmxoff

@@ -21,8 +21,10 @@
 //! * `clac`/`stac` — #UD at CPL > 0 or without SMAP, else AC cleared or set;
 //! * `xsaves`/`xrstors`, `invpcid` — #UD without their feature (and CR4.OSXSAVE),
 //!   #GP(0) at CPL > 0;
-//! * VMX, SVM, SMX, SGX, user interrupts, `rsm`, `jmpe`, hypercalls — #UD: the virtual
-//!   CPU never enables them (CR4.VMXE/SMXE, EFER.SVME stay clear).
+//! * `vmcall`/`vmmcall` — KVM's hypercall for the vendor's own opcode: RAX = -1
+//!   (-KVM_EPERM) from CPL > 0, as KVM answers; the other vendor's opcode is #UD;
+//! * VMX, SVM, SMX, SGX, user interrupts, `rsm`, `jmpe` — #UD: the virtual CPU never
+//!   enables them (CR4.VMXE/SMXE, EFER.SVME stay clear).
 //!
 //! A case left unsupported at CPL 0 stops the run (`Flow::unsupported`); at CPL 3 the
 //! common fallback in `emulate.rs` makes it #UD.
@@ -57,6 +59,8 @@ const SMAP: Feature = Feature(7, 0, 1, 20);
 const INVPCID: Feature = Feature(7, 0, 1, 10);
 /// `xsaves`/`xrstors` (CPUID 0xd.1.EAX[3]).
 const XSAVES: Feature = Feature(0xd, 1, 0, 3);
+/// KVM's answer to a hypercall from CPL > 0 is -KVM_EPERM (include/uapi/linux/kvm_para.h).
+const KVM_EPERM: u64 = 1;
 /// A null selector loaded into FS/GS zeroes the base (AMD: CPUID 0x8000_0021.EAX[6]).
 const NULL_SELECT_CLEARS_BASE: Feature = Feature(0x8000_0021, 0, 0, 6);
 
@@ -126,6 +130,27 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
             return Err(gp0());
         }
         Ok(Flow::unsupported(i, "sysexit at CPL 0 is not emulated"))
+    }
+
+    /// `vmcall`/`vmmcall`: the guest's CPU is a KVM vCPU (CPUID 0x4000_0000), whose
+    /// hypercall instruction is the vendor's own (`vmmcall` on AMD, `vmcall` on Intel).
+    /// From CPL > 0 KVM answers it with RAX = -KVM_EPERM (-1) and continues; the other
+    /// vendor's opcode is #UD. At CPL 0 hypercalls are not forwarded: the run stops.
+    pub(super) fn hypercall(
+        &mut self,
+        i: &Instruction,
+        regs: &mut GuestRegs,
+        next: GuestVirt,
+    ) -> Step {
+        let native = (i.mnemonic() == Mnemonic::Vmmcall) == self.amd_like();
+        if !native {
+            return Err(Event::ud());
+        }
+        if self.cpl() == 0 {
+            return Ok(Flow::unsupported(i, "KVM hypercalls are not forwarded"));
+        }
+        regs.set(Gpr::Rax, KVM_EPERM.wrapping_neg());
+        Ok(Flow::Continue(next))
     }
 
     /// `int1`: #DB, a trap delivered whatever the gate's DPL.

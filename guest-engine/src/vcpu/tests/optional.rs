@@ -20,11 +20,11 @@ const CLAC: &[u8] = &[0x0f, 0x01, 0xca];
 const STAC: &[u8] = &[0x0f, 0x01, 0xcb];
 const XSAVES: &[u8] = &[0x48, 0x0f, 0xc7, 0x28]; // xsaves64 [rax]
 const INVPCID: &[u8] = &[0x66, 0x0f, 0x38, 0x82, 0x08]; // invpcid rcx, [rax]
-/// Never enabled by the virtual CPU: vmcall, vmmcall, vmfunc, vmxon [rax], vmrun,
-/// stgi, skinit, getsec, encls, enclu, rsm, uiret.
+const VMCALL: &[u8] = &[0x0f, 0x01, 0xc1];
+const VMMCALL: &[u8] = &[0x0f, 0x01, 0xd9];
+/// Never enabled by the virtual CPU: vmfunc, vmxon [rax], vmrun, stgi, skinit, getsec,
+/// encls, enclu, rsm, uiret.
 const NEVER_ENABLED: &[&[u8]] = &[
-    &[0x0f, 0x01, 0xc1],
-    &[0x0f, 0x01, 0xd9],
     &[0x0f, 0x01, 0xd4],
     &[0xf3, 0x0f, 0xc7, 0x30],
     &[0x0f, 0x01, 0xd8],
@@ -296,5 +296,27 @@ fn test_facilities_never_enabled_are_ud_at_every_cpl() {
         let e = run(&mut v, insn, &mut r);
         assert_user_fault(&v, e, &r, 6, None);
         assert_eq!(v.stats.user_unsupported, 0, "{insn:02x?} is modelled");
+    }
+}
+
+#[test]
+fn test_the_vendors_hypercall_at_cpl3_gets_kvm_eperm_and_the_other_vendors_is_ud() {
+    let amd = block();
+    let mut intel_block = block();
+    intel(&mut intel_block);
+    // (block, its hypercall, the other vendor's)
+    for (b, native, other) in [(&amd, VMMCALL, VMCALL), (&intel_block, VMCALL, VMMCALL)] {
+        let mut v = vcpu(b);
+        let mut r = kregs();
+        to_user(&mut v, &mut r);
+        r.set(Gpr::Rax, 9);
+        assert_eq!(run(&mut v, native, &mut r), after(native));
+        assert_eq!(r.get(Gpr::Rax), u64::MAX, "RAX = -KVM_EPERM");
+        let e = run(&mut v, other, &mut r);
+        assert_user_fault(&v, e, &r, 6, None);
+        // At CPL 0 the hypercall is not forwarded: the run stops.
+        let mut v = vcpu(b);
+        let mut r = kregs();
+        assert_eq!(run(&mut v, native, &mut r), Emulation::Stop);
     }
 }
