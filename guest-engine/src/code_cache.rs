@@ -28,7 +28,7 @@ use crate::fragment::{ExitRecord, Fragment};
 use crate::guest_memory::Mode;
 use crate::layout::{
     COUNTERS_OFFSET, GENCODE_OFFSET, IBL_ENTRIES, IBL_ENTRY_BYTES, IBL_HASH_BITS, IBL_OFFSET,
-    IBL_STRIDE, MAX_REGION_BYTES, MIN_REGION_BYTES, MODE_SLOTS, RC_BYTES, RC_ENTRIES, RC_OFFSET,
+    IBL_STRIDE, MAX_REGION_BYTES, MIN_REGION_BYTES, RC_BYTES, RC_ENTRIES, RC_OFFSET, TABLE_SLOTS,
     TRACES_OFFSET, XSAVE_GUEST_OFFSET, XSAVE_HOST_OFFSET,
 };
 
@@ -105,8 +105,8 @@ pub(crate) struct CodeCache {
     pub exits: Vec<ExitRecord>,
     /// Bumped by every flush.
     pub generation: u64,
-    ibl_used: [Occupancy; MODE_SLOTS],
-    rc_used: [Occupancy; MODE_SLOTS],
+    ibl_used: [Occupancy; TABLE_SLOTS],
+    rc_used: [Occupancy; TABLE_SLOTS],
     /// The dispatcher's front cache, emptied with the IBL tables.
     pub fast: FastLookup,
 }
@@ -223,7 +223,7 @@ impl CodeCache {
     }
 
     fn clear_tables(&mut self, global: bool) {
-        for m in 0..MODE_SLOTS {
+        for m in 0..TABLE_SLOTS {
             let ibl = self.ibl_table(m) as *mut u64;
             let used = &mut self.ibl_used[m];
             used.drain(used.words(), !global, |i| {
@@ -249,7 +249,7 @@ impl CodeCache {
         let span = PAGE_BYTES as usize;
         let first = (page.0 as usize) & ((1 << IBL_HASH_BITS) - 1) & !(span - 1);
         let rc_first = (page.0 as usize) % RC_ENTRIES;
-        for m in 0..MODE_SLOTS {
+        for m in 0..TABLE_SLOTS {
             let ibl = self.ibl_table(m) as *mut u64;
             let used = &mut self.ibl_used[m];
             // The page's IBL entries lie in buckets first..=first + span (the last one the

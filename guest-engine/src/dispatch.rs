@@ -143,6 +143,9 @@ pub enum Stop {
     Sensitive(SensitiveInsn),
     /// The attention byte was set; the guest is stopped before `GuestVirt`.
     Attention(GuestVirt),
+    /// In a stepping mode (`Mode::stepping`): one guest instruction completed, the
+    /// guest is stopped before `GuestVirt` (the single-step trap is the embedder's).
+    Stepped(GuestVirt),
     /// A synchronous fault in translated code, mapped back to the guest: the guest state
     /// (registers in `Engine::regs`, RIP) is exactly that before `guest_pc` executes.
     Fault {
@@ -164,8 +167,10 @@ pub struct Engine {
     pub(crate) softtlb: SoftTlb,
     pub(crate) config: Config,
     pub(crate) mode: Mode,
-    /// `mode.slot()`.
+    /// `mode.slot()`: the mode's counters.
     pub(crate) slot: usize,
+    /// `mode.table_slot()`: the mode's lookup tables.
+    pub(crate) table_slot: usize,
     pub(crate) counters: CounterAlloc,
     /// First of the `MODE_SLOTS × INSN_COUNTER_SPREAD` counters of executed guest
     /// instructions (`Config::count_insns`).
@@ -201,10 +206,9 @@ impl Engine {
     /// The region must be readable, writable and executable, page aligned, owned by the
     /// engine for its lifetime and smaller than 2 GiB.
     pub unsafe fn new(base: *mut u8, len: usize, config: Config) -> Result<Self, EngineError> {
-        let slot = config
-            .mode
-            .slot()
-            .ok_or(EngineError::UnknownMode(config.mode.0))?;
+        let unknown = EngineError::UnknownMode(config.mode.0);
+        let slot = config.mode.slot().ok_or(unknown.clone())?;
+        let table_slot = config.mode.table_slot().ok_or(unknown)?;
         // SAFETY: forwarded caller contract.
         let cache = unsafe { CodeCache::new(base, len, config.save_extended_state)? };
         // SAFETY: `CodeCache::new` accepted the region, so it is carved per `layout`; the
@@ -224,6 +228,7 @@ impl Engine {
             config,
             mode: config.mode,
             slot,
+            table_slot,
             counters,
             insn_counters,
             recent: [(GuestVirt(0), Mode::KERNEL); RECENT_TRACES],
@@ -286,6 +291,7 @@ impl Engine {
     /// has its own lookup tables, nothing is cleared.
     pub fn set_mode(&mut self, mode: Mode) -> Result<(), EngineError> {
         self.slot = mode.slot().ok_or(EngineError::UnknownMode(mode.0))?;
+        self.table_slot = mode.table_slot().ok_or(EngineError::UnknownMode(mode.0))?;
         self.mode = mode;
         Ok(())
     }
@@ -398,13 +404,14 @@ impl Engine {
                 base,
                 ctx: self.cache.ctx,
                 gen: self.cache.gen,
-                ibl_table: self.cache.ibl_table(self.slot),
-                ibl_shared: self.cache.gen.ibl_shared[self.slot],
+                ibl_table: self.cache.ibl_table(self.table_slot),
+                ibl_shared: self.cache.gen.ibl_shared[self.table_slot],
                 softtlb_slot: self.softtlb.slot(va),
                 counters: self.cache.counters(),
                 count_ibl: self.config.count_ibl_lookups,
-                rc_table: self.cache.rc_table(self.slot),
-                return_cache: self.config.return_cache,
+                rc_table: self.cache.rc_table(self.table_slot),
+                // A stepping `ret` goes through the (empty) hash table: it must leave.
+                return_cache: self.config.return_cache && !mode.is_stepping(),
                 inline_calls: self.config.inline_calls,
                 call_xsave: (self.config.save_extended_state
                     && !self.config.analysis_preserves_vector_state)
@@ -414,7 +421,7 @@ impl Engine {
                 upper_half: va.0 >> 63 == 1,
                 isolate: self.config.isolate,
                 fence: crate::arch::Fence::for_cpl(mode.cpl()),
-                hoist: !self.no_hoist.contains(&(va.0, mode.0)),
+                hoist: !self.no_hoist.contains(&(va.0, mode.0)) && !mode.is_stepping(),
             };
             let tr = translate_trace(&decoded, &insertions, &calls, &env, &mut self.scratch)
                 .map_err(Stop::Error)?;
@@ -596,6 +603,11 @@ impl Engine {
             if kind == EXIT_IBL_MISS {
                 let va = GuestVirt(self.ctx().ibl_target);
                 self.rip = va;
+                if self.mode.is_stepping() {
+                    // The indirect branch completed: its trap comes before the target's
+                    // fetch (which may fault).
+                    return Stop::Stepped(va);
+                }
                 // SAFETY: see the top of `run_inner`.
                 match self.fragment_for(mem, unsafe { &mut **tp }, va) {
                     Ok(id) => {
@@ -603,9 +615,9 @@ impl Engine {
                         let (entry, body, ret_entry) = (f.entry, f.body, f.ret_entry);
                         if self.config.fill_ibl {
                             let global = self.lookup_global;
-                            self.cache.ibl_insert(self.slot, va, entry, global);
+                            self.cache.ibl_insert(self.table_slot, va, entry, global);
                             if self.config.return_cache {
-                                self.cache.rc_insert(self.slot, va, ret_entry, global);
+                                self.cache.rc_insert(self.table_slot, va, ret_entry, global);
                             }
                         }
                         next = if self.ctx().attention != 0 {
@@ -631,6 +643,10 @@ impl Engine {
                     },
                 ) => {
                     self.rip = target;
+                    if self.mode.is_stepping() {
+                        // One instruction done; nothing is linked while stepping.
+                        return Stop::Stepped(target);
+                    }
                     let gen = self.cache.generation;
                     // SAFETY: see the top of `run_inner`.
                     match self.fragment_for(mem, unsafe { &mut **tp }, target) {
@@ -673,6 +689,9 @@ impl Engine {
                             Self::deliver_fetch(unsafe { &mut **tp }, fetch);
                             self.count_emulated();
                             self.rip = n;
+                            if self.mode.is_stepping() {
+                                return Stop::Stepped(n);
+                            }
                             Next::Lookup
                         }
                         Emulation::Switch {
@@ -684,6 +703,8 @@ impl Engine {
                             Self::deliver_fetch(unsafe { &mut **tp }, fetch);
                             self.count_emulated();
                             self.rip = next;
+                            // The trap follows the TF the instruction began with.
+                            let stepped = self.mode.is_stepping();
                             if mode != self.mode {
                                 // Pending records resolve their PAs in their own mode.
                                 // SAFETY: see the top of `run_inner`.
@@ -694,6 +715,9 @@ impl Engine {
                             }
                             if invalidate_mappings {
                                 self.invalidate_all_mappings();
+                            }
+                            if stepped {
+                                return Stop::Stepped(next);
                             }
                             Next::Lookup
                         }

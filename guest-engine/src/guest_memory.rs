@@ -17,20 +17,47 @@ impl Mode {
     /// Guest user code (virtual CPL 3).
     pub const USER: Mode = Mode(3);
 
-    /// The virtual CPL the mode translates for (its low two bits; other bits, should a
-    /// mode ever need them, say something else).
+    /// The stepping bit: the guest's RFLAGS.TF is set, so every trace is one guest
+    /// instruction, nothing is linked or looked up inline, and the dispatcher stops after
+    /// each instruction (`Stop::Stepped`) for the single-step #DB.
+    const STEP: u32 = 4;
+
+    /// The virtual CPL the mode translates for (its low two bits).
     pub fn cpl(self) -> u8 {
         (self.0 & 3) as u8
     }
 
-    /// Index of the mode's lookup tables and counters (`layout::MODE_SLOTS`); `None` for a
-    /// mode the engine has no tables for.
+    /// Whether the mode single-steps ([`Mode::stepping`]).
+    pub fn is_stepping(self) -> bool {
+        self.0 & Self::STEP != 0
+    }
+
+    /// The same CPL, single-stepping.
+    pub fn stepping(self) -> Mode {
+        Mode(self.0 | Self::STEP)
+    }
+
+    /// Index of the mode's counters (`layout::MODE_SLOTS`): by CPL, so that a stepping
+    /// mode's instructions count with its CPL's; `None` for a mode the engine has no
+    /// slot for.
     pub fn slot(self) -> Option<usize> {
-        match self.0 {
+        match self.0 & !Self::STEP {
             0 => Some(0),
             3 => Some(1),
             _ => None,
         }
+    }
+
+    /// Index of the mode's lookup tables (`layout::TABLE_SLOTS`): its counter slot, or
+    /// for a stepping mode the extra slot whose tables are never filled, so that every
+    /// indirect branch and return leaves to the dispatcher.
+    pub fn table_slot(self) -> Option<usize> {
+        let slot = self.slot()?;
+        Some(if self.is_stepping() {
+            crate::layout::STEP_TABLE_SLOT
+        } else {
+            slot
+        })
     }
 }
 

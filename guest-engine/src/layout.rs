@@ -5,8 +5,8 @@
 //! | offset                 | size                         | content                         |
 //! |------------------------|------------------------------|---------------------------------|
 //! | 0                      | [`CONTEXT_BYTES`]            | `CacheContext` (guest regs, spill slots, attention byte, buffer pointers) and XSAVE areas |
-//! | [`IBL_OFFSET`]         | [`MODE_SLOTS`] × [`IBL_STRIDE`] | one indirect-branch lookup table per mode |
-//! | [`RC_OFFSET`]          | [`MODE_SLOTS`] × [`RC_BYTES`]   | one return cache (landing pads) per mode  |
+//! | [`IBL_OFFSET`]         | [`TABLE_SLOTS`] × [`IBL_STRIDE`] | one indirect-branch lookup table per mode slot, one for stepping |
+//! | [`RC_OFFSET`]          | [`TABLE_SLOTS`] × [`RC_BYTES`]   | one return cache (landing pads) per table slot  |
 //! | [`SOFTTLB_OFFSET`]     | [`SOFTTLB_BYTES`]            | SoftTLB (`softtlb.rs`), read by PA checks |
 //! | [`COUNTERS_OFFSET`]    | [`COUNTER_SLOTS`] × 8        | inline instrumentation counters |
 //! | [`GENCODE_OFFSET`]     | [`GENCODE_BYTES`]            | enter / exit / IBL-miss routines|
@@ -35,6 +35,11 @@ pub const IBL_ENTRY_BYTES: usize = 16;
 /// `Mode(3)` user; see `Mode::slot`). Each mode's generated lookups embed its own tables,
 /// so a lookup can never hit another mode's fragment and a mode switch clears nothing.
 pub const MODE_SLOTS: usize = 2;
+/// Lookup-table slots: one per mode slot, plus [`STEP_TABLE_SLOT`].
+pub const TABLE_SLOTS: usize = MODE_SLOTS + 1;
+/// The lookup tables of the stepping modes (`Mode::table_slot`): never filled, so every
+/// indirect branch of a stepping trace misses and leaves to the dispatcher.
+pub const STEP_TABLE_SLOT: usize = MODE_SLOTS;
 /// Offset of the first mode's IBL table.
 pub const IBL_OFFSET: usize = CONTEXT_BYTES;
 /// Bytes of one IBL table.
@@ -44,14 +49,14 @@ pub const IBL_STRIDE: usize = (IBL_TABLE_BYTES + 4095) & !4095;
 /// Number of return-cache slots, indexed by the low 16 bits of the return address.
 pub const RC_ENTRIES: usize = 1 << 16;
 /// Offset of the first mode's return cache: slots of `ret_entry` cache PCs (0 = empty).
-pub const RC_OFFSET: usize = IBL_OFFSET + MODE_SLOTS * IBL_STRIDE;
+pub const RC_OFFSET: usize = IBL_OFFSET + TABLE_SLOTS * IBL_STRIDE;
 /// Bytes of one return cache (also the distance between two modes' return caches).
 pub const RC_BYTES: usize = RC_ENTRIES * 8;
 /// Number of SoftTLB slots (direct mapped by virtual page number; `softtlb.rs`).
 pub const SOFTTLB_ENTRIES: usize = 4096;
 /// Offset of the SoftTLB: slots of `[va_page: u64, pa_page: u64]` (shared by all
 /// modes: the kernel and user views of a VA map to the same frame).
-pub const SOFTTLB_OFFSET: usize = RC_OFFSET + MODE_SLOTS * RC_BYTES;
+pub const SOFTTLB_OFFSET: usize = RC_OFFSET + TABLE_SLOTS * RC_BYTES;
 /// Bytes of the SoftTLB.
 pub const SOFTTLB_BYTES: usize = SOFTTLB_ENTRIES * 16;
 /// Number of 8-byte inline counters tools may allocate (2 MiB of the region: a Linux

@@ -338,3 +338,64 @@ fn test_emulated_instructions_are_counted_and_recent_traces_are_kept() {
     assert_eq!(recent.len(), guest_engine::layout::RECENT_TRACES);
     assert_eq!(recent.last(), Some(&(GuestVirt(cpuid_next), Mode::USER)));
 }
+
+#[test]
+fn test_a_stepping_mode_stops_after_every_instruction_and_computes_the_same() {
+    let mut rig = Rig::new(Config {
+        count_insns: true,
+        ..Config::default()
+    });
+    let p = Program::new(&rig);
+    let mut mem = p.range();
+    // The ordinary user mode first: its lookup tables and links are warm, and the
+    // stepping mode must use none of them.
+    rig.engine.set_mode(Mode::USER).unwrap();
+    assert_eq!(p.run(&mut rig, &mut mem, &mut NullTool), LOOPS + 100);
+    let before = rig.engine.executed_insns(Mode::USER);
+    let links = rig.engine.stats().links;
+    let stepping = Mode::USER.stepping();
+    rig.engine.set_mode(stepping).unwrap();
+    let stack = vec![0u64; 512];
+    let regs = rig.engine.regs_mut();
+    regs.gpr = [0; 16];
+    regs.set(Gpr::Rcx, LOOPS);
+    regs.set(Gpr::Rsp, stack.as_ptr() as u64 + 8 * 256);
+    regs.rflags = 0x202;
+    rig.engine.set_rip(GuestVirt(p.a()));
+    let mut steps = 0;
+    let last = loop {
+        match rig
+            .engine
+            .run(&mut mem, &mut HostPlatform::default(), &mut NullTool)
+        {
+            Stop::Stepped(next) => {
+                assert_eq!(
+                    rig.engine.rip(),
+                    next,
+                    "stopped before the next instruction"
+                );
+                steps += 1;
+                assert!(steps <= INSNS, "more stops than instructions");
+            }
+            other => break other,
+        }
+    };
+    assert_eq!(
+        steps, INSNS,
+        "one stop per instruction, the last jump's included"
+    );
+    assert_eq!(last, Stop::FetchFault(GuestVirt(p.exit)));
+    assert_eq!(rig.engine.regs().get(Gpr::Rax), LOOPS + 100);
+    assert_eq!(
+        rig.engine.executed_insns(Mode::USER) - before,
+        INSNS,
+        "a stepping mode counts with its CPL"
+    );
+    assert_eq!(
+        rig.engine.stats().links,
+        links,
+        "nothing linked while stepping"
+    );
+    assert_eq!(stepping.cpl(), 3);
+    assert_eq!(stepping.slot(), Mode::USER.slot());
+}

@@ -368,6 +368,7 @@ impl<H: Hardware, M: GuestMmu> Platform for Vcpu<'_, H, M> {
             *c += 1;
         }
         let mode_before = self.mode();
+        self.step_suppressed = false;
         let flow = self.step(insn, regs);
         // The translator must hear about the shadow's work before guest code runs
         // again, and only the run loop holds the engine: stop there and resume.

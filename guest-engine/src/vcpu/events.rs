@@ -276,6 +276,7 @@ fn try_deliver<H: Hardware, M: GuestMmu>(
     v.segs.sregs[Sreg::Cs as usize] = cs_cache;
     regs.set(Gpr::Rsp, rsp);
     regs.rflags &= !(rflags::TF | rflags::NT | rflags::RF | rflags::VM);
+    v.tf = false;
     if ty == 0xe {
         v.vif = false;
     }
@@ -500,6 +501,9 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
     /// Delivers the exception an emulation raised (registers are as before the
     /// instruction; software interrupts return to `next`).
     pub(super) fn raise(&mut self, regs: &mut GuestRegs, pc: u64, next: u64, ev: Event) -> Flow {
+        // An instruction that raises an exception (or is a software interrupt) takes no
+        // single-step trap after it: the delivery cleared TF.
+        self.step_suppressed = true;
         let rip = if matches!(ev.kind, Kind::Software | Kind::SoftException | Kind::Trap) {
             next
         } else {

@@ -1,8 +1,9 @@
-//! The virtual RFLAGS.IF and IOPL: `cli`/`sti` (#GP(0) when CPL > IOPL), `pushfq`
+//! The virtual RFLAGS.IF, IOPL and TF: `cli`/`sti` (#GP(0) when CPL > IOPL), `pushfq`
 //! (the guest's image of RFLAGS), `popfq` (IOPL only at CPL 0, IF only at CPL ≤ IOPL, as
-//! hardware silently ignores them otherwise). The real IF stays 1 and the real IOPL 0
-//! while guest code runs; TF is never set in the real RFLAGS (single-stepping is not
-//! virtualized).
+//! hardware silently ignores them otherwise; TF at any CPL). The real IF stays 1 and the
+//! real IOPL 0 while guest code runs; TF is never set in the real RFLAGS: a virtual TF
+//! makes the translation mode a stepping one ([`super::Vcpu::mode`]), in which the engine
+//! runs one guest instruction at a time and the run loop raises the single-step #DB.
 
 use iced_x86::Instruction;
 use kpin_abi::x86::rflags;
@@ -13,11 +14,12 @@ use super::Vcpu;
 use crate::{Gpr, GuestRegs, GuestVirt};
 
 impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
-    /// The RFLAGS the guest sees: the real arithmetic flags with the virtual IF and IOPL
-    /// (RF and VM clear).
+    /// The RFLAGS the guest sees: the real arithmetic flags with the virtual IF, IOPL and
+    /// TF (RF and VM clear).
     pub fn rflags_image(&self, real: u64) -> u64 {
-        (real & !(rflags::IF | rflags::IOPL | rflags::RF | rflags::VM))
+        (real & !(rflags::IF | rflags::IOPL | rflags::RF | rflags::VM | rflags::TF))
             | (u64::from(self.vif) << 9)
+            | (u64::from(self.tf) << 8)
             | (u64::from(self.iopl) << 12)
     }
 
@@ -33,6 +35,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         if cpl <= self.iopl {
             self.vif = value & rflags::IF != 0;
         }
+        self.tf = value & rflags::TF != 0;
         let keep = rflags::LOADABLE & !(rflags::IF | rflags::IOPL | rflags::TF);
         let rf = if iret { value & rflags::RF } else { 0 };
         regs.rflags = (value & keep) | rf | rflags::FIXED | rflags::IF;

@@ -76,7 +76,7 @@ pub use tables::DescriptorTable;
 pub use uart_status::LineStatusCache;
 
 use crate::shadow_mmu::View;
-use crate::{GuestVirt, Mode, SensitiveKind};
+use crate::{GuestRegs, GuestVirt, Mode, SensitiveKind};
 
 /// Translation mode of traces run at virtual CPL 0–2.
 pub const MODE_KERNEL: Mode = Mode(0);
@@ -87,6 +87,8 @@ pub const MODE_USER: Mode = Mode(3);
 const DR6_INIT: u64 = 0xffff_0ff0;
 /// DR7 at reset.
 const DR7_INIT: u64 = 0x400;
+/// DR6.BS: the #DB was a single-step trap.
+const DR6_BS: u64 = 1 << 14;
 /// DR7's L0–L3/G0–G3: breakpoint enables.
 const DR7_ENABLES: u64 = 0xff;
 /// DR7.GD: general detect.
@@ -178,6 +180,12 @@ pub struct Vcpu<'a, H: Hardware, M: GuestMmu> {
     pub vif: bool,
     /// The virtual RFLAGS.IOPL (the real one stays 0).
     pub iopl: u8,
+    /// The virtual RFLAGS.TF (the real one stays 0): while set, traces are translated in
+    /// a stepping mode ([`Vcpu::mode`]) and every guest instruction ends in a #DB.
+    pub tf: bool,
+    /// The instruction just emulated cleared TF in a way that takes no single-step trap
+    /// after it (`syscall` with SFMASK.TF); taken by [`Vcpu::single_step`].
+    pub(super) step_suppressed: bool,
     /// The virtual GDTR (loaded by `lgdt`; the engine's own GDT is what the CPU uses).
     pub gdtr: DescriptorTable,
     /// The virtual IDTR (loaded by `lidt`; events are delivered through it).
@@ -215,6 +223,8 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             dr7: DR7_INIT,
             vif: block.regs.rflags & rflags::IF != 0,
             iopl: ((block.regs.rflags & rflags::IOPL) >> 12) as u8,
+            tf: block.regs.rflags & rflags::TF != 0,
+            step_suppressed: false,
             gdtr: DescriptorTable {
                 base: block.sregs.gdt.base,
                 limit: block.sregs.gdt.limit,
@@ -256,11 +266,37 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
     /// The translation mode of the virtual CPL ([`MODE_USER`] at CPL 3, else
     /// [`MODE_KERNEL`]): traces are keyed by it.
     pub fn mode(&self) -> Mode {
-        if self.cpl() == 3 {
+        let mode = if self.cpl() == 3 {
             MODE_USER
         } else {
             MODE_KERNEL
+        };
+        if self.tf {
+            mode.stepping()
+        } else {
+            mode
         }
+    }
+
+    /// The single-step trap after an instruction that began with TF set (the engine
+    /// stopped with `Stop::Stepped`): #DB with DR6.BS, RIP = `next`. `None` when the
+    /// instruction suppressed it (`syscall` clearing TF); else the handler's RIP, or the
+    /// triple fault.
+    pub fn single_step(
+        &mut self,
+        regs: &mut GuestRegs,
+        next: u64,
+    ) -> Option<Result<u64, TripleFault>> {
+        if core::mem::take(&mut self.step_suppressed) {
+            return None;
+        }
+        self.dr6 |= DR6_BS;
+        let ev = Event {
+            vector: kpin_abi::x86::vector::DB,
+            error: None,
+            kind: Kind::Trap,
+        };
+        Some(self.deliver(regs, next, ev))
     }
 
     /// Called after anything that may change the CPL (delivery, `iretq`, `syscall`,

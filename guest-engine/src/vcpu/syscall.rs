@@ -56,6 +56,12 @@ fn syscall<H: Hardware, M: GuestMmu>(
         v.vif = false;
     }
     v.iopl &= !((mask >> 12) & 3) as u8;
+    // The single-step trap after `syscall` follows the TF it leaves (SFMASK clears it
+    // for Linux): the kernel entry is not stepped into.
+    if mask & rflags::TF != 0 {
+        v.step_suppressed |= v.tf;
+        v.tf = false;
+    }
     regs.rflags &= !(mask & !(rflags::IF | rflags::IOPL)) & !rflags::RF;
     let sel = ((v.msrs.star >> 32) & 0xfffc) as u16;
     v.segs.sregs[Sreg::Cs as usize] = flat(sel, true, 0);

@@ -28,7 +28,7 @@ pub use guest_engine::vcpu::{MODE_KERNEL, MODE_USER};
 
 /// The shadow view of translation mode `mode`.
 pub fn view_of(mode: Mode) -> View {
-    if mode == MODE_USER {
+    if mode.cpl() == 3 {
         View::User
     } else {
         View::Kernel

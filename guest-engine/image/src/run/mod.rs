@@ -407,6 +407,23 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                     give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
                 }
             }
+            Stop::Stepped(next) => {
+                // The guest's TF was set: one instruction ran, its #DB trap follows.
+                prof::switch(profile::GUEST_FAULT);
+                match vcpu.single_step(engine.regs_mut(), next.0) {
+                    None => engine.set_rip(next),
+                    Some(Ok(handler)) => engine.set_rip(GuestVirt(handler)),
+                    Some(Err(t)) => {
+                        log!(
+                            Error,
+                            "engine: the guest triple-faulted delivering a single-step #DB at RIP {:#x} (last vector {})",
+                            next.0,
+                            t.last.vector
+                        );
+                        give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
+                    }
+                }
+            }
             Stop::Attention(va) => {
                 // State is precise at `va`. Only interrupts set attention so far.
                 prof::switch(profile::INTERRUPT);

@@ -424,12 +424,18 @@ pub(crate) fn decode_trace(
     let mut bbl_first = 0usize;
     let mut instr = Instruction::default();
     let mut followed = 0usize;
+    // A stepping trace is one instruction (`Mode::stepping`).
+    let max_insns = if mode.is_stepping() {
+        1
+    } else {
+        MAX_TRACE_INSNS
+    };
     loop {
         let pc = va.0.wrapping_add(off as u64);
         // Stop at the page end, at the size limit, or where a followed jump moved the
         // decoder past the fetched window (a partial-page fetch).
         let window_end = avail < in_page && off + MAX_INSN_BYTES > avail;
-        if off >= in_page || t.insns.len() >= MAX_TRACE_INSNS || window_end {
+        if off >= in_page || t.insns.len() >= max_insns || window_end {
             t.end = TraceEnd::FallThrough(pc);
             break;
         }
@@ -457,7 +463,10 @@ pub(crate) fn decode_trace(
         let mut bytes = [0u8; MAX_INSN_BYTES];
         bytes[..len].copy_from_slice(&buf[off..off + len]);
         let next_byte = (off + len < avail).then(|| buf[off + len]);
-        let virt_flags = inline_flags && mode.cpl() == 0 && inline_flag_insn(&instr, next_byte);
+        let virt_flags = inline_flags
+            && mode.cpl() == 0
+            && !mode.is_stepping()
+            && inline_flag_insn(&instr, next_byte);
         if let Some(kind) = sensitive_kind(&instr).filter(|_| !virt_flags) {
             t.end = TraceEnd::Sensitive(SensitiveInsn {
                 pc: GuestVirt(pc),
@@ -479,7 +488,7 @@ pub(crate) fn decode_trace(
                 toff as usize + MAX_INSN_BYTES <= avail && (toff as usize) < in_page
             });
             let seen = target == pc || t.info.iter().any(|i| i.address.0 == target);
-            if fits && !seen && followed < MAX_FOLLOWED_JUMPS {
+            if fits && !seen && followed < MAX_FOLLOWED_JUMPS && !mode.is_stepping() {
                 class = Class::JmpElided { target };
                 followed += 1;
             }

@@ -60,7 +60,7 @@
 //! instruction and reloads spilled registers (`recover.rs`, `Engine::recover_regs`).
 
 use crate::context::CacheContext;
-use crate::layout::{GENCODE_BYTES, MODE_SLOTS, XSAVE_MASK};
+use crate::layout::{GENCODE_BYTES, TABLE_SLOTS, XSAVE_MASK};
 
 use super::emit::{reg, Asm};
 
@@ -174,7 +174,7 @@ pub(crate) struct Gencode {
     pub ibl_miss: u64,
     /// Shared hash lookup per mode slot (RDX = target, RCX/RDX spilled), used after
     /// return-cache misses; 0 when the region has no IBL tables (native runner).
-    pub ibl_shared: [u64; MODE_SLOTS],
+    pub ibl_shared: [u64; TABLE_SLOTS],
 }
 
 /// Addresses of the two 64-byte aligned XSAVE areas (guest, host) used when the engine
@@ -197,7 +197,7 @@ pub(crate) unsafe fn emit_gencode(
     at: *mut u8,
     ctx: &CtxAddrs,
     xsave: Option<XsaveAreas>,
-    ibl_tables: Option<[u64; MODE_SLOTS]>,
+    ibl_tables: Option<[u64; TABLE_SLOTS]>,
 ) -> Gencode {
     let base = at as u64;
     let mut a = Asm::new(base, ctx.spill);
@@ -252,7 +252,7 @@ pub(crate) unsafe fn emit_gencode(
     a.mov_m64_imm32(ctx.exit_word, exit_word(EXIT_IBL_MISS, 0));
     a.jmp_abs(exit);
 
-    let mut ibl_shared = [0; MODE_SLOTS];
+    let mut ibl_shared = [0; TABLE_SLOTS];
     for (shared, table) in ibl_shared.iter_mut().zip(ibl_tables.iter().flatten()) {
         *shared = a.pc();
         a.set_spilled(1 << reg::RCX | 1 << reg::RDX);

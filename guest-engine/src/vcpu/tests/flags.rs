@@ -170,15 +170,36 @@ fn test_popfq_at_cpl3_silently_keeps_if_and_iopl() {
 }
 
 #[test]
-fn test_popfq_never_sets_the_real_tf() {
+fn test_popfq_setting_tf_keeps_it_virtual_and_switches_to_the_stepping_mode() {
     let b = block();
     let mut v = vcpu(&b);
     let mut r = kregs();
     r.set(Gpr::Rsp, KSTACK - 8);
     v.mem
         .poke_u64(KSTACK - 8, rflags::FIXED | rflags::TF | rflags::IF);
-    assert_eq!(run(&mut v, POPFQ, &mut r), after(POPFQ));
-    assert_eq!(r.rflags & rflags::TF, 0);
+    assert_eq!(
+        run(&mut v, POPFQ, &mut r),
+        Emulation::Switch {
+            next: GuestVirt(PC + 1),
+            mode: crate::vcpu::MODE_KERNEL.stepping(),
+            invalidate_mappings: false
+        }
+    );
+    assert_eq!(r.rflags & rflags::TF, 0, "never in the real RFLAGS");
+    assert!(v.tf);
+    assert_ne!(v.rflags_image(r.rflags) & rflags::TF, 0, "pushf sees it");
+    // Cleared again: back to the ordinary mode.
+    r.set(Gpr::Rsp, KSTACK - 8);
+    v.mem.poke_u64(KSTACK - 8, rflags::FIXED | rflags::IF);
+    assert_eq!(
+        run(&mut v, POPFQ, &mut r),
+        Emulation::Switch {
+            next: GuestVirt(PC + 1),
+            mode: crate::vcpu::MODE_KERNEL,
+            invalidate_mappings: false
+        }
+    );
+    assert!(!v.tf);
 }
 
 #[test]
@@ -196,4 +217,29 @@ fn test_popfq_from_an_unmapped_stack_is_pf_read() {
         "not present, read, supervisor"
     );
     assert_eq!(v.cr2, UNMAPPED);
+}
+
+#[test]
+fn test_single_step_delivers_db_with_bs_as_a_trap_and_clears_tf() {
+    let b = block();
+    let mut v = vcpu(&b);
+    let mut r = kregs();
+    to_user(&mut v, &mut r);
+    v.tf = true;
+    assert_eq!(v.mode(), crate::vcpu::MODE_USER.stepping());
+    let handler = v
+        .single_step(&mut r, PC + 3)
+        .expect("a trap")
+        .expect("delivered");
+    assert_eq!(handler, super::handler(1));
+    let f = frame(&v, &r, false);
+    assert_eq!(f.rip, PC + 3, "RIP after the instruction");
+    assert_ne!(
+        f.rflags & rflags::TF,
+        0,
+        "the frame keeps TF for the return"
+    );
+    assert!(!v.tf, "the handler runs without TF");
+    assert_eq!(v.mode(), crate::vcpu::MODE_KERNEL);
+    assert_ne!(v.dr6 & (1 << 14), 0, "DR6.BS");
 }

@@ -15,7 +15,8 @@ fn test_syscall_enters_cpl0_with_selectors_from_star_and_masks_rflags() {
     let mut v = vcpu(&b);
     let mut r = kregs();
     to_user(&mut v, &mut r);
-    r.rflags |= rflags::TF | rflags::CF; // SFMASK 0x47700 clears TF, IF, DF, AC, NT
+    r.rflags |= rflags::CF; // SFMASK 0x47700 clears TF, IF, DF, AC, NT
+    v.tf = true; // (TF is virtual)
     let e = run(&mut v, SYSCALL, &mut r);
     assert_eq!(
         e,
@@ -37,6 +38,11 @@ fn test_syscall_enters_cpl0_with_selectors_from_star_and_masks_rflags() {
     assert_eq!(v.cpl(), 0);
     assert!(!v.vif, "SFMASK has IF");
     assert_eq!(r.rflags & rflags::TF, 0);
+    assert!(!v.tf);
+    assert!(
+        v.single_step(&mut r, 0).is_none(),
+        "no single-step trap into the kernel entry"
+    );
     assert_ne!(r.rflags & rflags::CF, 0);
     assert_eq!(v.mem.views, [crate::shadow_mmu::View::Kernel]);
 }
