@@ -146,6 +146,9 @@ pub enum Stop {
     /// In a stepping mode (`Mode::stepping`): one guest instruction completed, the
     /// guest is stopped before `GuestVirt` (the single-step trap is the embedder's).
     Stepped(GuestVirt),
+    /// An emulated instruction switched to a stepping mode: the guest is stopped before
+    /// `GuestVirt`, the first instruction to step.
+    EnteredStepping(GuestVirt),
     /// A synchronous fault in translated code, mapped back to the guest: the guest state
     /// (registers in `Engine::regs`, RIP) is exactly that before `guest_pc` executes.
     Fault {
@@ -718,6 +721,11 @@ impl Engine {
                             }
                             if stepped {
                                 return Stop::Stepped(next);
+                            }
+                            if self.mode.is_stepping() {
+                                // The embedder checks around every stepped instruction
+                                // and needs the state before the first.
+                                return Stop::EnteredStepping(next);
                             }
                             Next::Lookup
                         }

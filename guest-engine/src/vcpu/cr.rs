@@ -216,8 +216,8 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
     }
 
     /// `mov drN, r64`: DR0–DR3 stored; DR6/DR7 upper halves must be 0 (#GP(0)); a DR7
-    /// that enables a breakpoint is kept but inert (breakpoints are not virtualized
-    /// yet); one that enables general detect stops.
+    /// that enables a breakpoint makes the translation mode a stepping one (`debug.rs`);
+    /// one that enables general detect stops.
     pub(super) fn mov_to_dr(
         &mut self,
         i: &Instruction,
@@ -248,17 +248,11 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
                         "a DR7 write that enables general detect is not virtualized",
                     ));
                 }
-                // L0–L3/G0–G3 enable breakpoints. Linux writes them for ptrace's
-                // u_debugreg (gdb's hbreak and watch), so the write must not end the
-                // run: kept and read back, but the breakpoints do not fire yet (logged
-                // once, counted).
+                // L0–L3/G0–G3 enable breakpoints (Linux: ptrace's u_debugreg, gdb's
+                // hbreak and watch): from the next instruction on the translation mode
+                // steps and `debug.rs` checks them.
                 if v & DR7_ENABLES != 0 {
-                    self.stats.inert_breakpoints += 1;
-                    if self.stats.inert_breakpoints == 1 {
-                        self.hw.log(format_args!(
-                            "engine: the guest enabled a hardware breakpoint (DR7 {v:#x}): kept, but breakpoints are not virtualized yet and will not fire"
-                        ));
-                    }
+                    self.stats.breakpoint_enables += 1;
                 }
                 self.dr7 = (v & !0xd800) | DR7_INIT;
             }

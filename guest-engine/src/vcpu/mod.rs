@@ -10,6 +10,8 @@
 //! privilege checks common to a family and dispatches through a table from iced-x86's
 //! `Code` to the handler:
 //!
+//! * `debug.rs` — TF single-stepping and DR0–DR3/DR7 breakpoints, around the engine's
+//!   stepping mode;
 //! * `cr.rs` — `mov` to/from CR0/CR2/CR3/CR4/CR8 and DR0–DR7, `lmsw`/`smsw`/`clts`,
 //!   `invlpg`. CR3 switches the guest's address space in the shadow MMU; CR0/CR4 writes
 //!   that change only CR0.WP, CR4.PGE/SMEP (and the bits the hardware need not enforce
@@ -44,6 +46,7 @@
 //! the shadow view follows the CPL at once.
 
 mod cr;
+mod debug;
 mod emulate;
 mod events;
 mod flags;
@@ -76,7 +79,7 @@ pub use tables::DescriptorTable;
 pub use uart_status::LineStatusCache;
 
 use crate::shadow_mmu::View;
-use crate::{GuestRegs, GuestVirt, Mode, SensitiveKind};
+use crate::{GuestVirt, Mode, SensitiveKind};
 
 /// Translation mode of traces run at virtual CPL 0–2.
 pub const MODE_KERNEL: Mode = Mode(0);
@@ -87,8 +90,6 @@ pub const MODE_USER: Mode = Mode(3);
 const DR6_INIT: u64 = 0xffff_0ff0;
 /// DR7 at reset.
 const DR7_INIT: u64 = 0x400;
-/// DR6.BS: the #DB was a single-step trap.
-const DR6_BS: u64 = 1 << 14;
 /// DR7's L0–L3/G0–G3: breakpoint enables.
 const DR7_ENABLES: u64 = 0xff;
 /// DR7.GD: general detect.
@@ -149,9 +150,8 @@ pub struct VcpuStats {
     pub halts: u64,
     /// Instructions at CPL 3 the virtual CPU does not model, answered with #UD.
     pub user_unsupported: u64,
-    /// DR7 writes that enabled a hardware breakpoint, which does not fire (breakpoints
-    /// are not virtualized yet).
-    pub inert_breakpoints: u64,
+    /// DR7 writes that enabled a hardware breakpoint.
+    pub breakpoint_enables: u64,
 }
 
 /// The virtual CPU's state and counters, over the embedder's hardware `H` and guest
@@ -169,8 +169,7 @@ pub struct Vcpu<'a, H: Hardware, M: GuestMmu> {
     pub cr2: u64,
     /// Guest CR4.
     pub cr4: u64,
-    /// Guest DR0–DR3 (stored only: breakpoints are not virtualized yet, so one that DR7
-    /// enables never fires).
+    /// Guest DR0–DR3 (the breakpoints DR7 enables are checked by `debug.rs`).
     pub dr: [u64; 4],
     /// Guest DR6.
     pub dr6: u64,
@@ -184,7 +183,7 @@ pub struct Vcpu<'a, H: Hardware, M: GuestMmu> {
     /// a stepping mode ([`Vcpu::mode`]) and every guest instruction ends in a #DB.
     pub tf: bool,
     /// The instruction just emulated cleared TF in a way that takes no single-step trap
-    /// after it (`syscall` with SFMASK.TF); taken by [`Vcpu::single_step`].
+    /// after it (`syscall` with SFMASK.TF); taken by [`Vcpu::after_instruction`].
     pub(super) step_suppressed: bool,
     /// The virtual GDTR (loaded by `lgdt`; the engine's own GDT is what the CPU uses).
     pub gdtr: DescriptorTable,
@@ -271,32 +270,11 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
         } else {
             MODE_KERNEL
         };
-        if self.tf {
+        if self.tf || self.breakpoints_armed() {
             mode.stepping()
         } else {
             mode
         }
-    }
-
-    /// The single-step trap after an instruction that began with TF set (the engine
-    /// stopped with `Stop::Stepped`): #DB with DR6.BS, RIP = `next`. `None` when the
-    /// instruction suppressed it (`syscall` clearing TF); else the handler's RIP, or the
-    /// triple fault.
-    pub fn single_step(
-        &mut self,
-        regs: &mut GuestRegs,
-        next: u64,
-    ) -> Option<Result<u64, TripleFault>> {
-        if core::mem::take(&mut self.step_suppressed) {
-            return None;
-        }
-        self.dr6 |= DR6_BS;
-        let ev = Event {
-            vector: kpin_abi::x86::vector::DB,
-            error: None,
-            kind: Kind::Trap,
-        };
-        Some(self.deliver(regs, next, ev))
     }
 
     /// Called after anything that may change the CPL (delivery, `iretq`, `syscall`,

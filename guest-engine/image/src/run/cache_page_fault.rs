@@ -31,7 +31,7 @@ use crate::run::vcpu::Vcpu;
 /// Identical faults in a row tolerated before the run stops.
 const MAX_REPEATS: u32 = 3;
 /// Longest x86 instruction.
-const MAX_INSN: usize = 15;
+pub(crate) const MAX_INSN: usize = 15;
 
 /// What the run loop does next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

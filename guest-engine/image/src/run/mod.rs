@@ -239,6 +239,21 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
         // instructions, and come back after the run (deliveries and reports read them).
         engine.set_virtual_flags(vcpu.vif, vcpu.iopl);
         engine.set_irq_held(crate::events::irq::highest().is_some());
+        // Stepping (TF, or DR7 breakpoints): the run executes at most this one
+        // instruction, whose state before it the debug checks need.
+        let step = vcpu.mode().is_stepping().then(|| StepStart {
+            tf: vcpu.tf,
+            regs: *engine.regs(),
+            pc: engine.rip().0,
+        });
+        if let Some(s) = &step {
+            if let Some(r) = vcpu.instruction_breakpoint(engine.regs_mut(), s.pc) {
+                if on_debug_trap(&mut engine, r, s.pc).is_err() {
+                    give_up(&engine, &vcpu, &shadow, &mut tool, 0, &mem);
+                }
+                continue;
+            }
+        }
         let stop = engine.run(&mut mem, &mut vcpu, tool.as_tool());
         (vcpu.vif, vcpu.iopl) = engine.virtual_flags();
         let cycles = timer::tsc().wrapping_sub(t0);
@@ -407,20 +422,33 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
                     give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
                 }
             }
+            Stop::EnteredStepping(next) => engine.set_rip(next),
             Stop::Stepped(next) => {
-                // The guest's TF was set: one instruction ran, its #DB trap follows.
+                // One instruction ran in a stepping mode: its #DB trap, if any, follows.
                 prof::switch(profile::GUEST_FAULT);
-                match vcpu.single_step(engine.regs_mut(), next.0) {
+                let Some(s) = step else {
+                    log!(
+                        Error,
+                        "engine: a stepping stop outside a stepping mode at RIP {:#x}",
+                        next.0
+                    );
+                    give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
+                };
+                let mut bytes = [0u8; cache_page_fault::MAX_INSN];
+                let n = ShadowedMemory::new(&shadow).peek_code(s.pc, engine.mode(), &mut bytes);
+                match vcpu.after_instruction(
+                    s.tf,
+                    &s.regs,
+                    s.pc,
+                    &bytes[..n],
+                    engine.regs_mut(),
+                    next.0,
+                ) {
                     None => engine.set_rip(next),
-                    Some(Ok(handler)) => engine.set_rip(GuestVirt(handler)),
-                    Some(Err(t)) => {
-                        log!(
-                            Error,
-                            "engine: the guest triple-faulted delivering a single-step #DB at RIP {:#x} (last vector {})",
-                            next.0,
-                            t.last.vector
-                        );
-                        give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
+                    Some(r) => {
+                        if on_debug_trap(&mut engine, r, next.0).is_err() {
+                            give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
+                        }
                     }
                 }
             }
@@ -534,6 +562,38 @@ fn deliver_at(
         })?;
     engine.set_rip(GuestVirt(handler));
     Ok(())
+}
+
+/// The guest state an instruction run in a stepping mode began with.
+struct StepStart {
+    /// The virtual TF.
+    tf: bool,
+    /// The registers.
+    regs: guest_engine::GuestRegs,
+    /// Its address.
+    pc: u64,
+}
+
+/// Continues at the handler of a #DB delivery (`r`), or logs the triple fault at `rip`.
+fn on_debug_trap(
+    engine: &mut Engine,
+    r: Result<u64, guest_engine::vcpu::TripleFault>,
+    rip: u64,
+) -> Result<(), ()> {
+    match r {
+        Ok(handler) => {
+            engine.set_rip(GuestVirt(handler));
+            Ok(())
+        }
+        Err(t) => {
+            log!(
+                Error,
+                "engine: the guest triple-faulted delivering #DB at RIP {rip:#x} (last vector {})",
+                t.last.vector
+            );
+            Err(())
+        }
+    }
 }
 
 /// Tells the ring-0 trap path where the code cache is, so that a fault in translated
@@ -655,8 +715,8 @@ fn report(
         .u64("halts", v.halts)
         // CPL-3 instructions the virtual CPU does not model, answered with #UD.
         .u64("user_unsupported_ud", v.user_unsupported)
-        // DR7 writes enabling a breakpoint that does not fire (not virtualized yet).
-        .u64("inert_breakpoints", v.inert_breakpoints)
+        // DR7 writes enabling a hardware breakpoint.
+        .u64("breakpoint_enables", v.breakpoint_enables)
         .end();
     j.begin("smc")
         .u64("frames_invalidated", sh.counters.code_writes)

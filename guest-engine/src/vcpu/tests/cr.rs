@@ -223,14 +223,20 @@ fn test_mov_dr6_with_upper_bits_is_gp0() {
 }
 
 #[test]
-fn test_mov_dr7_enabling_a_breakpoint_is_kept_and_counted_and_general_detect_stops() {
+fn test_mov_dr7_enabling_a_breakpoint_switches_to_stepping_and_general_detect_stops() {
     let b = block();
     let mut v = vcpu(&b);
     let mut r = with_rax(0x000d_0001); // L0, R/W0 = write, LEN0 = 4 bytes
-    assert_eq!(run(&mut v, MOV_DR7_RAX, &mut r), after(MOV_DR7_RAX));
+    assert_eq!(
+        run(&mut v, MOV_DR7_RAX, &mut r),
+        Emulation::Switch {
+            next: GuestVirt(PC + 3),
+            mode: crate::vcpu::MODE_KERNEL.stepping(),
+            invalidate_mappings: false
+        }
+    );
     assert_eq!(v.dr7, 0x000d_0401, "kept, bit 10 reads 1");
-    assert_eq!(v.stats.inert_breakpoints, 1);
-    assert_eq!(v.hw.log.len(), 1, "logged once: {:?}", v.hw.log);
+    assert_eq!(v.stats.breakpoint_enables, 1);
     let mut r = with_rax(1 << 13); // GD
     assert_eq!(run(&mut v, MOV_DR7_RAX, &mut r), Emulation::Stop);
     assert!(matches!(stop(&mut v), VcpuStop::Unsupported { .. }));

@@ -227,8 +227,9 @@ fn test_single_step_delivers_db_with_bs_as_a_trap_and_clears_tf() {
     to_user(&mut v, &mut r);
     v.tf = true;
     assert_eq!(v.mode(), crate::vcpu::MODE_USER.stepping());
+    let before = r;
     let handler = v
-        .single_step(&mut r, PC + 3)
+        .after_instruction(true, &before, PC, &[0x90], &mut r, PC + 3)
         .expect("a trap")
         .expect("delivered");
     assert_eq!(handler, super::handler(1));

@@ -11,6 +11,7 @@
 extern crate std;
 
 mod cr;
+mod debug;
 mod events;
 mod flags;
 mod misc;

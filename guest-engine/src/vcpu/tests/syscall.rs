@@ -40,7 +40,8 @@ fn test_syscall_enters_cpl0_with_selectors_from_star_and_masks_rflags() {
     assert_eq!(r.rflags & rflags::TF, 0);
     assert!(!v.tf);
     assert!(
-        v.single_step(&mut r, 0).is_none(),
+        v.after_instruction(true, &r.clone(), PC, SYSCALL, &mut r, 0)
+            .is_none(),
         "no single-step trap into the kernel entry"
     );
     assert_ne!(r.rflags & rflags::CF, 0);
