@@ -134,10 +134,11 @@ fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
     require_kvm!();
     // mov cr0, rax (RAX = 10: clears CR0.PG)
     let mov_cr0 = [0x0f, 0x22, 0xc0];
-    // mov dr7, rax
-    let mov_dr7 = [0x0f, 0x23, 0xf8];
-    // outsb
-    let outsb = [0x6e];
+    // mov eax, 0x2000; mov dr7, rax: general detect (breakpoints themselves are
+    // virtualized)
+    let mov_dr7_gd = [0xb8, 0x00, 0x20, 0x00, 0x00, 0x0f, 0x23, 0xf8];
+    // jmp far [rax]: a far transfer at CPL 0 (from CPL 3 it would be the process's #UD)
+    let jmp_far = [0x48, 0xff, 0x28];
     // mov ecx, 0x3a; rdmsr: FEATURE_CONTROL, which neither the virtual CPU nor KVM has
     // for this vCPU (the engine asks KVM for MSRs it does not keep), so #GP(0), which
     // this guest has no IDT for: #GP(0x6a) for the IDT limit, #DF, #GP(0x42): a triple
@@ -147,8 +148,11 @@ fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
     for (name, code, want) in [
         (
             "movdr",
-            [PRINT_OK, &mov_dr7[..]].concat(),
-            format!("unsupported sensitive instruction `mov` (DebugRegister) at guest RIP {at:#x}"),
+            [PRINT_OK, &mov_dr7_gd[..]].concat(),
+            format!(
+                "unsupported sensitive instruction `mov` (DebugRegister) at guest RIP {:#x}: a DR7 write that enables general detect",
+                at + 5
+            ),
         ),
         (
             "movcr0",
@@ -156,9 +160,9 @@ fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
             format!("unsupported sensitive instruction `mov` (ControlRegister) at guest RIP {at:#x}: a CR0 write that changes PE or PG"),
         ),
         (
-            "outsb",
-            [PRINT_OK, &outsb[..]].concat(),
-            format!("unsupported sensitive instruction `outsb` (PortIo) at guest RIP {at:#x}: string port I/O is not emulated"),
+            "jmpfar",
+            [PRINT_OK, &jmp_far[..]].concat(),
+            format!("unsupported sensitive instruction `jmp` (FarTransfer) at guest RIP {at:#x}: not emulated by the virtual CPU yet"),
         ),
         (
             "triple",
