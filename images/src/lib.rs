@@ -21,6 +21,7 @@ mod command;
 mod cpio;
 mod debian;
 mod engine;
+mod gdb;
 mod initramfs;
 mod layout;
 mod linux;
@@ -37,6 +38,7 @@ use std::path::{Path, PathBuf};
 pub use bzimage::BzImageError;
 pub use command::CommandError;
 pub use cpio::CpioError;
+pub use gdb::{ensure_gdb, gdb_overlay, GDB_BEGIN, GDB_END};
 pub use lz4_legacy::Lz4Error;
 pub use workload::{
     probe_verdict, programs_workload_expected_md5, workload_expected_md5, PROBE_ACCESSES, PROGRAMS,
@@ -197,6 +199,24 @@ pub enum ImagesError {
         /// How it failed.
         #[source]
         source: CommandError,
+    },
+    /// gdb's shared libraries could not be listed.
+    #[error("could not list gdb's shared libraries: `{command}` failed")]
+    GdbLibraries {
+        /// The exact command that failed.
+        command: String,
+        /// How it failed.
+        #[source]
+        source: CommandError,
+    },
+    /// The host lacks shared libraries gdb-minimal needs.
+    #[error(
+        "gdb-minimal needs {missing}, which the host does not have (`apt-get install` \
+         gdb-minimal's dependencies, as .ci/setup does)"
+    )]
+    GdbMissingLibraries {
+        /// The missing libraries, as `ldd` names them.
+        missing: String,
     },
     /// The initramfs archive could not be built.
     #[error("could not build the initramfs")]

@@ -131,6 +131,15 @@ impl DebPin {
     }
 }
 
+/// Debian bookworm's gdb without Python (`gdb-minimal`): the debugger the guest runs in
+/// tests/linux_gdb_in_guest.rs, with the host's copies of its shared libraries.
+pub(crate) const GDB_MINIMAL: DebPin = DebPin {
+    package: "gdb-minimal",
+    version: "13.1-3",
+    sha256: "4aabd8955f0fa362e0474ddd02b5bbed77489b11dae04bbe2c420a54ac27e8ce",
+    size_bytes: 3_253_832,
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
