@@ -413,8 +413,9 @@ impl Engine {
                 counters: self.cache.counters(),
                 count_ibl: self.config.count_ibl_lookups,
                 rc_table: self.cache.rc_table(self.table_slot),
-                // A stepping `ret` goes through the (empty) hash table: it must leave.
-                return_cache: self.config.return_cache && !mode.is_stepping(),
+                // A stepping `ret` goes through the (empty) hash table: it must leave;
+                // 32-bit code's returns go through the hash table too.
+                return_cache: self.config.return_cache && !mode.is_stepping() && !mode.is_compat(),
                 inline_calls: self.config.inline_calls,
                 call_xsave: (self.config.save_extended_state
                     && !self.config.analysis_preserves_vector_state)
@@ -425,6 +426,7 @@ impl Engine {
                 isolate: self.config.isolate,
                 fence: crate::arch::Fence::for_cpl(mode.cpl()),
                 hoist: !self.no_hoist.contains(&(va.0, mode.0)) && !mode.is_stepping(),
+                compat: mode.is_compat(),
             };
             let tr = translate_trace(&decoded, &insertions, &calls, &env, &mut self.scratch)
                 .map_err(Stop::Error)?;

@@ -22,6 +22,10 @@ impl Mode {
     /// each instruction (`Stop::Stepped`) for the single-step #DB.
     const STEP: u32 = 4;
 
+    /// The compatibility bit: 32-bit guest code (a CPL-3 code segment with L = 0,
+    /// D = 1), decoded as 32-bit code and translated into equivalent 64-bit code.
+    const COMPAT: u32 = 8;
+
     /// The virtual CPL the mode translates for (its low two bits).
     pub fn cpl(self) -> u8 {
         (self.0 & 3) as u8
@@ -37,24 +41,46 @@ impl Mode {
         Mode(self.0 | Self::STEP)
     }
 
-    /// Index of the mode's counters (`layout::MODE_SLOTS`): by CPL, so that a stepping
-    /// mode's instructions count with its CPL's; `None` for a mode the engine has no
-    /// slot for.
+    /// Whether the mode translates 32-bit code ([`Mode::compat`]).
+    pub fn is_compat(self) -> bool {
+        self.0 & Self::COMPAT != 0
+    }
+
+    /// The same CPL, for 32-bit code.
+    pub fn compat(self) -> Mode {
+        Mode(self.0 | Self::COMPAT)
+    }
+
+    /// The decoder bitness of the mode's guest code: 32 or 64.
+    pub fn bitness(self) -> u32 {
+        if self.is_compat() {
+            32
+        } else {
+            64
+        }
+    }
+
+    /// Index of the mode's counters (`layout::MODE_SLOTS`): by CPL, so that stepping and
+    /// 32-bit modes count with their CPL's; `None` for a mode the engine has no slot for
+    /// (32-bit code only runs at CPL 3).
     pub fn slot(self) -> Option<usize> {
         match self.0 & !Self::STEP {
             0 => Some(0),
-            3 => Some(1),
+            3 | 11 => Some(1),
             _ => None,
         }
     }
 
-    /// Index of the mode's lookup tables (`layout::TABLE_SLOTS`): its counter slot, or
-    /// for a stepping mode the extra slot whose tables are never filled, so that every
-    /// indirect branch and return leaves to the dispatcher.
+    /// Index of the mode's lookup tables (`layout::TABLE_SLOTS`): its counter slot; for a
+    /// stepping mode the extra slot whose tables are never filled, so that every indirect
+    /// branch and return leaves to the dispatcher; for 32-bit code a slot of its own (a
+    /// VA may hold code run in both bitnesses).
     pub fn table_slot(self) -> Option<usize> {
         let slot = self.slot()?;
         Some(if self.is_stepping() {
             crate::layout::STEP_TABLE_SLOT
+        } else if self.is_compat() {
+            crate::layout::COMPAT_TABLE_SLOT
         } else {
             slot
         })

@@ -35,8 +35,11 @@ pub const IBL_ENTRY_BYTES: usize = 16;
 /// `Mode(3)` user; see `Mode::slot`). Each mode's generated lookups embed its own tables,
 /// so a lookup can never hit another mode's fragment and a mode switch clears nothing.
 pub const MODE_SLOTS: usize = 2;
-/// Lookup-table slots: one per mode slot, plus [`STEP_TABLE_SLOT`].
-pub const TABLE_SLOTS: usize = MODE_SLOTS + 1;
+/// Lookup-table slots: one per mode slot, plus [`STEP_TABLE_SLOT`] and
+/// [`COMPAT_TABLE_SLOT`].
+pub const TABLE_SLOTS: usize = MODE_SLOTS + 2;
+/// The lookup tables of 32-bit user code (`Mode::compat`).
+pub const COMPAT_TABLE_SLOT: usize = MODE_SLOTS + 1;
 /// The lookup tables of the stepping modes (`Mode::table_slot`): never filled, so every
 /// indirect branch of a stepping trace misses and leaves to the dispatcher.
 pub const STEP_TABLE_SLOT: usize = MODE_SLOTS;

@@ -10,7 +10,7 @@ mod common;
 
 use common::{HostMemory, HostPlatform, Region, Rig};
 use guest_engine::instrument::access;
-use guest_engine::isolation::{classify_fault, Fence, IsolationFault};
+use guest_engine::isolation::{classify_fault, IsolationFault};
 use guest_engine::{Config, Gpr, GuestPhys, GuestVirt, Mode, NullTool, Stop};
 
 const WINDOW_VA: u64 = 0xffff_8080_0000_0000;
@@ -66,7 +66,7 @@ impl Case {
         let off = (pc - self.block.addr()) as usize;
         let bytes = &self.block.slice()[off..off + 15];
         classify_fault(
-            Fence::for_cpl(self.mode.cpl()),
+            self.mode,
             bytes,
             pc,
             self.rig.engine.regs(),
@@ -239,15 +239,7 @@ fn test_user_and_kernel_accesses_to_the_window_and_physmap_trap_before_touching_
         expect_hit(stop, base);
         let bytes = &c.block.slice()[..15];
         assert_eq!(
-            classify_fault(
-                Fence::for_cpl(mode.cpl()),
-                bytes,
-                base,
-                c.rig.engine.regs(),
-                0,
-                PHYSMAP_VA,
-                0
-            ),
+            classify_fault(mode, bytes, base, c.rig.engine.regs(), 0, PHYSMAP_VA, 0),
             IsolationFault::Zone {
                 addr: PHYSMAP_VA + 0x10,
                 access: access::READ

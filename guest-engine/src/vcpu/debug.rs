@@ -125,7 +125,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
     /// DR6.Bn bits of the data breakpoints the instruction at `pc` hits with the
     /// registers `before` it.
     fn data_hits(&self, before: &GuestRegs, pc: u64, bytes: &[u8]) -> u64 {
-        let i = Decoder::with_ip(64, bytes, pc, DecoderOptions::NONE).decode();
+        let i = Decoder::with_ip(self.bitness(), bytes, pc, DecoderOptions::NONE).decode();
         if i.is_invalid() {
             return 0;
         }

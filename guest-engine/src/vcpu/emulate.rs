@@ -101,8 +101,8 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             // flags.rs
             Code::Cli => Self::cli,
             Code::Sti => Self::sti,
-            Code::Pushfq => Self::pushfq,
-            Code::Popfq => Self::popfq,
+            Code::Pushfq | Code::Pushfd => Self::pushfq,
+            Code::Popfq | Code::Popfd => Self::popfq,
             // tables.rs
             Code::Lgdt_m1664 | Code::Lidt_m1664 => Self::load_table,
             Code::Sgdt_m1664 | Code::Sidt_m1664 => Self::store_table,
@@ -130,8 +130,32 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             | Code::Verw_rm16
             | Code::Verw_r32m16
             | Code::Verw_r64m16 => Self::verify,
-            Code::Pushw_FS | Code::Pushq_FS | Code::Pushw_GS | Code::Pushq_GS => Self::push_sreg,
-            Code::Popw_FS | Code::Popq_FS | Code::Popw_GS | Code::Popq_GS => Self::pop_sreg,
+            Code::Pushw_FS
+            | Code::Pushq_FS
+            | Code::Pushw_GS
+            | Code::Pushq_GS
+            | Code::Pushd_FS
+            | Code::Pushd_GS
+            | Code::Pushd_ES
+            | Code::Pushd_CS
+            | Code::Pushd_SS
+            | Code::Pushd_DS
+            | Code::Pushw_ES
+            | Code::Pushw_CS
+            | Code::Pushw_SS
+            | Code::Pushw_DS => Self::push_sreg,
+            Code::Popw_FS
+            | Code::Popq_FS
+            | Code::Popw_GS
+            | Code::Popq_GS
+            | Code::Popd_FS
+            | Code::Popd_GS
+            | Code::Popd_ES
+            | Code::Popd_SS
+            | Code::Popd_DS
+            | Code::Popw_ES
+            | Code::Popw_SS
+            | Code::Popw_DS => Self::pop_sreg,
             Code::Retfw
             | Code::Retfd
             | Code::Retfq
@@ -143,7 +167,7 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             Code::Wrmsr => Self::wrmsr,
             // syscall.rs
             Code::Syscall => Self::syscall,
-            Code::Sysretq => Self::sysretq,
+            Code::Sysretq | Code::Sysretd => Self::sysretq,
             Code::Swapgs => Self::swapgs,
             Code::Rdfsbase_r64 | Code::Rdgsbase_r64 => Self::rd_base,
             Code::Wrfsbase_r64 | Code::Wrgsbase_r64 => Self::wr_base,
@@ -259,7 +283,12 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
     /// Emulates `insn` and delivers the exception it raises; what the guest does next.
     fn step(&mut self, insn: &SensitiveInsn, regs: &mut GuestRegs) -> Flow {
         let len = usize::from(insn.len).min(insn.bytes.len());
-        let mut d = Decoder::with_ip(64, &insn.bytes[..len], insn.pc.0, DecoderOptions::NONE);
+        let mut d = Decoder::with_ip(
+            self.bitness(),
+            &insn.bytes[..len],
+            insn.pc.0,
+            DecoderOptions::NONE,
+        );
         let i = d.decode();
         let next = GuestVirt(insn.pc.0.wrapping_add(len as u64));
         let before = *regs;

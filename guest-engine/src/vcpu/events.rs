@@ -327,11 +327,13 @@ fn iretq<H: Hardware, M: GuestMmu>(
     if c.present == 0 {
         return Err(Event::fault(NP, u32::from(cs & 0xfffc)));
     }
-    if c.l == 0 || c.db != 0 {
-        // Only 64-bit code is translated: a return to compatibility mode cannot run.
+    // 64-bit code, or (at CPL 3) 32-bit code, which the engine translates too; 16-bit
+    // code is not translated: its segment is refused.
+    let compat = c.l == 0 && c.db != 0 && rpl == 3;
+    if (c.l == 0 && !compat) || c.db != 0 && c.l != 0 {
         return Err(gp(cs));
     }
-    if !canonical(rip) {
+    if !canonical(rip) || (compat && rip > u64::from(c.limit)) {
         return Err(gp(0));
     }
     // SS: null only for a return to CPL < 3 with RPL = the new CPL.

@@ -72,33 +72,28 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         Ok(Flow::Continue(next))
     }
 
-    /// `pushfq`.
+    /// `pushfq`/`pushfd` (8 or 4 bytes of the guest's RFLAGS image).
     pub(super) fn pushfq(
         &mut self,
-        _i: &Instruction,
+        i: &Instruction,
         regs: &mut GuestRegs,
         next: GuestVirt,
     ) -> Step {
-        let image = self.rflags_image(regs.rflags);
-        let rsp = regs.get(Gpr::Rsp).wrapping_sub(8);
-        self.write(rsp, &image.to_le_bytes())?;
-        regs.set(Gpr::Rsp, rsp);
+        let image = self.rflags_image(regs.rflags).to_le_bytes();
+        let size = i.stack_pointer_increment().unsigned_abs() as usize;
+        self.push_bytes(regs, &image[..size])?;
         Ok(Flow::Continue(next))
     }
 
-    /// `popfq`.
-    pub(super) fn popfq(
-        &mut self,
-        _i: &Instruction,
-        regs: &mut GuestRegs,
-        next: GuestVirt,
-    ) -> Step {
-        let rsp = regs.get(Gpr::Rsp);
+    /// `popfq`/`popfd`.
+    pub(super) fn popfq(&mut self, i: &Instruction, regs: &mut GuestRegs, next: GuestVirt) -> Step {
+        let size = i.stack_pointer_increment().unsigned_abs() as usize;
         let mut b = [0u8; 8];
-        self.read(rsp, &mut b)?;
+        let rsp = self.peek_stack(regs, &mut b[..size])?;
         let cpl = self.cpl();
+        // A 32-bit popfd keeps the upper half of RFLAGS (all zero).
         self.load_rflags(regs, u64::from_le_bytes(b), cpl, false);
-        regs.set(Gpr::Rsp, rsp.wrapping_add(8));
+        regs.set(Gpr::Rsp, rsp);
         Ok(Flow::Continue(next))
     }
 }

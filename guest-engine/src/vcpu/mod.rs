@@ -79,7 +79,7 @@ pub use tables::DescriptorTable;
 pub use uart_status::LineStatusCache;
 
 use crate::shadow_mmu::View;
-use crate::{GuestVirt, Mode, SensitiveKind};
+use crate::{Gpr, GuestRegs, GuestVirt, Mode, SensitiveKind};
 
 /// Translation mode of traces run at virtual CPL 0–2.
 pub const MODE_KERNEL: Mode = Mode(0);
@@ -265,10 +265,12 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
     /// The translation mode of the virtual CPL ([`MODE_USER`] at CPL 3, else
     /// [`MODE_KERNEL`]): traces are keyed by it.
     pub fn mode(&self) -> Mode {
-        let mode = if self.cpl() == 3 {
-            MODE_USER
-        } else {
+        let mode = if self.cpl() != 3 {
             MODE_KERNEL
+        } else if self.bitness() == 32 {
+            MODE_USER.compat()
+        } else {
+            MODE_USER
         };
         if self.tf || self.breakpoints_armed() {
             mode.stepping()
@@ -287,6 +289,45 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
                 self.mem.record_failure(e);
             }
         }
+    }
+
+    /// The code segment's bitness: 64 (CS.L), 32 (CS.D) or 16.
+    pub fn bitness(&self) -> u32 {
+        let cs = &self.segs.sregs[Sreg::Cs as usize];
+        if cs.l != 0 {
+            64
+        } else if cs.db != 0 {
+            32
+        } else {
+            16
+        }
+    }
+
+    /// The stack pointer's width as a mask: ESP in 32-bit code, RSP in 64-bit code.
+    fn stack_mask(&self) -> u64 {
+        if self.bitness() == 64 {
+            u64::MAX
+        } else {
+            0xffff_ffff
+        }
+    }
+
+    /// Pushes `data` (2, 4 or 8 bytes) on the guest stack at the current CPL.
+    fn push_bytes(&mut self, regs: &mut GuestRegs, data: &[u8]) -> Result<(), Event> {
+        let mask = self.stack_mask();
+        let rsp = regs.get(Gpr::Rsp).wrapping_sub(data.len() as u64) & mask;
+        self.write(rsp, data)?;
+        regs.set(Gpr::Rsp, rsp);
+        Ok(())
+    }
+
+    /// Reads `out.len()` bytes at the top of the guest stack; the stack pointer after
+    /// popping them (not yet set).
+    fn peek_stack(&mut self, regs: &GuestRegs, out: &mut [u8]) -> Result<u64, Event> {
+        let mask = self.stack_mask();
+        let rsp = regs.get(Gpr::Rsp) & mask;
+        self.read(rsp, out)?;
+        Ok(rsp.wrapping_add(out.len() as u64) & mask)
     }
 
     /// Reads guest memory at the current CPL; a #PF (CR2 set) on failure.

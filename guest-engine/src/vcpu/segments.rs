@@ -412,52 +412,38 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         Ok(Flow::Continue(next))
     }
 
-    /// `push fs`/`push gs` (16- or 64-bit).
+    /// `push` of a segment register (16, 32 or 64-bit operand size).
     pub(super) fn push_sreg(
         &mut self,
         i: &Instruction,
         regs: &mut GuestRegs,
         next: GuestVirt,
     ) -> Step {
-        let reg = if matches!(i.code(), Code::Pushw_FS | Code::Pushq_FS) {
-            Sreg::Fs
-        } else {
-            Sreg::Gs
+        let Some(reg) = sreg_of(i.op0_register()) else {
+            return Err(Event::ud());
         };
-        let size = if matches!(i.code(), Code::Pushw_FS | Code::Pushw_GS) {
-            2
-        } else {
-            8
-        };
+        let size = i.stack_pointer_increment().unsigned_abs() as usize;
+        // A 32- or 64-bit push writes the selector zero-extended.
         let v = u64::from(self.segs.sregs[reg as usize].selector).to_le_bytes();
-        let rsp = regs.get(Gpr::Rsp).wrapping_sub(size as u64);
-        self.write(rsp, &v[..size])?;
-        regs.set(Gpr::Rsp, rsp);
+        self.push_bytes(regs, &v[..size])?;
         Ok(Flow::Continue(next))
     }
 
-    /// `pop fs`/`pop gs` (16- or 64-bit).
+    /// `pop` into a segment register (16, 32 or 64-bit operand size; CS is #UD).
     pub(super) fn pop_sreg(
         &mut self,
         i: &Instruction,
         regs: &mut GuestRegs,
         next: GuestVirt,
     ) -> Step {
-        let reg = if matches!(i.code(), Code::Popw_FS | Code::Popq_FS) {
-            Sreg::Fs
-        } else {
-            Sreg::Gs
+        let Some(reg) = sreg_of(i.op0_register()).filter(|&r| r != Sreg::Cs) else {
+            return Err(Event::ud());
         };
-        let size = if matches!(i.code(), Code::Popw_FS | Code::Popw_GS) {
-            2
-        } else {
-            8
-        };
-        let rsp = regs.get(Gpr::Rsp);
-        let mut b = [0u8; 2];
-        self.read(rsp, &mut b)?;
-        self.load_sreg(reg, u16::from_le_bytes(b))?;
-        regs.set(Gpr::Rsp, rsp.wrapping_add(size));
+        let size = i.stack_pointer_increment().unsigned_abs() as usize;
+        let mut b = [0u8; 8];
+        let rsp = self.peek_stack(regs, &mut b[..size])?;
+        self.load_sreg(reg, u16::from_le_bytes([b[0], b[1]]))?;
+        regs.set(Gpr::Rsp, rsp);
         Ok(Flow::Continue(next))
     }
 
@@ -473,7 +459,8 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
             Code::Retfd | Code::Retfd_imm16 => 4,
             _ => 8,
         };
-        let rsp = regs.get(Gpr::Rsp);
+        let mask = self.stack_mask();
+        let rsp = regs.get(Gpr::Rsp) & mask;
         let mut b = [0u8; 16];
         let sz = size as usize;
         self.read(rsp, &mut b[..2 * sz])?;
@@ -491,13 +478,15 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
             }
             Err(f) => return Err(Event::from_guest_fault(f)),
         };
-        if c.l == 0 || c.db != 0 {
+        // 64-bit code, or 32-bit code at CPL 3 (translated as compatibility mode).
+        let compat = c.l == 0 && c.db != 0 && self.cpl() == 3;
+        if (c.l == 0 && !compat) || (c.l != 0 && c.db != 0) {
             return Ok(Flow::unsupported(
                 i,
-                "a far return to a non-64-bit code segment (only 64-bit code is translated)",
+                "a far return to a 16-bit code segment (not translated)",
             ));
         }
-        if !is_canonical(rip) {
+        if !is_canonical(rip) || (compat && rip > u64::from(c.limit)) {
             return Err(gp0());
         }
         self.segs
@@ -508,7 +497,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         } else {
             0
         };
-        regs.set(Gpr::Rsp, rsp.wrapping_add(2 * size + imm));
+        regs.set(Gpr::Rsp, rsp.wrapping_add(2 * size + imm) & mask);
         Ok(Flow::Continue(GuestVirt(rip)))
     }
 }

@@ -49,6 +49,12 @@ fn syscall<H: Hardware, M: GuestMmu>(
         return Err(Event::ud());
     }
     let old_cpl = v.cpl();
+    // From 32-bit code `syscall` enters at CSTAR (AMD's compatibility-mode entry).
+    let target = if v.bitness() == 64 {
+        v.msrs.lstar
+    } else {
+        v.msrs.cstar
+    };
     regs.set(Gpr::Rcx, next);
     regs.set(Gpr::R11, v.rflags_image(regs.rflags));
     let mask = v.msrs.sfmask;
@@ -67,22 +73,34 @@ fn syscall<H: Hardware, M: GuestMmu>(
     v.segs.sregs[Sreg::Cs as usize] = flat(sel, true, 0);
     v.segs.sregs[Sreg::Ss as usize] = flat(sel + 8, false, 0);
     v.cpl_changed(old_cpl);
-    Ok(v.msrs.lstar)
+    Ok(target)
 }
 
 /// `sysretq`: #GP(0) unless at CPL 0 with a canonical RCX; CS = STAR[63:48] + 16 | 3,
-/// SS = STAR[63:48] + 8 | 3, RFLAGS from R11, CPL 3, RIP = RCX.
+/// SS = STAR[63:48] + 8 | 3, RFLAGS from R11, CPL 3, RIP = RCX. `sysretl` (`wide`
+/// false) returns to 32-bit code: CS = STAR[63:48] | 3 (a 32-bit segment), EIP = ECX.
 fn sysretq<H: Hardware, M: GuestMmu>(
     v: &mut Vcpu<'_, H, M>,
     regs: &mut GuestRegs,
+    wide: bool,
 ) -> Result<u64, Event> {
     let old_cpl = v.cpl();
-    let rip = regs.get(Gpr::Rcx);
+    let rip = if wide {
+        regs.get(Gpr::Rcx)
+    } else {
+        regs.get(Gpr::Rcx) & 0xffff_ffff
+    };
     if old_cpl != 0 || !canonical(rip) {
         return Err(gp0());
     }
     let base = ((v.msrs.star >> 48) & 0xfffc) as u16;
-    v.segs.sregs[Sreg::Cs as usize] = flat((base + 16) | 3, true, 3);
+    v.segs.sregs[Sreg::Cs as usize] = if wide {
+        flat((base + 16) | 3, true, 3)
+    } else {
+        let mut cs = flat(base | 3, true, 3);
+        (cs.l, cs.db) = (0, 1);
+        cs
+    };
     v.segs.sregs[Sreg::Ss as usize] = flat((base + 8) | 3, false, 3);
     v.load_rflags(regs, regs.get(Gpr::R11), 0, false);
     v.cpl_changed(old_cpl);
@@ -140,14 +158,14 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         Ok(Flow::Continue(GuestVirt(rip)))
     }
 
-    /// `sysretq`.
+    /// `sysretq`/`sysretl`.
     pub(super) fn sysretq(
         &mut self,
-        _i: &Instruction,
+        i: &Instruction,
         regs: &mut GuestRegs,
         _next: GuestVirt,
     ) -> Step {
-        let rip = sysretq(self, regs)?;
+        let rip = sysretq(self, regs, i.code() == Code::Sysretq)?;
         Ok(Flow::Continue(GuestVirt(rip)))
     }
 

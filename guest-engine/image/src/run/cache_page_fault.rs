@@ -18,7 +18,7 @@
 
 use core::cell::RefCell;
 
-use guest_engine::isolation::{classify_fault, Fence, IsolationFault};
+use guest_engine::isolation::{classify_fault, IsolationFault};
 use guest_engine::shadow_mmu::{Access, FillOutcome, GuestFault, PF_USER, PF_WRITE};
 use guest_engine::{Engine, Gpr, GuestPhys, GuestVirt, Mode};
 use iced_x86::{Code, Decoder, DecoderOptions, Instruction, OpKind, Register};
@@ -167,7 +167,7 @@ pub fn on_isolation_hit(
     let n = ShadowedMemory::new(shadow).peek_code(guest_pc.0, mode, &mut bytes);
     let regs = *engine.regs();
     let (addr, access) = match classify_fault(
-        Fence::for_cpl(mode.cpl()),
+        mode,
         &bytes[..n],
         guest_pc.0,
         &regs,
@@ -200,7 +200,13 @@ pub fn on_isolation_hit(
     };
     shadow.borrow_mut().counters.isolation_hits += 1;
     // The guest's own mapping in the zone: the common forms run on its frame.
-    let insn = Decoder::with_ip(64, &bytes[..n], guest_pc.0, DecoderOptions::NONE).decode();
+    let insn = Decoder::with_ip(
+        mode.bitness(),
+        &bytes[..n],
+        guest_pc.0,
+        DecoderOptions::NONE,
+    )
+    .decode();
     if let Some(action) =
         crate::run::zone_access::emulate(engine, shadow, mode, guest_pc, &insn, addr)?
     {
@@ -244,7 +250,7 @@ fn base_in_zone(
     access: u32,
 ) -> Result<Option<Action>, RunError> {
     shadow.borrow_mut().counters.isolation_hits += 1;
-    let insn = Decoder::with_ip(64, bytes, guest_pc.0, DecoderOptions::NONE).decode();
+    let insn = Decoder::with_ip(mode.bitness(), bytes, guest_pc.0, DecoderOptions::NONE).decode();
     if let Some(action) =
         crate::run::zone_access::emulate(engine, shadow, mode, guest_pc, &insn, addr)?
     {
@@ -293,7 +299,7 @@ fn shadow_failure(guest_pc: GuestVirt, error: guest_engine::shadow_mmu::ShadowEr
 fn decode_at(shadow: &RefCell<Shadow>, mode: Mode, pc: GuestVirt) -> Instruction {
     let mut bytes = [0u8; MAX_INSN];
     let n = ShadowedMemory::new(shadow).peek_code(pc.0, mode, &mut bytes);
-    Decoder::with_ip(64, &bytes[..n], pc.0, DecoderOptions::NONE).decode()
+    Decoder::with_ip(mode.bitness(), &bytes[..n], pc.0, DecoderOptions::NONE).decode()
 }
 
 /// Whether a byte of `insn` (at `pc`; all 15 possible bytes if it does not decode) lies

@@ -188,8 +188,10 @@ pub(crate) fn sensitive_kind(i: &Instruction) -> Option<SensitiveKind> {
             if matches!(
                 i.flow_control(),
                 FlowControl::IndirectBranch | FlowControl::IndirectCall
-            ) && !matches!(i.code(), Code::Jmp_rm64 | Code::Call_rm64)
-            {
+            ) && !matches!(
+                i.code(),
+                Code::Jmp_rm64 | Code::Call_rm64 | Code::Jmp_rm32 | Code::Call_rm32
+            ) {
                 return Some(K::FarTransfer);
             }
             if matches!(
@@ -409,7 +411,7 @@ pub(crate) fn decode_trace(
 ) -> Result<DecodedTrace, FetchFault> {
     let mut buf = [0u8; MAX_TRACE_BYTES + 2 * MAX_INSN_BYTES];
     let (in_page, avail) = fetch(mem, va, pa, mode, &mut buf)?;
-    let mut dec = Decoder::with_ip(64, &buf[..avail], va.0, DecoderOptions::NONE);
+    let mut dec = Decoder::with_ip(mode.bitness(), &buf[..avail], va.0, DecoderOptions::NONE);
     let factory = &mut scratch.factory;
     let mut t = DecodedTrace {
         start: va,
@@ -467,7 +469,12 @@ pub(crate) fn decode_trace(
             && mode.cpl() == 0
             && !mode.is_stepping()
             && inline_flag_insn(&instr, next_byte);
-        if let Some(kind) = sensitive_kind(&instr).filter(|_| !virt_flags) {
+        // 32-bit code without a 64-bit translation leaves like a sensitive instruction.
+        let kind = sensitive_kind(&instr).or_else(|| {
+            (mode.is_compat() && super::compat::untranslatable(&instr))
+                .then_some(SensitiveKind::Other)
+        });
+        if let Some(kind) = kind.filter(|_| !virt_flags) {
             t.end = TraceEnd::Sensitive(SensitiveInsn {
                 pc: GuestVirt(pc),
                 len: len as u8,
@@ -498,7 +505,7 @@ pub(crate) fn decode_trace(
         if rep {
             // Describe one iteration: decode the instruction without its prefix.
             let (sb, sn) = strip_rep(&bytes[..len]);
-            let mut d2 = Decoder::with_ip(64, &sb[..sn], pc, DecoderOptions::NONE);
+            let mut d2 = Decoder::with_ip(mode.bitness(), &sb[..sn], pc, DecoderOptions::NONE);
             let one = d2.decode();
             mem_ops = mem_operands(factory, &one);
         }

@@ -18,6 +18,9 @@ pub(crate) mod reg {
     pub const RBX: u8 = 3;
     pub const RSP: u8 = 4;
     pub const RBP: u8 = 5;
+    pub const R8: u8 = 8;
+    pub const R9: u8 = 9;
+    pub const R10: u8 = 10;
     pub const R12: u8 = 12;
     pub const R13: u8 = 13;
     pub const R15: u8 = 15;

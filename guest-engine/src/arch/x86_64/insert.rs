@@ -133,11 +133,25 @@ impl Tx<'_> {
     /// operands: the hardware bases are the guest's while it runs in the cache.
     pub(super) fn emit_ea_rcx(&mut self, m: &MemOperand, ip: u64) -> Result<(), EngineError> {
         match (m.base, m.index) {
+            // (32-bit code: a 32-bit address, zero-extended.)
+            (None, None) if self.env.compat => self.a.mov_r_imm64(reg::RCX, m.disp & 0xffff_ffff),
             (None, None) => self.a.mov_r_imm64(reg::RCX, m.disp),
             (b, x) => {
-                let base = b.map_or(Register::None, |r| reg_of(r as u8));
-                let index = x.map_or(Register::None, |r| reg_of(r as u8));
-                let disp = m.disp as i64;
+                let width = |r: crate::context::Gpr| {
+                    let r64 = reg_of(r as u8);
+                    if self.env.compat {
+                        r64.full_register32()
+                    } else {
+                        r64
+                    }
+                };
+                let base = b.map_or(Register::None, width);
+                let index = x.map_or(Register::None, width);
+                let disp = if self.env.compat {
+                    i64::from(m.disp as i32)
+                } else {
+                    m.disp as i64
+                };
                 let displ_size = if disp == 0 { 0 } else { 1 };
                 let mo = MemoryOperand::new(
                     base,
@@ -148,7 +162,13 @@ impl Tx<'_> {
                     false,
                     Register::None,
                 );
-                let i = Instruction::with2(Code::Lea_r64_m, Register::RCX, mo)
+                // A 32-bit `lea ecx` computes the address as 32-bit code does (0x67).
+                let (code, dst) = if self.env.compat {
+                    (Code::Lea_r32_m, Register::ECX)
+                } else {
+                    (Code::Lea_r64_m, Register::RCX)
+                };
+                let i = Instruction::with2(code, dst, mo)
                     .map_err(|_| EngineError::Encode(GuestVirt(ip)))?;
                 let b = self.encode(&i, ip)?;
                 self.a.bytes(&b);

@@ -74,6 +74,8 @@ pub(crate) struct EmitEnv {
     /// Hoist the checks of registers a self-looping trace never writes to its top
     /// (`isolate/hoist.rs`).
     pub hoist: bool,
+    /// The trace is 32-bit code (`Mode::compat`, `compat.rs`).
+    pub compat: bool,
 }
 
 /// An exit of a translated trace, before the dispatcher turns it into a record.
@@ -389,16 +391,22 @@ impl Tx<'_> {
         self.a.emit_spill(reg::RCX);
         self.a.emit_spill(reg::RDX);
         match d.class {
+            Class::Ret { pop } if self.env.compat => self.compat_pop_return(pop, i.ip())?,
             Class::Ret { pop } => {
                 self.a.pop_r(reg::RDX);
                 if pop != 0 {
                     self.a.lea_r_disp(reg::RSP, reg::RSP, i32::from(pop));
                 }
             }
+            Class::CallInd if self.env.compat => {
+                self.compat_load_target_edx(i)?;
+                self.compat_push_imm(i.next_ip() as u32, i.ip())?;
+            }
             Class::CallInd => {
                 self.emit_load_target_rdx(i)?;
                 self.a.push_imm64(i.next_ip());
             }
+            _ if self.env.compat => self.compat_load_target_edx(i)?,
             _ => self.emit_load_target_rdx(i)?,
         }
         if matches!(d.class, Class::Ret { .. }) && self.env.return_cache {
@@ -460,10 +468,18 @@ impl Tx<'_> {
         let i = &d.instr;
         let pc = i.ip();
         match d.class {
+            Class::Plain if self.env.compat => self.compat_plain(d)?,
             Class::Plain => match rep_records {
                 Some(ops) => self.mangle_rep_string(d, ops)?,
                 None => self.a.bytes(d.bytes()),
             },
+            Class::LoopLike { target } if self.env.compat => {
+                // In ECX: the 0x67 form of the same opcode (`compat::untranslatable`
+                // leaves only those), over a short jump to the taken exit.
+                let opcode = d.bytes()[0];
+                self.a.bytes(&[0x67, opcode, 2, 0xEB, 5]);
+                self.emit_direct_exit(None, target, pc);
+            }
             Class::RipRel => self.mangle_rip_rel(d)?,
             Class::Jcc { cc, target } => self.emit_direct_exit(Some(cc), target, pc),
             Class::LoopLike { target } => {
@@ -474,6 +490,10 @@ impl Tx<'_> {
             }
             Class::Jmp { target } => self.emit_direct_exit(None, target, pc),
             Class::JmpElided { .. } => {}
+            Class::Call { target } if self.env.compat => {
+                self.compat_push_imm(i.next_ip() as u32, pc)?;
+                self.emit_direct_exit(None, target, pc);
+            }
             Class::Call { target } => {
                 self.a.push_imm64(i.next_ip());
                 self.emit_direct_exit(None, target, pc);
@@ -568,7 +588,8 @@ pub(crate) fn translate_trace(
             tx.a.mark_guest(pc);
         }
         let wants_records = before.iter().any(|x| x.action == Action::MemRecords);
-        let rep_loop = info.rep && wants_records && !d.bytes().contains(&0x67);
+        // (32-bit code's `rep` strings run whole, recorded once.)
+        let rep_loop = info.rep && wants_records && !env.compat && !d.bytes().contains(&0x67);
         // A `rep` string run as a loop of records may fault after some iterations, with
         // buffer deliveries between them: its fetch record goes after it, so that an
         // attempt that faults (taken back, then retried) has delivered none.

@@ -10,6 +10,7 @@
 
 extern crate std;
 
+mod compat;
 mod cr;
 mod debug;
 mod events;

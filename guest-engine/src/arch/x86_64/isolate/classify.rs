@@ -51,13 +51,13 @@ pub enum IsolationFault {
     GuestUd,
 }
 
-/// Classifies a #UD at the guest instruction `bytes` (at `pc`), translated with `fence`
-/// (`Fence::for_cpl` of its mode), with the guest state `regs` before it and the FS/GS
+/// Classifies a #UD at the guest instruction `bytes` (at `pc`), translated in `mode` (its
+/// bitness and its CPL's `Fence`), with the guest state `regs` before it and the FS/GS
 /// bases (see the module header). `vector_lane` is the lane address the check of a
 /// gather/scatter tested last (`Engine::vector_lane_checked`; ignored for other
 /// instructions).
 pub fn classify_fault(
-    fence: Fence,
+    mode: crate::Mode,
     bytes: &[u8],
     pc: u64,
     regs: &GuestRegs,
@@ -65,7 +65,8 @@ pub fn classify_fault(
     gs_base: u64,
     vector_lane: u64,
 ) -> IsolationFault {
-    let i = Decoder::with_ip(64, bytes, pc, DecoderOptions::NONE).decode();
+    let fence = Fence::for_cpl(mode.cpl());
+    let i = Decoder::with_ip(mode.bitness(), bytes, pc, DecoderOptions::NONE).decode();
     if i.is_invalid() || matches!(i.mnemonic(), Mnemonic::Ud0 | Mnemonic::Ud1 | Mnemonic::Ud2) {
         return IsolationFault::GuestUd;
     }
