@@ -207,6 +207,7 @@ mod tests {
         let pin = DebPin {
             package: "kpin-no-such-package",
             version: "0.0-0",
+            arch: "amd64",
             sha256: "0000000000000000000000000000000000000000000000000000000000000000",
             size_bytes: 1,
         };

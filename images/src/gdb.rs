@@ -9,9 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::cache::{self, io_error};
-use crate::cpio::CpioWriter;
-use crate::debian::{self, Member};
+use crate::cache::io_error;
 use crate::pins::GDB_MINIMAL;
 use crate::{command, ImagesError};
 
@@ -36,25 +34,14 @@ echo KPIN-GDB-END $?
 /// Makes sure `out_dir/gdb-minimal/gdb` is extracted from the pinned, verified package;
 /// returns its path.
 pub fn ensure_gdb(out_dir: &Path, progress: &mut dyn FnMut(&str)) -> Result<PathBuf, ImagesError> {
-    let dir = out_dir.join("gdb-minimal");
-    let dest = dir.join("gdb");
-    let inputs = format!("{} {}", GDB_MINIMAL.deb_file_name(), GDB_MINIMAL.sha256);
-    if cache::fresh_sha256(out_dir, &dest, &inputs)?.is_some() {
-        return Ok(dest);
-    }
-    cache::create_dir_all(&dir)?;
-    let deb = debian::ensure_deb(&GDB_MINIMAL, &dir, progress)?;
-    progress(&format!("extracting gdb from {}", deb.display()));
-    debian::extract_members(
-        &deb,
-        &[Member {
-            name: "./usr/bin/gdb",
-            dest: &dest,
-        }],
-        &dir.join("extract"),
-    )?;
-    cache::stamp_file(out_dir, &dest, &inputs)?;
-    Ok(dest)
+    crate::overlay::ensure_member(
+        out_dir,
+        &GDB_MINIMAL,
+        "./usr/bin/gdb",
+        "gdb-minimal",
+        "gdb",
+        progress,
+    )
 }
 
 /// The shared libraries `binary` loads, and the dynamic loader, as the host resolves them
@@ -127,42 +114,24 @@ fn gconv_files() -> Vec<PathBuf> {
 /// status on the console.
 pub fn gdb_overlay(gdb: &Path, program: &Path, script: &str) -> Result<Vec<u8>, ImagesError> {
     let read = |p: &Path| std::fs::read(p).map_err(io_error("read", p));
-    let mut archive = CpioWriter::new();
-    let initramfs_error = |source| ImagesError::Initramfs { source };
-    let mut dirs: Vec<String> = vec!["usr".into(), "usr/bin".into()];
-    let mut files = Vec::new();
+    let mut libs = Vec::new();
     for lib in shared_libraries(gdb)?.into_iter().chain(gconv_files()) {
-        let rel = lib.to_string_lossy().trim_start_matches('/').to_owned();
-        let mut parent = Path::new(&rel).parent();
-        let mut chain = Vec::new();
-        while let Some(p) = parent.filter(|p| !p.as_os_str().is_empty()) {
-            chain.push(p.to_string_lossy().into_owned());
-            parent = p.parent();
-        }
-        for d in chain.into_iter().rev() {
-            if !dirs.contains(&d) {
-                dirs.push(d);
-            }
-        }
-        files.push((rel, read(&lib)?));
+        let data = read(&lib)?;
+        libs.push((
+            lib.to_string_lossy().trim_start_matches('/').to_owned(),
+            data,
+        ));
     }
-    for d in &dirs {
-        archive.dir(d, 0o755).map_err(initramfs_error)?;
-    }
-    for (rel, data) in &files {
-        archive.file(rel, 0o755, data).map_err(initramfs_error)?;
-    }
-    archive
-        .file("usr/bin/gdb", 0o755, &read(gdb)?)
-        .map_err(initramfs_error)?;
-    archive
-        .file("prog", 0o755, &read(program)?)
-        .map_err(initramfs_error)?;
-    archive
-        .file("gdb.cmd", 0o644, script.as_bytes())
-        .map_err(initramfs_error)?;
-    archive
-        .file("init", 0o755, INIT.as_bytes())
-        .map_err(initramfs_error)?;
-    Ok(archive.finish())
+    let (gdb, program) = (read(gdb)?, read(program)?);
+    let mut files: Vec<(&str, &[u8], u32)> = libs
+        .iter()
+        .map(|(path, data)| (path.as_str(), data.as_slice(), 0o755))
+        .collect();
+    files.extend([
+        ("usr/bin/gdb", gdb.as_slice(), 0o755),
+        ("prog", program.as_slice(), 0o755),
+        ("gdb.cmd", script.as_bytes(), 0o644),
+        ("init", INIT.as_bytes(), 0o755),
+    ]);
+    crate::overlay::overlay(&files)
 }

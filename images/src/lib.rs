@@ -28,6 +28,7 @@ mod linux;
 mod lz4_legacy;
 mod minikernel;
 mod nostd;
+mod overlay;
 mod pins;
 mod programs;
 mod workload;
@@ -40,6 +41,7 @@ pub use command::CommandError;
 pub use cpio::CpioError;
 pub use gdb::{ensure_gdb, gdb_overlay, GDB_BEGIN, GDB_END};
 pub use lz4_legacy::Lz4Error;
+pub use overlay::{ensure_busybox_i386, overlay};
 pub use workload::{
     probe_verdict, programs_workload_expected_md5, workload_expected_md5, PROBE_ACCESSES, PROGRAMS,
 };

@@ -15,6 +15,8 @@ pub(crate) struct DebPin {
     pub package: &'static str,
     /// Exact Debian version, epoch included.
     pub version: &'static str,
+    /// Debian architecture (`amd64`, or `i386` for the 32-bit busybox).
+    pub arch: &'static str,
     /// Lower-case hex SHA-256 of the `.deb` file.
     pub sha256: &'static str,
     /// Size of the `.deb` file, for progress messages.
@@ -55,12 +57,14 @@ macro_rules! kernel_pins {
             image: DebPin {
                 package: concat!("linux-image-", $release),
                 version: $version,
+                arch: "amd64",
                 sha256: $image_sha,
                 size_bytes: $image_size,
             },
             dbg: DebPin {
                 package: concat!("linux-image-", $release, "-dbg"),
                 version: $version,
+                arch: "amd64",
                 sha256: $dbg_sha,
                 size_bytes: $dbg_size,
             },
@@ -92,26 +96,44 @@ pub(crate) const DEBIAN_6_12: KernelPins = kernel_pins! {
 pub(crate) const BUSYBOX: DebPin = DebPin {
     package: "busybox-static",
     version: "1:1.35.0-4+deb12u1+b1",
+    arch: "amd64",
     sha256: "3d3fdbe91d4660c873e14b092c213fe81c1da6362daa236eb25d0171eb108744",
     size_bytes: 928_188,
+};
+
+/// The same busybox built for i386 (needs `dpkg --add-architecture i386`, which
+/// .ci/setup does): a real 32-bit program that runs the guest's whole default workload
+/// as PID 1's shell (tests/linux_i386_busybox.rs).
+pub(crate) const BUSYBOX_I386: DebPin = DebPin {
+    package: "busybox-static",
+    version: "1:1.35.0-4+deb12u1+b1",
+    arch: "i386",
+    sha256: "725ef9e6fbac4ab79b353165b05005e8c140d6e42177ebbc202ff1e13ded8b7c",
+    size_bytes: 958_344,
 };
 
 /// Archive member of [`BUSYBOX`] holding the binary.
 pub(crate) const BUSYBOX_MEMBER: &str = "./bin/busybox";
 
 impl DebPin {
-    /// The argument `apt-get download` takes: `package=version`.
+    /// The argument `apt-get download` takes: `package=version`, or
+    /// `package:arch=version` for a foreign architecture.
     pub(crate) fn apt_spec(&self) -> String {
-        format!("{}={}", self.package, self.version)
+        if self.arch == "amd64" {
+            format!("{}={}", self.package, self.version)
+        } else {
+            format!("{}:{}={}", self.package, self.arch, self.version)
+        }
     }
 
-    /// The file name `apt-get download` writes: `package_version_amd64.deb`, with the epoch
-    /// colon URL-encoded as `%3a` as apt does.
+    /// The file name `apt-get download` writes: `package_version_arch.deb`, with the
+    /// epoch colon URL-encoded as `%3a` as apt does.
     pub(crate) fn deb_file_name(&self) -> String {
         format!(
-            "{}_{}_amd64.deb",
+            "{}_{}_{}.deb",
             self.package,
-            self.version.replace(':', "%3a")
+            self.version.replace(':', "%3a"),
+            self.arch
         )
     }
 
@@ -136,6 +158,7 @@ impl DebPin {
 pub(crate) const GDB_MINIMAL: DebPin = DebPin {
     package: "gdb-minimal",
     version: "13.1-3",
+    arch: "amd64",
     sha256: "4aabd8955f0fa362e0474ddd02b5bbed77489b11dae04bbe2c420a54ac27e8ce",
     size_bytes: 3_253_832,
 };
@@ -145,6 +168,19 @@ mod tests {
     use super::*;
 
     const KERNELS: [KernelPins; 2] = [DEBIAN_6_1, DEBIAN_6_12];
+
+    #[test]
+    fn test_a_foreign_architecture_is_in_the_spec_and_the_file_name() {
+        assert_eq!(
+            BUSYBOX_I386.apt_spec(),
+            "busybox-static:i386=1:1.35.0-4+deb12u1+b1"
+        );
+        assert_eq!(
+            BUSYBOX_I386.deb_file_name(),
+            "busybox-static_1%3a1.35.0-4+deb12u1+b1_i386.deb"
+        );
+        assert_eq!(BUSYBOX.apt_spec(), "busybox-static=1:1.35.0-4+deb12u1+b1");
+    }
 
     #[test]
     fn test_deb_file_name_url_encodes_epoch() {
@@ -190,7 +226,7 @@ mod tests {
 
     #[test]
     fn test_pins_are_lowercase_sha256_and_distinct() {
-        let mut all = vec![BUSYBOX];
+        let mut all = vec![BUSYBOX, BUSYBOX_I386, GDB_MINIMAL];
         for k in KERNELS {
             all.extend([k.image, k.dbg]);
         }
