@@ -26,6 +26,10 @@ impl Mode {
     /// D = 1), decoded as 32-bit code and translated into equivalent 64-bit code.
     const COMPAT: u32 = 8;
 
+    /// The timestamp-faulting bit: user code under CR4.TSD, whose `rdtsc`/`rdtscp` leave
+    /// to the virtual CPU (which raises #GP(0)) instead of running natively.
+    const TSD: u32 = 16;
+
     /// The virtual CPL the mode translates for (its low two bits).
     pub fn cpl(self) -> u8 {
         (self.0 & 3) as u8
@@ -51,6 +55,16 @@ impl Mode {
         Mode(self.0 | Self::COMPAT)
     }
 
+    /// Whether `rdtsc`/`rdtscp` fault in the mode ([`Mode::timestamp_faulting`]).
+    pub fn is_timestamp_faulting(self) -> bool {
+        self.0 & Self::TSD != 0
+    }
+
+    /// The same mode, with `rdtsc`/`rdtscp` emulated (CR4.TSD at CPL 3).
+    pub fn timestamp_faulting(self) -> Mode {
+        Mode(self.0 | Self::TSD)
+    }
+
     /// The decoder bitness of the mode's guest code: 32 or 64.
     pub fn bitness(self) -> u32 {
         if self.is_compat() {
@@ -64,7 +78,7 @@ impl Mode {
     /// 32-bit modes count with their CPL's; `None` for a mode the engine has no slot for
     /// (32-bit code only runs at CPL 3).
     pub fn slot(self) -> Option<usize> {
-        match self.0 & !Self::STEP {
+        match self.0 & !(Self::STEP | Self::TSD) {
             0 => Some(0),
             3 | 11 => Some(1),
             _ => None,
@@ -77,7 +91,8 @@ impl Mode {
     /// VA may hold code run in both bitnesses).
     pub fn table_slot(self) -> Option<usize> {
         let slot = self.slot()?;
-        Some(if self.is_stepping() {
+        // (Timestamp-faulting code is rare: it shares the stepping modes' empty tables.)
+        Some(if self.is_stepping() || self.is_timestamp_faulting() {
             crate::layout::STEP_TABLE_SLOT
         } else if self.is_compat() {
             crate::layout::COMPAT_TABLE_SLOT

@@ -3,8 +3,9 @@
 //! CR0.WP/CR4.PGE/CR4.SMEP/EFER.NXE = its paging-control bits).
 //!
 //! `mov cr0/cr4, r64` checks reserved bits as hardware does (#GP(0)); a write that would
-//! leave 64-bit paged mode (PE, PG, PAE), trap x87/SSE (EM, TS) or make `rdtsc` fault
-//! (TSD) stops the run instead. CR4 bits whose feature the CPUID table hides are #GP(0)
+//! leave 64-bit paged mode (PE, PG, PAE) or trap x87/SSE (EM, TS) stops the run instead.
+//! CR4.TSD (Linux's `PR_SET_TSC`) makes user code's translation mode one where
+//! `rdtsc`/`rdtscp` are emulated (#GP(0) at CPL 3; `Mode::timestamp_faulting`). CR4 bits whose feature the CPUID table hides are #GP(0)
 //! as on a CPU without them. CR8 (the TPR) reads 0 and ignores writes: 64-bit Linux
 //! programs the TPR through the APIC page.
 
@@ -124,12 +125,6 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
             return Ok(Flow::unsupported(
                 i,
                 "a CR4 write that clears PAE (leaving long mode) is not emulated",
-            ));
-        }
-        if v & cr4::TSD != 0 {
-            return Ok(Flow::unsupported(
-                i,
-                "CR4.TSD (rdtsc faulting at CPL 3) is not virtualized",
             ));
         }
         self.cr4 = v;

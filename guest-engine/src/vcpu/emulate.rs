@@ -194,6 +194,7 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             Code::Cpuid => Self::cpuid,
             Code::Wbinvd | Code::Invd => Self::cache_control,
             Code::Xgetbv | Code::Xsetbv => Self::xcr,
+            Code::Rdtsc => Self::rdtsc,
             Code::Rdtscp => Self::rdtscp,
             Code::Rdpid_r64 => Self::rdpid,
             Code::Hlt => Self::hlt,

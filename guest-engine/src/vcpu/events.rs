@@ -277,6 +277,12 @@ fn try_deliver<H: Hardware, M: GuestMmu>(
     regs.set(Gpr::Rsp, rsp);
     regs.rflags &= !(rflags::TF | rflags::NT | rflags::RF | rflags::VM);
     v.tf = false;
+    if new_cpl == 0 {
+        // The guest kernel runs at hardware CPL 3, where a user's AC would make its
+        // misaligned accesses fault (#AC): AC is not carried into it (the frame keeps it
+        // for the return).
+        regs.rflags &= !rflags::AC;
+    }
     if ty == 0xe {
         v.vif = false;
     }

@@ -7,6 +7,7 @@
 //! IF = 0 the run ends).
 
 use iced_x86::{Instruction, Mnemonic};
+use kpin_abi::x86::cr4;
 
 use super::emulate::{gp0, gpr, Flow, Step};
 use super::events::Event;
@@ -56,7 +57,25 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         Err(Event::ud())
     }
 
-    /// `rdtscp`: EDX:EAX = TSC, ECX = TSC_AUX; #UD unless CPUID 0x8000_0001 EDX[27].
+    /// `rdtsc`: EDX:EAX = TSC; #GP(0) at CPL > 0 under CR4.TSD (the only case that
+    /// leaves translated code).
+    pub(super) fn rdtsc(
+        &mut self,
+        _i: &Instruction,
+        regs: &mut GuestRegs,
+        next: GuestVirt,
+    ) -> Step {
+        if self.cpl() != 0 && self.cr4 & cr4::TSD != 0 {
+            return Err(gp0());
+        }
+        let t = self.hw.tsc();
+        regs.set(Gpr::Rax, t & 0xffff_ffff);
+        regs.set(Gpr::Rdx, t >> 32);
+        Ok(Flow::Continue(next))
+    }
+
+    /// `rdtscp`: EDX:EAX = TSC, ECX = TSC_AUX; #UD unless CPUID 0x8000_0001 EDX[27],
+    /// #GP(0) at CPL > 0 under CR4.TSD.
     pub(super) fn rdtscp(
         &mut self,
         _i: &Instruction,
@@ -65,6 +84,9 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
     ) -> Step {
         if self.block.cpuid(0x8000_0001, 0)[3] & (1 << 27) == 0 {
             return Err(Event::ud());
+        }
+        if self.cpl() != 0 && self.cr4 & cr4::TSD != 0 {
+            return Err(gp0());
         }
         let t = self.hw.tsc();
         regs.set(Gpr::Rax, t & 0xffff_ffff);

@@ -272,6 +272,11 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
         } else {
             MODE_USER
         };
+        let mode = if self.cpl() == 3 && self.cr4 & cr4::TSD != 0 {
+            mode.timestamp_faulting()
+        } else {
+            mode
+        };
         if self.tf || self.breakpoints_armed() {
             mode.stepping()
         } else {

@@ -107,7 +107,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         // Flat 64-bit CS and SS at DPL 0 (SDM vol. 2, SYSENTER, IA32_EFER.LMA = 1).
         let old_cpl = self.cpl();
         self.vif = false;
-        regs.rflags &= !(rflags::RF | rflags::VM);
+        regs.rflags &= !(rflags::RF | rflags::VM | rflags::AC);
         regs.set(Gpr::Rsp, esp);
         self.segs.sregs[Sreg::Cs as usize] = super::syscall::flat(sel, true, 0);
         self.segs.sregs[Sreg::Ss as usize] = super::syscall::flat(sel + 8, false, 0);

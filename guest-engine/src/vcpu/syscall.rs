@@ -68,7 +68,9 @@ fn syscall<H: Hardware, M: GuestMmu>(
         v.step_suppressed |= v.tf;
         v.tf = false;
     }
-    regs.rflags &= !(mask & !(rflags::IF | rflags::IOPL)) & !rflags::RF;
+    // (AC too whatever SFMASK says: the kernel's code runs at hardware CPL 3, see
+    // `events.rs`.)
+    regs.rflags &= !(mask & !(rflags::IF | rflags::IOPL)) & !(rflags::RF | rflags::AC);
     let sel = ((v.msrs.star >> 32) & 0xfffc) as u16;
     v.segs.sregs[Sreg::Cs as usize] = flat(sel, true, 0);
     v.segs.sregs[Sreg::Ss as usize] = flat(sel + 8, false, 0);

@@ -469,10 +469,16 @@ pub(crate) fn decode_trace(
             && mode.cpl() == 0
             && !mode.is_stepping()
             && inline_flag_insn(&instr, next_byte);
-        // 32-bit code without a 64-bit translation leaves like a sensitive instruction.
+        // 32-bit code without a 64-bit translation leaves like a sensitive instruction,
+        // and so does `rdtsc` under CR4.TSD.
         let kind = sensitive_kind(&instr).or_else(|| {
-            (mode.is_compat() && super::compat::untranslatable(&instr))
-                .then_some(SensitiveKind::Other)
+            if mode.is_compat() && super::compat::untranslatable(&instr) {
+                Some(SensitiveKind::Other)
+            } else if mode.is_timestamp_faulting() && instr.mnemonic() == Mnemonic::Rdtsc {
+                Some(SensitiveKind::Timestamp)
+            } else {
+                None
+            }
         });
         if let Some(kind) = kind.filter(|_| !virt_flags) {
             t.end = TraceEnd::Sensitive(SensitiveInsn {

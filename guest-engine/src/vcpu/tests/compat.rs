@@ -114,3 +114,22 @@ fn test_pushfd_popfd_and_push_fs_move_four_bytes_in_32_bit_code() {
     assert_eq!(r.get(Gpr::Rsp), esp);
     assert_ne!(r.rflags & rflags::CF, 0, "popfd restored CF");
 }
+
+#[test]
+fn test_a_users_ac_flag_is_kept_in_the_frame_but_not_carried_into_the_kernel() {
+    // The kernel's code runs at hardware CPL 3: a user's AC there would make its
+    // misaligned accesses fault.
+    let b = block();
+    let mut v = vcpu(&b);
+    let mut r = kregs();
+    to_user(&mut v, &mut r);
+    r.rflags |= rflags::AC;
+    let e = run(&mut v, &[0x0f, 0x0b], &mut r); // ud2
+    assert_user_fault(&v, e, &r, 6, None);
+    assert_eq!(r.rflags & rflags::AC, 0, "the handler runs without AC");
+    assert_ne!(
+        frame(&v, &r, false).rflags & rflags::AC,
+        0,
+        "iretq restores it"
+    );
+}

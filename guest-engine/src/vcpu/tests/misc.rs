@@ -196,3 +196,24 @@ fn test_segment_base_answers_the_virtual_fs_and_gs_bases() {
     assert_eq!(v.hw.fs_base, 0x7000_0000, "made the hardware's at creation");
     assert_eq!(v.hw.gs_base, 0xffff_8880_0000_0000);
 }
+
+#[test]
+fn test_under_cr4_tsd_user_rdtsc_is_gp0_and_the_user_mode_emulates_it() {
+    let b = block();
+    let mut v = vcpu(&b);
+    v.hw.tsc = 0x5_0000_0007;
+    let mut r = kregs();
+    let mov_cr4_rax = [0x0f, 0x22, 0xe0];
+    r.set(Gpr::Rax, v.cr4 | cr4::TSD);
+    assert_eq!(run(&mut v, &mov_cr4_rax, &mut r), after(&mov_cr4_rax));
+    let rdtsc = [0x0f, 0x31];
+    assert_eq!(run(&mut v, &rdtsc, &mut r), after(&rdtsc), "CPL 0 may");
+    assert_eq!((r.get(Gpr::Rax), r.get(Gpr::Rdx)), (7, 5));
+    to_user(&mut v, &mut r);
+    assert!(
+        v.mode().is_timestamp_faulting(),
+        "rdtsc leaves translated user code"
+    );
+    let e = run(&mut v, &rdtsc, &mut r);
+    assert_user_fault(&v, e, &r, 13, Some(0));
+}
