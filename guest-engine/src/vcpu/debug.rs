@@ -13,7 +13,8 @@
 //!   *trap* with RIP after it and DR6.Bn/BS for all of them.
 //!
 //! An instruction that raises an exception takes neither trap (its fault is delivered);
-//! `syscall` clearing TF takes no single-step trap. Not modelled: I/O breakpoints
+//! `syscall` clearing TF takes no single-step trap, nor does `mov ss`/`pop ss` (the next
+//! instruction's trap covers it). Not modelled: I/O breakpoints
 //! (R/W = 10 with CR4.DE), general detect, the per-iteration traps of `rep` string
 //! instructions (one after the whole instruction), and breakpoints hit by the CPU's own
 //! implicit accesses (descriptor tables, the stack of an event delivery).
@@ -106,7 +107,9 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         if before.rflags & RF != 0 {
             regs.rflags &= !RF;
         }
-        let stepped = tf && !core::mem::take(&mut self.step_suppressed);
+        // `mov ss`/`pop ss` hold debug traps off until after the next instruction.
+        let stepped =
+            tf && !core::mem::take(&mut self.step_suppressed) && !self.loads_ss(pc, bytes);
         let hits = if self.breakpoints_armed() {
             self.data_hits(before, pc, bytes)
         } else {
@@ -120,6 +123,16 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
             self.dr6 |= DR6_BS;
         }
         Some(self.deliver(regs, next, debug_event(Kind::Trap)))
+    }
+
+    /// Whether the instruction at `pc` loads SS (`mov ss`, `pop ss`).
+    fn loads_ss(&self, pc: u64, bytes: &[u8]) -> bool {
+        let i = Decoder::with_ip(self.bitness(), bytes, pc, DecoderOptions::NONE).decode();
+        matches!(
+            i.mnemonic(),
+            iced_x86::Mnemonic::Mov | iced_x86::Mnemonic::Pop
+        ) && i.op0_kind() == iced_x86::OpKind::Register
+            && i.op0_register() == iced_x86::Register::SS
     }
 
     /// DR6.Bn bits of the data breakpoints the instruction at `pc` hits with the

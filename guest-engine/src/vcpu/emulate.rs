@@ -284,13 +284,20 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
     /// Emulates `insn` and delivers the exception it raises; what the guest does next.
     fn step(&mut self, insn: &SensitiveInsn, regs: &mut GuestRegs) -> Flow {
         let len = usize::from(insn.len).min(insn.bytes.len());
-        let mut d = Decoder::with_ip(
-            self.bitness(),
-            &insn.bytes[..len],
-            insn.pc.0,
-            DecoderOptions::NONE,
-        );
-        let i = d.decode();
+        // What the translator could not decode may be an AMD encoding: `lock mov cr0`
+        // is `mov cr8` where CPUID 0x8000_0001 ECX[4] (AltMovCr8) says so.
+        let amd = self.amd_like() && self.block.cpuid(0x8000_0001, 0)[2] & (1 << 4) != 0;
+        let (i, len) = if len == 0 && amd {
+            let i = Decoder::with_ip(self.bitness(), &insn.bytes, insn.pc.0, DecoderOptions::AMD)
+                .decode();
+            let n = if i.is_invalid() { 0 } else { i.len() };
+            (i, n)
+        } else {
+            let options = DecoderOptions::NONE;
+            let i =
+                Decoder::with_ip(self.bitness(), &insn.bytes[..len], insn.pc.0, options).decode();
+            (i, len)
+        };
         let next = GuestVirt(insn.pc.0.wrapping_add(len as u64));
         let before = *regs;
         self.sti_next = None;

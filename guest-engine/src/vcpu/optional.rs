@@ -11,8 +11,9 @@
 //! * `int1` (`icebp`) — #DB as a trap (RIP after it), not checked against the gate's DPL;
 //! * `rdpmc` — #GP(0) at CPL > 0 without CR4.PCE;
 //! * `rdpkru`/`wrpkru` — #UD without CR4.PKE;
-//! * `monitor`/`mwait` — #UD at CPL > 0 or without the feature; `monitorx`/`mwaitx`,
-//!   `umwait`/`tpause` — #UD without their feature, else a wait that ends at once;
+//! * `monitor`/`mwait` — #UD at CPL > 0 or without the feature; `monitorx`/`mwaitx`
+//!   (on AMD CPUs, which run them whatever CPUID says) and `umwait`/`tpause` (with
+//!   WAITPKG) — a wait that ends at once, else #UD;
 //! * TSX — `xbegin`/`xabort`/`xend`/`xtest` #UD without RTM (`xtest`: RTM or HLE); with
 //!   it a transaction aborts as it begins (status 0, "no reason given"), `xend` outside
 //!   one is #GP(0), `xtest` says "not in one";
@@ -115,7 +116,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         Ok(Flow::Continue(GuestVirt(eip)))
     }
 
-    /// `sysexit`: #UD on AMD in long mode; #GP(0) outside CPL 0 or with a null
+    /// `sysexit`: #GP(0) outside CPL 0; #UD on AMD in long mode; #GP(0) with a null
     /// SYSENTER_CS.
     pub(super) fn sysexit(
         &mut self,
@@ -123,10 +124,14 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         _regs: &mut GuestRegs,
         _n: GuestVirt,
     ) -> Step {
+        // CPL first: the AMD host here gives #GP(0) at CPL 3, not #UD.
+        if self.cpl() != 0 {
+            return Err(gp0());
+        }
         if self.amd_like() {
             return Err(Event::ud());
         }
-        if self.cpl() != 0 || self.msrs.sysenter[0] & 0xfffc == 0 {
+        if self.msrs.sysenter[0] & 0xfffc == 0 {
             return Err(gp0());
         }
         Ok(Flow::unsupported(i, "sysexit at CPL 0 is not emulated"))
@@ -202,11 +207,13 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         regs: &mut GuestRegs,
         next: GuestVirt,
     ) -> Step {
-        let feature = match i.mnemonic() {
-            Mnemonic::Monitorx | Mnemonic::Mwaitx => MONITORX,
-            _ => WAITPKG,
+        // AMD CPUs run monitorx/mwaitx at CPL 3 even where CPUID hides MONITORX (the
+        // AMD host here does), so the answer follows the vendor there.
+        let offered = match i.mnemonic() {
+            Mnemonic::Monitorx | Mnemonic::Mwaitx => self.has(MONITORX) || self.amd_like(),
+            _ => self.has(WAITPKG),
         };
-        if !self.has(feature) {
+        if !offered {
             return Err(Event::ud());
         }
         if matches!(i.mnemonic(), Mnemonic::Umwait | Mnemonic::Tpause) {

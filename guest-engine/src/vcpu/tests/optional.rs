@@ -80,15 +80,44 @@ fn test_an_instruction_not_modelled_is_ud_at_cpl3_logged_once() {
 }
 
 #[test]
-fn test_sysenter_and_sysexit_are_ud_on_amd_in_long_mode() {
+fn test_on_amd_sysenter_is_ud_and_sysexit_is_gp0_at_cpl3_and_ud_at_cpl0() {
     let b = block();
-    for insn in [SYSENTER, SYSEXIT] {
-        let mut v = vcpu(&b);
-        let mut r = kregs();
-        to_user(&mut v, &mut r);
-        let e = run(&mut v, insn, &mut r);
-        assert_user_fault(&v, e, &r, 6, None);
-    }
+    let mut v = vcpu(&b);
+    let mut r = kregs();
+    to_user(&mut v, &mut r);
+    let e = run(&mut v, SYSENTER, &mut r);
+    assert_user_fault(&v, e, &r, 6, None);
+    let mut v = vcpu(&b);
+    let mut r = kregs();
+    to_user(&mut v, &mut r);
+    let e = run(&mut v, SYSEXIT, &mut r);
+    assert_user_fault(&v, e, &r, 13, Some(0));
+    let mut v = vcpu(&b);
+    let mut r = kregs();
+    let e = run(&mut v, SYSEXIT, &mut r);
+    assert_ud(&v, e, &r);
+}
+
+#[test]
+fn test_amds_lock_mov_cr0_is_mov_cr8_where_cpuid_says_so() {
+    let mut b = block();
+    let lock_mov_eax_cr0 = [0xf0, 0x0f, 0x20, 0xc0];
+    let mut v = vcpu(&b);
+    let mut r = kregs();
+    to_user(&mut v, &mut r);
+    let e = run(&mut v, &lock_mov_eax_cr0, &mut r);
+    assert_user_fault(&v, e, &r, 6, None);
+    let n = b.cpuid_count as usize;
+    b.cpuid[..n]
+        .iter_mut()
+        .find(|e| e.function == 0x8000_0001)
+        .expect("leaf 0x8000_0001")
+        .ecx |= 1 << 4;
+    let mut v = vcpu(&b);
+    let mut r = kregs();
+    to_user(&mut v, &mut r);
+    let e = run(&mut v, &lock_mov_eax_cr0, &mut r);
+    assert_user_fault(&v, e, &r, 13, Some(0));
 }
 
 #[test]
@@ -181,8 +210,14 @@ fn test_rdpkru_without_cr4_pke_and_monitor_at_cpl3_are_ud() {
 }
 
 #[test]
-fn test_mwaitx_is_ud_without_monitorx_and_returns_at_once_with_it() {
+fn test_mwaitx_returns_at_once_on_amd_and_is_ud_elsewhere_without_monitorx() {
+    let b = block();
+    let mut v = vcpu(&b);
+    let mut r = kregs();
+    to_user(&mut v, &mut r);
+    assert_eq!(run(&mut v, MWAITX, &mut r), after(MWAITX), "AMD runs it");
     let mut b = block();
+    intel(&mut b);
     let mut v = vcpu(&b);
     let mut r = kregs();
     to_user(&mut v, &mut r);
