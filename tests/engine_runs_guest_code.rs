@@ -137,8 +137,9 @@ fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
     // mov eax, 0x2000; mov dr7, rax: general detect (breakpoints themselves are
     // virtualized)
     let mov_dr7_gd = [0xb8, 0x00, 0x20, 0x00, 0x00, 0x0f, 0x23, 0xf8];
-    // jmp far [rax]: a far transfer at CPL 0 (from CPL 3 it would be the process's #UD)
-    let jmp_far = [0x48, 0xff, 0x28];
+    // rdpmc at CPL 0: performance counters are not virtualized (from CPL 3 it would be
+    // the process's #GP or #UD)
+    let rdpmc = [0x0f, 0x33];
     // mov ecx, 0x3a; rdmsr: FEATURE_CONTROL, which neither the virtual CPU nor KVM has
     // for this vCPU (the engine asks KVM for MSRs it does not keep), so #GP(0), which
     // this guest has no IDT for: #GP(0x6a) for the IDT limit, #DF, #GP(0x42): a triple
@@ -160,9 +161,9 @@ fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
             format!("unsupported sensitive instruction `mov` (ControlRegister) at guest RIP {at:#x}: a CR0 write that changes PE or PG"),
         ),
         (
-            "jmpfar",
-            [PRINT_OK, &jmp_far[..]].concat(),
-            format!("unsupported sensitive instruction `jmp` (FarTransfer) at guest RIP {at:#x}: not emulated by the virtual CPU yet"),
+            "rdpmc",
+            [PRINT_OK, &rdpmc[..]].concat(),
+            format!("unsupported sensitive instruction `rdpmc` (Timestamp) at guest RIP {at:#x}: performance counters are not virtualized"),
         ),
         (
             "triple",

@@ -198,14 +198,43 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             Code::Rdtscp => Self::rdtscp,
             Code::Rdpid_r64 => Self::rdpid,
             Code::Hlt => Self::hlt,
+            // legacy.rs
+            Code::Jmp_m1616 | Code::Jmp_m1632 | Code::Jmp_m1664 | Code::Jmp_ptr1632 => {
+                Self::far_jmp
+            }
+            Code::Call_m1616 | Code::Call_m1632 | Code::Call_m1664 | Code::Call_ptr1632 => {
+                Self::far_call
+            }
+            Code::Iretd => Self::iretd,
+            Code::Lss_r16_m1616
+            | Code::Lss_r32_m1632
+            | Code::Lss_r64_m1664
+            | Code::Lfs_r16_m1616
+            | Code::Lfs_r32_m1632
+            | Code::Lfs_r64_m1664
+            | Code::Lgs_r16_m1616
+            | Code::Lgs_r32_m1632
+            | Code::Lgs_r64_m1664
+            | Code::Les_r16_m1616
+            | Code::Les_r32_m1632
+            | Code::Lds_r16_m1616
+            | Code::Lds_r32_m1632 => Self::load_far_pointer,
+            Code::Pushad | Code::Popad => Self::push_pop_all,
+            Code::Into => Self::into,
+            Code::Bound_r16_m1616 | Code::Bound_r32_m3232 => Self::bound,
+            Code::Aam_imm8 | Code::Aad_imm8 => Self::ascii_adjust,
             // optional.rs
             Code::Sysenter => Self::sysenter,
             Code::Sysexitd | Code::Sysexitq => Self::sysexit,
             Code::Int1 => Self::int1,
             Code::Rdpmc => Self::rdpmc,
             Code::Rdpkru | Code::Wrpkru => Self::pkru,
-            Code::Monitorq | Code::Mwait => Self::monitor,
-            Code::Monitorxq | Code::Mwaitx | Code::Umwait_r32 | Code::Umwait_r64 => Self::user_wait,
+            Code::Monitorq | Code::Monitord | Code::Mwait => Self::monitor,
+            Code::Monitorxq
+            | Code::Monitorxd
+            | Code::Mwaitx
+            | Code::Umwait_r32
+            | Code::Umwait_r64 => Self::user_wait,
             Code::Tpause_r32 | Code::Tpause_r64 => Self::user_wait,
             Code::Xbegin_rel32 | Code::Xabort_imm8 | Code::Xend | Code::Xtest => Self::tsx,
             Code::Clac | Code::Stac => Self::clac_stac,
@@ -335,7 +364,11 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
 
     /// The linear address of `i`'s memory operand (FS/GS: their virtual bases).
     pub fn data_address(&self, i: &Instruction, regs: &GuestRegs) -> Option<u64> {
-        i.virtual_address(0, 0, |reg, _, _| {
+        // The memory operand, wherever it is (`lgs r, m`: operand 1).
+        let op = (0..i.op_count())
+            .find(|&k| i.op_kind(k) == OpKind::Memory)
+            .unwrap_or(0);
+        i.virtual_address(op, 0, |reg, _, _| {
             if reg.is_segment_register() {
                 return Some(match reg {
                     Register::FS => self.segs.sregs[Sreg::Fs as usize].base,

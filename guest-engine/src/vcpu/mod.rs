@@ -26,6 +26,8 @@
 //! * `port_io.rs` — `in`/`out` of AL/AX/EAX (a poweroff or reset write stops for the
 //!   final report; string port I/O stops); `uart_status.rs` — COM1's line status, which
 //!   an embedder may answer without a port exit once it is known to be constant;
+//! * `legacy.rs` — same-privilege far `jmp`/`call`, `iretd`, `lss`/`lfs`/`lgs`/`les`/
+//!   `lds`, and 32-bit code's `pushad`/`popad`, `into`, `bound`, `aam`/`aad`;
 //! * `optional.rs` — instructions that follow a CPUID feature, a control bit or the
 //!   vendor (`sysenter`, `int1`, `rdpmc`, PKU, MONITOR, TSX, SMAP, VMX/SVM…);
 //! * `misc.rs` — `cpuid` (from the attach block's table, so native and instrumented
@@ -51,6 +53,7 @@ mod emulate;
 mod events;
 mod flags;
 mod hardware;
+mod legacy;
 mod mce;
 mod misc;
 mod msr;

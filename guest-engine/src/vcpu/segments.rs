@@ -293,6 +293,45 @@ impl Segments {
         Ok(Some((d, c)))
     }
 
+    /// Checks the code segment a same-privilege far `jmp`/`call` loads: a code
+    /// descriptor (non-conforming: RPL ≤ CPL and DPL = CPL; conforming: DPL ≤ CPL),
+    /// present; `Ok(None)` for a system descriptor (a call gate: not emulated). The
+    /// cache's RPL is the CPL.
+    pub fn check_far_jump_cs(
+        &self,
+        mem: &mut impl GuestMmu,
+        gdtr: DescriptorTable,
+        sel: u16,
+    ) -> Result<Option<(Descriptor, Segment)>, GuestFault> {
+        if sel & 0xfffc == 0 {
+            return Err(gp(0));
+        }
+        let cpl = self.cpl();
+        let d = self.read_descriptor(mem, gdtr, sel, 8)?;
+        if !d.s() {
+            return Ok(None);
+        }
+        let conforming = d.ty() & 4 != 0;
+        let rpl = (sel & 3) as u8;
+        let allowed = if conforming {
+            d.dpl() <= cpl
+        } else {
+            rpl <= cpl && d.dpl() == cpl
+        };
+        if d.ty() & 8 == 0 || !allowed {
+            return Err(gp(sel));
+        }
+        if !d.present() {
+            return Err(GuestFault {
+                vector: NP,
+                error: sel & 0xfffc,
+            });
+        }
+        let mut c = d.cache((sel & !3) | u16::from(cpl));
+        c.type_ |= 1;
+        Ok(Some((d, c)))
+    }
+
     /// Commits a checked CS load (sets the accessed bit in the guest table).
     pub fn commit_cs(
         &mut self,
@@ -367,7 +406,7 @@ pub(super) fn sreg_of(r: Register) -> Option<Sreg> {
 impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
     /// Loads DS/ES/SS/FS/GS with `sel` (the checks in [`Segments::load_data`]); an FS/GS
     /// base change goes to the hardware base too.
-    fn load_sreg(&mut self, reg: Sreg, sel: u16) -> Result<(), Event> {
+    pub(super) fn load_sreg(&mut self, reg: Sreg, sel: u16) -> Result<(), Event> {
         let old_base = self.segs.sregs[reg as usize].base;
         self.segs
             .load_data(&mut self.mem, self.gdtr, reg, sel)

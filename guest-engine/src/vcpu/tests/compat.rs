@@ -133,3 +133,147 @@ fn test_a_users_ac_flag_is_kept_in_the_frame_but_not_carried_into_the_kernel() {
         "iretq restores it"
     );
 }
+
+/// Asserts that 32-bit code at [`PC`] raised exception `vector` (no error code),
+/// delivered at CPL 0 with the 32-bit CS in the frame.
+fn assert_fault32(v: &V<'_>, e: Emulation, r: &GuestRegs, vector: u8) {
+    assert_eq!(
+        e,
+        Emulation::Switch {
+            next: GuestVirt(handler(vector)),
+            mode: MODE_KERNEL,
+            invalidate_mappings: false
+        },
+        "vector {vector}"
+    );
+    let f = frame(v, r, false);
+    assert_eq!((f.rip, f.cs), (PC, u64::from(USER32_CS)));
+}
+
+/// Runs `bytes` as 32-bit code at [`PC`] (the test helper decodes 64-bit code).
+fn run32(v: &mut V<'_>, bytes: &[u8], r: &mut GuestRegs) -> Emulation {
+    let i = iced_x86::Decoder::with_ip(32, bytes, PC, iced_x86::DecoderOptions::NONE).decode();
+    let mut insn = crate::SensitiveInsn {
+        pc: GuestVirt(PC),
+        len: i.len() as u8,
+        bytes: [0; crate::layout::MAX_INSN_BYTES],
+        kind: crate::SensitiveKind::Other,
+    };
+    insn.bytes[..bytes.len()].copy_from_slice(bytes);
+    v.emulate(&insn, r)
+}
+
+#[test]
+fn test_far_jmp_and_far_call_switch_between_64_and_32_bit_code() {
+    let b = block();
+    let mut v = vcpu(&b);
+    with_user32(&mut v);
+    let mut r = kregs();
+    to_user(&mut v, &mut r);
+    // jmp far [rax] (m16:64) to USER32_CS:0x0804_9000.
+    v.mem.poke_u64(USER_PAGE, 0x0804_9000);
+    v.mem.poke(USER_PAGE + 8, &USER32_CS.to_le_bytes());
+    r.set(Gpr::Rax, USER_PAGE);
+    assert_eq!(
+        run(&mut v, &[0x48, 0xff, 0x28], &mut r),
+        Emulation::Switch {
+            next: GuestVirt(0x0804_9000),
+            mode: MODE_USER.compat(),
+            invalidate_mappings: false
+        }
+    );
+    // call far 0x33:0x401000 (ptr16:32) from 32-bit code: CS and EIP pushed, 4 bytes each.
+    let esp = r.get(Gpr::Rsp);
+    let call_far = [0x9a, 0x00, 0x10, 0x40, 0x00, 0x33, 0x00];
+    v.mem
+        .poke_u64(GDT + 0x30, seg_desc(0, 0xb, 3, true, true, false));
+    let e = run32(&mut v, &call_far, &mut r);
+    assert_eq!(
+        e,
+        Emulation::Switch {
+            next: GuestVirt(0x40_1000),
+            mode: MODE_USER,
+            invalidate_mappings: false
+        }
+    );
+    assert_eq!(r.get(Gpr::Rsp), esp - 8);
+    let mut w = [0u8; 8];
+    v.mem.peek(esp - 8, &mut w);
+    assert_eq!(
+        u32::from_le_bytes(w[..4].try_into().unwrap()),
+        (PC + 7) as u32
+    );
+    assert_eq!(
+        u32::from_le_bytes(w[4..].try_into().unwrap()),
+        u32::from(USER32_CS)
+    );
+}
+
+#[test]
+fn test_pushad_popad_into_bound_and_aam_in_32_bit_code() {
+    let b = block();
+    let mut v = vcpu(&b);
+    let mut r = kregs();
+    to_user32(&mut v, &mut r);
+    for (k, g) in [Gpr::Rax, Gpr::Rcx, Gpr::Rdx, Gpr::Rbx]
+        .into_iter()
+        .enumerate()
+    {
+        r.set(g, 0x100 + k as u64);
+    }
+    let esp = r.get(Gpr::Rsp);
+    assert_eq!(run32(&mut v, &[0x60], &mut r), after(&[0x60])); // pushad
+    assert_eq!(r.get(Gpr::Rsp), esp - 32);
+    assert_eq!(v.mem.peek_u64(esp - 8) as u32, 0x101, "ECX below EAX");
+    r.set(Gpr::Rax, 0);
+    assert_eq!(run32(&mut v, &[0x61], &mut r), after(&[0x61])); // popad
+    assert_eq!((r.get(Gpr::Rax), r.get(Gpr::Rsp)), (0x100, esp));
+    // into: nothing without OF, #OF (a trap, RIP after) with it.
+    assert_eq!(run32(&mut v, &[0xce], &mut r), after(&[0xce]));
+    r.rflags |= 1 << 11;
+    set_gate(&mut v, 4, gate(handler(4), KCODE, 0, 0xe, 3, true));
+    let e = run32(&mut v, &[0xce], &mut r);
+    assert!(matches!(e, Emulation::Switch { next, .. } if next == GuestVirt(handler(4))));
+    assert_eq!(frame(&v, &r, false).rip, PC + 1);
+    // bound eax, [ebx]: inside, then outside (#BR).
+    let mut v = vcpu(&b);
+    let mut r = kregs();
+    to_user32(&mut v, &mut r);
+    v.mem.poke(USER_PAGE, &[1, 0, 0, 0, 9, 0, 0, 0]);
+    r.set(Gpr::Rbx, USER_PAGE);
+    r.set(Gpr::Rax, 9);
+    let bound = [0x62, 0x03];
+    assert_eq!(run32(&mut v, &bound, &mut r), after(&bound));
+    r.set(Gpr::Rax, 10);
+    let e = run32(&mut v, &bound, &mut r);
+    assert_fault32(&v, e, &r, 5);
+    // aam: AL = 79 → AH = 7, AL = 9; aam 0 is #DE.
+    let mut v = vcpu(&b);
+    let mut r = kregs();
+    to_user32(&mut v, &mut r);
+    r.set(Gpr::Rax, 79);
+    assert_eq!(run32(&mut v, &[0xd4, 0x0a], &mut r), after(&[0xd4, 0x0a]));
+    assert_eq!(r.get(Gpr::Rax) & 0xffff, 0x0709);
+    let e = run32(&mut v, &[0xd4, 0x00], &mut r);
+    assert_fault32(&v, e, &r, 0);
+}
+
+#[test]
+fn test_lgs_loads_the_selector_then_the_offset() {
+    let b = block();
+    let mut v = vcpu(&b);
+    let mut r = kregs();
+    to_user(&mut v, &mut r);
+    v.mem.poke(USER_PAGE, &0x1234u32.to_le_bytes());
+    v.mem.poke(USER_PAGE + 4, &UDATA.to_le_bytes());
+    r.set(Gpr::Rbx, USER_PAGE);
+    let lgs_eax = [0x0f, 0xb5, 0x03]; // lgs eax, [rbx]
+    assert_eq!(run(&mut v, &lgs_eax, &mut r), after(&lgs_eax));
+    assert_eq!(r.get(Gpr::Rax), 0x1234);
+    assert_eq!(v.segs.sregs[Sreg::Gs as usize].selector, UDATA);
+    // A kernel code selector: #GP(sel), nothing loaded.
+    v.mem.poke(USER_PAGE + 4, &KCODE.to_le_bytes());
+    r.set(Gpr::Rax, 0);
+    let e = run(&mut v, &lgs_eax, &mut r);
+    assert_user_fault(&v, e, &r, 13, Some(u64::from(KCODE)));
+}

@@ -175,12 +175,12 @@ fn test_an_instruction_without_a_handler_stops_naming_it_at_cpl0() {
     let b = block();
     let mut v = vcpu(&b);
     let mut r = kregs();
-    assert_eq!(run(&mut v, &[0x48, 0xff, 0x28], &mut r), Emulation::Stop); // jmp far [rax]
+    assert_eq!(run(&mut v, &[0x0f, 0x33], &mut r), Emulation::Stop); // rdpmc
     assert_eq!(
         stop(&mut v),
         VcpuStop::Unsupported {
-            mnemonic: Some(iced_x86::Mnemonic::Jmp),
-            why: "not emulated by the virtual CPU yet"
+            mnemonic: Some(iced_x86::Mnemonic::Rdpmc),
+            why: "performance counters are not virtualized"
         }
     );
     assert_eq!(r, kregs(), "registers untouched");

@@ -4,7 +4,8 @@
 
 use super::*;
 
-const JMP_FAR_MEM: &[u8] = &[0x48, 0xff, 0x28]; // jmp far [rax] (m16:64)
+/// `rdpmc`: with CR4.PCE allowed at CPL 3, but counters are not virtualized.
+const NOT_MODELLED: &[u8] = &[0x0f, 0x33];
 const SYSENTER: &[u8] = &[0x0f, 0x34];
 const SYSEXIT: &[u8] = &[0x0f, 0x35];
 const INT1: &[u8] = &[0xf1];
@@ -59,20 +60,22 @@ fn test_an_instruction_not_modelled_is_ud_at_cpl3_logged_once() {
     // (At CPL 0 it stops the run: misc.rs.)
     let b = block();
     let mut v = vcpu(&b);
+    v.cr4 |= kpin_abi::x86::cr4::PCE;
     let mut r = kregs();
     to_user(&mut v, &mut r);
-    let e = run(&mut v, JMP_FAR_MEM, &mut r);
+    let e = run(&mut v, NOT_MODELLED, &mut r);
     assert_user_fault(&v, e, &r, 6, None);
     assert_eq!(v.stats.user_unsupported, 1);
     assert_eq!(v.hw.log.len(), 1, "{:?}", v.hw.log);
     assert!(v.hw.log[0].contains("raises #UD"), "{:?}", v.hw.log);
     // Logged once per mnemonic.
     let mut v2 = vcpu(&b);
+    v2.cr4 |= kpin_abi::x86::cr4::PCE;
     let mut r2 = kregs();
     to_user(&mut v2, &mut r2);
     for _ in 0..3 {
         let mut r3 = r2;
-        run(&mut v2, JMP_FAR_MEM, &mut r3);
+        run(&mut v2, NOT_MODELLED, &mut r3);
         to_user(&mut v2, &mut r2);
     }
     assert_eq!(v2.stats.user_unsupported, 3);
