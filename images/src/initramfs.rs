@@ -4,12 +4,12 @@
 //! standalone shell, so the links are for humans and for other shells, not required by
 //! `/init`), the mount points `/proc /sys /dev /tmp`, `/root` and `/etc`, a `/dev/console`
 //! node (5,1) so that the kernel can open the console for `/init` before devtmpfs is mounted,
-//! `/bin/kpin-test` (the native test programs, `programs.rs`), and `/init` itself, the
-//! script in `images/initramfs/init`.
+//! the native test programs (`programs.rs`: `/bin/kpin-test`, `/bin/kpin-conform`,
+//! `/bin/kpin-conform32`), and `/init` itself, the script in `images/initramfs/init`.
 //!
 //! Invariant: the archive is a pure function of the busybox binary, the test programs'
-//! binary and the script (see [`crate::cpio`]), so rebuilding it and comparing hashes is how
-//! the cache is checked.
+//! binaries and the script (see [`crate::cpio`]), so rebuilding it and comparing hashes is
+//! how the cache is checked.
 
 use crate::cpio::{CpioError, CpioWriter};
 
@@ -37,8 +37,9 @@ const DIRECTORIES: &[(&str, u32)] = &[
 /// Major and minor number of `/dev/console` (TTYAUX_MAJOR, 1).
 const CONSOLE_DEVICE: (u32, u32) = (5, 1);
 
-/// Builds the initramfs archive around the given busybox and `kpin-test` binaries.
-pub(crate) fn build(busybox: &[u8], kpin_test: &[u8]) -> Result<Vec<u8>, CpioError> {
+/// Builds the initramfs archive around the given busybox binary and the test programs,
+/// `(name, binary)` each, packed as `/bin/<name>` in the order given.
+pub(crate) fn build(busybox: &[u8], programs: &[(&str, &[u8])]) -> Result<Vec<u8>, CpioError> {
     let mut archive = CpioWriter::new();
     for &(dir, perm) in DIRECTORIES {
         archive.dir(dir, perm)?;
@@ -48,7 +49,9 @@ pub(crate) fn build(busybox: &[u8], kpin_test: &[u8]) -> Result<Vec<u8>, CpioErr
     for applet in APPLETS {
         archive.symlink(&format!("bin/{applet}"), "busybox")?;
     }
-    archive.file("bin/kpin-test", 0o755, kpin_test)?;
+    for (name, binary) in programs {
+        archive.file(&format!("bin/{name}"), 0o755, binary)?;
+    }
     archive.file("init", 0o755, INIT_SCRIPT.as_bytes())?;
     Ok(archive.finish())
 }
@@ -60,7 +63,12 @@ mod tests {
 
     #[test]
     fn test_archive_has_init_console_and_applets() {
-        let archive = build(b"fake busybox", b"fake kpin-test").expect("build");
+        let programs: [(&str, &[u8]); 3] = [
+            ("kpin-test", b"fake kpin-test"),
+            ("kpin-conform", b"fake conform"),
+            ("kpin-conform32", b"fake conform32"),
+        ];
+        let archive = build(b"fake busybox", &programs).expect("build");
         let entries = cpio::parse(&archive).expect("well-formed");
         let find = |name: &str| {
             entries
@@ -77,6 +85,9 @@ mod tests {
         assert_eq!(find("bin/sh").data, b"busybox");
         assert_eq!(find("bin/kpin-test").data, b"fake kpin-test");
         assert_eq!(find("bin/kpin-test").mode, 0o100_755);
+        assert_eq!(find("bin/kpin-conform").data, b"fake conform");
+        assert_eq!(find("bin/kpin-conform32").data, b"fake conform32");
+        assert_eq!(find("bin/kpin-conform32").mode, 0o100_755);
         for dir in ["proc", "sys", "dev", "tmp", "root", "etc"] {
             assert_eq!(find(dir).mode & 0o170_000, 0o040_000, "{dir}");
         }
@@ -100,6 +111,15 @@ mod tests {
         ] {
             assert!(INIT_SCRIPT.contains(marker), "{marker}");
         }
+    }
+
+    #[test]
+    fn test_archive_is_a_pure_function_of_its_inputs() {
+        let programs: [(&str, &[u8]); 2] = [("kpin-test", b"t"), ("kpin-conform", b"c")];
+        let a = build(b"bb", &programs).expect("build");
+        assert_eq!(a, build(b"bb", &programs).expect("again"));
+        let changed: [(&str, &[u8]); 2] = [("kpin-test", b"t"), ("kpin-conform", b"C")];
+        assert_ne!(a, build(b"bb", &changed).expect("changed"));
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //! out_dir/
 //!   linux-<release>/{vmlinuz, vmlinux, System.map, config}   each pinned kernel
 //!   busybox/busybox                                          static busybox from Debian
-//!   programs/kpin-test                                       the initramfs' test programs
+//!   programs/{kpin-test, kpin-conform, kpin-conform32}      the initramfs' test programs
+//!   programs/src-<program>/                                  the sources each was compiled from
 //!   initramfs.cpio                                           newc archive, uncompressed
 //!   minikernel.elf                                           the mini-kernel guest
 //!   minikernel-target/                                       cargo's target dir for it
@@ -29,9 +30,14 @@ pub(crate) fn zstd_scratch_dir(out_dir: &Path) -> PathBuf {
     out_dir.join(".scratch-zstd")
 }
 
-/// The initramfs' test programs (one static binary, `kpin-test`).
-pub(crate) fn programs(out_dir: &Path) -> PathBuf {
-    out_dir.join("programs").join("kpin-test")
+/// The initramfs' test program `name` (a static binary; see `programs.rs`).
+pub(crate) fn program(out_dir: &Path, name: &str) -> PathBuf {
+    out_dir.join("programs").join(name)
+}
+
+/// The directory the sources of test program `name` are written to and compiled from.
+pub(crate) fn program_sources(out_dir: &Path, name: &str) -> PathBuf {
+    out_dir.join("programs").join(format!("src-{name}"))
 }
 
 /// Directory `apt-get download` runs in.

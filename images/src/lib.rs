@@ -11,8 +11,9 @@
 //!
 //! Host requirements: `apt-get` (with a package index that knows the pinned versions),
 //! `dpkg-deb`, `tar`, `zstd` (for kernels with a zstd payload), `gcc` with `libc6-dev`
-//! (the initramfs' test programs are static C programs), and for the mini-kernel `cargo`
-//! with the `x86_64-unknown-none` target.
+//! and `gcc-multilib` (the initramfs' test programs are static C programs, one of them
+//! also built 32-bit), and for the mini-kernel `cargo` with the `x86_64-unknown-none`
+//! target.
 #![deny(missing_docs)]
 
 mod bzimage;
@@ -43,7 +44,8 @@ pub use gdb::{ensure_gdb, gdb_overlay, GDB_BEGIN, GDB_END};
 pub use lz4_legacy::Lz4Error;
 pub use overlay::{ensure_busybox_i386, overlay};
 pub use workload::{
-    probe_verdict, programs_workload_expected_md5, workload_expected_md5, PROBE_ACCESSES, PROGRAMS,
+    md5_hex, probe_verdict, programs_workload_expected_md5, workload_expected_md5, PROBE_ACCESSES,
+    PROGRAMS,
 };
 
 /// The pinned guest kernels. Each is a Debian cloud kernel pinned by version and by the
@@ -202,6 +204,19 @@ pub enum ImagesError {
         #[source]
         source: CommandError,
     },
+    /// The 32-bit build of a test program failed (usually: no 32-bit C library).
+    #[error(
+        "could not build the initramfs' 32-bit test program: `{command}` failed (`gcc -m32` \
+         needs Debian's `gcc-multilib`: `apt-get install gcc-multilib`, which .ci/setup \
+         installs)"
+    )]
+    Programs32 {
+        /// The exact command that failed.
+        command: String,
+        /// How it failed.
+        #[source]
+        source: CommandError,
+    },
     /// gdb's shared libraries could not be listed.
     #[error("could not list gdb's shared libraries: `{command}` failed")]
     GdbLibraries {
@@ -305,6 +320,30 @@ pub fn ensure_linux_kernel(
     progress: &mut dyn FnMut(&str),
 ) -> Result<LinuxImages, ImagesError> {
     linux::ensure(kernel, out_dir, progress)
+}
+
+/// The host paths of the CPU-conformance corpus (issue #22): the same static binaries the
+/// initramfs carries as `/bin/kpin-conform` and `/bin/kpin-conform32`, to run natively on
+/// the host as the reference.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConformPrograms {
+    /// The 64-bit build, `out_dir/programs/kpin-conform`.
+    pub bin64: PathBuf,
+    /// The 32-bit build (`gcc -m32`), `out_dir/programs/kpin-conform32`.
+    pub bin32: PathBuf,
+}
+
+/// Builds (or finds cached) the conformance corpus' two binaries in `out_dir` and returns
+/// their paths. Fails with [`ImagesError::Programs32`] when `gcc -m32` cannot build (no
+/// `gcc-multilib`).
+pub fn ensure_conform_programs(
+    out_dir: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<ConformPrograms, ImagesError> {
+    Ok(ConformPrograms {
+        bin64: programs::ensure(out_dir, &programs::CONFORM, progress)?,
+        bin32: programs::ensure(out_dir, &programs::CONFORM32, progress)?,
+    })
 }
 
 /// Builds the mini-kernel guest (`tests/guests/minikernel`) and returns the path of its ELF,

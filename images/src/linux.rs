@@ -6,7 +6,8 @@
 //! 3. `System.map` from the `-dbg` package, which is deleted afterwards (~300 MB); the stamp
 //!    of `System.map` records the verified hash of the package it came from.
 //! 4. `busybox` from `busybox-static`.
-//! 5. `kpin-test`, the native test programs, compiled with `gcc -static` (`programs.rs`).
+//! 5. the native test programs (`kpin-test`, `kpin-conform`, `kpin-conform32`), compiled
+//!    with `gcc -static` (`programs.rs`).
 //! 6. `initramfs.cpio`, rebuilt in memory on every call (milliseconds) and written only when
 //!    its bytes differ from the file's. It is the same for every kernel.
 //!
@@ -114,13 +115,21 @@ pub(crate) fn ensure(
     )?;
 
     // 5. the test programs.
-    let kpin_test_path = programs::ensure(out_dir, progress)?;
+    let program_paths = programs::ensure_all(out_dir, progress)?;
 
     // 6. initramfs.
     let busybox = fs::read(&busybox_path).map_err(io_error("read", &busybox_path))?;
-    let kpin_test = fs::read(&kpin_test_path).map_err(io_error("read", &kpin_test_path))?;
-    let archive = initramfs::build(&busybox, &kpin_test)
-        .map_err(|source| ImagesError::Initramfs { source })?;
+    let mut binaries = Vec::with_capacity(program_paths.len());
+    for path in &program_paths {
+        binaries.push(fs::read(path).map_err(io_error("read", path))?);
+    }
+    let named: Vec<(&str, &[u8])> = programs::ALL
+        .iter()
+        .zip(&binaries)
+        .map(|(p, bytes)| (p.name, bytes.as_slice()))
+        .collect();
+    let archive =
+        initramfs::build(&busybox, &named).map_err(|source| ImagesError::Initramfs { source })?;
     let current = match cache::sha256_file(&images.initramfs) {
         Ok((sha256, _)) => Some(sha256),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,

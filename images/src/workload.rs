@@ -33,8 +33,8 @@ pub(crate) fn default_workload_data() -> Vec<u8> {
     data
 }
 
-/// Lower-case hex md5 of `bytes`.
-fn md5_hex(bytes: &[u8]) -> String {
+/// Lower-case hex md5 of `bytes` (what the guest's `md5sum` prints after a workload).
+pub fn md5_hex(bytes: &[u8]) -> String {
     hex(&Md5::digest(bytes))
 }
 
@@ -231,7 +231,7 @@ mod tests {
 
     /// The test programs, built into `dir` (`None`, with a visible message, without gcc).
     fn built_programs(dir: &Path) -> Option<PathBuf> {
-        match crate::programs::ensure(dir, &mut |_| {}) {
+        match crate::programs::ensure(dir, &crate::programs::KPIN_TEST, &mut |_| {}) {
             Ok(path) => Some(path),
             Err(crate::ImagesError::Programs {
                 source: crate::CommandError::Spawn(_),
@@ -265,6 +265,9 @@ mod tests {
             .env("KPIN_BUSYBOX", busybox)
             .env("KPIN_WORKDIR", work.join("work"))
             .env("KPIN_TEST", work.join("kpin-test"))
+            .env("KPIN_CONFORM", work.join("kpin-conform"))
+            .env("KPIN_CONFORM32", work.join("kpin-conform32"))
+            .env("KPIN_CMDLINE", work.join("cmdline"))
             .output()
             .expect("run busybox");
         assert!(output.status.success(), "{output:?}");
@@ -439,6 +442,76 @@ mod tests {
             String::from_utf8_lossy(&output.stdout),
             "KPIN-TEST jit ok 0\nKPIN-TEST sigsegv FAIL x\n\
              KPIN-WORKLOAD-ERROR programs: sigsegv exited with 1\n"
+        );
+    }
+
+    /// Writes an executable shell script to `path`.
+    fn write_script(path: &Path, text: &str) {
+        std::fs::write(path, text).expect("write");
+        let mut perms = std::fs::metadata(path).expect("stat").permissions();
+        std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
+        std::fs::set_permissions(path, perms).expect("chmod");
+    }
+
+    /// The conform workload runs both builds as root and as 65534 with the skip patterns
+    /// of kpin.conform.skip (not globbed by the shell), prints the lines, then their md5.
+    #[test]
+    fn test_conform_workload_runs_both_builds_as_both_users() {
+        let Some(busybox) = cached_busybox() else {
+            return;
+        };
+        let dir = ScratchDir::new("conform-workload");
+        for (name, bits) in [("kpin-conform", 64), ("kpin-conform32", 32)] {
+            write_script(
+                &dir.0.join(name),
+                &format!(
+                    "#!/bin/sh
+uid=0
+[ \"$1\" = --uid ] && uid=$2
+                     echo \"KPIN-CONFORM {bits} $uid args $*\"
+"
+                ),
+            );
+        }
+        std::fs::write(
+            dir.0.join("cmdline"),
+            "console=ttyS0 kpin.conform.skip=tf-*,hlt kpin.conform.cases=t*,h*\n",
+        )
+        .expect("write cmdline");
+        let output = run_init_functions(&busybox, &dir.0, "run_workload conform");
+        let lines = "KPIN-CONFORM 64 0 args --skip tf-* --skip hlt t* h*\n\
+                     KPIN-CONFORM 64 65534 args --uid 65534 --skip tf-* --skip hlt t* h*\n\
+                     KPIN-CONFORM 32 0 args --skip tf-* --skip hlt t* h*\n\
+                     KPIN-CONFORM 32 65534 args --uid 65534 --skip tf-* --skip hlt t* h*\n";
+        assert_eq!(
+            String::from_utf8_lossy(&output.stdout),
+            format!("{lines}KPIN-WORKLOAD-DONE {}\n", md5_hex(lines.as_bytes())),
+            "stderr: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+
+    /// A build that fails as a whole (a 32-bit program the CPU cannot run) adds a
+    /// `program exit` line for each run and the workload still ends with DONE.
+    #[test]
+    fn test_conform_workload_reports_a_failing_build() {
+        let Some(busybox) = cached_busybox() else {
+            return;
+        };
+        let dir = ScratchDir::new("conform-fail");
+        write_script(
+            &dir.0.join("kpin-conform"),
+            "#!/bin/sh\necho \"KPIN-CONFORM 64 x\"\n",
+        );
+        write_script(&dir.0.join("kpin-conform32"), "#!/bin/sh\nexit 139\n");
+        std::fs::write(dir.0.join("cmdline"), "console=ttyS0\n").expect("write cmdline");
+        let output = run_init_functions(&busybox, &dir.0, "run_workload conform");
+        let lines = "KPIN-CONFORM 64 x\nKPIN-CONFORM 64 x\n\
+                     KPIN-CONFORM 32 0 program exit 139\n\
+                     KPIN-CONFORM 32 65534 program exit 139\n";
+        assert_eq!(
+            String::from_utf8_lossy(&output.stdout),
+            format!("{lines}KPIN-WORKLOAD-DONE {}\n", md5_hex(lines.as_bytes()))
         );
     }
 
