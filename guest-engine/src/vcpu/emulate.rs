@@ -43,6 +43,18 @@ pub type Step = Result<Flow, Event>;
 pub type Handler<'a, H, M> =
     fn(&mut Vcpu<'a, H, M>, &Instruction, &mut GuestRegs, GuestVirt) -> Step;
 
+/// Whether `bytes` begin with 15 prefixes (legacy, or REX in 64-bit code): no room is
+/// left for an opcode within the architectural 15-byte limit.
+fn too_long(bytes: &[u8], bitness: u32) -> bool {
+    bytes.len() >= 15
+        && bytes[..15].iter().all(|&b| {
+            matches!(
+                b,
+                0x66 | 0x67 | 0xF0 | 0xF2 | 0xF3 | 0x2E | 0x36 | 0x3E | 0x26 | 0x64 | 0x65
+            ) || (bitness == 64 && b & 0xF0 == 0x40)
+        })
+}
+
 /// #GP(0).
 pub fn gp0() -> Event {
     Event::fault(vector::GP, 0)
@@ -223,6 +235,8 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             Code::Into => Self::into,
             Code::Bound_r16_m1616 | Code::Bound_r32_m3232 => Self::bound,
             Code::Aam_imm8 | Code::Aad_imm8 => Self::ascii_adjust,
+            Code::Daa | Code::Das | Code::Aaa | Code::Aas => Self::decimal_adjust,
+            Code::Salc => Self::salc,
             // optional.rs
             Code::Sysenter => Self::sysenter,
             Code::Sysexitd | Code::Sysexitq => Self::sysexit,
@@ -332,7 +346,12 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
         self.sti_next = None;
         let user = self.cpl() == 3;
         let step = if len == 0 || i.is_invalid() {
-            Err(Event::ud())
+            // Longer than 15 bytes (prefixes filling the limit) is #GP(0), not #UD.
+            if too_long(&insn.bytes, self.bitness()) {
+                Err(gp0())
+            } else {
+                Err(Event::ud())
+            }
         } else {
             match self.emulate_insn(insn, &i, regs, next) {
                 // No instruction of a user process ends the run: what the virtual CPU

@@ -2,10 +2,11 @@
 //! the virtual CPU): same-privilege far `jmp`/`call` through memory or a direct pointer,
 //! to 64-bit or (at CPL 3) 32-bit code, LDT selectors included; `iretd` in 32-bit code;
 //! `lss`/`lfs`/`lgs`/`les`/`lds`; and, in 32-bit code, `pushad`/`popad`, `into`, `bound`,
-//! `aam`, `aad` (each as its page in the SDM, vol. 2, describes it).
+//! the BCD adjustments (`aam`, `aad`, `daa`, `das`, `aaa`, `aas`) and `salc` (each as its
+//! page in the SDM, vol. 2, describes it; flags the SDM leaves undefined follow AL).
 //!
 //! Not emulated (the process's #UD at CPL 3): far transfers through call gates or to
-//! another privilege level, to 16-bit code segments; `daa`/`das`/`aaa`/`aas`, `arpl`.
+//! another privilege level, to 16-bit code segments; `arpl`.
 
 use iced_x86::{Code, Instruction, Mnemonic, OpKind};
 use kpin_abi::attach::Segment;
@@ -311,6 +312,78 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
             (ax & !0xffff) | u64::from(new_ah) << 8 | u64::from(new_al),
         );
         regs.rflags = (regs.rflags & !rflags::STATUS) | byte_flags(new_al);
+        Ok(Flow::Continue(next))
+    }
+
+    /// `daa`/`das`/`aaa`/`aas`: the decimal adjustments of AL (AH too for the ASCII
+    /// ones) after an addition or subtraction.
+    pub(super) fn decimal_adjust(
+        &mut self,
+        i: &Instruction,
+        regs: &mut GuestRegs,
+        next: GuestVirt,
+    ) -> Step {
+        const CF: u64 = 1;
+        const AF: u64 = 1 << 4;
+        let ax = regs.get(Gpr::Rax);
+        let (mut al, mut ah) = (ax as u8, (ax >> 8) as u8);
+        let (cf, af) = (regs.rflags & CF != 0, regs.rflags & AF != 0);
+        let low_adjust = al & 0xf > 9 || af;
+        let (mut new_cf, mut new_af) = (false, false);
+        match i.mnemonic() {
+            Mnemonic::Daa | Mnemonic::Das => {
+                let old_al = al;
+                if low_adjust {
+                    let (v, carry) = if i.mnemonic() == Mnemonic::Daa {
+                        al.overflowing_add(6)
+                    } else {
+                        al.overflowing_sub(6)
+                    };
+                    al = v;
+                    new_cf = cf || carry;
+                    new_af = true;
+                }
+                if old_al > 0x99 || cf {
+                    al = if i.mnemonic() == Mnemonic::Daa {
+                        al.wrapping_add(0x60)
+                    } else {
+                        al.wrapping_sub(0x60)
+                    };
+                    new_cf = true;
+                } else if i.mnemonic() == Mnemonic::Daa {
+                    new_cf = false;
+                }
+            }
+            _ => {
+                if low_adjust {
+                    if i.mnemonic() == Mnemonic::Aaa {
+                        let v = u16::from_le_bytes([al, ah]).wrapping_add(0x106);
+                        [al, ah] = v.to_le_bytes();
+                    } else {
+                        al = al.wrapping_sub(6);
+                        ah = ah.wrapping_sub(1);
+                    }
+                    new_cf = true;
+                    new_af = true;
+                }
+                al &= 0xf;
+            }
+        }
+        regs.set(
+            Gpr::Rax,
+            (ax & !0xffff) | u64::from(ah) << 8 | u64::from(al),
+        );
+        regs.rflags = (regs.rflags & !rflags::STATUS)
+            | byte_flags(al)
+            | if new_cf { CF } else { 0 }
+            | if new_af { AF } else { 0 };
+        Ok(Flow::Continue(next))
+    }
+
+    /// `salc`: AL = CF ? 0xff : 0, flags unchanged.
+    pub(super) fn salc(&mut self, _i: &Instruction, regs: &mut GuestRegs, next: GuestVirt) -> Step {
+        let al = if regs.rflags & 1 != 0 { 0xff } else { 0 };
+        regs.set(Gpr::Rax, (regs.get(Gpr::Rax) & !0xff) | al);
         Ok(Flow::Continue(next))
     }
 }

@@ -89,22 +89,38 @@ pub(crate) fn untranslatable(i: &Instruction) -> bool {
     }
 }
 
+/// The 0x80 form of a 32-bit-only 0x82 opcode (the same group, invalid in 64-bit mode).
+fn group82_twin(code: Code) -> Option<Code> {
+    Some(match code {
+        Code::Add_rm8_imm8_82 => Code::Add_rm8_imm8,
+        Code::Or_rm8_imm8_82 => Code::Or_rm8_imm8,
+        Code::Adc_rm8_imm8_82 => Code::Adc_rm8_imm8,
+        Code::Sbb_rm8_imm8_82 => Code::Sbb_rm8_imm8,
+        Code::And_rm8_imm8_82 => Code::And_rm8_imm8,
+        Code::Sub_rm8_imm8_82 => Code::Sub_rm8_imm8,
+        Code::Xor_rm8_imm8_82 => Code::Xor_rm8_imm8,
+        Code::Cmp_rm8_imm8_82 => Code::Cmp_rm8_imm8,
+        _ => return None,
+    })
+}
+
 /// The instructions [`Tx::compat_plain`] rewrites rather than re-encodes.
 fn rewritten(i: &Instruction) -> bool {
-    matches!(
-        i.code(),
-        Code::Inc_r16
-            | Code::Inc_r32
-            | Code::Dec_r16
-            | Code::Dec_r32
-            | Code::Push_r32
-            | Code::Pushd_imm32
-            | Code::Pushd_imm8
-            | Code::Push_rm32
-            | Code::Pop_r32
-            | Code::Pop_rm32
-            | Code::Leaved
-    )
+    (group82_twin(i.code()).is_some() && !segment_relative(i))
+        || matches!(
+            i.code(),
+            Code::Inc_r16
+                | Code::Inc_r32
+                | Code::Dec_r16
+                | Code::Dec_r32
+                | Code::Push_r32
+                | Code::Pushd_imm32
+                | Code::Pushd_imm8
+                | Code::Push_rm32
+                | Code::Pop_r32
+                | Code::Pop_rm32
+                | Code::Leaved
+        )
 }
 
 /// Whether `i` has a memory operand relative to FS or GS (whose bases are not 0).
@@ -186,6 +202,15 @@ impl Tx<'_> {
     pub(super) fn compat_plain(&mut self, d: &DecodedInsn) -> Result<(), EngineError> {
         let i = &d.instr;
         let pc = i.ip();
+        if let Some(code) = group82_twin(i.code()) {
+            // Same operands, the 0x80 opcode (`untranslatable` leaves FS/GS operands of
+            // the rare 0x82 forms to the virtual CPU's #UD).
+            let mut j = *i;
+            j.set_code(code);
+            let b = self.encode(&j, pc)?;
+            self.a.bytes(&b);
+            return Ok(());
+        }
         match i.code() {
             Code::Inc_r16 | Code::Inc_r32 | Code::Dec_r16 | Code::Dec_r32 => {
                 let code = match i.code() {

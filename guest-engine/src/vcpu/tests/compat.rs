@@ -277,3 +277,32 @@ fn test_lgs_loads_the_selector_then_the_offset() {
     let e = run(&mut v, &lgs_eax, &mut r);
     assert_user_fault(&v, e, &r, 13, Some(u64::from(KCODE)));
 }
+
+#[test]
+fn test_decimal_adjustments_and_salc_in_32_bit_code() {
+    let b = block();
+    // (instruction, AX before, CF|AF before, AX after, CF|AF after): the host's results.
+    let cases: [(u8, u64, u64, u64, u64); 4] = [
+        (0x27, 0x41, 0x10, 0x47, 0x10),   // daa after 0x38 + 0x09
+        (0x2f, 0x1f, 0x10, 0x19, 0x10),   // das
+        (0x37, 0x0b, 0x00, 0x0101, 0x11), // aaa
+        (0x3f, 0x0d, 0x00, 0xff07, 0x11), // aas
+    ];
+    for (op, ax, flags, want_ax, want_flags) in cases {
+        let mut v = vcpu(&b);
+        let mut r = kregs();
+        to_user32(&mut v, &mut r);
+        r.set(Gpr::Rax, ax);
+        r.rflags |= flags;
+        assert_eq!(run32(&mut v, &[op], &mut r), after(&[op]), "{op:#x}");
+        assert_eq!(r.get(Gpr::Rax) & 0xffff, want_ax, "{op:#x}");
+        assert_eq!(r.rflags & 0x11, want_flags, "{op:#x}");
+    }
+    let mut v = vcpu(&b);
+    let mut r = kregs();
+    to_user32(&mut v, &mut r);
+    r.set(Gpr::Rax, 0x1234);
+    r.rflags |= 1;
+    assert_eq!(run32(&mut v, &[0xd6], &mut r), after(&[0xd6]));
+    assert_eq!(r.get(Gpr::Rax), 0x12ff, "salc");
+}

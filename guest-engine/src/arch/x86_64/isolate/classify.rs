@@ -131,7 +131,11 @@ pub fn classify_fault(
                 access: m.access,
             };
         }
-        if !canonical {
+        // An access that starts canonical but runs past the canonical boundary is #GP(0)
+        // too (its last byte is non-canonical).
+        let last = addr.wrapping_add(u64::from(m.size.max(1)) - 1);
+        let last_canonical = ((last as i64) << 16 >> 16) as u64 == last;
+        if !canonical || (!last_canonical && last > addr) {
             non_canonical.get_or_insert(addr);
         }
     }
