@@ -53,6 +53,12 @@ pub trait Hardware {
     fn control_requested(&self) -> bool {
         false
     }
+    /// Whether loading a null selector into FS or GS zeroes its base on this CPU, if the
+    /// embedder measured it (else the vendor and CPUID decide).
+    fn null_selector_clears_base(&self) -> Option<bool> {
+        None
+    }
+
     /// A line for the engine log (info level).
     fn log(&mut self, line: fmt::Arguments<'_>);
 }

@@ -83,11 +83,14 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         &vendor == b"AuthenticAMD" || &vendor == b"HygonGenuine"
     }
 
-    /// Whether loading a null selector into FS or GS zeroes its base: on Intel's CPUs,
-    /// and on AMD's that say so (CPUID 0x8000_0021 EAX[6], NullSelectClearsBase); older
-    /// AMD CPUs keep the base (Linux's X86_BUG_NULL_SEG).
+    /// Whether loading a null selector into FS or GS zeroes its base: as the embedder
+    /// measured it on the hardware, else on Intel's CPUs and on AMD's that say so (CPUID
+    /// 0x8000_0021 EAX[6], NullSelectClearsBase); older AMD CPUs keep the base (Linux's
+    /// X86_BUG_NULL_SEG).
     pub(super) fn null_clears_base(&self) -> bool {
-        !self.amd_like() || self.has(NULL_SELECT_CLEARS_BASE)
+        self.hw
+            .null_selector_clears_base()
+            .unwrap_or_else(|| !self.amd_like() || self.has(NULL_SELECT_CLEARS_BASE))
     }
 
     /// `sysenter` in 64-bit mode.

@@ -206,7 +206,18 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
 
     arm_fault_redirect(&engine);
     let mut mem = ShadowedMemory::new(&shadow);
-    let mut vcpu = Vcpu::new(block, Ring0::default(), ShadowPort::new(&shadow));
+    // Measured before the virtual CPU makes the hardware FS/GS bases the guest's.
+    let null_clears_base = crate::run::vcpu::probe_null_selector_clears_base();
+    log!(
+        Info,
+        "engine: loading a null selector into FS {} its base on this CPU",
+        if null_clears_base { "zeroes" } else { "keeps" }
+    );
+    let ring0 = Ring0 {
+        null_clears_base,
+        ..Ring0::default()
+    };
+    let mut vcpu = Vcpu::new(block, ring0, ShadowPort::new(&shadow));
     let mut progress = cache_page_fault::Progress::default();
     let t0 = timer::tsc();
     prof::start();

@@ -27,6 +27,8 @@ pub struct Ring0 {
     /// COM1's line status: a constant once learned, answered without the gate (Linux's
     /// console polls it before every character).
     pub com1: LineStatusCache,
+    /// [`probe_null_selector_clears_base`]'s answer.
+    pub null_clears_base: bool,
 }
 
 /// Writes the hardware FS (`fs` true) or GS base: `wrfsbase`/`wrgsbase` when `_start`
@@ -52,6 +54,30 @@ pub fn set_hw_base(fs: bool, base: u64) {
     // SAFETY: as above, the bases belong to the guest; a canonical value cannot fault
     // the ring-0 WRMSR.
     unsafe { gate::wrmsr(i, base) };
+}
+
+/// Reads the hardware FS base (`rdfsbase`, else the gate's RDMSR).
+fn hw_fs_base() -> u64 {
+    // SAFETY: written once by `_start` at ring 0 before any CPL-3 code ran.
+    if unsafe { core::ptr::read_volatile(&raw const crate::ring0::entry::kpin_fsgsbase) } != 0 {
+        let v: u64;
+        // SAFETY: CR4.FSGSBASE is set, so `rdfsbase` is allowed at CPL 3; it only reads.
+        unsafe { core::arch::asm!("rdfsbase {}", out(reg) v, options(nostack, preserves_flags)) };
+        return v;
+    }
+    gate::rdmsr(msr::FS_BASE)
+}
+
+/// Whether this CPU zeroes FS's base when a null selector is loaded, measured: an AMD
+/// CPU may do it without saying so in CPUID (the AMD host here does, with
+/// NullSelectClearsBase hidden). The FS base is the guest's afterwards (the caller
+/// sets it); the engine itself uses neither FS nor GS.
+pub fn probe_null_selector_clears_base() -> bool {
+    set_hw_base(true, 0x1000);
+    // SAFETY: loading the null selector into FS is allowed at any CPL and cannot fault;
+    // the engine has no TLS, so FS's selector and base are free to change.
+    unsafe { core::arch::asm!("mov fs, {0:x}", in(reg) 0u16, options(nostack, preserves_flags)) };
+    hw_fs_base() == 0
 }
 
 impl Hardware for Ring0 {
@@ -98,6 +124,10 @@ impl Hardware for Ring0 {
 
     fn set_hw_base(&mut self, fs: bool, base: u64) {
         set_hw_base(fs, base);
+    }
+
+    fn null_selector_clears_base(&self) -> Option<bool> {
+        Some(self.null_clears_base)
     }
 
     fn halt(&mut self) {

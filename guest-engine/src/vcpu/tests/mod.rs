@@ -397,6 +397,8 @@ impl GuestMmu for MockMmu {
 /// The mock machine behind the gate: records what the virtual CPU asks of it.
 #[derive(Default)]
 pub struct MockHw {
+    /// What the embedder measured of null-selector loads (`None`: not measured).
+    pub null_clears: Option<bool>,
     /// `out`s: (port, size, value).
     pub outs: Vec<(u16, u8, u32)>,
     /// What `in` answers (any port).
@@ -486,6 +488,10 @@ impl Hardware for MockHw {
     fn log(&mut self, line: core::fmt::Arguments<'_>) {
         self.log.push(std::format!("{line}"));
     }
+    fn null_selector_clears_base(&self) -> Option<bool> {
+        self.null_clears
+    }
+
     fn control_requested(&self) -> bool {
         self.control_after_halt && self.halts > 0
     }

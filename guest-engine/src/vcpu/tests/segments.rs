@@ -85,6 +85,15 @@ fn test_a_null_fs_load_zeroes_the_base_on_intel_and_on_amd_with_null_select_clea
         assert_eq!(seg(&v, Sreg::Fs).base, expect, "{vendor:?} {eax:#x}");
         assert_eq!(v.hw.fs_base, expect, "the hardware base follows");
     }
+    // What the embedder measured on the hardware wins over CPUID (an AMD CPU that
+    // zeroes the base with NullSelectClearsBase hidden).
+    let b = with_vendor(b"AuthenticAMD", 0);
+    let mut v = vcpu(&b);
+    v.hw.null_clears = Some(true);
+    let mut r = with_rax(0);
+    to_user(&mut v, &mut r);
+    assert_eq!(run(&mut v, MOV_FS_AX, &mut r), after(MOV_FS_AX));
+    assert_eq!(seg(&v, Sreg::Fs).base, 0);
 }
 
 #[test]
