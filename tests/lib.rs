@@ -349,6 +349,38 @@ pub fn kpin_bin() -> PathBuf {
     dir.join("kpin")
 }
 
+/// A finished `kpin run` (`kpin_run`): its output, the run's console and engine log,
+/// and all of them as one text for assertion messages.
+pub struct KpinRun {
+    /// The process's status and streams.
+    pub output: std::process::Output,
+    /// `console.log`.
+    pub console: String,
+    /// `engine.log` (empty for a native run).
+    pub engine_log: String,
+    /// Status, stderr, console and engine log, for assertion messages.
+    pub context: String,
+}
+
+/// Runs the `kpin` command `cmd` (its arguments given, `--out out` among them) and reads
+/// what it left in `out`.
+pub fn kpin_run(cmd: &mut std::process::Command, out: &Path) -> KpinRun {
+    let output = cmd.output().expect("run kpin");
+    let console = std::fs::read_to_string(out.join("console.log")).unwrap_or_default();
+    let engine_log = std::fs::read_to_string(out.join("engine.log")).unwrap_or_default();
+    let context = format!(
+        "kpin: {:?}\nstderr:\n{}\nconsole:\n{console}\nengine.log:\n{engine_log}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    KpinRun {
+        output,
+        console,
+        engine_log,
+        context,
+    }
+}
+
 /// First line of the mini-kernel's transcript.
 pub const MINIKERNEL_START: &str = "MINIKERNEL-START";
 /// Prefix of the mini-kernel's last line, followed by the checksum in hex.

@@ -9,7 +9,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use kpin_tests::{kpin_bin, require_kvm, scratch_dir};
+use kpin_tests::{kpin_bin, kpin_run, require_kvm, scratch_dir, KpinRun};
 use vmm::guests::LINUX_CMDLINE;
 
 /// The gdb script: every debugging mechanism once, ending with the program's exit.
@@ -111,23 +111,22 @@ fn test_scripted_gdb_in_the_guest_gives_the_hosts_transcript() {
     let rd = dir.join("gdb.cpio");
     std::fs::write(&rd, &initrd).expect("write the initrd");
     let out = dir.join("out");
-    let run = Command::new(kpin_bin())
-        .args(["run", "--tool", "null", "--quiet", "--mem", "512"])
-        .arg("--kernel")
-        .arg(&linux.vmlinux)
-        .arg("--initrd")
-        .arg(&rd)
-        .args(["--cmdline", LINUX_CMDLINE, "--timeout", BUDGET_SECONDS])
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .expect("run kpin");
-    let console = std::fs::read_to_string(out.join("console.log")).unwrap_or_default();
-    let engine_log = std::fs::read_to_string(out.join("engine.log")).unwrap_or_default();
-    let context = format!(
-        "kpin: {:?}\nstderr:\n{}\nconsole:\n{console}\nengine.log:\n{engine_log}",
-        run.status,
-        String::from_utf8_lossy(&run.stderr)
+    let KpinRun {
+        output: run,
+        console,
+        context,
+        ..
+    } = kpin_run(
+        Command::new(kpin_bin())
+            .args(["run", "--tool", "null", "--quiet", "--mem", "512"])
+            .arg("--kernel")
+            .arg(&linux.vmlinux)
+            .arg("--initrd")
+            .arg(&rd)
+            .args(["--cmdline", LINUX_CMDLINE, "--timeout", BUDGET_SECONDS])
+            .arg("--out")
+            .arg(&out),
+        &out,
     );
     assert_eq!(run.status.code(), Some(0), "{context}");
     let begin = console

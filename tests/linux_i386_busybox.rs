@@ -8,7 +8,7 @@
 
 use std::process::Command;
 
-use kpin_tests::{kpin_bin, require_kvm, scratch_dir};
+use kpin_tests::{kpin_bin, kpin_run, require_kvm, scratch_dir};
 use vmm::guests::LINUX_CMDLINE;
 
 /// Seconds kpin may run the guest (about 4 s here).
@@ -44,15 +44,9 @@ fn test_the_default_workload_runs_under_an_i386_busybox() {
             // (the records themselves are not the point: a bounded trace)
             cmd.args(["--tool-option", "limit=100000"]);
         }
-        let run = cmd.output().expect("run kpin");
-        let console = std::fs::read_to_string(out.join("console.log")).unwrap_or_default();
-        let engine_log = std::fs::read_to_string(out.join("engine.log")).unwrap_or_default();
-        let context = format!(
-            "{tool}: kpin {:?}\nstderr:\n{}\nconsole:\n{console}\nengine.log:\n{engine_log}",
-            run.status,
-            String::from_utf8_lossy(&run.stderr)
-        );
-        assert_eq!(run.status.code(), Some(0), "{context}");
+        let run = kpin_run(&mut cmd, &out);
+        let (console, context) = (&run.console, format!("{tool}: {}", run.context));
+        assert_eq!(run.output.status.code(), Some(0), "{context}");
         let want = format!(
             "KPIN-WORKLOAD-DONE {}",
             kpin_images::workload_expected_md5()
