@@ -268,6 +268,7 @@ mod tests {
             .env("KPIN_CONFORM", work.join("kpin-conform"))
             .env("KPIN_CONFORM32", work.join("kpin-conform32"))
             .env("KPIN_CMDLINE", work.join("cmdline"))
+            .env("KPIN_PRINTK", work.join("printk"))
             .output()
             .expect("run busybox");
         assert!(output.status.success(), "{output:?}");
@@ -478,7 +479,13 @@ uid=0
             "console=ttyS0 kpin.conform.skip=tf-*,hlt kpin.conform.cases=t*,h*\n",
         )
         .expect("write cmdline");
+        std::fs::write(dir.0.join("printk"), "7\t4\t1\t7\n").expect("write printk");
         let output = run_init_functions(&busybox, &dir.0, "run_workload conform");
+        // The console's level comes back after the lines.
+        assert_eq!(
+            std::fs::read_to_string(dir.0.join("printk")).expect("printk"),
+            "7\n"
+        );
         let lines = "KPIN-CONFORM 64 0 args --skip tf-* --skip hlt t* h*\n\
                      KPIN-CONFORM 64 65534 args --uid 65534 --skip tf-* --skip hlt t* h*\n\
                      KPIN-CONFORM 32 0 args --skip tf-* --skip hlt t* h*\n\
@@ -505,6 +512,7 @@ uid=0
         );
         write_script(&dir.0.join("kpin-conform32"), "#!/bin/sh\nexit 139\n");
         std::fs::write(dir.0.join("cmdline"), "console=ttyS0\n").expect("write cmdline");
+        std::fs::write(dir.0.join("printk"), "4\t4\t1\t7\n").expect("write printk");
         let output = run_init_functions(&busybox, &dir.0, "run_workload conform");
         let lines = "KPIN-CONFORM 64 x\nKPIN-CONFORM 64 x\n\
                      KPIN-CONFORM 32 0 program exit 139\n\
