@@ -175,24 +175,6 @@ pub const ALLOWED: &[Allowed] = &[
         "ok",
         "this host's KVM offers no RDRAND to its guests; the instruction still runs",
     ),
-    Allowed {
-        cases: "64 fs-null-after-arch-prctl",
-        kind: Kind::CpuModel {
-            feature: None,
-            guest: "arch_prctl=0 ok fsbase=kept",
-        },
-        why: "an AMD CPU without NullSelectorClearsBase (CPUID 0x80000021 EAX[6] reads 0 on \
-              both) keeps the base when a null selector is loaded, as the engine does; the \
-              host CPU clears it although its CPUID hides the bit",
-    },
-    Allowed {
-        cases: "64 gs-null-after-arch-prctl",
-        kind: Kind::CpuModel {
-            feature: None,
-            guest: "arch_prctl=0 ok gsbase=kept",
-        },
-        why: "as fs-null-after-arch-prctl: NullSelectorClearsBase reads 0",
-    },
     // (b) Known engine gaps (issue #22), as found by this test.
     gap(
         "* vmcall",
@@ -230,19 +212,7 @@ pub const ALLOWED: &[Allowed] = &[
         "* ldmxcsr-reserved",
         "ldmxcsr of a reserved bit: #GP expected, the engine #UD",
     ),
-    gap(
-        "* insn-16-bytes",
-        "an instruction over 15 bytes: #GP expected, the engine #UD",
-    ),
-    gap(
-        "64 read8-canonical-straddle",
-        "an 8-byte SSE read straddling the canonical boundary: #GP expected, the engine #UD",
-    ),
-    gap(
-        "32 daa|das|aaa|aas|salc|op-82|arpl",
-        "legacy instructions of 32-bit code (BCD adjustments, salc, 0x82, arpl) raise #UD \
-         in compatibility mode",
-    ),
+    gap("32 arpl", "arpl in 32-bit code raises #UD"),
     gap(
         "32 es-null-stos|ldt-data-base|ldt-data-limit|ss-limit-push",
         "32-bit code: segment bases and limits and null selectors are ignored (a store \
