@@ -177,15 +177,6 @@ pub const ALLOWED: &[Allowed] = &[
     ),
     // (b) Known engine gaps (issue #22), as found by this test.
     gap(
-        "* vmcall",
-        "vmcall at CPL 3: the host raises #GP, the engine #UD",
-    ),
-    gap(
-        "* serialize",
-        "serialize runs under the engine although the CPU model has no SERIALIZE (the host \
-         CPU raises #UD)",
-    ),
-    gap(
         "* xsave",
         "xsave runs although the guest's CR4.OSXSAVE is clear (XSAVE hidden): #UD expected",
     ),
@@ -212,7 +203,6 @@ pub const ALLOWED: &[Allowed] = &[
         "* ldmxcsr-reserved",
         "ldmxcsr of a reserved bit: #GP expected, the engine #UD",
     ),
-    gap("32 arpl", "arpl in 32-bit code raises #UD"),
     gap(
         "32 es-null-stos|ldt-data-base|ldt-data-limit|ss-limit-push",
         "32-bit code: segment bases and limits and null selectors are ignored (a store \

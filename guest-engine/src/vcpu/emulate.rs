@@ -237,10 +237,12 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             Code::Aam_imm8 | Code::Aad_imm8 => Self::ascii_adjust,
             Code::Daa | Code::Das | Code::Aaa | Code::Aas => Self::decimal_adjust,
             Code::Salc => Self::salc,
+            Code::Arpl_rm16_r16 | Code::Arpl_r32m16_r32 => Self::arpl,
             // optional.rs
             Code::Sysenter => Self::sysenter,
             Code::Sysexitd | Code::Sysexitq => Self::sysexit,
             Code::Int1 => Self::int1,
+            Code::Serialize => Self::serialize,
             Code::Rdpmc => Self::rdpmc,
             Code::Rdpkru | Code::Wrpkru => Self::pkru,
             Code::Monitorq | Code::Monitord | Code::Mwait => Self::monitor,

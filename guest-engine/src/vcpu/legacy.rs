@@ -2,11 +2,11 @@
 //! the virtual CPU): same-privilege far `jmp`/`call` through memory or a direct pointer,
 //! to 64-bit or (at CPL 3) 32-bit code, LDT selectors included; `iretd` in 32-bit code;
 //! `lss`/`lfs`/`lgs`/`les`/`lds`; and, in 32-bit code, `pushad`/`popad`, `into`, `bound`,
-//! the BCD adjustments (`aam`, `aad`, `daa`, `das`, `aaa`, `aas`) and `salc` (each as its
+//! the BCD adjustments (`aam`, `aad`, `daa`, `das`, `aaa`, `aas`), `salc` and `arpl` (each as its
 //! page in the SDM, vol. 2, describes it; flags the SDM leaves undefined follow AL).
 //!
 //! Not emulated (the process's #UD at CPL 3): far transfers through call gates or to
-//! another privilege level, to 16-bit code segments; `arpl`.
+//! another privilege level, to 16-bit code segments.
 
 use iced_x86::{Code, Instruction, Mnemonic, OpKind};
 use kpin_abi::attach::Segment;
@@ -384,6 +384,20 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
     pub(super) fn salc(&mut self, _i: &Instruction, regs: &mut GuestRegs, next: GuestVirt) -> Step {
         let al = if regs.rflags & 1 != 0 { 0xff } else { 0 };
         regs.set(Gpr::Rax, (regs.get(Gpr::Rax) & !0xff) | al);
+        Ok(Flow::Continue(next))
+    }
+
+    /// `arpl r/m16, r16` (32-bit code): raises the destination selector's RPL to the
+    /// source's, ZF = 1 if it did.
+    pub(super) fn arpl(&mut self, i: &Instruction, regs: &mut GuestRegs, next: GuestVirt) -> Step {
+        let src = gpr(i.op1_register()).map_or(0, |g| regs.get(g)) as u16;
+        let dest = self.read_rm16(i, 0, regs)?;
+        if dest & 3 < src & 3 {
+            self.write_rm16(i, (dest & !3) | (src & 3), regs)?;
+            regs.rflags |= rflags::ZF;
+        } else {
+            regs.rflags &= !rflags::ZF;
+        }
         Ok(Flow::Continue(next))
     }
 }

@@ -23,7 +23,8 @@
 //! * `xsaves`/`xrstors`, `invpcid` — #UD without their feature (and CR4.OSXSAVE),
 //!   #GP(0) at CPL > 0;
 //! * `vmcall`/`vmmcall` — KVM's hypercall for the vendor's own opcode: RAX = -1
-//!   (-KVM_EPERM) from CPL > 0, as KVM answers; the other vendor's opcode is #UD;
+//!   (-KVM_EPERM) from CPL > 0, as KVM answers; the other vendor's opcode #GP(0) there;
+//! * `serialize` — #UD without its feature (it would run natively on a CPU that has it);
 //! * VMX, SVM, SMX, SGX, user interrupts, `rsm`, `jmpe` — #UD: the virtual CPU never
 //!   enables them (CR4.VMXE/SMXE, EFER.SVME stay clear).
 //!
@@ -44,6 +45,8 @@ use crate::{Gpr, GuestRegs, GuestVirt};
 #[derive(Clone, Copy)]
 pub(super) struct Feature(u32, u32, usize, u32);
 
+/// `serialize` (CPUID 7.EDX[14]).
+const SERIALIZE: Feature = Feature(7, 0, 3, 14);
 /// `monitor`/`mwait` (CPUID 1.ECX[3]).
 const MONITOR: Feature = Feature(1, 0, 2, 3);
 /// `monitorx`/`mwaitx` (CPUID 0x8000_0001.ECX[29]).
@@ -142,8 +145,9 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
 
     /// `vmcall`/`vmmcall`: the guest's CPU is a KVM vCPU (CPUID 0x4000_0000), whose
     /// hypercall instruction is the vendor's own (`vmmcall` on AMD, `vmcall` on Intel).
-    /// From CPL > 0 KVM answers it with RAX = -KVM_EPERM (-1) and continues; the other
-    /// vendor's opcode is #UD. At CPL 0 hypercalls are not forwarded: the run stops.
+    /// From CPL > 0 KVM answers it with RAX = -KVM_EPERM (-1) and continues, and the
+    /// other vendor's opcode with #GP(0) (#UD at CPL 0). At CPL 0 hypercalls are not
+    /// forwarded: the run stops.
     pub(super) fn hypercall(
         &mut self,
         i: &Instruction,
@@ -152,12 +156,28 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
     ) -> Step {
         let native = (i.mnemonic() == Mnemonic::Vmmcall) == self.amd_like();
         if !native {
-            return Err(Event::ud());
+            // KVM answers the other vendor's opcode as it reaches it from CPL 3: #GP(0)
+            // (the AMD host here does); from CPL 0, #UD.
+            return Err(if self.cpl() != 0 { gp0() } else { Event::ud() });
         }
         if self.cpl() == 0 {
             return Ok(Flow::unsupported(i, "KVM hypercalls are not forwarded"));
         }
         regs.set(Gpr::Rax, KVM_EPERM.wrapping_neg());
+        Ok(Flow::Continue(next))
+    }
+
+    /// `serialize`: #UD unless CPUID 7.EDX[14] offers it (nothing else to do: the
+    /// emulation itself serializes).
+    pub(super) fn serialize(
+        &mut self,
+        _i: &Instruction,
+        _r: &mut GuestRegs,
+        next: GuestVirt,
+    ) -> Step {
+        if !self.has(SERIALIZE) {
+            return Err(Event::ud());
+        }
         Ok(Flow::Continue(next))
     }
 

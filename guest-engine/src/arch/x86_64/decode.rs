@@ -169,7 +169,8 @@ pub(crate) fn sensitive_kind(i: &Instruction) -> Option<SensitiveKind> {
         | M::Vmload
         | M::Vmsave
         | M::Stgi
-        | M::Clgi => K::Other,
+        | M::Clgi
+        | M::Serialize => K::Other,
         _ => {
             for n in 0..i.op_count() {
                 if i.op_kind(n) == OpKind::Register {

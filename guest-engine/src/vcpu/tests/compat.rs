@@ -306,3 +306,19 @@ fn test_decimal_adjustments_and_salc_in_32_bit_code() {
     assert_eq!(run32(&mut v, &[0xd6], &mut r), after(&[0xd6]));
     assert_eq!(r.get(Gpr::Rax), 0x12ff, "salc");
 }
+
+#[test]
+fn test_arpl_raises_the_destination_rpl() {
+    let b = block();
+    let mut v = vcpu(&b);
+    let mut r = kregs();
+    to_user32(&mut v, &mut r);
+    r.set(Gpr::Rax, 0x28);
+    r.set(Gpr::Rcx, 0x2b);
+    let arpl_ax_cx = [0x63, 0xc8];
+    assert_eq!(run32(&mut v, &arpl_ax_cx, &mut r), after(&arpl_ax_cx));
+    assert_eq!(r.get(Gpr::Rax), 0x2b);
+    assert_ne!(r.rflags & rflags::ZF, 0);
+    assert_eq!(run32(&mut v, &arpl_ax_cx, &mut r), after(&arpl_ax_cx));
+    assert_eq!(r.rflags & rflags::ZF, 0, "already as high");
+}

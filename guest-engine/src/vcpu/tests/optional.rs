@@ -338,7 +338,7 @@ fn test_facilities_never_enabled_are_ud_at_every_cpl() {
 }
 
 #[test]
-fn test_the_vendors_hypercall_at_cpl3_gets_kvm_eperm_and_the_other_vendors_is_ud() {
+fn test_the_vendors_hypercall_at_cpl3_gets_kvm_eperm_and_the_other_vendors_is_gp0() {
     let amd = block();
     let mut intel_block = block();
     intel(&mut intel_block);
@@ -351,10 +351,35 @@ fn test_the_vendors_hypercall_at_cpl3_gets_kvm_eperm_and_the_other_vendors_is_ud
         assert_eq!(run(&mut v, native, &mut r), after(native));
         assert_eq!(r.get(Gpr::Rax), u64::MAX, "RAX = -KVM_EPERM");
         let e = run(&mut v, other, &mut r);
-        assert_user_fault(&v, e, &r, 6, None);
-        // At CPL 0 the hypercall is not forwarded: the run stops.
+        assert_user_fault(&v, e, &r, 13, Some(0));
+        // At CPL 0 the hypercall is not forwarded: the run stops; the other one is #UD.
         let mut v = vcpu(b);
         let mut r = kregs();
         assert_eq!(run(&mut v, native, &mut r), Emulation::Stop);
+        let mut v = vcpu(b);
+        let mut r = kregs();
+        let e = run(&mut v, other, &mut r);
+        assert_ud(&v, e, &r);
     }
+}
+
+#[test]
+fn test_serialize_is_ud_unless_cpuid_offers_it() {
+    let mut b = block();
+    let serialize: &[u8] = &[0x0f, 0x01, 0xe8];
+    let mut v = vcpu(&b);
+    let mut r = kregs();
+    to_user(&mut v, &mut r);
+    let e = run(&mut v, serialize, &mut r);
+    assert_user_fault(&v, e, &r, 6, None);
+    let n = b.cpuid_count as usize;
+    b.cpuid[..n]
+        .iter_mut()
+        .find(|e| e.function == 7)
+        .expect("leaf 7")
+        .edx |= 1 << 14;
+    let mut v = vcpu(&b);
+    let mut r = kregs();
+    to_user(&mut v, &mut r);
+    assert_eq!(run(&mut v, serialize, &mut r), after(serialize));
 }
