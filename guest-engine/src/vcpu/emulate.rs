@@ -331,8 +331,9 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
         let len = usize::from(insn.len).min(insn.bytes.len());
         // What the translator could not decode may be an AMD encoding: `lock mov cr0`
         // is `mov cr8` where CPUID 0x8000_0001 ECX[4] (AltMovCr8) says so.
-        let amd = self.amd_like() && self.block.cpuid(0x8000_0001, 0)[2] & (1 << 4) != 0;
-        let (i, len) = if len == 0 && amd {
+        // (Asked only for undecodable bytes: this is the emulation hot path.)
+        let alt_mov_cr8 = || self.amd_like() && self.block.cpuid(0x8000_0001, 0)[2] & (1 << 4) != 0;
+        let (i, len) = if len == 0 && alt_mov_cr8() {
             let i = Decoder::with_ip(self.bitness(), &insn.bytes, insn.pc.0, DecoderOptions::AMD)
                 .decode();
             let n = if i.is_invalid() { 0 } else { i.len() };
