@@ -19,17 +19,10 @@ use super::segments::{Descriptor, Sreg};
 use super::Vcpu;
 use crate::{Gpr, GuestRegs, GuestVirt};
 
-/// The eight GPRs in `pushad` order.
-const PUSHAD_ORDER: [Gpr; 8] = [
-    Gpr::Rax,
-    Gpr::Rcx,
-    Gpr::Rdx,
-    Gpr::Rbx,
-    Gpr::Rsp,
-    Gpr::Rbp,
-    Gpr::Rsi,
-    Gpr::Rdi,
-];
+/// The eight GPRs in `pushad` order: their encoding order, EAX first.
+fn pushad_order() -> &'static [Gpr] {
+    &Gpr::ALL[..8]
+}
 
 /// ZF, SF and PF of a byte result (`aam`/`aad`; their other status flags are cleared).
 fn byte_flags(v: u8) -> u64 {
@@ -224,7 +217,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         let mut b = [0u8; 32];
         if i.code() == Code::Pushad {
             // Highest address first: EAX at ESP - 4 … EDI at ESP - 32.
-            for (k, g) in PUSHAD_ORDER.iter().enumerate() {
+            for (k, g) in pushad_order().iter().enumerate() {
                 let v = regs.get(*g) as u32;
                 b[28 - 4 * k..32 - 4 * k].copy_from_slice(&v.to_le_bytes());
             }
@@ -234,7 +227,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
             regs.set(Gpr::Rsp, esp);
         } else {
             let esp = self.peek_stack(regs, &mut b)?;
-            for (k, g) in PUSHAD_ORDER.iter().enumerate() {
+            for (k, g) in pushad_order().iter().enumerate() {
                 if *g != Gpr::Rsp {
                     let at = 28 - 4 * k;
                     let v = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);

@@ -30,6 +30,18 @@ pub struct GuestFault {
     pub error: u16,
 }
 
+/// #NP(sel) unless the code descriptor `d` is present.
+fn present_or_np(d: &Descriptor, sel: u16) -> Result<(), GuestFault> {
+    if d.present() {
+        Ok(())
+    } else {
+        Err(GuestFault {
+            vector: NP,
+            error: sel & 0xfffc,
+        })
+    }
+}
+
 fn gp(sel: u16) -> GuestFault {
     GuestFault {
         vector: GP,
@@ -279,12 +291,7 @@ impl Segments {
         if (conforming && d.dpl() > rpl) || (!conforming && d.dpl() != rpl) {
             return Err(gp(sel));
         }
-        if !d.present() {
-            return Err(GuestFault {
-                vector: NP,
-                error: sel & 0xfffc,
-            });
-        }
+        present_or_np(&d, sel)?;
         if rpl > cpl {
             return Ok(None);
         }
@@ -321,12 +328,7 @@ impl Segments {
         if d.ty() & 8 == 0 || !allowed {
             return Err(gp(sel));
         }
-        if !d.present() {
-            return Err(GuestFault {
-                vector: NP,
-                error: sel & 0xfffc,
-            });
-        }
+        present_or_np(&d, sel)?;
         let mut c = d.cache((sel & !3) | u16::from(cpl));
         c.type_ |= 1;
         Ok(Some((d, c)))

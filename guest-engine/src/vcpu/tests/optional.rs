@@ -45,14 +45,19 @@ fn intel(b: &mut AttachBlock) {
     b.cpuid[0].ecx = u32::from_le_bytes(*b"ntel");
 }
 
-/// Sets CPUID 7.0 EBX bit `bit` in the block.
-fn offer_leaf7_ebx(b: &mut AttachBlock, bit: u32) {
+/// Sets bit `bit` of register `reg` (0 EAX … 3 EDX) of CPUID leaf `leaf` in the block.
+fn offer(b: &mut AttachBlock, leaf: u32, reg: usize, bit: u32) {
     let n = b.cpuid_count as usize;
     let e = b.cpuid[..n]
         .iter_mut()
-        .find(|e| e.function == 7)
-        .expect("leaf 7");
-    e.ebx |= 1 << bit;
+        .find(|e| e.function == leaf)
+        .expect("the leaf is in the block");
+    *[&mut e.eax, &mut e.ebx, &mut e.ecx, &mut e.edx][reg] |= 1 << bit;
+}
+
+/// Sets CPUID 7.0 EBX bit `bit` in the block.
+fn offer_leaf7_ebx(b: &mut AttachBlock, bit: u32) {
+    offer(b, 7, 1, bit);
 }
 
 #[test]
@@ -110,12 +115,7 @@ fn test_amds_lock_mov_cr0_is_mov_cr8_where_cpuid_says_so() {
     to_user(&mut v, &mut r);
     let e = run(&mut v, &lock_mov_eax_cr0, &mut r);
     assert_user_fault(&v, e, &r, 6, None);
-    let n = b.cpuid_count as usize;
-    b.cpuid[..n]
-        .iter_mut()
-        .find(|e| e.function == 0x8000_0001)
-        .expect("leaf 0x8000_0001")
-        .ecx |= 1 << 4;
+    offer(&mut b, 0x8000_0001, 2, 4);
     let mut v = vcpu(&b);
     let mut r = kregs();
     to_user(&mut v, &mut r);
@@ -226,12 +226,7 @@ fn test_mwaitx_returns_at_once_on_amd_and_is_ud_elsewhere_without_monitorx() {
     to_user(&mut v, &mut r);
     let e = run(&mut v, MWAITX, &mut r);
     assert_user_fault(&v, e, &r, 6, None);
-    let n = b.cpuid_count as usize;
-    b.cpuid[..n]
-        .iter_mut()
-        .find(|e| e.function == 0x8000_0001)
-        .expect("leaf 0x8000_0001")
-        .ecx |= 1 << 29;
+    offer(&mut b, 0x8000_0001, 2, 29);
     let mut v = vcpu(&b);
     let mut r = kregs();
     to_user(&mut v, &mut r);
@@ -372,12 +367,7 @@ fn test_serialize_is_ud_unless_cpuid_offers_it() {
     to_user(&mut v, &mut r);
     let e = run(&mut v, serialize, &mut r);
     assert_user_fault(&v, e, &r, 6, None);
-    let n = b.cpuid_count as usize;
-    b.cpuid[..n]
-        .iter_mut()
-        .find(|e| e.function == 7)
-        .expect("leaf 7")
-        .edx |= 1 << 14;
+    offer(&mut b, 7, 3, 14);
     let mut v = vcpu(&b);
     let mut r = kregs();
     to_user(&mut v, &mut r);
