@@ -381,6 +381,52 @@ pub fn kpin_run(cmd: &mut std::process::Command, out: &Path) -> KpinRun {
     }
 }
 
+/// Boots the default Linux guest's bzImage and initramfs under QEMU TCG (256 MiB, the
+/// serial console on stdout, no reboot) with `LINUX_CMDLINE` and `append`, bounded by
+/// `budget_seconds`; `None` (with a visible SKIPPED line naming `why`) without
+/// `qemu-system-x86_64` (Debian's `qemu-system-x86`, which .ci/setup installs where it
+/// can).
+pub fn qemu_linux(append: &str, budget_seconds: &str, why: &str) -> Option<std::process::Output> {
+    if std::process::Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        println!("SKIPPED: qemu-system-x86_64 is not installed{why}");
+        return None;
+    }
+    let images = kpin_images::default_out_dir();
+    let linux = kpin_images::ensure_linux(&images, &mut |l| eprintln!("images: {l}"))
+        .expect("fetch and build the Linux images");
+    let output = std::process::Command::new("timeout")
+        .arg(budget_seconds)
+        .args([
+            "qemu-system-x86_64",
+            "-accel",
+            "tcg",
+            "-m",
+            "256",
+            "-nographic",
+        ])
+        .args([
+            "-nodefaults",
+            "-no-reboot",
+            "-serial",
+            "stdio",
+            "-monitor",
+            "none",
+        ])
+        .arg("-kernel")
+        .arg(&linux.bzimage)
+        .arg("-initrd")
+        .arg(&linux.initramfs)
+        .arg("-append")
+        .arg(format!("{} {append}", vmm::guests::LINUX_CMDLINE))
+        .output()
+        .expect("run qemu-system-x86_64");
+    Some(output)
+}
+
 /// First line of the mini-kernel's transcript.
 pub const MINIKERNEL_START: &str = "MINIKERNEL-START";
 /// Prefix of the mini-kernel's last line, followed by the checksum in hex.

@@ -26,8 +26,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-use kpin_tests::{kpin_bin, noticed_the_engine, require_kvm, scratch_dir};
-use vmm::guests::LINUX_CMDLINE;
+use kpin_tests::{kpin_bin, noticed_the_engine, qemu_linux, require_kvm, scratch_dir};
 
 mod cpu_conformance_lists;
 use cpu_conformance_lists::{Kind, ALLOWED, ARCHITECTURAL, QEMU_REFERENCE};
@@ -164,46 +163,14 @@ fn qemu_cases(host: &Lines) -> Vec<String> {
 
 /// QEMU TCG boots the guest's bzImage and initramfs and runs the corpus' `cases`.
 fn qemu_lines(cases: &[String]) -> Option<Lines> {
-    if Command::new("qemu-system-x86_64")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        println!("SKIPPED: qemu-system-x86_64 is not installed: the QEMU-referenced cases are not compared");
-        return None;
-    }
-    let images = kpin_images::default_out_dir();
-    let linux = kpin_images::ensure_linux(&images, &mut |l| eprintln!("images: {l}"))
-        .expect("fetch and build the Linux images");
-    let output = Command::new("timeout")
-        .arg(BUDGET_SECONDS)
-        .args([
-            "qemu-system-x86_64",
-            "-accel",
-            "tcg",
-            "-m",
-            "256",
-            "-nographic",
-        ])
-        .args([
-            "-nodefaults",
-            "-no-reboot",
-            "-serial",
-            "stdio",
-            "-monitor",
-            "none",
-        ])
-        .arg("-kernel")
-        .arg(&linux.bzimage)
-        .arg("-initrd")
-        .arg(&linux.initramfs)
-        .arg("-append")
-        .arg(format!(
-            "{LINUX_CMDLINE} kpin.workload=conform kpin.conform.cases={}",
+    let output = qemu_linux(
+        &format!(
+            "kpin.workload=conform kpin.conform.cases={}",
             cases.join(",")
-        ))
-        .output()
-        .expect("run qemu-system-x86_64");
+        ),
+        BUDGET_SECONDS,
+        ": the QEMU-referenced cases are not compared",
+    )?;
     let console = String::from_utf8_lossy(&output.stdout);
     let context = format!("QEMU: {:?}\n{console}", output.status);
     assert!(output.status.success(), "{context}");

@@ -16,8 +16,7 @@
 
 use std::process::Command;
 
-use kpin_tests::{kpin_bin, noticed_the_engine, require_kvm, scratch_dir};
-use vmm::guests::LINUX_CMDLINE;
+use kpin_tests::{kpin_bin, noticed_the_engine, qemu_linux, require_kvm, scratch_dir};
 
 /// Seconds kpin may run the guest (the boot and probe take ~20 s here).
 const BUDGET_SECONDS: &str = "240";
@@ -113,43 +112,9 @@ fn assert_probe_verdict(console: &str, context: &str) {
 /// `qemu-system-x86_64`; Debian's `qemu-system-x86`).
 #[test]
 fn test_isolation_probe_faults_on_every_access_under_qemu_tcg() {
-    if Command::new("qemu-system-x86_64")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        println!("SKIPPED: qemu-system-x86_64 is not installed");
+    let Some(output) = qemu_linux("kpin.workload=probe", BUDGET_SECONDS, "") else {
         return;
-    }
-    let images = kpin_images::default_out_dir();
-    let linux = kpin_images::ensure_linux(&images, &mut |l| eprintln!("images: {l}"))
-        .expect("fetch and build the Linux images");
-    let output = Command::new("timeout")
-        .arg(BUDGET_SECONDS)
-        .args([
-            "qemu-system-x86_64",
-            "-accel",
-            "tcg",
-            "-m",
-            "256",
-            "-nographic",
-        ])
-        .args([
-            "-nodefaults",
-            "-no-reboot",
-            "-serial",
-            "stdio",
-            "-monitor",
-            "none",
-        ])
-        .arg("-kernel")
-        .arg(&linux.bzimage)
-        .arg("-initrd")
-        .arg(&linux.initramfs)
-        .arg("-append")
-        .arg(format!("{LINUX_CMDLINE} kpin.workload=probe"))
-        .output()
-        .expect("run qemu-system-x86_64");
+    };
     let console = String::from_utf8_lossy(&output.stdout);
     let context = format!(
         "qemu: {:?}\nstderr:\n{}\nconsole:\n{console}",
