@@ -121,15 +121,20 @@ impl Program {
         self.block.addr()
     }
 
-    /// Runs the program; returns rax.
-    fn run(&self, rig: &mut Rig, mem: &mut dyn GuestMemory, tool: &mut dyn Tool) -> u64 {
-        let stack = vec![0u64; 512];
+    /// Sets the registers the program starts with (its stack in `stack`) and RIP.
+    fn start(&self, rig: &mut Rig, stack: &[u64]) {
         let regs = rig.engine.regs_mut();
         regs.gpr = [0; 16];
         regs.set(Gpr::Rcx, LOOPS);
         regs.set(Gpr::Rsp, stack.as_ptr() as u64 + 8 * 256);
         regs.rflags = 0x202;
         rig.engine.set_rip(GuestVirt(self.a()));
+    }
+
+    /// Runs the program; returns rax.
+    fn run(&self, rig: &mut Rig, mem: &mut dyn GuestMemory, tool: &mut dyn Tool) -> u64 {
+        let stack = vec![0u64; 512];
+        self.start(rig, &stack);
         let stop = rig.engine.run(mem, &mut HostPlatform::default(), tool);
         assert_eq!(stop, Stop::FetchFault(GuestVirt(self.exit)));
         rig.engine.regs().get(Gpr::Rax)
@@ -356,12 +361,7 @@ fn test_a_stepping_mode_stops_after_every_instruction_and_computes_the_same() {
     let stepping = Mode::USER.stepping();
     rig.engine.set_mode(stepping).unwrap();
     let stack = vec![0u64; 512];
-    let regs = rig.engine.regs_mut();
-    regs.gpr = [0; 16];
-    regs.set(Gpr::Rcx, LOOPS);
-    regs.set(Gpr::Rsp, stack.as_ptr() as u64 + 8 * 256);
-    regs.rflags = 0x202;
-    rig.engine.set_rip(GuestVirt(p.a()));
+    p.start(&mut rig, &stack);
     let mut steps = 0;
     let last = loop {
         match rig
