@@ -284,6 +284,15 @@ impl Tx<'_> {
         Ok(())
     }
 
+    /// `mov rdx, [mo]` (the guest instruction at `pc` for errors).
+    fn emit_mov_rdx(&mut self, mo: MemoryOperand, pc: u64) -> Result<(), EngineError> {
+        let l = Instruction::with2(Code::Mov_r64_rm64, Register::RDX, mo)
+            .map_err(|_| EngineError::Encode(GuestVirt(pc)))?;
+        let b = self.encode(&l, pc)?;
+        self.a.bytes(&b);
+        Ok(())
+    }
+
     /// Loads the target of `jmp/call r/m64` into RDX (RCX, RDX already spilled, unchanged).
     fn emit_load_target_rdx(&mut self, i: &Instruction) -> Result<(), EngineError> {
         match i.op0_kind() {
@@ -306,10 +315,7 @@ impl Tx<'_> {
                         false,
                         i.segment_prefix(),
                     );
-                    let l = Instruction::with2(Code::Mov_r64_rm64, Register::RDX, mo)
-                        .map_err(|_| EngineError::Encode(GuestVirt(i.ip())))?;
-                    let b = self.encode(&l, i.ip())?;
-                    self.a.bytes(&b);
+                    self.emit_mov_rdx(mo, i.ip())?;
                 }
             }
             OpKind::Memory => {
@@ -322,10 +328,7 @@ impl Tx<'_> {
                     false,
                     i.segment_prefix(),
                 );
-                let l = Instruction::with2(Code::Mov_r64_rm64, Register::RDX, mo)
-                    .map_err(|_| EngineError::Encode(GuestVirt(i.ip())))?;
-                let b = self.encode(&l, i.ip())?;
-                self.a.bytes(&b);
+                self.emit_mov_rdx(mo, i.ip())?;
             }
             _ => return Err(EngineError::Unsupported(GuestVirt(i.ip()))),
         }
