@@ -16,67 +16,19 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use iced_x86::{Decoder, DecoderOptions, FlowControl};
+use kpin_tests::attach::{
+    known_loop_runs, start_minikernel, wait_for_socket, wait_marks, GUEST_PROGRESS_BUDGET,
+};
 use kpin_tests::{
     compare_minikernel_transcript, engine_config, minikernel_elf, minikernel_expected, require_kvm,
     scratch_dir,
 };
-use kpin_tool_bbcount::{parse_csv, Row};
+use kpin_tool_bbcount::parse_csv;
 use vmm::control::client::request;
 use vmm::control::protocol::Request;
 use vmm::control::SOCKET_NAME;
 use vmm::guests::MINIKERNEL_NATIVE_CMDLINE;
-use vmm::symbols::Symbols;
 use vmm::{ControlConfig, Outcome, Vm, VmConfig};
-
-/// The bytes of the loaded image at `va` (the mini-kernel's PT_LOAD segments).
-fn code_at(elf: &[u8], va: u64, len: usize) -> Option<&[u8]> {
-    let u16_at = |o: usize| u16::from_le_bytes(elf[o..o + 2].try_into().unwrap());
-    let u64_at = |o: usize| u64::from_le_bytes(elf[o..o + 8].try_into().unwrap());
-    let phoff = u64_at(0x20) as usize;
-    for i in 0..usize::from(u16_at(0x38)) {
-        let ph = phoff + i * usize::from(u16_at(0x36));
-        let (off, vaddr, filesz) = (u64_at(ph + 8), u64_at(ph + 0x10), u64_at(ph + 0x20));
-        if va >= vaddr && va + len as u64 <= vaddr + filesz {
-            let start = (off + va - vaddr) as usize;
-            return elf.get(start..start + len);
-        }
-    }
-    None
-}
-
-/// How many times the body of `known_loop_1000` ran, by `rows`.
-fn known_loop_runs(rows: &[Row]) -> u64 {
-    let elf = std::fs::read(minikernel_elf()).expect("read the mini-kernel");
-    let symbols = Symbols::from_elf(&elf).expect("the mini-kernel's symbol table");
-    let known = symbols.find("known_loop_1000").expect("known_loop_1000");
-    let (func, size) = (known.address, known.size.expect("its size"));
-    let code = code_at(&elf, func, size as usize).expect("its bytes");
-    let body = Decoder::with_ip(64, code, func, DecoderOptions::NONE)
-        .into_iter()
-        .find(|i| {
-            i.flow_control() == FlowControl::ConditionalBranch && i.near_branch_target() < i.ip()
-        })
-        .expect("the loop's backward branch")
-        .near_branch_target();
-    let mut runs = 0;
-    for r in rows {
-        if r.address < func || r.address >= func + size {
-            continue;
-        }
-        let Some(bytes) = code_at(&elf, r.address, (func + size - r.address) as usize) else {
-            continue;
-        };
-        if Decoder::with_ip(64, bytes, r.address, DecoderOptions::NONE)
-            .into_iter()
-            .take(r.instructions as usize)
-            .any(|i| i.ip() == body)
-        {
-            runs += r.count;
-        }
-    }
-    runs
-}
 
 #[test]
 fn test_attach_bbcount_to_the_native_minikernel_mid_run_counts_its_known_loop() {
@@ -112,14 +64,7 @@ fn test_attach_bbcount_to_the_native_minikernel_mid_run_counts_its_known_loop() 
         daemon.finish().expect("finish output files");
         report
     });
-    let start = Instant::now();
-    while !dir.join(SOCKET_NAME).exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "no control socket"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_socket(&dir);
     let status = request(&dir, &Request::Status).expect("status");
     assert!(status.ok, "{status:?}");
     assert_eq!(
@@ -169,54 +114,6 @@ fn test_attach_bbcount_to_the_native_minikernel_mid_run_counts_its_known_loop() 
     );
 }
 
-/// Starts the mini-kernel with `cmdline` and a control socket in `dir`, natively or
-/// under `boot_tool` from its first instruction; returns the VM thread and the console
-/// path once the socket exists.
-fn start_minikernel(
-    dir: &std::path::Path,
-    cmdline: &str,
-    boot_tool: Option<&str>,
-) -> (std::thread::JoinHandle<vmm::RunReport>, PathBuf) {
-    let console = dir.join("console.log");
-    let cfg = VmConfig {
-        kernel: minikernel_elf(),
-        initrd: None,
-        cmdline: cmdline.to_owned(),
-        mem_mib: 256,
-        timeout: Some(Duration::from_secs(300)),
-        console_file: Some(console.clone()),
-        echo_console: false,
-        system_map: None,
-        engine: boot_tool.map(|t| engine_config(t, "")),
-    };
-    let control = ControlConfig {
-        socket: dir.join(SOCKET_NAME),
-        out_dir: dir.to_owned(),
-        engine_image: Some(engine_config("null", "").image),
-        boot_tool: boot_tool.map(str::to_owned),
-        boot_resident: false,
-    };
-    let out = dir.to_owned();
-    let vm_thread = std::thread::spawn(move || {
-        let mut daemon = host_daemon::Daemon::new(&out);
-        let report = Vm::new(&cfg)
-            .expect("create VM")
-            .run_with_control(&mut daemon, Some(control))
-            .expect("run VM");
-        daemon.finish().expect("finish output files");
-        report
-    });
-    let start = Instant::now();
-    while !dir.join(SOCKET_NAME).exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "no control socket"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    (vm_thread, console)
-}
-
 #[test]
 fn test_attach_detach_attach_on_the_native_minikernel_counts_each_window_exactly() {
     require_kvm!();
@@ -253,19 +150,19 @@ fn test_attach_detach_attach_on_the_native_minikernel_counts_each_window_exactly
             let s = request(&dir, &Request::Status).expect("status");
             assert_eq!(s.state.as_deref(), Some("attached"), "{s:?}");
             // The live count is published from the engine's run loop, which the mark's
-            // port exit does not pass through: it may trail the mark until the loop
-            // next turns (the guest's next interrupt), so wait for it a little.
+            // port exit does not pass through: it may trail the mark until the VMM's
+            // next progress sample nudges the engine (every second).
             if s.guest_marks == Some(window) && s.guest_instructions.unwrap_or(0) >= 1000 * 6 {
                 break;
             }
             if s.guest_marks == Some(window) {
                 assert!(
-                    start.elapsed() < Duration::from_secs(120),
+                    start.elapsed() < GUEST_PROGRESS_BUDGET,
                     "mark {window} but the live count stays below the loop's 6000: {s:?}"
                 );
             }
             assert!(
-                start.elapsed() < Duration::from_secs(120),
+                start.elapsed() < GUEST_PROGRESS_BUDGET,
                 "no mark {window}: {s:?}"
             );
             std::thread::sleep(Duration::from_millis(20));
@@ -317,22 +214,6 @@ fn test_attach_detach_attach_on_the_native_minikernel_counts_each_window_exactly
             log(w)
         );
         assert!(window.join("counters.json").exists(), "window {w}");
-    }
-}
-
-/// Waits until the guest has made `n` marks on the attach-status port.
-fn wait_marks(dir: &std::path::Path, n: u64) -> vmm::control::protocol::Reply {
-    let start = Instant::now();
-    loop {
-        let s = request(dir, &Request::Status).expect("status");
-        if s.guest_marks == Some(n) {
-            return s;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "no mark {n}: {s:?}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

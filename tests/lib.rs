@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
+pub mod attach;
 pub mod guest_asm;
 
 use host_daemon::{Daemon, DaemonStats};

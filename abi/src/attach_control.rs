@@ -12,7 +12,8 @@
 //!    is halted, makes it runnable.
 //! 2. The engine checks `request` at every stop of its run loop. At the first one where
 //!    no interrupt waits in its pending bitmap (a safe point: a trace boundary, the guest
-//!    state precise), it serves the request: for the detaches, the tool's `finish`, its
+//!    state precise), it takes the request (ORs [`REQ_TAKEN`] into `request`: from then
+//!    on the VMM no longer withdraws it) and serves it: for the detaches, the tool's `finish`, its
 //!    files and `counters.json` through the I/O ring; for [`REQ_DETACH_NATIVE`] the
 //!    guest's complete state into the hand-back fields; it clears `request` and writes
 //!    the request's code to [`crate::ports::DETACH_PORT`].
@@ -20,9 +21,13 @@
 //!    window's directory) and then, for [`REQ_DETACH_NATIVE`], loads the hand-back state
 //!    into the vCPU and runs it natively.
 //!
+//! 4. A request not yet taken may be withdrawn by the VMM (it writes [`REQ_NONE`]): the
+//!    engine then never sees it, and nothing changed.
+//!
 //! Invariant: the engine writes only `attention_offset`, `guest_insns`, `request` (to
-//! clear it) and the hand-back fields; the VMM writes only `magic`, `request` and the
-//! tool fields. Both sides use volatile accesses.
+//! take or clear it) and the hand-back fields; the VMM writes only `magic`, `request` and
+//! the tool fields. Both sides use volatile accesses, and the VMM writes only while the
+//! vCPU is stopped (the engine runs on it).
 
 use crate::attach::{Msr, PendingEvents, Regs, SystemRegs, TOOL_NAME_BYTES, TOOL_OPTIONS_BYTES};
 
@@ -42,6 +47,8 @@ pub const REQ_DETACH_NATIVE: u32 = 1;
 pub const REQ_DETACH_RESIDENT: u32 = 2;
 /// Open a window on a resident engine: switch to `tool_name` with a clean cache.
 pub const REQ_SWITCH: u32 = 3;
+/// Set in `request` by the engine when it starts serving the request.
+pub const REQ_TAKEN: u32 = 1 << 31;
 
 /// The control area.
 #[repr(C)]

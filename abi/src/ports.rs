@@ -19,8 +19,11 @@ pub const fn engine_only(port: u16) -> bool {
     port == DOORBELL_PORT || port == ENGINE_FAILURE_PORT
 }
 
-/// Reads 1 while an instrumentation window of `kpin attach` is open, 0 otherwise (a test
+/// Reads bit 0 set while an instrumentation window of `kpin attach` is open, and in bits
+/// 1-7 the number of windows opened so far (modulo 128), so a guest can tell a new window
+/// from the one it already saw even if it never read the port while it was closed (a test
 /// guest waits on it, natively or under the engine, which passes port reads through).
+/// Each write counts as a guest mark (`kpin status`'s `guest_marks`).
 pub const ATTACH_STATUS_PORT: u16 = 0x0f12;
 /// The engine served a request of the attach control area
 /// ([`crate::attach_control`]): the value written is the request's code. For a detach

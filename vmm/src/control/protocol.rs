@@ -72,6 +72,16 @@ pub struct Reply {
     /// `KVM_RUN` returns so far.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exits: Option<u64>,
+    /// Whether the guest is making progress, judged over the last one to two seconds:
+    /// `advancing` (guest instructions executed), `idle` (none, and few exits: halted or
+    /// waiting), `stalled` (none while exits climb: a livelock or an exit storm), or
+    /// `unmeasured` (the guest runs natively, where instructions are not counted, or
+    /// no sample exists yet).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<String>,
+    /// The numbers behind `progress`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress_reason: Option<String>,
     /// The engine's counters from the last window that wrote them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine_counters: Option<serde_json::Value>,

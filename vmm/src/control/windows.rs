@@ -33,12 +33,12 @@
 use std::cell::Cell;
 use std::path::PathBuf;
 use std::rc::Rc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use host_daemon::Daemon;
 use kpin_abi::attach_control::{
-    Control, MAGIC, REQ_DETACH_NATIVE, REQ_DETACH_RESIDENT, REQ_SWITCH,
+    Control, MAGIC, REQ_DETACH_NATIVE, REQ_DETACH_RESIDENT, REQ_NONE, REQ_SWITCH, REQ_TAKEN,
 };
 use kpin_abi::io_ring::Consumer;
 use kvm_bindings::{kvm_xcrs, CpuId};
@@ -54,6 +54,21 @@ use crate::vstate::vcpu::ExitCounters;
 
 /// The file the engine writes its counters to.
 const ENGINE_COUNTERS: &str = "counters.json";
+/// How often the loop samples the guest's progress (and nudges the engine to publish its
+/// live instruction count) for `kpin status`.
+const PROGRESS_SAMPLE: Duration = Duration::from_secs(1);
+/// Exits between two samples with no guest instruction executed that make a guest under
+/// the engine `stalled`. Well above what the control channel's own kicks cause (a few
+/// per request), far below an exit storm (thousands a second).
+pub const STALL_EXITS: u64 = 1_000;
+/// A request the engine has not taken after this many exits is withdrawn. The engine
+/// takes a request at its first trace boundary with no interrupt waiting for the guest;
+/// posting sets its attention bit, so that is the next trace entry unless the guest runs
+/// with interrupts disabled while one waits.
+pub const PENDING_MAX_EXITS: u64 = 100_000;
+/// ... or after this long (a guest spinning with interrupts disabled may make no exits at
+/// all). Below the control server's wait for the loop, so the client gets this answer.
+pub const PENDING_MAX_WAIT: Duration = Duration::from_secs(20);
 
 /// How the guest runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -86,6 +101,8 @@ struct Pending {
     request: u32,
     reply: Sender<Reply>,
     t0: Instant,
+    /// `KVM_RUN` returns when it was posted.
+    exits0: u64,
     /// For [`REQ_SWITCH`]: the new window's directory and tool.
     window: Option<(PathBuf, String)>,
 }
@@ -107,7 +124,7 @@ pub struct Windows {
     window_dir: PathBuf,
     start: Instant,
     /// What the attach-status port reads.
-    open: Rc<Cell<bool>>,
+    status: Rc<Cell<WindowStatus>>,
     /// Writes to the attach-status port.
     marks: Rc<Cell<u64>>,
     /// The last code written to the detach port, not yet handled.
@@ -117,6 +134,19 @@ pub struct Windows {
     insns_before: u64,
     /// The guest's XCRs at the last attach from native execution.
     xcrs: Option<kvm_xcrs>,
+    /// The last two progress samples (older, newer).
+    samples: [Option<Sample>; 2],
+}
+
+/// The guest's progress at one moment.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Sample {
+    at: Instant,
+    /// `KVM_RUN` returns so far.
+    exits: u64,
+    /// Guest instructions under the engine so far, as last published (`None`: the guest
+    /// runs natively, where nothing counts them).
+    insns: Option<u64>,
 }
 
 impl Windows {
@@ -144,7 +174,11 @@ impl Windows {
             out_dir,
             count: u64::from(matches!(state, State::Attached { .. })),
             boot_window: u64::from(matches!(state, State::Attached { .. })),
-            open: Rc::new(Cell::new(matches!(state, State::Attached { .. }))),
+            status: Rc::new(Cell::new(if matches!(state, State::Attached { .. }) {
+                WindowStatus::default().opened()
+            } else {
+                WindowStatus::default()
+            })),
             state,
             start: Instant::now(),
             marks: Rc::new(Cell::new(0)),
@@ -152,13 +186,14 @@ impl Windows {
             pending: None,
             insns_before: 0,
             xcrs: None,
+            samples: [None, None],
         }
     }
 
-    /// The device for the attach-status port, sharing this run's flag.
+    /// The device for the attach-status port, sharing this run's window status.
     pub fn status_port(&self) -> AttachStatus {
         AttachStatus {
-            open: self.open.clone(),
+            status: self.status.clone(),
             marks: self.marks.clone(),
         }
     }
@@ -183,8 +218,10 @@ impl Windows {
         if let Some(code) = self.acks.take() {
             self.on_ack(code, vcpu, mem, daemon, ring)?;
         }
+        self.withdraw_overdue(mem, exits)?;
+        self.sample(mem, exits)?;
         while let Ok(cmd) = self.commands.try_recv() {
-            if let Some(p) = &self.pending {
+            if let (Some(p), false) = (&self.pending, cmd.request == Request::Status) {
                 let what = if p.request == REQ_SWITCH {
                     "an attach"
                 } else {
@@ -197,10 +234,11 @@ impl Windows {
             }
             let reply = match cmd.request {
                 Request::Status => Some(self.status(mem, exits)),
-                Request::Detach => self.detach(vcpu, mem, &cmd.reply)?,
+                Request::Detach => self.detach(vcpu, mem, &cmd.reply, exits)?,
                 Request::Attach { tool, options } => {
                     let options = options_string(&options);
-                    self.attach(vcpu, mem, cpuid, daemon, ring, &tool, &options, &cmd.reply)?
+                    let request = (tool.as_str(), options.as_str(), &cmd.reply);
+                    self.attach(vcpu, mem, cpuid, daemon, ring, request, exits)?
                 }
             };
             if let Some(r) = reply {
@@ -210,10 +248,9 @@ impl Windows {
         Ok(())
     }
 
-    fn status(&self, mem: &GuestMemory, exits: &ExitCounters) -> Reply {
-        let counters = std::fs::read_to_string(self.window_dir.join(ENGINE_COUNTERS))
-            .ok()
-            .and_then(|t| serde_json::from_str(&t).ok());
+    /// Guest instructions executed under the engine so far (native ones are not counted),
+    /// as the engine last published them.
+    fn guest_insns(&self, mem: &GuestMemory) -> u64 {
         let live = match self.state {
             State::Native => 0,
             _ => detach::read_control(mem)
@@ -221,6 +258,36 @@ impl Windows {
                 .filter(|c| c.magic == MAGIC)
                 .map_or(0, |c| c.guest_insns),
         };
+        self.insns_before + live
+    }
+
+    /// Every [`PROGRESS_SAMPLE`], records a sample and nudges the engine so that its
+    /// next one is current.
+    fn sample(&mut self, mem: &GuestMemory, exits: &ExitCounters) -> Result<()> {
+        let now = Instant::now();
+        if let Some(s) = &self.samples[1] {
+            if now.duration_since(s.at) < PROGRESS_SAMPLE {
+                return Ok(());
+            }
+        }
+        let sample = Sample {
+            at: now,
+            exits: exits.total,
+            insns: (self.state != State::Native).then(|| self.guest_insns(mem)),
+        };
+        self.samples = [self.samples[1], Some(sample)];
+        if self.state != State::Native {
+            detach::nudge(mem)?;
+        }
+        Ok(())
+    }
+
+    fn status(&self, mem: &GuestMemory, exits: &ExitCounters) -> Reply {
+        let counters = std::fs::read_to_string(self.window_dir.join(ENGINE_COUNTERS))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok());
+        // Nudged at the last sample: the engine's count is at most a sample old.
+        let (progress, why) = judge_progress(self.samples[0], self.samples[1]);
         let tool = match &self.state {
             State::Attached { tool, .. } => Some(tool.clone()),
             _ => None,
@@ -234,14 +301,17 @@ impl Windows {
             window_dir: (self.count > 0).then(|| self.window_dir.display().to_string()),
             uptime_s: Some(self.start.elapsed().as_secs_f64()),
             exits: Some(exits.total),
-            guest_instructions: Some(self.insns_before + live),
+            guest_instructions: Some(self.guest_insns(mem)),
             guest_marks: Some(self.marks.get()),
+            progress: Some(progress.name().to_owned()),
+            progress_reason: Some(why),
             engine_counters: counters,
             ..Reply::ok()
         }
     }
 
     /// Posts `request` to the engine and keeps the reply until it is served.
+    #[allow(clippy::too_many_arguments)]
     fn post(
         &mut self,
         vcpu: &VcpuFd,
@@ -250,6 +320,7 @@ impl Windows {
         request: u32,
         reply: &Sender<Reply>,
         window: Option<(PathBuf, String)>,
+        exits: &ExitCounters,
     ) -> Result<Option<Reply>> {
         let t0 = Instant::now();
         if !detach::post(mem, control, request)? {
@@ -262,9 +333,41 @@ impl Windows {
             request,
             reply: reply.clone(),
             t0,
+            exits0: exits.total,
             window,
         });
         Ok(None)
+    }
+
+    /// Withdraws a pending request the engine has not taken within [`PENDING_MAX_EXITS`]
+    /// exits or [`PENDING_MAX_WAIT`]: the client is told why, and nothing changed.
+    fn withdraw_overdue(&mut self, mem: &GuestMemory, exits: &ExitCounters) -> Result<()> {
+        let Some(p) = &self.pending else {
+            return Ok(());
+        };
+        let (n, waited) = (exits.total.saturating_sub(p.exits0), p.t0.elapsed());
+        if n < PENDING_MAX_EXITS && waited < PENDING_MAX_WAIT {
+            return Ok(());
+        }
+        let mut c = detach::read_control(mem)?;
+        if c.request & REQ_TAKEN != 0 || c.request != p.request {
+            // Being served (its files are on their way): the ack ends it.
+            return Ok(());
+        }
+        c.request = REQ_NONE;
+        detach::write_control(mem, &c)?;
+        let p = self.pending.take().expect("checked above");
+        if let Some((dir, _)) = &p.window {
+            // Empty: the next attach may use its name.
+            let _ = std::fs::remove_dir(dir);
+        }
+        let _ = p.reply.send(Reply::error(format!(
+            "the engine reached no safe point within {n} exits and {:.1} s (an interrupt \
+             waited while the guest ran with interrupts disabled); the request was \
+             withdrawn and the guest runs as before",
+            waited.as_secs_f64()
+        )));
+        Ok(())
     }
 
     fn detach(
@@ -272,6 +375,7 @@ impl Windows {
         vcpu: &VcpuFd,
         mem: &GuestMemory,
         reply: &Sender<Reply>,
+        exits: &ExitCounters,
     ) -> Result<Option<Reply>> {
         let to_native = match &self.state {
             State::Native => return Ok(Some(Reply::error("not attached"))),
@@ -288,7 +392,7 @@ impl Windows {
             REQ_DETACH_RESIDENT
         };
         let control = detach::read_control(mem)?;
-        self.post(vcpu, mem, control, req, reply, None)
+        self.post(vcpu, mem, control, req, reply, None, exits)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -299,9 +403,8 @@ impl Windows {
         cpuid: &CpuId,
         daemon: &mut Daemon,
         ring: &mut Consumer,
-        tool: &str,
-        options: &str,
-        reply: &Sender<Reply>,
+        (tool, options, reply): (&str, &str, &Sender<Reply>),
+        exits: &ExitCounters,
     ) -> Result<Option<Reply>> {
         if let State::Attached { tool: t, .. } = &self.state {
             return Ok(Some(Reply::error(format!(
@@ -322,7 +425,7 @@ impl Windows {
                 ))));
             }
             let window = Some((dir.clone(), tool.to_owned()));
-            let r = self.post(vcpu, mem, control, REQ_SWITCH, reply, window);
+            let r = self.post(vcpu, mem, control, REQ_SWITCH, reply, window, exits);
             if !matches!(r, Ok(None)) {
                 // Not posted: the next attach may use the (empty) directory's name.
                 let _ = std::fs::remove_dir(&dir);
@@ -387,7 +490,7 @@ impl Windows {
             tool: tool.to_owned(),
             to_native: true,
         };
-        self.open.set(true);
+        self.status.set(self.status.get().opened());
         self.window_dir = dir;
         Ok(Reply {
             attached: Some(true),
@@ -427,12 +530,12 @@ impl Windows {
                 detach::restore(vcpu, &c, self.xcrs.as_ref())?;
                 self.insns_before += c.guest_insns;
                 self.state = State::Native;
-                self.open.set(false);
+                self.status.set(self.status.get().closed());
                 daemon.set_out_dir(&self.out_dir);
             }
             REQ_DETACH_RESIDENT => {
                 self.state = State::Resident;
-                self.open.set(false);
+                self.status.set(self.status.get().closed());
                 daemon.set_out_dir(&self.out_dir);
             }
             _ => {
@@ -444,7 +547,7 @@ impl Windows {
                         tool,
                         to_native: false,
                     };
-                    self.open.set(true);
+                    self.status.set(self.status.get().opened());
                 }
             }
         }
@@ -465,6 +568,71 @@ impl Windows {
         }
         Ok(())
     }
+}
+
+/// Whether the guest makes progress (`kpin status`'s `progress`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// Guest instructions were executed between the samples.
+    Advancing,
+    /// None, and few exits: the guest is halted or waits.
+    Idle,
+    /// None while exits climbed: a livelock or an exit storm.
+    Stalled,
+    /// Not measurable: the guest ran natively, or there are not two samples yet.
+    Unmeasured,
+}
+
+impl Progress {
+    /// The name `kpin status` prints.
+    pub fn name(self) -> &'static str {
+        match self {
+            Progress::Advancing => "advancing",
+            Progress::Idle => "idle",
+            Progress::Stalled => "stalled",
+            Progress::Unmeasured => "unmeasured",
+        }
+    }
+}
+
+/// Judges progress between two samples, with the numbers behind the judgement.
+fn judge_progress(older: Option<Sample>, newer: Option<Sample>) -> (Progress, String) {
+    let (Some(a), Some(b)) = (older, newer) else {
+        return (
+            Progress::Unmeasured,
+            "no two progress samples yet (one is taken every second)".into(),
+        );
+    };
+    let secs = b.at.duration_since(a.at).as_secs_f64();
+    let exits = b.exits.saturating_sub(a.exits);
+    let (Some(i0), Some(i1)) = (a.insns, b.insns) else {
+        return (
+            Progress::Unmeasured,
+            format!(
+                "the guest ran natively, where instructions are not counted; {exits} exits in {secs:.1} s"
+            ),
+        );
+    };
+    // A count that went down is a new engine instance's: something ran.
+    if i1 != i0 {
+        let n = i1.saturating_sub(i0);
+        return (
+            Progress::Advancing,
+            format!("{n} guest instructions and {exits} exits in {secs:.1} s"),
+        );
+    }
+    if exits >= STALL_EXITS {
+        return (
+            Progress::Stalled,
+            format!(
+                "no guest instruction executed in {secs:.1} s while {exits} exits happened (a livelock or an exit storm: the guest is stuck at {i1} instructions)"
+            ),
+        );
+    }
+    (
+        Progress::Idle,
+        format!("no guest instruction executed in {secs:.1} s, {exits} exits: halted or waiting"),
+    )
 }
 
 /// Runs the vCPU once with `immediate_exit` set: KVM completes the port or MMIO access
@@ -498,12 +666,51 @@ impl PortDevice for DetachPort {
     }
 }
 
-/// The port [`ATTACH_STATUS_PORT`](kpin_abi::ports::ATTACH_STATUS_PORT): reads 1 while a
-/// window is open; each write counts as one guest mark (`status`'s `guest_marks`: a test
-/// guest says how far it got).
+/// Whether a window is open, and how many have opened: what the attach-status port
+/// reads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WindowStatus {
+    /// A window is open.
+    pub open: bool,
+    /// Windows opened so far in this run.
+    pub opened: u64,
+}
+
+impl WindowStatus {
+    /// A new window opened.
+    #[must_use]
+    pub fn opened(self) -> Self {
+        WindowStatus {
+            open: true,
+            opened: self.opened + 1,
+        }
+    }
+
+    /// The open window closed.
+    #[must_use]
+    pub fn closed(self) -> Self {
+        WindowStatus {
+            open: false,
+            ..self
+        }
+    }
+
+    /// The byte the port reads: bit 0 whether a window is open, bits 1-7 the number of
+    /// windows opened so far, modulo 128. The count is what makes the handshake safe: a
+    /// guest that waits for "closed" after its window would never see a detach followed
+    /// by an attach that both land before it next reads the port (a busy host delays
+    /// the guest, not the client), but it sees the count change.
+    pub fn port_byte(self) -> u8 {
+        u8::from(self.open) | ((self.opened % 128) as u8) << 1
+    }
+}
+
+/// The port [`ATTACH_STATUS_PORT`](kpin_abi::ports::ATTACH_STATUS_PORT): reads a
+/// [`WindowStatus::port_byte`]; each write counts as one guest mark (`status`'s
+/// `guest_marks`: a test guest says how far it got).
 pub struct AttachStatus {
-    /// Whether a window is open.
-    pub open: Rc<Cell<bool>>,
+    /// The run's window status.
+    pub status: Rc<Cell<WindowStatus>>,
     /// Writes so far.
     pub marks: Rc<Cell<u64>>,
 }
@@ -512,7 +719,7 @@ impl PortDevice for AttachStatus {
     fn read(&mut self, _offset: u16, data: &mut [u8]) {
         data.fill(0);
         if let Some(b) = data.first_mut() {
-            *b = u8::from(self.open.get());
+            *b = self.status.get().port_byte();
         }
     }
 
@@ -527,21 +734,65 @@ mod tests {
     use super::*;
 
     #[test]
-    fn test_attach_status_port_reads_the_flag_and_counts_marks() {
-        let flag = Rc::new(Cell::new(false));
+    fn test_attach_status_port_reads_open_and_windows_opened_and_counts_marks() {
+        let status = Rc::new(Cell::new(WindowStatus::default()));
         let marks = Rc::new(Cell::new(0));
         let mut dev = AttachStatus {
-            open: flag.clone(),
+            status: status.clone(),
             marks: marks.clone(),
         };
         let mut b = [0xffu8; 2];
         dev.read(0, &mut b);
         assert_eq!(b, [0, 0]);
-        flag.set(true);
+        status.set(status.get().opened());
         dev.read(0, &mut b);
-        assert_eq!(b, [1, 0]);
+        assert_eq!(b, [0b11, 0]);
+        // A detach and an attach between two reads: still open, but the count moved on.
+        status.set(status.get().closed().opened());
+        dev.read(0, &mut b);
+        assert_eq!(b, [0b101, 0]);
+        status.set(status.get().closed());
+        dev.read(0, &mut b);
+        assert_eq!(b, [0b100, 0]);
+        // The count wraps in 7 bits.
+        let many = WindowStatus {
+            open: true,
+            opened: 129,
+        };
+        assert_eq!(many.port_byte(), 0b11);
         assert_eq!(dev.write(0, &[1]), DeviceAction::None);
         assert_eq!(marks.get(), 1);
+    }
+
+    #[test]
+    fn test_progress_is_judged_from_two_samples() {
+        let t0 = Instant::now();
+        let at = |ms, exits, insns| {
+            Some(Sample {
+                at: t0 + Duration::from_millis(ms),
+                exits,
+                insns,
+            })
+        };
+        let judge = |a, b| judge_progress(a, b).0;
+        assert_eq!(judge(None, at(0, 0, Some(0))), Progress::Unmeasured);
+        assert_eq!(judge(at(0, 0, None), at(1000, 9, None)), Progress::Unmeasured);
+        assert_eq!(
+            judge(at(0, 10, Some(5)), at(1000, 5000, Some(6))),
+            Progress::Advancing
+        );
+        // A switch to a new window's engine restarts its count.
+        assert_eq!(
+            judge(at(0, 10, Some(50_000)), at(1000, 20, Some(7))),
+            Progress::Advancing
+        );
+        assert_eq!(
+            judge(at(0, 10, Some(5)), at(1000, 10 + STALL_EXITS - 1, Some(5))),
+            Progress::Idle
+        );
+        let (p, why) = judge_progress(at(0, 10, Some(5)), at(1000, 10 + 2_000_000, Some(5)));
+        assert_eq!(p, Progress::Stalled);
+        assert!(why.contains("2000000 exits"), "{why}");
     }
 
     #[test]

@@ -55,6 +55,23 @@ pub fn post(mem: &GuestMemory, mut c: Control, request: u32) -> Result<bool> {
     }
     c.request = request;
     write_control(mem, &c)?;
+    set_attention(mem, &c)?;
+    Ok(true)
+}
+
+/// Sets the engine's attention bit with no request: the engine's run loop turns once at
+/// the next trace entry, which publishes the live instruction count (guest code looping
+/// in linked traces, e.g. polling a port the engine emulates, never passes through it
+/// otherwise). Does nothing if no engine has set the area up.
+pub fn nudge(mem: &GuestMemory) -> Result<()> {
+    let c = read_control(mem)?;
+    if c.magic == MAGIC {
+        set_attention(mem, &c)?;
+    }
+    Ok(())
+}
+
+fn set_attention(mem: &GuestMemory, c: &Control) -> Result<()> {
     if c.attention_offset != 0 && c.attention_offset < kpin_abi::stolen::LAYOUT_BYTES {
         let p = mem.stolen_host_address(c.attention_offset)?;
         // SAFETY: the attention word is an aligned u64 in the engine's code-cache context
@@ -65,7 +82,7 @@ pub fn post(mem: &GuestMemory, mut c: Control, request: u32) -> Result<bool> {
             std::ptr::write_volatile(w, std::ptr::read_volatile(w) | u64::from(c.attention_bit));
         }
     }
-    Ok(true)
+    Ok(())
 }
 
 /// Wakes a vCPU halted in the engine's `hlt` (which then sees the request).

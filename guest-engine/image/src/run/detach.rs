@@ -25,7 +25,7 @@ use guest_engine::Engine;
 use kpin_abi::attach::{DescriptorTable, Msr, PendingEvents, Regs, SystemRegs};
 use kpin_abi::attach_control::{
     Control, CONTROL_OFFSET, MAGIC, MAX_HANDBACK_MSRS, REQ_DETACH_NATIVE, REQ_DETACH_RESIDENT,
-    REQ_NONE, REQ_SWITCH,
+    REQ_NONE, REQ_SWITCH, REQ_TAKEN,
 };
 use kpin_abi::ports::DETACH_PORT;
 use kpin_abi::stolen::WINDOW_VA;
@@ -124,6 +124,9 @@ pub fn serve(
     if req == REQ_NONE || irq::highest().is_some() {
         return;
     }
+    // From here on the VMM no longer withdraws the request.
+    // SAFETY: as in `present`.
+    unsafe { core::ptr::write_volatile(&raw mut (*area()).request, req | REQ_TAKEN) };
     match req {
         REQ_DETACH_NATIVE => {
             report(engine, vcpu, shadow, tool);

@@ -84,31 +84,50 @@ pub fn run_all() {
 /// The step `kpin.wait_attach=1` waits before: the known loop, so that a window opened by
 /// `kpin attach` covers it.
 const WAIT_ATTACH_BEFORE: u64 = 7;
-/// Port reading 1 while a `kpin attach` window is open (`kpin_abi::ports`).
+/// Port reading, in bit 0, whether a `kpin attach` window is open and, in bits 1-7, how
+/// many have opened so far (`kpin_abi::ports`).
 const ATTACH_STATUS_PORT: u16 = 0x0f12;
 
 /// With `kpin.wait_attach=1`, spins until the VMM says an instrumentation window is open.
 /// With `kpin.attach_cycles=N` (1-9), first goes through N windows: for each, waits until
-/// one is open, calls the known loop once (1000 iterations of its body), marks that with a
-/// write to the attach-status port, and waits until the window is closed again (`kpin
-/// detach`). Nothing is printed, so the transcript stays the native one.
+/// a new one is open, calls the known loop once (1000 iterations of its body), marks that
+/// with a write to the attach-status port, and waits until that window is over (closed, or
+/// closed and another opened: a busy host may not run the guest in between). Nothing is
+/// printed, so the transcript stays the native one.
 fn wait_attach_if_requested() {
+    let mut seen = 0;
     if let Some(&[n @ b'1'..=b'9']) = crate::bootinfo::option("kpin.attach_cycles=") {
         for _ in 0..n - b'0' {
-            wait_window(true);
+            seen = wait_new_window(seen);
             let (_, iterations) = cpu::known_loop_1000(core::hint::black_box(0x1234));
             crate::cpu::outb(ATTACH_STATUS_PORT, iterations as u8);
-            wait_window(false);
+            wait_window_over(seen);
         }
     }
     if crate::bootinfo::option("kpin.wait_attach=") == Some(b"1") {
-        wait_window(true);
+        wait_new_window(seen);
     }
 }
 
-/// Spins until the attach-status port says a window is (`open`) or is not open.
-fn wait_window(open: bool) {
-    while (crate::cpu::inb(ATTACH_STATUS_PORT) == 1) != open {
+/// The attach-status port: whether a window is open, and the windows opened so far.
+fn window_status() -> (bool, u8) {
+    let v = crate::cpu::inb(ATTACH_STATUS_PORT);
+    (v & 1 != 0, v >> 1)
+}
+
+/// Spins until a window other than number `seen` is open; returns its number.
+fn wait_new_window(seen: u8) -> u8 {
+    loop {
+        match window_status() {
+            (true, n) if n != seen => return n,
+            _ => core::hint::spin_loop(),
+        }
+    }
+}
+
+/// Spins until window number `n` is no longer the open one.
+fn wait_window_over(n: u8) {
+    while window_status() == (true, n) {
         core::hint::spin_loop();
     }
 }
