@@ -4,15 +4,34 @@
 //! Requests: `{"cmd":"status"}`, `{"cmd":"attach","tool":"bbcount","options":{"k":"v"}}`,
 //! `{"cmd":"detach"}`. Replies: `{"ok":true,...}` or `{"ok":false,"error":"..."}`.
 //!
-//! Invariant: nothing a client sends panics the VMM: a message longer than
-//! [`MAX_MESSAGE_BYTES`] or that does not parse gets an error reply.
+//! Invariant: nothing a client sends panics the VMM or reaches the vCPU loop unchecked.
+//! [`parse_request`] accepts exactly one JSON object of at most [`MAX_MESSAGE_BYTES`] with
+//! a known `cmd`, only the fields that command takes (each once, each of its type) and,
+//! for `attach`, a known tool with known option keys whose keys and values are printable
+//! ASCII; anything else (malformed or truncated JSON, invalid UTF-8, NUL and other control
+//! bytes, lone surrogates, huge numbers, extra or duplicate fields, trailing bytes) is an
+//! error of at most [`MAX_ERROR_BYTES`]. Nesting cannot exhaust the stack: the request's
+//! shape is flat (a nested value where a string or a flat object belongs is a type error at
+//! its first byte), and serde_json refuses anything nested past 128 levels (its default
+//! recursion limit; the workspace does not enable `unbounded_depth`), tested below.
 
 use std::collections::BTreeMap;
+use std::fmt;
 
+use serde::de::{self, Deserializer as _, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
 
 /// The longest request or reply, in bytes.
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
+
+/// The longest error [`parse_request`] returns, in bytes: an error that quotes the client's
+/// input (an unknown tool or field name) is cut, so a reply stays small whatever was sent.
+pub const MAX_ERROR_BYTES: usize = 1024;
+
+/// The commands, as `cmd` spells them.
+const COMMANDS: &[&str] = &["status", "attach", "detach"];
+/// The fields a request may have.
+const FIELDS: &[&str] = &["cmd", "tool", "options"];
 
 /// A client's request.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -120,20 +139,134 @@ impl Reply {
     }
 }
 
-/// Parses a request, checking its size and, for `attach`, its tool and options.
+/// Parses a request, checking its size, its shape and, for `attach`, its tool and
+/// options. Every error starts with `malformed request`, `request too long`, or comes from
+/// [`check_tool`]; none is longer than [`MAX_ERROR_BYTES`].
 pub fn parse_request(bytes: &[u8]) -> Result<Request, String> {
+    parse_request_unbounded(bytes).map_err(|e| bound_error(e, MAX_ERROR_BYTES))
+}
+
+fn parse_request_unbounded(bytes: &[u8]) -> Result<Request, String> {
     if bytes.len() > MAX_MESSAGE_BYTES {
         return Err(format!(
             "request too long ({} bytes, at most {MAX_MESSAGE_BYTES})",
             bytes.len()
         ));
     }
-    let req: Request =
-        serde_json::from_slice(bytes).map_err(|e| format!("malformed request: {e}"))?;
+    let malformed = |e: serde_json::Error| format!("malformed request: {e}");
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let raw = de.deserialize_map(RawVisitor).map_err(malformed)?;
+    de.end().map_err(malformed)?;
+    let req = match (raw.cmd.as_deref(), raw.tool, raw.options) {
+        (None, ..) => return Err("malformed request: no \"cmd\" field".into()),
+        (Some("status"), None, None) => Request::Status,
+        (Some("detach"), None, None) => Request::Detach,
+        (Some(c @ ("status" | "detach")), ..) => {
+            return Err(format!(
+                "malformed request: {c} takes no \"tool\" or \"options\""
+            ))
+        }
+        (Some("attach"), None, _) => {
+            return Err("malformed request: attach needs a \"tool\"".into())
+        }
+        (Some("attach"), Some(tool), options) => Request::Attach {
+            tool,
+            options: options.unwrap_or_default(),
+        },
+        (Some(other), ..) => {
+            return Err(format!(
+                "malformed request: unknown command {other:?}: the commands are {}",
+                COMMANDS.join(", ")
+            ))
+        }
+    };
     if let Request::Attach { tool, options } = &req {
         check_tool(tool, options)?;
     }
     Ok(req)
+}
+
+/// `msg` cut to at most `max` bytes (on a character boundary, ending in `...`).
+fn bound_error(mut msg: String, max: usize) -> String {
+    if msg.len() > max {
+        let mut end = max.saturating_sub(3);
+        while !msg.is_char_boundary(end) {
+            end -= 1;
+        }
+        msg.truncate(end);
+        msg.push_str("...");
+    }
+    msg
+}
+
+/// A request's fields as sent, each at most once.
+#[derive(Default)]
+struct Raw {
+    cmd: Option<String>,
+    tool: Option<String>,
+    options: Option<BTreeMap<String, String>>,
+}
+
+/// Reads the top-level object: only [`FIELDS`], each once and of its type. (Not serde's
+/// derive: that would accept an array for a struct, ignore unknown fields and buffer an
+/// internally tagged enum's whole input first.)
+struct RawVisitor;
+
+impl<'de> Visitor<'de> for RawVisitor {
+    type Value = Raw;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON object with a \"cmd\" field")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Raw, A::Error> {
+        let mut raw = Raw::default();
+        while let Some(key) = map.next_key::<String>()? {
+            match key.as_str() {
+                "cmd" if raw.cmd.is_none() => raw.cmd = Some(map.next_value()?),
+                "tool" if raw.tool.is_none() => raw.tool = Some(map.next_value()?),
+                "options" if raw.options.is_none() => {
+                    raw.options = Some(map.next_value::<Options>()?.0)
+                }
+                "cmd" | "tool" | "options" => {
+                    return Err(de::Error::custom(format!("duplicate field {key:?}")))
+                }
+                _ => return Err(de::Error::unknown_field(&key, FIELDS)),
+            }
+        }
+        Ok(raw)
+    }
+}
+
+/// `options`: an object of strings, each key once.
+struct Options(BTreeMap<String, String>);
+
+impl<'de> Deserialize<'de> for Options {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_map(OptionsVisitor)
+    }
+}
+
+struct OptionsVisitor;
+
+impl<'de> Visitor<'de> for OptionsVisitor {
+    type Value = Options;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an object of string options")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Options, A::Error> {
+        let mut options = BTreeMap::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let value: String = map.next_value()?;
+            if options.contains_key(&key) {
+                return Err(de::Error::custom(format!("duplicate option {key:?}")));
+            }
+            options.insert(key, value);
+        }
+        Ok(Options(options))
+    }
 }
 
 /// Parses a reply.
@@ -145,10 +278,11 @@ pub fn parse_reply(bytes: &[u8]) -> Result<Reply, String> {
 }
 
 /// Checks a tool name and its options against the host's table of tools and option keys
-/// (`crate::input_check`, which `kpin run --tool` uses too); keys and values must not
-/// contain whitespace or `=` (the engine's option string is `k=v k=v`).
+/// (`crate::input_check`, which `kpin run --tool` uses too); keys and values must be
+/// printable ASCII without spaces or `=` (the engine's option string is `k=v k=v`, read
+/// byte by byte: no control byte, NUL or multi-byte character reaches it).
 pub fn check_tool(tool: &str, options: &BTreeMap<String, String>) -> Result<(), String> {
-    let bad = |s: &str| s.contains(|c: char| c == '=' || c.is_whitespace());
+    let bad = |s: &str| s.contains(|c: char| c == '=' || !c.is_ascii_graphic());
     if let Some((k, v)) = options
         .iter()
         .find(|(k, v)| k.is_empty() || bad(k) || bad(v))
@@ -235,6 +369,101 @@ mod tests {
             parse_request(br#"{"cmd":"attach","tool":"null","options":{"bringup.crash":"a b"}}"#)
                 .expect_err("space");
         assert!(e.contains("bad tool option"), "{e}");
+    }
+
+    /// `bytes` must be refused with an error containing `what`.
+    fn refused(bytes: &[u8], what: &str) {
+        let e = parse_request(bytes).expect_err(&String::from_utf8_lossy(bytes));
+        assert!(e.contains(what), "{e:?} lacks {what:?}");
+        assert!(e.len() <= MAX_ERROR_BYTES, "{} bytes", e.len());
+    }
+
+    #[test]
+    fn test_hostile_shapes_are_errors() {
+        // Extra, duplicate and misplaced fields.
+        refused(br#"{"cmd":"status","pad":1}"#, "unknown field `pad`");
+        refused(
+            br#"{"cmd":"status","cmd":"status"}"#,
+            "duplicate field \"cmd\"",
+        );
+        refused(br#"{"cmd":"status","tool":"null"}"#, "status takes no");
+        refused(br#"{"cmd":"detach","options":{}}"#, "detach takes no");
+        refused(
+            br#"{"cmd":"attach","tool":"null","options":{"bringup.ticks":"1","bringup.ticks":"2"}}"#,
+            "duplicate option",
+        );
+        // Other shapes and types.
+        refused(br#"["status"]"#, "expected a JSON object");
+        refused(br#""status""#, "expected a JSON object");
+        refused(br#"{"cmd":["status"]}"#, "invalid type: sequence");
+        refused(
+            br#"{"cmd":"attach","tool":"null","options":[]}"#,
+            "invalid type",
+        );
+        refused(
+            br#"{"cmd":"attach","tool":"null","options":{"a":1}}"#,
+            "invalid type",
+        );
+        refused(br#"{"cmd":"STATUS"}"#, "unknown command \"STATUS\"");
+        refused(
+            br#"{"cmd":"status"} {"cmd":"detach"}"#,
+            "trailing characters",
+        );
+        refused(br#"{"cmd":"status""#, "EOF while parsing");
+        // Numbers: huge, long, or out of range, where a string belongs.
+        refused(br#"{"cmd":1e999999}"#, "malformed request");
+        let long = format!(r#"{{"cmd":{}}}"#, "9".repeat(60_000));
+        refused(long.as_bytes(), "malformed request");
+        refused(br#"{"cmd":-0.0e-99999}"#, "invalid type");
+        // Bytes: NUL, control characters, invalid UTF-8, lone surrogates, a BOM.
+        refused(b"{\"cmd\":\"sta\0tus\"}", "control character");
+        refused(b"{\"cmd\":\"status\"}\0", "trailing characters");
+        refused(br#"{"cmd":"status\u0000"}"#, "unknown command");
+        refused(b"{\"cmd\":\"st\xffatus\"}", "invalid unicode");
+        refused(b"{\"cmd\":\"\xc0\x80\"}", "invalid unicode");
+        refused(br#"{"cmd":"\ud800"}"#, "malformed request");
+        refused(br#"{"cmd":"\udc00status"}"#, "malformed request");
+        refused(b"\xef\xbb\xbf{\"cmd\":\"status\"}", "malformed request");
+        for (k, v) in [("bringup.ticks", "1\\u0001"), ("bringup.ticks", "\\u00e9")] {
+            let req = format!(r#"{{"cmd":"attach","tool":"null","options":{{"{k}":"{v}"}}}}"#);
+            refused(req.as_bytes(), "bad tool option");
+        }
+        // A name quoted back is cut: the reply stays small.
+        let tool = "\\u0001".repeat(10_000);
+        let req = format!(r#"{{"cmd":"attach","tool":"{tool}"}}"#);
+        refused(req.as_bytes(), "unknown tool");
+        let key = "k".repeat(50_000);
+        refused(format!(r#"{{"{key}":1}}"#).as_bytes(), "unknown field");
+    }
+
+    #[test]
+    fn test_deep_nesting_is_refused_without_overflowing_the_stack() {
+        // On a small stack, to be sure the limit is not just a big enough default stack.
+        let t = std::thread::Builder::new()
+            .stack_size(256 << 10)
+            .spawn(|| {
+                for depth in [127, 128, 129, 1000, MAX_MESSAGE_BYTES / 2] {
+                    let arrays = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+                    let objects = format!("{}1{}", r#"{"a":"#.repeat(depth), "}".repeat(depth));
+                    for nested in [&arrays, &objects] {
+                        for req in [
+                            nested.clone(),
+                            format!(r#"{{"cmd":{nested}}}"#),
+                            format!(r#"{{"cmd":"attach","tool":"null","options":{nested}}}"#),
+                            format!(r#"{{"cmd":"status","x":{nested}}}"#),
+                        ] {
+                            let req = &req.as_bytes()[..req.len().min(MAX_MESSAGE_BYTES)];
+                            assert!(parse_request(req).is_err());
+                        }
+                    }
+                }
+            })
+            .expect("spawn");
+        t.join().expect("no stack overflow, no panic");
+        // serde_json's own limit (for any other caller that parses into a Value).
+        let deep = "[".repeat(129);
+        let e = serde_json::from_str::<serde_json::Value>(&deep).expect_err("too deep");
+        assert!(e.to_string().contains("recursion limit exceeded"), "{e}");
     }
 
     #[test]
