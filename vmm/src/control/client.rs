@@ -5,7 +5,7 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 
 use super::protocol::{parse_reply, Reply, Request, MAX_MESSAGE_BYTES};
-use super::server::CLIENT_TIMEOUT;
+use super::server::{CLIENT_TIMEOUT, REQUEST_DEADLINE};
 use super::SOCKET_NAME;
 
 /// Why a request could not be answered.
@@ -26,23 +26,24 @@ pub fn request(run_dir: &Path, request: &Request) -> Result<Reply, ClientError> 
     let mut stream =
         UnixStream::connect(&path).map_err(|e| ClientError::NoRun(shown.clone(), e))?;
     let chan = |e: String| ClientError::Channel(shown.clone(), e);
-    let _ = stream.set_read_timeout(Some(CLIENT_TIMEOUT * 4));
-    let _ = stream.set_write_timeout(Some(CLIENT_TIMEOUT));
+    let _ = stream.set_read_timeout(Some(CLIENT_TIMEOUT));
+    let _ = stream.set_write_timeout(Some(REQUEST_DEADLINE));
     let mut line = serde_json::to_vec(request).map_err(|e| chan(e.to_string()))?;
     line.push(b'\n');
-    // A run that refuses at once (another client is connected) may close before all of
-    // the request is read: its reply still waits to be read.
+    // A run that refuses at once (too many clients, rate limited) may close before all of
+    // the request is read: its reply still waits to be read, and may be followed by a
+    // reset connection instead of an end of stream.
     let sent = stream.write_all(&line);
     let _ = stream.shutdown(std::net::Shutdown::Write);
     let mut buf = Vec::new();
-    stream
+    let read = stream
         .take(MAX_MESSAGE_BYTES as u64 + 1)
-        .read_to_end(&mut buf)
-        .map_err(|e| chan(format!("cannot read the reply: {e}")))?;
+        .read_to_end(&mut buf);
     if buf.is_empty() {
-        return Err(chan(match sent {
-            Err(e) => format!("cannot send: {e}"),
-            Ok(()) => "the run closed the connection without a reply".into(),
+        return Err(chan(match (read, sent) {
+            (Err(e), _) => format!("cannot read the reply: {e}"),
+            (Ok(_), Err(e)) => format!("cannot send: {e}"),
+            (Ok(_), Ok(())) => "the run closed the connection without a reply".into(),
         }));
     }
     parse_reply(buf.trim_ascii()).map_err(chan)
@@ -53,7 +54,8 @@ pub const EXIT_OK: u8 = 0;
 /// Exit status when there is no such run (or it ended) or the channel failed.
 pub const EXIT_NO_RUN: u8 = 1;
 /// Exit status when the run refused the request (attach while attached, detach while
-/// detached, an unknown tool or option, another client connected).
+/// detached, an unknown tool or option, another client's command in progress, too many
+/// clients, rate limited, permission denied).
 pub const EXIT_REFUSED: u8 = 2;
 
 /// Runs one `kpin attach|detach|status` command: prints the reply as JSON on stdout (or

@@ -1,38 +1,95 @@
 //! The control socket's server: a thread accepts connections on `<out>/control.sock`,
-//! reads one request from each, hands it to the vCPU loop as a [`Command`] over a
-//! crossbeam channel, kicks the vCPU thread out of `KVM_RUN` (SIGRTMIN, the watchdog's
-//! signal, whose handler does nothing) until the loop replies, and writes the reply back.
+//! checks each peer's credentials, and hands it to a handler thread that reads one
+//! request, passes it to the vCPU loop as a [`Command`] over a crossbeam channel, kicks
+//! the vCPU thread out of `KVM_RUN` (SIGRTMIN, the watchdog's signal, whose handler does
+//! nothing) until the loop replies, and writes the reply back.
 //!
-//! Invariants: one client at a time (a second concurrent client gets an error reply at
-//! once); a request is bounded by [`MAX_MESSAGE_BYTES`] and a slow client by
-//! [`CLIENT_TIMEOUT`]; the socket is created with mode 0600, never over an existing path,
-//! and removed by [`ControlServer::shutdown`], which joins every thread it started (so
-//! none of them signals the vCPU thread after the loop is over).
+//! Clients are hostile (issue #24). Invariants (the numbers are [`Limits::default`]'s):
+//! - the guest never waits for a client: nothing a client does blocks the vCPU thread,
+//!   which only polls the channel (one command at a time, never queued behind another)
+//!   and sends each reply into a one-slot channel;
+//! - only the run's owner (kpin's effective uid) or root may connect: the peer's uid is
+//!   read with `SO_PEERCRED` on every connection, and anyone else gets
+//!   `permission denied: uid N is not the run's owner` and is closed;
+//! - at most [`Limits::max_clients`] (16) handler threads at once; a connection beyond
+//!   that gets `too many control clients` from the accepting thread, which answers
+//!   without waiting and spawns nothing for it;
+//! - a request is read in full, bounded by [`MAX_MESSAGE_BYTES`] and by one total
+//!   deadline from the connection ([`Limits::request_deadline`], 2 s; not per read: a
+//!   client trickling a byte at a time cannot extend it), *before* the
+//!   one-command-at-a-time slot is taken, so a silent, half-closed or stalled client holds
+//!   a handler thread for at most the deadline and never holds off another client's
+//!   command;
+//! - one command in the vCPU loop at a time: a client whose command arrives while
+//!   another's is being served gets an error reply at once;
+//! - at most [`Limits::rate_burst`] (50) commands at once and
+//!   [`Limits::rate_per_second`] (100) a second on average reach the vCPU loop (a token
+//!   bucket); one over that gets `rate limited` at once, never a queue;
+//! - the socket is created with mode 0600, never over an existing path, and removed by
+//!   [`ControlServer::shutdown`], which joins every thread it started (so none of them
+//!   signals the vCPU thread after the loop is over); handlers see the stop within
+//!   `READ_SLICE` while reading, and within `KICK_INTERVAL` while waiting.
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, TryLockError};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TrySendError};
 use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 
 use super::protocol::{parse_request, Reply, Request, MAX_MESSAGE_BYTES};
 use crate::error::{Result, VmmError};
 
-/// How long a client may take to send its request or read its reply.
-pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a refused second client gets to send its request.
-const BUSY_READ_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a client has, from its connection, to send its whole request.
+pub const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
+/// How long writing a reply may take (a client that does not read it).
+const REPLY_TIMEOUT: Duration = Duration::from_secs(2);
+/// The longest a handler blocks in one read, so it sees [`ControlServer::shutdown`].
+const READ_SLICE: Duration = Duration::from_millis(50);
+/// How long the accepting thread pauses after a failed `accept` (out of file descriptors
+/// under a flood), instead of spinning.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
 /// How often a command still waiting for the vCPU loop re-kicks the vCPU thread (a kick
 /// that lands just before `KVM_RUN` is entered is lost).
 const KICK_INTERVAL: Duration = Duration::from_millis(20);
 /// How long a command waits for the vCPU loop before the client is told it timed out.
-const LOOP_TIMEOUT: Duration = Duration::from_secs(30);
+pub const LOOP_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a client waits for its reply: longer than a server can take to give it.
+pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(40);
+const _: () = assert!(
+    CLIENT_TIMEOUT.as_secs()
+        > REQUEST_DEADLINE.as_secs() + LOOP_TIMEOUT.as_secs() + REPLY_TIMEOUT.as_secs()
+);
+
+/// What the server allows its clients.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Total time from a connection to its complete request.
+    pub request_deadline: Duration,
+    /// Connection handler threads at once.
+    pub max_clients: usize,
+    /// Commands passed to the vCPU loop per second, on average.
+    pub rate_per_second: f64,
+    /// Commands passed to the vCPU loop in a burst.
+    pub rate_burst: f64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            request_deadline: REQUEST_DEADLINE,
+            max_clients: 16,
+            rate_per_second: 100.0,
+            rate_burst: 50.0,
+        }
+    }
+}
 
 extern "C" fn ignore_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
 
@@ -51,11 +108,30 @@ pub struct ControlServer {
     thread: Option<JoinHandle<()>>,
 }
 
+/// What the accepting thread and the handlers share.
+struct Shared {
+    limits: Limits,
+    stop: Arc<AtomicBool>,
+    /// Held while a command is in the vCPU loop.
+    busy: Mutex<()>,
+    rate: Mutex<TokenBucket>,
+    /// Handler threads alive.
+    handlers: AtomicUsize,
+    vcpu_thread: libc::pthread_t,
+    /// The run's owner: kpin's effective uid.
+    owner: u32,
+}
+
 impl ControlServer {
     /// Listens on `path` (which must not exist) and returns the server and the receiving
     /// end the vCPU loop polls. Must be called on the vCPU thread: that is the thread it
     /// kicks.
     pub fn start(path: &Path) -> Result<(Self, Receiver<Command>)> {
+        Self::start_with(path, Limits::default())
+    }
+
+    /// [`ControlServer::start`] with other limits.
+    pub fn start_with(path: &Path, limits: Limits) -> Result<(Self, Receiver<Command>)> {
         if path.symlink_metadata().is_ok() {
             return Err(VmmError::ControlSocket(
                 path.to_owned(),
@@ -72,14 +148,26 @@ impl ControlServer {
         // The kick's handler does nothing; without one SIGRTMIN would end the process.
         register_signal_handler(SIGRTMIN(), ignore_kick)
             .map_err(|e| VmmError::Host("installing the vCPU kick signal handler", e.into()))?;
-        // SAFETY: pthread_self has no preconditions.
-        let vcpu_thread = unsafe { libc::pthread_self() };
         let (tx, rx) = bounded::<Command>(1);
         let stop = Arc::new(AtomicBool::new(false));
-        let flag = stop.clone();
+        let shared = Arc::new(Shared {
+            limits,
+            stop: stop.clone(),
+            busy: Mutex::new(()),
+            rate: Mutex::new(TokenBucket::new(
+                limits.rate_per_second,
+                limits.rate_burst,
+                Instant::now(),
+            )),
+            handlers: AtomicUsize::new(0),
+            // SAFETY: pthread_self has no preconditions.
+            vcpu_thread: unsafe { libc::pthread_self() },
+            // SAFETY: geteuid has no preconditions and cannot fail.
+            owner: unsafe { libc::geteuid() },
+        });
         let thread = std::thread::Builder::new()
             .name("kpin-control".into())
-            .spawn(move || accept_loop(listener, tx, flag, vcpu_thread))
+            .spawn(move || accept_loop(listener, tx, shared))
             .map_err(|e| VmmError::Host("spawning the control thread", e))?;
         Ok((
             ControlServer {
@@ -113,41 +201,142 @@ impl Drop for ControlServer {
     }
 }
 
-fn accept_loop(
-    listener: UnixListener,
-    tx: Sender<Command>,
-    stop: Arc<AtomicBool>,
-    vcpu_thread: libc::pthread_t,
-) {
-    let busy = Arc::new(Mutex::new(()));
+/// Whether a client whose uid is `peer` may control a run owned by `owner`: the same
+/// user, or root.
+pub fn peer_allowed(peer: u32, owner: u32) -> bool {
+    peer == owner || peer == 0
+}
+
+/// The uid of the process at the other end of `stream`, from `SO_PEERCRED` (the
+/// credentials it had when it connected; the kernel fills them in, the client cannot).
+pub fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: the descriptor is open for `stream`'s lifetime, and `cred` and `len` are
+    // valid for writes of the sizes given.
+    let r = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut cred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if len as usize != std::mem::size_of::<libc::ucred>() {
+        return Err(std::io::Error::new(
+            ErrorKind::InvalidData,
+            "short SO_PEERCRED answer",
+        ));
+    }
+    Ok(cred.uid)
+}
+
+/// A token bucket: up to `burst` tokens, refilled at `per_second`; a command takes one.
+#[derive(Debug)]
+pub struct TokenBucket {
+    tokens: f64,
+    last: Instant,
+    per_second: f64,
+    burst: f64,
+}
+
+impl TokenBucket {
+    /// A full bucket at `now`.
+    pub fn new(per_second: f64, burst: f64, now: Instant) -> Self {
+        TokenBucket {
+            tokens: burst,
+            last: now,
+            per_second,
+            burst,
+        }
+    }
+
+    /// Takes a token at `now` if there is one.
+    pub fn take(&mut self, now: Instant) -> bool {
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        self.tokens = (self.tokens + elapsed * self.per_second).min(self.burst);
+        self.last = self.last.max(now);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// One of the [`Limits::max_clients`] handler places; given back when dropped.
+struct HandlerSlot(Arc<Shared>);
+
+impl HandlerSlot {
+    fn take(shared: &Arc<Shared>) -> Option<Self> {
+        shared
+            .handlers
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < shared.limits.max_clients).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| HandlerSlot(shared.clone()))
+    }
+}
+
+impl Drop for HandlerSlot {
+    fn drop(&mut self) {
+        self.0.handlers.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn accept_loop(listener: UnixListener, tx: Sender<Command>, shared: Arc<Shared>) {
     let mut clients: Vec<JoinHandle<()>> = Vec::new();
-    for stream in listener.incoming() {
-        if stop.load(Ordering::SeqCst) {
+    loop {
+        let accepted = listener.accept();
+        if shared.stop.load(Ordering::SeqCst) {
             break;
         }
-        let Ok(mut stream) = stream else { continue };
+        let Ok((stream, _)) = accepted else {
+            std::thread::sleep(ACCEPT_BACKOFF);
+            continue;
+        };
+        let accepted = Instant::now();
         clients.retain(|c| !c.is_finished());
-        let _ = stream.set_read_timeout(Some(CLIENT_TIMEOUT));
-        let _ = stream.set_write_timeout(Some(CLIENT_TIMEOUT));
-        let (busy, tx, stop) = (busy.clone(), tx.clone(), stop.clone());
+        match peer_uid(&stream) {
+            Ok(uid) if peer_allowed(uid, shared.owner) => {}
+            Ok(uid) => {
+                refuse(
+                    stream,
+                    &format!("permission denied: uid {uid} is not the run's owner"),
+                );
+                continue;
+            }
+            Err(e) => {
+                refuse(
+                    stream,
+                    &format!("permission denied: cannot read the client's credentials: {e}"),
+                );
+                continue;
+            }
+        }
+        let Some(slot) = HandlerSlot::take(&shared) else {
+            refuse(stream, "too many control clients; try again");
+            continue;
+        };
+        let tx = tx.clone();
         let handler = std::thread::Builder::new()
             .name("kpin-control-client".into())
             .spawn(move || {
-                let Ok(_one) = busy.try_lock() else {
-                    // Read (and drop) the request first, so the client's send completes
-                    // and it reads this reply rather than a broken pipe.
-                    let _ = stream.set_read_timeout(Some(BUSY_READ_TIMEOUT));
-                    let _ = read_request(&mut stream);
-                    let _ = stream.write_all(
-                        Reply::error("another control client is connected to this run; try again")
-                            .to_line()
-                            .as_bytes(),
-                    );
-                    return;
-                };
-                let reply = serve(&mut stream, &tx, &stop, vcpu_thread);
-                let _ = stream.write_all(reply.to_line().as_bytes());
+                let shared = slot.0.clone();
+                handle(stream, accepted, &tx, &shared);
+                drop(slot);
             });
+        // (A failed spawn drops the closure: the connection closes without a reply.)
         if let Ok(h) = handler {
             clients.push(h);
         }
@@ -158,55 +347,139 @@ fn accept_loop(
     }
 }
 
-/// Reads one request, bounded in size and time.
-fn read_request(stream: &mut UnixStream) -> std::result::Result<Vec<u8>, String> {
-    let mut buf = Vec::new();
+/// Answers `msg` to a connection without waiting for it: takes what it already sent (so
+/// closing does not reset the connection before it reads the reply), writes the reply
+/// if it fits in the socket's buffer, and closes.
+fn refuse(mut stream: UnixStream, msg: &str) {
+    if stream.set_nonblocking(true).is_err() {
+        return;
+    }
+    drain(&mut stream);
+    let _ = stream.write(Reply::error(msg).to_line().as_bytes());
+}
+
+/// Takes up to a message's worth of what the client has sent and nobody read, without
+/// waiting: a connection closed with unread bytes is reset, and its client may then see
+/// the reset before it has read the reply.
+fn drain(stream: &mut UnixStream) {
     let mut chunk = [0u8; 4096];
-    loop {
-        let n = stream
-            .read(&mut chunk)
-            .map_err(|e| format!("cannot read the request: {e}"))?;
-        if n == 0 {
-            return Ok(buf);
-        }
-        buf.extend_from_slice(&chunk[..n]);
-        if let Some(end) = buf.iter().position(|&b| b == b'\n') {
-            buf.truncate(end);
-            return Ok(buf);
-        }
-        if buf.len() > MAX_MESSAGE_BYTES {
-            return Err(format!("request too long (over {MAX_MESSAGE_BYTES} bytes)"));
+    let mut taken = 0;
+    while taken <= MAX_MESSAGE_BYTES {
+        match stream.read(&mut chunk) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => taken += n,
         }
     }
 }
 
-fn serve(
-    stream: &mut UnixStream,
-    tx: &Sender<Command>,
-    stop: &AtomicBool,
-    vcpu_thread: libc::pthread_t,
-) -> Reply {
-    let request = match read_request(stream).and_then(|b| parse_request(&b)) {
-        Ok(r) => r,
-        Err(e) => return Reply::error(e),
+/// Serves one connection: reads its request (bounded in size and total time), passes it
+/// on, writes the reply.
+fn handle(mut stream: UnixStream, accepted: Instant, tx: &Sender<Command>, shared: &Shared) {
+    let limit = shared.limits.request_deadline;
+    let reply = match read_request(&mut stream, accepted, limit, &shared.stop)
+        .and_then(|b| parse_request(&b))
+    {
+        Ok(request) => forward(request, tx, shared),
+        Err(e) => Reply::error(e),
     };
+    let _ = stream.set_write_timeout(Some(REPLY_TIMEOUT));
+    let _ = stream.write_all(reply.to_line().as_bytes());
+    if stream.set_nonblocking(true).is_ok() {
+        drain(&mut stream);
+    }
+}
+
+/// Reads one request: up to its first newline or the end of the client's stream, at most
+/// [`MAX_MESSAGE_BYTES`], complete within `limit` of `accepted`.
+fn read_request(
+    stream: &mut UnixStream,
+    accepted: Instant,
+    limit: Duration,
+    stop: &AtomicBool,
+) -> std::result::Result<Vec<u8>, String> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        if stop.load(Ordering::SeqCst) {
+            return Err("the run has ended".into());
+        }
+        let left = (accepted + limit).saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!(
+                "no complete request within {} ms of connecting (send one line, then read \
+                 the reply)",
+                limit.as_millis()
+            ));
+        }
+        let _ = stream.set_read_timeout(Some(left.min(READ_SLICE)));
+        let room = (MAX_MESSAGE_BYTES + 1 - buf.len()).min(chunk.len());
+        match stream.read(&mut chunk[..room]) {
+            Ok(0) => return Ok(buf),
+            Ok(n) => {
+                buf.extend_from_slice(&chunk[..n]);
+                if let Some(end) = buf.iter().position(|&b| b == b'\n') {
+                    buf.truncate(end);
+                    return Ok(buf);
+                }
+                if buf.len() > MAX_MESSAGE_BYTES {
+                    return Err(format!("request too long (over {MAX_MESSAGE_BYTES} bytes)"));
+                }
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) => {}
+            Err(e) => return Err(format!("cannot read the request: {e}")),
+        }
+    }
+}
+/// Passes `request` to the vCPU loop if no other command is there and the rate allows,
+/// and waits for its reply.
+fn forward(request: Request, tx: &Sender<Command>, shared: &Shared) -> Reply {
+    let _one = match shared.busy.try_lock() {
+        Ok(one) => one,
+        Err(TryLockError::Poisoned(p)) => p.into_inner(),
+        Err(TryLockError::WouldBlock) => {
+            return Reply::error(
+                "another control client's command is being served by this run; try again",
+            )
+        }
+    };
+    let allowed = shared
+        .rate
+        .lock()
+        .map(|mut r| r.take(Instant::now()))
+        .unwrap_or(false);
+    if !allowed {
+        return Reply::error(format!(
+            "rate limited: at most {} control commands per second; try again",
+            shared.limits.rate_per_second
+        ));
+    }
     let (reply_tx, reply_rx) = bounded(1);
     let cmd = Command {
         request,
         reply: reply_tx,
     };
-    if tx.send(cmd).is_err() {
-        return Reply::error("the run has ended");
+    // Never waits: the channel holds one command, which is still there only if the loop
+    // did not take an earlier one in `LOOP_TIMEOUT`.
+    match tx.try_send(cmd) {
+        Ok(()) => {}
+        Err(TrySendError::Full(_)) => {
+            return Reply::error("the vCPU loop has not taken the previous command yet")
+        }
+        Err(TrySendError::Disconnected(_)) => return Reply::error("the run has ended"),
     }
     let mut waited = Duration::ZERO;
     loop {
-        if stop.load(Ordering::SeqCst) {
+        if shared.stop.load(Ordering::SeqCst) {
             return Reply::error("the run has ended");
         }
         // SAFETY: the vCPU thread is alive: it joins this thread (through
         // `ControlServer::shutdown`, after setting `stop`) before its run loop returns,
         // and SIGRTMIN's handler (installed by the watchdog) does nothing.
-        unsafe { libc::pthread_kill(vcpu_thread, SIGRTMIN()) };
+        unsafe { libc::pthread_kill(shared.vcpu_thread, SIGRTMIN()) };
         match reply_rx.recv_timeout(KICK_INTERVAL) {
             Ok(r) => return r,
             Err(RecvTimeoutError::Disconnected) => return Reply::error("the run has ended"),
@@ -221,126 +494,4 @@ fn serve(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::control::client::{request, ClientError};
-    use crate::control::protocol::parse_reply;
-    use crate::control::SOCKET_NAME;
-
-    fn scratch(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("kpin-control-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).expect("scratch dir");
-        d
-    }
-
-    /// Raw bytes in, raw reply out.
-    fn raw(dir: &Path, bytes: &[u8]) -> Reply {
-        let mut s = UnixStream::connect(dir.join(SOCKET_NAME)).expect("connect");
-        let _ = s.write_all(bytes);
-        let _ = s.shutdown(std::net::Shutdown::Write);
-        let mut out = Vec::new();
-        s.read_to_end(&mut out).expect("read the reply");
-        parse_reply(out.trim_ascii()).expect("a JSON reply")
-    }
-
-    /// Plays the vCPU loop: answers every command with `status` ok until `n` are done.
-    fn answer(rx: &Receiver<Command>, n: usize) -> Vec<Request> {
-        let mut seen = Vec::new();
-        while seen.len() < n {
-            let cmd = rx.recv_timeout(Duration::from_secs(20)).expect("a command");
-            seen.push(cmd.request.clone());
-            let _ = cmd.reply.send(Reply {
-                windows: Some(seen.len() as u64),
-                ..Reply::ok()
-            });
-        }
-        seen
-    }
-
-    #[test]
-    fn test_requests_reach_the_loop_and_bad_ones_get_error_replies() {
-        let dir = scratch("roundtrip");
-        let path = dir.join(SOCKET_NAME);
-        let (server, rx) = ControlServer::start(&path).expect("listen");
-        let mode = std::fs::metadata(&path)
-            .expect("socket")
-            .permissions()
-            .mode();
-        assert_eq!(mode & 0o777, 0o600);
-        let d = dir.clone();
-        let client = std::thread::spawn(move || {
-            let status = request(&d, &Request::Status).expect("status");
-            let bad = raw(&d, b"{\"cmd\":\"reboot\"}\n");
-            let mut big = vec![b' '; MAX_MESSAGE_BYTES + 10];
-            big.push(b'\n');
-            let oversize = raw(&d, &big);
-            let detach = request(&d, &Request::Detach).expect("detach");
-            (status, bad, oversize, detach)
-        });
-        let seen = answer(&rx, 2);
-        let (status, bad, oversize, detach) = client.join().expect("client");
-        assert_eq!(seen, vec![Request::Status, Request::Detach]);
-        assert!(status.ok && status.windows == Some(1), "{status:?}");
-        assert!(detach.ok && detach.windows == Some(2), "{detach:?}");
-        assert!(!bad.ok && bad.error.as_deref().unwrap_or("").contains("malformed"));
-        assert!(!oversize.ok && oversize.error.as_deref().unwrap_or("").contains("too long"));
-        server.shutdown();
-        assert!(!path.exists(), "the socket is removed at the end");
-        match request(&dir, &Request::Status) {
-            Err(ClientError::NoRun(..)) => {}
-            other => panic!("after the end: {other:?}"),
-        }
-    }
-
-    #[test]
-    fn test_a_second_concurrent_client_is_refused() {
-        let dir = scratch("second");
-        let path = dir.join(SOCKET_NAME);
-        let (server, rx) = ControlServer::start(&path).expect("listen");
-        // The first client connects and sends nothing yet: it holds the channel.
-        let mut first = UnixStream::connect(&path).expect("first client");
-        std::thread::sleep(Duration::from_millis(200));
-        let second = request(&dir, &Request::Status).expect("a reply");
-        assert!(!second.ok, "{second:?}");
-        assert!(
-            second
-                .error
-                .as_deref()
-                .unwrap_or("")
-                .contains("another control client"),
-            "{second:?}"
-        );
-        first.write_all(b"{\"cmd\":\"status\"}\n").expect("send");
-        answer(&rx, 1);
-        let mut out = Vec::new();
-        first.read_to_end(&mut out).expect("reply");
-        assert!(parse_reply(out.trim_ascii()).expect("JSON").ok);
-        server.shutdown();
-    }
-
-    #[test]
-    fn test_an_existing_path_is_refused_and_kept() {
-        let dir = scratch("exists");
-        let path = dir.join(SOCKET_NAME);
-        std::fs::write(&path, b"not ours").expect("write");
-        assert!(matches!(
-            ControlServer::start(&path),
-            Err(VmmError::ControlSocket(..))
-        ));
-        assert_eq!(std::fs::read(&path).expect("still there"), b"not ours");
-    }
-
-    #[test]
-    fn test_a_request_after_the_loop_ended_says_so() {
-        let dir = scratch("ended");
-        let (server, rx) = ControlServer::start(&dir.join(SOCKET_NAME)).expect("listen");
-        drop(rx);
-        let r = request(&dir, &Request::Status).expect("a reply");
-        assert!(
-            !r.ok && r.error.as_deref() == Some("the run has ended"),
-            "{r:?}"
-        );
-        server.shutdown();
-    }
-}
+mod tests;
