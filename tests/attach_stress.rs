@@ -11,7 +11,7 @@
 //! (window 0) that detaches to a resident engine and switches tools for the next windows.
 //!
 //! `test_attach_stress_once` runs one round (in CI); `test_attach_stress_20_rounds`
-//! (ignored: ~10 minutes here) is the long run, with a Linux guest booting in a loop
+//! (ignored: about two minutes here) is the long run, with a Linux guest booting in a loop
 //! beside the mini-kernels:
 //! `cargo test --release -p kpin-tests --test attach_stress -- --ignored --nocapture`.
 //! No assertion here involves wall time: every wait ends on the guest's own progress
@@ -212,7 +212,7 @@ fn test_attach_stress_once() {
 }
 
 #[test]
-#[ignore = "the long run: 20 rounds with a Linux guest booting beside them (~10 minutes)"]
+#[ignore = "the long run: 20 rounds with a Linux guest booting beside them (about two minutes)"]
 fn test_attach_stress_20_rounds() {
     require_kvm!();
     let neighbour = Neighbour::start(scratch_dir("attach-stress-neighbour"));

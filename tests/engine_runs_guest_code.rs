@@ -9,7 +9,6 @@
 //! with that RIP) — never a hang.
 
 use std::path::Path;
-use std::time::Duration;
 
 use kpin_tests::{require_kvm, run_tiny_guest, TINY_LOAD_ADDR};
 use vmm::Outcome;
@@ -81,7 +80,6 @@ fn test_tiny_guest_under_null_tool_prints_what_it_prints_natively_and_powers_off
         log.contains("writes 0xfe to port 0x64 (poweroff or reset)"),
         "{log}"
     );
-    assert!(report.wall < Duration::from_secs(30), "{:?}", report.wall);
     println!("{stats}\nwall {:?} (native {:?})", report.wall, native.wall);
 
     // The counters the engine writes at the end of every run.
@@ -190,11 +188,6 @@ fn test_unsupported_sensitive_instruction_ends_as_engine_failure_naming_it() {
             assert_eq!(console, "OK\n", "{name}");
         }
         assert!(report.dump.is_some());
-        assert!(
-            report.wall < Duration::from_secs(30),
-            "{name}: {:?}",
-            report.wall
-        );
     }
 }
 
@@ -224,6 +217,5 @@ fn test_fault_in_translated_code_is_mapped_back_to_the_guest_instruction() {
         assert!(log.contains(&want), "{name}: {log}");
         assert!(!log.contains("unexpected exception"), "{name}: {log}");
         assert_eq!(console, "OK\n", "{name}");
-        assert!(report.wall < Duration::from_secs(30), "{name}: {:?}", report.wall);
     }
 }
