@@ -8,6 +8,9 @@
 //! before the guest next runs (a busy host) cannot hang it.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use iced_x86::{Decoder, DecoderOptions, FlowControl};
@@ -18,7 +21,7 @@ use vmm::control::SOCKET_NAME;
 use vmm::symbols::Symbols;
 use vmm::{ControlConfig, RunReport, Vm, VmConfig};
 
-use crate::{engine_config, minikernel_elf};
+use crate::{engine_config, kpin_bin, minikernel_elf};
 
 /// How long a test waits for the guest to reach a mark or a socket to appear: generous,
 /// for a loaded host; the guest's own progress ends the wait, not this.
@@ -141,4 +144,48 @@ pub fn start_minikernel(
     });
     wait_for_socket(dir);
     (vm_thread, console)
+}
+
+/// A Linux guest booting again and again (the `kpin` binary, tool null) until dropped:
+/// a neighbour whose exits and translations compete with the mini-kernels.
+pub struct Neighbour(Arc<AtomicBool>, Option<JoinHandle<u64>>);
+
+impl Neighbour {
+    /// Starts booting in `dir` (one `boot-<n>/` at a time, removed after each boot).
+    pub fn start(dir: PathBuf) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut boots = 0;
+            while !flag.load(Ordering::Relaxed) {
+                let out = dir.join(format!("boot-{boots}"));
+                let status = std::process::Command::new(kpin_bin())
+                    .args(["run", "--tool", "null", "--quiet", "--out"])
+                    .arg(&out)
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null())
+                    .status()
+                    .expect("run kpin");
+                assert!(status.success(), "the neighbour's boot {boots}: {status}");
+                let _ = std::fs::remove_dir_all(&out);
+                boots += 1;
+            }
+            boots
+        });
+        Neighbour(stop, Some(thread))
+    }
+
+    /// Stops after the boot in progress; returns how many finished.
+    pub fn stop(mut self) -> u64 {
+        self.0.store(true, Ordering::Relaxed);
+        self.1
+            .take()
+            .map_or(0, |t| t.join().expect("the neighbour"))
+    }
+}
+
+impl Drop for Neighbour {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
 }

@@ -9,12 +9,17 @@
 //! `attach-<n>/bbcount.csv` per window whose instruction count is plausible for the
 //! window's length. Prints attach and detach latencies (vCPU loop and client).
 //!
-//! `test_linux_soak_100_cycles` (ignored: minutes) is the long measurement:
+//! `test_linux_soak_100_cycles` (ignored: minutes) is the latency measurement, and
+//! `test_linux_soak_30_minutes` (ignored: half an hour; `KPIN_SOAK_SECONDS` changes the
+//! length) the long soak of issue #24: a window every few seconds while a neighbour Linux
+//! guest boots again and again, each window's files checked and removed as it closes, the
+//! process's RSS sampled throughout and bounded after the first minutes (docs/soak.md):
 //! `cargo test --release -p kpin-tests --test attach_linux_soak -- --ignored --nocapture`.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use kpin_tests::attach::Neighbour;
 use kpin_tests::{engine_config, require_kvm, scratch_dir};
 use kpin_tool_bbcount::parse_csv;
 use vmm::control::client::{request, ClientError};
@@ -37,6 +42,52 @@ struct Cycle {
 
 /// Guest instructions each window must see executed before it is closed.
 const WINDOW_MIN_INSNS: u64 = 200_000;
+
+/// How many windows a soak opens.
+enum Windows {
+    /// This many, their files kept until the end and checked then.
+    Count(u64),
+    /// As many as fit before this much time has passed since the first; each window's
+    /// files are checked and removed as it closes (the output stays bounded).
+    For(Duration),
+}
+
+/// What a soak measured besides its windows.
+struct Soak {
+    cycles: Vec<Cycle>,
+    /// (seconds since the first window, this process's RSS in KiB) at every window.
+    rss: Vec<(f64, u64)>,
+    /// Bytes of the windows' files, removed as they closed (`Windows::For`).
+    window_bytes: u64,
+    /// Bytes left in the output directory at the end.
+    out_bytes: u64,
+}
+
+/// This process's resident set in KiB (`VmRSS`): the VMM, the guest's RAM it touched,
+/// the daemon's buffers.
+fn rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS in /proc/self/status")
+}
+
+/// Bytes of the files below `dir`.
+fn tree_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => tree_bytes(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}
 
 fn wait_for(what: &str, budget: Duration, mut done: impl FnMut() -> bool) {
     let start = Instant::now();
@@ -61,10 +112,10 @@ fn max(v: &[f64]) -> f64 {
     v.iter().copied().fold(0.0, f64::max)
 }
 
-/// Boots Linux resident with the soak workload for `soak_s` guest seconds, runs `cycles`
-/// attach/detach cycles of bbcount with windows of `window` and gaps of `gap`, checks
-/// the run, and returns the cycles.
-fn soak(name: &str, cycles: u64, soak_s: u64, window: Duration, gap: Duration) -> Vec<Cycle> {
+/// Boots Linux resident with the soak workload for `soak_s` guest seconds, opens and
+/// closes bbcount windows (`windows`) of `window` with gaps of `gap`, checks the run and
+/// every window.
+fn soak(name: &str, windows: Windows, soak_s: u64, window: Duration, gap: Duration) -> Soak {
     let images = kpin_images::default_out_dir();
     let linux = kpin_images::ensure_linux(&images, &mut |l| eprintln!("images: {l}"))
         .expect("fetch and build the Linux images");
@@ -121,7 +172,16 @@ fn soak(name: &str, cycles: u64, soak_s: u64, window: Duration, gap: Duration) -
             .expect("status counts guest instructions")
     };
     let mut done = Vec::new();
-    for n in 1..=cycles {
+    let (mut rss, mut window_bytes) = (Vec::new(), 0);
+    let first = Instant::now();
+    for n in 1.. {
+        let more = match windows {
+            Windows::Count(c) => n <= c,
+            Windows::For(d) => first.elapsed() < d,
+        };
+        if !more {
+            break;
+        }
         let before = insns(&ok(request(&dir, &Request::Status), "status"));
         let t = Instant::now();
         let a = ok(request(&dir, &bbcount), "attach");
@@ -159,15 +219,29 @@ fn soak(name: &str, cycles: u64, soak_s: u64, window: Duration, gap: Duration) -
             window: opened.elapsed(),
             engine_insns: after - before,
         });
+        rss.push((first.elapsed().as_secs_f64(), rss_kib()));
+        if let Windows::For(_) = windows {
+            let w = dir.join(format!("attach-{n}"));
+            check_window(&w, done.last().expect("just pushed"));
+            window_bytes += tree_bytes(&w);
+            std::fs::remove_dir_all(&w).expect("remove a checked window");
+        }
         std::thread::sleep(gap);
     }
     let report: RunReport = vm_thread.join().expect("the VM thread");
     let text = read_console();
     check_run(&report, &text, &dir);
-    for (i, c) in done.iter().enumerate() {
-        check_window(&dir.join(format!("attach-{}", i + 1)), c);
+    if let Windows::Count(_) = windows {
+        for (i, c) in done.iter().enumerate() {
+            check_window(&dir.join(format!("attach-{}", i + 1)), c);
+        }
     }
-    done
+    Soak {
+        cycles: done,
+        rss,
+        window_bytes,
+        out_bytes: tree_bytes(&dir),
+    }
 }
 
 /// Poweroff, every soak round's md5 right, nothing on the console that shows the kernel
@@ -255,26 +329,80 @@ fn print_latencies(cycles: &[Cycle]) {
 #[test]
 fn test_linux_soak_survives_three_bbcount_attach_detach_cycles() {
     require_kvm!();
-    let cycles = soak(
+    let soak = soak(
         "attach-linux-soak",
-        3,
+        Windows::Count(3),
         25,
         Duration::from_millis(1500),
         Duration::from_millis(500),
     );
-    print_latencies(&cycles);
+    print_latencies(&soak.cycles);
 }
 
 #[test]
 #[ignore = "minutes: the 100-cycle soak measurement (docs/benchmarks.md)"]
 fn test_linux_soak_100_cycles() {
     require_kvm!();
-    let cycles = soak(
+    let soak = soak(
         "attach-linux-soak-100",
-        100,
+        Windows::Count(100),
         150,
         Duration::from_millis(500),
         Duration::from_millis(200),
     );
-    print_latencies(&cycles);
+    print_latencies(&soak.cycles);
+}
+
+/// RSS growth allowed after the first [`RSS_SETTLED_S`] seconds of windows: the guest
+/// has touched its working set by then; what grows after is a leak.
+const RSS_GROWTH_KIB: u64 = 32 * 1024;
+const RSS_SETTLED_S: f64 = 180.0;
+
+#[test]
+#[ignore = "half an hour: the long soak of issue #24 (docs/soak.md)"]
+fn test_linux_soak_30_minutes() {
+    require_kvm!();
+    let secs: u64 = std::env::var("KPIN_SOAK_SECONDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1800);
+    let neighbour = Neighbour::start(scratch_dir("attach-linux-soak-neighbour"));
+    // The guest's soak outlasts the windows: they stop a minute before it ends.
+    let soak = soak(
+        "attach-linux-soak-30min",
+        Windows::For(Duration::from_secs(secs.saturating_sub(60).max(30))),
+        secs,
+        Duration::from_millis(2000),
+        Duration::from_millis(2000),
+    );
+    let boots = neighbour.stop();
+    print_latencies(&soak.cycles);
+    println!("minute  windows  RSS (MiB)");
+    let mut minute = 0;
+    for (i, &(t, kib)) in soak.rss.iter().enumerate() {
+        if t >= f64::from(minute) * 60.0 {
+            println!("{minute:>6}  {:>7}  {:>9.1}", i + 1, kib as f64 / 1024.0);
+            minute += 1;
+        }
+    }
+    let settled = soak
+        .rss
+        .iter()
+        .find(|(t, _)| *t >= RSS_SETTLED_S)
+        .map_or(0, |&(_, k)| k);
+    let last = soak.rss.last().map_or(0, |&(_, k)| k);
+    println!(
+        "{} windows; RSS {:.1} MiB after {RSS_SETTLED_S} s, {:.1} MiB at the end; the windows wrote {:.1} MiB (checked and removed as they closed), {:.1} MiB left in the output directory; the neighbour booted Linux {boots} times",
+        soak.cycles.len(),
+        settled as f64 / 1024.0,
+        last as f64 / 1024.0,
+        soak.window_bytes as f64 / (1 << 20) as f64,
+        soak.out_bytes as f64 / (1 << 20) as f64
+    );
+    if settled > 0 {
+        assert!(
+            last <= settled + RSS_GROWTH_KIB,
+            "RSS grew from {settled} KiB to {last} KiB after the first {RSS_SETTLED_S} s"
+        );
+    }
 }

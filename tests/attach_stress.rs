@@ -23,10 +23,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use kpin_tests::attach::{known_loop_runs, start_minikernel, wait_marks};
-use kpin_tests::{
-    compare_minikernel_transcript, kpin_bin, minikernel_expected, require_kvm, scratch_dir,
-};
+use kpin_tests::attach::{known_loop_runs, start_minikernel, wait_marks, Neighbour};
+use kpin_tests::{compare_minikernel_transcript, minikernel_expected, require_kvm, scratch_dir};
 use kpin_tool_bbcount::parse_csv;
 use vmm::control::client::request;
 use vmm::control::protocol::Request;
@@ -79,49 +77,6 @@ impl Drop for Spinners {
         for t in self.1.drain(..) {
             let _ = t.join();
         }
-    }
-}
-
-/// A Linux guest booting again and again (the `kpin` binary, tool null) until dropped:
-/// a neighbour whose exits and translations compete with the mini-kernels.
-struct Neighbour(Arc<AtomicBool>, Option<JoinHandle<u64>>);
-
-impl Neighbour {
-    fn start(dir: PathBuf) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = stop.clone();
-        let thread = std::thread::spawn(move || {
-            let mut boots = 0;
-            while !flag.load(Ordering::Relaxed) {
-                let out = dir.join(format!("boot-{boots}"));
-                let status = std::process::Command::new(kpin_bin())
-                    .args(["run", "--tool", "null", "--quiet", "--out"])
-                    .arg(&out)
-                    .stdout(std::process::Stdio::null())
-                    .stderr(std::process::Stdio::null())
-                    .status()
-                    .expect("run kpin");
-                assert!(status.success(), "the neighbour's boot {boots}: {status}");
-                let _ = std::fs::remove_dir_all(&out);
-                boots += 1;
-            }
-            boots
-        });
-        Neighbour(stop, Some(thread))
-    }
-
-    /// Stops after the boot in progress; returns how many finished.
-    fn stop(mut self) -> u64 {
-        self.0.store(true, Ordering::Relaxed);
-        self.1
-            .take()
-            .map_or(0, |t| t.join().expect("the neighbour"))
-    }
-}
-
-impl Drop for Neighbour {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Relaxed);
     }
 }
 
