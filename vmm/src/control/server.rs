@@ -30,7 +30,7 @@
 //!   signals the vCPU thread after the loop is over); handlers see the stop within
 //!   `READ_SLICE` while reading, and within `KICK_INTERVAL` while waiting.
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, Read};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -355,7 +355,31 @@ fn refuse(mut stream: UnixStream, msg: &str) {
         return;
     }
     drain(&mut stream);
-    let _ = stream.write(Reply::error(msg).to_line().as_bytes());
+    send_all(&stream, Reply::error(msg).to_line().as_bytes());
+}
+
+/// Writes `bytes` (within the socket's send timeout, or as far as a non-blocking socket
+/// takes them) with `MSG_NOSIGNAL`: a client that closed early is an `EPIPE`, never a
+/// SIGPIPE for a process that did not ignore it.
+fn send_all(stream: &UnixStream, mut bytes: &[u8]) {
+    while !bytes.is_empty() {
+        // SAFETY: the descriptor is open for `stream`'s lifetime and `bytes` is valid for
+        // reads of its length.
+        let n = unsafe {
+            libc::send(
+                stream.as_raw_fd(),
+                bytes.as_ptr().cast(),
+                bytes.len(),
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        match usize::try_from(n) {
+            Ok(0) => return,
+            Ok(n) => bytes = &bytes[n.min(bytes.len())..],
+            Err(_) if std::io::Error::last_os_error().kind() == ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
 }
 
 /// Takes up to a message's worth of what the client has sent and nobody read, without
@@ -383,7 +407,7 @@ fn handle(mut stream: UnixStream, accepted: Instant, tx: &Sender<Command>, share
         Err(e) => Reply::error(e),
     };
     let _ = stream.set_write_timeout(Some(REPLY_TIMEOUT));
-    let _ = stream.write_all(reply.to_line().as_bytes());
+    send_all(&stream, reply.to_line().as_bytes());
     if stream.set_nonblocking(true).is_ok() {
         drain(&mut stream);
     }

@@ -1,6 +1,8 @@
 //! The control server against a played vCPU loop: round trips, refusals, and hostile
 //! clients (silent, trickling, half-closed, a flood, past the rate).
 
+use std::io::Write;
+
 use super::*;
 use crate::control::client::{request, ClientError};
 use crate::control::protocol::parse_reply;
