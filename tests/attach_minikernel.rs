@@ -345,3 +345,58 @@ fn test_cachesim_on_the_host_writes_window_0_files_into_its_directory() {
         "{log1}"
     );
 }
+
+/// A detach the engine cannot take is withdrawn, and the window goes on. With
+/// `kpin.hold_irq=1` the guest, in its window, keeps a timer interrupt pending with
+/// interrupts disabled while it makes 100 000 port exits: no safe point for the engine
+/// (an interrupt the guest has not taken could not be handed back). A detach posted then
+/// must come back as an error once the VMM's bound (`PENDING_MAX_EXITS`) passes, leaving
+/// the guest attached; after the guest takes the interrupt, a detach goes through, and
+/// the window still counts the known loop exactly 1000 times.
+#[test]
+fn test_a_detach_the_engine_cannot_take_is_withdrawn_and_the_window_goes_on() {
+    require_kvm!();
+    let dir = scratch_dir("attach-withdrawn-minikernel");
+    let cmdline = format!("{MINIKERNEL_NATIVE_CMDLINE} kpin.attach_cycles=1 kpin.hold_irq=1");
+    let (vm_thread, console) = start_minikernel(&dir, &cmdline, None);
+    let a = request(
+        &dir,
+        &Request::Attach {
+            tool: "bbcount".into(),
+            options: Default::default(),
+        },
+    )
+    .expect("attach");
+    assert!(a.ok, "{a:?}");
+    // The interrupt is pending from the first mark until the second.
+    wait_marks(&dir, 1);
+    let d = request(&dir, &Request::Detach).expect("detach");
+    assert!(
+        !d.ok && d.error.as_deref().is_some_and(|e| e.contains("withdrawn")),
+        "{d:?}"
+    );
+    let s = request(&dir, &Request::Status).expect("status");
+    assert_eq!(
+        (s.state.as_deref(), s.windows, s.guest_marks),
+        (Some("attached"), Some(1), Some(1)),
+        "the guest still held its interrupt and the window stayed open: {s:?}"
+    );
+    wait_marks(&dir, 2);
+    let d = request(&dir, &Request::Detach).expect("detach");
+    assert!(d.ok, "{d:?}");
+    assert_eq!(d.state.as_deref(), Some("native"), "{d:?}");
+    let report = vm_thread.join().expect("the VM thread");
+    let text = std::fs::read_to_string(&console).unwrap_or_default();
+    let log = std::fs::read_to_string(dir.join("attach-1/engine.log")).unwrap_or_default();
+    assert_eq!(
+        report.outcome,
+        Outcome::Poweroff,
+        "console:\n{text}\nengine.log:\n{log}\ndump:\n{}",
+        report.dump.unwrap_or_default()
+    );
+    compare_minikernel_transcript(&text, &minikernel_expected())
+        .unwrap_or_else(|e| panic!("{e}\n{text}"));
+    let csv = std::fs::read_to_string(dir.join("attach-1/bbcount.csv")).expect("bbcount.csv");
+    let rows = parse_csv(&csv).unwrap_or_else(|line| panic!("bbcount.csv line {line}"));
+    assert_eq!(known_loop_runs(&rows), 1000, "{log}");
+}

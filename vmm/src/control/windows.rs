@@ -65,7 +65,7 @@ pub const STALL_EXITS: u64 = 1_000;
 /// takes a request at its first trace boundary with no interrupt waiting for the guest;
 /// posting sets its attention bit, so that is the next trace entry unless the guest runs
 /// with interrupts disabled while one waits.
-pub const PENDING_MAX_EXITS: u64 = 100_000;
+pub const PENDING_MAX_EXITS: u64 = 20_000;
 /// ... or after this long (a guest spinning with interrupts disabled may make no exits at
 /// all). Below the control server's wait for the loop, so the client gets this answer.
 pub const PENDING_MAX_WAIT: Duration = Duration::from_secs(20);
@@ -776,7 +776,10 @@ mod tests {
         };
         let judge = |a, b| judge_progress(a, b).0;
         assert_eq!(judge(None, at(0, 0, Some(0))), Progress::Unmeasured);
-        assert_eq!(judge(at(0, 0, None), at(1000, 9, None)), Progress::Unmeasured);
+        assert_eq!(
+            judge(at(0, 0, None), at(1000, 9, None)),
+            Progress::Unmeasured
+        );
         assert_eq!(
             judge(at(0, 10, Some(5)), at(1000, 5000, Some(6))),
             Progress::Advancing

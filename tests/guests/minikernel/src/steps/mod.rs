@@ -100,6 +100,9 @@ fn wait_attach_if_requested() {
         for _ in 0..n - b'0' {
             seen = wait_new_window(seen);
             let (_, iterations) = cpu::known_loop_1000(core::hint::black_box(0x1234));
+            if crate::bootinfo::option("kpin.hold_irq=") == Some(b"1") {
+                hold_an_interrupt(iterations as u8);
+            }
             crate::cpu::outb(ATTACH_STATUS_PORT, iterations as u8);
             wait_window_over(seen);
         }
@@ -107,6 +110,28 @@ fn wait_attach_if_requested() {
     if crate::bootinfo::option("kpin.wait_attach=") == Some(b"1") {
         wait_new_window(seen);
     }
+}
+
+/// Port reads [`hold_an_interrupt`] makes with the interrupt held: well above the exits
+/// after which the VMM withdraws a request the engine could not take (20 000).
+const HELD_IRQ_READS: u32 = 100_000;
+
+/// With `kpin.hold_irq=1`, in each window after the known loop: a timer interrupt made
+/// pending while interrupts are disabled, a mark, [`HELD_IRQ_READS`] reads of the
+/// attach-status port (exits) with it still pending — no safe point for the engine, so a
+/// detach posted meanwhile is withdrawn — then the interrupt taken; the caller's mark
+/// follows. The PIT ticks at 1 kHz: the first of the reads make sure it fired.
+fn hold_an_interrupt(mark: u8) {
+    crate::pic::pit_start();
+    crate::pic::arm_timer(Some(1));
+    for _ in 0..1000 {
+        crate::cpu::inb(ATTACH_STATUS_PORT);
+    }
+    crate::cpu::outb(ATTACH_STATUS_PORT, mark);
+    for _ in 0..HELD_IRQ_READS {
+        crate::cpu::inb(ATTACH_STATUS_PORT);
+    }
+    crate::cpu::sti_hlt_cli();
 }
 
 /// The attach-status port: whether a window is open, and the windows opened so far.
