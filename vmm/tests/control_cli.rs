@@ -1,6 +1,9 @@
 //! `kpin attach|detach|status` on runs that do not exist and on a live run that refuses:
-//! a one-line error and exit status 1 (no such run) or 2 (refused), never a panic.
+//! a one-line error and exit status 1 (no such run) or 2 (refused), never a panic; slow
+//! clients on the same socket do not hold the commands off.
 
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -84,8 +87,28 @@ fn test_a_live_run_refuses_detach_while_detached_and_unknown_tools_with_status_2
         assert!(run.0.try_wait().expect("wait").is_none(), "the run ended");
         std::thread::sleep(Duration::from_millis(100));
     }
+    // A silent client and one that sent half a line hold off no one: the status below is
+    // answered while both still wait for their deadline's error.
+    let mut silent = UnixStream::connect(dir.join("control.sock")).expect("connect");
+    let mut partial = UnixStream::connect(dir.join("control.sock")).expect("connect");
+    partial.write_all(b"{\"cmd\":\"sta").expect("send");
     let status = kpin(&["status"], &dir);
     assert_eq!(status.status.code(), Some(0));
+    for s in [&mut silent, &mut partial] {
+        s.set_nonblocking(true).expect("nonblocking");
+        let mut b = [0u8; 1];
+        let early = s.read(&mut b);
+        assert!(
+            matches!(&early, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+            "a slow client was answered before the status: {early:?}"
+        );
+    }
+    for mut s in [silent, partial] {
+        s.set_nonblocking(false).expect("blocking");
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        assert!(out.contains("no complete request within"), "{out}");
+    }
     let s: serde_json::Value = serde_json::from_slice(&status.stdout).expect("status JSON");
     assert_eq!(s["attached"], false, "{s}");
     assert_eq!(s["windows"], 0, "{s}");
