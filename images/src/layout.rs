@@ -3,6 +3,7 @@
 //! ```text
 //! out_dir/
 //!   linux-<release>/{vmlinuz, vmlinux, System.map, config}   each pinned kernel
+//!   linux-6.12.117+deb12-amd64/{vmlinuz, vmlinux, config}    the generic 6.12, benchmarks only
 //!   busybox/busybox                                          static busybox from Debian
 //!   programs/{kpin-test, kpin-conform, kpin-conform32}      the initramfs' test programs
 //!   programs/src-<program>/                                  the sources each was compiled from

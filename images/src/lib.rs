@@ -101,6 +101,22 @@ pub struct LinuxImages {
     pub kernel_version: &'static str,
 }
 
+/// The files of a Debian kernel that kpin benchmarks against but does not pin as a guest
+/// ([`ensure_linux_generic_612`]): like [`LinuxImages`] without a `System.map`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BenchLinuxImages {
+    /// The distribution's bzImage (`vmlinuz`), as Debian ships it.
+    pub bzimage: PathBuf,
+    /// The kernel ELF taken from the bzImage's payload (symbols stripped).
+    pub vmlinux: PathBuf,
+    /// The kernel's `.config`.
+    pub config: PathBuf,
+    /// The busybox initramfs, the same file as every pinned kernel's.
+    pub initramfs: PathBuf,
+    /// The kernel release (`uname -r`), e.g. `6.12.117+deb12-amd64`.
+    pub kernel_version: &'static str,
+}
+
 /// Why an image could not be produced. Messages name what failed; the cause is chained as
 /// the error's `source`.
 #[derive(Debug, thiserror::Error)]
@@ -320,6 +336,23 @@ pub fn ensure_linux_kernel(
     progress: &mut dyn FnMut(&str),
 ) -> Result<LinuxImages, ImagesError> {
     linux::ensure(kernel, out_dir, progress)
+}
+
+/// Makes sure Debian's generic (non-cloud) 6.12 kernel, `6.12.117+deb12-amd64`, is in
+/// `out_dir/linux-6.12.117+deb12-amd64/` with the shared initramfs, and returns its files.
+///
+/// The same source and Debian version as [`GuestKernel::Debian612`] in the configuration a
+/// distribution installs on a PC: a benchmark configuration (`tests/bench/side_by_side.py
+/// --kernels 6.12-generic`, issue #25), not a guest kpin's tests rely on, so it is fetched
+/// only by this call. Pinned and cached like the guest kernels (the package's SHA-256 is
+/// checked, the extracted files are stamped); the 107 MB package is deleted after
+/// extraction and its 1.03 GB `-dbg` companion is never fetched, so there is no
+/// `System.map` (`kpin run --kernel` works without one; reports name blocks by address).
+pub fn ensure_linux_generic_612(
+    out_dir: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<BenchLinuxImages, ImagesError> {
+    linux::ensure_generic_612(out_dir, progress)
 }
 
 /// The host paths of the CPU-conformance corpus (issue #22): the same static binaries the

@@ -1,4 +1,5 @@
-//! Producing a Linux guest: a pinned kernel's files and the busybox initramfs.
+//! Producing a Linux guest: a pinned kernel's files and the busybox initramfs (and the same
+//! without a `System.map` for the generic 6.12 kernel that is only benchmarked).
 //!
 //! Steps, each skipped when its outputs are present and their stamps match (see `cache.rs`):
 //! 1. `vmlinuz` and `config` from the kernel package.
@@ -21,8 +22,10 @@ use crate::cache::{self, io_error, JobLock};
 use crate::command;
 use crate::debian::{self, Member};
 use crate::layout::{self, kernel_files};
-use crate::pins::{DebPin, BUSYBOX, BUSYBOX_MEMBER};
-use crate::{bzimage, initramfs, programs, GuestKernel, ImagesError, LinuxImages};
+use crate::pins::{DebPin, BUSYBOX, BUSYBOX_MEMBER, DEBIAN_6_12_GENERIC};
+use crate::{
+    bzimage, initramfs, programs, BenchLinuxImages, GuestKernel, ImagesError, LinuxImages,
+};
 
 /// Version of the vmlinux extraction; bump when `bzimage.rs` changes what it produces.
 const VMLINUX_EXTRACTOR_VERSION: u32 = 1;
@@ -36,8 +39,77 @@ pub(crate) fn ensure(
     let pins = kernel.pins();
     cache::create_dir_all(out_dir)?;
     let _lock = JobLock::acquire(out_dir, "linux", progress)?;
+    let kernel_dir = prepare_dirs(out_dir, pins.release)?;
 
-    let kernel_dir = layout::kernel_dir(out_dir, pins.release);
+    // 1. and 2.
+    let files = ensure_kernel_files(
+        out_dir,
+        &kernel_dir,
+        &pins.image,
+        pins.vmlinuz_member,
+        pins.config_member,
+        false,
+        progress,
+    )?;
+
+    // 3. System.map.
+    let system_map = kernel_dir.join(kernel_files::SYSTEM_MAP);
+    ensure_from_deb(
+        out_dir,
+        &pins.dbg,
+        &[(pins.system_map_member, &system_map)],
+        true,
+        progress,
+    )?;
+
+    // 4. to 6.
+    let initramfs = ensure_initramfs(out_dir, progress)?;
+
+    Ok(LinuxImages {
+        kernel,
+        bzimage: files.bzimage,
+        vmlinux: files.vmlinux,
+        system_map,
+        config: files.config,
+        initramfs,
+        kernel_version: pins.release,
+    })
+}
+
+/// See [`crate::ensure_linux_generic_612`]: steps 1, 2 and 4 to 6, no `System.map`. The
+/// kernel package (107 MB, mostly modules) is deleted once its two files are extracted and
+/// stamped: this kernel is only benchmarked, and the stamps keep the cache honest.
+pub(crate) fn ensure_generic_612(
+    out_dir: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<BenchLinuxImages, ImagesError> {
+    let pins = &DEBIAN_6_12_GENERIC;
+    cache::create_dir_all(out_dir)?;
+    let _lock = JobLock::acquire(out_dir, "linux", progress)?;
+    let kernel_dir = prepare_dirs(out_dir, pins.release)?;
+    let files = ensure_kernel_files(
+        out_dir,
+        &kernel_dir,
+        &pins.image,
+        pins.vmlinuz_member,
+        pins.config_member,
+        true,
+        progress,
+    )?;
+    let initramfs = ensure_initramfs(out_dir, progress)?;
+    Ok(BenchLinuxImages {
+        bzimage: files.bzimage,
+        vmlinux: files.vmlinux,
+        config: files.config,
+        initramfs,
+        kernel_version: pins.release,
+    })
+}
+
+/// Creates the directories a Linux guest's files go to (the kernel's, busybox's) and removes
+/// stale temporary files a killed run left in them; returns the kernel's directory.
+fn prepare_dirs(out_dir: &Path, release: &str) -> Result<PathBuf, ImagesError> {
+    let kernel_dir = layout::kernel_dir(out_dir, release);
     let busybox_path = layout::busybox(out_dir);
     let busybox_dir = busybox_path
         .parent()
@@ -54,26 +126,42 @@ pub(crate) fn ensure(
     ] {
         cache::remove_stale_temps(dir)?;
     }
+    Ok(kernel_dir)
+}
 
-    let images = LinuxImages {
-        kernel,
+/// A kernel's files in its directory: the bzImage, the ELF from its payload, its config.
+struct KernelFiles {
+    bzimage: PathBuf,
+    vmlinux: PathBuf,
+    config: PathBuf,
+}
+
+/// Steps 1 and 2: `vmlinuz` and `config` from the kernel package `image` (deleted afterwards
+/// with `delete_deb`), `vmlinux` from `vmlinuz`'s payload.
+fn ensure_kernel_files(
+    out_dir: &Path,
+    kernel_dir: &Path,
+    image: &DebPin,
+    vmlinuz_member: &str,
+    config_member: &str,
+    delete_deb: bool,
+    progress: &mut dyn FnMut(&str),
+) -> Result<KernelFiles, ImagesError> {
+    let files = KernelFiles {
         bzimage: kernel_dir.join(kernel_files::VMLINUZ),
         vmlinux: kernel_dir.join(kernel_files::VMLINUX),
-        system_map: kernel_dir.join(kernel_files::SYSTEM_MAP),
         config: kernel_dir.join(kernel_files::CONFIG),
-        initramfs: layout::initramfs(out_dir),
-        kernel_version: pins.release,
     };
 
     // 1. vmlinuz and config.
     let vmlinuz_sha = ensure_from_deb(
         out_dir,
-        &pins.image,
+        image,
         &[
-            (pins.vmlinuz_member, &images.bzimage),
-            (pins.config_member, &images.config),
+            (vmlinuz_member, &files.bzimage),
+            (config_member, &files.config),
         ],
-        false,
+        delete_deb,
         progress,
     )?
     .into_iter()
@@ -83,27 +171,29 @@ pub(crate) fn ensure(
     // 2. vmlinux.
     let vmlinux_inputs =
         format!("vmlinux extractor v{VMLINUX_EXTRACTOR_VERSION} from vmlinuz sha256:{vmlinuz_sha}");
-    if cache::fresh_sha256(out_dir, &images.vmlinux, &vmlinux_inputs)?.is_none() {
-        let image = fs::read(&images.bzimage).map_err(io_error("read", &images.bzimage))?;
-        let elf = extract_vmlinux(out_dir, &images.bzimage, &image, progress)?;
-        cache::write_atomic(&images.vmlinux, &elf)?;
+    if cache::fresh_sha256(out_dir, &files.vmlinux, &vmlinux_inputs)?.is_none() {
+        let bytes = fs::read(&files.bzimage).map_err(io_error("read", &files.bzimage))?;
+        let elf = extract_vmlinux(out_dir, &files.bzimage, &bytes, progress)?;
+        cache::write_atomic(&files.vmlinux, &elf)?;
         cache::record_stamp(
             out_dir,
-            &images.vmlinux,
+            &files.vmlinux,
             &vmlinux_inputs,
             &cache::sha256_hex(&elf),
             elf.len() as u64,
         )?;
     }
+    Ok(files)
+}
 
-    // 3. System.map.
-    ensure_from_deb(
-        out_dir,
-        &pins.dbg,
-        &[(pins.system_map_member, &images.system_map)],
-        true,
-        progress,
-    )?;
+/// Steps 4 to 6: busybox, the test programs and the initramfs (the same for every kernel);
+/// returns the initramfs' path.
+fn ensure_initramfs(
+    out_dir: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<PathBuf, ImagesError> {
+    let busybox_path = layout::busybox(out_dir);
+    let initramfs_path = layout::initramfs(out_dir);
 
     // 4. busybox.
     ensure_from_deb(
@@ -130,21 +220,20 @@ pub(crate) fn ensure(
         .collect();
     let archive =
         initramfs::build(&busybox, &named).map_err(|source| ImagesError::Initramfs { source })?;
-    let current = match cache::sha256_file(&images.initramfs) {
+    let current = match cache::sha256_file(&initramfs_path) {
         Ok((sha256, _)) => Some(sha256),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => return Err(io_error("read", &images.initramfs)(e)),
+        Err(e) => return Err(io_error("read", &initramfs_path)(e)),
     };
     if current.as_deref() != Some(cache::sha256_hex(&archive).as_str()) {
         progress(&format!(
             "writing {} ({} kB)",
-            images.initramfs.display(),
+            initramfs_path.display(),
             archive.len().div_ceil(1000)
         ));
-        cache::write_atomic(&images.initramfs, &archive)?;
+        cache::write_atomic(&initramfs_path, &archive)?;
     }
-
-    Ok(images)
+    Ok(initramfs_path)
 }
 
 /// The kernel ELF inside the bzImage `image` (read from `path`): an LZ4 payload is decoded

@@ -92,6 +92,39 @@ pub(crate) const DEBIAN_6_12: KernelPins = kernel_pins! {
     dbg: ("b80ab3f407de94183b985ea37005d8e8ef4273d9083b850607cee7ab1e92a5b0", 317_861_800),
 };
 
+/// A kernel that kpin benchmarks against but does not run as a guest of its own: pinned
+/// like a [`KernelPins`] kernel, without the `-dbg` companion, so it has no `System.map`
+/// (`kpin_images::ensure_linux_generic_612`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BenchKernelPins {
+    /// The kernel release string (`uname -r` in the guest).
+    pub release: &'static str,
+    /// The kernel: contains `boot/vmlinuz-*` (bzImage) and `boot/config-*`.
+    pub image: DebPin,
+    /// Archive member of `image` holding the bzImage.
+    pub vmlinuz_member: &'static str,
+    /// Archive member of `image` holding the kernel configuration.
+    pub config_member: &'static str,
+}
+
+/// Debian bookworm-security's generic (non-cloud) 6.12 kernel, `6.12.117+deb12-amd64`: the
+/// same source and Debian version as [`DEBIAN_6_12`] built with Debian's generic
+/// configuration (what a distribution installs on a PC; the package carries every module,
+/// hence its size). A benchmark configuration only (issue #25: "measure what users run");
+/// its `-dbg` package is 1.03 GB, so its `System.map` is not fetched.
+pub(crate) const DEBIAN_6_12_GENERIC: BenchKernelPins = BenchKernelPins {
+    release: "6.12.117+deb12-amd64",
+    image: DebPin {
+        package: "linux-image-6.12.117+deb12-amd64",
+        version: "6.12.117-1~deb12u1",
+        arch: "amd64",
+        sha256: "803d36a7cda13355ae8152122470288b2636f19f1cb58162dd9d8b408af9b1b4",
+        size_bytes: 107_179_464,
+    },
+    vmlinuz_member: "./boot/vmlinuz-6.12.117+deb12-amd64",
+    config_member: "./boot/config-6.12.117+deb12-amd64",
+};
+
 /// Statically linked busybox with a standalone shell (applets run without symlinks).
 pub(crate) const BUSYBOX: DebPin = DebPin {
     package: "busybox-static",
@@ -226,7 +259,12 @@ mod tests {
 
     #[test]
     fn test_pins_are_lowercase_sha256_and_distinct() {
-        let mut all = vec![BUSYBOX, BUSYBOX_I386, GDB_MINIMAL];
+        let mut all = vec![
+            BUSYBOX,
+            BUSYBOX_I386,
+            GDB_MINIMAL,
+            DEBIAN_6_12_GENERIC.image,
+        ];
         for k in KERNELS {
             all.extend([k.image, k.dbg]);
         }
@@ -242,6 +280,21 @@ mod tests {
                 assert_ne!(a.sha256, b.sha256, "{} and {}", a.package, b.package);
             }
         }
+    }
+
+    #[test]
+    fn test_generic_612_names_derive_from_its_release_like_the_pinned_kernels() {
+        let k = DEBIAN_6_12_GENERIC;
+        assert_eq!(k.image.package, format!("linux-image-{}", k.release));
+        assert_eq!(k.vmlinuz_member, format!("./boot/vmlinuz-{}", k.release));
+        assert_eq!(k.config_member, format!("./boot/config-{}", k.release));
+        // The same build as the pinned cloud 6.12, in the generic configuration.
+        assert_eq!(k.image.version, DEBIAN_6_12.image.version);
+        assert_eq!(
+            k.release.replace("-amd64", "-cloud-amd64"),
+            DEBIAN_6_12.release
+        );
+        assert_eq!(k.image.size_for_humans(), "107 MB");
     }
 
     #[test]
