@@ -383,8 +383,8 @@ fn send_all(stream: &UnixStream, mut bytes: &[u8]) {
 }
 
 /// Takes up to a message's worth of what the client has sent and nobody read, without
-/// waiting: a connection closed with unread bytes is reset, and its client may then see
-/// the reset before it has read the reply.
+/// waiting: a connection closed with unread bytes is reset, and a client reading to the
+/// end of its stream then gets an error after the reply (many drop the reply with it).
 fn drain(stream: &mut UnixStream) {
     let mut chunk = [0u8; 4096];
     let mut taken = 0;
