@@ -11,12 +11,22 @@
 //!   the name one component at a time with `openat(O_NOFOLLOW | O_DIRECTORY)`; missing
 //!   directories are made with `mkdirat` beneath directories already opened that way.
 //! - [`create_output_file`] and [`read_output_file`] are kpin's own files (`console.log`,
-//!   `run.json`, `dump.txt`, reports; `counters.json` and `bbcount.csv` read back):
-//!   `O_NOFOLLOW` on the last component.
+//!   reports; `counters.json` and `bbcount.csv` read back): `O_NOFOLLOW` on the last
+//!   component.
+//! - [`write_output_file`] (`run.json`, `dump.txt`, `bbcount-report.txt`) writes a whole
+//!   file atomically: a new dot-file beside it (`O_EXCL | O_NOFOLLOW`), `fsync`, then
+//!   `rename` over the name (which replaces a symlink or hard link there, never writes
+//!   through it). A reader sees the old file or the whole new one, never a partial file,
+//!   even when the file system fills up or kpin is killed half-way.
 //!
 //! Every file opened for writing must turn out to be a regular file with a single link
 //! (`fstat` after `open`, which uses `O_NONBLOCK` so a FIFO cannot hang it); only then is
 //! it truncated.
+//!
+//! [`SpaceReserve`] holds space on the output directory's file system for kpin's last
+//! files (an unnamed `O_TMPFILE`, so a killed kpin leaves nothing behind), and
+//! [`is_host_fault`] tells a failure of the host's storage (full, read-only, I/O error)
+//! from a name the guest should not have asked for.
 
 use std::ffi::CString;
 use std::fs::File;
@@ -110,10 +120,144 @@ pub fn create_output_file(path: &Path) -> io::Result<File> {
     regular_single_link_truncated(f, path)
 }
 
-/// Writes `contents` to `path` as [`create_output_file`] creates it.
+/// Writes `contents` to `path` atomically: into a new file beside it (`.<name>.kpin-tmp-<pid>`,
+/// created `O_EXCL | O_NOFOLLOW`), synced, then renamed over `path`. On any failure the
+/// temporary file is removed and `path` is left as it was; a symlink or hard link at
+/// `path` is replaced, never written through.
 pub fn write_output_file(path: &Path, contents: &[u8]) -> io::Result<()> {
     use std::io::Write;
-    create_output_file(path)?.write_all(contents)
+    let name = path
+        .file_name()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no file name"))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(".kpin-tmp-{}", std::process::id()));
+    let tmp = path.with_file_name(tmp_name);
+    let c = cstr(tmp.as_os_str().as_bytes())?;
+    let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+    let open = || {
+        // SAFETY: `c` is a NUL-terminated path; open(2) does not keep the pointer.
+        cvt(unsafe { libc::open(c.as_ptr(), flags, libc::c_uint::from(FILE_MODE)) })
+    };
+    let fd = match open() {
+        // Left by an earlier kpin with this pid that was killed half-way: ours to remove.
+        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+            std::fs::remove_file(&tmp)?;
+            open()
+        }
+        r => r,
+    }
+    .map_err(|e| explain(e, &tmp))?;
+    // SAFETY: `fd` was just returned by open(2) and is owned by nobody else.
+    let mut f = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let written = f
+        .write_all(contents)
+        .and_then(|()| f.sync_all())
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
+/// Whether `e` is a failure of the host's storage or resources rather than of the name or
+/// the file asked for: the file system is full (`ENOSPC`, `EDQUOT`), read-only (`EROFS`),
+/// failing (`EIO`), or kpin is out of file descriptors or memory.
+pub fn is_host_fault(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(
+            libc::ENOSPC
+                | libc::EDQUOT
+                | libc::EROFS
+                | libc::EIO
+                | libc::EFBIG
+                | libc::EMFILE
+                | libc::ENFILE
+                | libc::ENOMEM
+        )
+    )
+}
+
+/// What a failed write says about the output file system, for messages and `run.json`:
+/// "output file system full", "output file system read-only", or "cannot write to the
+/// output directory".
+pub fn fault_cause(e: &io::Error) -> &'static str {
+    match e.raw_os_error() {
+        Some(libc::ENOSPC | libc::EDQUOT) => "output file system full",
+        Some(libc::EROFS) => "output file system read-only",
+        _ => "cannot write to the output directory",
+    }
+}
+
+/// The state of the file system holding `dir`, when it explains a write that went missing
+/// without an error to show: "output file system read-only", "output file system full",
+/// or `None`.
+pub fn file_system_state(dir: &Path) -> Option<&'static str> {
+    let c = cstr(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: an all-zero `statvfs` is a valid value to be overwritten.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path, `st` a writable `statvfs`.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    if st.f_flag & libc::ST_RDONLY != 0 {
+        Some("output file system read-only")
+    } else if st.f_bavail == 0 {
+        Some("output file system full")
+    } else {
+        None
+    }
+}
+
+/// Space held on a file system (an unnamed file of that size) until [`Self::release`]
+/// or drop, so that kpin's last files (`run.json`, `dump.txt`) can still be written after
+/// the run filled the file system. Nothing is left behind if kpin is killed: the file has
+/// no name.
+#[derive(Debug)]
+pub struct SpaceReserve(Option<File>);
+
+impl SpaceReserve {
+    /// Holds `bytes` on the file system of the directory `dir`. `Ok(None)` when that file
+    /// system cannot make unnamed files (`O_TMPFILE`); `ENOSPC` (or another error) when the
+    /// space is not there.
+    pub fn hold(dir: &Path, bytes: u64) -> io::Result<Option<Self>> {
+        let c = cstr(dir.as_os_str().as_bytes())?;
+        let flags = libc::O_TMPFILE | libc::O_WRONLY | libc::O_CLOEXEC;
+        // SAFETY: `c` is a NUL-terminated path; open(2) does not keep the pointer.
+        let fd = match cvt(unsafe { libc::open(c.as_ptr(), flags, 0o600 as libc::c_uint) }) {
+            Ok(fd) => fd,
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EOPNOTSUPP | libc::EISDIR | libc::EINVAL)
+                ) =>
+            {
+                return Ok(None)
+            }
+            Err(e) => return Err(e),
+        };
+        // SAFETY: `fd` was just returned by open(2) and is owned by nobody else.
+        let mut f = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        let len = libc::off_t::try_from(bytes).map_err(io::Error::other)?;
+        // SAFETY: fallocate(2) on an fd we own; no pointers.
+        if unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, len) } != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EOPNOTSUPP) {
+                return Err(e);
+            }
+            // A file system without fallocate: the space taken by writing it.
+            let zeros = vec![0u8; usize::try_from(bytes).map_err(io::Error::other)?];
+            std::io::Write::write_all(&mut f, &zeros)?;
+            f.sync_all()?;
+        }
+        Ok(Some(SpaceReserve(Some(f))))
+    }
+
+    /// Gives the space back.
+    pub fn release(&mut self) {
+        self.0 = None;
+    }
 }
 
 /// Opens the regular file at `path` for reading without following a symlink at its last
@@ -427,6 +571,81 @@ mod tests {
         assert_eq!(read_output_tail(&run, 4).unwrap(), b"6789");
         assert_eq!(read_output_tail(&run, 40).unwrap(), b"0123456789");
         assert!(read_output_tail(&link, 4).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The dot-files `write_output_file` left in `dir` (none, after it returns).
+    fn leftovers(dir: &Path) -> Vec<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with('.'))
+            .collect()
+    }
+
+    #[test]
+    fn test_whole_files_replace_links_and_a_failed_write_leaves_the_old_file() {
+        let dir = scratch("atomic");
+        let out = dir.join("out");
+        let victim = dir.join("victim");
+        std::fs::write(&victim, "keep").unwrap();
+        // A symlink and a hard link at the name are replaced, not written through.
+        symlink(&victim, out.join("run.json")).unwrap();
+        write_output_file(&out.join("run.json"), b"{\"complete\":true}").unwrap();
+        std::fs::hard_link(&victim, out.join("dump.txt")).unwrap();
+        write_output_file(&out.join("dump.txt"), b"dump").unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+        assert!(!std::fs::symlink_metadata(out.join("run.json"))
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert_eq!(
+            std::fs::read_to_string(out.join("run.json")).unwrap(),
+            "{\"complete\":true}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(out.join("dump.txt")).unwrap(),
+            "dump"
+        );
+        // A rename that fails (a directory with entries at the name) leaves what was
+        // there, and no temporary file.
+        std::fs::create_dir_all(out.join("report.txt/inside")).unwrap();
+        assert!(write_output_file(&out.join("report.txt"), b"new").is_err());
+        assert!(out.join("report.txt/inside").is_dir());
+        assert_eq!(leftovers(&out), Vec::<String>::new());
+        // A temporary file a killed kpin of this pid left is taken over.
+        let stale = out.join(format!(".run.json.kpin-tmp-{}", std::process::id()));
+        std::fs::write(&stale, "stale").unwrap();
+        write_output_file(&out.join("run.json"), b"{}").unwrap();
+        assert_eq!(std::fs::read_to_string(out.join("run.json")).unwrap(), "{}");
+        assert_eq!(leftovers(&out), Vec::<String>::new());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn test_space_reserve_holds_unnamed_space_and_host_faults_are_told_apart() {
+        let dir = scratch("reserve");
+        let out = dir.join("out");
+        let mut r = SpaceReserve::hold(&out, 64 << 10).unwrap();
+        // The reserve has no name in the directory.
+        assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0);
+        if let Some(r) = r.as_mut() {
+            r.release();
+        }
+        for (errno, host, cause) in [
+            (libc::ENOSPC, true, "output file system full"),
+            (libc::EDQUOT, true, "output file system full"),
+            (libc::EROFS, true, "output file system read-only"),
+            (libc::EIO, true, "cannot write to the output directory"),
+            (libc::ELOOP, false, "cannot write to the output directory"),
+            (libc::ENOTDIR, false, "cannot write to the output directory"),
+        ] {
+            let e = io::Error::from_raw_os_error(errno);
+            assert_eq!(is_host_fault(&e), host, "{e}");
+            assert_eq!(fault_cause(&e), cause, "{e}");
+        }
+        assert!(!is_host_fault(&io::Error::other("a refusal")));
+        assert_eq!(file_system_state(&out), None);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
