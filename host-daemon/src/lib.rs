@@ -16,9 +16,14 @@
 //!   echoed to stderr, up to [`DaemonConfig::max_echoed_lines`] per run.
 //!
 //! A refused name, or a write past a limit, is logged and counted, and the run goes on.
-//! A corrupt ring or a host I/O failure (a full disk) is a [`DaemonError`]; after one,
-//! [`Daemon::serve`] leaves the ring alone, and the VMM ends the run with an outcome that
-//! names it (exit status 3, `run.json` and a dump written).
+//! A corrupt ring or a host I/O failure is a [`DaemonError`]; after one, [`Daemon::serve`]
+//! leaves the ring alone, and the VMM ends the run with an outcome that names it. A
+//! failure of the host's storage (the file system full or read-only, an I/O error: also
+//! when creating a file, see [`resolve::is_host_fault`]) is kept as the run's
+//! [`OutputFailure`] ([`Daemon::output_failure`]): `kpin run` exits with its own status and
+//! `run.json` says the output is incomplete. The files the engine opened and never closed
+//! ([`Daemon::unfinished_files`]) are listed there too: they hold what the engine wrote so
+//! far, not its finished results.
 //!
 //! Today the VMM calls [`Daemon::serve`] on its vCPU thread, on each doorbell and at the
 //! end of the run; the control socket for `kpin attach/detach` will join this crate.
@@ -100,6 +105,43 @@ pub enum DaemonError {
     Io(PathBuf, #[source] std::io::Error),
 }
 
+/// The first write to the output directory that failed because of the host's storage (see
+/// [`resolve::is_host_fault`]): the run's output is incomplete from there on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutputFailure {
+    /// The file that could not be created or written.
+    pub path: PathBuf,
+    /// "output file system full", "output file system read-only", or "cannot write to
+    /// the output directory" ([`resolve::fault_cause`]).
+    pub cause: &'static str,
+    /// The error, as the OS said it.
+    pub error: String,
+}
+
+impl OutputFailure {
+    /// The failure of a [`DaemonError::Io`] (`None` for a corrupt ring).
+    pub fn of(e: &DaemonError) -> Option<Self> {
+        match e {
+            DaemonError::Io(path, io) => Some(Self::new(path, io)),
+            DaemonError::Ring(_) => None,
+        }
+    }
+
+    /// The failure to write `path` with `e`.
+    pub fn new(path: &Path, e: &std::io::Error) -> Self {
+        OutputFailure {
+            path: path.to_owned(),
+            cause: resolve::fault_cause(e),
+            error: e.to_string(),
+        }
+    }
+
+    /// One line: `output file system full: <path>`.
+    pub fn reason(&self) -> String {
+        format!("{}: {}", self.cause, self.path.display())
+    }
+}
+
 /// What the daemon did, for the run summary.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DaemonStats {
@@ -141,6 +183,8 @@ pub struct Daemon {
     echoed: u64,
     cap_noted: bool,
     first_error: Option<DaemonError>,
+    /// The first storage failure (kept after `first_error` is handed out).
+    output_failure: Option<OutputFailure>,
     stopped: bool,
     /// Where [`Kind::Console`] bytes go: the VMM's UART ([`Daemon::set_console`]).
     console: Option<ConsoleSink>,
@@ -169,6 +213,7 @@ impl Daemon {
             echoed: 0,
             cap_noted: false,
             first_error: None,
+            output_failure: None,
             stopped: false,
             console: None,
         }
@@ -214,6 +259,7 @@ impl Daemon {
             Err(e) => {
                 // The file may still be open after a failed write.
                 self.files.remove(&HOST_FILE);
+                self.note(&e);
                 self.first_error.get_or_insert(e);
                 false
             }
@@ -224,8 +270,31 @@ impl Daemon {
     /// engine's own lines).
     pub fn log_host_line(&mut self, level: LogLevel, text: &str) {
         if let Err(e) = self.log_line(level, text) {
+            self.note(&e);
             self.first_error.get_or_insert(e);
         }
+    }
+
+    /// Keeps the first storage failure.
+    fn note(&mut self, e: &DaemonError) {
+        if self.output_failure.is_none() {
+            self.output_failure = OutputFailure::of(e);
+        }
+    }
+
+    /// The first write to the output directory that failed, if one did: the run's tool
+    /// files and `engine.log` are incomplete.
+    pub fn output_failure(&self) -> Option<&OutputFailure> {
+        self.output_failure.as_ref()
+    }
+
+    /// The files the engine (or the host) opened and has not closed, sorted: they hold
+    /// what was written so far, not finished results (a run stopped before the tool
+    /// finished, or after a failed write).
+    pub fn unfinished_files(&self) -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = self.files.values().map(|(p, _)| p.clone()).collect();
+        v.sort();
+        v
     }
 
     /// Drains every record the engine has published. After an error the daemon is
@@ -243,7 +312,10 @@ impl Daemon {
             }
         });
         let result = match self.first_error.take() {
-            Some(e) => Err(e),
+            Some(e) => {
+                self.note(&e);
+                Err(e)
+            }
             None => n.map_err(DaemonError::Ring),
         };
         self.stopped = result.is_err();
@@ -265,16 +337,29 @@ impl Daemon {
         self.output_bytes
     }
 
-    /// Flushes and closes everything; returns the statistics.
+    /// Flushes and closes everything, every file even after one fails; returns the
+    /// statistics, or the first error.
     pub fn finish(mut self) -> Result<DaemonStats, DaemonError> {
-        for (_, (path, mut f)) in self.files.drain() {
-            f.flush().map_err(|e| DaemonError::Io(path, e))?;
+        let mut first = None;
+        let mut files: Vec<_> = self.files.drain().map(|(_, f)| f).collect();
+        files.sort_by(|a, b| a.0.cmp(&b.0));
+        for (path, mut f) in files {
+            if let Err(e) = f.flush() {
+                first.get_or_insert(DaemonError::Io(path, e));
+            }
+            // A BufWriter that could not flush would try again when dropped.
+            let _ = f.into_parts();
         }
         if let Some(mut log) = self.log.take() {
-            log.flush()
-                .map_err(|e| DaemonError::Io(self.out_dir.join(ENGINE_LOG), e))?;
+            if let Err(e) = log.flush() {
+                first.get_or_insert(DaemonError::Io(self.out_dir.join(ENGINE_LOG), e));
+            }
+            let _ = log.into_parts();
         }
-        Ok(self.stats)
+        match first {
+            Some(e) => Err(e),
+            None => Ok(self.stats),
+        }
     }
 
     fn dir(&mut self) -> Result<&OutDir, DaemonError> {
@@ -409,6 +494,8 @@ impl Daemon {
                 self.stats.files_opened += 1;
                 Ok(())
             }
+            // The host's storage failed, not the name: the run's output is incomplete.
+            Err(e) if resolve::is_host_fault(&e) => Err(DaemonError::Io(self.out_dir.join(rel), e)),
             Err(e) => self.refuse(name, &e.to_string()),
         }
     }
@@ -720,6 +807,41 @@ mod tests {
         d.finish().unwrap();
         let log = std::fs::read_to_string(dir.join(ENGINE_LOG)).unwrap();
         assert_eq!(log, "[Info] ok [Error] forged end \n");
+    }
+
+    #[test]
+    fn test_files_left_open_are_unfinished_and_storage_failures_are_told_from_a_corrupt_ring() {
+        let (_mem, mut p, mut c, dir) = setup("unfinished");
+        let mut d = Daemon::new(&dir);
+        p.push(Kind::Open, 1, b"done.csv").unwrap();
+        p.push(Kind::Open, 2, b"sub/partial.bin").unwrap();
+        p.push(Kind::Open, 3, b"also.bin").unwrap();
+        p.push(Kind::Write, 2, b"half a rec").unwrap();
+        p.push(Kind::Close, 1, b"").unwrap();
+        d.serve(&mut c).unwrap();
+        assert_eq!(
+            d.unfinished_files(),
+            vec![dir.join("also.bin"), dir.join("sub/partial.bin")]
+        );
+        assert_eq!(d.output_failure(), None);
+        let full = DaemonError::Io(
+            dir.join("x"),
+            std::io::Error::from_raw_os_error(libc::ENOSPC),
+        );
+        let failure = OutputFailure::of(&full).unwrap();
+        assert_eq!(
+            failure.reason(),
+            format!("output file system full: {}", dir.join("x").display())
+        );
+        assert_eq!(
+            OutputFailure::of(&DaemonError::Ring(RingError::Corrupt)),
+            None
+        );
+        d.finish().unwrap();
+        assert_eq!(
+            std::fs::read(dir.join("sub/partial.bin")).unwrap(),
+            b"half a rec"
+        );
     }
 
     #[test]
