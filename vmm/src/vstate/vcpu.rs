@@ -59,6 +59,12 @@ pub enum Outcome {
     EngineFailure,
     /// The run's timeout expired.
     Timeout,
+    /// kpin was asked to stop (a [`StopRequest`](super::vm::StopRequest): SIGINT or
+    /// SIGTERM); the guest was stopped where it was.
+    Interrupted {
+        /// The signal number.
+        signal: i32,
+    },
     /// The host daemon stopped serving the I/O ring: a corrupt ring (the engine's end is
     /// in the guest's VM) or a failed write to the output directory.
     HostDaemon(String),
@@ -88,6 +94,9 @@ impl Outcome {
             Outcome::UnexpectedExit(what) => format!("unexpected exit: {what}"),
             Outcome::EngineFailure => "the engine reported a failure (see engine.log)".into(),
             Outcome::Timeout => "timeout expired".into(),
+            Outcome::Interrupted { signal } => {
+                format!("interrupted by {}", super::vm::signal_name(*signal))
+            }
             Outcome::HostDaemon(why) => format!("the host daemon stopped the run: {why}"),
         }
     }
@@ -144,8 +153,8 @@ pub struct RunReport {
     pub console_bytes: u64,
 }
 
-/// Runs the vCPU until the run ends: the guest stops, `watchdog` expires, or the console
-/// shows a kernel panic. A doorbell has `daemon` serve `ring`; every exit is counted in
+/// Runs the vCPU until the run ends: the guest stops, `watchdog` expires, `stop` is
+/// requested, or the console shows a kernel panic. A doorbell has `daemon` serve `ring`; every exit is counted in
 /// `exits`. Before every `KVM_RUN`, `between` runs (the control channel's commands: it
 /// may change the vCPU's state). An `Err` is a host failure (`KVM_RUN` itself, the
 /// daemon, or `between`).
@@ -157,12 +166,16 @@ pub(crate) fn run_loop(
     ring: &mut Consumer,
     daemon: &mut Daemon,
     watchdog: &Watchdog,
+    stop: &super::vm::StopRequest,
     exits: &mut ExitCounters,
     between: &mut dyn FnMut(&mut VcpuFd, &mut Daemon, &mut Consumer, &ExitCounters) -> Result<()>,
 ) -> Result<Outcome> {
     loop {
         if watchdog.expired() {
             return Ok(Outcome::Timeout);
+        }
+        if let Some(signal) = stop.requested() {
+            return Ok(Outcome::Interrupted { signal });
         }
         between(vcpu, daemon, ring, exits)?;
         exits.total += 1;

@@ -3,10 +3,14 @@
 //! ring formatted in the stolen region, the guest loaded and the vCPU at its entry (or at
 //! the engine's), and the devices on the port bus. [`Vm::run`] drives the vCPU loop of
 //! [`super::vcpu`] to an [`Outcome`](super::vcpu::Outcome); every outcome other than a
-//! clean poweroff carries a guest-state dump.
+//! clean poweroff carries a guest-state dump. A [`StopRequest`] stops a running guest
+//! from another thread (`kpin run` makes one of SIGINT and SIGTERM).
 
 use std::path::PathBuf;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use host_daemon::Daemon;
@@ -17,6 +21,7 @@ use kvm_bindings::{kvm_pit_config, CpuId, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use vm_superio::Serial;
 use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::signal::SIGRTMIN;
 
 use crate::boot::layout::IO_RING_BATCH_BYTES;
 use crate::boot::{self, lint, BootInfo};
@@ -78,6 +83,135 @@ pub struct ControlConfig {
     pub boot_resident: bool,
 }
 
+/// A request to stop a running guest, from any thread (`kpin run` makes one of SIGINT and
+/// SIGTERM). The vCPU loop checks it before every `KVM_RUN` and ends the run with
+/// [`Outcome::Interrupted`]; while [`Vm::run`] runs, a thread kicks the vCPU thread out of
+/// `KVM_RUN` with SIGRTMIN (the watchdog's signal) every [`STOP_KICK_INTERVAL`] from the
+/// request until the loop has ended, so a guest that never exits to the VMM stops too.
+#[derive(Clone, Debug, Default)]
+pub struct StopRequest(Arc<StopShared>);
+
+#[derive(Debug, Default)]
+struct StopShared {
+    /// The signal of the first request; 0 while there is none.
+    signal: AtomicI32,
+    /// Held while the flags change, for `changed`.
+    lock: Mutex<()>,
+    /// Notified on a request and at the end of each run.
+    changed: Condvar,
+}
+
+/// How often the stop thread re-kicks a vCPU that has not noticed the request yet (a kick
+/// that lands just before `KVM_RUN` is entered is otherwise lost).
+pub const STOP_KICK_INTERVAL: Duration = Duration::from_millis(20);
+
+impl StopRequest {
+    /// A request not made yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Asks the run to stop because of `signal` (a signal number, or any non-zero cause).
+    /// The first request is the one kept; returns whether this was it.
+    pub fn request(&self, signal: i32) -> bool {
+        let first = self
+            .0
+            .signal
+            .compare_exchange(0, signal.max(1), Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok();
+        // Taking the lock orders the store before a waiter's next check.
+        drop(self.0.lock.lock().unwrap_or_else(|p| p.into_inner()));
+        self.0.changed.notify_all();
+        first
+    }
+
+    /// The signal of the request, if one was made.
+    pub fn requested(&self) -> Option<i32> {
+        match self.0.signal.load(Ordering::SeqCst) {
+            0 => None,
+            s => Some(s),
+        }
+    }
+}
+
+/// The name of a signal number (`SIGTERM`), for messages and `run.json`.
+pub fn signal_name(signal: i32) -> String {
+    match signal {
+        libc::SIGINT => "SIGINT".into(),
+        libc::SIGTERM => "SIGTERM".into(),
+        libc::SIGHUP => "SIGHUP".into(),
+        libc::SIGQUIT => "SIGQUIT".into(),
+        n => format!("signal {n}"),
+    }
+}
+
+/// The thread that turns a [`StopRequest`] into kicks of the vCPU thread during one run.
+/// Invariant: it only signals the vCPU thread while that thread is in [`Vm::run`], which
+/// joins it ([`StopKicker::finish`]) before returning.
+struct StopKicker {
+    stop: StopRequest,
+    over: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl StopKicker {
+    /// Starts kicking the calling (vCPU) thread once `stop` is requested. The SIGRTMIN
+    /// handler must be installed already (the watchdog installs it).
+    fn start(stop: &StopRequest) -> Result<Self> {
+        // SAFETY: pthread_self has no preconditions.
+        let vcpu_thread = unsafe { libc::pthread_self() };
+        let over = Arc::new(AtomicBool::new(false));
+        let (shared, done) = (stop.0.clone(), over.clone());
+        let thread = std::thread::Builder::new()
+            .name("kpin-stop".into())
+            .spawn(move || {
+                let mut guard = shared.lock.lock().unwrap_or_else(|p| p.into_inner());
+                while shared.signal.load(Ordering::SeqCst) == 0 && !done.load(Ordering::SeqCst) {
+                    guard = shared
+                        .changed
+                        .wait(guard)
+                        .unwrap_or_else(|p| p.into_inner());
+                }
+                while !done.load(Ordering::SeqCst) {
+                    // SAFETY: the vCPU thread is alive: it joins this thread (in
+                    // `finish`) before it leaves `Vm::run`, and sets `done` first.
+                    unsafe { libc::pthread_kill(vcpu_thread, SIGRTMIN()) };
+                    guard = shared
+                        .changed
+                        .wait_timeout(guard, STOP_KICK_INTERVAL)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            })
+            .map_err(|e| VmmError::Host("spawning the stop thread", e))?;
+        Ok(StopKicker {
+            stop: stop.clone(),
+            over,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops the thread and waits for it.
+    fn finish(mut self) {
+        self.stop_and_join();
+    }
+
+    fn stop_and_join(&mut self) {
+        self.over.store(true, Ordering::SeqCst);
+        drop(self.stop.0.lock.lock().unwrap_or_else(|p| p.into_inner()));
+        self.stop.0.changed.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for StopKicker {
+    fn drop(&mut self) {
+        self.stop_and_join();
+    }
+}
+
 /// A VM ready to run.
 pub struct Vm {
     // Field order matters: the vCPU and VM fds drop before the memory they map.
@@ -100,6 +234,8 @@ pub struct Vm {
     /// cachesim's options when its simulation runs on a host thread ([`HostSim`]: asked
     /// for, and the host has a second core).
     host_sim: Option<String>,
+    /// Stops the run from another thread ([`Vm::set_stop_request`]).
+    stop: StopRequest,
 }
 
 impl Vm {
@@ -206,7 +342,14 @@ impl Vm {
                 .as_ref()
                 .filter(|e| e.host_sim && e.tool == "cachesim" && HostSim::worthwhile())
                 .map(|e| e.options.clone()),
+            stop: StopRequest::new(),
         })
+    }
+
+    /// Lets `stop` end the run: the guest is stopped where it is, the ring drained once
+    /// more, and the run ends with [`Outcome::Interrupted`].
+    pub fn set_stop_request(&mut self, stop: StopRequest) {
+        self.stop = stop;
     }
 
     /// Runs the guest until it powers off, crashes, or the timeout expires. `daemon`
@@ -231,6 +374,8 @@ impl Vm {
             None => None,
         };
         let watchdog = Watchdog::arm(self.timeout)?;
+        // After the watchdog: it installs the SIGRTMIN handler the kicks need.
+        let kicker = StopKicker::start(&self.stop)?;
         let start = Instant::now();
         let mut exits = ExitCounters::default();
         let (server, mut windows) = match control {
@@ -267,9 +412,11 @@ impl Vm {
             &mut self.ring,
             daemon,
             &watchdog,
+            &self.stop,
             &mut exits,
             &mut between,
         );
+        kicker.finish();
         if let Some(s) = server {
             s.shutdown();
         }
@@ -280,9 +427,15 @@ impl Vm {
             h.finish(daemon);
         }
         // Whatever the engine wrote before the end (its last log lines on a failure); a
-        // daemon that failed already leaves the ring alone.
+        // daemon that failed already leaves the ring alone. A clean end whose last records
+        // cannot be written is not clean, and a corrupt ring is said; a run stopped for
+        // another reason (timeout, signal, crash) keeps that outcome, and a failed write
+        // stays in `daemon.output_failure()`.
         let outcome = match daemon.serve(&mut self.ring) {
-            Err(e) if !matches!(outcome, Outcome::HostDaemon(_)) => {
+            Err(e)
+                if outcome == Outcome::Poweroff
+                    || matches!(e, host_daemon::DaemonError::Ring(_)) =>
+            {
                 Outcome::HostDaemon(vcpu::error_chain(&e))
             }
             _ => outcome,
@@ -302,5 +455,59 @@ impl Vm {
             exits,
             console_bytes: self.console.bytes.get(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_the_first_stop_request_is_kept_and_signals_are_named() {
+        let stop = StopRequest::new();
+        assert_eq!(stop.requested(), None);
+        assert!(stop.request(libc::SIGTERM));
+        assert!(
+            !stop.clone().request(libc::SIGINT),
+            "a clone is the same request"
+        );
+        assert_eq!(stop.requested(), Some(libc::SIGTERM));
+        assert_eq!(signal_name(libc::SIGTERM), "SIGTERM");
+        assert_eq!(signal_name(libc::SIGINT), "SIGINT");
+        assert_eq!(signal_name(40), "signal 40");
+        assert_eq!(
+            Outcome::Interrupted {
+                signal: libc::SIGINT
+            }
+            .describe(),
+            "interrupted by SIGINT"
+        );
+    }
+
+    #[test]
+    fn test_a_stop_request_from_another_thread_kicks_the_vcpu_thread_out_of_a_blocking_call() {
+        // The watchdog installs the SIGRTMIN handler the kicks need.
+        let watchdog = Watchdog::arm(None).expect("arm");
+        let stop = StopRequest::new();
+        let kicker = StopKicker::start(&stop).expect("start the stop thread");
+        let requester = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                stop.request(libc::SIGTERM);
+            })
+        };
+        // Stands in for KVM_RUN: a blocking call only a signal ends early. The kicks
+        // repeat, so one landing before the call is made is not lost.
+        let long = libc::timespec {
+            tv_sec: 60,
+            tv_nsec: 0,
+        };
+        // SAFETY: nanosleep with a valid timespec and no remainder pointer.
+        let r = unsafe { libc::nanosleep(&long, std::ptr::null_mut()) };
+        assert_eq!(r, -1, "the sleep was not interrupted");
+        kicker.finish();
+        requester.join().unwrap();
+        watchdog.finish();
     }
 }
