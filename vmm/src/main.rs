@@ -7,15 +7,25 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand, ValueEnum};
+use host_daemon::resolve::SpaceReserve;
+use host_daemon::OutputFailure;
 use kpin_tool_bbcount::report::{self, BbcountSummary, BlockNames, DEFAULT_TOP};
-use serde::Serialize;
 use vmm::diag::kernel_symbols::KernelSymbols;
 use vmm::guests::{
     LINUX_612_CMDLINE, LINUX_CMDLINE, MINIKERNEL_NATIVE_CMDLINE, USER_KERNEL_CMDLINE,
 };
 use vmm::input_check::{self, UsageError};
 use vmm::layout::{MAX_MEM_MIB, MIN_MEM_MIB};
+use vmm::vstate::vm::StopRequest;
 use vmm::{control, ControlConfig, Outcome, Vm, VmConfig};
+
+mod run_record;
+mod stop_signals;
+
+use run_record::{
+    console_shortfall, hex_keys, unix_seconds, write_run_json, RunStarted, Summary, Verdict,
+    OUTPUT_RESERVE_BYTES, STATUS_COMPLETE, STATUS_INCOMPLETE, STATUS_RUNNING,
+};
 
 /// Exit status of a clean guest poweroff.
 const EXIT_CLEAN: u8 = 0;
@@ -28,6 +38,10 @@ const EXIT_USAGE: u8 = 2;
 const EXIT_GUEST_CRASH: u8 = 3;
 /// Exit status when the run's timeout expires.
 const EXIT_TIMEOUT: u8 = 4;
+/// Exit status when the output directory could not be written (file system full or
+/// read-only, an I/O error): the run's results are incomplete. (A run stopped by SIGINT or
+/// SIGTERM exits with 128 + the signal: 130, 143.)
+const EXIT_OUTPUT_FAILED: u8 = 5;
 
 #[derive(Parser)]
 #[command(
@@ -44,7 +58,9 @@ const EXIT_TIMEOUT: u8 = 4;
         no /dev/kvm, images could not be built); 2 bad command line; 3 the guest crashed \
         (triple fault, KVM emulation failure, MMIO above 4 GiB, kernel panic, engine failure); \
         4 the timeout \
-        expired. On 3 and 4 a guest-state dump goes to stderr and the output directory."
+        expired; 5 the output directory could not be written (file system full or read-only): \
+        the results are incomplete; 130 / 143 kpin was stopped by SIGINT / SIGTERM. \
+        On 3 and 4 a guest-state dump goes to stderr and the output directory."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -61,6 +77,7 @@ enum Command {
         dir: Option<PathBuf>,
     },
     /// Boot a guest and run it to poweroff, crash or timeout.
+    #[command(after_help = RUN_AFTER_HELP)]
     Run(Box<RunArgs>),
     /// Attach a tool to a running guest (RUN: the run's output directory): the engine
     /// takes over at the next safe point; the window's files go to RUN/attach-<n>/.
@@ -107,6 +124,22 @@ enum Command {
         system_map: Option<PathBuf>,
     },
 }
+
+/// The end of `kpin run --help`: exit statuses and what `run.json` says.
+const RUN_AFTER_HELP: &str = "\
+Exit status: 0 the guest powered off cleanly; 1 kpin failed (bad input, no /dev/kvm, \
+images could not be built, the output directory cannot be written at the start); 2 bad \
+command line; 3 the guest crashed (or the engine inside its VM failed); 4 the timeout \
+expired; 5 the output directory could not be written during the run (file system full or \
+read-only): the guest was stopped, the results are incomplete; 130 SIGINT, 143 SIGTERM \
+(128 + the signal): the guest was stopped, its files so far kept; a second SIGINT ends \
+kpin at once.
+
+run.json is written when the run starts with \"complete\": false, \"status\": \"running\" \
+(still there if kpin is killed), and rewritten whole at the end: \"complete\": true, or \
+\"status\": \"incomplete\" with \"incomplete_reason\" (\"interrupted by SIGTERM\", \
+\"output file system full: <file>\", ...) and \"unfinished_files\", the tool files the \
+engine had not finished.";
 
 #[derive(Clone, Copy, ValueEnum)]
 enum Guest {
@@ -209,50 +242,6 @@ struct RunArgs {
     /// Most tool files open at once; further opens are refused and logged.
     #[arg(long, value_name = "N", default_value_t = host_daemon::DaemonConfig::DEFAULT_MAX_OPEN_FILES)]
     max_open_files: usize,
-}
-
-/// The run summary written to `<out>/run.json`.
-#[derive(Serialize)]
-struct Summary<'a> {
-    outcome: String,
-    clean: bool,
-    kernel: &'a Path,
-    initrd: Option<&'a Path>,
-    cmdline: &'a str,
-    mem_mib: u64,
-    entry: String,
-    tool: Option<&'a str>,
-    wall_seconds: f64,
-    console_bytes: u64,
-    exits_total: u64,
-    exits_io_in: u64,
-    exits_io_out: u64,
-    exits_io_absent: u64,
-    /// Accesses to ports no device serves (read all ones, writes dropped), by port
-    /// (`"0x2e"`: count).
-    unpopulated_ports: BTreeMap<String, u64>,
-    /// MMIO accesses below 4 GiB to unbacked addresses, in all and by page.
-    unbacked_mmio_total: u64,
-    unbacked_mmio_pages: BTreeMap<String, u64>,
-    exits_interrupted: u64,
-    ring_doorbells: u64,
-    ring_records: u64,
-    files_written: u64,
-    files_refused: u64,
-    writes_dropped: u64,
-    output_bytes_dropped: u64,
-    engine_log_lines: u64,
-    engine_log_lines_dropped: u64,
-    /// The engine's `counters.json` (instrumented runs that got far enough to write it).
-    engine_counters: Option<serde_json::Value>,
-    /// The user/kernel split and hottest blocks (`--tool bbcount` runs that wrote
-    /// `bbcount.csv`).
-    bbcount: Option<BbcountSummary>,
-}
-
-/// A per-address count map with the addresses in hex, for `run.json`.
-fn hex_keys<K: std::fmt::LowerHex>(m: &BTreeMap<K, u64>) -> BTreeMap<String, u64> {
-    m.iter().map(|(k, v)| (format!("{k:#x}"), *v)).collect()
 }
 
 fn main() -> ExitCode {
@@ -474,19 +463,98 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
             );
         }
     }
-    let console_log = out.join("console.log");
+    // From here on SIGINT and SIGTERM stop the guest and keep its files so far.
+    let stop = StopRequest::new();
+    stop_signals::install(&stop).context("cannot install the SIGINT and SIGTERM handlers")?;
+    let mut reserve = SpaceReserve::hold(&out, OUTPUT_RESERVE_BYTES).map_err(|e| {
+        if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) {
+            anyhow::anyhow!(
+                "the file system of {} lacks {} KiB for kpin's own last files (run.json, dump.txt): {e}: free some space or choose another --out",
+                out.display(),
+                OUTPUT_RESERVE_BYTES >> 10
+            )
+        } else {
+            anyhow::anyhow!("cannot write to output directory {}: {e}", out.display())
+        }
+    })?;
+    let run = Prepared {
+        out,
+        image_dir,
+        kernel,
+        initrd,
+        system_map,
+        cmdline,
+    };
+    let started = RunStarted {
+        complete: false,
+        status: STATUS_RUNNING,
+        incomplete_reason: "the run is in progress, or kpin was killed before it ended (a run that ends rewrites this file)".into(),
+        pid: std::process::id(),
+        started_unix_seconds: unix_seconds(),
+        kernel: &run.kernel,
+        initrd: run.initrd.as_deref(),
+        cmdline: &run.cmdline,
+        mem_mib: args.mem,
+        tool: args.tool.as_deref(),
+    };
+    write_run_json(&run.out, &started)?;
+    run_guest(&args, &run, engine, stop, &mut reserve).inspect_err(|e| {
+        // run.json must not keep saying "running" after kpin gave up.
+        let failed = RunStarted {
+            status: STATUS_INCOMPLETE,
+            incomplete_reason: format!("kpin failed before the run ended: {e:#}"),
+            ..started
+        };
+        reserve.take();
+        if let Err(e) = write_run_json(&run.out, &failed) {
+            progress(&format!("{e:#}; it still says the run is running"));
+        }
+    })
+}
+
+/// What `run` settled before the guest is created.
+struct Prepared {
+    out: PathBuf,
+    image_dir: PathBuf,
+    kernel: PathBuf,
+    initrd: Option<PathBuf>,
+    system_map: Option<PathBuf>,
+    cmdline: String,
+}
+
+/// Boots and runs the guest, then writes its results; the exit status.
+fn run_guest(
+    args: &RunArgs,
+    run: &Prepared,
+    engine: Option<vmm::EngineConfig>,
+    stop: StopRequest,
+    reserve: &mut Option<SpaceReserve>,
+) -> anyhow::Result<u8> {
+    let Prepared {
+        out,
+        image_dir,
+        kernel,
+        initrd,
+        system_map,
+        cmdline,
+    } = run;
+    let console_file = args
+        .console
+        .clone()
+        .unwrap_or_else(|| out.join("console.log"));
     let cfg = VmConfig {
         kernel: kernel.clone(),
         initrd: initrd.clone(),
         cmdline: cmdline.clone(),
         mem_mib: args.mem,
         timeout: (args.timeout > 0).then(|| Duration::from_secs(args.timeout)),
-        console_file: Some(args.console.clone().unwrap_or_else(|| console_log.clone())),
+        console_file: Some(console_file.clone()),
         echo_console: !args.quiet,
         system_map: system_map.clone(),
         engine,
     };
-    let vm = Vm::new(&cfg)?;
+    let mut vm = Vm::new(&cfg)?;
+    vm.set_stop_request(stop);
     let entry = vm.boot.entry;
     progress(&format!(
         "booting {} ({:?}, entry {entry:#x}) with {} MiB, cmdline \"{cmdline}\"",
@@ -501,32 +569,67 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         ));
     }
     let mut daemon = host_daemon::Daemon::with_config(
-        &out,
+        out,
         host_daemon::DaemonConfig {
             max_open_files: args.max_open_files,
             max_output_bytes: args.max_output_bytes,
             ..Default::default()
         },
     );
-    let mut control = attach_control(&out, &image_dir, args.tool.as_deref(), cfg.engine.as_ref());
+    let mut control = attach_control(out, image_dir, args.tool.as_deref(), cfg.engine.as_ref());
     control.boot_resident = args.resident;
     let report = vm.run_with_control(&mut daemon, Some(control))?;
+
+    // What the run left unfinished, and the first file that could not be written.
+    let unfinished: Vec<PathBuf> = daemon.unfinished_files();
+    let mut failure = daemon.output_failure().cloned();
     let fallback = daemon.stats().clone();
     let ring = daemon.finish().unwrap_or_else(|e| {
-        progress(&format!("cannot finish the run's output files: {e:#}"));
+        progress(&format!(
+            "cannot finish the run's output files: {}",
+            vmm::vstate::vcpu::error_chain(&e)
+        ));
+        if failure.is_none() {
+            failure = OutputFailure::of(&e);
+        }
         fallback
     });
+    // Before the space kept is given back, which may make a full file system look fine.
+    let console_short = console_shortfall(&console_file, report.console_bytes);
+    // kpin's own last files get the space kept for them.
+    if let Some(r) = reserve.as_mut() {
+        r.release();
+    }
+    let interrupted = match report.outcome {
+        Outcome::Interrupted { signal } => Some(signal),
+        _ => None,
+    };
 
     let mut dump = report.dump.clone();
     if let (Outcome::EngineFailure, Some(d)) = (&report.outcome, &mut dump) {
         append_engine_log_tail(d, &out.join("engine.log"));
     }
     if let Some(dump) = &dump {
-        eprint!("{dump}");
-        host_daemon::resolve::write_output_file(&out.join("dump.txt"), dump.as_bytes())
-            .with_context(|| format!("cannot write {}", out.join("dump.txt").display()))?;
+        let path = out.join("dump.txt");
+        if interrupted.is_some() {
+            progress(&format!(
+                "the guest's state when it was stopped: {}",
+                path.display()
+            ));
+        } else {
+            eprint!("{dump}");
+        }
+        if let Err(e) = host_daemon::resolve::write_output_file(&path, dump.as_bytes()) {
+            progress(&format!("cannot write {}: {e}", path.display()));
+            failure.get_or_insert_with(|| OutputFailure::new(&path, &e));
+        }
     }
-    let engine_counters = read_engine_counters(&out);
+    // The reports read what the tool wrote: not after a stop, nor from unfinished files.
+    let reports = interrupted.is_none() && failure.is_none();
+    let finished = |name: &str| reports && !unfinished.contains(&out.join(name));
+    let engine_counters = finished(ENGINE_COUNTERS)
+        .then(|| read_engine_counters(out))
+        .flatten();
     if let Some(c) = &engine_counters {
         progress(&format!(
             "engine counters ({}):\n{}",
@@ -536,18 +639,42 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
     }
     // Only a bbcount run has bbcount's results: another tool's run may leave a file of
     // that name, which is the guest's, not a report.
-    let bbcount = (args.tool.as_deref() == Some(BBCOUNT))
-        .then(|| bbcount_report(&out, &kernel, system_map.as_deref(), args.top))
+    let bbcount = (args.tool.as_deref() == Some(BBCOUNT) && finished(kpin_tool_bbcount::CSV_NAME))
+        .then(|| bbcount_report(out, kernel, system_map.as_deref(), args.top, &mut failure))
         .flatten();
-    if args.tool.as_deref() == Some("cachesim") {
-        cachesim_report(&out, &kernel, system_map.as_deref());
+    let cachesim_done = !unfinished
+        .iter()
+        .any(|p| p.strip_prefix(out).is_ok_and(|r| r.starts_with("cachesim")));
+    if args.tool.as_deref() == Some("cachesim") && reports && cachesim_done {
+        cachesim_report(out, kernel, system_map.as_deref());
     }
+
+    let verdict = Verdict {
+        outcome: &report.outcome,
+        interrupted,
+        failure,
+        console_short,
+        unfinished: unfinished
+            .iter()
+            .map(|p| p.strip_prefix(out).unwrap_or(p).display().to_string())
+            .collect(),
+    };
+    let reasons = verdict.reasons();
+    let complete = reasons.is_empty();
     let summary = Summary {
+        complete,
+        status: if complete {
+            STATUS_COMPLETE
+        } else {
+            STATUS_INCOMPLETE
+        },
+        incomplete_reason: (!complete).then(|| reasons.join("; ")),
+        unfinished_files: verdict.unfinished.clone(),
         outcome: report.outcome.describe(),
         clean: report.outcome.is_clean(),
-        kernel: &kernel,
+        kernel,
         initrd: initrd.as_deref(),
-        cmdline: &cmdline,
+        cmdline,
         mem_mib: args.mem,
         entry: format!("{entry:#x}"),
         tool: args.tool.as_deref(),
@@ -572,9 +699,7 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         engine_counters,
         bbcount,
     };
-    let json = serde_json::to_string_pretty(&summary).context("cannot encode the run summary")?;
-    host_daemon::resolve::write_output_file(&out.join("run.json"), (json + "\n").as_bytes())
-        .with_context(|| format!("cannot write {}", out.join("run.json").display()))?;
+    let written = write_run_json(out, &summary);
     progress(&format!(
         "{} after {:.2} s ({} exits: {} port in, {} port out, {} absent-device); output in {}",
         report.outcome.describe(),
@@ -585,6 +710,9 @@ fn run(args: RunArgs) -> anyhow::Result<u8> {
         report.exits.io_absent,
         out.display()
     ));
+    if let Some(status) = verdict.tell(out, &written) {
+        return Ok(status);
+    }
     Ok(match report.outcome {
         Outcome::Poweroff => EXIT_CLEAN,
         Outcome::Timeout => EXIT_TIMEOUT,
@@ -679,12 +807,14 @@ fn read_engine_counters(out: &Path) -> Option<serde_json::Value> {
 }
 
 /// Writes and prints the bbcount report if the run left a `bbcount.csv`; a report that
-/// cannot be made is said and left out (the CSV came from inside the guest).
+/// cannot be made is said and left out (the CSV came from inside the guest), and one that
+/// cannot be written because of the host's storage is the run's output `failure`.
 fn bbcount_report(
     out: &Path,
     kernel: &Path,
     system_map: Option<&Path>,
     top: usize,
+    failure: &mut Option<OutputFailure>,
 ) -> Option<BbcountSummary> {
     if !out.join(kpin_tool_bbcount::CSV_NAME).exists() {
         return None;
@@ -705,6 +835,11 @@ fn bbcount_report(
         Ok(None) => None,
         Err(e) => {
             progress(&format!("no bbcount report: {e:#}"));
+            let io = e.chain().find_map(|c| c.downcast_ref::<std::io::Error>());
+            if let Some(io) = io.filter(|io| host_daemon::resolve::is_host_fault(io)) {
+                let path = out.join(report::REPORT_NAME);
+                failure.get_or_insert_with(|| OutputFailure::new(&path, io));
+            }
             None
         }
     }
