@@ -6,8 +6,8 @@
 //!
 //! Clients are hostile (issue #24). Invariants (the numbers are [`Limits::default`]'s):
 //! - the guest never waits for a client: nothing a client does blocks the vCPU thread,
-//!   which only polls the channel (one command at a time, never queued behind another)
-//!   and sends each reply into a one-slot channel;
+//!   which only polls the channel (bounded by [`Limits::max_clients`]) and sends each
+//!   reply into a one-slot channel;
 //! - only the run's owner (kpin's effective uid) or root may connect: the peer's uid is
 //!   read with `SO_PEERCRED` on every connection, and anyone else gets
 //!   `permission denied: uid N is not the run's owner` and is closed;
@@ -20,8 +20,10 @@
 //!   one-command-at-a-time slot is taken, so a silent, half-closed or stalled client holds
 //!   a handler thread for at most the deadline and never holds off another client's
 //!   command;
-//! - one command in the vCPU loop at a time: a client whose command arrives while
-//!   another's is being served gets an error reply at once;
+//! - one attach or detach in the vCPU loop at a time: a client whose attach or detach
+//!   arrives while another's is being served gets an error reply at once; `status` never
+//!   waits for the slot (the loop answers it even while an attach or detach waits for the
+//!   engine's safe point);
 //! - at most [`Limits::rate_burst`] (50) commands at once and
 //!   [`Limits::rate_per_second`] (100) a second on average reach the vCPU loop (a token
 //!   bucket); one over that gets `rate limited` at once, never a queue;
@@ -148,7 +150,8 @@ impl ControlServer {
         // The kick's handler does nothing; without one SIGRTMIN would end the process.
         register_signal_handler(SIGRTMIN(), ignore_kick)
             .map_err(|e| VmmError::Host("installing the vCPU kick signal handler", e.into()))?;
-        let (tx, rx) = bounded::<Command>(1);
+        // Room for every handler's command: a status may wait beside an attach.
+        let (tx, rx) = bounded::<Command>(limits.max_clients);
         let stop = Arc::new(AtomicBool::new(false));
         let shared = Arc::new(Shared {
             limits,
@@ -461,12 +464,13 @@ fn read_request(
 /// Passes `request` to the vCPU loop if no other command is there and the rate allows,
 /// and waits for its reply.
 fn forward(request: Request, tx: &Sender<Command>, shared: &Shared) -> Reply {
-    let _one = match shared.busy.try_lock() {
-        Ok(one) => one,
-        Err(TryLockError::Poisoned(p)) => p.into_inner(),
-        Err(TryLockError::WouldBlock) => {
+    let _one = match (request == Request::Status, shared.busy.try_lock()) {
+        (true, _) => None,
+        (false, Ok(one)) => Some(one),
+        (false, Err(TryLockError::Poisoned(p))) => Some(p.into_inner()),
+        (false, Err(TryLockError::WouldBlock)) => {
             return Reply::error(
-                "another control client's command is being served by this run; try again",
+                "another control client's attach or detach is being served by this run; try again",
             )
         }
     };
@@ -486,8 +490,8 @@ fn forward(request: Request, tx: &Sender<Command>, shared: &Shared) -> Reply {
         request,
         reply: reply_tx,
     };
-    // Never waits: the channel holds one command, which is still there only if the loop
-    // did not take an earlier one in `LOOP_TIMEOUT`.
+    // Never waits: the channel holds a command per handler, so it is full only if the
+    // loop took none of them in `LOOP_TIMEOUT`.
     match tx.try_send(cmd) {
         Ok(()) => {}
         Err(TrySendError::Full(_)) => {

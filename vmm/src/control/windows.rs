@@ -54,6 +54,9 @@ use crate::vstate::vcpu::ExitCounters;
 
 /// The file the engine writes its counters to.
 const ENGINE_COUNTERS: &str = "counters.json";
+/// The largest `counters.json` a status reply includes (replies are bounded by
+/// [`super::protocol::MAX_MESSAGE_BYTES`]; the engine's is a few KiB).
+const MAX_STATUS_COUNTERS_BYTES: u64 = 32 * 1024;
 /// How often the loop samples the guest's progress (and nudges the engine to publish its
 /// live instruction count) for `kpin status`.
 const PROGRESS_SAMPLE: Duration = Duration::from_secs(1);
@@ -283,8 +286,12 @@ impl Windows {
     }
 
     fn status(&self, mem: &GuestMemory, exits: &ExitCounters) -> Reply {
-        let counters = std::fs::read_to_string(self.window_dir.join(ENGINE_COUNTERS))
-            .ok()
+        // The engine writes the file through the ring; one too big for a reply is left out.
+        let path = self.window_dir.join(ENGINE_COUNTERS);
+        let counters = std::fs::metadata(&path)
+            .is_ok_and(|m| m.len() <= MAX_STATUS_COUNTERS_BYTES)
+            .then(|| std::fs::read_to_string(&path).ok())
+            .flatten()
             .and_then(|t| serde_json::from_str(&t).ok());
         // Nudged at the last sample: the engine's count is at most a sample old.
         let (progress, why) = judge_progress(self.samples[0], self.samples[1]);

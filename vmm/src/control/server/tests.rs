@@ -76,17 +76,18 @@ fn test_requests_reach_the_loop_and_bad_ones_get_error_replies() {
 }
 
 #[test]
-fn test_a_command_while_another_is_in_the_loop_is_refused_at_once() {
+fn test_an_attach_or_detach_while_another_is_in_the_loop_is_refused_but_status_is_served() {
     let dir = scratch("second");
     let path = dir.join(SOCKET_NAME);
     let (server, rx) = ControlServer::start(&path).expect("listen");
-    // The first client's command reaches the loop, which does not answer yet.
+    // The first client's detach reaches the loop, which does not answer yet (as while an
+    // attach or detach waits for the engine's safe point).
     let mut first = UnixStream::connect(&path).expect("first client");
-    first.write_all(b"{\"cmd\":\"status\"}\n").expect("send");
+    first.write_all(b"{\"cmd\":\"detach\"}\n").expect("send");
     let cmd = rx.recv_timeout(Duration::from_secs(20)).expect("a command");
-    let t = Instant::now();
-    let second = request(&dir, &Request::Status).expect("a reply");
-    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    assert_eq!(cmd.request, Request::Detach);
+    // Answered while the first is still waiting: refused without waiting for it.
+    let second = request(&dir, &Request::Detach).expect("a reply");
     assert!(!second.ok, "{second:?}");
     assert!(
         second
@@ -96,6 +97,13 @@ fn test_a_command_while_another_is_in_the_loop_is_refused_at_once() {
             .contains("another control client"),
         "{second:?}"
     );
+    // A status is not held off by the waiting detach.
+    let d = dir.clone();
+    let status = std::thread::spawn(move || request(&d, &Request::Status).expect("a reply"));
+    let st = rx.recv_timeout(Duration::from_secs(20)).expect("the status");
+    assert_eq!(st.request, Request::Status);
+    let _ = st.reply.send(Reply::ok());
+    assert!(status.join().expect("status client").ok);
     let _ = cmd.reply.send(Reply::ok());
     let mut out = Vec::new();
     first.read_to_end(&mut out).expect("reply");
