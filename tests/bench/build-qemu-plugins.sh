@@ -1,24 +1,53 @@
 #!/usr/bin/env bash
-# Builds QEMU with the TCG plugin API (Debian's qemu-system-x86 7.2 is configured without
-# it) from Debian bookworm's own source package, x86_64-softmmu only, no docs, and the
-# PA-tagged cache plugin tests/bench/qemu-cache-plugin/pa_cache.c against it, and QEMU's own
-# block-counting test plugin (tests/plugin/bb.c, `inline=on`: block and instruction totals
-# counted by inline TCG ops) for the bbcount comparison.
+# Builds the QEMU + plugin baselines of tests/bench/side_by_side.py. All of them run on
+# Debian's own qemu-system-x86_64 7.2, whose build loads TCG plugins (plugin API v1); no
+# QEMU is compiled.
 #
-#   tests/bench/build-qemu-plugins.sh   # -> images/out/qemu-plugins/{bin,plugins/libpa_cache.so,libbb.so}
+#   tests/bench/build-qemu-plugins.sh             # the shared bbcount and cachesim plugins
+#   tests/bench/build-qemu-plugins.sh --pa-cache  # and the in-tree pa_cache.c as well
 #
-# Needs root (apt-get build-dep / install) and the Debian archive (a deb-src line for
-# bookworm is added under /etc/apt/sources.list.d/ if there is none). Cached: a second run
-# with the binary and plugin present does nothing. Nice'd, one job per core.
+# The shared plugins (../shared/bench/qemu-plugins next to this repository, Rust, on the
+# `qemu-plugin` crate; read-only, so built into a target directory of our own):
+#   $KPIN_QEMU_PLUGINS_TARGET/release/{libbbcount.so,libcachesim.so}
+#   (default KPIN_QEMU_PLUGINS_TARGET=~/.cache/kpin-qemu-plugins; cargo keeps it cached.)
+#   Their source directory can be named with KPIN_QEMU_PLUGINS_SRC.
+#
+# --pa-cache: tests/bench/qemu-cache-plugin/pa_cache.c, our PA-tagged cache plugin, into
+# images/out/qemu-plugins/plugins/libpa_cache.so. Debian ships QEMU's qemu-plugin.h in no
+# binary package, so the header is taken from bookworm's qemu source package (the same
+# version as qemu-system-x86; `apt-get source --download-only`, a deb-src line for bookworm
+# is added under /etc/apt/sources.list.d/ if there is none: needs root and the Debian
+# archive; glib's headers are installed if missing). Cached: rebuilt only when pa_cache.c
+# is newer than the plugin.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
-out=${QEMU_PLUGINS_OUT:-$root/images/out/qemu-plugins}
-bin=$out/bin/qemu-system-x86_64
-plugin=$out/plugins/libpa_cache.so
-mkdir -p "$out/src" "$out/bin" "$out/plugins"
 
-if [ ! -x "$bin" ]; then
+pa_cache=false
+for arg in "$@"; do
+    case "$arg" in
+        --pa-cache) pa_cache=true ;;
+        *) echo "usage: $0 [--pa-cache]" >&2; exit 2 ;;
+    esac
+done
+
+src=${KPIN_QEMU_PLUGINS_SRC:-$root/../shared/bench/qemu-plugins}
+target=${KPIN_QEMU_PLUGINS_TARGET:-$HOME/.cache/kpin-qemu-plugins}
+if [ ! -f "$src/Cargo.toml" ]; then
+    echo "build-qemu-plugins: no shared plugins at $src (set KPIN_QEMU_PLUGINS_SRC)" >&2
+    exit 1
+fi
+(cd "$src" && CARGO_TARGET_DIR="$target" nice -n 19 cargo build --release -q)
+echo "$target/release/libbbcount.so"
+echo "$target/release/libcachesim.so"
+
+$pa_cache || exit 0
+
+out=${QEMU_PLUGINS_OUT:-$root/images/out/qemu-plugins}
+plugin=$out/plugins/libpa_cache.so
+header=$out/include/qemu-plugin.h
+mkdir -p "$out/src" "$out/plugins" "$out/include"
+if [ ! -f "$header" ]; then
     if ! grep -rqs '^Types: deb-src\|^deb-src' /etc/apt/sources.list /etc/apt/sources.list.d/; then
         cat > /etc/apt/sources.list.d/kpin-deb-src.sources <<'SRC'
 Types: deb-src
@@ -26,55 +55,39 @@ URIs: http://deb.debian.org/debian
 Suites: bookworm bookworm-updates
 Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+
+Types: deb-src
+URIs: http://deb.debian.org/debian-security
+Suites: bookworm-security
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SRC
     fi
-    apt-get update -qq
-    # Only what x86_64-softmmu with plugins needs (not the full build-dep set, which pulls
-    # in every target's firmware toolchains and the docs).
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        dpkg-dev ninja-build meson pkg-config python3-venv libglib2.0-dev libpixman-1-dev \
-        zlib1g-dev libfdt-dev flex bison >/dev/null
+    # An index that fails elsewhere (a mirror mid-sync) need not stop us: apt-get source
+    # below says so if the Sources index we need is missing.
+    apt-get update -qq || echo "build-qemu-plugins: apt-get update reported errors; going on" >&2
+    # The source version of the installed binary package, so that the header is its own.
+    version=$(dpkg-query -W -f='${source:Version}' qemu-system-x86)
     cd "$out/src"
-    if ! ls -d qemu-*/ >/dev/null 2>&1; then
-        apt-get source --download-only qemu >/dev/null
-        dpkg-source --no-check -x qemu_*.dsc >/dev/null
+    apt-get source --download-only "qemu=$version" >/dev/null
+    orig=$(ls qemu_*.orig.tar.* | head -1)
+    tar -xf "$orig" --no-same-owner --wildcards --strip-components=3 -C "$out/include" '*/include/qemu/qemu-plugin.h'
+    # Debian's patches must not change the plugin API; refuse to build if one touches it.
+    if ls qemu_*.debian.tar.* >/dev/null 2>&1 \
+        && tar -xOf "$(ls qemu_*.debian.tar.* | head -1)" | grep -q '^+++ .*include/qemu/qemu-plugin.h'; then
+        echo "build-qemu-plugins: a Debian patch changes qemu-plugin.h; use the patched tree" >&2
+        rm -f "$header"
+        exit 1
     fi
-    src=$(ls -d "$out"/src/qemu-*/ | head -1)
-    mkdir -p "$src/build-plugins"
-    cd "$src/build-plugins"
-    if [ ! -f build.ninja ]; then
-        ../configure --target-list=x86_64-softmmu --enable-plugins --disable-docs \
-            --disable-werror --disable-user --disable-gtk --disable-sdl --disable-vnc \
-            --disable-opengl --disable-spice --disable-curses --disable-xen \
-            --disable-capstone --disable-tools --disable-guest-agent \
-            --disable-slirp >/dev/null
-    fi
-    nice -n 19 ninja -j"$(nproc)" qemu-system-x86_64
-    cp qemu-system-x86_64 "$bin"
+    rm -f qemu_*
 fi
-# Firmware (`-L images/out/qemu-plugins/pc-bios`): the Debian source package has the
-# blobs stripped (dfsg), so link Debian's built copies (seabios, qemu-system-data).
-if [ ! -e "$out/pc-bios/bios-256k.bin" ]; then
-    rm -rf "$out/pc-bios"
-    mkdir -p "$out/pc-bios"
-    for d in /usr/share/qemu /usr/share/seabios; do
-        for f in "$d"/*; do
-            [ -e "$out/pc-bios/$(basename "$f")" ] || ln -s "$f" "$out/pc-bios/"
-        done
-    done
-fi
-
-src=$(ls -d "$out"/src/qemu-*/ | head -1)
 if [ ! -f "$plugin" ] || [ "$here/qemu-cache-plugin/pa_cache.c" -nt "$plugin" ]; then
-    gcc -O2 -shared -fPIC -Wall -Wextra -Wno-unused-parameter -Werror -I"$src/include/qemu" \
+    if ! pkg-config --exists glib-2.0 2>/dev/null; then
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            gcc libc6-dev pkg-config libglib2.0-dev >/dev/null
+    fi
+    gcc -O2 -shared -fPIC -Wall -Wextra -Wno-unused-parameter -Werror -I"$out/include" \
         $(pkg-config --cflags glib-2.0) \
         -o "$plugin" "$here/qemu-cache-plugin/pa_cache.c"
 fi
-bb=$out/plugins/libbb.so
-if [ ! -f "$bb" ]; then
-    gcc -O2 -shared -fPIC -I"$src/include/qemu" $(pkg-config --cflags glib-2.0) \
-        -o "$bb" "$src/tests/plugin/bb.c"
-fi
-echo "$bin"
 echo "$plugin"
-echo "$bb"
