@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use iced_x86::{Decoder, DecoderOptions, FlowControl};
-use kpin_tool_bbcount::Row;
+use kpin_tool_bbcount::{parse_csv, Row};
 use vmm::control::client::request;
 use vmm::control::protocol::{Reply, Request};
 use vmm::control::SOCKET_NAME;
@@ -89,6 +89,29 @@ pub fn known_loop_runs(rows: &[Row]) -> u64 {
     runs
 }
 
+/// How many times the body of `known_loop_1000` ran, by the `bbcount.csv` in `window`
+/// (panics naming the file if it is missing or malformed).
+pub fn window_known_loop_runs(window: &Path) -> u64 {
+    let path = window.join("bbcount.csv");
+    let csv = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let rows = parse_csv(&csv).unwrap_or_else(|line| panic!("{} line {line}", path.display()));
+    known_loop_runs(&rows)
+}
+
+/// Runs `cfg` with the control channel `control` on a thread of its own, the host daemon
+/// writing to `out`; returns the thread, whose result is the run's report.
+pub fn spawn_vm(cfg: VmConfig, control: ControlConfig, out: PathBuf) -> JoinHandle<RunReport> {
+    std::thread::spawn(move || {
+        let mut daemon = host_daemon::Daemon::new(&out);
+        let report = Vm::new(&cfg)
+            .expect("create VM")
+            .run_with_control(&mut daemon, Some(control))
+            .expect("run VM");
+        daemon.finish().expect("finish output files");
+        report
+    })
+}
+
 /// Waits until the guest has made `n` marks on the attach-status port.
 pub fn wait_marks(dir: &Path, n: u64) -> Reply {
     let start = Instant::now();
@@ -132,16 +155,7 @@ pub fn start_minikernel(
         boot_tool: boot_tool.map(str::to_owned),
         boot_resident: false,
     };
-    let out = dir.to_owned();
-    let vm_thread = std::thread::spawn(move || {
-        let mut daemon = host_daemon::Daemon::new(&out);
-        let report = Vm::new(&cfg)
-            .expect("create VM")
-            .run_with_control(&mut daemon, Some(control))
-            .expect("run VM");
-        daemon.finish().expect("finish output files");
-        report
-    });
+    let vm_thread = spawn_vm(cfg, control, dir.to_owned());
     wait_for_socket(dir);
     (vm_thread, console)
 }

@@ -19,14 +19,14 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use kpin_tests::attach::Neighbour;
+use kpin_tests::attach::{spawn_vm, Neighbour};
 use kpin_tests::{engine_config, require_kvm, scratch_dir};
 use kpin_tool_bbcount::parse_csv;
 use vmm::control::client::{request, ClientError};
 use vmm::control::protocol::{Reply, Request};
 use vmm::control::SOCKET_NAME;
 use vmm::guests::LINUX_CMDLINE;
-use vmm::{ControlConfig, Outcome, RunReport, Vm, VmConfig};
+use vmm::{ControlConfig, Outcome, RunReport, VmConfig};
 
 /// Latencies of one window, in ms.
 struct Cycle {
@@ -140,16 +140,7 @@ fn soak(name: &str, windows: Windows, soak_s: u64, window: Duration, gap: Durati
         boot_tool: None,
         boot_resident: true,
     };
-    let out = dir.clone();
-    let vm_thread = std::thread::spawn(move || {
-        let mut daemon = host_daemon::Daemon::new(&out);
-        let report = Vm::new(&cfg)
-            .expect("create VM")
-            .run_with_control(&mut daemon, Some(control))
-            .expect("run VM");
-        daemon.finish().expect("finish output files");
-        report
-    });
+    let vm_thread = spawn_vm(cfg, control, dir.clone());
     let read_console = || std::fs::read_to_string(&console).unwrap_or_default();
     wait_for("user space", Duration::from_secs(240), || {
         read_console().contains("KPIN-USERSPACE-OK")

@@ -13,22 +13,21 @@
 //! the loop body exactly 1000 times, and the rest of the run (natively) must print the
 //! native transcript. Prints attach and detach latencies.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use kpin_tests::attach::{
-    known_loop_runs, start_minikernel, wait_for_socket, wait_marks, GUEST_PROGRESS_BUDGET,
+    spawn_vm, start_minikernel, wait_for_socket, wait_marks, window_known_loop_runs,
+    GUEST_PROGRESS_BUDGET,
 };
 use kpin_tests::{
     compare_minikernel_transcript, engine_config, minikernel_elf, minikernel_expected, require_kvm,
     scratch_dir,
 };
-use kpin_tool_bbcount::parse_csv;
 use vmm::control::client::request;
 use vmm::control::protocol::Request;
 use vmm::control::SOCKET_NAME;
 use vmm::guests::MINIKERNEL_NATIVE_CMDLINE;
-use vmm::{ControlConfig, Outcome, Vm, VmConfig};
+use vmm::{ControlConfig, Outcome, VmConfig};
 
 #[test]
 fn test_attach_bbcount_to_the_native_minikernel_mid_run_counts_its_known_loop() {
@@ -54,16 +53,7 @@ fn test_attach_bbcount_to_the_native_minikernel_mid_run_counts_its_known_loop() 
         boot_tool: None,
         boot_resident: false,
     };
-    let out: PathBuf = dir.clone();
-    let vm_thread = std::thread::spawn(move || {
-        let mut daemon = host_daemon::Daemon::new(&out);
-        let report = Vm::new(&cfg)
-            .expect("create VM")
-            .run_with_control(&mut daemon, Some(control))
-            .expect("run VM");
-        daemon.finish().expect("finish output files");
-        report
-    });
+    let vm_thread = spawn_vm(cfg, control, dir.clone());
     wait_for_socket(&dir);
     let status = request(&dir, &Request::Status).expect("status");
     assert!(status.ok, "{status:?}");
@@ -105,9 +95,7 @@ fn test_attach_bbcount_to_the_native_minikernel_mid_run_counts_its_known_loop() 
         "the native command line skips native-unsafe steps"
     );
     assert!(!dir.join(SOCKET_NAME).exists(), "the socket is removed");
-    let csv = std::fs::read_to_string(window.join("bbcount.csv")).expect("attach-1/bbcount.csv");
-    let rows = parse_csv(&csv).unwrap_or_else(|line| panic!("bbcount.csv line {line}"));
-    assert_eq!(known_loop_runs(&rows), 1000, "rows: {rows:?}");
+    assert_eq!(window_known_loop_runs(&window), 1000);
     assert!(
         !dir.join("bbcount.csv").exists(),
         "the window's files go to attach-1/"
@@ -204,10 +192,12 @@ fn test_attach_detach_attach_on_the_native_minikernel_counts_each_window_exactly
         .unwrap_or_else(|e| panic!("{e}\n{text}"));
     for w in 1..=2 {
         let window = dir.join(format!("attach-{w}"));
-        let csv = std::fs::read_to_string(window.join("bbcount.csv"))
-            .unwrap_or_else(|e| panic!("attach-{w}/bbcount.csv: {e}\n{}", log(w)));
-        let rows = parse_csv(&csv).unwrap_or_else(|line| panic!("bbcount.csv line {line}"));
-        assert_eq!(known_loop_runs(&rows), 1000, "window {w}: rows: {rows:?}");
+        assert_eq!(
+            window_known_loop_runs(&window),
+            1000,
+            "window {w}: {}",
+            log(w)
+        );
         assert!(
             log(w).contains("the guest continues natively"),
             "window {w}: {}",
@@ -277,13 +267,10 @@ fn test_a_tool_run_detaches_to_resident_and_switches_tools_with_exact_counts() {
         .unwrap_or_else(|e| panic!("{e}\n{text}"));
     assert_eq!(skipped, 0, "every step ran under the engine");
     for window in [dir.clone(), dir.join("attach-1")] {
-        let csv = std::fs::read_to_string(window.join("bbcount.csv"))
-            .unwrap_or_else(|e| panic!("{}: {e}\n{log}", window.display()));
-        let rows = parse_csv(&csv).unwrap_or_else(|line| panic!("bbcount.csv line {line}"));
         assert_eq!(
-            known_loop_runs(&rows),
+            window_known_loop_runs(&window),
             1000,
-            "{}: rows: {rows:?}",
+            "{}: {log}",
             window.display()
         );
     }
@@ -396,7 +383,5 @@ fn test_a_detach_the_engine_cannot_take_is_withdrawn_and_the_window_goes_on() {
     );
     compare_minikernel_transcript(&text, &minikernel_expected())
         .unwrap_or_else(|e| panic!("{e}\n{text}"));
-    let csv = std::fs::read_to_string(dir.join("attach-1/bbcount.csv")).expect("bbcount.csv");
-    let rows = parse_csv(&csv).unwrap_or_else(|line| panic!("bbcount.csv line {line}"));
-    assert_eq!(known_loop_runs(&rows), 1000, "{log}");
+    assert_eq!(window_known_loop_runs(&dir.join("attach-1")), 1000, "{log}");
 }

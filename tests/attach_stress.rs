@@ -23,9 +23,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use kpin_tests::attach::{known_loop_runs, start_minikernel, wait_marks, Neighbour};
+use kpin_tests::attach::{start_minikernel, wait_marks, window_known_loop_runs, Neighbour};
 use kpin_tests::{compare_minikernel_transcript, minikernel_expected, require_kvm, scratch_dir};
-use kpin_tool_bbcount::parse_csv;
 use vmm::control::client::request;
 use vmm::control::protocol::Request;
 use vmm::guests::MINIKERNEL_NATIVE_CMDLINE;
@@ -121,13 +120,10 @@ fn session(dir: &Path, start: Start) -> Vec<PathBuf> {
     compare_minikernel_transcript(&text, &minikernel_expected())
         .unwrap_or_else(|e| panic!("{start:?}: {e}\n{text}"));
     for window in &windows {
-        let csv = std::fs::read_to_string(window.join("bbcount.csv"))
-            .unwrap_or_else(|e| panic!("{}: {e}\n{log}", window.display()));
-        let rows = parse_csv(&csv).unwrap_or_else(|line| panic!("bbcount.csv line {line}"));
         assert_eq!(
-            known_loop_runs(&rows),
+            window_known_loop_runs(window),
             1000,
-            "{start:?} {}: rows: {rows:?}",
+            "{start:?} {}: {log}",
             window.display()
         );
     }

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use iced_x86::{Decoder, DecoderOptions, FlowControl};
+use kpin_tests::attach::code_at;
 use kpin_tests::{
     compare_minikernel_transcript, engine_counters, json_u64, minikernel_elf, minikernel_expected,
     require_kvm, run_minikernel,
@@ -74,22 +75,6 @@ fn test_minikernel_under_null_tool_prints_every_step_of_expected_txt() {
     );
     let table = std::fs::read_to_string(dir.join("profile.txt")).expect("profile.txt");
     assert!(table.contains("translated code"), "{table}");
-}
-
-/// The bytes of the loaded image at `va` (the mini-kernel's PT_LOAD segments).
-fn code_at(elf: &[u8], va: u64, len: usize) -> Option<&[u8]> {
-    let u16_at = |o: usize| u16::from_le_bytes(elf[o..o + 2].try_into().unwrap());
-    let u64_at = |o: usize| u64::from_le_bytes(elf[o..o + 8].try_into().unwrap());
-    let phoff = u64_at(0x20) as usize;
-    for i in 0..usize::from(u16_at(0x38)) {
-        let ph = phoff + i * usize::from(u16_at(0x36));
-        let (off, vaddr, filesz) = (u64_at(ph + 8), u64_at(ph + 0x10), u64_at(ph + 0x20));
-        if va >= vaddr && va + len as u64 <= vaddr + filesz {
-            let start = (off + va - vaddr) as usize;
-            return elf.get(start..start + len);
-        }
-    }
-    None
 }
 
 #[test]
