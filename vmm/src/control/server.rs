@@ -464,15 +464,13 @@ fn read_request(
 /// Passes `request` to the vCPU loop if no other command is there and the rate allows,
 /// and waits for its reply.
 fn forward(request: Request, tx: &Sender<Command>, shared: &Shared) -> Reply {
+    const BUSY: &str =
+        "another control client's attach or detach is being served by this run; try again";
     let _one = match (request == Request::Status, shared.busy.try_lock()) {
         (true, _) => None,
         (false, Ok(one)) => Some(one),
         (false, Err(TryLockError::Poisoned(p))) => Some(p.into_inner()),
-        (false, Err(TryLockError::WouldBlock)) => {
-            return Reply::error(
-                "another control client's attach or detach is being served by this run; try again",
-            )
-        }
+        (false, Err(TryLockError::WouldBlock)) => return Reply::error(BUSY),
     };
     let allowed = shared
         .rate

@@ -100,7 +100,9 @@ fn test_an_attach_or_detach_while_another_is_in_the_loop_is_refused_but_status_i
     // A status is not held off by the waiting detach.
     let d = dir.clone();
     let status = std::thread::spawn(move || request(&d, &Request::Status).expect("a reply"));
-    let st = rx.recv_timeout(Duration::from_secs(20)).expect("the status");
+    let st = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the status");
     assert_eq!(st.request, Request::Status);
     let _ = st.reply.send(Reply::ok());
     assert!(status.join().expect("status client").ok);
