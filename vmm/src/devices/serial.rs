@@ -90,8 +90,10 @@ impl Write for ConsoleSink {
         self.watch
             .bytes
             .set(self.watch.bytes.get() + buf.len() as u64);
-        if self.echo_stdout {
-            std::io::stdout().lock().write_all(buf)?;
+        // A closed or failing stdout (`kpin run | head`) ends the echo, never the copy in
+        // the console file.
+        if self.echo_stdout && std::io::stdout().lock().write_all(buf).is_err() {
+            self.echo_stdout = false;
         }
         if let Some(f) = self.file.as_mut() {
             f.write_all(buf)?;
@@ -100,8 +102,8 @@ impl Write for ConsoleSink {
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
-        if self.echo_stdout {
-            std::io::stdout().lock().flush()?;
+        if self.echo_stdout && std::io::stdout().lock().flush().is_err() {
+            self.echo_stdout = false;
         }
         if let Some(f) = self.file.as_mut() {
             f.flush()?;
