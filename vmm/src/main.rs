@@ -75,6 +75,10 @@ enum Command {
         /// Image directory [default: images/out in the source tree].
         #[arg(long)]
         dir: Option<PathBuf>,
+        /// Also fetch Debian's generic (non-cloud) 6.12 kernel, for the side-by-side
+        /// benchmark only (about 110 MB to download).
+        #[arg(long)]
+        generic_612: bool,
     },
     /// Boot a guest and run it to poweroff, crash or timeout.
     #[command(after_help = RUN_AFTER_HELP)]
@@ -247,7 +251,7 @@ struct RunArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Images { dir } => images(dir).map(|()| EXIT_CLEAN),
+        Command::Images { dir, generic_612 } => images(dir, generic_612).map(|()| EXIT_CLEAN),
         Command::Run(args) => run(*args),
         Command::Attach {
             run,
@@ -345,7 +349,7 @@ fn trace(
     }
 }
 
-fn images(dir: Option<PathBuf>) -> anyhow::Result<()> {
+fn images(dir: Option<PathBuf>, generic_612: bool) -> anyhow::Result<()> {
     let dir = dir.unwrap_or_else(kpin_images::default_out_dir);
     let linux = kpin_images::ensure_linux(&dir, &mut progress)?;
     let mk = kpin_images::ensure_minikernel(&dir, &mut progress)?;
@@ -357,6 +361,10 @@ fn images(dir: Option<PathBuf>) -> anyhow::Result<()> {
     println!("initramfs:        {}", linux.initramfs.display());
     println!("mini-kernel:      {}", mk.display());
     println!("engine image:     {}", engine.display());
+    if generic_612 {
+        let generic = kpin_images::ensure_linux_generic_612(&dir, &mut progress)?;
+        println!("generic 6.12:     {}", generic.vmlinux.display());
+    }
     Ok(())
 }
 
