@@ -55,6 +55,9 @@ const SOCKET_CASES: u64 = 30_000;
 /// Client threads sending them at once.
 const FUZZ_THREADS: u64 = 4;
 const DEFAULT_SEED: u64 = 0x6b70_696e_2d32_3421;
+/// How long a retry loop or a wait for a reply may take before the test calls it a hang:
+/// generous, for a loaded host; never a measure of speed.
+const HANG_GUARD: Duration = Duration::from_secs(300);
 
 /// xorshift64*: small, deterministic, good enough to pick mutations.
 struct Rng(u64);
@@ -655,7 +658,7 @@ fn fuzz_client(path: &Path, seed: u64, cases: u64, phase: Phase, tally: &Tally) 
                 break r;
             }
             tally.too_many.fetch_add(1, Ordering::Relaxed);
-            assert!(t.elapsed() < Duration::from_secs(30), "{r:?}");
+            assert!(t.elapsed() < HANG_GUARD, "{r:?}");
             std::thread::sleep(Duration::from_millis(5));
         };
         match expected {
@@ -722,8 +725,9 @@ fn expect_deadline(s: &mut UnixStream, connected: Instant) -> Duration {
         return Duration::ZERO;
     }
     assert!(e.contains("no complete request within"), "{r:?}");
+    // Not before the deadline; "after" is bounded only as a guard against a hang.
     assert!(
-        took >= Duration::from_millis(1900) && took < Duration::from_secs(10),
+        took >= Duration::from_millis(1900) && took < HANG_GUARD,
         "deadline error after {took:?}"
     );
     took
@@ -820,7 +824,7 @@ struct Watch {
 }
 
 /// Asks for `status` every 50 ms until `stop`, retrying refusals; each must be answered
-/// within 15 s (the deadline of a flood's silent clients, a few times over).
+/// (retries are bounded only as a guard against a hang).
 fn watch(dir: &Path, phase: Phase, stop: &AtomicBool) -> Watch {
     let mut w = Watch::default();
     while !stop.load(Ordering::SeqCst) {
@@ -831,10 +835,7 @@ fn watch(dir: &Path, phase: Phase, stop: &AtomicBool) -> Watch {
                 break r;
             }
             w.retries += 1;
-            assert!(
-                t.elapsed() < Duration::from_secs(15),
-                "status refused: {r:?}"
-            );
+            assert!(t.elapsed() < HANG_GUARD, "status refused: {r:?}");
             std::thread::sleep(Duration::from_millis(5));
         };
         let took = t.elapsed();
@@ -920,7 +921,7 @@ fn insist(dir: &Path, req: &Request) -> Reply {
         if !try_again(&r) {
             return r;
         }
-        assert!(t.elapsed() < Duration::from_secs(60), "{req:?}: {r:?}");
+        assert!(t.elapsed() < HANG_GUARD, "{req:?}: {r:?}");
         std::thread::sleep(Duration::from_millis(10));
     }
 }
