@@ -153,14 +153,16 @@ fn answer_all(rx: Receiver<Command>, stop: Arc<AtomicBool>) -> JoinHandle<usize>
 fn test_silent_trickling_and_half_closed_clients_hold_off_no_one() {
     let dir = scratch("slow");
     let path = dir.join(SOCKET_NAME);
+    // A deadline long enough that the well-behaved client's reply comes first however
+    // loaded the host is.
     let limits = Limits {
         max_clients: 8,
+        request_deadline: Duration::from_secs(3),
         ..QUICK
     };
     let (server, rx) = ControlServer::start_with(&path, limits).expect("listen");
     let done = Arc::new(AtomicBool::new(false));
     let loop_thread = answer_all(rx, done.clone());
-    let t0 = Instant::now();
     let silent = UnixStream::connect(&path).expect("silent");
     let mut partial = UnixStream::connect(&path).expect("partial");
     partial.write_all(b"{\"cmd\":\"sta").expect("send");
@@ -177,27 +179,21 @@ fn test_silent_trickling_and_half_closed_clients_hold_off_no_one() {
     });
     let half = UnixStream::connect(&path).expect("half-closed");
     half.shutdown(std::net::Shutdown::Write).expect("shutdown");
-    // Meanwhile a well-behaved client is served at once.
+    // Meanwhile a well-behaved client is served, before any slow one's deadline.
     let ok = request(&dir, &Request::Status).expect("status");
+    let ok_at = Instant::now();
     assert!(ok.ok, "{ok:?}");
-    assert!(
-        t0.elapsed() < Duration::from_millis(400),
-        "{:?}",
-        t0.elapsed()
-    );
     let (r, _) = reply_of(half);
     assert!(error_of(&r).contains("malformed request: EOF"), "{r:?}");
     for s in [silent, partial, trickle] {
         let (r, at) = reply_of(s);
         assert!(
-            error_of(&r).contains("no complete request within 600 ms"),
+            error_of(&r).contains("no complete request within 3000 ms"),
             "{r:?}"
         );
-        let took = at - t0;
-        assert!(
-            took >= Duration::from_millis(550) && took < Duration::from_millis(1500),
-            "{took:?}"
-        );
+        // The deadline is the connection's total, not a reading's: the trickler's request
+        // would be whole after ~5 s, yet it gets the deadline's error.
+        assert!(at > ok_at, "a slow client was answered first");
     }
     let _ = writer.join();
     done.store(true, Ordering::SeqCst);
@@ -213,7 +209,13 @@ fn test_silent_trickling_and_half_closed_clients_hold_off_no_one() {
 fn test_a_flood_of_clients_is_capped_and_the_next_client_is_served() {
     let dir = scratch("flood");
     let path = dir.join(SOCKET_NAME);
-    let (server, rx) = ControlServer::start_with(&path, QUICK).expect("listen");
+    // Admitted clients time out after 3 s: long after the accepting thread refused the
+    // rest, however loaded the host.
+    let limits = Limits {
+        request_deadline: Duration::from_secs(3),
+        ..QUICK
+    };
+    let (server, rx) = ControlServer::start_with(&path, limits).expect("listen");
     let done = Arc::new(AtomicBool::new(false));
     let loop_thread = answer_all(rx, done.clone());
     let flood: Vec<UnixStream> = (0..12)
@@ -224,19 +226,23 @@ fn test_a_flood_of_clients_is_capped_and_the_next_client_is_served() {
         .into_iter()
         .map(|s| std::thread::spawn(move || reply_of(s)))
         .collect();
-    let mut refused = 0;
-    let mut timed_out = 0;
+    let (mut refused, mut timed_out) = (Vec::new(), Vec::new());
     for reader in readers {
         let (r, at) = reader.join().expect("reader");
         let e = error_of(&r);
         if e.contains("too many control clients") {
-            assert!(at - t0 < Duration::from_millis(300), "{:?}", at - t0);
-            refused += 1;
+            refused.push(at);
         } else {
             assert!(e.contains("no complete request"), "{r:?}");
-            timed_out += 1;
+            timed_out.push(at);
         }
     }
+    // Refused at once: before any admitted client's deadline.
+    assert!(
+        refused.iter().max() < timed_out.iter().min(),
+        "refused {refused:?}, timed out {timed_out:?} (from {t0:?})"
+    );
+    let (refused, timed_out) = (refused.len(), timed_out.len());
     assert_eq!(
         (timed_out, refused),
         (QUICK.max_clients, 12 - QUICK.max_clients)
@@ -249,7 +255,7 @@ fn test_a_flood_of_clients_is_capped_and_the_next_client_is_served() {
             break;
         }
         assert!(error_of(&r).contains("too many"), "{r:?}");
-        assert!(t.elapsed() < Duration::from_secs(2), "{r:?}");
+        assert!(t.elapsed() < Duration::from_secs(60), "{r:?}");
         std::thread::sleep(Duration::from_millis(10));
     }
     done.store(true, Ordering::SeqCst);
@@ -261,27 +267,30 @@ fn test_a_flood_of_clients_is_capped_and_the_next_client_is_served() {
 fn test_commands_past_the_rate_are_refused_not_queued() {
     let dir = scratch("rate");
     let path = dir.join(SOCKET_NAME);
-    let (server, rx) = ControlServer::start_with(&path, QUICK).expect("listen");
+    // A refill too slow to matter while the test runs, however slow the host: the burst
+    // is all there is (the refill itself is `TokenBucket`'s test, with its own clock).
+    let limits = Limits {
+        rate_per_second: 0.001,
+        ..QUICK
+    };
+    let (server, rx) = ControlServer::start_with(&path, limits).expect("listen");
     let done = Arc::new(AtomicBool::new(false));
     let loop_thread = answer_all(rx, done.clone());
-    let replies: Vec<Reply> = (0..6)
-        .map(|_| request(&dir, &Request::Status).expect("a reply"))
-        .collect();
-    let ok = replies.iter().filter(|r| r.ok).count();
-    // The burst of 3, and perhaps one more refilled meanwhile (2 a second).
-    assert!((3..=4).contains(&ok), "{replies:?}");
-    for r in replies.iter().filter(|r| !r.ok) {
-        assert!(error_of(r).starts_with("rate limited"), "{r:?}");
-    }
     // Malformed requests take no token.
     for _ in 0..5 {
         let r = raw(&dir, b"{\"cmd\":\"nope\"}\n");
         assert!(error_of(&r).contains("unknown command"), "{r:?}");
     }
-    std::thread::sleep(Duration::from_millis(600));
-    assert!(request(&dir, &Request::Status).expect("a reply").ok);
+    let replies: Vec<Reply> = (0..6)
+        .map(|_| request(&dir, &Request::Status).expect("a reply"))
+        .collect();
+    let ok = replies.iter().filter(|r| r.ok).count();
+    assert_eq!(ok, 3, "the burst of 3: {replies:?}");
+    for r in replies.iter().filter(|r| !r.ok) {
+        assert!(error_of(r).starts_with("rate limited"), "{r:?}");
+    }
     done.store(true, Ordering::SeqCst);
-    assert_eq!(loop_thread.join().expect("loop"), ok + 1);
+    assert_eq!(loop_thread.join().expect("loop"), ok);
     server.shutdown();
 }
 
@@ -335,13 +344,8 @@ fn test_shutdown_does_not_wait_for_a_silent_client() {
     let (server, _rx) = ControlServer::start(&path).expect("listen");
     let silent = UnixStream::connect(&path).expect("connect");
     std::thread::sleep(Duration::from_millis(100));
-    let t = Instant::now();
     server.shutdown();
-    assert!(
-        t.elapsed() < Duration::from_millis(500),
-        "{:?}",
-        t.elapsed()
-    );
+    // Ended by the shutdown, not by its deadline (which would say so).
     let (r, _) = reply_of(silent);
     assert_eq!(error_of(&r), "the run has ended");
 }
