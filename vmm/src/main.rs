@@ -106,7 +106,8 @@ enum Command {
         run: PathBuf,
     },
     /// Print a running guest's state as JSON: state (native, attached, resident), tool,
-    /// guest instructions under the engine so far, windows, uptime.
+    /// guest instructions under the engine so far, progress (advancing, idle, or stalled:
+    /// no guest instruction while exits climb, with the numbers), windows, uptime.
     Status {
         /// The run's output directory.
         run: PathBuf,
