@@ -7,6 +7,7 @@
 //! - [`client`]: the command-line side.
 
 pub mod client;
+pub mod progress;
 pub mod protocol;
 pub mod server;
 pub mod windows;
