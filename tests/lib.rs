@@ -2,7 +2,8 @@
 //!
 //! Tests that need `/dev/kvm` start with [`require_kvm!`]: when it is absent they print a
 //! visible `SKIPPED: no /dev/kvm (<test>)` line and return, so a run without KVM says what
-//! it did not test instead of passing silently.
+//! it did not test instead of passing silently; with `KPIN_REQUIRE_KVM=1` (set by
+//! `.ci/run`) they fail instead.
 
 use std::path::{Path, PathBuf};
 
@@ -12,7 +13,12 @@ pub mod guest_asm;
 use host_daemon::{Daemon, DaemonStats};
 use vmm::{RunReport, Vm, VmConfig};
 
-/// Whether `/dev/kvm` can be opened; prints `SKIPPED: no /dev/kvm (<test>)` if not.
+/// The environment variable that turns a missing `/dev/kvm` from a skip into a failure
+/// (`.ci/run` sets it: CI must not pass by testing nothing).
+pub const REQUIRE_KVM_ENV: &str = "KPIN_REQUIRE_KVM";
+
+/// Whether `/dev/kvm` can be opened; prints `SKIPPED: no /dev/kvm (<test>)` if not, or
+/// panics if [`REQUIRE_KVM_ENV`] is `1`.
 pub fn kvm_available(test: &str) -> bool {
     match std::fs::OpenOptions::new()
         .read(true)
@@ -21,6 +27,10 @@ pub fn kvm_available(test: &str) -> bool {
     {
         Ok(_) => true,
         Err(e) => {
+            assert!(
+                std::env::var(REQUIRE_KVM_ENV).as_deref() != Ok("1"),
+                "no /dev/kvm ({test}): {e}; {REQUIRE_KVM_ENV}=1 makes that a failure"
+            );
             println!("SKIPPED: no /dev/kvm ({test}): {e}");
             eprintln!("SKIPPED: no /dev/kvm ({test}): {e}");
             false
