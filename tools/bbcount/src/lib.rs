@@ -20,7 +20,16 @@ use alloc::vec::Vec;
 use core::fmt::{self, Write};
 
 use kpin_tool::host::{Error, File, Sink};
-use kpin_tool::{CounterId, Engine, KpinTool, Tool, TraceInstrumenter};
+use kpin_tool::{CounterId, Engine, KpinTool, Tool, ToolSpec, TraceInstrumenter};
+
+/// What `--tool bbcount` is (the registry's entry).
+pub const SPEC: ToolSpec = ToolSpec {
+    name: "bbcount",
+    summary: "an inline counter per basic block and CPL -> bbcount.csv",
+    options: &[],
+    prefixed_keys: false,
+    host: Some("bbcount-report.txt: the user/kernel split and the hottest blocks, named from the kernel's symbols"),
+};
 
 /// The output file's name.
 pub const CSV_NAME: &str = "bbcount.csv";
@@ -157,7 +166,7 @@ impl BbCount {
 
 impl KpinTool for BbCount {
     fn name(&self) -> &'static str {
-        "bbcount"
+        SPEC.name
     }
 
     fn finish(&mut self, engine: &Engine, host: &mut dyn Sink) -> Result<(), Error> {

@@ -32,11 +32,20 @@ use alloc::vec::Vec;
 use core::fmt;
 
 use kpin_tool::host::{Error, File, Sink};
-use kpin_tool::{access, Engine, KpinTool, MemRecord, Tool, TraceInstrumenter};
+use kpin_tool::{access, Engine, KpinTool, MemRecord, Tool, ToolSpec, TraceInstrumenter};
 
 use crate::insns::{MissKind, MissTable};
 use crate::options::Options;
 use crate::sim::{Hierarchy, Kind, KERNEL, USER};
+
+/// What `--tool cachesim` is (the registry's entry).
+pub const SPEC: ToolSpec = ToolSpec {
+    name: "cachesim",
+    summary: "drcachesim's cache model over every fetch and data access's guest-physical address",
+    options: options::KEYS,
+    prefixed_keys: true,
+    host: Some("the simulation on a host thread when the record ring is there; cachesim.txt, cachesim.json, cachesim-timeline.svg"),
+};
 
 /// The totals the engine writes (read by [`files::parse_counters`]).
 pub const COUNTERS_NAME: &str = "cachesim-counters.txt";
@@ -454,7 +463,7 @@ impl Tool for CacheSim {
 
 impl KpinTool for CacheSim {
     fn name(&self) -> &'static str {
-        "cachesim"
+        SPEC.name
     }
 
     fn finish(&mut self, _engine: &Engine, host: &mut dyn Sink) -> Result<(), Error> {

@@ -6,6 +6,118 @@ use alloc::string::{String, ToString};
 use alloc::vec;
 use alloc::vec::Vec;
 
+use kpin_tool::{OptionSpec, ValueKind};
+
+const fn opt(
+    key: &'static str,
+    kind: ValueKind,
+    default: Option<&'static str>,
+    help: &'static str,
+) -> OptionSpec {
+    OptionSpec {
+        key,
+        help,
+        default,
+        kind,
+    }
+}
+
+/// The `--tool-option` keys (drcachesim's names), for the tool's [`crate::SPEC`]; each is
+/// also accepted as `cachesim.KEY`. [`Options::parse_host`] reads them all (and
+/// [`Options::parse`] all but `config_file`, which the host expands before boot).
+pub const KEYS: &[OptionSpec] = &[
+    opt(
+        "L1I_size",
+        ValueKind::Size,
+        Some("32K"),
+        "L1 instruction cache size",
+    ),
+    opt(
+        "L1I_assoc",
+        ValueKind::Count,
+        Some("8"),
+        "L1 instruction cache ways",
+    ),
+    opt(
+        "L1D_size",
+        ValueKind::Size,
+        Some("32K"),
+        "L1 data cache size",
+    ),
+    opt(
+        "L1D_assoc",
+        ValueKind::Count,
+        Some("8"),
+        "L1 data cache ways",
+    ),
+    opt(
+        "L2_size",
+        ValueKind::Size,
+        None,
+        "adds a unified L2 of this size (512K if only L2_assoc is given)",
+    ),
+    opt(
+        "L2_assoc",
+        ValueKind::Count,
+        None,
+        "adds a unified L2 with these ways (8 if only L2_size is given)",
+    ),
+    opt(
+        "LL_size",
+        ValueKind::Size,
+        Some("8M"),
+        "last-level cache size",
+    ),
+    opt(
+        "LL_assoc",
+        ValueKind::Count,
+        Some("16"),
+        "last-level cache ways",
+    ),
+    opt(
+        "line_size",
+        ValueKind::Size,
+        Some("64"),
+        "line size in bytes, every level",
+    ),
+    opt(
+        "replace_policy",
+        ValueKind::Choice(&["LRU", "FIFO", "RANDOM"]),
+        Some("LRU"),
+        "replacement policy, every level",
+    ),
+    opt(
+        "warmup_refs",
+        ValueKind::Count,
+        Some("0"),
+        "references simulated before the statistics start",
+    ),
+    opt(
+        "sim_refs",
+        ValueKind::Count,
+        Some("0"),
+        "references simulated after the warmup (0: all)",
+    ),
+    opt(
+        "interval_refs",
+        ValueKind::Count,
+        Some("1000"),
+        "references per timeline sample at the start",
+    ),
+    opt(
+        "top",
+        ValueKind::Count,
+        Some("10"),
+        "instructions the report lists by data and by fetch misses",
+    ),
+    opt(
+        "config_file",
+        ValueKind::Path,
+        None,
+        "a drcachesim cache hierarchy file (replaces the L1I/L1D/L2/LL keys)",
+    ),
+];
+
 /// The options a `config_file` replaces (it describes every cache).
 const GEOMETRY_KEYS: &[&str] = &[
     "L1I_size",
@@ -521,6 +633,47 @@ mod tests {
         assert_eq!(parse_size("12"), Some(12));
         assert_eq!(parse_size("K"), None);
         assert_eq!(parse_size("99999999999999999999K"), None);
+    }
+
+    /// [`KEYS`] and the parser agree: every declared key is read (a default to the
+    /// default options, bare and prefixed), and every key the parser matches is declared,
+    /// except `caches`, the host's word for a `config_file` hierarchy.
+    #[test]
+    fn keys_list_exactly_what_the_parser_reads() {
+        for o in KEYS {
+            let value = match (o.default, o.kind) {
+                (Some(d), _) => d,
+                (None, ValueKind::Size) => "512K",
+                (None, _) => "8",
+            };
+            for key in [o.key.to_string(), format!("cachesim.{}", o.key)] {
+                let word = format!("{key}={value}");
+                let mut read = false;
+                let parsed = Options::parse_host(&word, &mut |_| {
+                    read = true;
+                    Err("not here".into())
+                });
+                match (o.default, o.kind) {
+                    (_, ValueKind::Path) => assert!(read, "{word}"),
+                    (Some(_), _) => assert_eq!(parsed, Ok(Options::default()), "{word}"),
+                    (None, _) => assert_ne!(parsed, Ok(Options::default()), "{word}"),
+                }
+            }
+        }
+        let src = include_str!("options.rs");
+        let parse = &src[src.find("pub fn parse(").unwrap()..];
+        let parse = &parse[..parse.find("\n    }\n").unwrap()];
+        let mut arms: Vec<&str> = parse
+            .lines()
+            .filter_map(|l| l.strip_prefix("                \""))
+            .filter_map(|l| l.split_once("\" =>").map(|(k, _)| k))
+            .filter(|k| *k != "caches")
+            .collect();
+        let mut declared: Vec<&str> = KEYS.iter().map(|o| o.key).collect();
+        arms.sort_unstable();
+        declared.sort_unstable();
+        assert_eq!(arms, declared);
+        assert_eq!(crate::SPEC.options.len(), KEYS.len());
     }
 
     #[test]

@@ -17,7 +17,16 @@ use alloc::vec::Vec;
 use core::fmt::{self, Write};
 
 use kpin_tool::host::{Error, File, Sink};
-use kpin_tool::{CounterId, Engine, KpinTool, Tool, TraceInstrumenter};
+use kpin_tool::{CounterId, Engine, KpinTool, Tool, ToolSpec, TraceInstrumenter};
+
+/// What `--tool insmix` is (the registry's entry).
+pub const SPEC: ToolSpec = ToolSpec {
+    name: "insmix",
+    summary: "dynamic and static counts per mnemonic, kernel and user -> insmix.txt, insmix.json",
+    options: &[],
+    prefixed_keys: false,
+    host: None,
+};
 
 /// The table's name.
 pub const TXT_NAME: &str = "insmix.txt";
@@ -178,7 +187,7 @@ pub fn write_json(out: &mut dyn fmt::Write, mix: &[Row], emulated: u64) -> fmt::
 
 impl KpinTool for InsMix {
     fn name(&self) -> &'static str {
-        "insmix"
+        SPEC.name
     }
 
     fn finish(&mut self, engine: &Engine, host: &mut dyn Sink) -> Result<(), Error> {

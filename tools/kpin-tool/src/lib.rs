@@ -17,10 +17,12 @@ extern crate alloc;
 pub mod host;
 #[cfg(feature = "host-run")]
 pub mod host_run;
+pub mod spec;
 
 use core::fmt;
 
 pub use guest_engine::{access, CounterId, Engine, MemRecord, Tool, TraceInstrumenter};
+pub use spec::{OptionSpec, ToolSpec, ValueKind};
 
 /// A tool as the engine image drives it: instrumentation while the guest runs, then one
 /// `finish` when the run ends.

@@ -31,7 +31,9 @@ use alloc::vec::Vec;
 use core::fmt::{self, Write};
 
 use kpin_tool::host::{Error, File, Sink, CHUNK_BYTES};
-use kpin_tool::{access, Engine, KpinTool, MemRecord, Tool, TraceInstrumenter};
+use kpin_tool::{
+    access, Engine, KpinTool, MemRecord, OptionSpec, Tool, ToolSpec, TraceInstrumenter, ValueKind,
+};
 
 use crate::format::{Record, FLAG_CPL_SHIFT, FLAG_READ, FLAG_WRITE};
 
@@ -42,6 +44,28 @@ pub const SUMMARY_NAME: &str = "memtrace-summary.txt";
 /// Records written at most unless `limit=` says otherwise: 840 MB of records, inside
 /// the run's default 1 GiB output cap (`--max-output-bytes`).
 pub const DEFAULT_LIMIT: u64 = 30_000_000;
+
+/// What `--tool memtrace` is (the registry's entry).
+pub const SPEC: ToolSpec = ToolSpec {
+    name: "memtrace",
+    summary: "every data access (insn VA, data VA, PA, size, load/store, CPL) -> memtrace.bin",
+    options: &[
+        OptionSpec {
+            key: "cpl",
+            help: "keep only the accesses made at this CPL",
+            default: Some("all"),
+            kind: ValueKind::Choice(&["0", "3", "all"]),
+        },
+        OptionSpec {
+            key: "limit",
+            help: "most records written; later ones are counted as dropped",
+            default: Some("30000000"),
+            kind: ValueKind::Count,
+        },
+    ],
+    prefixed_keys: false,
+    host: Some("kpin trace RUN prints memtrace.bin as CSV in QEMU's mem plugin order"),
+};
 
 /// The options.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,9 +110,11 @@ impl Options {
                 }
                 k if k.starts_with("bringup.") => {}
                 _ => {
+                    let known: Vec<&str> = SPEC.options.iter().map(|o| o.key).collect();
                     return Err(format!(
-                        "unknown option {key:?} (memtrace knows cpl, limit)"
-                    ))
+                        "unknown option {key:?} (memtrace knows {})",
+                        known.join(", ")
+                    ));
                 }
             }
         }
@@ -289,7 +315,7 @@ impl Tool for MemTrace {
 
 impl KpinTool for MemTrace {
     fn name(&self) -> &'static str {
-        "memtrace"
+        SPEC.name
     }
 
     fn finish(&mut self, _engine: &Engine, host: &mut dyn Sink) -> Result<(), Error> {
@@ -336,6 +362,30 @@ mod tests {
 
     use super::format::{FormatError, Trace, HEADER_BYTES, RECORD_BYTES};
     use super::*;
+
+    /// The SPEC and the parser agree: every declared key parses, its default to the
+    /// default options, and every key the parser matches is declared.
+    #[test]
+    fn test_spec_lists_exactly_the_keys_the_parser_accepts() {
+        for o in SPEC.options {
+            let word = format!("{}={}", o.key, o.default.unwrap());
+            assert_eq!(Options::parse(&word), Ok(Options::default()), "{word}");
+        }
+        assert_eq!(
+            Options::parse("colour=red").unwrap_err(),
+            "unknown option \"colour\" (memtrace knows cpl, limit)"
+        );
+        let src = include_str!("lib.rs");
+        let parse = &src[src.find("pub fn parse(").unwrap()..];
+        let parse = &parse[..parse.find("\n    }\n").unwrap()];
+        let arms: Vec<&str> = parse
+            .lines()
+            .filter_map(|l| l.strip_prefix("                \""))
+            .filter_map(|l| l.split_once("\" =>").map(|(k, _)| k))
+            .collect();
+        let declared: Vec<&str> = SPEC.options.iter().map(|o| o.key).collect();
+        assert_eq!(arms, declared);
+    }
 
     fn rec(ip: u64, access: u32, cpl: u32) -> MemRecord {
         MemRecord {

@@ -5,7 +5,16 @@
 #![deny(missing_docs)]
 
 use kpin_tool::host::{Error, Sink};
-use kpin_tool::{Engine, KpinTool, Tool};
+use kpin_tool::{Engine, KpinTool, Tool, ToolSpec};
+
+/// What `--tool null` is (the registry's entry).
+pub const SPEC: ToolSpec = ToolSpec {
+    name: "null",
+    summary: "translation only: no instrumentation, no files (measures the engine alone)",
+    options: &[],
+    prefixed_keys: false,
+    host: None,
+};
 
 /// The null tool.
 #[derive(Debug, Default)]
@@ -15,7 +24,7 @@ impl Tool for Null {}
 
 impl KpinTool for Null {
     fn name(&self) -> &'static str {
-        "null"
+        SPEC.name
     }
 
     fn finish(&mut self, _engine: &Engine, _host: &mut dyn Sink) -> Result<(), Error> {
