@@ -138,15 +138,11 @@ pub fn start_minikernel(
 ) -> (std::thread::JoinHandle<RunReport>, PathBuf) {
     let console = dir.join("console.log");
     let cfg = VmConfig {
-        kernel: minikernel_elf(),
-        initrd: None,
         cmdline: cmdline.to_owned(),
-        mem_mib: 256,
         timeout: Some(Duration::from_secs(300)),
         console_file: Some(console.clone()),
-        echo_console: false,
-        system_map: None,
         engine: boot_tool.map(|t| engine_config(t, "")),
+        ..VmConfig::new(minikernel_elf())
     };
     let control = ControlConfig {
         socket: dir.join(SOCKET_NAME),

@@ -123,15 +123,13 @@ fn soak(name: &str, windows: Windows, soak_s: u64, window: Duration, gap: Durati
     let console = dir.join("console.log");
     let engine = engine_config("null", "");
     let cfg = VmConfig {
-        kernel: linux.vmlinux.clone(),
         initrd: Some(linux.initramfs.clone()),
         cmdline: format!("{LINUX_CMDLINE} kpin.workload=soak kpin.soak={soak_s}"),
-        mem_mib: 256,
         timeout: Some(Duration::from_secs(soak_s + 600)),
         console_file: Some(console.clone()),
-        echo_console: false,
         system_map: Some(linux.system_map.clone()),
         engine: Some(engine.clone()),
+        ..VmConfig::new(linux.vmlinux.clone())
     };
     let control = ControlConfig {
         socket: dir.join(SOCKET_NAME),

@@ -36,15 +36,10 @@ fn test_attach_bbcount_to_the_native_minikernel_mid_run_counts_its_known_loop() 
     let image = engine_config("null", "").image;
     let console = dir.join("console.log");
     let cfg = VmConfig {
-        kernel: minikernel_elf(),
-        initrd: None,
         cmdline: format!("{MINIKERNEL_NATIVE_CMDLINE} kpin.wait_attach=1"),
-        mem_mib: 256,
         timeout: Some(Duration::from_secs(300)),
         console_file: Some(console.clone()),
-        echo_console: false,
-        system_map: None,
-        engine: None,
+        ..VmConfig::new(minikernel_elf())
     };
     let control = ControlConfig {
         socket: dir.join(SOCKET_NAME),

@@ -22,15 +22,10 @@ fn run_engine(name: &str, options: &str) -> (vmm::RunReport, String) {
     // The guest's first instruction, `hlt` with interrupts off, stops the engine.
     std::fs::write(&kernel, tiny_elf(&[0xf4; 16])).unwrap();
     let cfg = VmConfig {
-        kernel,
-        initrd: None,
-        cmdline: String::new(),
         mem_mib: 64,
         timeout: Some(Duration::from_secs(60)),
-        console_file: None,
-        echo_console: false,
-        system_map: None,
         engine: Some(engine_config("null", options)),
+        ..VmConfig::new(kernel)
     };
     let (report, _) = run_guest(&cfg, &dir);
     let log = std::fs::read_to_string(dir.join(host_daemon::ENGINE_LOG)).unwrap_or_default();

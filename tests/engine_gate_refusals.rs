@@ -20,15 +20,10 @@ fn run_engine(name: &str, options: &str) -> (vmm::RunReport, String) {
     let kernel = dir.join("guest.elf");
     std::fs::write(&kernel, tiny_elf(&[0xf4; 16])).unwrap();
     let cfg = VmConfig {
-        kernel,
-        initrd: None,
-        cmdline: String::new(),
         mem_mib: 64,
         timeout: Some(Duration::from_secs(60)),
-        console_file: None,
-        echo_console: false,
-        system_map: None,
         engine: Some(engine_config("null", options)),
+        ..VmConfig::new(kernel)
     };
     let (report, _) = run_guest(&cfg, &dir);
     let log = std::fs::read_to_string(dir.join(host_daemon::ENGINE_LOG)).unwrap_or_default();

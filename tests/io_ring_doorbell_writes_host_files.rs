@@ -74,15 +74,9 @@ fn run(name: &str, code: &[u8]) -> (vmm::RunReport, host_daemon::DaemonStats, st
     let kernel = dir.join("guest.elf");
     std::fs::write(&kernel, tiny_elf(code)).unwrap();
     let cfg = VmConfig {
-        kernel,
-        initrd: None,
-        cmdline: String::new(),
         mem_mib: MEM_MIB,
         timeout: Some(std::time::Duration::from_secs(30)),
-        console_file: None,
-        echo_console: false,
-        system_map: None,
-        engine: None,
+        ..VmConfig::new(kernel)
     };
     let (report, stats) = run_guest(&cfg, &dir);
     (report, stats, dir)

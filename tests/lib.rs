@@ -85,15 +85,11 @@ pub fn run_tiny_guest(
     let console = dir.join("console.txt");
     let engine = tool.map(|t| engine_config(t, ""));
     let cfg = VmConfig {
-        kernel,
-        initrd: None,
-        cmdline: String::new(),
         mem_mib: 64,
         timeout: Some(std::time::Duration::from_secs(60)),
         console_file: Some(console.clone()),
-        echo_console: false,
-        system_map: None,
         engine,
+        ..VmConfig::new(kernel)
     };
     let (report, _) = run_guest(&cfg, &dir);
     let text = std::fs::read_to_string(&console).unwrap_or_default();
@@ -196,15 +192,11 @@ pub fn run_minikernel_with_engine(
     let dir = scratch_dir(name);
     let console = dir.join("console.log");
     let cfg = VmConfig {
-        kernel: minikernel_elf(),
-        initrd: None,
         cmdline: cmdline.into(),
-        mem_mib: 256,
         timeout: Some(timeout),
         console_file: Some(console.clone()),
-        echo_console: false,
-        system_map: None,
         engine,
+        ..VmConfig::new(minikernel_elf())
     };
     let (report, _) = run_guest(&cfg, &dir);
     let text = std::fs::read_to_string(&console).unwrap_or_default();

@@ -39,15 +39,13 @@ fn boot_and_check(name: &str, kernel: fn(&LinuxImages) -> PathBuf, cmdline: &str
     let dir = scratch_dir(name);
     let console = dir.join("console.log");
     let cfg = VmConfig {
-        kernel: kernel(&linux),
         initrd: Some(linux.initramfs.clone()),
         cmdline: cmdline.into(),
-        mem_mib: 256,
         timeout: Some(BOOT_BUDGET),
         console_file: Some(console.clone()),
-        echo_console: false,
         system_map: Some(linux.system_map.clone()),
         engine: Some(engine_config("null", "")),
+        ..VmConfig::new(kernel(&linux))
     };
     let (report, _) = run_guest(&cfg, &dir);
     let log = std::fs::read_to_string(&console).expect("console log");

@@ -48,15 +48,13 @@ fn test_linux_612_bzimage_kaslr_slide_is_found_and_hot_blocks_are_named() {
         let dir = scratch_dir(&format!("linux-612-bzimage-kaslr-bbcount-{attempt}"));
         let console = dir.join("console.log");
         let cfg = VmConfig {
-            kernel: linux.bzimage.clone(),
             initrd: Some(linux.initramfs.clone()),
             cmdline: LINUX_612_CMDLINE.into(),
-            mem_mib: 256,
             timeout: Some(Duration::from_secs(600)),
             console_file: Some(console.clone()),
-            echo_console: false,
             system_map: Some(linux.system_map.clone()),
             engine: Some(engine_config("bbcount", "")),
+            ..VmConfig::new(linux.bzimage.clone())
         };
         let (report, _) = run_guest(&cfg, &dir);
         let log = std::fs::read_to_string(&console).unwrap_or_default();

@@ -50,15 +50,13 @@ fn boot_with_options(
     let dir = scratch_dir(name);
     let console = dir.join("console.log");
     let cfg = VmConfig {
-        kernel: linux.vmlinux.clone(),
         initrd: Some(linux.initramfs.clone()),
         cmdline: cmdline.into(),
-        mem_mib: 256,
         timeout: Some(BOOT_BUDGET),
         console_file: Some(console.clone()),
-        echo_console: false,
         system_map: Some(linux.system_map.clone()),
         engine: Some(engine_config(tool, options)),
+        ..VmConfig::new(linux.vmlinux.clone())
     };
     let (report, _) = run_guest(&cfg, &dir);
     let log = std::fs::read_to_string(&console).expect("console log");

@@ -23,15 +23,12 @@ fn test_linux_native_boot_prints_version_banner() {
     let dir = scratch_dir("linux-native");
     let console = dir.join("console.log");
     let cfg = VmConfig {
-        kernel: linux.vmlinux,
         initrd: Some(linux.initramfs),
         cmdline: LINUX_CMDLINE.into(),
-        mem_mib: 256,
         timeout: Some(BOOT_BUDGET),
         console_file: Some(console.clone()),
-        echo_console: false,
         system_map: Some(linux.system_map),
-        engine: None,
+        ..VmConfig::new(linux.vmlinux)
     };
     let (report, _) = run_guest(&cfg, &dir);
     let log = std::fs::read_to_string(&console).expect("console log");

@@ -18,15 +18,10 @@ fn run(name: &str, code: &[u8]) -> (vmm::RunReport, String) {
     std::fs::write(&kernel, tiny_elf(code)).unwrap();
     let console = dir.join("console.txt");
     let cfg = VmConfig {
-        kernel,
-        initrd: None,
-        cmdline: String::new(),
         mem_mib: 32,
         timeout: Some(std::time::Duration::from_secs(20)),
         console_file: Some(console.clone()),
-        echo_console: false,
-        system_map: None,
-        engine: None,
+        ..VmConfig::new(kernel)
     };
     let (report, _) = run_guest(&cfg, &dir);
     let text = std::fs::read_to_string(console).unwrap();
@@ -77,15 +72,9 @@ fn test_spinning_guest_times_out() {
     // jmp $
     std::fs::write(&kernel, tiny_elf(&[0xeb, 0xfe])).unwrap();
     let cfg = VmConfig {
-        kernel,
-        initrd: None,
-        cmdline: String::new(),
         mem_mib: 32,
         timeout: Some(std::time::Duration::from_secs(1)),
-        console_file: None,
-        echo_console: false,
-        system_map: None,
-        engine: None,
+        ..VmConfig::new(kernel)
     };
     let (report, _) = run_guest(&cfg, &dir);
     assert_eq!(report.outcome, Outcome::Timeout);

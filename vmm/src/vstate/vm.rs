@@ -68,6 +68,25 @@ pub struct VmConfig {
     pub engine: Option<EngineConfig>,
 }
 
+impl VmConfig {
+    /// A run of `kernel` natively with 256 MiB, no initrd, an empty command line, no
+    /// timeout, the console neither copied nor echoed and no `System.map`; set the rest
+    /// with struct update syntax: `VmConfig { mem_mib: 64, ..VmConfig::new(kernel) }`.
+    pub fn new(kernel: impl Into<PathBuf>) -> Self {
+        VmConfig {
+            kernel: kernel.into(),
+            initrd: None,
+            cmdline: String::new(),
+            mem_mib: 256,
+            timeout: None,
+            console_file: None,
+            echo_console: false,
+            system_map: None,
+            engine: None,
+        }
+    }
+}
+
 /// The control socket of a run (see [`Vm::run_with_control`]).
 #[derive(Clone, Debug)]
 pub struct ControlConfig {
