@@ -17,59 +17,10 @@ const MIB: u64 = 1 << 20;
 #[error("{0}")]
 pub struct UsageError(pub String);
 
-/// A tool `--tool` can select and the `--tool-option` keys it understands.
-#[derive(Clone, Copy, Debug)]
-pub struct ToolInfo {
-    /// Its name.
-    pub name: &'static str,
-    /// Option keys of its own (besides [`ENGINE_OPTIONS`]).
-    pub options: &'static [&'static str],
-}
-
-/// The tools the engine image offers (`guest-engine/image/src/run/tools.rs`, `Chosen::by_name`),
-/// for the host to refuse an unknown `--tool` before booting.
-pub const TOOLS: &[ToolInfo] = &[
-    ToolInfo {
-        name: "null",
-        options: &[],
-    },
-    ToolInfo {
-        name: "bbcount",
-        options: &[],
-    },
-    ToolInfo {
-        name: "cachesim",
-        options: CACHESIM_OPTIONS,
-    },
-    ToolInfo {
-        name: "insmix",
-        options: &[],
-    },
-    ToolInfo {
-        name: "memtrace",
-        options: &["cpl", "limit"],
-    },
-];
-
-/// cachesim's option keys (drcachesim's names; `tools/cachesim/src/options.rs`), each
-/// also accepted with a `cachesim.` prefix.
-const CACHESIM_OPTIONS: &[&str] = &[
-    "L1I_size",
-    "L1I_assoc",
-    "L1D_size",
-    "L1D_assoc",
-    "L2_size",
-    "L2_assoc",
-    "LL_size",
-    "LL_assoc",
-    "line_size",
-    "replace_policy",
-    "warmup_refs",
-    "sim_refs",
-    "interval_refs",
-    "top",
-    "config_file",
-];
+/// The tools the engine image offers and the `--tool-option` keys each understands (the
+/// registry, `tools/registry`: each tool crate's `SPEC`), for the host to refuse an unknown
+/// `--tool` or key before booting.
+pub use kpin_tool_registry::TOOLS;
 
 /// The option keys the engine itself understands with every tool
 /// (`guest-engine/image/src/run/bringup.rs`, `parse_options`).
@@ -84,11 +35,10 @@ pub const ENGINE_OPTIONS: &[&str] = &[
 /// Checks `--tool NAME` and its `--tool-option KEY=VALUE`s against [`TOOLS`] and
 /// [`ENGINE_OPTIONS`].
 pub fn check_tool(name: &str, options: &[String]) -> Result<(), UsageError> {
-    let names: Vec<&str> = TOOLS.iter().map(|t| t.name).collect();
-    let tool = TOOLS.iter().find(|t| t.name == name).ok_or_else(|| {
+    let tool = kpin_tool_registry::find(name).ok_or_else(|| {
         UsageError(format!(
             "unknown tool {name:?}: the tools are {}",
-            names.join(", ")
+            kpin_tool_registry::Names
         ))
     })?;
     for o in options {
@@ -100,24 +50,24 @@ pub fn check_tool(name: &str, options: &[String]) -> Result<(), UsageError> {
                 "bad --tool-option {o:?}: expected KEY=VALUE without spaces"
             )));
         };
-        let own = key
-            .strip_prefix("cachesim.")
-            .filter(|_| name == "cachesim")
-            .unwrap_or(key);
-        if !ENGINE_OPTIONS.contains(&key) && !tool.options.contains(&own) {
-            let known: Vec<&str> = ENGINE_OPTIONS.iter().chain(tool.options).copied().collect();
+        if !ENGINE_OPTIONS.contains(&key) && tool.option(key).is_none() {
+            let known: Vec<&str> = ENGINE_OPTIONS
+                .iter()
+                .copied()
+                .chain(tool.options.iter().map(|o| o.key))
+                .collect();
             return Err(UsageError(format!(
                 "unknown --tool-option key {key:?} for tool {name}: the known keys are {}",
                 known.join(", ")
             )));
         }
     }
-    if name == "cachesim" {
+    if name == kpin_tool_cachesim::SPEC.name {
         // The geometry rules and the config_file, checked here as the engine will: a
         // usage error before boot.
         engine_options(name, options)?;
     }
-    if name == "memtrace" {
+    if name == kpin_tool_memtrace::SPEC.name {
         kpin_tool_memtrace::Options::parse(&options.join(" "))
             .map_err(|e| UsageError(format!("bad memtrace options: {e}")))?;
     }
@@ -150,7 +100,7 @@ fn cachesim_options(
 /// `config_file` expanded (the engine cannot read host files). Too long for the engine's
 /// option block is a usage error.
 pub fn engine_options(name: &str, options: &[String]) -> Result<String, UsageError> {
-    if name != "cachesim" {
+    if name != kpin_tool_cachesim::SPEC.name {
         return Ok(options.join(" "));
     }
     let o = cachesim_options(options)?;
@@ -541,7 +491,9 @@ mod tests {
         let e = check_tool("null", &["colour=red".into()])
             .unwrap_err()
             .to_string();
-        assert!(e.starts_with("unknown --tool-option key \"colour\" for tool null: the known keys are bringup.checks, "), "{e}");
+        assert_eq!(e, "unknown --tool-option key \"colour\" for tool null: the known keys are bringup.checks, bringup.gates, bringup.probe, bringup.ticks, bringup.crash");
+        // Only cachesim's keys are also accepted with their tool's name as a prefix.
+        check_tool("memtrace", &["memtrace.cpl=3".into()]).unwrap_err();
         let e = check_tool("null", &["novalue".into()])
             .unwrap_err()
             .to_string();
@@ -579,24 +531,24 @@ mod tests {
         assert!(e.contains("unknown --tool-option key \"limt\""), "{e}");
     }
 
-    /// The host's lists name what the engine image's sources accept: each tool is a
-    /// `"name" =>` arm of `Chosen::by_name`, each engine key a `"key" =>` arm of
-    /// `parse_options` (keys without their `bringup.` prefix).
+    /// The engine image offers what the registry lists: each tool is an arm of
+    /// `Chosen::by_name` matching its crate's `SPEC.name`, and each engine key a `"key" =>`
+    /// arm of `parse_options` (keys without their `bringup.` prefix).
     #[test]
     fn test_tool_and_option_lists_match_the_engine_image_sources() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../guest-engine/image/src/run");
         let tools = std::fs::read_to_string(root.join("tools.rs")).unwrap();
-        for t in TOOLS {
-            assert!(tools.contains(&format!("\"{}\" =>", t.name)), "{}", t.name);
-        }
-        // Every `"name" =>` arm of `by_name` (a tool's arm may construct it in a block).
         let by_name = &tools[tools.find("fn by_name").expect("Chosen::by_name")..];
         let by_name = &by_name[..by_name.find("_ => None").expect("by_name's last arm")];
-        let arms = by_name
-            .lines()
-            .filter(|l| l.trim_start().starts_with('"') && l.contains("\" =>"))
-            .count();
-        assert_eq!(arms, TOOLS.len(), "a tool the host does not list");
+        for t in TOOLS {
+            let arm = format!("_ if name == kpin_tool_{}::SPEC.name =>", t.name);
+            assert!(by_name.contains(&arm), "{}: no `{arm}` arm", t.name);
+        }
+        assert_eq!(
+            by_name.matches("::SPEC.name =>").count(),
+            TOOLS.len(),
+            "a tool the registry does not list"
+        );
         let bringup = std::fs::read_to_string(root.join("bringup.rs")).unwrap();
         for k in ENGINE_OPTIONS {
             let key = k.strip_prefix("bringup.").unwrap();

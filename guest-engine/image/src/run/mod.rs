@@ -118,7 +118,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
         log!(
             Error,
             "engine: unknown tool {tool_name:?} (this engine has: {})",
-            tools::NAMES
+            kpin_tool_registry::Names
         );
         fail();
     };

@@ -1,4 +1,5 @@
-//! The tools this image offers (`kpin run --tool NAME`), each a crate under `tools/`:
+//! The tools this image offers (`kpin run --tool NAME`), each a crate under `tools/`
+//! listed in the registry (`kpin_tool_registry::TOOLS`, their names and options):
 //! `null` (translation only), `bbcount` (an inline counter per basic block, written to
 //! `bbcount.csv`), `cachesim` (a cache simulator fed with every fetch and data access,
 //! configured by `--tool-option` in drcachesim's names) and `insmix` (dynamic counts per
@@ -25,9 +26,6 @@ use kpin_tool_null::Null;
 
 use crate::log;
 use crate::ring0::log;
-
-/// The names `--tool` accepts, for messages.
-pub const NAMES: &str = "null, bbcount, cachesim, insmix, memtrace";
 
 /// A tool chosen by name.
 pub enum Chosen {
@@ -59,20 +57,22 @@ impl Chosen {
     }
 
     /// The tool called `name`, if the engine has it, configured by `options` (the
-    /// `key=value` words of `--tool-option`). Options a tool refuses end the run.
+    /// `key=value` words of `--tool-option`). Options a tool refuses end the run. Each
+    /// arm is a registry tool, by its crate's `SPEC` (the VMM's tests check that every
+    /// registry tool has one).
     pub fn by_name(name: &str, options: &str) -> Option<Self> {
         match name {
-            "null" => Some(Chosen::Null(Null)),
-            "bbcount" => Some(Chosen::BbCount(BbCount::default())),
-            "cachesim" => match CacheSim::new(options) {
+            _ if name == kpin_tool_null::SPEC.name => Some(Chosen::Null(Null)),
+            _ if name == kpin_tool_bbcount::SPEC.name => Some(Chosen::BbCount(BbCount::default())),
+            _ if name == kpin_tool_cachesim::SPEC.name => match CacheSim::new(options) {
                 Ok(t) => Some(Chosen::CacheSim(alloc::boxed::Box::new(t))),
                 Err(e) => {
                     log!(Error, "engine: cachesim: bad option {e}");
                     crate::ring0::log::fail();
                 }
             },
-            "insmix" => Some(Chosen::InsMix(InsMix::default())),
-            "memtrace" => match MemTrace::new(options) {
+            _ if name == kpin_tool_insmix::SPEC.name => Some(Chosen::InsMix(InsMix::default())),
+            _ if name == kpin_tool_memtrace::SPEC.name => match MemTrace::new(options) {
                 Ok(mut t) => {
                     t.stream_to(alloc::boxed::Box::new(RingSink));
                     Some(Chosen::MemTrace(alloc::boxed::Box::new(t)))
@@ -197,7 +197,7 @@ impl Tool for HostCacheSim {
 
 impl KpinTool for HostCacheSim {
     fn name(&self) -> &'static str {
-        "cachesim"
+        kpin_tool_cachesim::SPEC.name
     }
 
     fn finish(&mut self, _engine: &Engine, _host: &mut dyn Sink) -> Result<(), Error> {
