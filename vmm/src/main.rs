@@ -21,6 +21,7 @@ use vmm::{control, ControlConfig, Outcome, Vm, VmConfig};
 
 mod run_record;
 mod stop_signals;
+mod tools_cmd;
 
 use run_record::{
     console_shortfall, hex_keys, unix_seconds, write_run_json, RunStarted, Summary, Verdict,
@@ -128,6 +129,9 @@ enum Command {
         #[arg(long, requires = "kernel")]
         system_map: Option<PathBuf>,
     },
+    /// List the tools `--tool` selects: what each does, its host-side part and its
+    /// `--tool-option` keys with their help and defaults.
+    Tools,
 }
 
 /// The end of `kpin run --help`: exit statuses and what `run.json` says.
@@ -279,6 +283,10 @@ fn main() -> ExitCode {
             kernel,
             system_map,
         } => trace(&run, limit, kernel.as_deref(), system_map.as_deref()).map(|()| EXIT_CLEAN),
+        Command::Tools => {
+            print!("{}", tools_cmd::render());
+            Ok(EXIT_CLEAN)
+        }
     };
     match result {
         Ok(code) => ExitCode::from(code),

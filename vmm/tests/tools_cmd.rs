@@ -1,0 +1,41 @@
+//! `kpin tools` lists every registry tool with its summary and its options.
+
+use std::process::Command;
+
+use vmm::input_check::TOOLS;
+
+#[test]
+fn test_kpin_tools_lists_every_registry_tool_and_its_options() {
+    let o = Command::new(env!("CARGO_BIN_EXE_kpin"))
+        .arg("tools")
+        .output()
+        .expect("run kpin");
+    let out = String::from_utf8(o.stdout).unwrap();
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    for t in TOOLS {
+        assert!(
+            out.lines().any(|l| l == t.name),
+            "no line naming {}:\n{out}",
+            t.name
+        );
+        assert!(out.contains(t.summary), "{}'s summary:\n{out}", t.name);
+        for opt in t.options {
+            assert!(
+                out.contains(&format!("      {}=", opt.key)),
+                "{}:\n{out}",
+                opt.key
+            );
+            assert!(out.contains(opt.help), "{}'s help:\n{out}", opt.key);
+        }
+    }
+    assert!(
+        out.contains("      L1D_size=SIZE\n          L1 data cache size [default: 32K]"),
+        "{out}"
+    );
+    assert!(out.contains("      cpl=0|3|all\n"), "{out}");
+    assert!(out.contains("bringup.crash"), "{out}");
+}
