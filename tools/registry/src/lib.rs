@@ -1,7 +1,7 @@
 //! The tools kpin offers, listed once: each tool crate's [`ToolSpec`] (`pub const SPEC`).
 //! The VMM checks `--tool` and `--tool-option` against [`TOOLS`] and lists them in
 //! `kpin tools`; the engine image names them from here. Adding a tool: its crate's
-//! `SPEC`, one line in [`TOOLS`] (and the dependency above), and its arm in the engine
+//! `SPEC`, one line in [`TOOLS`] (and a dependency in this crate's `Cargo.toml`), and its arm in the engine
 //! image's `Chosen::by_name` (`guest-engine/image/src/run/tools.rs`).
 #![no_std]
 #![deny(missing_docs)]
