@@ -89,7 +89,7 @@ mod tests {
         for port in [
             ATTACH_STATUS_PORT,
             0x0f0f,
-            0x03f8,
+            crate::x86::COM1_PORT,
             I8042_COMMAND_PORT,
             ACPI_RESET_PORT,
         ] {

@@ -15,6 +15,33 @@
 //! The engine image is linked at `WINDOW_VA + ENGINE_OFFSET`; the VMM loads each ELF
 //! segment at `stolen_base + (p_vaddr - WINDOW_VA)`.
 
+/// The PML4 slot an address lies in (bits 47:39).
+pub const fn pml4_slot(va: u64) -> usize {
+    ((va >> 39) & 0x1ff) as usize
+}
+
+/// The first address of PML4 slot `slot` (0-511), sign-extended in the upper half.
+pub const fn slot_va(slot: usize) -> u64 {
+    let va = (slot as u64) << 39;
+    if slot >= 256 {
+        va | 0xffff_0000_0000_0000
+    } else {
+        va
+    }
+}
+
+/// The engine window's PML4 slot ([`WINDOW_VA`]).
+pub const WINDOW_SLOT: usize = 257;
+/// The physmap's PML4 slot ([`PHYSMAP_VA`]).
+pub const PHYSMAP_SLOT: usize = 258;
+/// The PML4 slots a guest may not use, first to last: 256 (faults at CPL 3 on this KVM),
+/// the window, the physmap, and 259, a guard above the physmap (the shadow MMU keeps
+/// them out of every guest root; the isolation checks fence them off).
+pub const RESERVED_SLOTS: core::ops::RangeInclusive<usize> = 256..=259;
+const _: () =
+    assert!(*RESERVED_SLOTS.start() < WINDOW_SLOT && PHYSMAP_SLOT < *RESERVED_SLOTS.end());
+const _: () = assert!(PHYSMAP_SLOT == WINDOW_SLOT + 1);
+
 /// Virtual base of the engine window: PML4 slot 257, inside the range Linux leaves to
 /// hypervisors (`0xffff_8000_0000_0000`–`0xffff_87ff_ffff_ffff`, slots 256–271), so no
 /// guest mapping collides with it.
@@ -24,12 +51,13 @@
 /// hardware CPL 3 — where the engine runs — gets a #PF with the reserved-bit error code
 /// (0xd on a read, 0x1d on a fetch) for any address in slot 256 whatever the page tables
 /// say; every other slot, lower and upper half, works.
-pub const WINDOW_VA: u64 = 0xffff_8080_0000_0000;
+pub const WINDOW_VA: u64 = slot_va(WINDOW_SLOT);
 /// Virtual base at which the engine maps all guest-physical memory: PML4 slot 258. Use
 /// 2 MiB pages: this KVM offers no 1 GiB pages
 /// (`pdpe1gb` is absent from `KVM_GET_SUPPORTED_CPUID`, and a 1 GiB PDPT entry faults
 /// with the reserved-bit error code).
-pub const PHYSMAP_VA: u64 = 0xffff_8100_0000_0000;
+pub const PHYSMAP_VA: u64 = slot_va(PHYSMAP_SLOT);
+const _: () = assert!(WINDOW_VA == 0xffff_8080_0000_0000 && PHYSMAP_VA == 0xffff_8100_0000_0000);
 /// Attach block offset.
 pub const ATTACH_OFFSET: u64 = 0;
 /// Bytes reserved for the attach block.

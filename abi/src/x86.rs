@@ -194,25 +194,40 @@ pub mod pf {
     pub const FETCH: u32 = 1 << 4;
 }
 
-/// Page-table entry bits (4-level paging, Intel SDM vol. 3, §4.5).
+/// Page-table entry bits (4-level paging, Intel SDM vol. 3, §4.5; each entry is 64 bits).
 pub mod pte {
-    /// Present.
+    /// Bit 0: the entry is present.
     pub const PRESENT: u64 = 1 << 0;
-    /// Writable.
+    /// Bit 1: writes allowed (R/W).
     pub const WRITABLE: u64 = 1 << 1;
-    /// User-accessible.
+    /// Bit 2: user-mode accesses allowed (U/S).
     pub const USER: u64 = 1 << 2;
-    /// Accessed.
+    /// Bit 3: page-level write-through.
+    pub const PWT: u64 = 1 << 3;
+    /// Bit 4: page-level cache disable.
+    pub const PCD: u64 = 1 << 4;
+    /// Bit 5: accessed (set by the CPU on every entry it uses).
     pub const ACCESSED: u64 = 1 << 5;
-    /// Dirty (leaf entries).
+    /// Bit 6: dirty (set by the CPU on the leaf on a write).
     pub const DIRTY: u64 = 1 << 6;
-    /// Page size: a 2 MiB (PDE) or 1 GiB (PDPTE) leaf.
+    /// Bit 7 of a PDPTE or PDE: the entry maps a 1 GiB / 2 MiB page (PS). Reserved in a
+    /// PML4E.
     pub const PAGE_SIZE: u64 = 1 << 7;
-    /// Global (leaf entries).
+    /// Bit 7 of a 4 KiB PTE: PAT index bit.
+    pub const PTE_PAT: u64 = 1 << 7;
+    /// Bit 8 of a leaf: global (survives CR3 writes when CR4.PGE = 1).
     pub const GLOBAL: u64 = 1 << 8;
-    /// No-execute (with EFER.NXE).
-    pub const NX: u64 = 1 << 63;
+    /// Bit 12 of a 2 MiB / 1 GiB leaf: PAT index bit.
+    pub const LARGE_PAT: u64 = 1 << 12;
+    /// Bit 63: execute disable (XD/NX); reserved unless EFER.NXE = 1.
+    pub const NO_EXECUTE: u64 = 1 << 63;
+    /// Bits 51:12: physical address of the next table or of the 4 KiB frame.
+    pub const ADDR_MASK: u64 = 0x000f_ffff_ffff_f000;
 }
+
+/// The PC's first serial port (COM1, a 16550A UART): its eight registers from
+/// [`COM1_PORT`].
+pub const COM1_PORT: u16 = 0x3f8;
 
 /// MSR indices (Intel SDM vol. 4).
 pub mod msr {

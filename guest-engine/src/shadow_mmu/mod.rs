@@ -82,12 +82,13 @@ use reverse_map::{ReverseMap, ShadowMapping};
 /// PML4 slots that belong to the engine and are copied from the template into every
 /// shadow root: 257 = engine window (`kpin_abi::stolen::WINDOW_VA`), 258 = physmap
 /// (`kpin_abi::stolen::PHYSMAP_VA`).
-pub const ENGINE_SLOTS: RangeInclusive<usize> = 257..=258;
+pub const ENGINE_SLOTS: RangeInclusive<usize> =
+    kpin_abi::stolen::WINDOW_SLOT..=kpin_abi::stolen::PHYSMAP_SLOT;
 /// PML4 slots a guest may not use: the engine slots, slot 256, which faults with a
 /// reserved-bit error at CPL 3 on this KVM (`kvm_pvm`), and slot 259, the guard that
 /// keeps stack and downward string accesses from reaching the physmap unchecked
 /// (`arch/x86_64/isolate/`). Never present in a shadow root for the guest.
-pub const RESERVED_SLOTS: RangeInclusive<usize> = 256..=259;
+pub const RESERVED_SLOTS: RangeInclusive<usize> = kpin_abi::stolen::RESERVED_SLOTS;
 /// Translated user code reaches addresses below this natively (the lower half); at and
 /// above it, its memory operands are checked (`arch/x86_64/isolate/`).
 pub const USER_LIMIT: u64 = 1 << 47;

@@ -1,35 +1,13 @@
-//! Bits of x86-64 4-level paging entries (each entry is 64 bits wide), as the guest writes
-//! them and as the shadow tables use them, plus the software bits the shadow MMU keeps in
-//! the bits hardware ignores.
+//! Bits of x86-64 4-level paging entries (the architectural ones from
+//! `kpin_abi::x86::pte`, as the guest writes them and as the shadow tables use them), plus
+//! the software bits the shadow MMU keeps in the bits hardware ignores, and the geometry.
 //!
 //! Invariant: a `SW_*` bit is only ever set in a *shadow* leaf, never in a guest entry.
 
-/// Bit 0: the entry is present.
-pub const PRESENT: u64 = 1 << 0;
-/// Bit 1: writes allowed (R/W).
-pub const WRITABLE: u64 = 1 << 1;
-/// Bit 2: user-mode accesses allowed (U/S).
-pub const USER: u64 = 1 << 2;
-/// Bit 3: page-level write-through.
-pub const PWT: u64 = 1 << 3;
-/// Bit 4: page-level cache disable.
-pub const PCD: u64 = 1 << 4;
-/// Bit 5: accessed (set by the CPU on every entry it uses).
-pub const ACCESSED: u64 = 1 << 5;
-/// Bit 6: dirty (set by the CPU on the leaf on a write).
-pub const DIRTY: u64 = 1 << 6;
-/// Bit 7 of a PDPTE or PDE: the entry maps a 1 GiB / 2 MiB page (PS). Reserved in a PML4E.
-pub const PAGE_SIZE: u64 = 1 << 7;
-/// Bit 7 of a 4 KiB PTE: PAT index bit.
-pub const PTE_PAT: u64 = 1 << 7;
-/// Bit 8 of a leaf: global (survives CR3 writes when CR4.PGE = 1).
-pub const GLOBAL: u64 = 1 << 8;
-/// Bit 12 of a 2 MiB / 1 GiB leaf: PAT index bit.
-pub const LARGE_PAT: u64 = 1 << 12;
-/// Bit 63: execute disable (XD/NX); reserved unless EFER.NXE = 1.
-pub const NO_EXECUTE: u64 = 1 << 63;
-/// Bits 51:12: physical address of the next table or of the 4 KiB frame.
-pub const ADDR_MASK: u64 = 0x000f_ffff_ffff_f000;
+pub use kpin_abi::x86::pte::{
+    ACCESSED, ADDR_MASK, DIRTY, GLOBAL, LARGE_PAT, NO_EXECUTE, PAGE_SIZE, PCD, PRESENT, PTE_PAT,
+    PWT, USER, WRITABLE,
+};
 
 /// Software bit 9 of a shadow leaf: the guest allows the write for this view and its leaf
 /// is dirty, so the shadow would be writable if the frame were not code-protected.

@@ -16,19 +16,14 @@ use super::pte;
 use super::{Access, GuestFault, PagingControl, ShadowError, View};
 use crate::addr::{GuestPhys, GuestVirt};
 
-/// Page-fault error code bit 0: the fault was a protection violation (page present).
-pub const PF_PRESENT: u32 = 1 << 0;
-/// Page-fault error code bit 1: the access was a write.
-pub const PF_WRITE: u32 = 1 << 1;
-/// Page-fault error code bit 2: the access came from CPL 3.
-pub const PF_USER: u32 = 1 << 2;
-/// Page-fault error code bit 3: a reserved bit was set in a paging-structure entry.
-pub const PF_RESERVED: u32 = 1 << 3;
-/// Page-fault error code bit 4: the access was an instruction fetch (reported only when
-/// EFER.NXE or CR4.SMEP is set, as Intel CPUs do).
-pub const PF_FETCH: u32 = 1 << 4;
-/// Vector of the page-fault exception.
-pub const PF_VECTOR: u8 = 14;
+/// The #PF error-code bits and vector, under the names the shadow MMU uses (defined in
+/// `kpin_abi::x86`). The fetch bit is reported only when EFER.NXE or CR4.SMEP is set, as
+/// Intel CPUs do.
+pub use kpin_abi::x86::pf::{
+    FETCH as PF_FETCH, PRESENT as PF_PRESENT, RSVD as PF_RESERVED, USER as PF_USER,
+    WRITE as PF_WRITE,
+};
+pub use kpin_abi::x86::vector::PF as PF_VECTOR;
 
 /// Rights granted by paging-structure entries: R/W and U/S ANDed, XD ORed (with NXE).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

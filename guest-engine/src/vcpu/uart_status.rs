@@ -23,8 +23,8 @@
 //! access that reaches the UART. Linux's console clears IER around every message it
 //! writes, so a boot's kernel messages travel this way.
 
-/// COM1's base port.
-pub const COM1: u16 = 0x3f8;
+/// COM1's first port (`kpin_abi::x86`).
+pub use kpin_abi::x86::COM1_PORT as COM1;
 /// The line status register.
 pub const LSR: u16 = COM1 + 5;
 /// The modem control register.

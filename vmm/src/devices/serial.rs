@@ -19,8 +19,8 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::bus::{DeviceAction, PortDevice};
 
-/// COM1's base port.
-pub const COM1_PORT: u16 = 0x3f8;
+/// COM1's first port (`kpin_abi::x86`).
+pub use kpin_abi::x86::COM1_PORT;
 /// Number of UART registers.
 pub const COM1_PORT_SPAN: u16 = 8;
 /// COM1's ISA interrupt line.

@@ -408,6 +408,8 @@ const _: () = assert!(msr::GATE_WRITABLE.len() == 9);
 /// device), the rest by operation.
 pub mod slot {
     use guest_engine::profile::EMBEDDER;
+    use kpin_abi::x86::COM1_PORT;
+
     /// The first gate slot; the run loop's own slots are below it.
     pub const FIRST: usize = EMBEDDER + 8;
     /// NOP and unknown operations.
@@ -443,7 +445,7 @@ pub mod slot {
         match port {
             0x20 | 0x21 | 0xa0 | 0xa1 | 0x4d0 | 0x4d1 => PORT_PIC,
             0x40..=0x43 | 0x61 => PORT_PIT,
-            0x3f8..=0x3ff => PORT_COM1,
+            p if (COM1_PORT..COM1_PORT + 8).contains(&p) => PORT_COM1,
             0xf10..=0xf1f => PORT_ENGINE,
             _ => PORT_OTHER,
         }

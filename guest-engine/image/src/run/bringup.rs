@@ -504,7 +504,7 @@ fn crash(c: Crash) -> ! {
                 gate::in8(kpin_abi::ports::ENGINE_FAILURE_PORT);
             }
             Crash::GateMsr => gate::wrmsr(kpin_abi::x86::msr::EFER, 0),
-            Crash::GateNotify => gate::notify(0x3f8, b'!'),
+            Crash::GateNotify => gate::notify(kpin_abi::x86::COM1_PORT, b'!'),
             Crash::Nested => {
                 crate::ring0::crash::fault_while_reporting();
                 asm!("ud2");

@@ -164,10 +164,15 @@ impl Fence {
     }
 }
 
-/// First address of the reserved zone (PML4 slot 256).
-pub const ISOLATION_ZONE_START: u64 = 0xffff_8000_0000_0000;
+/// First address of the reserved zone (PML4 slot 256: `kpin_abi::stolen::RESERVED_SLOTS`).
+pub const ISOLATION_ZONE_START: u64 =
+    kpin_abi::stolen::slot_va(*kpin_abi::stolen::RESERVED_SLOTS.start());
 /// End (exclusive) of the reserved zone (PML4 slot 260).
-pub const ISOLATION_ZONE_END: u64 = 0xffff_8200_0000_0000;
+pub const ISOLATION_ZONE_END: u64 =
+    kpin_abi::stolen::slot_va(*kpin_abi::stolen::RESERVED_SLOTS.end() + 1);
+const _: () = assert!(
+    ISOLATION_ZONE_START == 0xffff_8000_0000_0000 && ISOLATION_ZONE_END == 0xffff_8200_0000_0000
+);
 
 /// Whether `va` lies in the reserved zone.
 pub const fn in_isolation_zone(va: u64) -> bool {
