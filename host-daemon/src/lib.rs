@@ -38,23 +38,26 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use kpin_abi::io_ring::{validate_name, Consumer, Kind, LogLevel, Record, RingError};
+use kpin_abi::output;
 
 use crate::resolve::OutDir;
 use crate::text::terminal_safe;
 
 /// Name of the engine's log in the output directory.
-pub const ENGINE_LOG: &str = "engine.log";
+pub use kpin_abi::output::ENGINE_LOG;
 
 /// The files kpin itself writes in the output directory (the VMM and this daemon):
 /// a tool cannot create, truncate or append to them. (`counters.json` is not here: the
 /// engine writes it through the ring, and kpin reads it back as untrusted JSON.)
 pub const RESERVED_NAMES: &[&str] = &[
-    "console.log",
-    "run.json",
-    "dump.txt",
+    output::CONSOLE_LOG,
+    output::RUN_JSON,
+    output::DUMP_TXT,
     ENGINE_LOG,
+    // bbcount's host-side report, which the VMM writes after a `--tool bbcount` run (its
+    // name is `kpin_tool_bbcount::report::REPORT_NAME`; a VMM test ties the two).
     "bbcount-report.txt",
-    "control.sock",
+    output::CONTROL_SOCKET,
 ];
 
 /// Limits of one run's output.

@@ -1,5 +1,6 @@
 //! `kpin`: run a guest under kpin's VMM, natively or under the guest engine (`--tool`).
 
+use kpin_abi::output;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -558,7 +559,7 @@ fn run_guest(
     let console_file = args
         .console
         .clone()
-        .unwrap_or_else(|| out.join("console.log"));
+        .unwrap_or_else(|| out.join(output::CONSOLE_LOG));
     let cfg = VmConfig {
         kernel: kernel.clone(),
         initrd: initrd.clone(),
@@ -624,10 +625,10 @@ fn run_guest(
 
     let mut dump = report.dump.clone();
     if let (Outcome::EngineFailure, Some(d)) = (&report.outcome, &mut dump) {
-        append_engine_log_tail(d, &out.join("engine.log"));
+        append_engine_log_tail(d, &out.join(output::ENGINE_LOG));
     }
     if let Some(dump) = &dump {
-        let path = out.join("dump.txt");
+        let path = out.join(output::DUMP_TXT);
         if interrupted.is_some() {
             progress(&format!(
                 "the guest's state when it was stopped: {}",
@@ -644,13 +645,13 @@ fn run_guest(
     // The reports read what the tool wrote: not after a stop, nor from unfinished files.
     let reports = interrupted.is_none() && failure.is_none();
     let finished = |name: &str| reports && !unfinished.contains(&out.join(name));
-    let engine_counters = finished(ENGINE_COUNTERS)
+    let engine_counters = finished(output::ENGINE_COUNTERS)
         .then(|| read_engine_counters(out))
         .flatten();
     if let Some(c) = &engine_counters {
         progress(&format!(
             "engine counters ({}):\n{}",
-            out.join(ENGINE_COUNTERS).display(),
+            out.join(output::ENGINE_COUNTERS).display(),
             serde_json::to_string_pretty(c).unwrap_or_default()
         ));
     }
@@ -799,13 +800,10 @@ fn append_engine_log_tail(dump: &mut String, log: &Path) {
     }
 }
 
-/// The file the engine writes its counters to, in the output directory.
-const ENGINE_COUNTERS: &str = "counters.json";
-
 /// The engine's counters, if it wrote them; a file that does not parse is reported and
 /// left out (it came from inside the guest).
 fn read_engine_counters(out: &Path) -> Option<serde_json::Value> {
-    let path = out.join(ENGINE_COUNTERS);
+    let path = out.join(output::ENGINE_COUNTERS);
     std::fs::symlink_metadata(&path).ok()?;
     let text = match host_daemon::resolve::read_output_text(&path, MAX_COUNTERS_BYTES) {
         Ok(t) => t,

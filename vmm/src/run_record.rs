@@ -113,7 +113,7 @@ pub(crate) fn unix_seconds() -> u64 {
 /// Writes `run.json` whole (a new file renamed over the old one).
 pub(crate) fn write_run_json<T: Serialize>(out: &Path, record: &T) -> anyhow::Result<()> {
     let json = serde_json::to_string_pretty(record).context("cannot encode the run summary")?;
-    let path = out.join("run.json");
+    let path = out.join(kpin_abi::output::RUN_JSON);
     host_daemon::resolve::write_output_file(&path, (json + "\n").as_bytes())
         .with_context(|| format!("cannot write {}", path.display()))
 }

@@ -13,4 +13,4 @@ pub mod server;
 pub mod windows;
 
 /// The control socket's file name in a run's output directory.
-pub const SOCKET_NAME: &str = "control.sock";
+pub use kpin_abi::output::CONTROL_SOCKET as SOCKET_NAME;

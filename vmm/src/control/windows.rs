@@ -41,6 +41,7 @@ use kpin_abi::attach_control::{
     Control, MAGIC, REQ_DETACH_NATIVE, REQ_DETACH_RESIDENT, REQ_NONE, REQ_SWITCH, REQ_TAKEN,
 };
 use kpin_abi::io_ring::Consumer;
+use kpin_abi::output::ENGINE_COUNTERS;
 use kvm_bindings::{kvm_xcrs, CpuId};
 use kvm_ioctls::VcpuFd;
 
@@ -53,8 +54,6 @@ use crate::error::{Result, VmmError};
 use crate::vstate::memory::GuestMemory;
 use crate::vstate::vcpu::ExitCounters;
 
-/// The file the engine writes its counters to.
-const ENGINE_COUNTERS: &str = "counters.json";
 /// The largest `counters.json` a status reply includes (replies are bounded by
 /// [`super::protocol::MAX_MESSAGE_BYTES`]; the engine's is a few KiB).
 const MAX_STATUS_COUNTERS_BYTES: u64 = 32 * 1024;

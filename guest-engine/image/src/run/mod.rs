@@ -742,12 +742,20 @@ fn report(
     for line in table.lines().take(16) {
         log!(Info, "engine: profile: {line}");
     }
-    if let Err(e) = tools::write_file("profile.txt", table.as_bytes()) {
-        log!(Error, "engine: cannot write profile.txt: {e}");
+    if let Err(e) = tools::write_file(kpin_abi::output::ENGINE_PROFILE, table.as_bytes()) {
+        log!(
+            Error,
+            "engine: cannot write {}: {e}",
+            kpin_abi::output::ENGINE_PROFILE
+        );
     }
     let text = j.finish();
-    if let Err(e) = tools::write_file("counters.json", text.as_bytes()) {
-        log!(Error, "engine: cannot write counters.json: {e}");
+    if let Err(e) = tools::write_file(kpin_abi::output::ENGINE_COUNTERS, text.as_bytes()) {
+        log!(
+            Error,
+            "engine: cannot write {}: {e}",
+            kpin_abi::output::ENGINE_COUNTERS
+        );
     }
     log::flush();
 }
