@@ -9,7 +9,9 @@
 //! no stale trace or mapping survives into guest code —, (2) after the run, stops on a
 //! shadow-MMU failure, then (3) handles the stop: a hardware #PF goes to `cache_page_fault.rs`
 //! (fill and retry, self-modifying code, or a guest fault), a guest fault to
-//! [`reflect_guest_fault`], an emulation that stopped only for (1) resumes.
+//! [`reflect_guest_fault`], an emulation that stopped only for (1) resumes. The loop is
+//! `run_loop.rs`'s `RunLoop`, one method per step; this file sets it up and writes the
+//! report.
 //!
 //! How a run ends: a guest i8042 reset (`out 0x64, 0xfe`) — the engine first writes its
 //! final report (statistics, the tool's output files), then performs the `out` through
@@ -23,18 +25,17 @@ pub mod detach;
 pub mod error;
 pub mod guest_dump;
 pub mod profile;
+mod run_loop;
 pub mod tools;
 pub mod vcpu;
 pub mod zone_access;
 
-use alloc::string::String;
 use core::cell::RefCell;
-use core::fmt::Write;
 use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use guest_engine::profile as prof;
 use guest_engine::shadow_mmu::{GuestFault, View};
-use guest_engine::{exit_code, Config, Engine, GuestVirt, Platform, Stop};
+use guest_engine::{exit_code, Config, Engine, GuestVirt};
 use kpin_abi::attach::AttachBlock;
 use kpin_abi::stolen::{CODE_CACHE_BYTES, CODE_CACHE_OFFSET, HEAP_BYTES, LAYOUT_BYTES, WINDOW_VA};
 
@@ -81,23 +82,20 @@ fn heap_pressure() -> bool {
     flush
 }
 
-use crate::events::{irq, timer};
 use crate::json::JsonObject;
 use crate::log;
-use crate::mm::guest_memory::{ShadowedMemory, MODE_KERNEL, MODE_USER};
+use crate::mm::guest_memory::{MODE_KERNEL, MODE_USER};
 use crate::mm::heap;
 use crate::mm::shadow::Shadow;
-use crate::ring0::layout::VEC_PF;
 use crate::ring0::log;
 use crate::ring0::log::fail;
 use crate::ring0::{entry, gate, page_tables as paging};
 use crate::run::error::RunError;
 use crate::run::tools::Chosen;
-use crate::run::vcpu::{Ring0, ShadowPort, Vcpu};
-use cache_page_fault::Action;
-use kpin_abi::x86::vector::UD as VEC_UD;
+use crate::run::vcpu::Vcpu;
+use run_loop::RunLoop;
 
-use guest_engine::vcpu::{Event, VcpuStop};
+use guest_engine::vcpu::Event;
 
 /// CR0.PG, EFER.LMA: the guest must be in 64-bit long mode (all the translator knows).
 const CR0_PG: u64 = kpin_abi::x86::cr0::PG;
@@ -105,6 +103,15 @@ const EFER_LMA: u64 = kpin_abi::x86::efer::LMA;
 
 /// Runs the guest described by `block` under tool `tool_name`; never returns.
 pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
+    let tool = check_guest(block, tool_name);
+    let shadow = enter_shadow(block);
+    let engine = new_engine(block, tool_name);
+    RunLoop::setup(block, engine, &shadow, tool).run()
+}
+
+/// The tool `tool_name` with the block's options, once the block says the stolen region
+/// is large enough and the guest is at CPL 0 in 64-bit long mode; else the run ends.
+fn check_guest(block: &AttachBlock, tool_name: &str) -> Chosen {
     let options = core::str::from_utf8(block.tool_options()).unwrap_or("");
     if block.stolen_bytes < LAYOUT_BYTES {
         log!(
@@ -114,7 +121,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
         );
         fail();
     }
-    let Some(mut tool) = Chosen::for_boot(tool_name, options) else {
+    let Some(tool) = Chosen::for_boot(tool_name, options) else {
         log!(
             Error,
             "engine: unknown tool {tool_name:?} (this engine has: {})",
@@ -141,6 +148,11 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
         );
         fail();
     }
+    tool
+}
+
+/// The shadow MMU, with the kernel view's shadow root loaded into the real CR3.
+fn enter_shadow(block: &AttachBlock) -> RefCell<Shadow> {
     let shadow = match Shadow::new(block, paging::engine_root(block)) {
         Ok(sh) => RefCell::new(sh),
         Err(e) => {
@@ -155,8 +167,14 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
     log!(
         Info,
         "engine: guest memory through the shadow MMU: kernel-view shadow root loaded for guest CR3 {:#x}",
-        s.cr3
+        block.sregs.cr3
     );
+    shadow
+}
+
+/// The translator over the code-cache region, holding the guest's registers from
+/// `block`.
+fn new_engine(block: &AttachBlock, tool_name: &str) -> Engine {
     let config = Config {
         // The image is soft-float (no SSE in engine code): guest vector state stays in
         // the registers across exits, and analysis routines leave it alone.
@@ -203,296 +221,7 @@ pub fn run_guest(block: &AttachBlock, tool_name: &str) -> ! {
         WINDOW_VA + CODE_CACHE_OFFSET
     );
     log::flush();
-
-    arm_fault_redirect(&engine);
-    let mut mem = ShadowedMemory::new(&shadow);
-    // Measured before the virtual CPU makes the hardware FS/GS bases the guest's.
-    let null_clears_base = crate::run::vcpu::probe_null_selector_clears_base();
-    log!(
-        Info,
-        "engine: loading a null selector into FS {} its base on this CPU",
-        if null_clears_base { "zeroes" } else { "keeps" }
-    );
-    let ring0 = Ring0 {
-        null_clears_base,
-        ..Ring0::default()
-    };
-    let mut vcpu = Vcpu::new(block, ring0, ShadowPort::new(&shadow));
-    let mut progress = cache_page_fault::Progress::default();
-    let t0 = timer::tsc();
-    prof::start();
-    irq::hand_over(&engine);
-    detach::publish(&engine);
-    loop {
-        // `kpin detach`/`attach` on this engine: served here, at a trace boundary.
-        detach::note_progress(&engine);
-        if detach::requested() != 0 {
-            detach::serve(
-                &mut engine,
-                &vcpu,
-                &shadow,
-                &mut tool,
-                &mut |e, v, sh, t| report(e, v, sh, t, timer::tsc().wrapping_sub(t0)),
-            );
-        }
-        prof::switch(profile::SHADOW_WORK);
-        tell_translator(&mut engine, &shadow);
-        prof::switch(prof::ENGINE);
-        // Traces are keyed by mode: it follows the virtual CPL (deliveries in this loop
-        // change it outside `emulate`).
-        if engine.mode() != vcpu.mode() {
-            if let Err(e) = engine.set_mode(vcpu.mode()) {
-                log!(Error, "engine: switching the translation mode failed: {e}");
-                give_up(&engine, &vcpu, &shadow, &mut tool, 0, &mem);
-            }
-        }
-        // The virtual IF and IOPL go to the cache context for the inline flag
-        // instructions, and come back after the run (deliveries and reports read them).
-        engine.set_virtual_flags(vcpu.vif, vcpu.iopl);
-        engine.set_irq_held(crate::events::irq::highest().is_some());
-        // Stepping (TF, or DR7 breakpoints): the run executes at most this one
-        // instruction, whose state before it the debug checks need.
-        let step = vcpu.mode().is_stepping().then(|| StepStart {
-            tf: vcpu.tf,
-            regs: *engine.regs(),
-            pc: engine.rip().0,
-        });
-        if let Some(s) = &step {
-            if let Some(r) = vcpu.instruction_breakpoint(engine.regs_mut(), s.pc) {
-                if on_debug_trap(&mut engine, r, s.pc).is_err() {
-                    give_up(&engine, &vcpu, &shadow, &mut tool, 0, &mem);
-                }
-                continue;
-            }
-        }
-        let stop = engine.run(&mut mem, &mut vcpu, tool.as_tool());
-        (vcpu.vif, vcpu.iopl) = engine.virtual_flags();
-        let cycles = timer::tsc().wrapping_sub(t0);
-        let failure = shadow.borrow().failure().cloned();
-        if let Some(e) = failure {
-            log!(
-                Error,
-                "engine: shadow MMU failure at guest RIP {:#x}: {e}",
-                engine.rip().0
-            );
-            give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
-        }
-        match stop {
-            Stop::Sensitive(insn) => match vcpu.take_stop() {
-                Some(VcpuStop::ShadowWork { resume }) => {
-                    engine.complete_stopped_emulation(tool.as_tool());
-                    engine.set_rip(resume);
-                }
-                Some(VcpuStop::FinalPortWrite { port, size, value }) => {
-                    report(&engine, &vcpu, &shadow, &mut tool, cycles);
-                    log!(
-                        Info,
-                        "engine: guest RIP {:#x} writes {value:#x} to port {port:#x} (poweroff or reset): passing it on",
-                        insn.pc.0
-                    );
-                    log::flush();
-                    gate::out(port, size, value);
-                    // The VMM normally ends the run here; if not, the guest continues.
-                    engine.set_rip(GuestVirt(insn.pc.0 + u64::from(insn.len)));
-                }
-                Some(VcpuStop::TripleFault(t)) => {
-                    log!(
-                        Error,
-                        "engine: the guest triple-faulted at RIP {:#x}: {} (vector {}, error code {:#x}) while delivering #DF",
-                        insn.pc.0,
-                        crate::ring0::crash::vector_name(u64::from(t.last.vector)),
-                        t.last.vector,
-                        t.last.error.unwrap_or(0)
-                    );
-                    give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
-                }
-                stop => {
-                    let mut text = String::new();
-                    match stop {
-                        Some(VcpuStop::Unsupported { mnemonic, why }) => {
-                            let name = mnemonic.map_or(String::from("(undecodable)"), |m| {
-                                let mut n = String::new();
-                                let _ = write!(n, "{m:?}");
-                                n.to_ascii_lowercase()
-                            });
-                            let _ = write!(
-                                text,
-                                "unsupported sensitive instruction `{name}` ({:?}) at guest RIP {:#x}: {why}; bytes",
-                                insn.kind, insn.pc.0
-                            );
-                        }
-                        _ => {
-                            let _ = write!(
-                                text,
-                                "sensitive instruction ({:?}) at guest RIP {:#x} stopped the run; bytes",
-                                insn.kind, insn.pc.0
-                            );
-                        }
-                    }
-                    for b in &insn.bytes[..usize::from(insn.len).min(insn.bytes.len())] {
-                        let _ = write!(text, " {b:02x}");
-                    }
-                    log!(Error, "engine: {text}");
-                    give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
-                }
-            },
-            Stop::Fault { guest_pc, .. } => {
-                // SAFETY: written by the ring-0 trap path before it redirected the fault
-                // to the exit routine, which ran before `run` returned.
-                let (vector, error, cr2) = unsafe {
-                    (
-                        core::ptr::read_volatile(&raw const entry::kpin_cache_fault_vector),
-                        core::ptr::read_volatile(&raw const entry::kpin_cache_fault_error),
-                        core::ptr::read_volatile(&raw const entry::kpin_cache_fault_cr2),
-                    )
-                };
-                let done = if vector == u64::from(VEC_PF) {
-                    prof::switch(profile::SHADOW_FILL);
-                    let hw = cache_page_fault::HwPageFault {
-                        guest_pc,
-                        cr2,
-                        error: error as u32,
-                    };
-                    match cache_page_fault::on_page_fault(
-                        &mut engine,
-                        &shadow,
-                        &vcpu,
-                        &mut progress,
-                        vcpu.mode(),
-                        hw,
-                    ) {
-                        Ok(Action::Retry) => {
-                            engine.set_rip(guest_pc);
-                            Ok(())
-                        }
-                        Ok(Action::Resume(next)) => {
-                            engine.set_rip(next);
-                            Ok(())
-                        }
-                        Ok(Action::Reflect(f)) => {
-                            prof::switch_charging(profile::GUEST_FAULT, profile::GUEST_FAULT);
-                            reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, guest_pc)
-                        }
-                        Err(e) => Err(e),
-                    }
-                } else {
-                    prof::switch(profile::GUEST_FAULT);
-                    let hit = (vector == u64::from(VEC_UD)).then(|| {
-                        use guest_engine::instrument::SegBase;
-                        cache_page_fault::IsolationHit {
-                            guest_pc,
-                            fs_base: Platform::segment_base(&mut vcpu, SegBase::Fs),
-                            gs_base: Platform::segment_base(&mut vcpu, SegBase::Gs),
-                        }
-                    });
-                    let isolation = match hit {
-                        Some(hit) => cache_page_fault::on_isolation_hit(
-                            &mut engine,
-                            &shadow,
-                            &vcpu,
-                            &mut progress,
-                            vcpu.mode(),
-                            hit,
-                        ),
-                        None => Ok(None),
-                    };
-                    match isolation {
-                        Ok(Some(Action::Reflect(f))) => {
-                            reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, guest_pc)
-                        }
-                        Ok(Some(Action::Resume(next))) => {
-                            engine.set_rip(next);
-                            Ok(())
-                        }
-                        Ok(Some(Action::Retry)) => {
-                            engine.set_rip(guest_pc);
-                            Ok(())
-                        }
-                        Ok(None) => {
-                            let ev = Event::from_hardware(vector as u8, error as u32);
-                            deliver_at(&mut engine, &mut vcpu, guest_pc.0, ev)
-                        }
-                        Err(e) => Err(e),
-                    }
-                };
-                if let Err(why) = done {
-                    log!(Error, "engine: {why}");
-                    give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
-                }
-            }
-            Stop::FetchFault(va) => {
-                // The instruction starts at the engine's RIP (`va` may be its second page).
-                prof::switch(profile::GUEST_FAULT);
-                let rip = engine.rip();
-                let why = match cache_page_fault::fetch_fault(&shadow, vcpu.mode(), va) {
-                    Some(f) => reflect_guest_fault(&mut engine, &mut vcpu, &shadow, f, rip),
-                    None => Err(RunError::Undecodable { va: va.0 }),
-                };
-                if let Err(why) = why {
-                    log!(Error, "engine: {why}");
-                    give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
-                }
-            }
-            Stop::EnteredStepping(next) => engine.set_rip(next),
-            Stop::Stepped(next) => {
-                // One instruction ran in a stepping mode: its #DB trap, if any, follows.
-                prof::switch(profile::GUEST_FAULT);
-                let Some(s) = step else {
-                    log!(
-                        Error,
-                        "engine: a stepping stop outside a stepping mode at RIP {:#x}",
-                        next.0
-                    );
-                    give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
-                };
-                let mut bytes = [0u8; cache_page_fault::MAX_INSN];
-                let n = ShadowedMemory::new(&shadow).peek_code(s.pc, engine.mode(), &mut bytes);
-                match vcpu.after_instruction(
-                    s.tf,
-                    &s.regs,
-                    s.pc,
-                    &bytes[..n],
-                    engine.regs_mut(),
-                    next.0,
-                ) {
-                    None => engine.set_rip(next),
-                    Some(r) => {
-                        if on_debug_trap(&mut engine, r, next.0).is_err() {
-                            give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
-                        }
-                    }
-                }
-            }
-            Stop::Attention(va) => {
-                // State is precise at `va`. Only interrupts set attention so far.
-                prof::switch(profile::INTERRUPT);
-                engine.set_attention(0);
-                // Console bytes wait at most for the next interrupt (a guest that spins
-                // after a message, e.g. a kernel panic without reboot, still shows it).
-                log::console_flush();
-                match vcpu.deliver_pending(engine.regs_mut(), va.0) {
-                    Ok(Some(handler)) => engine.set_rip(GuestVirt(handler)),
-                    Ok(None) => engine.set_rip(va),
-                    Err(_) => {
-                        log!(
-                            Error,
-                            "engine: the guest triple-faulted delivering an interrupt at RIP {:#x}",
-                            va.0
-                        );
-                        give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
-                    }
-                }
-            }
-            other => {
-                log!(
-                    Error,
-                    "engine: the run stopped at guest RIP {:#x}: {other:?}",
-                    engine.rip().0
-                );
-                give_up(&engine, &vcpu, &shadow, &mut tool, cycles, &mem);
-            }
-        }
-    }
+    engine
 }
 
 /// The guest must take `fault` at the instruction `guest_pc` (the engine's registers are
@@ -575,38 +304,6 @@ fn deliver_at(
     Ok(())
 }
 
-/// The guest state an instruction run in a stepping mode began with.
-struct StepStart {
-    /// The virtual TF.
-    tf: bool,
-    /// The registers.
-    regs: guest_engine::GuestRegs,
-    /// Its address.
-    pc: u64,
-}
-
-/// Continues at the handler of a #DB delivery (`r`), or logs the triple fault at `rip`.
-fn on_debug_trap(
-    engine: &mut Engine,
-    r: Result<u64, guest_engine::vcpu::TripleFault>,
-    rip: u64,
-) -> Result<(), ()> {
-    match r {
-        Ok(handler) => {
-            engine.set_rip(GuestVirt(handler));
-            Ok(())
-        }
-        Err(t) => {
-            log!(
-                Error,
-                "engine: the guest triple-faulted delivering #DB at RIP {rip:#x} (last vector {})",
-                t.last.vector
-            );
-            Err(())
-        }
-    }
-}
-
 /// Tells the ring-0 trap path where the code cache is, so that a fault in translated
 /// code becomes a FAULT exit of the cache instead of an engine fault report.
 fn arm_fault_redirect(engine: &Engine) {
@@ -624,21 +321,6 @@ fn arm_fault_redirect(engine: &Engine) {
             r.region.1.wrapping_sub(r.region.0),
         );
     }
-}
-
-/// Ends a run the engine cannot continue: the guest's state, the report, then the
-/// failure port (exit status 3).
-fn give_up(
-    engine: &Engine,
-    vcpu: &Vcpu<'_>,
-    shadow: &RefCell<Shadow>,
-    tool: &mut Chosen,
-    cycles: u64,
-    mem: &ShadowedMemory<'_>,
-) -> ! {
-    guest_dump::log_guest_state(engine, vcpu, mem);
-    report(engine, vcpu, shadow, tool, cycles);
-    fail();
 }
 
 /// Logs what the run did, writes `counters.json` and lets the tool write its files.
