@@ -108,6 +108,17 @@ pub struct DescriptorTable {
     pub pad: [u8; 6],
 }
 
+impl DescriptorTable {
+    /// The register holding `base` and `limit`.
+    pub const fn new(base: u64, limit: u16) -> Self {
+        DescriptorTable {
+            base,
+            limit,
+            pad: [0; 6],
+        }
+    }
+}
+
 /// Segment, descriptor-table and control registers.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -197,6 +208,18 @@ pub struct E820Entry {
     pub kind: u32,
     /// Padding.
     pub pad: u32,
+}
+
+impl E820Entry {
+    /// The entry `[addr, addr + size)` of `kind`.
+    pub const fn new(addr: u64, size: u64, kind: u32) -> Self {
+        E820Entry {
+            addr,
+            size,
+            kind,
+            pad: 0,
+        }
+    }
 }
 
 /// Events pending or being injected at the moment of attach.
@@ -412,11 +435,7 @@ const EMPTY_SEGMENT: Segment = Segment {
     unusable: 0,
     pad: 0,
 };
-const EMPTY_TABLE: DescriptorTable = DescriptorTable {
-    base: 0,
-    limit: 0,
-    pad: [0; 6],
-};
+const EMPTY_TABLE: DescriptorTable = DescriptorTable::new(0, 0);
 
 fn trim_nul(b: &[u8]) -> &[u8] {
     let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());

@@ -227,14 +227,8 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             iopl: ((block.regs.rflags & rflags::IOPL) >> 12) as u8,
             tf: block.regs.rflags & rflags::TF != 0,
             step_suppressed: false,
-            gdtr: DescriptorTable {
-                base: block.sregs.gdt.base,
-                limit: block.sregs.gdt.limit,
-            },
-            idtr: DescriptorTable {
-                base: block.sregs.idt.base,
-                limit: block.sregs.idt.limit,
-            },
+            gdtr: DescriptorTable::new(block.sregs.gdt.base, block.sregs.gdt.limit),
+            idtr: DescriptorTable::new(block.sregs.idt.base, block.sregs.idt.limit),
             segs: Segments::new(&block.sregs),
             msrs: MsrFile::new(block),
             stats: VcpuStats::default(),

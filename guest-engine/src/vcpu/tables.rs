@@ -11,14 +11,8 @@ use super::hardware::{GuestMmu, Hardware};
 use super::Vcpu;
 use crate::{GuestRegs, GuestVirt};
 
-/// A virtual GDTR or IDTR.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DescriptorTable {
-    /// Linear base.
-    pub base: u64,
-    /// Limit.
-    pub limit: u16,
-}
+/// A virtual GDTR or IDTR (the attach block's type: the VMM hands them over in it).
+pub use kpin_abi::attach::DescriptorTable;
 
 impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
     /// `lgdt m`/`lidt m`: 2-byte limit, 8-byte base (#GP(0) for a non-canonical operand
@@ -35,10 +29,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         let limit = u16::from_le_bytes([bytes[0], bytes[1]]);
         let mut base = [0u8; 8];
         base.copy_from_slice(&bytes[2..]);
-        let table = DescriptorTable {
-            base: u64::from_le_bytes(base),
-            limit,
-        };
+        let table = DescriptorTable::new(u64::from_le_bytes(base), limit);
         if i.code() == Code::Lgdt_m1664 {
             self.gdtr = table;
         } else {

@@ -8,8 +8,8 @@
 //! its array; a table that does not fit is an error, never silently truncated.
 
 use kpin_abi::attach::{
-    AttachBlock, CpuidEntry, DescriptorTable, E820Entry as AbiE820, Msr, PendingEvents, Regs,
-    Segment, SystemRegs, MAX_CPUID, MAX_E820, MAX_MSRS, TOOL_NAME_BYTES, TOOL_OPTIONS_BYTES,
+    AttachBlock, CpuidEntry, DescriptorTable, Msr, PendingEvents, Regs, Segment, SystemRegs,
+    MAX_CPUID, MAX_E820, MAX_MSRS, TOOL_NAME_BYTES, TOOL_OPTIONS_BYTES,
 };
 use kpin_abi::stolen::ATTACH_OFFSET;
 use kpin_abi::x86::msr;
@@ -219,14 +219,7 @@ pub fn capture(state: &VcpuState, inputs: &AttachInputs<'_>) -> Result<AttachBlo
     if inputs.e820.len() > MAX_E820 {
         return Err(VmmError::AttachTable("e820", inputs.e820.len(), MAX_E820));
     }
-    for (slot, m) in b.e820.iter_mut().zip(inputs.e820) {
-        *slot = AbiE820 {
-            addr: m.addr,
-            size: m.size,
-            kind: m.kind,
-            pad: 0,
-        };
-    }
+    b.e820[..inputs.e820.len()].copy_from_slice(inputs.e820);
     b.e820_count = count(inputs.e820.len());
     b.ram_bytes = inputs.ram_bytes;
     b.stolen_base = inputs.stolen_base;
@@ -301,11 +294,7 @@ fn segment(s: &kvm_segment) -> Segment {
 }
 
 fn table(t: &kvm_dtable) -> DescriptorTable {
-    DescriptorTable {
-        base: t.base,
-        limit: t.limit,
-        pad: [0; 6],
-    }
+    DescriptorTable::new(t.base, t.limit)
 }
 
 #[cfg(test)]
@@ -371,11 +360,7 @@ mod tests {
             ebx: 0x756e_6547,
             ..Default::default()
         }];
-        let e820 = [E820Entry {
-            addr: 0,
-            size: 0x9fc00,
-            kind: 1,
-        }];
+        let e820 = [E820Entry::new(0, 0x9fc00, 1)];
         let b = capture(&state(), &inputs(&cpuid, &e820)).unwrap();
         assert!(b.is_valid());
         assert_eq!(b.regs.rip, 0x100_0000);
@@ -406,14 +391,7 @@ mod tests {
         let cpuid = vec![kvm_cpuid_entry2::default(); MAX_CPUID + 1];
         let err = capture(&state(), &inputs(&cpuid, &[])).unwrap_err();
         assert!(err.to_string().contains("CPUID"), "{err}");
-        let e820 = vec![
-            E820Entry {
-                addr: 0,
-                size: 1,
-                kind: 1
-            };
-            MAX_E820 + 1
-        ];
+        let e820 = vec![E820Entry::new(0, 1, 1); MAX_E820 + 1];
         assert!(capture(&state(), &inputs(&[], &e820)).is_err());
         for bad in ["", "a b", "../x", &"n".repeat(TOOL_NAME_BYTES)] {
             assert!(tool_name(bad).is_err(), "{bad:?}");

@@ -53,7 +53,7 @@ pub enum EngineLoadError {
 
 /// One segment to copy.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Segment {
+pub struct LoadSegment {
     /// Offset in the stolen region.
     pub stolen_offset: u64,
     /// Range of the file copied there.
@@ -70,7 +70,7 @@ pub struct LoadPlan {
     /// The entry point (a virtual address in the window).
     pub entry: u64,
     /// The segments, in file order.
-    pub segments: Vec<Segment>,
+    pub segments: Vec<LoadSegment>,
     /// End of the highest segment, as a stolen-region offset (the engine's heap may
     /// start above it).
     pub end_offset: u64,
@@ -158,7 +158,7 @@ pub fn plan(elf: &[u8], stolen_bytes: u64) -> Result<LoadPlan, EngineLoadError> 
             return Err(EngineLoadError::Overlap(other, vaddr));
         }
         ranges.push((vaddr, end, flags & PF_X != 0));
-        segments.push(Segment {
+        segments.push(LoadSegment {
             stolen_offset: vaddr - WINDOW_VA,
             file_start: usize::try_from(offset).map_err(|_| EngineLoadError::Headers)?,
             file_bytes: usize::try_from(filesz).map_err(|_| EngineLoadError::Headers)?,

@@ -19,16 +19,9 @@ pub const E820_RAM: u32 = 1;
 /// e820 type of reserved memory.
 pub const E820_RESERVED: u32 = 2;
 
-/// One e820 entry as the boot protocol lays it out.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct E820Entry {
-    /// First guest-physical byte.
-    pub addr: u64,
-    /// Length in bytes.
-    pub size: u64,
-    /// [`E820_RAM`] or [`E820_RESERVED`].
-    pub kind: u32,
-}
+/// One e820 entry (the attach block's layout; the boot protocol's is the same
+/// without the padding).
+pub use kpin_abi::attach::E820Entry;
 
 /// The guest's physical memory: RAM regions plus the stolen region.
 pub struct GuestMemory {
@@ -66,26 +59,14 @@ pub fn stolen_base(ram_bytes: u64) -> u64 {
 /// is deliberately not listed.
 pub fn e820_map(ram_bytes: u64) -> Vec<E820Entry> {
     let mut map = vec![
-        E820Entry {
-            addr: 0,
-            size: EBDA_START,
-            kind: E820_RAM,
-        },
-        E820Entry {
-            addr: EBDA_START,
-            size: HIMEM_START - EBDA_START,
-            kind: E820_RESERVED,
-        },
+        E820Entry::new(0, EBDA_START, E820_RAM),
+        E820Entry::new(EBDA_START, HIMEM_START - EBDA_START, E820_RESERVED),
     ];
     for (addr, len) in ram_ranges(ram_bytes) {
         let start = addr.raw_value().max(HIMEM_START);
         let end = addr.raw_value() + len as u64;
         if end > start {
-            map.push(E820Entry {
-                addr: start,
-                size: end - start,
-                kind: E820_RAM,
-            });
+            map.push(E820Entry::new(start, end - start, E820_RAM));
         }
     }
     map
