@@ -26,7 +26,7 @@ pub enum VmmError {
     },
     /// Guest memory could not be allocated.
     #[error("cannot allocate guest memory")]
-    GuestMemory(#[source] vm_memory::mmap::FromRangesError),
+    VmMemory(#[source] vm_memory::mmap::FromRangesError),
     /// A guest-memory access by the VMM fell outside guest RAM.
     #[error("VMM access to guest memory at {0:#x} failed")]
     GuestAccess(u64, #[source] vm_memory::GuestMemoryError),

@@ -24,7 +24,7 @@ use crate::layout::{
     BOOT_STACK_POINTER, CMDLINE_MAX_BYTES, CMDLINE_START, HIMEM_START, INITRD_ALIGN_BYTES,
     ZERO_PAGE_START,
 };
-use crate::memory::{e820_map, GuestMemory};
+use crate::memory::{e820_map, VmMemory};
 use crate::x86::{set_flat_long_mode_segments, TWO_MIB};
 use kpin_abi::x86::{cr0, cr4, efer, pte, rflags};
 
@@ -100,7 +100,7 @@ pub struct BootInfo {
 
 /// Loads `kernel` (and `initrd`) with `cmdline` into `mem`; returns where to start.
 pub fn load(
-    mem: &GuestMemory,
+    mem: &VmMemory,
     kernel: &Path,
     initrd: Option<&Path>,
     cmdline: &str,
@@ -248,7 +248,7 @@ pub fn detect_format(head: &[u8]) -> Option<KernelFormat> {
     None
 }
 
-fn write_page_tables(mem: &GuestMemory) -> Result<()> {
+fn write_page_tables(mem: &VmMemory) -> Result<()> {
     write(
         mem,
         BOOT_PML4_START,
@@ -304,7 +304,7 @@ pub fn initial_fpu() -> kvm_fpu {
     }
 }
 
-fn write(mem: &GuestMemory, gpa: u64, data: &[u8]) -> Result<()> {
+fn write(mem: &VmMemory, gpa: u64, data: &[u8]) -> Result<()> {
     mem.ram
         .write_slice(data, GuestAddress(gpa))
         .map_err(|e| VmmError::GuestAccess(gpa, e))

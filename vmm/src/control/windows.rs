@@ -51,7 +51,7 @@ use super::server::Command;
 use crate::devices::bus::{DeviceAction, PortDevice};
 use crate::engine::{self, detach, EngineConfig};
 use crate::error::{Result, VmmError};
-use crate::vstate::memory::GuestMemory;
+use crate::vstate::memory::VmMemory;
 use crate::vstate::vcpu::ExitCounters;
 
 /// The largest `counters.json` a status reply includes (replies are bounded by
@@ -194,7 +194,7 @@ impl Windows {
     pub fn poll(
         &mut self,
         vcpu: &mut VcpuFd,
-        mem: &GuestMemory,
+        mem: &VmMemory,
         cpuid: &CpuId,
         daemon: &mut Daemon,
         ring: &mut Consumer,
@@ -235,7 +235,7 @@ impl Windows {
 
     /// Guest instructions executed under the engine so far (native ones are not counted),
     /// as the engine last published them.
-    fn guest_insns(&self, mem: &GuestMemory) -> u64 {
+    fn guest_insns(&self, mem: &VmMemory) -> u64 {
         let live = match self.state {
             State::Native => 0,
             _ => detach::read_control(mem)
@@ -248,7 +248,7 @@ impl Windows {
 
     /// Every [`PROGRESS_SAMPLE`], records a sample and nudges the engine so that its
     /// next one is current.
-    fn sample(&mut self, mem: &GuestMemory, exits: &ExitCounters) -> Result<()> {
+    fn sample(&mut self, mem: &VmMemory, exits: &ExitCounters) -> Result<()> {
         let now = Instant::now();
         if let Some(s) = &self.samples[1] {
             if now.duration_since(s.at) < PROGRESS_SAMPLE {
@@ -267,7 +267,7 @@ impl Windows {
         Ok(())
     }
 
-    fn status(&self, mem: &GuestMemory, exits: &ExitCounters) -> Reply {
+    fn status(&self, mem: &VmMemory, exits: &ExitCounters) -> Reply {
         // The engine writes the file through the ring; one too big for a reply is left out.
         let path = self.window_dir.join(ENGINE_COUNTERS);
         let counters = std::fs::metadata(&path)
@@ -304,7 +304,7 @@ impl Windows {
     fn post(
         &mut self,
         vcpu: &VcpuFd,
-        mem: &GuestMemory,
+        mem: &VmMemory,
         control: Control,
         request: u32,
         reply: &Sender<Reply>,
@@ -330,7 +330,7 @@ impl Windows {
 
     /// Withdraws a pending request the engine has not taken within [`PENDING_MAX_EXITS`]
     /// exits or [`PENDING_MAX_WAIT`]: the client is told why, and nothing changed.
-    fn withdraw_overdue(&mut self, mem: &GuestMemory, exits: &ExitCounters) -> Result<()> {
+    fn withdraw_overdue(&mut self, mem: &VmMemory, exits: &ExitCounters) -> Result<()> {
         let Some(p) = &self.pending else {
             return Ok(());
         };
@@ -362,7 +362,7 @@ impl Windows {
     fn detach(
         &mut self,
         vcpu: &VcpuFd,
-        mem: &GuestMemory,
+        mem: &VmMemory,
         reply: &Sender<Reply>,
         exits: &ExitCounters,
     ) -> Result<Option<Reply>> {
@@ -388,7 +388,7 @@ impl Windows {
     fn attach(
         &mut self,
         vcpu: &mut VcpuFd,
-        mem: &GuestMemory,
+        mem: &VmMemory,
         cpuid: &CpuId,
         daemon: &mut Daemon,
         ring: &mut Consumer,
@@ -429,7 +429,7 @@ impl Windows {
     fn attach_native(
         &mut self,
         vcpu: &mut VcpuFd,
-        mem: &GuestMemory,
+        mem: &VmMemory,
         cpuid: &CpuId,
         daemon: &mut Daemon,
         ring: &mut Consumer,
@@ -497,7 +497,7 @@ impl Windows {
         &mut self,
         code: u32,
         vcpu: &mut VcpuFd,
-        mem: &GuestMemory,
+        mem: &VmMemory,
         daemon: &mut Daemon,
         ring: &mut Consumer,
     ) -> Result<()> {

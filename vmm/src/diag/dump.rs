@@ -14,7 +14,7 @@ use kvm_ioctls::VcpuFd;
 
 use crate::diag::paging;
 use crate::diag::symbols::Symbols;
-use crate::vstate::memory::GuestMemory;
+use crate::vstate::memory::VmMemory;
 
 /// MSRs worth seeing when a guest dies, with their names.
 const DUMP_MSRS: &[(u32, &str)] = &[
@@ -45,7 +45,7 @@ const STACK_QWORDS: u64 = 8;
 pub fn guest_state(
     reason: &str,
     vcpu: &VcpuFd,
-    mem: &GuestMemory,
+    mem: &VmMemory,
     symbols: Option<&Symbols>,
 ) -> String {
     let mut out = String::new();

@@ -20,7 +20,7 @@ use kvm_bindings::{
 use kvm_ioctls::VcpuFd;
 
 use crate::error::{Result, VmmError};
-use crate::vstate::memory::{E820Entry, GuestMemory};
+use crate::vstate::memory::{E820Entry, VmMemory};
 
 /// MSRs handed to the engine, most widely supported first (KVM stops reading at the
 /// first one it does not know).
@@ -257,7 +257,7 @@ pub fn tool_options(options: &str) -> Result<[u8; TOOL_OPTIONS_BYTES]> {
 }
 
 /// Writes `b` into the stolen region at `ATTACH_OFFSET`, where the engine reads it.
-pub fn write_block(mem: &GuestMemory, b: &AttachBlock) -> Result<()> {
+pub fn write_block(mem: &VmMemory, b: &AttachBlock) -> Result<()> {
     let host = mem.stolen_host_address(ATTACH_OFFSET)?;
     assert!(
         (host as usize).is_multiple_of(std::mem::align_of::<AttachBlock>()),

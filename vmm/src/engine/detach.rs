@@ -18,9 +18,9 @@ use kvm_bindings::{kvm_dtable, kvm_msr_entry, kvm_regs, kvm_segment, kvm_sregs, 
 use kvm_ioctls::VcpuFd;
 
 use crate::error::{Result, VmmError};
-use crate::vstate::memory::GuestMemory;
+use crate::vstate::memory::VmMemory;
 
-fn area(mem: &GuestMemory) -> Result<*mut Control> {
+fn area(mem: &VmMemory) -> Result<*mut Control> {
     let host = mem.stolen_host_address(CONTROL_OFFSET)?;
     assert!(
         (host as usize).is_multiple_of(std::mem::align_of::<Control>()),
@@ -30,7 +30,7 @@ fn area(mem: &GuestMemory) -> Result<*mut Control> {
 }
 
 /// Reads the control area.
-pub fn read_control(mem: &GuestMemory) -> Result<Control> {
+pub fn read_control(mem: &VmMemory) -> Result<Control> {
     let p = area(mem)?;
     // SAFETY: `p` is inside the stolen region's live mapping (the abi crate asserts that
     // the area fits the attach slot), aligned (checked); the vCPU is not running (this
@@ -39,7 +39,7 @@ pub fn read_control(mem: &GuestMemory) -> Result<Control> {
 }
 
 /// Writes the control area.
-pub fn write_control(mem: &GuestMemory, c: &Control) -> Result<()> {
+pub fn write_control(mem: &VmMemory, c: &Control) -> Result<()> {
     let p = area(mem)?;
     // SAFETY: as in `read_control`.
     unsafe { std::ptr::write_volatile(p, *c) };
@@ -49,7 +49,7 @@ pub fn write_control(mem: &GuestMemory, c: &Control) -> Result<()> {
 /// Posts `request` (with `c`'s tool fields) and sets the engine's attention bit so that
 /// guest code looping in the code cache comes back to the engine's run loop. `false`: no
 /// engine has set the area up.
-pub fn post(mem: &GuestMemory, mut c: Control, request: u32) -> Result<bool> {
+pub fn post(mem: &VmMemory, mut c: Control, request: u32) -> Result<bool> {
     if c.magic != MAGIC {
         return Ok(false);
     }
@@ -63,7 +63,7 @@ pub fn post(mem: &GuestMemory, mut c: Control, request: u32) -> Result<bool> {
 /// the next trace entry, which publishes the live instruction count (guest code looping
 /// in linked traces, e.g. polling a port the engine emulates, never passes through it
 /// otherwise). Does nothing if no engine has set the area up.
-pub fn nudge(mem: &GuestMemory) -> Result<()> {
+pub fn nudge(mem: &VmMemory) -> Result<()> {
     let c = read_control(mem)?;
     if c.magic == MAGIC {
         set_attention(mem, &c)?;
@@ -71,7 +71,7 @@ pub fn nudge(mem: &GuestMemory) -> Result<()> {
     Ok(())
 }
 
-fn set_attention(mem: &GuestMemory, c: &Control) -> Result<()> {
+fn set_attention(mem: &VmMemory, c: &Control) -> Result<()> {
     if c.attention_offset != 0 && c.attention_offset < kpin_abi::stolen::LAYOUT_BYTES {
         let p = mem.stolen_host_address(c.attention_offset)?;
         // SAFETY: the attention word is an aligned u64 in the engine's code-cache context

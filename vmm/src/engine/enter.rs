@@ -24,7 +24,7 @@ use crate::boot::layout::{ENGINE_BOOT_STACK_TOP, STOLEN_SIZE_BYTES};
 use crate::engine::attach::{self, AttachInputs};
 use crate::engine::loader;
 use crate::error::{Result, VmmError};
-use crate::vstate::memory::{e820_map, ram_ranges, stolen_base, GuestMemory};
+use crate::vstate::memory::{e820_map, ram_ranges, stolen_base, VmMemory};
 use crate::x86::{set_flat_long_mode_segments, TWO_MIB};
 use kpin_abi::x86::{cr0, cr4, efer, pte, rflags};
 
@@ -125,7 +125,7 @@ pub fn boot_page_tables(
 /// and points the vCPU at the engine's entry.
 pub fn enter(
     vcpu: &VcpuFd,
-    mem: &GuestMemory,
+    mem: &VmMemory,
     cpuid: &CpuId,
     cfg: &EngineConfig,
 ) -> Result<EngineEntry> {

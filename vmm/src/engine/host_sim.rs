@@ -23,7 +23,7 @@ use kpin_tool::MemRecord;
 use kpin_tool_cachesim::{insns, CacheSim};
 
 use crate::error::{Result, VmmError};
-use crate::vstate::memory::GuestMemory;
+use crate::vstate::memory::VmMemory;
 
 /// Records simulated between two releases of ring slots.
 const BATCH: u64 = 4096;
@@ -64,7 +64,7 @@ impl HostSim {
     /// Formats the record ring in `mem`'s stolen region and starts the thread with a
     /// simulator for `options` (`None` if cachesim refuses them: the engine then refuses
     /// them too, and says so).
-    pub fn start(mem: &GuestMemory, options: &str) -> Result<Option<Self>> {
+    pub fn start(mem: &VmMemory, options: &str) -> Result<Option<Self>> {
         let base = mem.stolen_host_address(RECORD_RING_OFFSET)?;
         // SAFETY: the stolen region's mapping covers the layout (the abi asserts the ring
         // lies inside it), is page-aligned, and outlives the thread: `HostSim` joins it

@@ -24,7 +24,7 @@ pub const E820_RESERVED: u32 = 2;
 pub use kpin_abi::attach::E820Entry;
 
 /// The guest's physical memory: RAM regions plus the stolen region.
-pub struct GuestMemory {
+pub struct VmMemory {
     /// Guest RAM as the guest sees it (one or two regions around the MMIO gap).
     pub ram: GuestMemoryMmap,
     /// The stolen region: a separate mapping the VMM keeps, never shown to the guest OS.
@@ -76,7 +76,7 @@ fn to_usize(v: u64) -> usize {
     usize::try_from(v).expect("guest memory sizes are bounded by MAX_MEM_MIB and fit usize")
 }
 
-impl GuestMemory {
+impl VmMemory {
     /// Allocates `mem_mib` MiB of guest RAM and the stolen region, and registers both with KVM.
     pub fn new(vm: &VmFd, mem_mib: u64) -> Result<Self> {
         if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&mem_mib) {
@@ -88,12 +88,12 @@ impl GuestMemory {
         }
         let ram_bytes = mem_mib << 20;
         let ram =
-            GuestMemoryMmap::from_ranges(&ram_ranges(ram_bytes)).map_err(VmmError::GuestMemory)?;
+            GuestMemoryMmap::from_ranges(&ram_ranges(ram_bytes)).map_err(VmmError::VmMemory)?;
         let stolen = GuestMemoryMmap::from_ranges(&[(
             GuestAddress(stolen_base(ram_bytes)),
             to_usize(STOLEN_SIZE_BYTES),
         )])
-        .map_err(VmmError::GuestMemory)?;
+        .map_err(VmmError::VmMemory)?;
         for (slot, region) in (0u32..).zip(ram.iter().chain(stolen.iter())) {
             let host = region
                 .get_host_address(vm_memory::MemoryRegionAddress(0))
@@ -106,12 +106,12 @@ impl GuestMemory {
                 userspace_addr: host as u64,
             };
             // SAFETY: `host` is the start of a live mmap of `region.len()` bytes owned by
-            // `ram`/`stolen`, which `GuestMemory` keeps alive as long as the VM that uses them
+            // `ram`/`stolen`, which `VmMemory` keeps alive as long as the VM that uses them
             // (the `Vm` struct drops the VM fd before its memory).
             unsafe { vm.set_user_memory_region(desc) }
                 .map_err(|e| VmmError::Kvm("KVM_SET_USER_MEMORY_REGION", e))?;
         }
-        Ok(GuestMemory {
+        Ok(VmMemory {
             ram,
             stolen,
             ram_bytes,

@@ -40,7 +40,7 @@ use crate::engine::host_sim::HostSim;
 use crate::engine::{self, EngineConfig, EngineEntry};
 use crate::error::{Result, VmmError};
 use crate::vstate::cpuid;
-use crate::vstate::memory::GuestMemory;
+use crate::vstate::memory::VmMemory;
 use crate::vstate::vcpu::{self, ExitCounters, Outcome, RunReport};
 use crate::vstate::watchdog::Watchdog;
 
@@ -237,7 +237,7 @@ pub struct Vm {
     vcpu: VcpuFd,
     _vm: VmFd,
     ring: Consumer,
-    mem: GuestMemory,
+    mem: VmMemory,
     bus: PortBus,
     console: Rc<ConsoleWatch>,
     /// COM1's transmitter for the daemon (console bytes the engine batched).
@@ -273,7 +273,7 @@ impl Vm {
         };
         vm.create_pit2(pit)
             .map_err(|e| VmmError::Kvm("KVM_CREATE_PIT2", e))?;
-        let mem = GuestMemory::new(&vm, cfg.mem_mib)?;
+        let mem = VmMemory::new(&vm, cfg.mem_mib)?;
         let boot = boot::load(&mem, &cfg.kernel, cfg.initrd.as_deref(), &cfg.cmdline)?;
         let ring_base = mem.stolen_host_address(IO_RING_OFFSET)?;
         let ring_bytes = usize::try_from(IO_RING_BYTES).expect("the ring size fits usize");
