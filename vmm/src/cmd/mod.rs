@@ -1,0 +1,5 @@
+//! One module per `kpin` command (the command line itself is `cli.rs`).
+
+pub(crate) mod control;
+pub(crate) mod images;
+pub(crate) mod trace;
