@@ -20,18 +20,19 @@ use crate::arch::x86_64::entry::{
     split_exit_word, EXIT_ANALYSIS_CALL, EXIT_ATTENTION, EXIT_BUFFER_FULL, EXIT_DIRECT, EXIT_FAULT,
     EXIT_HOIST_MISS, EXIT_IBL_MISS, EXIT_KINDS, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
 };
-use crate::arch::{cache_enter, decode_trace, translate_trace, EmitEnv, ExitSpec, Scratch};
+use crate::arch::{
+    cache_enter, decode_trace, translate_trace, DecodedTrace, EmitEnv, Scratch, Translated,
+};
 use crate::code_cache::CodeCache;
 use crate::context::{CacheContext, GuestRegs};
 use crate::error::EngineError;
 use crate::fragment::{ExitKind, ExitRecord, Fragment};
 use crate::guest_memory::{GuestMemory, Mode};
 use crate::instrument::{
-    access, resolve_pa, Action, CounterAlloc, CounterId, IArg, IPoint, Insertion, MemRecord, Tool,
-    TraceInstrumenter,
+    access, resolve_pa, Action, CallSpec, CounterAlloc, CounterId, IArg, IPoint, Insertion,
+    MemRecord, Tool, TraceInstrumenter,
 };
 use crate::layout::{COUNTER_SLOTS, INSN_COUNTER_SPREAD, MODE_SLOTS, RECENT_TRACES};
-use crate::link::branch_target;
 use crate::platform::{Emulation, Platform, SensitiveInsn};
 use crate::profile;
 use crate::softtlb::SoftTlb;
@@ -347,18 +348,51 @@ impl Engine {
         self.config.clock_ns.map_or(0, |c| c())
     }
 
-    /// Finds or builds the fragment for `va` in the current mode.
+    /// Finds or builds the fragment for `va` in the current mode: [`Engine::lookup`], else
+    /// decode and [`Engine::instrument`], [`Engine::emit`], [`Engine::register`].
     fn fragment_for(
         &mut self,
         mem: &mut dyn GuestMemory,
         tool: &mut dyn Tool,
         va: GuestVirt,
     ) -> Result<u32, Stop> {
+        let pa = match self.lookup(mem, va)? {
+            Ok(id) => return Ok(id),
+            Err(pa) => pa,
+        };
+        if self.config.memory_pressure.is_some_and(|f| f()) {
+            self.flush();
+            self.stats.pressure_flushes += 1;
+        }
+        let t0 = self.now();
+        let prof_prev = profile::switch(profile::TRANSLATE);
+        let mode = self.mode;
+        let inline_flags = self.config.inline_virtual_flags;
+        let decoded = decode_trace(mem, va, pa, mode, inline_flags, &mut self.scratch)
+            .map_err(|f| Stop::FetchFault(f.0))?;
+        let (insertions, calls) = self.instrument(tool, va, &decoded);
+        let tr = self.emit(va, &decoded, &insertions, &calls)?;
+        let id = self.register(va, pa, tr, calls);
+        self.stats.guest_insns += decoded.insns.len() as u64;
+        self.stats.guest_bytes += decoded.guest_bytes;
+        self.stats.translate_ns += self.now().wrapping_sub(t0);
+        profile::switch(prof_prev);
+        Ok(id)
+    }
+
+    /// The fragment already translated for `va` in the current mode (`Ok(Ok(id))`), else
+    /// the physical address its trace starts at (`Ok(Err(pa))`); a `FetchFault` when `va`
+    /// is not mapped for a fetch.
+    fn lookup(
+        &mut self,
+        mem: &mut dyn GuestMemory,
+        va: GuestVirt,
+    ) -> Result<Result<u32, GuestPhys>, Stop> {
         let mode = self.mode;
         if let Some((pa, id, global)) = self.cache.fast.get(va, mode) {
             self.note_mapping(va, pa, global);
             self.lookup_global = global;
-            return Ok(id);
+            return Ok(Ok(id));
         }
         let (pa_page, global) = mem
             .translate_global(va.page(), mode)
@@ -368,21 +402,28 @@ impl Engine {
         self.lookup_global = global;
         if let Some(id) = self.cache.lookup(va, pa, mode) {
             self.cache.fast.put(va, mode, pa, id, global);
-            return Ok(id);
+            return Ok(Ok(id));
         }
-        if self.config.memory_pressure.is_some_and(|f| f()) {
-            self.flush();
-            self.stats.pressure_flushes += 1;
-        }
-        let t0 = self.now();
-        let prof_prev = profile::switch(profile::TRANSLATE);
-        let inline_flags = self.config.inline_virtual_flags;
-        let decoded = decode_trace(mem, va, pa, mode, inline_flags, &mut self.scratch)
-            .map_err(|f| Stop::FetchFault(f.0))?;
-        // The engine's own block counts go first at each block start.
+        Ok(Err(pa))
+    }
+
+    /// What runs around the trace's instructions: the engine's block counts first at each
+    /// block start, the tool's fetch records, then the tool's own insertions; and the
+    /// tool's analysis calls.
+    fn instrument(
+        &mut self,
+        tool: &mut dyn Tool,
+        va: GuestVirt,
+        decoded: &DecodedTrace,
+    ) -> (Vec<Insertion>, Vec<CallSpec>) {
         let mut insertions = self.block_count_insertions(&decoded.bbls);
-        let mut ti =
-            TraceInstrumenter::new(va, mode, &decoded.info, &decoded.bbls, &mut self.counters);
+        let mut ti = TraceInstrumenter::new(
+            va,
+            self.mode,
+            &decoded.info,
+            &decoded.bbls,
+            &mut self.counters,
+        );
         tool.instrument_trace(&mut ti);
         if tool.records_fetches() && tool.fetch_runs() {
             insertions.extend(crate::records::fetch_runs(
@@ -400,8 +441,21 @@ impl Engine {
         }
         insertions.append(&mut ti.insertions);
         let calls = core::mem::take(&mut ti.calls);
+        (insertions, calls)
+    }
+
+    /// Translates the instrumented trace for the cache's current end, flushing the cache
+    /// once if it does not fit.
+    fn emit(
+        &mut self,
+        va: GuestVirt,
+        decoded: &DecodedTrace,
+        insertions: &[Insertion],
+        calls: &[CallSpec],
+    ) -> Result<Translated, Stop> {
+        let mode = self.mode;
         let mut flushed = false;
-        let tr = loop {
+        loop {
             let (base, room) = self.cache.cursor();
             let env = EmitEnv {
                 base,
@@ -428,43 +482,34 @@ impl Engine {
                 hoist: !self.no_hoist.contains(&(va.0, mode.0)) && !mode.is_stepping(),
                 compat: mode.is_compat(),
             };
-            let tr = translate_trace(&decoded, &insertions, &calls, &env, &mut self.scratch)
+            let tr = translate_trace(decoded, insertions, calls, &env, &mut self.scratch)
                 .map_err(Stop::Error)?;
             if tr.code.len() <= room && self.cache.exits.len() + tr.exits.len() < (1 << 24) {
-                break tr;
+                return Ok(tr);
             }
             if flushed {
                 return Err(Stop::Error(EngineError::TraceTooLarge(va)));
             }
             self.flush();
             flushed = true;
-        };
+        }
+    }
+
+    /// Commits `tr` to the cache as a new fragment with its exit records, and makes it
+    /// findable; returns its id.
+    fn register(
+        &mut self,
+        va: GuestVirt,
+        pa: GuestPhys,
+        tr: Translated,
+        calls: Vec<CallSpec>,
+    ) -> u32 {
+        let mode = self.mode;
         let base = self.cache.commit(&tr.code);
         let id = self.cache.fragments.len() as u32;
         let at = |off: usize| CachePc(base.0 + off as u64);
         for e in &tr.exits {
-            let kind = match *e {
-                ExitSpec::Direct { target, patch_off } => ExitKind::Direct {
-                    target: GuestVirt(target),
-                    patch_at: at(patch_off),
-                    // SAFETY: the freshly committed branch's rel32 lies in the cache and
-                    // still points at its stub.
-                    stub: unsafe { branch_target(at(patch_off)) },
-                    linked: false,
-                },
-                ExitSpec::Sensitive(s) => ExitKind::Sensitive(s),
-                ExitSpec::Attention => ExitKind::Attention,
-                ExitSpec::PaMismatch => ExitKind::PaMismatch,
-                ExitSpec::BufferFull { resume_off, held } => ExitKind::BufferFull {
-                    resume: at(resume_off),
-                    held,
-                },
-                ExitSpec::Call { call, resume_off } => ExitKind::Call {
-                    call,
-                    resume: at(resume_off),
-                },
-                ExitSpec::HoistMiss => ExitKind::HoistMiss,
-            };
+            let kind = ExitKind::committed(*e, at);
             self.cache.exits.push(ExitRecord { fragment: id, kind });
         }
         self.cache.fragments.push(Fragment {
@@ -485,12 +530,8 @@ impl Engine {
         self.cache.by_key.insert((va.0, pa.0, mode.0), id);
         self.cache.fast.put(va, mode, pa, id, self.lookup_global);
         self.stats.fragments += 1;
-        self.stats.guest_insns += decoded.insns.len() as u64;
-        self.stats.guest_bytes += decoded.guest_bytes;
         self.stats.cache_bytes += tr.code.len() as u64;
-        self.stats.translate_ns += self.now().wrapping_sub(t0);
-        profile::switch(prof_prev);
-        Ok(id)
+        id
     }
 
     /// Translates (if needed) the trace at `va` without running it; returns the number of

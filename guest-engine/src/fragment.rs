@@ -4,9 +4,10 @@
 //! entry ≤ body` are addresses inside it; its exit records are contiguous in the cache's exit table.
 
 use crate::addr::{CachePc, GuestPhys, GuestVirt};
-use crate::arch::MapMark;
+use crate::arch::{ExitSpec, MapMark};
 use crate::guest_memory::Mode;
 use crate::instrument::CallSpec;
+use crate::link::branch_target;
 use crate::platform::SensitiveInsn;
 use alloc::vec::Vec;
 
@@ -53,6 +54,34 @@ pub(crate) enum ExitKind {
     Call { call: usize, resume: CachePc },
     /// A check hoisted to the fragment's top hit.
     HoistMiss,
+}
+
+impl ExitKind {
+    /// The exit `spec` of a trace just committed, its offsets made addresses by `at`.
+    pub(crate) fn committed(spec: ExitSpec, at: impl Fn(usize) -> CachePc) -> Self {
+        match spec {
+            ExitSpec::Direct { target, patch_off } => ExitKind::Direct {
+                target: GuestVirt(target),
+                patch_at: at(patch_off),
+                // SAFETY: the freshly committed branch's rel32 lies in the cache and still
+                // points at its stub.
+                stub: unsafe { branch_target(at(patch_off)) },
+                linked: false,
+            },
+            ExitSpec::Sensitive(s) => ExitKind::Sensitive(s),
+            ExitSpec::Attention => ExitKind::Attention,
+            ExitSpec::PaMismatch => ExitKind::PaMismatch,
+            ExitSpec::BufferFull { resume_off, held } => ExitKind::BufferFull {
+                resume: at(resume_off),
+                held,
+            },
+            ExitSpec::Call { call, resume_off } => ExitKind::Call {
+                call,
+                resume: at(resume_off),
+            },
+            ExitSpec::HoistMiss => ExitKind::HoistMiss,
+        }
+    }
 }
 
 /// One exit of one fragment.
