@@ -280,6 +280,28 @@ fn assert_nothing_claims_completeness(out: &Path, run: &serde_json::Value, conte
     assert!(leftovers.is_empty(), "left behind: {leftovers:?}");
 }
 
+/// Starts `kpin run` of the store-loop guest under memtrace (its `memtrace.bin` grows
+/// steadily) writing to `out`, and waits for its first batch of records.
+fn start_store_loop_under_memtrace(dir: &Path, out: &Path) -> Kpin {
+    let guest = store_loop_guest(dir);
+    let mut kpin = Kpin::start(
+        &[
+            "--kernel",
+            guest.to_str().unwrap(),
+            "--mem",
+            "64",
+            "--tool",
+            "memtrace",
+        ],
+        out,
+        dir,
+    );
+    kpin.wait_for("a first batch of memtrace.bin", |out| {
+        size(out, "memtrace.bin") > 0
+    });
+    kpin
+}
+
 #[test]
 fn test_a_full_output_file_system_stops_the_run_with_status_5_and_says_so() {
     require_kvm!();
@@ -477,22 +499,7 @@ fn test_sigterm_stops_the_guest_keeps_its_files_and_exits_143() {
     require_kvm!();
     let dir = scratch_dir("host-faults-sigterm");
     let out = dir.join("out");
-    let guest = store_loop_guest(&dir);
-    let mut kpin = Kpin::start(
-        &[
-            "--kernel",
-            guest.to_str().unwrap(),
-            "--mem",
-            "64",
-            "--tool",
-            "memtrace",
-        ],
-        &out,
-        &dir,
-    );
-    kpin.wait_for("a first batch of memtrace.bin", |out| {
-        size(out, "memtrace.bin") > 0
-    });
+    let mut kpin = start_store_loop_under_memtrace(&dir, &out);
     let before = size(&out, "memtrace.bin");
     kpin.signal(libc::SIGTERM);
     let status = kpin.wait_exit();
@@ -564,22 +571,7 @@ fn test_sigkill_leaves_run_json_saying_the_run_is_incomplete() {
     require_kvm!();
     let dir = scratch_dir("host-faults-sigkill");
     let out = dir.join("out");
-    let guest = store_loop_guest(&dir);
-    let mut kpin = Kpin::start(
-        &[
-            "--kernel",
-            guest.to_str().unwrap(),
-            "--mem",
-            "64",
-            "--tool",
-            "memtrace",
-        ],
-        &out,
-        &dir,
-    );
-    kpin.wait_for("a first batch of memtrace.bin", |out| {
-        size(out, "memtrace.bin") > 0
-    });
+    let mut kpin = start_store_loop_under_memtrace(&dir, &out);
     kpin.signal(libc::SIGKILL);
     let status = kpin.wait_exit();
     let context = kpin.context();
