@@ -3,78 +3,20 @@
 //!
 //! [`RunStarted`] is written before the guest starts (`"complete": false`, `"status":
 //! "running"`), so a kpin that is killed leaves a record saying the run did not end;
-//! [`Summary`] replaces it at the end, `"complete": true` or `"status": "incomplete"` with
+//! `summary::Summary` replaces it at the end, `"complete": true` or `"status": "incomplete"` with
 //! the reasons. Both are written whole ([`write_run_json`]: a new file renamed over the
 //! old one). While the guest runs, [`OUTPUT_RESERVE_BYTES`] are held on the output file
 //! system for the last files. The fields are documented in `docs/host-input.md`
 //! ("Host-side faults").
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::Context;
 use host_daemon::OutputFailure;
-use kpin_tool_bbcount::report::BbcountSummary;
 use serde::Serialize;
 use vmm::Outcome;
 
 use crate::{progress, stop_signals, EXIT_OUTPUT_FAILED};
-
-/// The run summary written to `<out>/run.json` at the end of the run.
-#[derive(Serialize)]
-pub(crate) struct Summary<'a> {
-    /// Whether the directory holds the run's whole output: not stopped by a signal, every
-    /// file written, and no tool file left unfinished. (Whether the guest ended well is
-    /// `outcome` and `clean`.)
-    pub(crate) complete: bool,
-    /// [`STATUS_COMPLETE`] or [`STATUS_INCOMPLETE`] ([`STATUS_RUNNING`] is the file
-    /// written at the start).
-    pub(crate) status: &'static str,
-    /// Why the output is incomplete (causes joined with "; "), or `null`.
-    pub(crate) incomplete_reason: Option<String>,
-    /// The tool files the engine opened and had not closed when the run ended, relative
-    /// to the output directory: what was written so far, not finished results.
-    pub(crate) unfinished_files: Vec<String>,
-    pub(crate) outcome: String,
-    pub(crate) clean: bool,
-    pub(crate) kernel: &'a Path,
-    pub(crate) initrd: Option<&'a Path>,
-    pub(crate) cmdline: &'a str,
-    pub(crate) mem_mib: u64,
-    pub(crate) entry: String,
-    pub(crate) tool: Option<&'a str>,
-    pub(crate) wall_seconds: f64,
-    pub(crate) console_bytes: u64,
-    pub(crate) exits_total: u64,
-    pub(crate) exits_io_in: u64,
-    pub(crate) exits_io_out: u64,
-    pub(crate) exits_io_absent: u64,
-    /// Accesses to ports no device serves (read all ones, writes dropped), by port
-    /// (`"0x2e"`: count).
-    pub(crate) unpopulated_ports: BTreeMap<String, u64>,
-    /// MMIO accesses below 4 GiB to unbacked addresses, in all and by page.
-    pub(crate) unbacked_mmio_total: u64,
-    pub(crate) unbacked_mmio_pages: BTreeMap<String, u64>,
-    pub(crate) exits_interrupted: u64,
-    pub(crate) ring_doorbells: u64,
-    pub(crate) ring_records: u64,
-    pub(crate) files_written: u64,
-    pub(crate) files_refused: u64,
-    pub(crate) writes_dropped: u64,
-    pub(crate) output_bytes_dropped: u64,
-    pub(crate) engine_log_lines: u64,
-    pub(crate) engine_log_lines_dropped: u64,
-    /// The engine's `counters.json` (instrumented runs that got far enough to write it).
-    pub(crate) engine_counters: Option<serde_json::Value>,
-    /// The user/kernel split and hottest blocks (`--tool bbcount` runs that wrote
-    /// `bbcount.csv`).
-    pub(crate) bbcount: Option<BbcountSummary>,
-}
-
-/// A per-address count map with the addresses in hex, for `run.json`.
-pub(crate) fn hex_keys<K: std::fmt::LowerHex>(m: &BTreeMap<K, u64>) -> BTreeMap<String, u64> {
-    m.iter().map(|(k, v)| (format!("{k:#x}"), *v)).collect()
-}
 
 /// Bytes held on the output file system while the guest runs, released just before
 /// kpin's own last files (`dump.txt`, `run.json`) are written: a run that filled the file

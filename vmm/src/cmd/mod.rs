@@ -2,4 +2,6 @@
 
 pub(crate) mod control;
 pub(crate) mod images;
+pub(crate) mod reports;
+pub(crate) mod run;
 pub(crate) mod trace;
