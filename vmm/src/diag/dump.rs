@@ -9,7 +9,7 @@ use std::fmt::Write;
 
 use iced_x86::{Decoder, DecoderOptions, Formatter, IntelFormatter};
 use kpin_abi::x86::msr;
-use kvm_bindings::{kvm_msr_entry, kvm_segment, Msrs};
+use kvm_bindings::{kvm_msr_entry, kvm_regs, kvm_segment, kvm_sregs, Msrs};
 use kvm_ioctls::VcpuFd;
 
 use crate::diag::paging;
@@ -63,6 +63,23 @@ pub fn guest_state(
             .map(|n| format!(" <{n}>"))
             .unwrap_or_default()
     };
+    dump_gprs(&mut out, &regs, &name);
+    let sregs = match vcpu.get_sregs() {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = writeln!(out, "system registers unavailable: {e}");
+            return out;
+        }
+    };
+    dump_system_regs(&mut out, &sregs);
+    dump_msrs(&mut out, vcpu);
+    dump_events(&mut out, vcpu);
+    dump_memory(&mut out, mem, &regs, &sregs, &name);
+    let _ = writeln!(out, "==== end of dump ====");
+    out
+}
+
+fn dump_gprs(out: &mut String, regs: &kvm_regs, name: &dyn Fn(u64) -> String) {
     let _ = writeln!(
         out,
         "RIP={:016x}{} RFLAGS={:016x}\n\
@@ -90,13 +107,9 @@ pub fn guest_state(
         regs.r14,
         regs.r15
     );
-    let sregs = match vcpu.get_sregs() {
-        Ok(s) => s,
-        Err(e) => {
-            let _ = writeln!(out, "system registers unavailable: {e}");
-            return out;
-        }
-    };
+}
+
+fn dump_system_regs(out: &mut String, sregs: &kvm_sregs) {
     for (name, s) in [
         ("CS", &sregs.cs),
         ("SS", &sregs.ss),
@@ -119,7 +132,9 @@ pub fn guest_state(
         "CR0={:016x} CR2={:016x} CR3={:016x} CR4={:016x} CR8={:x} EFER={:x} APIC_BASE={:x}",
         sregs.cr0, sregs.cr2, sregs.cr3, sregs.cr4, sregs.cr8, sregs.efer, sregs.apic_base
     );
-    dump_msrs(&mut out, vcpu);
+}
+
+fn dump_events(out: &mut String, vcpu: &VcpuFd) {
     if let Ok(ev) = vcpu.get_vcpu_events() {
         let _ = writeln!(
             out,
@@ -138,7 +153,17 @@ pub fn guest_state(
             ev.triple_fault.pending
         );
     }
+}
 
+/// The bytes around RIP (disassembled) and the top of the stack, read through the guest's
+/// page tables.
+fn dump_memory(
+    out: &mut String,
+    mem: &VmMemory,
+    regs: &kvm_regs,
+    sregs: &kvm_sregs,
+    name: &dyn Fn(u64) -> String,
+) {
     let paging_on = sregs.cr0 & (1 << 31) != 0;
     let mut read_u64 = |gpa: u64| {
         let mut b = [0u8; 8];
@@ -192,8 +217,6 @@ pub fn guest_state(
         let v = u64::from_le_bytes(q.try_into().expect("8-byte chunk"));
         let _ = writeln!(out, "  [rsp+{:#04x}] {v:016x}{}", i * 8, name(v));
     }
-    let _ = writeln!(out, "==== end of dump ====");
-    out
 }
 
 fn dump_msrs(out: &mut String, vcpu: &VcpuFd) {
