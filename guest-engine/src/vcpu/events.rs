@@ -19,8 +19,8 @@ use kpin_abi::x86::{is_canonical as canonical, rflags, vector};
 use iced_x86::Instruction;
 
 use super::emulate::{Flow, Step};
-use super::hardware::{GuestMmu, Hardware, PageFault};
-use super::segments::{Descriptor, GuestFault, Sreg};
+use super::hardware::{GuestFault, GuestMmu, Hardware};
+use super::segments::{Descriptor, Sreg};
 use super::undo::UndoLog;
 use super::{Vcpu, VcpuStop};
 use crate::{Gpr, GuestRegs, GuestVirt};
@@ -69,13 +69,13 @@ impl Event {
             kind: Kind::Exception,
         }
     }
-    /// An exception from a segment check.
-    pub fn from_guest_fault(f: GuestFault) -> Self {
-        Self::fault(f.vector, u32::from(f.error))
-    }
     /// #UD.
     pub fn ud() -> Self {
         Self::exception(UD)
+    }
+    /// The exception of a failed guest memory access.
+    pub fn from_guest_fault(f: GuestFault) -> Self {
+        Self::from_hardware(f.vector, f.error_code)
     }
     /// An exception raised by hardware in translated code with `error` (pushed only for
     /// the vectors that have one).
@@ -108,10 +108,10 @@ fn nested(vector: u8, error: u32) -> Nested {
     }
 }
 
-fn pf(f: PageFault) -> Nested {
+fn pf(f: GuestFault) -> Nested {
     Nested {
-        event: Event::fault(PF, f.error),
-        cr2: Some(f.cr2),
+        event: Event::from_hardware(f.vector, f.error_code),
+        cr2: (f.vector == PF).then_some(f.cr2.0),
     }
 }
 
@@ -304,10 +304,7 @@ fn iretq<H: Hardware, M: GuestMmu>(
     for (k, w) in f.iter_mut().enumerate() {
         *w = match v.mem.read_u64(rsp.wrapping_add(8 * k as u64), user) {
             Ok(w) => w,
-            Err(p) => {
-                v.cr2 = p.cr2;
-                return Err(Event::fault(PF, p.error));
-            }
+            Err(f) => return Err(v.guest_fault(f)),
         };
     }
     let [rip, cs_raw, flags, new_rsp, ss_raw] = f;
@@ -320,10 +317,7 @@ fn iretq<H: Hardware, M: GuestMmu>(
     if rpl < cpl {
         return Err(gp(cs));
     }
-    let d = v
-        .segs
-        .read_descriptor(&mut v.mem, v.gdtr, cs, 8)
-        .map_err(Event::from_guest_fault)?;
+    let d = v.segs.read_descriptor(&mut v.mem, v.gdtr, cs, 8)?;
     let mut c = d.cache(cs);
     let conforming = c.type_ & 4 != 0;
     if c.s == 0 || c.type_ & 8 == 0 || (conforming && c.dpl > rpl) || (!conforming && c.dpl != rpl)
@@ -349,10 +343,7 @@ fn iretq<H: Hardware, M: GuestMmu>(
         }
         None
     } else {
-        let sd = v
-            .segs
-            .read_descriptor(&mut v.mem, v.gdtr, ss, 8)
-            .map_err(Event::from_guest_fault)?;
+        let sd = v.segs.read_descriptor(&mut v.mem, v.gdtr, ss, 8)?;
         let s = sd.cache(ss);
         if (ss & 3) as u8 != rpl || s.s == 0 || s.type_ & 8 != 0 || s.type_ & 2 == 0 || s.dpl != rpl
         {

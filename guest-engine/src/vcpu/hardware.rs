@@ -7,14 +7,9 @@ use core::fmt;
 
 use crate::shadow_mmu::{PagingControl, ShadowError, View};
 
-/// A guest page fault: the address (CR2) and the error code.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PageFault {
-    /// The faulting linear address.
-    pub cr2: u64,
-    /// The #PF error code (`kpin_abi::x86::pf` bits).
-    pub error: u32,
-}
+/// A fault a guest memory access raises: a #PF with its CR2, or the #GP(0) of a
+/// non-canonical address (the shadow MMU's type: one for both).
+pub use crate::shadow_mmu::GuestFault;
 
 /// Hardware the virtual CPU reaches only through the engine's ring-0 gate (or bare
 /// metal the engine owns): port I/O, pass-through MSRs, the real CR4's SSE bits, the
@@ -68,10 +63,10 @@ pub trait GuestMmu {
     /// Reads `out.len()` bytes at `va` as a data read at CPL 3 (`user`) or CPL 0 (also
     /// the CPU's implicit supervisor accesses), or the #PF the guest would take. A/D bits
     /// are set as hardware would.
-    fn read(&mut self, va: u64, user: bool, out: &mut [u8]) -> Result<(), PageFault>;
+    fn read(&mut self, va: u64, user: bool, out: &mut [u8]) -> Result<(), GuestFault>;
     /// Writes `data` (at most 16 bytes) at `va` as a data write; nothing is written on a
     /// fault.
-    fn write(&mut self, va: u64, user: bool, data: &[u8]) -> Result<(), PageFault>;
+    fn write(&mut self, va: u64, user: bool, data: &[u8]) -> Result<(), GuestFault>;
     /// The guest's CR3.
     fn cr3(&self) -> u64;
     /// `mov cr3`: switches the guest's address space.
@@ -91,7 +86,7 @@ pub trait GuestMmu {
     fn has_work(&self) -> bool;
 
     /// Reads a little-endian u64.
-    fn read_u64(&mut self, va: u64, user: bool) -> Result<u64, PageFault> {
+    fn read_u64(&mut self, va: u64, user: bool) -> Result<u64, GuestFault> {
         let mut b = [0u8; 8];
         self.read(va, user, &mut b)?;
         Ok(u64::from_le_bytes(b))

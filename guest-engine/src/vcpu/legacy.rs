@@ -57,11 +57,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         sel: u16,
         offset: u64,
     ) -> Result<Option<(Descriptor, Segment, u64)>, Event> {
-        let Some((d, c)) = self
-            .segs
-            .check_far_jump_cs(&mut self.mem, self.gdtr, sel)
-            .map_err(Event::from_guest_fault)?
-        else {
+        let Some((d, c)) = self.segs.check_far_jump_cs(&mut self.mem, self.gdtr, sel)? else {
             return Ok(None);
         };
         let Some(compat) = code_bitness(&c, self.cpl()) else {
@@ -109,9 +105,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
                 "a far jump through a gate or to 16-bit code",
             ));
         };
-        self.segs
-            .commit_cs(&mut self.mem, &d, c)
-            .map_err(Event::from_guest_fault)?;
+        self.segs.commit_cs(&mut self.mem, &d, c)?;
         Ok(Flow::Continue(GuestVirt(rip)))
     }
 
@@ -135,9 +129,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         frame[..size].copy_from_slice(&next.0.to_le_bytes()[..size]);
         frame[size..2 * size].copy_from_slice(&cs.to_le_bytes()[..size]);
         self.push_bytes(regs, &frame[..2 * size])?;
-        self.segs
-            .commit_cs(&mut self.mem, &d, c)
-            .map_err(Event::from_guest_fault)?;
+        self.segs.commit_cs(&mut self.mem, &d, c)?;
         Ok(Flow::Continue(GuestVirt(rip)))
     }
 
@@ -154,7 +146,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         let (d, c) = match self.segs.check_far_return_cs(&mut self.mem, self.gdtr, sel) {
             Ok(Some(dc)) => dc,
             Ok(None) => return Ok(Flow::unsupported(i, "an iretd to another privilege level")),
-            Err(f) => return Err(Event::from_guest_fault(f)),
+            Err(f) => return Err(f),
         };
         let Some(compat) = code_bitness(&c, self.cpl()) else {
             return Ok(Flow::unsupported(i, "an iretd to 16-bit code"));
@@ -163,9 +155,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         if compat && rip > u64::from(c.limit) {
             return Err(gp0());
         }
-        self.segs
-            .commit_cs(&mut self.mem, &d, c)
-            .map_err(Event::from_guest_fault)?;
+        self.segs.commit_cs(&mut self.mem, &d, c)?;
         let cpl = self.cpl();
         self.load_rflags(regs, (regs.rflags & !0xffff_ffff) | word(8), cpl, true);
         regs.set(Gpr::Rsp, esp);

@@ -75,9 +75,9 @@ use kpin_abi::x86::{cr4, rflags};
 
 pub use cr::paging_control;
 pub use events::{Event, Kind, TripleFault};
-pub use hardware::{GuestMmu, Hardware, PageFault};
+pub use hardware::{GuestFault, GuestMmu, Hardware};
 pub use msr::{LogOnce, MsrFile, Written, LAPIC_FRAME};
-pub use segments::{Descriptor, GuestFault, Segments, Sreg};
+pub use segments::{Descriptor, Segments, Sreg};
 pub use tables::DescriptorTable;
 pub use uart_status::LineStatusCache;
 
@@ -335,7 +335,9 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
     /// Reads guest memory at the current CPL; a #PF (CR2 set) on failure.
     fn read(&mut self, va: u64, out: &mut [u8]) -> Result<(), Event> {
         let user = self.cpl() == 3;
-        self.mem.read(va, user, out).map_err(|f| self.page_fault(f))
+        self.mem
+            .read(va, user, out)
+            .map_err(|f| self.guest_fault(f))
     }
 
     /// Writes guest memory at the current CPL; a #PF (CR2 set) on failure.
@@ -343,12 +345,14 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
         let user = self.cpl() == 3;
         self.mem
             .write(va, user, data)
-            .map_err(|f| self.page_fault(f))
+            .map_err(|f| self.guest_fault(f))
     }
 
-    /// The #PF for `f`, with CR2 set.
-    fn page_fault(&mut self, f: PageFault) -> Event {
-        self.cr2 = f.cr2;
-        Event::fault(kpin_abi::x86::vector::PF, f.error)
+    /// The exception for `f`; for a #PF, with CR2 set.
+    fn guest_fault(&mut self, f: GuestFault) -> Event {
+        if f.vector == kpin_abi::x86::vector::PF {
+            self.cr2 = f.cr2.0;
+        }
+        Event::from_guest_fault(f)
     }
 }

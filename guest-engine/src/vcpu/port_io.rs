@@ -165,14 +165,14 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         let mut b = [0u8; 2];
         self.mem
             .read(tr.base.wrapping_add(TSS_IO_MAP_BASE), false, &mut b)
-            .map_err(|f| self.page_fault(f))?;
+            .map_err(|f| self.guest_fault(f))?;
         let at = u64::from(u16::from_le_bytes(b)) + u64::from(port / 8);
         if at + 1 > limit {
             return Err(gp0());
         }
         self.mem
             .read(tr.base.wrapping_add(at), false, &mut b)
-            .map_err(|f| self.page_fault(f))?;
+            .map_err(|f| self.guest_fault(f))?;
         let bits = u16::from_le_bytes(b) >> (port % 8);
         if bits & ((1 << size) - 1) != 0 {
             return Err(gp0());

@@ -4,8 +4,9 @@
 //! uses; nothing here touches it.
 //!
 //! Loads make the checks a CPU makes in 64-bit mode at CPL 0 (Intel SDM vol. 2, `MOV`,
-//! `POP`, `RET`, `LTR`, `LLDT`); a load that would fault returns the [`GuestFault`] it
-//! raises, which the virtual CPU delivers to the guest (`events.rs`).
+//! `POP`, `RET`, `LTR`, `LLDT`); a load that would fault returns the exception it raises
+//! (an [`Event`], the selector with RPL cleared or 0 as its error code), which the virtual
+//! CPU delivers to the guest (`events.rs`).
 //!
 //! Instructions: `mov sreg`, `mov r/m, sreg`, `push`/`pop fs`/`gs`, same-privilege `retf`.
 
@@ -21,32 +22,17 @@ use super::tables::DescriptorTable;
 use super::Vcpu;
 use crate::{Gpr, GuestRegs, GuestVirt};
 
-/// An exception a segment load would raise in the guest.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GuestFault {
-    /// Vector.
-    pub vector: u8,
-    /// Error code (the selector with RPL cleared, or 0).
-    pub error: u16,
-}
-
 /// #NP(sel) unless the code descriptor `d` is present.
-fn present_or_np(d: &Descriptor, sel: u16) -> Result<(), GuestFault> {
+fn present_or_np(d: &Descriptor, sel: u16) -> Result<(), Event> {
     if d.present() {
         Ok(())
     } else {
-        Err(GuestFault {
-            vector: NP,
-            error: sel & 0xfffc,
-        })
+        Err(Event::fault(NP, u32::from(sel & 0xfffc)))
     }
 }
 
-fn gp(sel: u16) -> GuestFault {
-    GuestFault {
-        vector: GP,
-        error: sel & 0xfffc,
-    }
+fn gp(sel: u16) -> Event {
+    Event::fault(GP, u32::from(sel & 0xfffc))
 }
 
 /// Which segment register (the `Sreg` encoding order).
@@ -156,7 +142,7 @@ impl Segments {
         gdtr: DescriptorTable,
         sel: u16,
         bytes: u64,
-    ) -> Result<Descriptor, GuestFault> {
+    ) -> Result<Descriptor, Event> {
         let (base, limit) = if sel & 4 != 0 {
             if self.ldtr.unusable != 0 || self.ldtr.selector & 0xfffc == 0 {
                 return Err(gp(sel));
@@ -181,7 +167,7 @@ impl Segments {
     }
 
     /// The upper half of a 16-byte system descriptor: base bits 32–63.
-    fn base_high(mem: &mut impl GuestMmu, d: &Descriptor, sel: u16) -> Result<u64, GuestFault> {
+    fn base_high(mem: &mut impl GuestMmu, d: &Descriptor, sel: u16) -> Result<u64, Event> {
         let mut b = [0u8; 4];
         if mem.read(d.at.wrapping_add(8), false, &mut b).is_err() {
             return Err(gp(sel));
@@ -196,7 +182,7 @@ impl Segments {
         d: &Descriptor,
         bit: u8,
         sel: u16,
-    ) -> Result<(), GuestFault> {
+    ) -> Result<(), Event> {
         let ty = ((d.raw >> 40) & 0xff) as u8;
         if ty & (1 << bit) != 0 {
             return Ok(());
@@ -218,7 +204,7 @@ impl Segments {
         gdtr: DescriptorTable,
         reg: Sreg,
         sel: u16,
-    ) -> Result<(), GuestFault> {
+    ) -> Result<(), Event> {
         let cpl = self.cpl();
         let rpl = (sel & 3) as u8;
         let slot = reg as usize;
@@ -244,10 +230,7 @@ impl Segments {
                 return Err(gp(sel));
             }
             if !d.present() {
-                return Err(GuestFault {
-                    vector: SS_FAULT,
-                    error: sel & 0xfffc,
-                });
+                return Err(Event::fault(SS_FAULT, u32::from(sel & 0xfffc)));
             }
         } else {
             let conforming = code && d.ty() & 4 != 0;
@@ -258,10 +241,7 @@ impl Segments {
                 return Err(gp(sel));
             }
             if !d.present() {
-                return Err(GuestFault {
-                    vector: NP,
-                    error: sel & 0xfffc,
-                });
+                return Err(Event::fault(NP, u32::from(sel & 0xfffc)));
             }
         }
         Self::set_type_bit(mem, &d, 0, sel)?;
@@ -277,7 +257,7 @@ impl Segments {
         mem: &mut impl GuestMmu,
         gdtr: DescriptorTable,
         sel: u16,
-    ) -> Result<Option<(Descriptor, Segment)>, GuestFault> {
+    ) -> Result<Option<(Descriptor, Segment)>, Event> {
         if sel & 0xfffc == 0 {
             return Err(gp(0));
         }
@@ -309,7 +289,7 @@ impl Segments {
         mem: &mut impl GuestMmu,
         gdtr: DescriptorTable,
         sel: u16,
-    ) -> Result<Option<(Descriptor, Segment)>, GuestFault> {
+    ) -> Result<Option<(Descriptor, Segment)>, Event> {
         if sel & 0xfffc == 0 {
             return Err(gp(0));
         }
@@ -340,7 +320,7 @@ impl Segments {
         mem: &mut impl GuestMmu,
         d: &Descriptor,
         c: Segment,
-    ) -> Result<(), GuestFault> {
+    ) -> Result<(), Event> {
         Self::set_type_bit(mem, d, 0, c.selector)?;
         self.sregs[Sreg::Cs as usize] = c;
         Ok(())
@@ -354,7 +334,7 @@ impl Segments {
         gdtr: DescriptorTable,
         sel: u16,
         ldt: bool,
-    ) -> Result<(), GuestFault> {
+    ) -> Result<(), Event> {
         if sel & 0xfffc == 0 {
             if ldt {
                 self.ldtr.selector = sel;
@@ -373,10 +353,7 @@ impl Segments {
             return Err(gp(sel));
         }
         if !d.present() {
-            return Err(GuestFault {
-                vector: NP,
-                error: sel & 0xfffc,
-            });
+            return Err(Event::fault(NP, u32::from(sel & 0xfffc)));
         }
         let hi = Self::base_high(mem, &d, sel)?;
         let mut c = d.cache(sel);
@@ -410,9 +387,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
     /// base change goes to the hardware base too.
     pub(super) fn load_sreg(&mut self, reg: Sreg, sel: u16) -> Result<(), Event> {
         let old_base = self.segs.sregs[reg as usize].base;
-        self.segs
-            .load_data(&mut self.mem, self.gdtr, reg, sel)
-            .map_err(Event::from_guest_fault)?;
+        self.segs.load_data(&mut self.mem, self.gdtr, reg, sel)?;
         if sel & 0xfffc == 0 && matches!(reg, Sreg::Fs | Sreg::Gs) && self.null_clears_base() {
             self.segs.sregs[reg as usize].base = 0;
         }
@@ -517,7 +492,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
                     "a far return to an outer privilege level is not emulated yet",
                 ))
             }
-            Err(f) => return Err(Event::from_guest_fault(f)),
+            Err(f) => return Err(f),
         };
         // 64-bit code, or 32-bit code at CPL 3 (translated as compatibility mode).
         let compat = c.l == 0 && c.db != 0 && self.cpl() == 3;
@@ -530,9 +505,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
         if !is_canonical(rip) || (compat && rip > u64::from(c.limit)) {
             return Err(gp0());
         }
-        self.segs
-            .commit_cs(&mut self.mem, &d, c)
-            .map_err(Event::from_guest_fault)?;
+        self.segs.commit_cs(&mut self.mem, &d, c)?;
         let imm = if i.op_count() > 0 {
             u64::from(i.immediate16())
         } else {

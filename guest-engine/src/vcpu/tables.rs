@@ -6,7 +6,6 @@
 use iced_x86::{Code, Instruction, Mnemonic};
 
 use super::emulate::{Flow, Step};
-use super::events::Event;
 use super::hardware::{GuestMmu, Hardware};
 use super::Vcpu;
 use crate::{GuestRegs, GuestVirt};
@@ -81,9 +80,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
     ) -> Step {
         let sel = self.read_rm16(i, 0, regs)?;
         let ldt = i.mnemonic() == Mnemonic::Lldt;
-        self.segs
-            .load_system(&mut self.mem, self.gdtr, sel, ldt)
-            .map_err(Event::from_guest_fault)?;
+        self.segs.load_system(&mut self.mem, self.gdtr, sel, ldt)?;
         Ok(Flow::Continue(next))
     }
 }

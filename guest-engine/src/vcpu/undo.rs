@@ -7,7 +7,7 @@
 
 use alloc::vec::Vec;
 
-use super::hardware::{GuestMmu, PageFault};
+use super::hardware::{GuestFault, GuestMmu};
 
 /// One logged write: where, at which privilege, and the bytes it replaced.
 struct Entry {
@@ -31,7 +31,7 @@ impl UndoLog {
         va: u64,
         user: bool,
         data: &[u8],
-    ) -> Result<(), PageFault> {
+    ) -> Result<(), GuestFault> {
         let len = data.len().min(16);
         let mut old = [0u8; 16];
         // The old bytes are read at the same privilege; a write that may go ahead may be

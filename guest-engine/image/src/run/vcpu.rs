@@ -9,7 +9,7 @@ use core::cell::RefCell;
 use core::fmt;
 
 use guest_engine::shadow_mmu::{PagingControl, ShadowError, View};
-use guest_engine::vcpu::{GuestMmu, Hardware, LineStatusCache, PageFault};
+use guest_engine::vcpu::{GuestFault, GuestMmu, Hardware, LineStatusCache};
 use kpin_abi::x86::msr;
 
 use crate::events::{irq, timer};
@@ -180,13 +180,6 @@ impl<'a> ShadowPort<'a> {
     }
 }
 
-fn page_fault(f: guest_engine::shadow_mmu::GuestFault) -> PageFault {
-    PageFault {
-        cr2: f.cr2.0,
-        error: f.error_code,
-    }
-}
-
 fn mode(user: bool) -> guest_engine::Mode {
     if user {
         MODE_USER
@@ -196,16 +189,12 @@ fn mode(user: bool) -> guest_engine::Mode {
 }
 
 impl GuestMmu for ShadowPort<'_> {
-    fn read(&mut self, va: u64, user: bool, out: &mut [u8]) -> Result<(), PageFault> {
-        self.mem()
-            .try_read_virt(va, mode(user), out)
-            .map_err(page_fault)
+    fn read(&mut self, va: u64, user: bool, out: &mut [u8]) -> Result<(), GuestFault> {
+        self.mem().try_read_virt(va, mode(user), out)
     }
 
-    fn write(&mut self, va: u64, user: bool, data: &[u8]) -> Result<(), PageFault> {
-        self.mem()
-            .try_write_virt(va, mode(user), data)
-            .map_err(page_fault)
+    fn write(&mut self, va: u64, user: bool, data: &[u8]) -> Result<(), GuestFault> {
+        self.mem().try_write_virt(va, mode(user), data)
     }
 
     fn cr3(&self) -> u64 {

@@ -33,7 +33,7 @@ use iced_x86::{Decoder, DecoderOptions};
 use kpin_abi::attach::{AttachBlock, CpuidEntry, Segment, CPUID_FLAG_SIGNIFICANT_INDEX};
 use kpin_abi::x86::{cr0, cr4, efer, pf, rflags};
 
-use super::hardware::{GuestMmu, Hardware, PageFault};
+use super::hardware::{GuestFault, GuestMmu, Hardware};
 use super::{Vcpu, VcpuStop};
 use crate::arch::x86_64::decode::sensitive_kind;
 use crate::shadow_mmu::{PagingControl, ShadowError, View};
@@ -285,7 +285,7 @@ impl MockMmu {
     }
 
     /// The fault a `user`/`write` access at `va` takes, if any.
-    fn check(&self, va: u64, user: bool, write: bool) -> Result<(), PageFault> {
+    fn check(&self, va: u64, user: bool, write: bool) -> Result<(), GuestFault> {
         let mut error = 0;
         if write {
             error |= pf::WRITE;
@@ -294,11 +294,10 @@ impl MockMmu {
             error |= pf::USER;
         }
         match self.pages.get(&(va >> 12)) {
-            None => Err(PageFault { cr2: va, error }),
-            Some(p) if (user && !p.user) || (write && !p.writable) => Err(PageFault {
-                cr2: va,
-                error: error | pf::PRESENT,
-            }),
+            None => Err(GuestFault::page_fault(GuestVirt(va), error)),
+            Some(p) if (user && !p.user) || (write && !p.writable) => {
+                Err(GuestFault::page_fault(GuestVirt(va), error | pf::PRESENT))
+            }
             Some(_) => Ok(()),
         }
     }
@@ -333,7 +332,7 @@ impl MockMmu {
 }
 
 impl GuestMmu for MockMmu {
-    fn read(&mut self, va: u64, user: bool, out: &mut [u8]) -> Result<(), PageFault> {
+    fn read(&mut self, va: u64, user: bool, out: &mut [u8]) -> Result<(), GuestFault> {
         for k in 0..out.len() as u64 {
             self.check(va.wrapping_add(k), user, false)?;
         }
@@ -341,7 +340,7 @@ impl GuestMmu for MockMmu {
         Ok(())
     }
 
-    fn write(&mut self, va: u64, user: bool, data: &[u8]) -> Result<(), PageFault> {
+    fn write(&mut self, va: u64, user: bool, data: &[u8]) -> Result<(), GuestFault> {
         for k in 0..data.len() as u64 {
             self.check(va.wrapping_add(k), user, true)?;
         }
