@@ -14,7 +14,7 @@ use kpin_tool_bbcount::report::DEFAULT_TOP;
     long_about = "Whole-system dynamic binary instrumentation for x86-64 Linux guests on KVM.\n\n\
         kpin boots guests natively under its own VMM. With --tool the vCPU starts in the guest \
         engine instead, which runs all guest code, kernel and user, from its code cache under \
-        the tool (null, bbcount, cachesim, memtrace or insmix; see `kpin run --help`) and \
+        the tool (`kpin tools` lists them) and \
         logs to engine.log; guests that need what the engine \
         does not emulate yet stop with exit status 3 and the engine naming it.\n\n\
         Exit status of `kpin run`: 0 the guest powered off cleanly; 1 kpin failed (bad input, \
@@ -52,8 +52,8 @@ pub(crate) enum Command {
     Attach {
         /// The run's output directory (it holds control.sock while the run lives).
         run: PathBuf,
-        /// Tool: null, bbcount, cachesim, memtrace or insmix (as for `kpin run --tool`).
-        #[arg(long)]
+        /// The tool (as for `kpin run --tool`; `kpin tools` lists them).
+        #[arg(long, long_help = format!("The tool: {} (as for `kpin run --tool`; `kpin tools` lists their options).", crate::tools_cmd::names()))]
         tool: String,
         /// A tool option KEY=VALUE (repeatable).
         #[arg(long, value_name = "KEY=VALUE")]
@@ -160,23 +160,9 @@ pub(crate) struct RunArgs {
     /// Output directory for the run's console log and summary [default: kpin-out/run-<time>-<pid>].
     #[arg(long)]
     pub(crate) out: Option<PathBuf>,
-    /// Run the guest fully instrumented from its first instruction: the engine runs every
-    /// guest instruction from its code cache under this tool: null (translation only);
-    /// bbcount (per-block counts in <out>/bbcount.csv, and <out>/bbcount-report.txt: the
-    /// user/kernel split and the hottest blocks named from the System.map or the kernel
-    /// ELF's symbols, moved by the KASLR slide the blocks show); cachesim (a drcachesim-style L1I/L1D/[L2]/LL cache simulation over
-    /// guest-physical addresses, kernel and user: cachesim.txt, cachesim.json,
-    /// cachesim-timeline.svg; options L1I_size, L1I_assoc, L1D_size, L1D_assoc, L2_size,
-    /// L2_assoc, LL_size, LL_assoc, line_size, replace_policy=LRU|FIFO|RANDOM,
-    /// warmup_refs, sim_refs through --tool-option, or config_file=PATH in drcachesim's
-    /// configuration-file format for deeper hierarchies); insmix (dynamic and static counts per mnemonic,
-    /// kernel/user: insmix.txt, insmix.json); memtrace (every data access with instruction
-    /// VA, data VA and PA, size, load/store and CPL in <out>/memtrace.bin, counts in
-    /// memtrace-summary.txt; options cpl=0|3|all, limit=N records; `kpin trace` prints it
-    /// as CSV). It logs to <out>/engine.log and writes <out>/counters.json; an
-    /// instruction or device it cannot handle yet ends the run with status 3 and the
-    /// guest's state in dump.txt.
-    #[arg(long)]
+    /// Run the guest fully instrumented from its first instruction under this tool (`kpin
+    /// tools` lists them).
+    #[arg(long, long_help = crate::tools_cmd::run_tool_help())]
     pub(crate) tool: Option<String>,
     /// Start the guest under the engine with no instrumentation (tool null, no window
     /// open): `kpin attach` then switches tools at a trace boundary with a clean code

@@ -20,6 +20,30 @@ pub fn render() -> String {
     out
 }
 
+/// `kpin run --tool`'s long help: what the option does, then each registry tool with its
+/// summary and files, so the help names exactly the tools the image has.
+pub fn run_tool_help() -> String {
+    let mut out = String::from(
+        "Run the guest fully instrumented from its first instruction: the engine runs every \
+         guest instruction from its code cache under this tool. It logs to <out>/engine.log \
+         and writes <out>/counters.json; an instruction or device it cannot handle yet ends \
+         the run with status 3 and the guest's state in dump.txt. The tools (`kpin tools` \
+         lists their options):",
+    );
+    for t in TOOLS {
+        let _ = write!(out, "\n  {}: {}", t.name, t.summary);
+        if let Some(host) = t.host {
+            let _ = write!(out, "; host side: {host}");
+        }
+    }
+    out
+}
+
+/// The tool names, for help texts: "null, bbcount, ...".
+pub fn names() -> String {
+    TOOLS.iter().map(|t| t.name).collect::<Vec<_>>().join(", ")
+}
+
 fn tool(out: &mut String, t: &ToolSpec) {
     let _ = writeln!(out, "{}\n    {}", t.name, t.summary);
     if let Some(host) = t.host {

@@ -39,3 +39,36 @@ fn test_kpin_tools_lists_every_registry_tool_and_its_options() {
     assert!(out.contains("      cpl=0|3|all\n"), "{out}");
     assert!(out.contains("bringup.crash"), "{out}");
 }
+
+/// The `--tool` help of `kpin run` and `kpin attach` names exactly the registry's tools
+/// (it is generated from the registry, not written by hand).
+#[test]
+fn test_tool_help_names_every_registry_tool() {
+    for cmd in ["run", "attach"] {
+        let o = Command::new(env!("CARGO_BIN_EXE_kpin"))
+            .args([cmd, "--help"])
+            .output()
+            .expect("run kpin");
+        let out = String::from_utf8(o.stdout).unwrap();
+        assert!(o.status.success(), "{cmd}: {out}");
+        for t in TOOLS {
+            assert!(
+                out.contains(t.name),
+                "kpin {cmd} --help lacks {}:\n{out}",
+                t.name
+            );
+        }
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_kpin"))
+        .args(["run", "--help"])
+        .output()
+        .expect("run kpin");
+    let out = String::from_utf8(o.stdout).unwrap();
+    for t in TOOLS {
+        assert!(
+            out.contains(&format!("{}: {}", t.name, t.summary)),
+            "{}'s summary in kpin run --help:\n{out}",
+            t.name
+        );
+    }
+}
