@@ -20,7 +20,9 @@ const ENGINE_LOG_TAIL_BYTES: u64 = 96 << 10;
 /// Largest `counters.json` kpin reads back.
 const MAX_COUNTERS_BYTES: u64 = 16 << 20;
 /// The tool whose results `bbcount-report.txt` summarises.
-pub(crate) const BBCOUNT: &str = "bbcount";
+pub(crate) const BBCOUNT: &str = kpin_tool_bbcount::SPEC.name;
+/// The tool whose host-side files `cachesim_report` summarises.
+pub(crate) const CACHESIM: &str = kpin_tool_cachesim::SPEC.name;
 
 /// Appends the tail of the engine's log to a dump (the VMM's own dump shows the engine's
 /// vCPU; the engine's report says where the guest was).

@@ -23,6 +23,7 @@ use vmm::{control, ControlConfig, Outcome, RunReport, Vm, VmConfig};
 
 use super::reports::{
     append_engine_log_tail, bbcount_report, cachesim_report, read_engine_counters, BBCOUNT,
+    CACHESIM,
 };
 use crate::cli::{Guest, RunArgs};
 use crate::run_record::{
@@ -184,7 +185,7 @@ fn engine_config(args: &RunArgs, image_dir: &Path) -> anyhow::Result<Option<vmm:
     let engine_tool = args
         .tool
         .clone()
-        .or_else(|| args.resident.then(|| "null".to_owned()));
+        .or_else(|| args.resident.then(|| kpin_tool_null::SPEC.name.to_owned()));
     Ok(match engine_tool {
         Some(tool) => Some(vmm::EngineConfig {
             image: kpin_images::ensure_engine(image_dir, &mut progress)?,
@@ -522,8 +523,8 @@ fn post_process(
         .flatten();
     let cachesim_done = !unfinished
         .iter()
-        .any(|p| p.strip_prefix(out).is_ok_and(|r| r.starts_with("cachesim")));
-    if args.tool.as_deref() == Some("cachesim") && reports && cachesim_done {
+        .any(|p| p.strip_prefix(out).is_ok_and(|r| r.starts_with(CACHESIM)));
+    if args.tool.as_deref() == Some(CACHESIM) && reports && cachesim_done {
         cachesim_report(out, &run.kernel, system_map);
     }
     (engine_counters, bbcount)

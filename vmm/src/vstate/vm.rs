@@ -359,7 +359,9 @@ impl Vm {
             host_sim: cfg
                 .engine
                 .as_ref()
-                .filter(|e| e.host_sim && e.tool == "cachesim" && HostSim::worthwhile())
+                .filter(|e| {
+                    e.host_sim && e.tool == kpin_tool_cachesim::SPEC.name && HostSim::worthwhile()
+                })
                 .map(|e| e.options.clone()),
             stop: StopRequest::new(),
         })
