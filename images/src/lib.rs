@@ -132,6 +132,14 @@ pub enum ImagesError {
         #[source]
         source: io::Error,
     },
+    /// A tool crate given to [`ensure_engine_with_tool`] cannot be used.
+    #[error("tool crate {}: {why}", path.display())]
+    ToolCrate {
+        /// The crate's directory.
+        path: PathBuf,
+        /// What is wrong with it.
+        why: String,
+    },
     /// `apt-get download` failed.
     #[error(
         "could not download {package} {version}: `{command}` failed (if apt cannot locate the \
@@ -396,6 +404,21 @@ pub fn ensure_engine(
     progress: &mut dyn FnMut(&str),
 ) -> Result<PathBuf, ImagesError> {
     engine::ensure(out_dir, progress)
+}
+
+/// The engine image with an out-of-tree tool crate linked in as well (`kpin run
+/// --tool-crate DIR`): built from a manifest generated under `out_dir/tool-builds/<its
+/// package name>/` (the engine image's own, with the crate as a dependency and its
+/// `extra-tool` feature on), published there as `kpin-engine.elf`. Nothing in the kpin
+/// tree changes. The crate must export `pub const SPEC: kpin_tool::ToolSpec` and
+/// `pub fn new_tool(options: &str) -> Result<Box<dyn kpin_tool::KpinTool>, String>`
+/// (docs/writing-a-tool.md).
+pub fn ensure_engine_with_tool(
+    out_dir: &Path,
+    tool_crate: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<PathBuf, ImagesError> {
+    engine::ensure_with_tool(out_dir, tool_crate, progress)
 }
 
 #[cfg(test)]

@@ -164,6 +164,13 @@ pub(crate) struct RunArgs {
     /// tools` lists them).
     #[arg(long, long_help = crate::tools_cmd::run_tool_help())]
     pub(crate) tool: Option<String>,
+    /// Build an engine image that also holds the out-of-tree tool crate in DIR (it exports
+    /// `SPEC` and `new_tool`: docs/writing-a-tool.md) and run under it; --tool names that
+    /// crate's tool (or any other). Nothing in the kpin tree changes: the image is built
+    /// under the image directory's tool-builds/. The crate checks its own options in the
+    /// engine: a bad one ends the run with status 3 and its message in engine.log.
+    #[arg(long, value_name = "DIR", requires = "tool")]
+    pub(crate) tool_crate: Option<PathBuf>,
     /// Start the guest under the engine with no instrumentation (tool null, no window
     /// open): `kpin attach` then switches tools at a trace boundary with a clean code
     /// cache, and `kpin detach` returns to no instrumentation instead of native execution.

@@ -41,15 +41,7 @@ pub fn check_tool(name: &str, options: &[String]) -> Result<(), UsageError> {
             kpin_tool_registry::Names
         ))
     })?;
-    for o in options {
-        let Some((key, _)) = o
-            .split_once('=')
-            .filter(|_| !o.contains(char::is_whitespace))
-        else {
-            return Err(UsageError(format!(
-                "bad --tool-option {o:?}: expected KEY=VALUE without spaces"
-            )));
-        };
+    for key in option_keys(options)? {
         if !ENGINE_OPTIONS.contains(&key) && tool.option(key).is_none() {
             let known: Vec<&str> = ENGINE_OPTIONS
                 .iter()
@@ -72,6 +64,25 @@ pub fn check_tool(name: &str, options: &[String]) -> Result<(), UsageError> {
             .map_err(|e| UsageError(format!("bad memtrace options: {e}")))?;
     }
     Ok(())
+}
+
+/// The keys of `--tool-option KEY=VALUE` words; a usage error for a word that is not
+/// `KEY=VALUE` without spaces. (An out-of-tree tool's options get only this check
+/// before boot: the tool checks them in the engine.)
+pub fn option_keys(options: &[String]) -> Result<Vec<&str>, UsageError> {
+    options
+        .iter()
+        .map(|o| {
+            o.split_once('=')
+                .filter(|_| !o.contains(char::is_whitespace))
+                .map(|(key, _)| key)
+                .ok_or_else(|| {
+                    UsageError(format!(
+                        "bad --tool-option {o:?}: expected KEY=VALUE without spaces"
+                    ))
+                })
+        })
+        .collect()
 }
 
 /// Largest cachesim `config_file` read (a hierarchy is a few hundred bytes).
@@ -531,8 +542,9 @@ mod tests {
         assert!(e.contains("unknown --tool-option key \"limt\""), "{e}");
     }
 
-    /// The engine image offers what the registry lists: each tool is an arm of
-    /// `Chosen::by_name` matching its crate's `SPEC.name`, and each engine key a `"key" =>`
+    /// The engine image offers what the registry lists (and, in an image built with a tool
+    /// crate, that crate's tool): each tool is an arm of `Chosen::by_name` matching its
+    /// crate's `SPEC.name`, and each engine key a `"key" =>`
     /// arm of `parse_options` (keys without their `bringup.` prefix).
     #[test]
     fn test_tool_and_option_lists_match_the_engine_image_sources() {
@@ -544,11 +556,13 @@ mod tests {
             let arm = format!("_ if name == kpin_tool_{}::SPEC.name =>", t.name);
             assert!(by_name.contains(&arm), "{}: no `{arm}` arm", t.name);
         }
+        // Besides them only the out-of-tree crate's arm (`kpin run --tool-crate`).
         assert_eq!(
             by_name.matches("::SPEC.name =>").count(),
-            TOOLS.len(),
+            TOOLS.len() + 1,
             "a tool the registry does not list"
         );
+        assert!(by_name.contains("_ if name == kpin_extra_tool::SPEC.name =>"));
         let bringup = std::fs::read_to_string(root.join("bringup.rs")).unwrap();
         for k in ENGINE_OPTIONS {
             let key = k.strip_prefix("bringup.").unwrap();

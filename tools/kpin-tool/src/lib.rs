@@ -21,7 +21,9 @@ pub mod spec;
 
 use core::fmt;
 
-pub use guest_engine::{access, CounterId, Engine, MemRecord, Tool, TraceInstrumenter};
+pub use guest_engine::{
+    access, CounterId, Engine, IPoint, InsInfo, MemRecord, Tool, TraceInstrumenter,
+};
 pub use spec::{OptionSpec, ToolSpec, ValueKind};
 
 /// A tool as the engine image drives it: instrumentation while the guest runs, then one

@@ -88,7 +88,12 @@ pub(crate) fn run(args: RunArgs) -> anyhow::Result<u8> {
 /// 2), except a memory size outside the VMM's range (1, as the VMM says it).
 fn check_command_line(args: &RunArgs) -> anyhow::Result<()> {
     if let Some(tool) = &args.tool {
-        input_check::check_tool(tool, &args.tool_option)?;
+        if args.tool_crate.is_some() && kpin_tool_registry::find(tool).is_none() {
+            // The out-of-tree crate's tool: it checks its own options in the engine.
+            input_check::option_keys(&args.tool_option)?;
+        } else {
+            input_check::check_tool(tool, &args.tool_option)?;
+        }
     }
     if args.kernel.is_none() && (args.initrd.is_some() || args.system_map.is_some()) {
         return Err(UsageError(
@@ -188,7 +193,10 @@ fn engine_config(args: &RunArgs, image_dir: &Path) -> anyhow::Result<Option<vmm:
         .or_else(|| args.resident.then(|| kpin_tool_null::SPEC.name.to_owned()));
     Ok(match engine_tool {
         Some(tool) => Some(vmm::EngineConfig {
-            image: kpin_images::ensure_engine(image_dir, &mut progress)?,
+            image: match &args.tool_crate {
+                Some(dir) => kpin_images::ensure_engine_with_tool(image_dir, dir, &mut progress)?,
+                None => kpin_images::ensure_engine(image_dir, &mut progress)?,
+            },
             tool: tool.clone(),
             options: input_check::engine_options(&tool, &args.tool_option)?,
             host_sim: !args.sim_in_engine,

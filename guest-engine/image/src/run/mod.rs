@@ -125,7 +125,7 @@ fn check_guest(block: &AttachBlock, tool_name: &str) -> Chosen {
         log!(
             Error,
             "engine: unknown tool {tool_name:?} (this engine has: {})",
-            kpin_tool_registry::Names
+            tools::ToolNames
         );
         fail();
     };

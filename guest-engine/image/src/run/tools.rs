@@ -27,6 +27,19 @@ use kpin_tool_null::Null;
 use crate::log;
 use crate::ring0::log;
 
+/// The names `--tool` accepts in this image, for messages: the registry's, and an
+/// out-of-tree crate's when the image was built with one.
+pub struct ToolNames;
+
+impl fmt::Display for ToolNames {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", kpin_tool_registry::Names)?;
+        #[cfg(feature = "extra-tool")]
+        write!(f, ", {}", kpin_extra_tool::SPEC.name)?;
+        Ok(())
+    }
+}
+
 /// A tool chosen by name.
 pub enum Chosen {
     /// `null`.
@@ -41,6 +54,10 @@ pub enum Chosen {
     InsMix(InsMix),
     /// `memtrace`.
     MemTrace(alloc::boxed::Box<MemTrace>),
+    /// The out-of-tree tool crate of `kpin run --tool-crate` (an image built by
+    /// `kpin_images::ensure_engine_with_tool`): its `new_tool` made it.
+    #[cfg(feature = "extra-tool")]
+    Extra(alloc::boxed::Box<dyn KpinTool>),
 }
 
 impl Chosen {
@@ -82,6 +99,14 @@ impl Chosen {
                     crate::ring0::log::fail();
                 }
             },
+            #[cfg(feature = "extra-tool")]
+            _ if name == kpin_extra_tool::SPEC.name => match kpin_extra_tool::new_tool(options) {
+                Ok(t) => Some(Chosen::Extra(t)),
+                Err(e) => {
+                    log!(Error, "engine: {name}: bad option {e}");
+                    crate::ring0::log::fail();
+                }
+            },
             _ => None,
         }
     }
@@ -94,6 +119,8 @@ impl Chosen {
             Chosen::HostCacheSim(t) => &mut **t,
             Chosen::InsMix(t) => t,
             Chosen::MemTrace(t) => &mut **t,
+            #[cfg(feature = "extra-tool")]
+            Chosen::Extra(t) => &mut **t,
         }
     }
 
@@ -106,6 +133,8 @@ impl Chosen {
             Chosen::HostCacheSim(t) => &mut **t,
             Chosen::InsMix(t) => t,
             Chosen::MemTrace(t) => &mut **t,
+            #[cfg(feature = "extra-tool")]
+            Chosen::Extra(t) => &mut **t,
         }
     }
 
