@@ -22,7 +22,7 @@ use core::cell::RefCell;
 
 use guest_engine::attention::reason;
 use guest_engine::Engine;
-use kpin_abi::attach::{DescriptorTable, Msr, PendingEvents, Regs, SystemRegs};
+use kpin_abi::attach::{Msr, PendingEvents, Regs, SystemRegs};
 use kpin_abi::attach_control::{
     Control, CONTROL_OFFSET, MAGIC, MAX_HANDBACK_MSRS, REQ_DETACH_NATIVE, REQ_DETACH_RESIDENT,
     REQ_NONE, REQ_SWITCH, REQ_TAKEN,
@@ -218,11 +218,6 @@ fn hand_back(engine: &Engine, vcpu: &Vcpu<'_>) {
         rflags: vcpu.rflags_image(engine.regs().rflags),
     };
     let s = &vcpu.segs.sregs;
-    let table = |t: &guest_engine::vcpu::DescriptorTable| DescriptorTable {
-        base: t.base,
-        limit: t.limit,
-        pad: [0; 6],
-    };
     let sregs = SystemRegs {
         es: s[0],
         cs: s[1],
@@ -232,8 +227,8 @@ fn hand_back(engine: &Engine, vcpu: &Vcpu<'_>) {
         gs: s[5],
         tr: vcpu.segs.tr,
         ldt: vcpu.segs.ldtr,
-        gdt: table(&vcpu.gdtr),
-        idt: table(&vcpu.idtr),
+        gdt: vcpu.gdtr,
+        idt: vcpu.idtr,
         cr0: vcpu.cr0,
         cr2: vcpu.cr2,
         cr3: vcpu.cr3(),
