@@ -153,59 +153,18 @@ pub fn load(
     zero_page[zp::LOADFLAGS] |= LOADED_HIGH | CAN_USE_HEAP;
 
     let initrd = match initrd {
-        Some(path) => {
-            // Checked before reading: `/dev/zero` would be read until memory runs out.
-            crate::input_check::check_initrd(path, mem.ram_bytes >> 20).map_err(|e| {
-                VmmError::ReadFile(path.to_owned(), std::io::Error::other(format!("{e:#}")))
-            })?;
-            let data = std::fs::read(path).map_err(|e| VmmError::ReadFile(path.to_owned(), e))?;
-            let limit = mem.low_ram_end().min(initrd_max + 1);
-            let size = data.len() as u64;
-            let floor = kernel_end.next_multiple_of(INITRD_ALIGN_BYTES);
-            let free = limit.saturating_sub(floor);
-            if size > free {
-                return Err(VmmError::InitrdTooLarge {
-                    initrd_bytes: size,
-                    free_bytes: free,
-                    limit,
-                });
-            }
-            let addr = (limit - size) / INITRD_ALIGN_BYTES * INITRD_ALIGN_BYTES;
-            write(mem, addr, &data)?;
-            put_u32(&mut zero_page, zp::RAMDISK_IMAGE, low32(addr));
-            put_u32(&mut zero_page, zp::RAMDISK_SIZE, low32(size));
-            Some((addr, size))
-        }
+        Some(path) => Some(load_initrd(
+            mem,
+            path,
+            kernel_end,
+            initrd_max,
+            &mut zero_page,
+        )?),
         None => None,
     };
 
-    if cmdline.len() >= CMDLINE_MAX_BYTES || cmdline.contains('\0') {
-        return Err(VmmError::Cmdline {
-            max: CMDLINE_MAX_BYTES - 1,
-        });
-    }
-    let mut cmd = cmdline.as_bytes().to_vec();
-    cmd.push(0);
-    write(mem, CMDLINE_START, &cmd)?;
-    put_u32(&mut zero_page, zp::CMD_LINE_PTR, low32(CMDLINE_START));
-    put_u32(
-        &mut zero_page,
-        zp::CMDLINE_SIZE,
-        low32(CMDLINE_MAX_BYTES as u64 - 1),
-    );
-
-    let map = e820_map(mem.ram_bytes);
-    assert!(
-        map.len() <= zp::E820_MAX_ENTRIES,
-        "e820 map has at most a handful of entries"
-    );
-    zero_page[zp::E820_ENTRIES] = u8::try_from(map.len()).expect("checked just above");
-    for (i, e) in map.iter().enumerate() {
-        let off = zp::E820_TABLE + i * 20;
-        put_u64(&mut zero_page, off, e.addr);
-        put_u64(&mut zero_page, off + 8, e.size);
-        put_u32(&mut zero_page, off + 16, e.kind);
-    }
+    write_cmdline(mem, cmdline, &mut zero_page)?;
+    put_e820(&mut zero_page, mem.ram_bytes);
     let acpi = super::acpi::build();
     for (addr, blob) in &acpi.blobs {
         write(mem, *addr, blob)?;
@@ -222,6 +181,74 @@ pub fn load(
         kernel_end,
         initrd,
     })
+}
+
+/// Places the initrd at `path` as high as the kernel allows (below `initrd_max` and low
+/// RAM's end, above `kernel_end`) and records it in the zero page; returns its address and
+/// size.
+fn load_initrd(
+    mem: &VmMemory,
+    path: &Path,
+    kernel_end: u64,
+    initrd_max: u64,
+    zero_page: &mut [u8],
+) -> Result<(u64, u64)> {
+    // Checked before reading: `/dev/zero` would be read until memory runs out.
+    crate::input_check::check_initrd(path, mem.ram_bytes >> 20).map_err(|e| {
+        VmmError::ReadFile(path.to_owned(), std::io::Error::other(format!("{e:#}")))
+    })?;
+    let data = std::fs::read(path).map_err(|e| VmmError::ReadFile(path.to_owned(), e))?;
+    let limit = mem.low_ram_end().min(initrd_max + 1);
+    let size = data.len() as u64;
+    let floor = kernel_end.next_multiple_of(INITRD_ALIGN_BYTES);
+    let free = limit.saturating_sub(floor);
+    if size > free {
+        return Err(VmmError::InitrdTooLarge {
+            initrd_bytes: size,
+            free_bytes: free,
+            limit,
+        });
+    }
+    let addr = (limit - size) / INITRD_ALIGN_BYTES * INITRD_ALIGN_BYTES;
+    write(mem, addr, &data)?;
+    put_u32(zero_page, zp::RAMDISK_IMAGE, low32(addr));
+    put_u32(zero_page, zp::RAMDISK_SIZE, low32(size));
+    Ok((addr, size))
+}
+
+/// Writes the NUL-terminated command line at `CMDLINE_START` and points the zero page at it.
+fn write_cmdline(mem: &VmMemory, cmdline: &str, zero_page: &mut [u8]) -> Result<()> {
+    if cmdline.len() >= CMDLINE_MAX_BYTES || cmdline.contains('\0') {
+        return Err(VmmError::Cmdline {
+            max: CMDLINE_MAX_BYTES - 1,
+        });
+    }
+    let mut cmd = cmdline.as_bytes().to_vec();
+    cmd.push(0);
+    write(mem, CMDLINE_START, &cmd)?;
+    put_u32(zero_page, zp::CMD_LINE_PTR, low32(CMDLINE_START));
+    put_u32(
+        zero_page,
+        zp::CMDLINE_SIZE,
+        low32(CMDLINE_MAX_BYTES as u64 - 1),
+    );
+    Ok(())
+}
+
+/// The guest's e820 map into the zero page's table.
+fn put_e820(zero_page: &mut [u8], ram_bytes: u64) {
+    let map = e820_map(ram_bytes);
+    assert!(
+        map.len() <= zp::E820_MAX_ENTRIES,
+        "e820 map has at most a handful of entries"
+    );
+    zero_page[zp::E820_ENTRIES] = u8::try_from(map.len()).expect("checked just above");
+    for (i, e) in map.iter().enumerate() {
+        let off = zp::E820_TABLE + i * 20;
+        put_u64(zero_page, off, e.addr);
+        put_u64(zero_page, off + 8, e.size);
+        put_u32(zero_page, off + 16, e.kind);
+    }
 }
 
 /// Reads until `buf` is full or EOF; returns the bytes read.
