@@ -13,6 +13,7 @@
 //! Instructions: `iretq`, `int n`, `int3`, `ud0`/`ud1`/`ud2`; external interrupts
 //! ([`Vcpu::deliver_pending`]).
 
+use kpin_abi::attach::Segment;
 use kpin_abi::x86::vector::{BP, DF, GP, NP, PF, SS as SS_FAULT, TS, UD};
 use kpin_abi::x86::{is_canonical as canonical, rflags, vector};
 
@@ -172,8 +173,61 @@ fn try_deliver<H: Hardware, M: GuestMmu>(
     ev: Event,
 ) -> Result<u64, Nested> {
     let ext = u32::from(ev.kind == Kind::External);
-    let idt_error = u32::from(ev.vector) * 8 + 2 + ext;
     let cpl = v.cpl();
+    let gate = read_gate(v, ev, ext)?;
+    let (c, new_cpl) = handler_code_segment(v, &gate, ext)?;
+    let old_rsp = regs.get(Gpr::Rsp);
+    let rsp = handler_stack(v, old_rsp, gate.ist, new_cpl, ext)?;
+    let ss = v.segs.sregs[Sreg::Ss as usize].selector;
+    let cs = v.segs.sregs[Sreg::Cs as usize].selector;
+    let image = v.rflags_image(regs.rflags);
+    let frame = [u64::from(ss), old_rsp, image, u64::from(cs), rip];
+    let rsp = push_frame(v, rsp & !0xf, &frame, ev.error, new_cpl == 3)?;
+    // Commit: nothing below can fault.
+    if new_cpl != cpl {
+        // 64-bit mode: SS becomes a null selector with RPL = the new CPL.
+        let s = &mut v.segs.sregs[Sreg::Ss as usize];
+        s.selector = u16::from(new_cpl);
+        s.unusable = 1;
+        s.present = 0;
+    }
+    let mut cs_cache = c;
+    cs_cache.selector = (gate.selector & 0xfffc) | u16::from(new_cpl);
+    cs_cache.type_ |= 1;
+    v.segs.sregs[Sreg::Cs as usize] = cs_cache;
+    regs.set(Gpr::Rsp, rsp);
+    regs.rflags &= !(rflags::TF | rflags::NT | rflags::RF | rflags::VM);
+    v.tf = false;
+    if new_cpl == 0 {
+        // The guest kernel runs at hardware CPL 3, where a user's AC would make its
+        // misaligned accesses fault (#AC): AC is not carried into it (the frame keeps it
+        // for the return).
+        regs.rflags &= !rflags::AC;
+    }
+    if gate.interrupt_gate {
+        v.vif = false;
+    }
+    v.cpl_changed(cpl);
+    Ok(gate.target)
+}
+
+/// A 64-bit interrupt or trap gate of the guest's IDT.
+struct Gate {
+    selector: u16,
+    target: u64,
+    ist: u64,
+    /// An interrupt gate (clears IF), not a trap gate.
+    interrupt_gate: bool,
+}
+
+/// The IDT's gate for `ev`, with the checks on the gate itself (limit, type, DPL for
+/// software events, present, a non-null selector).
+fn read_gate<H: Hardware, M: GuestMmu>(
+    v: &mut Vcpu<'_, H, M>,
+    ev: Event,
+    ext: u32,
+) -> Result<Gate, Nested> {
+    let idt_error = u32::from(ev.vector) * 8 + 2 + ext;
     let idtr = v.idtr;
     if u64::from(ev.vector) * 16 + 15 > u64::from(idtr.limit) {
         return Err(nested(GP, idt_error));
@@ -193,18 +247,33 @@ fn try_deliver<H: Hardware, M: GuestMmu>(
     if ty != 0xe && ty != 0xf {
         return Err(nested(GP, idt_error));
     }
-    if matches!(ev.kind, Kind::Software | Kind::SoftException) && dpl < cpl {
+    if matches!(ev.kind, Kind::Software | Kind::SoftException) && dpl < v.cpl() {
         return Err(nested(GP, idt_error));
     }
     if lo & (1 << 47) == 0 {
         return Err(nested(NP, idt_error));
     }
-    let sel = ((lo >> 16) & 0xffff) as u16;
-    let target = (lo & 0xffff) | (((lo >> 48) & 0xffff) << 16) | (hi << 32);
-    let ist = (lo >> 32) & 7;
-    if sel & 0xfffc == 0 {
+    let selector = ((lo >> 16) & 0xffff) as u16;
+    if selector & 0xfffc == 0 {
         return Err(nested(GP, ext));
     }
+    Ok(Gate {
+        selector,
+        target: (lo & 0xffff) | (((lo >> 48) & 0xffff) << 16) | (hi << 32),
+        ist: (lo >> 32) & 7,
+        interrupt_gate: ty == 0xe,
+    })
+}
+
+/// The handler's code segment (a present 64-bit code segment no more privileged than
+/// allowed) and the CPL the handler runs at; the target must be canonical.
+fn handler_code_segment<H: Hardware, M: GuestMmu>(
+    v: &mut Vcpu<'_, H, M>,
+    gate: &Gate,
+    ext: u32,
+) -> Result<(Segment, u8), Nested> {
+    let cpl = v.cpl();
+    let sel = gate.selector;
     let sel_error = u32::from(sel & 0xfffc) + ext;
     let d: Descriptor = v
         .segs
@@ -219,75 +288,61 @@ fn try_deliver<H: Hardware, M: GuestMmu>(
     }
     let conforming = c.type_ & 4 != 0;
     let new_cpl = if conforming { cpl } else { c.dpl };
-    if !canonical(target) {
+    if !canonical(gate.target) {
         return Err(nested(GP, ext));
     }
-    let old_rsp = regs.get(Gpr::Rsp);
-    let mut rsp = old_rsp;
-    if ist != 0 || new_cpl < cpl {
-        let off = if ist != 0 {
-            0x24 + 8 * (ist - 1)
-        } else {
-            4 + 8 * u64::from(new_cpl)
-        };
-        let tr = v.segs.tr;
-        if tr.present == 0 || off + 7 > u64::from(tr.limit) {
-            return Err(nested(TS, u32::from(tr.selector & 0xfffc) + ext));
-        }
-        rsp = v
-            .mem
-            .read_u64(tr.base.wrapping_add(off), false)
-            .map_err(pf)?;
-        if !canonical(rsp) {
-            return Err(nested(SS_FAULT, ext));
-        }
+    Ok((c, new_cpl))
+}
+
+/// The handler's stack pointer (before alignment): the IST entry's or the new CPL's
+/// from the TSS when either applies, else the current one.
+fn handler_stack<H: Hardware, M: GuestMmu>(
+    v: &mut Vcpu<'_, H, M>,
+    old_rsp: u64,
+    ist: u64,
+    new_cpl: u8,
+    ext: u32,
+) -> Result<u64, Nested> {
+    if ist == 0 && new_cpl >= v.cpl() {
+        return Ok(old_rsp);
     }
-    rsp &= !0xf;
-    let ss = v.segs.sregs[Sreg::Ss as usize].selector;
-    let cs = v.segs.sregs[Sreg::Cs as usize].selector;
-    let image = v.rflags_image(regs.rflags);
-    let mut frame = [u64::from(ss), old_rsp, image, u64::from(cs), rip, 0];
-    let n = if let Some(e) = ev.error {
-        frame[5] = u64::from(e);
-        6
+    let off = if ist != 0 {
+        0x24 + 8 * (ist - 1)
     } else {
-        5
+        4 + 8 * u64::from(new_cpl)
     };
-    let user = new_cpl == 3;
+    let tr = v.segs.tr;
+    if tr.present == 0 || off + 7 > u64::from(tr.limit) {
+        return Err(nested(TS, u32::from(tr.selector & 0xfffc) + ext));
+    }
+    let rsp = v
+        .mem
+        .read_u64(tr.base.wrapping_add(off), false)
+        .map_err(pf)?;
+    if !canonical(rsp) {
+        return Err(nested(SS_FAULT, ext));
+    }
+    Ok(rsp)
+}
+
+/// Pushes SS, RSP, RFLAGS, CS, RIP (`frame`) and the error code if any below `rsp`, all
+/// or nothing (a fault rolls the writes back); returns the new RSP.
+fn push_frame<H: Hardware, M: GuestMmu>(
+    v: &mut Vcpu<'_, H, M>,
+    mut rsp: u64,
+    frame: &[u64; 5],
+    error: Option<u32>,
+    user: bool,
+) -> Result<u64, Nested> {
     let mut log = UndoLog::default();
-    for &word in &frame[..n] {
+    for word in frame.iter().copied().chain(error.map(u64::from)) {
         rsp = rsp.wrapping_sub(8);
         if let Err(f) = log.write(&mut v.mem, rsp, user, &word.to_le_bytes()) {
             log.rollback(&mut v.mem);
             return Err(pf(f));
         }
     }
-    // Commit: nothing below can fault.
-    if new_cpl != cpl {
-        // 64-bit mode: SS becomes a null selector with RPL = the new CPL.
-        let s = &mut v.segs.sregs[Sreg::Ss as usize];
-        s.selector = u16::from(new_cpl);
-        s.unusable = 1;
-        s.present = 0;
-    }
-    let mut cs_cache = c;
-    cs_cache.selector = (sel & 0xfffc) | u16::from(new_cpl);
-    cs_cache.type_ |= 1;
-    v.segs.sregs[Sreg::Cs as usize] = cs_cache;
-    regs.set(Gpr::Rsp, rsp);
-    regs.rflags &= !(rflags::TF | rflags::NT | rflags::RF | rflags::VM);
-    v.tf = false;
-    if new_cpl == 0 {
-        // The guest kernel runs at hardware CPL 3, where a user's AC would make its
-        // misaligned accesses fault (#AC): AC is not carried into it (the frame keeps it
-        // for the return).
-        regs.rflags &= !rflags::AC;
-    }
-    if ty == 0xe {
-        v.vif = false;
-    }
-    v.cpl_changed(cpl);
-    Ok(target)
+    Ok(rsp)
 }
 
 /// `iretq` at the current CPL: pops RIP, CS, RFLAGS, RSP, SS (always, in 64-bit mode)
