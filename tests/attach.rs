@@ -41,7 +41,7 @@ pub fn wait_for_socket(dir: &Path) {
 }
 
 /// The bytes of the loaded image at `va` (the mini-kernel's PT_LOAD segments).
-pub fn code_at(elf: &[u8], va: u64, len: usize) -> Option<&[u8]> {
+fn code_at(elf: &[u8], va: u64, len: usize) -> Option<&[u8]> {
     let u16_at = |o: usize| u16::from_le_bytes(elf[o..o + 2].try_into().unwrap());
     let u64_at = |o: usize| u64::from_le_bytes(elf[o..o + 8].try_into().unwrap());
     let phoff = u64_at(0x20) as usize;

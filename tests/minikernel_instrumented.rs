@@ -9,14 +9,12 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use iced_x86::{Decoder, DecoderOptions, FlowControl};
-use kpin_tests::attach::code_at;
+use kpin_tests::attach::known_loop_runs;
 use kpin_tests::{
-    compare_minikernel_transcript, engine_counters, json_u64, minikernel_elf, minikernel_expected,
-    require_kvm, run_minikernel,
+    compare_minikernel_transcript, engine_counters, json_u64, minikernel_expected, require_kvm,
+    run_minikernel,
 };
-use kpin_tool_bbcount::{parse_csv, Row};
-use vmm::symbols::Symbols;
+use kpin_tool_bbcount::parse_csv;
 use vmm::{Outcome, RunReport};
 
 /// Runs the mini-kernel under `tool` with no step skipped; returns the report, the
@@ -117,43 +115,7 @@ fn test_minikernel_bbcount_sums_to_engine_count_and_counts_known_loop_exactly() 
         "bbcount's blocks and the engine's count disagree\n{c}"
     );
 
-    // The loop body starts at the target of the function's only backward `jnz`.
-    let elf = std::fs::read(minikernel_elf()).expect("read the mini-kernel");
-    let symbols = Symbols::from_elf(&elf).expect("the mini-kernel's symbol table");
-    let known = symbols
-        .find("known_loop_1000")
-        .expect("known_loop_1000 symbol");
-    let (func, size) = (known.address, known.size.expect("known_loop_1000's size"));
-    let code = code_at(&elf, func, size as usize).expect("known_loop_1000's bytes");
-    let body = Decoder::with_ip(64, code, func, DecoderOptions::NONE)
-        .into_iter()
-        .find(|i| {
-            i.flow_control() == FlowControl::ConditionalBranch && i.near_branch_target() < i.ip()
-        })
-        .expect("the loop's backward branch")
-        .near_branch_target();
-    // Every executed block whose instructions include the body's first instruction.
-    let mut body_runs = 0;
-    for &Row {
-        address,
-        instructions,
-        count,
-        ..
-    } in &rows
-    {
-        if address < func || address >= func + size {
-            continue;
-        }
-        let Some(bytes) = code_at(&elf, address, (func + size - address) as usize) else {
-            continue;
-        };
-        let covers = Decoder::with_ip(64, bytes, address, DecoderOptions::NONE)
-            .into_iter()
-            .take(instructions as usize)
-            .any(|i| i.ip() == body);
-        if covers {
-            body_runs += count;
-        }
-    }
-    assert_eq!(body_runs, 1000, "rows in known_loop_1000: {rows:?}");
+    // Every executed block that covers the loop body's first instruction (the target of
+    // the function's only backward branch).
+    assert_eq!(known_loop_runs(&rows), 1000, "rows: {rows:?}");
 }
