@@ -1,7 +1,7 @@
-//! A tool written outside the kpin tree runs with one command (issue #23). The test writes
-//! a tool crate into a temporary directory — `insncount`, which counts executed
-//! instructions by CPL with a counter added to at every block start, into
-//! `insncount.csv` — and runs `kpin run --tool-crate DIR --tool insncount` on the
+//! A tool written outside the kpin tree runs with one command (issue #23). The test has
+//! `kpin new-tool` write a tool crate into a temporary directory — `insncount`, the
+//! skeleton's per-CPL instruction counter, a counter added to at every block start,
+//! written to `insncount.csv` — and runs `kpin run --tool-crate DIR --tool insncount` on the
 //! mini-kernel and on Linux. Its counts must agree with the engine's own per-mode count
 //! (`counters.json`, an independent mechanism: the engine's count also holds the
 //! instructions it emulated outside the cache, which no tool instruments, and takes back
@@ -13,91 +13,20 @@ use std::process::Command;
 
 use kpin_tests::{json_u64, kpin_bin, kpin_run, require_kvm, scratch_dir};
 
-/// The tool crate's manifest; `{kpin_tool}` is the kpin tree's `tools/kpin-tool`.
-const CARGO_TOML: &str = r#"[package]
-name = "kpin-tool-insncount"
-version = "0.1.0"
-edition = "2021"
-
-# Its own workspace: it lives outside kpin's.
-[workspace]
-
-[dependencies]
-kpin-tool = { path = "{kpin_tool}" }
-"#;
-
-/// The tool: a counter per CPL, added to at every block start.
-const LIB_RS: &str = r#"#![no_std]
-extern crate alloc;
-
-use alloc::boxed::Box;
-use alloc::string::String;
-use core::fmt::Write;
-
-use kpin_tool::host::{Error, File, Sink};
-use kpin_tool::{CounterId, Engine, KpinTool, Tool, ToolSpec, TraceInstrumenter};
-
-pub const SPEC: ToolSpec = ToolSpec {
-    name: "insncount",
-    summary: "executed instructions by CPL, counted at block starts -> insncount.csv",
-    options: &[],
-    prefixed_keys: false,
-    host: None,
-};
-
-/// The constructor `kpin run --tool-crate` looks for.
-pub fn new_tool(options: &str) -> Result<Box<dyn KpinTool>, String> {
-    if !options.trim().is_empty() {
-        return Err(String::from("insncount takes no options"));
-    }
-    Ok(Box::new(InsnCount::default()))
-}
-
-#[derive(Default)]
-struct InsnCount {
-    /// Counters for CPL 0 and CPL 3, allocated with the first trace.
-    counters: Option<[CounterId; 2]>,
-}
-
-impl Tool for InsnCount {
-    fn instrument_trace(&mut self, trace: &mut TraceInstrumenter<'_>) {
-        let counters = match self.counters {
-            Some(c) => c,
-            None => match (trace.alloc_counter(), trace.alloc_counter()) {
-                (Ok(a), Ok(b)) => *self.counters.insert([a, b]),
-                _ => return,
-            },
-        };
-        let counter = counters[usize::from(trace.mode().cpl() == 3)];
-        for i in 0..trace.bbls().len() {
-            let n = trace.bbls()[i].count as i32;
-            trace.insert_bbl_counter(i, counter, n);
-        }
-    }
-}
-
-impl KpinTool for InsnCount {
-    fn name(&self) -> &'static str {
-        SPEC.name
-    }
-
-    fn finish(&mut self, engine: &Engine, host: &mut dyn Sink) -> Result<(), Error> {
-        let [k, u] = self.counters.map_or([0, 0], |c| c.map(|id| engine.counter(id)));
-        let mut f = File::create(host, "insncount.csv")?;
-        let _ = write!(f, "cpl,count\n0,{k}\n3,{u}\n");
-        f.close()
-    }
-}
-"#;
-
-/// Writes the tool crate into `dir`.
+/// Writes the tool crate into `dir` with `kpin new-tool` (its skeleton is the per-CPL
+/// counter this test checks).
 fn write_tool_crate(dir: &Path) {
-    let kpin_tool = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tools/kpin-tool");
-    let kpin_tool = kpin_tool.canonicalize().expect("tools/kpin-tool");
-    std::fs::create_dir_all(dir.join("src")).expect("tool crate dirs");
-    let manifest = CARGO_TOML.replace("{kpin_tool}", &kpin_tool.display().to_string());
-    std::fs::write(dir.join("Cargo.toml"), manifest).expect("Cargo.toml");
-    std::fs::write(dir.join("src/lib.rs"), LIB_RS).expect("lib.rs");
+    let o = Command::new(kpin_bin())
+        .args(["new-tool", "--name", "insncount"])
+        .arg(dir)
+        .output()
+        .expect("run kpin new-tool");
+    assert!(
+        o.status.success(),
+        "kpin new-tool: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(dir.join("Cargo.toml").is_file() && dir.join("src/lib.rs").is_file());
 }
 
 /// `git status --porcelain` of the kpin tree (tracked and untracked, not ignored).

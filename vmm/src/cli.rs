@@ -94,6 +94,16 @@ pub(crate) enum Command {
     /// List the tools `--tool` selects: what each does, its host-side part and its
     /// `--tool-option` keys with their help and defaults.
     Tools,
+    /// Write a working skeleton of a tool crate of your own into DIR (a new directory,
+    /// anywhere): a per-CPL instruction counter writing NAME.csv, to change as you like and
+    /// run with `kpin run --tool-crate DIR --tool NAME` (docs/writing-a-tool.md).
+    NewTool {
+        /// The directory to create.
+        dir: PathBuf,
+        /// The tool's name (`--tool NAME`): letters, digits, `-` and `_`.
+        #[arg(long)]
+        name: String,
+    },
 }
 
 /// The end of `kpin run --help`: exit statuses and what `run.json` says.

@@ -1,7 +1,7 @@
 //! `kpin`: run a guest under kpin's VMM, natively or under the guest engine (`--tool`).
 //!
 //! The binary's modules: `cli` (the command line and its help texts), `cmd/` (one module
-//! per command: `run`, `images`, `control` for attach/detach/status, `trace`), `summary`
+//! per command: `run`, `images`, `control` for attach/detach/status, `trace`, `new_tool`), `summary`
 //! (the records `run.json` holds), `run_record` (writing them, and what the end of a run
 //! says about its output), `stop_signals` (SIGINT/SIGTERM), `tools_cmd` (`kpin tools`).
 
@@ -60,6 +60,7 @@ fn main() -> ExitCode {
             print!("{}", tools_cmd::render());
             Ok(EXIT_CLEAN)
         }
+        Command::NewTool { dir, name } => cmd::new_tool::new_tool(&dir, &name).map(|()| EXIT_CLEAN),
     };
     match result {
         Ok(code) => ExitCode::from(code),

@@ -72,3 +72,46 @@ fn test_tool_help_names_every_registry_tool() {
         );
     }
 }
+
+/// `kpin new-tool` writes a crate named after the tool into a new directory, and refuses
+/// an existing directory (1) and a name kpin already has or cannot take (2).
+#[test]
+fn test_new_tool_writes_a_skeleton_and_refuses_what_it_cannot_write() {
+    let dir = std::env::temp_dir().join(format!("kpin-new-tool-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let kpin = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_kpin"))
+            .arg("new-tool")
+            .args(args)
+            .output()
+            .expect("run kpin")
+    };
+    let crate_dir = dir.join("mine");
+    let o = kpin(&[crate_dir.to_str().unwrap(), "--name", "mine"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let manifest = std::fs::read_to_string(crate_dir.join("Cargo.toml")).unwrap();
+    assert!(manifest.contains("name = \"kpin-tool-mine\""), "{manifest}");
+    assert!(manifest.contains("tools/kpin-tool\""), "{manifest}");
+    let lib = std::fs::read_to_string(crate_dir.join("src/lib.rs")).unwrap();
+    assert!(
+        lib.contains("name: \"mine\"") && lib.contains("\"mine.csv\""),
+        "{lib}"
+    );
+    assert!(lib.contains("pub fn new_tool(options: &str)"), "{lib}");
+    assert_eq!(
+        kpin(&[crate_dir.to_str().unwrap(), "--name", "other"])
+            .status
+            .code(),
+        Some(1)
+    );
+    for name in [TOOLS[0].name, "a b", ""] {
+        let o = kpin(&[dir.join("x").to_str().unwrap(), "--name", name]);
+        assert_eq!(
+            o.status.code(),
+            Some(2),
+            "{name:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
