@@ -127,6 +127,20 @@ impl Kpin {
     }
 
     /// kpin's stderr so far, with the console for context.
+    /// Waits for kpin to end with exit status 5 (its output could not be written), no
+    /// panic and exactly one `kpin: error:` line; returns the context and that line.
+    fn exit_5_with_one_error(&mut self) -> (String, String) {
+        let status = self.wait_exit();
+        let context = self.context();
+        assert_eq!(status.code(), Some(5), "{context}");
+        let stderr = std::fs::read_to_string(&self.stderr).unwrap();
+        assert!(!stderr.contains("panicked"), "{context}");
+        let errors = error_lines(&stderr);
+        assert_eq!(errors.len(), 1, "{context}");
+        let error = errors[0].to_owned();
+        (context, error)
+    }
+
     fn context(&self) -> String {
         format!(
             "stderr:\n{}\nconsole:\n{}\nfiles: {:?}",
@@ -346,19 +360,13 @@ fn test_a_full_output_file_system_stops_the_run_with_status_5_and_says_so() {
     .expect("mount a tmpfs");
     let out = mnt.0.join("run");
     let mut kpin = Kpin::start(&["--guest", "minikernel", "--tool", "memtrace"], &out, &dir);
-    let status = kpin.wait_exit();
-    let context = kpin.context();
-    assert_eq!(status.code(), Some(5), "{context}");
-    let stderr = std::fs::read_to_string(&kpin.stderr).unwrap();
-    assert!(!stderr.contains("panicked"), "{context}");
-    let errors = error_lines(&stderr);
-    assert_eq!(errors.len(), 1, "{context}");
+    let (context, error) = kpin.exit_5_with_one_error();
     assert!(
-        errors[0].starts_with("kpin: error: output file system full: cannot write "),
+        error.starts_with("kpin: error: output file system full: cannot write "),
         "{context}"
     );
     assert!(
-        errors[0].contains("run.json says the run is incomplete"),
+        error.contains("run.json says the run is incomplete"),
         "{context}"
     );
     // The space kept back let the final run.json say why.
@@ -384,15 +392,10 @@ fn test_a_full_output_file_system_stops_the_run_with_status_5_and_says_so() {
     .expect("mount a tmpfs");
     let out = mnt.0.join("run");
     let mut kpin = Kpin::start(&["--guest", "minikernel"], &out, &dir);
-    let status = kpin.wait_exit();
-    let context = kpin.context();
-    assert_eq!(status.code(), Some(5), "{context}");
-    let stderr = std::fs::read_to_string(&kpin.stderr).unwrap();
-    let errors = error_lines(&stderr);
-    assert_eq!(errors.len(), 1, "{context}");
+    let (context, error) = kpin.exit_5_with_one_error();
     assert!(
-        errors[0].starts_with("kpin: error: output file system full: ")
-            && errors[0].contains("console.log holds "),
+        error.starts_with("kpin: error: output file system full: ")
+            && error.contains("console.log holds "),
         "{context}"
     );
     let run = run_json(&out, &context);
@@ -471,22 +474,16 @@ fn test_an_output_file_system_turning_read_only_mid_run_stops_the_run_with_statu
     // ext4's own reaction to a disk error: the file system becomes read-only at once,
     // whatever is open on it.
     std::fs::write(&trigger, "kpin host-faults test").expect("trigger an ext4 error");
-    let status = kpin.wait_exit();
-    let context = kpin.context();
-    assert_eq!(status.code(), Some(5), "{context}");
-    let stderr = std::fs::read_to_string(&kpin.stderr).unwrap();
-    assert!(!stderr.contains("panicked"), "{context}");
-    let errors = error_lines(&stderr);
-    assert_eq!(errors.len(), 1, "{context}");
+    let (context, error) = kpin.exit_5_with_one_error();
     assert!(
-        errors[0].starts_with("kpin: error: output file system read-only: cannot write "),
+        error.starts_with("kpin: error: output file system read-only: cannot write "),
         "{context}"
     );
     // Nothing can be written any more, so run.json is still the one from the start, and
     // the message says so.
     assert!(
-        errors[0].contains("run.json could not be rewritten")
-            && errors[0].contains("still says the run is running"),
+        error.contains("run.json could not be rewritten")
+            && error.contains("still says the run is running"),
         "{context}"
     );
     let run = run_json(&out, &context);
