@@ -19,9 +19,11 @@ use vmm::control::client::request;
 use vmm::control::protocol::{Reply, Request};
 use vmm::control::SOCKET_NAME;
 use vmm::symbols::Symbols;
-use vmm::{ControlConfig, RunReport, Vm, VmConfig};
+use vmm::{ControlConfig, Outcome, RunReport, Vm, VmConfig};
 
-use crate::{engine_config, kpin_bin, minikernel_elf};
+use crate::{
+    compare_minikernel_transcript, engine_config, kpin_bin, minikernel_elf, minikernel_expected,
+};
 
 /// How long a test waits for the guest to reach a mark or a socket to appear: generous,
 /// for a loaded host; the guest's own progress ends the wait, not this.
@@ -110,6 +112,22 @@ pub fn spawn_vm(cfg: VmConfig, control: ControlConfig, out: PathBuf) -> JoinHand
         daemon.finish().expect("finish output files");
         report
     })
+}
+
+/// Joins the mini-kernel's VM thread and checks that it powered off having printed its
+/// transcript (`console`); returns the number of steps it skipped. `log` (the engine
+/// log that matters) is shown on a failure.
+pub fn join_with_transcript(vm_thread: JoinHandle<RunReport>, console: &Path, log: &str) -> usize {
+    let report = vm_thread.join().expect("the VM thread");
+    let text = std::fs::read_to_string(console).unwrap_or_default();
+    assert_eq!(
+        report.outcome,
+        Outcome::Poweroff,
+        "console:\n{text}\nengine log:\n{log}\ndump:\n{}",
+        report.dump.unwrap_or_default()
+    );
+    compare_minikernel_transcript(&text, &minikernel_expected())
+        .unwrap_or_else(|e| panic!("{e}\n{text}"))
 }
 
 /// Waits until the guest has made `n` marks on the attach-status port.

@@ -16,13 +16,10 @@
 use std::time::{Duration, Instant};
 
 use kpin_tests::attach::{
-    spawn_vm, start_minikernel, wait_for_socket, wait_marks, window_known_loop_runs,
-    GUEST_PROGRESS_BUDGET,
+    join_with_transcript, spawn_vm, start_minikernel, wait_for_socket, wait_marks,
+    window_known_loop_runs, GUEST_PROGRESS_BUDGET,
 };
-use kpin_tests::{
-    compare_minikernel_transcript, engine_config, minikernel_elf, minikernel_expected, require_kvm,
-    scratch_dir,
-};
+use kpin_tests::{engine_config, minikernel_elf, require_kvm, scratch_dir};
 use vmm::control::client::request;
 use vmm::control::protocol::Request;
 use vmm::control::SOCKET_NAME;
@@ -73,18 +70,9 @@ fn test_attach_bbcount_to_the_native_minikernel_mid_run_counts_its_known_loop() 
         attach.latency_ms.unwrap_or(f64::NAN),
         round_trip.as_secs_f64() * 1e3
     );
-    let report = vm_thread.join().expect("the VM thread");
-    let text = std::fs::read_to_string(&console).unwrap_or_default();
     let window = dir.join("attach-1");
     let log = std::fs::read_to_string(window.join("engine.log")).unwrap_or_default();
-    assert_eq!(
-        report.outcome,
-        Outcome::Poweroff,
-        "console:\n{text}\nengine log:\n{log}\ndump:\n{}",
-        report.dump.unwrap_or_default()
-    );
-    let skipped = compare_minikernel_transcript(&text, &minikernel_expected())
-        .unwrap_or_else(|e| panic!("{e}\n{text}"));
+    let skipped = join_with_transcript(vm_thread, &console, &log);
     assert!(
         skipped > 0,
         "the native command line skips native-unsafe steps"
@@ -170,21 +158,10 @@ fn test_attach_detach_attach_on_the_native_minikernel_counts_each_window_exactly
             "{s:?}"
         );
     }
-    let report = vm_thread.join().expect("the VM thread");
-    let text = std::fs::read_to_string(&console).unwrap_or_default();
     let log = |w: u64| {
         std::fs::read_to_string(dir.join(format!("attach-{w}/engine.log"))).unwrap_or_default()
     };
-    assert_eq!(
-        report.outcome,
-        Outcome::Poweroff,
-        "console:\n{text}\nengine logs:\n{}\n{}\ndump:\n{}",
-        log(1),
-        log(2),
-        report.dump.unwrap_or_default()
-    );
-    compare_minikernel_transcript(&text, &minikernel_expected())
-        .unwrap_or_else(|e| panic!("{e}\n{text}"));
+    join_with_transcript(vm_thread, &console, &format!("{}\n{}", log(1), log(2)));
     for w in 1..=2 {
         let window = dir.join(format!("attach-{w}"));
         assert_eq!(
@@ -249,17 +226,8 @@ fn test_a_tool_run_detaches_to_resident_and_switches_tools_with_exact_counts() {
         a.latency_ms.unwrap_or(f64::NAN),
         d.latency_ms.unwrap_or(f64::NAN)
     );
-    let report = vm_thread.join().expect("the VM thread");
-    let text = std::fs::read_to_string(&console).unwrap_or_default();
     let log = std::fs::read_to_string(dir.join("engine.log")).unwrap_or_default();
-    assert_eq!(
-        report.outcome,
-        Outcome::Poweroff,
-        "console:\n{text}\nengine.log:\n{log}\ndump:\n{}",
-        report.dump.unwrap_or_default()
-    );
-    let skipped = compare_minikernel_transcript(&text, &minikernel_expected())
-        .unwrap_or_else(|e| panic!("{e}\n{text}"));
+    let skipped = join_with_transcript(vm_thread, &console, &log);
     assert_eq!(skipped, 0, "every step ran under the engine");
     for window in [dir.clone(), dir.join("attach-1")] {
         assert_eq!(
@@ -367,16 +335,7 @@ fn test_a_detach_the_engine_cannot_take_is_withdrawn_and_the_window_goes_on() {
     let d = request(&dir, &Request::Detach).expect("detach");
     assert!(d.ok, "{d:?}");
     assert_eq!(d.state.as_deref(), Some("native"), "{d:?}");
-    let report = vm_thread.join().expect("the VM thread");
-    let text = std::fs::read_to_string(&console).unwrap_or_default();
     let log = std::fs::read_to_string(dir.join("attach-1/engine.log")).unwrap_or_default();
-    assert_eq!(
-        report.outcome,
-        Outcome::Poweroff,
-        "console:\n{text}\nengine.log:\n{log}\ndump:\n{}",
-        report.dump.unwrap_or_default()
-    );
-    compare_minikernel_transcript(&text, &minikernel_expected())
-        .unwrap_or_else(|e| panic!("{e}\n{text}"));
+    join_with_transcript(vm_thread, &console, &log);
     assert_eq!(window_known_loop_runs(&dir.join("attach-1")), 1000, "{log}");
 }
