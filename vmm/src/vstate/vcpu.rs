@@ -330,7 +330,11 @@ mod tests {
     /// The i8042 (its reset line), the engine's ports, and nothing else.
     fn bus() -> PortBus {
         let mut bus = PortBus::default();
-        bus.insert(I8042_DATA_PORT, I8042_PORT_SPAN, Box::new(I8042::default()));
+        bus.insert(
+            I8042_DATA_PORT,
+            I8042_PORT_SPAN,
+            Box::new(I8042::new((), ())),
+        );
         bus.insert(ENGINE_PORTS_BASE, ENGINE_PORTS_SPAN, Box::new(EnginePorts));
         bus
     }

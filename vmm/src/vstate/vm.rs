@@ -30,7 +30,12 @@ use crate::control::windows::Windows;
 use crate::devices::acpi_pm::{AcpiPm, ResetRegister, PM_PORT_SPAN};
 use crate::devices::bus::PortBus;
 use crate::devices::engine_ports::{EnginePorts, ENGINE_PORTS_BASE, ENGINE_PORTS_SPAN};
-use crate::devices::i8042::{I8042, I8042_DATA_PORT, I8042_PORT_SPAN};
+use crate::devices::i8042::{
+    I8042, I8042_AUX_IRQ, I8042_DATA_PORT, I8042_KBD_IRQ, I8042_PORT_SPAN,
+};
+use crate::devices::pci::{
+    PciConfig, PCI_CONFIG_ADDRESS_PORT, PCI_CONFIG_DATA_PORT, PCI_CONFIG_DATA_SPAN,
+};
 use crate::devices::serial::{
     Com1, ConsoleSink, ConsoleWatch, IrqTrigger, COM1_IRQ, COM1_PORT, COM1_PORT_SPAN,
 };
@@ -257,6 +262,15 @@ pub struct Vm {
     stop: StopRequest,
 }
 
+/// An eventfd that pulses ISA interrupt line `irq` of the in-kernel PIC when written.
+fn irq_line(vm: &VmFd, irq: u32) -> Result<EventFd> {
+    let fd = EventFd::new(libc::EFD_NONBLOCK)
+        .map_err(|e| VmmError::Host("creating an interrupt eventfd", e))?;
+    vm.register_irqfd(&fd, irq)
+        .map_err(|e| VmmError::Kvm("KVM_IRQFD", e))?;
+    Ok(fd)
+}
+
 impl Vm {
     /// Creates the VM, loads the guest and prepares the vCPU at its entry point.
     pub fn new(cfg: &VmConfig) -> Result<Self> {
@@ -321,22 +335,23 @@ impl Vm {
             ),
             None => None,
         };
-        let irq = EventFd::new(libc::EFD_NONBLOCK)
-            .map_err(|e| VmmError::Host("creating the COM1 eventfd", e))?;
-        vm.register_irqfd(&irq, COM1_IRQ)
-            .map_err(|e| VmmError::Kvm("KVM_IRQFD", e))?;
+        let irq = irq_line(&vm, COM1_IRQ)?;
         let sink = ConsoleSink::new(cfg.echo_console, file, console.clone());
         let mut bus = PortBus::default();
         let com1 = Com1::new(Serial::new(IrqTrigger(irq), sink));
         let console_tx: host_daemon::ConsoleSink = Box::new(com1.transmitter());
         bus.insert(COM1_PORT, COM1_PORT_SPAN, Box::new(com1));
-        bus.insert(I8042_DATA_PORT, I8042_PORT_SPAN, Box::new(I8042::default()));
+        let i8042 = I8042::new(irq_line(&vm, I8042_KBD_IRQ)?, irq_line(&vm, I8042_AUX_IRQ)?);
+        bus.insert(I8042_DATA_PORT, I8042_PORT_SPAN, Box::new(i8042));
         bus.insert(
             ACPI_PM1A_EVT_PORT,
             PM_PORT_SPAN,
             Box::new(AcpiPm::default()),
         );
         bus.insert(ACPI_RESET_PORT, 1, Box::new(ResetRegister));
+        let (pci, pci_address) = PciConfig::new();
+        bus.insert(PCI_CONFIG_ADDRESS_PORT, 1, Box::new(pci_address));
+        bus.insert(PCI_CONFIG_DATA_PORT, PCI_CONFIG_DATA_SPAN, Box::new(pci));
         bus.insert(ENGINE_PORTS_BASE, ENGINE_PORTS_SPAN, Box::new(EnginePorts));
 
         let symbols = match &cfg.system_map {
