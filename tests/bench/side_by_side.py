@@ -30,8 +30,8 @@ Command lines (`--lines`, default `distro,kpin`; both are reported, `distro` fir
           own line reduced to the serial console, which the workload needs, plus panic=-1 so a
           panic ends the run. Nothing else: PCI and i8042 probing and the default mitigations
           as a user's distribution has them. The headline configuration.
-  kpin    kpin's own LINUX_CMDLINE (vmm/src/guests.rs: `earlyprintk`, `pci=off`,
-          `i8042.noaux i8042.nomux i8042.dumbkbd`), what `kpin run --guest linux` boots with.
+  kpin    kpin's own LINUX_CMDLINE (vmm/src/guests.rs: the distribution's line plus
+          `earlyprintk`), what `kpin run --guest linux` boots with.
 `--cmdline "..."` replaces them with one line named `custom`. `--workload NAME` appends
 `kpin.workload=NAME` to every line (without it /init runs its `default` workload).
 

@@ -13,18 +13,17 @@
 /// - `earlyprintk=serial,ttyS0,115200`: the first 0.5 s of boot messages, before the
 ///   console driver, reach the console (a debugging aid, not a workaround);
 /// - `panic=-1`: a panic resets at once (the console watch has already flagged it as a
-///   crash) instead of hanging until the timeout;
-/// - `pci=off`: there is no PCI bus; without it the kernel probes configuration space
-///   through 0xcf8, which reads all ones, and prints `PCI: Fatal: No config space access
-///   function found`;
-/// - `i8042.noaux i8042.nomux i8042.dumbkbd`: without them the kernel polls the
-///   controller for an aux port and a keyboard that never answer: ~20 000 more port reads
-///   (35 774 against 16 131) and ~2.5 s more guest time.
+///   crash) instead of hanging until the timeout.
+///
+/// Gone since the VMM models them (issue #25): `pci=off` (the VMM answers PCI
+/// configuration mechanism 1 with a host bridge, `devices/pci.rs`, so the kernel no longer
+/// prints `PCI: Fatal: No config space access function found`) and `i8042.noaux
+/// i8042.nomux i8042.dumbkbd` (the i8042 model answers every probe step,
+/// `devices/i8042.rs`: the kernel no longer polls the controller 20 000 times).
 ///
 /// The distribution's own line is [`LINUX_612_CMDLINE`]; the tests boot both kernels with
 /// it too.
-pub const LINUX_CMDLINE: &str = "console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1 \
-     pci=off i8042.noaux i8042.nomux i8042.dumbkbd";
+pub const LINUX_CMDLINE: &str = "console=ttyS0 earlyprintk=serial,ttyS0,115200 panic=-1";
 
 /// The distribution command line of Debian's kernels, the second pinned kernel's default
 /// (`kpin_images::GuestKernel::Debian612`) and the line the tests also boot the first one

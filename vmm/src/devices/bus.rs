@@ -91,9 +91,9 @@ pub const ABSENT_PORTS: &[AbsentRange] = &[
         what: "floppy controller",
     },
     AbsentRange {
-        base: 0xcf8,
-        len: 8,
-        what: "PCI configuration mechanism 1 (0xcf9, the reset control, is `acpi_pm`'s)",
+        base: 0xcfa,
+        len: 2,
+        what: "PCI mechanism selection bytes (0xcf8's dword is `pci`'s, 0xcf9 `acpi_pm`'s)",
     },
 ];
 

@@ -1,11 +1,13 @@
 //! Emulated devices and the port-I/O bus that reaches them.
 //!
-//! Only what a PC guest needs to boot, talk and power off: COM1, the i8042's reset line,
-//! the ACPI PM1 blocks and reset register, plus the engine's doorbell and failure ports. The PIC,
+//! Only what a PC guest needs to boot, talk and power off: COM1, the i8042 (keyboard
+//! controller, keyboard, reset line), PCI configuration space with a host bridge, the
+//! ACPI PM1 blocks and reset register, plus the engine's doorbell and failure ports. The PIC,
 //! PIT and local APIC are KVM's in-kernel devices and never reach this bus.
 
 pub mod acpi_pm;
 pub mod bus;
 pub mod engine_ports;
 pub mod i8042;
+pub mod pci;
 pub mod serial;
