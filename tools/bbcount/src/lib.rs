@@ -15,12 +15,14 @@ extern crate alloc;
 #[cfg(feature = "host")]
 pub mod report;
 
+use alloc::boxed::Box;
 use alloc::collections::BTreeMap;
+use alloc::string::String;
 use alloc::vec::Vec;
 use core::fmt::{self, Write};
 
 use kpin_tool::host::{Error, File, Sink};
-use kpin_tool::{CounterId, Engine, KpinTool, Tool, ToolSpec, TraceInstrumenter};
+use kpin_tool::{CounterId, Engine, HostPart, KpinTool, Tool, ToolSpec, TraceInstrumenter};
 
 /// What `--tool bbcount` is (the registry's entry).
 pub const SPEC: ToolSpec = ToolSpec {
@@ -28,8 +30,21 @@ pub const SPEC: ToolSpec = ToolSpec {
     summary: "an inline counter per basic block and CPL -> bbcount.csv",
     options: &[],
     prefixed_keys: false,
-    host: Some("bbcount-report.txt: the user/kernel split and the hottest blocks, named from the kernel's symbols"),
+    host: Some(HostPart {
+        about: "bbcount-report.txt: the user/kernel split and the hottest blocks, named from the kernel's symbols",
+        takes_records: None,
+    }),
 };
+
+/// The tool for `--tool-option` words (it has no options of its own; the engine's
+/// `bringup.*` are not its business): the registry's constructor.
+pub fn new_tool(_options: &str) -> Result<Box<dyn KpinTool>, String> {
+    Ok(Box::new(BbCount::default()))
+}
+
+/// The host-side part (the registry's, feature `host`): [`report::Host`].
+#[cfg(feature = "host")]
+pub const HOST: report::Host = report::Host;
 
 /// The output file's name.
 pub const CSV_NAME: &str = "bbcount.csv";

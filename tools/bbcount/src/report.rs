@@ -10,6 +10,7 @@ use std::fmt::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
+use kpin_tool::host_side::{HostTool, Reported, RunFiles};
 use serde::Serialize;
 
 use crate::{parse_csv, Row, CSV_NAME};
@@ -18,17 +19,10 @@ use crate::{parse_csv, Row, CSV_NAME};
 pub const REPORT_NAME: &str = "bbcount-report.txt";
 /// Largest `bbcount.csv` the report reads (the daemon's default output limit is 1 GiB).
 pub const MAX_CSV_BYTES: u64 = 256 << 20;
-/// Hottest blocks listed unless told otherwise.
-pub const DEFAULT_TOP: usize = 20;
-
-/// Names for block addresses: a symbol table, and where it came from.
-pub trait BlockNames {
-    /// Where the names come from, for the report (`System.map …`, `ELF symbol table of
-    /// …`).
-    fn source(&self) -> String;
-    /// `symbol+0xoff` for `addr`, if a symbol covers it.
-    fn name(&self, addr: u64) -> Option<String>;
-}
+/// Names for block addresses: a symbol table, and where it came from (the tool API's).
+pub use kpin_tool::host_side::BlockNames;
+/// Hottest blocks listed unless told otherwise (`kpin run --top`).
+pub use kpin_tool::host_side::DEFAULT_TOP;
 
 /// One block of the hottest list.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -203,9 +197,69 @@ pub fn write_report(
     Ok(Some((summary, path)))
 }
 
+/// bbcount's host-side part (the registry's): after a run, [`REPORT_NAME`] from the CSV,
+/// its blocks named from the kernel's symbols (the KASLR slide found from where the
+/// kernel's blocks ran), and the [`BbcountSummary`] as `run.json`'s `bbcount`.
+#[derive(Clone, Copy, Debug)]
+pub struct Host;
+
+impl HostTool for Host {
+    fn spec(&self) -> &'static kpin_tool::ToolSpec {
+        &crate::SPEC
+    }
+
+    fn run_json_key(&self) -> Option<&'static str> {
+        Some(crate::SPEC.name)
+    }
+
+    fn report(&self, run: &mut RunFiles<'_>) -> Reported {
+        // Only a finished CSV is a result.
+        if run.is_unfinished(CSV_NAME) || !run.dir.join(CSV_NAME).exists() {
+            return Reported::default();
+        }
+        let out = run.dir;
+        let kernel = match read_rows(out) {
+            Ok(Some(rows)) => run.names(rows.iter().filter(|r| r.cpl == 0).map(|r| r.address)),
+            _ => run.names(core::iter::empty()),
+        };
+        let made = kernel.and_then(|names| write_report(out, names.as_deref(), run.top));
+        match made {
+            Ok(Some((summary, path))) => {
+                run.say(&format!("{}:\n{}", path.display(), summary.render()));
+                Reported {
+                    run_json: Some(Box::new(summary)),
+                    failure: None,
+                }
+            }
+            Ok(None) => Reported::default(),
+            Err(e) => {
+                run.say(&format!("no bbcount report: {e:#}"));
+                // A host fault is an OS error (`is_host_fault` reads its number).
+                let failure = e
+                    .chain()
+                    .find_map(|c| c.downcast_ref::<std::io::Error>())
+                    .filter(|io| host_daemon::resolve::is_host_fault(io))
+                    .and_then(std::io::Error::raw_os_error)
+                    .map(|n| (out.join(REPORT_NAME), std::io::Error::from_raw_os_error(n)));
+                Reported {
+                    run_json: None,
+                    failure,
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The daemon refuses the guest the file the VMM writes after a bbcount run (the
+    /// daemon does not depend on the tool, so it spells the name itself).
+    #[test]
+    fn test_the_daemon_reserves_the_report_the_vmm_writes_after_bbcount() {
+        assert!(host_daemon::RESERVED_NAMES.contains(&REPORT_NAME));
+    }
 
     fn row(address: u64, cpl: u8, instructions: u32, count: u64) -> Row {
         Row {

@@ -32,7 +32,7 @@ use alloc::vec::Vec;
 use core::fmt;
 
 use kpin_tool::host::{Error, File, Sink};
-use kpin_tool::{access, Engine, KpinTool, MemRecord, Tool, ToolSpec, TraceInstrumenter};
+use kpin_tool::{access, Engine, HostPart, KpinTool, MemRecord, Tool, ToolSpec, TraceInstrumenter};
 
 use crate::insns::{MissKind, MissTable};
 use crate::options::Options;
@@ -44,8 +44,20 @@ pub const SPEC: ToolSpec = ToolSpec {
     summary: "drcachesim's cache model over every fetch and data access's guest-physical address",
     options: options::KEYS,
     prefixed_keys: true,
-    host: Some("the simulation on a host thread when the record ring is there; cachesim.txt, cachesim.json, cachesim-timeline.svg"),
+    host: Some(HostPart {
+        about: "the simulation on a host thread when the record ring is there; cachesim.txt, cachesim.json, cachesim-timeline.svg",
+        takes_records: Some("cachesim-counters.txt, cachesim-timeline.csv and cachesim-insns.csv"),
+    }),
 };
+
+/// The tool for `--tool-option` words ([`Options::parse`]): the registry's constructor.
+pub fn new_tool(options: &str) -> Result<alloc::boxed::Box<dyn KpinTool>, String> {
+    Ok(alloc::boxed::Box::new(CacheSim::new(options)?))
+}
+
+/// The host-side part (the registry's, feature `host`): [`report::Host`].
+#[cfg(feature = "host")]
+pub const HOST: report::Host = report::Host;
 
 /// The totals the engine writes (read by [`files::parse_counters`]).
 pub const COUNTERS_NAME: &str = "cachesim-counters.txt";

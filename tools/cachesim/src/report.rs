@@ -15,7 +15,10 @@ use alloc::vec::Vec;
 use core::fmt::Write;
 use std::path::{Path, PathBuf};
 
-use kpin_tool_bbcount::report::BlockNames;
+use alloc::boxed::Box;
+use kpin_tool::host::{Error as SinkError, Sink};
+use kpin_tool::host_side::{BlockNames, HostTool, OptionFiles, RecordConsumer, Reported, RunFiles};
+use kpin_tool::MemRecord;
 use serde::Serialize;
 
 use crate::files::{parse_counters, parse_timeline, Counters, Timeline};
@@ -660,6 +663,97 @@ pub fn write_reports_named(
         write(SVG_NAME, &timeline_svg(&t, &names, &core)?, &mut written)?;
     }
     Ok(Some((report, written)))
+}
+
+/// Largest `config_file` read (a hierarchy is a few hundred bytes).
+pub const MAX_CONFIG_FILE: u64 = 64 << 10;
+
+/// cachesim's host-side part (the registry's): the options checked before boot and
+/// handed to the engine in one canonical form with a `config_file` expanded; the
+/// simulation on a host thread ([`CacheSim`] as a [`RecordConsumer`], with a larger
+/// per-instruction table than the engine's heap affords); and after the run
+/// [`TXT_NAME`], [`JSON_NAME`] and [`SVG_NAME`], the top instructions named from the
+/// kernel's symbols (the KASLR slide found from the kernel instructions that missed).
+#[derive(Clone, Copy, Debug)]
+pub struct Host;
+
+impl HostTool for Host {
+    fn spec(&self) -> &'static kpin_tool::ToolSpec {
+        &crate::SPEC
+    }
+
+    fn engine_options(
+        &self,
+        options: &str,
+        files: &mut dyn OptionFiles,
+    ) -> Result<Option<String>, String> {
+        let mut read = |path: &str| -> Result<String, String> {
+            let len = files.len(path, "cachesim config_file")?;
+            if len > MAX_CONFIG_FILE {
+                return Err(format!(
+                    "{len} bytes: a cache configuration is at most {MAX_CONFIG_FILE} bytes"
+                ));
+            }
+            files.read(path)
+        };
+        let o = crate::options::Options::parse_host(options, &mut read)?;
+        Ok(Some(o.to_words()))
+    }
+
+    fn record_consumer(&self, options: &str) -> Option<Box<dyn RecordConsumer>> {
+        let sim = crate::CacheSim::with_insn_capacity(options, insns::HOST_CAPACITY).ok()?;
+        Some(Box::new(sim))
+    }
+
+    fn report(&self, run: &mut RunFiles<'_>) -> Reported {
+        // Not from files the engine left unfinished.
+        if run
+            .unfinished
+            .iter()
+            .any(|p| p.to_str().is_some_and(|p| p.starts_with(crate::SPEC.name)))
+        {
+            return Reported::default();
+        }
+        let out = run.dir;
+        let executed: Vec<u64> = match read_insns(out) {
+            Ok(Some(insns)) => insns
+                .rows
+                .iter()
+                .filter(|r| r.cpl == 0)
+                .map(|r| r.va)
+                .collect(),
+            _ => Vec::new(),
+        };
+        let names = match run.names(executed) {
+            Ok(n) => n,
+            Err(e) => {
+                run.say(&format!("cachesim's instructions left unnamed: {e:#}"));
+                None
+            }
+        };
+        match write_reports_named(out, names.as_deref()) {
+            Ok(Some((r, files))) => run.say(&format!("{}\ncachesim: {files:?}", r.text())),
+            Ok(None) => {}
+            Err(e) => run.say(&format!("no cachesim report: {e}")),
+        }
+        Reported::default()
+    }
+}
+
+impl RecordConsumer for crate::CacheSim {
+    fn feed(&mut self, records: &[MemRecord]) {
+        for r in records {
+            crate::CacheSim::feed(self, r);
+        }
+    }
+
+    fn write_files(&self, sink: &mut dyn Sink) -> Result<(), SinkError> {
+        crate::CacheSim::write_files(self, sink)
+    }
+
+    fn summary(&self, out: &mut dyn core::fmt::Write) -> core::fmt::Result {
+        self.write_summary(out)
+    }
 }
 
 #[cfg(test)]

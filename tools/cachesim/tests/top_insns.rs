@@ -1,8 +1,8 @@
 //! The per-instruction miss table (bounded, `other` when full), its file, and the
 //! top-N ranking and report (issue #13).
 
+use kpin_tool::host_side::BlockNames;
 use kpin_tool::MemRecord;
-use kpin_tool_bbcount::report::BlockNames;
 use kpin_tool_cachesim::files;
 use kpin_tool_cachesim::insns::{self, InsnMisses, MissKind, MissTable};
 use kpin_tool_cachesim::report::TopInsns;

@@ -28,6 +28,12 @@ pub const SPEC: ToolSpec = ToolSpec {
     host: None,
 };
 
+/// The tool for `--tool-option` words (it has no options of its own): the registry's
+/// constructor.
+pub fn new_tool(_options: &str) -> Result<alloc::boxed::Box<dyn KpinTool>, alloc::string::String> {
+    Ok(alloc::boxed::Box::new(InsMix::default()))
+}
+
 /// The table's name.
 pub const TXT_NAME: &str = "insmix.txt";
 /// The JSON's name.

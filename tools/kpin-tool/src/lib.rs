@@ -9,6 +9,13 @@
 //! The same tool code runs on the host, under the translator's host harness, so tools are
 //! tested without a VM ([`host_run`] with the `host-run` feature; see
 //! `tools/bbcount/tests`).
+//!
+//! A tool crate declares everything about itself here: its [`ToolSpec`] (`pub const
+//! SPEC`), its constructor ([`NewTool`], `pub fn new_tool`) and, with the `host` feature,
+//! its host-side part (`host_side::HostTool`: option checks before boot, a consumer of
+//! the records the engine sends to the host, the report after the run, a trace printer).
+//! The registry (`tools/registry`) names the crates once; the engine image and the VMM
+//! get the list from it.
 #![no_std]
 #![deny(missing_docs)]
 
@@ -17,14 +24,25 @@ extern crate alloc;
 pub mod host;
 #[cfg(feature = "host-run")]
 pub mod host_run;
+#[cfg(feature = "host")]
+pub mod host_side;
 pub mod spec;
 
+use alloc::boxed::Box;
+use alloc::string::String;
 use core::fmt;
 
 pub use guest_engine::{
     access, CounterId, Engine, IPoint, InsInfo, MemRecord, Tool, TraceInstrumenter,
 };
-pub use spec::{OptionSpec, ToolSpec, ValueKind};
+pub use spec::{HostPart, OptionSpec, ToolSpec, ValueKind};
+
+/// What every tool crate exports as `pub fn new_tool` beside its `SPEC`: the tool for the
+/// `--tool-option` words (`key=value` separated by spaces, the engine's `bringup.*` keys
+/// among them), or why they are wrong (the run then ends with status 3 and this in
+/// `engine.log`). The registry lists the in-tree crates' constructors; the engine image
+/// builds the chosen tool with one (`kpin run --tool-crate` an out-of-tree crate's).
+pub type NewTool = fn(options: &str) -> Result<Box<dyn KpinTool>, String>;
 
 /// A tool as the engine image drives it: instrumentation while the guest runs, then one
 /// `finish` when the run ends.
@@ -40,5 +58,12 @@ pub trait KpinTool: Tool {
     fn summary(&self, engine: &Engine, out: &mut dyn fmt::Write) -> fmt::Result {
         let _ = (engine, out);
         Ok(())
+    }
+
+    /// The run's own sink, handed over once when the engine image builds the tool: a tool
+    /// whose output grows with the run writes through it while the guest runs instead of
+    /// keeping everything for `finish` (memtrace). Ignored by default.
+    fn stream_to(&mut self, sink: Box<dyn host::Sink>) {
+        drop(sink);
     }
 }

@@ -1,7 +1,9 @@
 //! What a tool declares about itself, in one place: [`ToolSpec`]. Each tool crate exports
-//! a `pub const SPEC: ToolSpec`; the registry (`tools/registry`) lists them, and the VMM
-//! (`--tool` and `--tool-option` checks, `kpin tools`) and the engine image (the names it
-//! offers) read that list instead of keeping their own.
+//! a `pub const SPEC: ToolSpec` and a `new_tool` constructor ([`crate::NewTool`]), and
+//! (feature `host`) its host-side part; the registry (`tools/registry`) lists the crates
+//! once, and the VMM (`--tool` and `--tool-option` checks, `kpin tools`, the host-side
+//! hooks) and the engine image (the tools it builds) read that list instead of keeping
+//! their own.
 
 /// A tool: its name, what it does, its options and whether it has a host-side part.
 #[derive(Clone, Copy, Debug)]
@@ -14,8 +16,28 @@ pub struct ToolSpec {
     pub options: &'static [OptionSpec],
     /// Whether its keys are also accepted as `NAME.KEY` (e.g. `cachesim.L1D_size`).
     pub prefixed_keys: bool,
-    /// What its host-side part does (a report, a simulator, a reader), if it has one.
-    pub host: Option<&'static str>,
+    /// Its host-side part (a report, a simulator, a reader), if it has one: the crate's
+    /// `HOST` (`kpin_tool::host_side::HostTool`, feature `host`), named by the registry.
+    pub host: Option<HostPart>,
+}
+
+/// What a tool's host-side part does, as the engine and `kpin tools` need to know it.
+#[derive(Clone, Copy, Debug)]
+pub struct HostPart {
+    /// What it does, in one line (`kpin tools`, `kpin run --help`).
+    pub about: &'static str,
+    /// `Some(the files the host then writes)` if the tool's memory records may be
+    /// simulated on the host instead of in the engine: when the VMM formatted the record
+    /// ring for the run (the host part has a `RecordConsumer`), the engine hands the
+    /// records over there and the host writes these files (cachesim). `None`: the tool
+    /// always runs in the engine.
+    pub takes_records: Option<&'static str>,
+}
+
+impl core::fmt::Display for HostPart {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(self.about)
+    }
 }
 
 /// One `--tool-option` key.

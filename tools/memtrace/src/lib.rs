@@ -8,7 +8,7 @@
 //! later ones are counted as dropped. Both end up in [`SUMMARY_NAME`] with the counts.
 //!
 //! The engine side asks for a record per memory operand with physical addresses
-//! ([`kpin_tool::Tool::records_need_pa`]). Given a sink for the run ([`MemTrace::stream_to`],
+//! ([`kpin_tool::Tool::records_need_pa`]). Given a sink for the run ([`KpinTool::stream_to`],
 //! the engine image's I/O ring) it streams the file in [`kpin_tool::host::CHUNK_BYTES`]
 //! writes as records arrive; without one (host tests) it keeps the bytes and writes them
 //! at `finish`. A read-modify-write operand is one record with both flags; the CSV prints
@@ -32,7 +32,8 @@ use core::fmt::{self, Write};
 
 use kpin_tool::host::{Error, File, Sink, CHUNK_BYTES};
 use kpin_tool::{
-    access, Engine, KpinTool, MemRecord, OptionSpec, Tool, ToolSpec, TraceInstrumenter, ValueKind,
+    access, Engine, HostPart, KpinTool, MemRecord, OptionSpec, Tool, ToolSpec, TraceInstrumenter,
+    ValueKind,
 };
 
 use crate::format::{Record, FLAG_CPL_SHIFT, FLAG_READ, FLAG_WRITE};
@@ -64,8 +65,20 @@ pub const SPEC: ToolSpec = ToolSpec {
         },
     ],
     prefixed_keys: false,
-    host: Some("kpin trace RUN prints memtrace.bin as CSV in QEMU's mem plugin order"),
+    host: Some(HostPart {
+        about: "kpin trace RUN prints memtrace.bin as CSV in QEMU's mem plugin order",
+        takes_records: None,
+    }),
 };
+
+/// The tool for `--tool-option` words ([`Options::parse`]): the registry's constructor.
+pub fn new_tool(options: &str) -> Result<Box<dyn KpinTool>, String> {
+    Ok(Box::new(MemTrace::new(options)?))
+}
+
+/// The host-side part (the registry's, feature `host`): [`reader::Host`].
+#[cfg(feature = "host")]
+pub const HOST: reader::Host = reader::Host;
 
 /// The options.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -174,16 +187,6 @@ impl MemTrace {
             buf,
             stream: None,
         }
-    }
-
-    /// Streams `memtrace.bin` into `sink` while the guest runs (the engine image's I/O
-    /// ring), instead of keeping it in memory until `finish`.
-    pub fn stream_to(&mut self, sink: Box<dyn Sink>) {
-        self.stream = Some(Stream {
-            sink,
-            file: None,
-            failed: None,
-        });
     }
 
     /// The options in force.
@@ -316,6 +319,16 @@ impl Tool for MemTrace {
 impl KpinTool for MemTrace {
     fn name(&self) -> &'static str {
         SPEC.name
+    }
+
+    /// Streams `memtrace.bin` into `sink` while the guest runs (the engine image's I/O
+    /// ring), instead of keeping it in memory until `finish`.
+    fn stream_to(&mut self, sink: Box<dyn Sink>) {
+        self.stream = Some(Stream {
+            sink,
+            file: None,
+            failed: None,
+        });
     }
 
     fn finish(&mut self, _engine: &Engine, host: &mut dyn Sink) -> Result<(), Error> {

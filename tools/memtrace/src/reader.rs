@@ -4,9 +4,12 @@
 //! then a store), `mem_paddr` empty when the address did not translate, `insn_symbol`
 //! from the caller's lookup (empty without one).
 
+use std::boxed::Box;
 use std::io;
 use std::path::Path;
-use std::string::String;
+use std::string::{String, ToString};
+
+use kpin_tool::host_side::{HostTool, OptionFiles, TraceError, TracePrinter};
 
 use crate::format::{FormatError, Trace};
 
@@ -87,9 +90,57 @@ pub fn print_run(
     write_csv(&bytes, limit, symbol, out)
 }
 
+/// memtrace's host-side part (the registry's): `cpl=`/`limit=` checked before boot, and
+/// [`BIN_NAME`](crate::BIN_NAME) printed by `kpin trace RUN` ([`write_csv`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Host;
+
+impl HostTool for Host {
+    fn spec(&self) -> &'static kpin_tool::ToolSpec {
+        &crate::SPEC
+    }
+
+    fn engine_options(
+        &self,
+        options: &str,
+        _files: &mut dyn OptionFiles,
+    ) -> Result<Option<String>, String> {
+        crate::Options::parse(options).map(|_| None)
+    }
+
+    fn trace(&self) -> Option<&dyn TracePrinter> {
+        Some(self)
+    }
+}
+
+impl TracePrinter for Host {
+    fn file(&self) -> &'static str {
+        crate::BIN_NAME
+    }
+
+    fn code_addresses<'a>(&self, bytes: &'a [u8]) -> Option<Box<dyn Iterator<Item = u64> + 'a>> {
+        let t = Trace::parse(bytes).ok()?;
+        Some(Box::new(t.records().map(|r| r.insn_vaddr)))
+    }
+
+    fn print(
+        &self,
+        bytes: &[u8],
+        limit: Option<u64>,
+        name: &dyn Fn(u64) -> Option<String>,
+        out: &mut dyn io::Write,
+    ) -> Result<(), TraceError> {
+        match write_csv(bytes, limit, name, out) {
+            Ok(_) => Ok(()),
+            Err(ReadError::Io(e)) => Err(TraceError::Io(e)),
+            Err(e) => Err(TraceError::Format(e.to_string())),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use std::vec::Vec;
+    use std::boxed::Box;
 
     use super::*;
     use crate::format::{header, Record, FLAG_READ, FLAG_WRITE};

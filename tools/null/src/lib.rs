@@ -4,6 +4,11 @@
 #![no_std]
 #![deny(missing_docs)]
 
+extern crate alloc;
+
+use alloc::boxed::Box;
+use alloc::string::String;
+
 use kpin_tool::host::{Error, Sink};
 use kpin_tool::{Engine, KpinTool, Tool, ToolSpec};
 
@@ -15,6 +20,12 @@ pub const SPEC: ToolSpec = ToolSpec {
     prefixed_keys: false,
     host: None,
 };
+
+/// The tool for `--tool-option` words (it has no options of its own): the registry's
+/// constructor.
+pub fn new_tool(_options: &str) -> Result<Box<dyn KpinTool>, String> {
+    Ok(Box::new(Null))
+}
 
 /// The null tool.
 #[derive(Debug, Default)]

@@ -1,0 +1,206 @@
+//! A tool's host-side part (feature `host`): what the VMM (`kpin`) does for the tool on
+//! the host, through [`HostTool`] hooks it calls for whichever tool the run chose. A tool
+//! crate with a host part exports `pub const HOST` implementing [`HostTool`] under its own
+//! `host` feature; the registry (`tools/registry`, feature `host`) lists every tool's
+//! host part (an [`EngineOnly`] for a tool without one), so the VMM names no tool.
+//!
+//! The hooks, each optional:
+//! * [`HostTool::engine_options`]: the option values checked before boot (a mistake is
+//!   exit status 2, not a failed run), and the words the engine gets instead of the given
+//!   ones (a host file an option names read here: the engine cannot read host files);
+//! * [`HostTool::record_consumer`]: the tool's memory records simulated on a host thread,
+//!   fed through the record ring (the engine side's [`crate::HostPart::takes_records`]);
+//! * [`HostTool::report`]: reports made from the tool's files after the run, with kernel
+//!   symbols ([`BlockNames`]) and an entry in `run.json` ([`HostTool::run_json_key`]);
+//! * [`HostTool::trace`]: a printer for `kpin trace RUN` ([`TracePrinter`]).
+
+extern crate std;
+
+use alloc::boxed::Box;
+use alloc::string::String;
+use core::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use crate::host::{Error, Sink};
+use crate::{MemRecord, ToolSpec};
+
+/// How many entries a report's top list has unless `kpin run --top` says otherwise.
+pub const DEFAULT_TOP: usize = 20;
+
+/// Names for code addresses: a symbol table, and where it came from (the VMM's kernel
+/// symbols, with the KASLR slide found from the addresses the run executed).
+pub trait BlockNames {
+    /// Where the names come from, for the report (`System.map …`, `ELF symbol table of
+    /// …`).
+    fn source(&self) -> String;
+    /// `symbol+0xoff` for `addr`, if a symbol covers it.
+    fn name(&self, addr: u64) -> Option<String>;
+}
+
+/// A tool's host-side part. Every hook has a default that does nothing.
+pub trait HostTool: Sync {
+    /// The tool's `SPEC`.
+    fn spec(&self) -> &'static ToolSpec;
+
+    /// Checks the `--tool-option` words (`key=value` separated by spaces, the engine's
+    /// `bringup.*` among them; the keys were checked against the SPEC already) before
+    /// boot. `Ok(Some(words))`: the engine gets these words instead of the tool's own
+    /// (the VMM adds the `bringup.*` words); `Ok(None)`: the words as given. The error is
+    /// said as `bad NAME options: ERROR`, exit status 2.
+    fn engine_options(
+        &self,
+        options: &str,
+        files: &mut dyn OptionFiles,
+    ) -> Result<Option<String>, String> {
+        let _ = (options, files);
+        Ok(None)
+    }
+
+    /// A simulator for the tool's memory records on a host thread, fed from the record
+    /// ring while the guest runs (`None`: the tool has none, or refuses `options`; the
+    /// engine then runs the tool itself). Only for a tool whose SPEC says
+    /// [`crate::HostPart::takes_records`].
+    fn record_consumer(&self, options: &str) -> Option<Box<dyn RecordConsumer>> {
+        let _ = options;
+        None
+    }
+
+    /// The key of the tool's entry in `run.json`, if it has one: present in every run's
+    /// `run.json` (`null` unless [`HostTool::report`] gave a value).
+    fn run_json_key(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// The tool's reports, made after a run that used it and finished its files (not
+    /// after a stop or a failed write). Files that cannot be used are said
+    /// ([`RunFiles::say`]) and left out: they came from inside the guest.
+    fn report(&self, run: &mut RunFiles<'_>) -> Reported {
+        let _ = run;
+        Reported::default()
+    }
+
+    /// The printer `kpin trace RUN` uses, if the tool leaves a trace.
+    fn trace(&self) -> Option<&dyn TracePrinter> {
+        None
+    }
+}
+
+/// The host part of a tool that has none: every hook its default.
+#[derive(Clone, Copy, Debug)]
+pub struct EngineOnly(pub &'static ToolSpec);
+
+impl HostTool for EngineOnly {
+    fn spec(&self) -> &'static ToolSpec {
+        self.0
+    }
+}
+
+/// Host files an option names, read for [`HostTool::engine_options`] the way the VMM
+/// reads its inputs (never blocking on a FIFO or a device).
+pub trait OptionFiles {
+    /// The length of the regular file at `path` (following symlinks: the operator chose
+    /// it), without opening it; `what` names it in the error (`cannot read PATH (WHAT):
+    /// …`, `WHAT PATH is a FIFO, not a regular file`).
+    fn len(&mut self, path: &str, what: &str) -> Result<u64, String>;
+    /// The file's text.
+    fn read(&mut self, path: &str) -> Result<String, String>;
+}
+
+/// The records the engine sends to the host, simulated there.
+pub trait RecordConsumer: Send {
+    /// The next records, in the order the guest made them.
+    fn feed(&mut self, records: &[MemRecord]);
+    /// The run (or the tool's window) ended in order: the tool's files.
+    fn write_files(&self, sink: &mut dyn Sink) -> Result<(), Error>;
+    /// One line for `engine.log` (after `host: `).
+    fn summary(&self, out: &mut dyn fmt::Write) -> fmt::Result;
+}
+
+/// What a report gets from the VMM.
+pub struct RunFiles<'a> {
+    /// The run's output directory.
+    pub dir: &'a Path,
+    /// The files the engine opened and had not closed when the run ended, relative to
+    /// `dir`: not results.
+    pub unfinished: &'a [PathBuf],
+    /// `kpin run --top`: how many entries a top list has.
+    pub top: usize,
+    /// The guest kernel's symbols (`None`: it has none), their KASLR slide found from
+    /// the kernel addresses the run `executed`.
+    #[allow(clippy::type_complexity)]
+    pub kernel_names: &'a mut dyn FnMut(
+        &mut dyn Iterator<Item = u64>,
+    ) -> anyhow::Result<Option<Box<dyn BlockNames>>>,
+    /// Says a line of `kpin`'s progress.
+    pub say: &'a mut dyn FnMut(&str),
+}
+
+impl RunFiles<'_> {
+    /// Whether the engine left `name` (relative to the run's directory) unfinished.
+    pub fn is_unfinished(&self, name: &str) -> bool {
+        self.unfinished.iter().any(|p| p == Path::new(name))
+    }
+
+    /// Says `line` as `kpin`'s progress.
+    pub fn say(&mut self, line: &str) {
+        (self.say)(line);
+    }
+
+    /// See [`RunFiles::kernel_names`].
+    pub fn names(
+        &mut self,
+        executed: impl IntoIterator<Item = u64>,
+    ) -> anyhow::Result<Option<Box<dyn BlockNames>>> {
+        (self.kernel_names)(&mut executed.into_iter())
+    }
+}
+
+/// A value for `run.json`: any serde value, serialised as it is (fields in their order).
+pub type RunJson = Box<dyn erased_serde::Serialize>;
+
+/// What a report made.
+#[derive(Default)]
+pub struct Reported {
+    /// The value of the tool's `run.json` entry ([`HostTool::run_json_key`]).
+    pub run_json: Option<RunJson>,
+    /// A report the host's storage could not take (the file, the error): the run's
+    /// output is then incomplete (exit status 5).
+    pub failure: Option<(PathBuf, io::Error)>,
+}
+
+/// A trace a tool left in the run's directory, printed by `kpin trace RUN`.
+pub trait TracePrinter: Sync {
+    /// The file it reads, in the run's directory.
+    fn file(&self) -> &'static str;
+    /// The instruction addresses of the trace in `bytes` (for the KASLR slide), `None`
+    /// if it is not a whole trace.
+    fn code_addresses<'a>(&self, bytes: &'a [u8]) -> Option<Box<dyn Iterator<Item = u64> + 'a>>;
+    /// Writes the trace as text: at most `limit` records (`None`: all), instruction
+    /// addresses named by `name`.
+    fn print(
+        &self,
+        bytes: &[u8],
+        limit: Option<u64>,
+        name: &dyn Fn(u64) -> Option<String>,
+        out: &mut dyn io::Write,
+    ) -> Result<(), TraceError>;
+}
+
+/// Why a trace could not be printed.
+#[derive(Debug)]
+pub enum TraceError {
+    /// Writing the text failed (a closed pipe is not an error for `kpin trace`).
+    Io(io::Error),
+    /// The file is not a whole trace: why.
+    Format(String),
+}
+
+impl fmt::Display for TraceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TraceError::Io(e) => write!(f, "{e}"),
+            TraceError::Format(e) => f.write_str(e),
+        }
+    }
+}
