@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use kpin_tool_bbcount::report::DEFAULT_TOP;
+use kpin_tool::host_side::DEFAULT_TOP;
 
 #[derive(Parser)]
 #[command(

@@ -33,7 +33,8 @@ pub const ENGINE_OPTIONS: &[&str] = &[
 ];
 
 /// Checks `--tool NAME` and its `--tool-option KEY=VALUE`s against [`TOOLS`] and
-/// [`ENGINE_OPTIONS`].
+/// [`ENGINE_OPTIONS`], and the values as the tool's host part checks them
+/// ([`engine_options`]).
 pub fn check_tool(name: &str, options: &[String]) -> Result<(), UsageError> {
     let tool = kpin_tool_registry::find(name).ok_or_else(|| {
         UsageError(format!(
@@ -54,16 +55,9 @@ pub fn check_tool(name: &str, options: &[String]) -> Result<(), UsageError> {
             )));
         }
     }
-    if name == kpin_tool_cachesim::SPEC.name {
-        // The geometry rules and the config_file, checked here as the engine will: a
-        // usage error before boot.
-        engine_options(name, options)?;
-    }
-    if name == kpin_tool_memtrace::SPEC.name {
-        kpin_tool_memtrace::Options::parse(&options.join(" "))
-            .map_err(|e| UsageError(format!("bad memtrace options: {e}")))?;
-    }
-    Ok(())
+    // The values (a cache geometry, a config_file), checked here as the engine will: a
+    // usage error before boot.
+    engine_options(name, options).map(drop)
 }
 
 /// The keys of `--tool-option KEY=VALUE` words; a usage error for a word that is not
@@ -85,50 +79,49 @@ pub fn option_keys(options: &[String]) -> Result<Vec<&str>, UsageError> {
         .collect()
 }
 
-/// Largest cachesim `config_file` read (a hierarchy is a few hundred bytes).
-const MAX_CONFIG_FILE: u64 = 64 << 10;
+/// Host files an option names, read as the VMM reads its other inputs.
+struct OptionFiles;
 
-/// cachesim's options with a `config_file=PATH` read (a regular file of at most 64 KiB).
-fn cachesim_options(
-    options: &[String],
-) -> Result<kpin_tool_cachesim::options::Options, UsageError> {
-    let mut read = |path: &str| -> Result<String, String> {
-        let p = Path::new(path);
-        let len = regular_file(p, "cachesim config_file").map_err(|e| e.to_string())?;
-        if len > MAX_CONFIG_FILE {
-            return Err(format!(
-                "{len} bytes: a cache configuration is at most {MAX_CONFIG_FILE} bytes"
-            ));
-        }
-        std::fs::read_to_string(p).map_err(|e| e.to_string())
-    };
-    kpin_tool_cachesim::options::Options::parse_host(&options.join(" "), &mut read)
-        .map_err(|e| UsageError(format!("bad cachesim options: {e}")))
+impl kpin_tool::host_side::OptionFiles for OptionFiles {
+    fn len(&mut self, path: &str, what: &str) -> Result<u64, String> {
+        regular_file(Path::new(path), what).map_err(|e| e.to_string())
+    }
+
+    fn read(&mut self, path: &str) -> Result<String, String> {
+        std::fs::read_to_string(path).map_err(|e| e.to_string())
+    }
 }
 
-/// The option string the engine gets for `--tool name --tool-option …`: as given, except
-/// cachesim's, which the host checks and hands over in one canonical form with a
-/// `config_file` expanded (the engine cannot read host files). Too long for the engine's
-/// option block is a usage error.
+/// The option string the engine gets for `--tool name --tool-option …`: as given, unless
+/// the tool's host part checks the values and hands over words of its own (cachesim: one
+/// canonical form with a `config_file` expanded, since the engine cannot read host
+/// files), which then follow the engine's own words. A value the host part refuses, or
+/// words too long for the engine's option block, are a usage error.
 pub fn engine_options(name: &str, options: &[String]) -> Result<String, UsageError> {
-    if name != kpin_tool_cachesim::SPEC.name {
-        return Ok(options.join(" "));
-    }
-    let o = cachesim_options(options)?;
+    let given = options.join(" ");
+    let Some(host) = kpin_tool_registry::host::find(name) else {
+        return Ok(given);
+    };
+    let bad = |e: &dyn std::fmt::Display| UsageError(format!("bad {name} options: {e}"));
+    let Some(own) = host
+        .engine_options(&given, &mut OptionFiles)
+        .map_err(|e| bad(&e))?
+    else {
+        return Ok(given);
+    };
     let mut words: Vec<String> = options
         .iter()
         .filter(|w| ENGINE_OPTIONS.contains(&w.split_once('=').map_or(w.as_str(), |(k, _)| k)))
         .cloned()
         .collect();
-    let own = o.to_words();
     if !own.is_empty() {
         words.push(own);
     }
     let text = words.join(" ");
     let max = kpin_abi::attach::TOOL_OPTIONS_BYTES - 1;
     if text.len() > max {
-        return Err(UsageError(format!(
-            "bad cachesim options: the engine takes at most {max} bytes of options and these come to {} ({text}): use shorter cache names or fewer caches",
+        return Err(bad(&format_args!(
+            "the engine takes at most {max} bytes of options and these come to {} ({text}): use shorter cache names or fewer caches",
             text.len()
         )));
     }
@@ -543,30 +536,51 @@ mod tests {
     }
 
     /// The engine image offers what the registry lists (and, in an image built with a tool
-    /// crate, that crate's tool): each tool is an arm of `Chosen::by_name` matching its
-    /// crate's `SPEC.name`, and each engine key a `"key" =>`
-    /// arm of `parse_options` (keys without their `bringup.` prefix).
+    /// crate, that crate's tool): it builds the chosen tool from the registry's entries
+    /// and names no tool crate of its own, nor does its manifest; each engine key is a
+    /// `"key" =>` arm of `parse_options` (keys without their `bringup.` prefix).
     #[test]
     fn test_tool_and_option_lists_match_the_engine_image_sources() {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../guest-engine/image/src/run");
+        let image = Path::new(env!("CARGO_MANIFEST_DIR")).join("../guest-engine/image");
+        let root = image.join("src/run");
         let tools = std::fs::read_to_string(root.join("tools.rs")).unwrap();
-        let by_name = &tools[tools.find("fn by_name").expect("Chosen::by_name")..];
-        let by_name = &by_name[..by_name.find("_ => None").expect("by_name's last arm")];
+        assert!(tools.contains("kpin_tool_registry::entry(name)"));
+        assert!(tools.contains("kpin_extra_tool::new_tool"));
+        let manifest = std::fs::read_to_string(image.join("Cargo.toml")).unwrap();
         for t in TOOLS {
-            let arm = format!("_ if name == kpin_tool_{}::SPEC.name =>", t.name);
-            assert!(by_name.contains(&arm), "{}: no `{arm}` arm", t.name);
+            let krate = format!("kpin_tool_{}", t.name);
+            assert!(!tools.contains(&krate), "tools.rs names {krate}");
+            assert!(
+                !tools.contains(&format!("\"{}\"", t.name)),
+                "tools.rs names {}",
+                t.name
+            );
+            let dep = format!("kpin-tool-{}", t.name);
+            assert!(!manifest.contains(&dep), "the image's manifest names {dep}");
         }
-        // Besides them only the out-of-tree crate's arm (`kpin run --tool-crate`).
-        assert_eq!(
-            by_name.matches("::SPEC.name =>").count(),
-            TOOLS.len() + 1,
-            "a tool the registry does not list"
-        );
-        assert!(by_name.contains("_ if name == kpin_extra_tool::SPEC.name =>"));
         let bringup = std::fs::read_to_string(root.join("bringup.rs")).unwrap();
         for k in ENGINE_OPTIONS {
             let key = k.strip_prefix("bringup.").unwrap();
             assert!(bringup.contains(&format!("\"{key}\" =>")), "{k}");
         }
+    }
+
+    /// The VMM names no tool crate: the host parts come from the registry
+    /// (`kpin_tool_registry::host::HOST_TOOLS`), in `TOOLS`' order.
+    #[test]
+    fn test_the_vmm_gets_its_tools_from_the_registry_only() {
+        let manifest =
+            std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
+                .unwrap();
+        for t in TOOLS {
+            let dep = format!("kpin-tool-{} ", t.name);
+            assert!(!manifest.contains(&dep), "vmm/Cargo.toml names {dep}");
+        }
+        let host: Vec<&str> = kpin_tool_registry::host::HOST_TOOLS
+            .iter()
+            .map(|h| h.spec().name)
+            .collect();
+        let names: Vec<&str> = TOOLS.iter().map(|t| t.name).collect();
+        assert_eq!(host, names);
     }
 }

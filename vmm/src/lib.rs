@@ -32,13 +32,3 @@ pub use error::{Result, VmmError};
 pub use vstate::vcpu::{ExitCounters, Outcome, RunReport};
 pub use vstate::vm::{ControlConfig, Vm, VmConfig};
 pub use vstate::{cpuid, memory};
-
-#[cfg(test)]
-mod tests {
-    /// The daemon refuses the guest the file the VMM writes after a bbcount run (the
-    /// daemon does not depend on the tool, so it spells the name itself).
-    #[test]
-    fn test_the_daemon_reserves_the_report_the_vmm_writes_after_bbcount() {
-        assert!(host_daemon::RESERVED_NAMES.contains(&kpin_tool_bbcount::report::REPORT_NAME));
-    }
-}

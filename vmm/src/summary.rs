@@ -11,9 +11,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use host_daemon::DaemonStats;
-use kpin_tool_bbcount::report::BbcountSummary;
 use serde::{Serialize, Serializer};
 use vmm::ExitCounters;
+
+use crate::cmd::reports::ToolEntries;
 
 /// The run summary written to `<out>/run.json` at the end of the run.
 #[derive(Serialize)]
@@ -47,9 +48,11 @@ pub(crate) struct Summary<'a> {
     pub(crate) ring: DaemonStats,
     /// The engine's `counters.json` (instrumented runs that got far enough to write it).
     pub(crate) engine_counters: Option<serde_json::Value>,
-    /// The user/kernel split and hottest blocks (`--tool bbcount` runs that wrote
-    /// `bbcount.csv`).
-    pub(crate) bbcount: Option<BbcountSummary>,
+    /// The tools' entries, one key per registry tool whose host part has one (bbcount's
+    /// user/kernel split and hottest blocks, for a `--tool bbcount` run that wrote
+    /// `bbcount.csv`), `null` for another tool's run.
+    #[serde(flatten)]
+    pub(crate) tools: ToolEntries,
 }
 
 /// The guest a run booted, as `run.json` names it.
@@ -121,8 +124,9 @@ mod tests {
     use super::*;
 
     /// `run.json`'s keys, in order, as they were when `Summary` copied them by hand
-    /// (`tests/host_faults.rs`, `vmm/tests/cli.rs` and users' scripts read them).
-    const RUN_JSON_KEYS: [&str; 32] = [
+    /// (`tests/host_faults.rs`, `vmm/tests/cli.rs` and users' scripts read them), then
+    /// the tools' (`tool_keys`).
+    const RUN_JSON_KEYS: [&str; 31] = [
         "complete",
         "status",
         "incomplete_reason",
@@ -154,8 +158,20 @@ mod tests {
         "engine_log_lines",
         "engine_log_lines_dropped",
         "engine_counters",
-        "bbcount",
     ];
+
+    /// The tools' keys after them: the registry's, today bbcount's alone.
+    fn tool_keys() -> Vec<&'static str> {
+        kpin_tool_registry::host::HOST_TOOLS
+            .iter()
+            .filter_map(|h| h.run_json_key())
+            .collect()
+    }
+
+    #[test]
+    fn test_the_tools_keys_are_the_registrys() {
+        assert_eq!(tool_keys(), ["bbcount"]);
+    }
 
     #[test]
     fn test_the_summary_keeps_run_jsons_keys_order_and_hex_addresses() {
@@ -200,16 +216,17 @@ mod tests {
             exits,
             ring,
             engine_counters: None,
-            bbcount: None,
+            tools: ToolEntries::none(),
         };
         let json = serde_json::to_string_pretty(&summary).unwrap();
         let value: serde_json::Map<String, serde_json::Value> =
             serde_json::from_str(&json).unwrap();
         let keys: Vec<&str> = value.keys().map(String::as_str).collect();
-        let mut sorted = RUN_JSON_KEYS.to_vec();
+        let all: Vec<&str> = RUN_JSON_KEYS.iter().copied().chain(tool_keys()).collect();
+        let mut sorted = all.clone();
         sorted.sort_unstable();
         assert_eq!(keys, sorted, "the same keys");
-        let positions: Vec<usize> = RUN_JSON_KEYS
+        let positions: Vec<usize> = all
             .iter()
             .map(|k| json.find(&format!("\n  \"{k}\":")).unwrap())
             .collect();

@@ -1,13 +1,14 @@
 //! `kpin run`'s post-processing: what the run's files say once the guest has stopped —
 //! the engine log's tail for an engine failure's dump, the engine's counters, and the
-//! tools' host-side reports (bbcount's, cachesim's). Everything read here came from
-//! inside the guest: a file that cannot be used is said and left out.
+//! tool's host-side report (its registry host part's `report` hook, e.g. bbcount's and
+//! cachesim's). Everything read here came from inside the guest: a file that cannot be
+//! used is said and left out.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use host_daemon::OutputFailure;
 use kpin_abi::output;
-use kpin_tool_bbcount::report::{self, BbcountSummary, BlockNames};
+use kpin_tool::host_side::{BlockNames, RunFiles, RunJson};
 use vmm::diag::kernel_symbols::KernelSymbols;
 
 use crate::progress;
@@ -19,10 +20,6 @@ const ENGINE_LOG_TAIL_LINES: usize = 80;
 const ENGINE_LOG_TAIL_BYTES: u64 = 96 << 10;
 /// Largest `counters.json` kpin reads back.
 const MAX_COUNTERS_BYTES: u64 = 16 << 20;
-/// The tool whose results `bbcount-report.txt` summarises.
-pub(crate) const BBCOUNT: &str = kpin_tool_bbcount::SPEC.name;
-/// The tool whose host-side files `cachesim_report` summarises.
-pub(crate) const CACHESIM: &str = kpin_tool_cachesim::SPEC.name;
 
 /// Appends the tail of the engine's log to a dump (the VMM's own dump shows the engine's
 /// vCPU; the engine's report says where the guest was).
@@ -71,67 +68,88 @@ pub(crate) fn read_engine_counters(out: &Path) -> Option<serde_json::Value> {
     }
 }
 
-/// Writes and prints the bbcount report if the run left a `bbcount.csv`; a report that
-/// cannot be made is said and left out (the CSV came from inside the guest), and one that
-/// cannot be written because of the host's storage is the run's output `failure`.
-pub(crate) fn bbcount_report(
-    out: &Path,
-    kernel: &Path,
-    system_map: Option<&Path>,
-    top: usize,
-    failure: &mut Option<OutputFailure>,
-) -> Option<BbcountSummary> {
-    if !out.join(kpin_tool_bbcount::CSV_NAME).exists() {
-        return None;
+/// The tools' entries in `run.json`: every registry tool's host part that has a key
+/// ([`kpin_tool::host_side::HostTool::run_json_key`]), in the registry's order, `null`
+/// unless the run's tool reported a value.
+#[derive(Default)]
+pub(crate) struct ToolEntries(Vec<(&'static str, Option<RunJson>)>);
+
+impl ToolEntries {
+    /// Every key, each `null`.
+    pub(crate) fn none() -> Self {
+        ToolEntries(
+            kpin_tool_registry::host::HOST_TOOLS
+                .iter()
+                .filter_map(|h| h.run_json_key())
+                .map(|k| (k, None))
+                .collect(),
+        )
     }
-    let made = KernelSymbols::load(kernel, system_map).and_then(|mut symbols| {
-        // Where the kernel's blocks ran tells a KASLR slide (a bzImage boot).
-        if let (Some(s), Ok(Some(rows))) = (symbols.as_mut(), report::read_rows(out)) {
-            s.find_slide(rows.iter().filter(|r| r.cpl == 0).map(|r| r.address));
-        }
-        let names = symbols.as_ref().map(|s| s as &dyn BlockNames);
-        report::write_report(out, names, top)
-    });
-    match made {
-        Ok(Some((summary, path))) => {
-            progress(&format!("{}:\n{}", path.display(), summary.render()));
-            Some(summary)
-        }
-        Ok(None) => None,
-        Err(e) => {
-            progress(&format!("no bbcount report: {e:#}"));
-            let io = e.chain().find_map(|c| c.downcast_ref::<std::io::Error>());
-            if let Some(io) = io.filter(|io| host_daemon::resolve::is_host_fault(io)) {
-                let path = out.join(report::REPORT_NAME);
-                failure.get_or_insert_with(|| OutputFailure::new(&path, io));
-            }
-            None
+
+    /// Sets `key`'s value.
+    fn set(&mut self, key: &'static str, value: RunJson) {
+        if let Some(e) = self.0.iter_mut().find(|(k, _)| *k == key) {
+            e.1 = Some(value);
         }
     }
 }
 
-/// Writes and prints cachesim's reports, its top-N instructions named from the kernel's
-/// symbols (with the KASLR slide found from the kernel instructions that missed); a
-/// report that cannot be made is said (the files came from inside the guest).
-pub(crate) fn cachesim_report(out: &Path, kernel: &Path, system_map: Option<&Path>) {
-    use kpin_tool_cachesim::report as cs;
-    let symbols = match KernelSymbols::load(kernel, system_map) {
-        Ok(s) => s,
-        Err(e) => {
-            progress(&format!("cachesim's instructions left unnamed: {e:#}"));
-            None
+impl serde::Serialize for ToolEntries {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(Some(self.0.len()))?;
+        for (k, v) in &self.0 {
+            m.serialize_entry(k, v)?;
         }
-    };
-    let symbols = symbols.map(|mut s| {
-        if let Ok(Some(insns)) = cs::read_insns(out) {
-            s.find_slide(insns.rows.iter().filter(|r| r.cpl == 0).map(|r| r.va));
-        }
-        s
-    });
-    let names = symbols.as_ref().map(|s| s as &dyn BlockNames);
-    match cs::write_reports_named(out, names) {
-        Ok(Some((r, files))) => progress(&format!("{}\ncachesim: {files:?}", r.text())),
-        Ok(None) => {}
-        Err(e) => progress(&format!("no cachesim report: {e}")),
+        m.end()
     }
+}
+
+/// The run's tool's host-side report (its registry host part's `report` hook), from the
+/// files the run finished (the caller calls it only when the run was not stopped and no
+/// write failed), and only for the tool the run used (another tool's run may leave a file
+/// of the same name, which is the guest's, not a result). A report the host's storage
+/// could not take is the run's output `failure`.
+pub(crate) fn tool_reports(
+    tool: Option<&str>,
+    top: usize,
+    out: &Path,
+    unfinished: &[PathBuf],
+    kernel: &Path,
+    system_map: Option<&Path>,
+    failure: &mut Option<OutputFailure>,
+) -> ToolEntries {
+    let mut entries = ToolEntries::none();
+    let Some(host) = tool.and_then(kpin_tool_registry::host::find) else {
+        return entries;
+    };
+    let unfinished: Vec<PathBuf> = unfinished
+        .iter()
+        .map(|p| p.strip_prefix(out).unwrap_or(p).to_path_buf())
+        .collect();
+    let mut kernel_names = |executed: &mut dyn Iterator<Item = u64>| {
+        KernelSymbols::load(kernel, system_map).map(|symbols| {
+            symbols.map(|mut s| {
+                // Where the kernel's code ran tells a KASLR slide (a bzImage boot).
+                s.find_slide(executed);
+                Box::new(s) as Box<dyn BlockNames>
+            })
+        })
+    };
+    let mut say = |line: &str| progress(line);
+    let mut run = RunFiles {
+        dir: out,
+        unfinished: &unfinished,
+        top,
+        kernel_names: &mut kernel_names,
+        say: &mut say,
+    };
+    let made = host.report(&mut run);
+    if let Some((path, io)) = made.failure {
+        failure.get_or_insert_with(|| OutputFailure::new(&path, &io));
+    }
+    if let (Some(key), Some(value)) = (host.run_json_key(), made.run_json) {
+        entries.set(key, value);
+    }
+    entries
 }

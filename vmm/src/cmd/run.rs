@@ -12,7 +12,6 @@ use anyhow::{bail, Context};
 use host_daemon::resolve::SpaceReserve;
 use host_daemon::{DaemonStats, OutputFailure};
 use kpin_abi::output;
-use kpin_tool_bbcount::report::BbcountSummary;
 use vmm::guests::{
     LINUX_612_CMDLINE, LINUX_CMDLINE, MINIKERNEL_NATIVE_CMDLINE, USER_KERNEL_CMDLINE,
 };
@@ -21,10 +20,7 @@ use vmm::layout::{MAX_MEM_MIB, MIN_MEM_MIB};
 use vmm::vstate::vm::StopRequest;
 use vmm::{control, ControlConfig, Outcome, RunReport, Vm, VmConfig};
 
-use super::reports::{
-    append_engine_log_tail, bbcount_report, cachesim_report, read_engine_counters, BBCOUNT,
-    CACHESIM,
-};
+use super::reports::{append_engine_log_tail, read_engine_counters, tool_reports, ToolEntries};
 use crate::cli::{Guest, RunArgs};
 use crate::run_record::{
     console_shortfall, unix_seconds, write_run_json, RunStarted, Verdict, OUTPUT_RESERVE_BYTES,
@@ -187,10 +183,10 @@ fn choose_guest(args: &RunArgs, image_dir: &Path) -> anyhow::Result<GuestFiles> 
 /// The engine to start the guest under (`--tool`, or tool null for `--resident`), its
 /// image built if missing and its options parsed; `None` for a native run.
 fn engine_config(args: &RunArgs, image_dir: &Path) -> anyhow::Result<Option<vmm::EngineConfig>> {
-    let engine_tool = args
-        .tool
-        .clone()
-        .or_else(|| args.resident.then(|| kpin_tool_null::SPEC.name.to_owned()));
+    let engine_tool = args.tool.clone().or_else(|| {
+        args.resident
+            .then(|| kpin_tool_registry::RESIDENT.name.to_owned())
+    });
     Ok(match engine_tool {
         Some(tool) => Some(vmm::EngineConfig {
             image: match &args.tool_crate {
@@ -284,7 +280,7 @@ fn run_guest(
     write_dump(out, &report, interrupted.is_some(), &mut failure);
     // The reports read what the tool wrote: not after a stop, nor from unfinished files.
     let reports = interrupted.is_none() && failure.is_none();
-    let (engine_counters, bbcount) = post_process(args, run, reports, &unfinished, &mut failure);
+    let (engine_counters, tools) = post_process(args, run, reports, &unfinished, &mut failure);
     let verdict = Verdict {
         outcome: &report.outcome,
         interrupted,
@@ -321,7 +317,7 @@ fn run_guest(
         exits: report.exits.clone(),
         ring,
         engine_counters,
-        bbcount,
+        tools,
     };
     Ok(record_the_end(out, &report, &verdict, &summary))
 }
@@ -510,7 +506,7 @@ fn post_process(
     reports: bool,
     unfinished: &[PathBuf],
     failure: &mut Option<OutputFailure>,
-) -> (Option<serde_json::Value>, Option<BbcountSummary>) {
+) -> (Option<serde_json::Value>, ToolEntries) {
     let out = &run.out;
     let finished = |name: &str| reports && !unfinished.contains(&out.join(name));
     let engine_counters = finished(output::ENGINE_COUNTERS)
@@ -523,19 +519,14 @@ fn post_process(
             serde_json::to_string_pretty(c).unwrap_or_default()
         ));
     }
-    let system_map = run.system_map.as_deref();
-    // Only a bbcount run has bbcount's results: another tool's run may leave a file of
-    // that name, which is the guest's, not a report.
-    let bbcount = (args.tool.as_deref() == Some(BBCOUNT) && finished(kpin_tool_bbcount::CSV_NAME))
-        .then(|| bbcount_report(out, &run.kernel, system_map, args.top, failure))
-        .flatten();
-    let cachesim_done = !unfinished
-        .iter()
-        .any(|p| p.strip_prefix(out).is_ok_and(|r| r.starts_with(CACHESIM)));
-    if args.tool.as_deref() == Some(CACHESIM) && reports && cachesim_done {
-        cachesim_report(out, &run.kernel, system_map);
-    }
-    (engine_counters, bbcount)
+    let tools = if reports {
+        let (kernel, map) = (&run.kernel, run.system_map.as_deref());
+        let tool = args.tool.as_deref();
+        tool_reports(tool, args.top, out, unfinished, kernel, map, failure)
+    } else {
+        ToolEntries::none()
+    };
+    (engine_counters, tools)
 }
 
 /// Writes the final `run.json`, says how the run ended, and gives the exit status: the

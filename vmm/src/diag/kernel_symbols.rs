@@ -1,12 +1,13 @@
 //! A guest kernel's symbols for naming code addresses in tool reports: its `System.map`
 //! or its own ELF symbol table, plus the physical aliases of its segments (code that runs
-//! before paging is on executes at the physical address). bbcount's report takes them as
-//! its [`BlockNames`].
+//! before paging is on executes at the physical address). Tools' host-side reports take
+//! them as the tool API's [`BlockNames`] (bbcount's hottest blocks, cachesim's top
+//! instructions).
 
 use std::path::Path;
 
 use anyhow::Context;
-use kpin_tool_bbcount::report::BlockNames;
+use kpin_tool::host_side::BlockNames;
 
 use crate::diag::symbols::Symbols;
 

@@ -1,9 +1,9 @@
-//! cachesim's simulation on a host thread: the engine appends and resolves the records
-//! (the guest's side of the work) and pushes them into the record ring
+//! A tool's simulation on a host thread (cachesim's): the engine appends and resolves the
+//! records (the guest's side of the work) and pushes them into the record ring
 //! ([`kpin_abi::record_ring`]); a thread of the VMM, on another core, feeds them to the
-//! same simulator ([`CacheSim`]) while the guest runs on. When the run ends the thread
-//! drains the ring and the VMM writes the tool's files through the daemon, as the engine
-//! would have.
+//! tool's [`RecordConsumer`] (its host part's, from the registry) while the guest runs
+//! on. When the run ends the thread drains the ring and the VMM writes the tool's files
+//! through the daemon, as the engine would have.
 //!
 //! drcachesim's online mode has the same shape (the traced process writes records into a
 //! pipe, a simulator process reads them). The ring applies back-pressure: a full ring makes
@@ -19,9 +19,10 @@ use host_daemon::Daemon;
 use kpin_abi::record_ring::{self, Consumer};
 use kpin_abi::stolen::{RECORD_RING_BYTES, RECORD_RING_OFFSET};
 use kpin_tool::host::{Error as SinkError, Sink};
+use kpin_tool::host_side::RecordConsumer;
 use kpin_tool::MemRecord;
-use kpin_tool_cachesim::{insns, CacheSim};
 
+use crate::engine::EngineConfig;
 use crate::error::{Result, VmmError};
 use crate::vstate::memory::VmMemory;
 
@@ -32,8 +33,21 @@ const SPINS: u32 = 20_000;
 /// Sleep between polls of an idle ring (the guest halted, or little to record).
 const IDLE_SLEEP: Duration = Duration::from_micros(50);
 
+/// Records handed to the consumer in one call.
+const FEED: usize = 256;
+
+/// A run whose tool's records are to be simulated on the host: which tool, with which
+/// options ([`HostSim::plan`]).
+#[derive(Clone, Debug)]
+pub struct Planned {
+    tool: &'static str,
+    options: String,
+}
+
 /// The simulator thread of a run.
 pub struct HostSim {
+    /// The tool it simulates.
+    tool: &'static str,
     /// The ring's base in the VMM's mapping of the stolen region.
     ring: *const u8,
     stop: Arc<AtomicBool>,
@@ -42,7 +56,7 @@ pub struct HostSim {
 
 /// What the thread did.
 struct Served {
-    sim: CacheSim,
+    sim: Box<dyn RecordConsumer>,
     /// The engine closed the ring (its tool's window ended) and every record was read.
     finished: bool,
     records: u64,
@@ -61,16 +75,28 @@ impl HostSim {
         std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2)
     }
 
-    /// Formats the record ring in `mem`'s stolen region and starts the thread with a
-    /// simulator for `options` (`None` if cachesim refuses them: the engine then refuses
-    /// them too, and says so).
-    pub fn start(mem: &VmMemory, options: &str) -> Result<Option<Self>> {
+    /// The host simulation the engine `e` starts with, if any: asked for
+    /// (`EngineConfig::host_sim`), the tool's SPEC lets its records go to the host
+    /// (`HostPart::takes_records`), and the host has a core for it.
+    pub fn plan(e: &EngineConfig) -> Option<Planned> {
+        let spec = kpin_tool_registry::find(&e.tool)?;
+        let takes = spec.host.is_some_and(|h| h.takes_records.is_some());
+        (e.host_sim && takes && Self::worthwhile()).then(|| Planned {
+            tool: spec.name,
+            options: e.options.clone(),
+        })
+    }
+
+    /// Formats the record ring in `mem`'s stolen region and starts the thread with the
+    /// planned tool's consumer (`None` if the tool refuses the options: the engine then
+    /// refuses them too, and says so).
+    pub fn start(mem: &VmMemory, plan: &Planned) -> Result<Option<Self>> {
         let base = mem.stolen_host_address(RECORD_RING_OFFSET)?;
         // SAFETY: the stolen region's mapping covers the layout (the abi asserts the ring
         // lies inside it), is page-aligned, and outlives the thread: `HostSim` joins it
         // in `finish` or on drop, and the `Vm` that owns the mapping drops after it
         // (`Vm::run_with_control` holds both). No engine runs yet.
-        unsafe { Self::start_at(base, RECORD_RING_BYTES as usize, options) }
+        unsafe { Self::start_at(base, RECORD_RING_BYTES as usize, plan) }
     }
 
     /// [`HostSim::start`] on the ring of `len` bytes at `base`.
@@ -78,9 +104,10 @@ impl HostSim {
     /// # Safety
     /// `base` is 64-byte aligned and valid for reads and writes of `len` bytes until the
     /// returned `HostSim` is finished or dropped, and nothing else consumes the ring.
-    unsafe fn start_at(base: *mut u8, len: usize, options: &str) -> Result<Option<Self>> {
-        // The host affords a larger per-instruction table than the engine's heap.
-        let Ok(sim) = CacheSim::with_insn_capacity(options, insns::HOST_CAPACITY) else {
+    unsafe fn start_at(base: *mut u8, len: usize, plan: &Planned) -> Result<Option<Self>> {
+        let Some(sim) = kpin_tool_registry::host::find(plan.tool)
+            .and_then(|h| h.record_consumer(&plan.options))
+        else {
             return Ok(None);
         };
         let bad = |e| VmmError::HostSim(format!("the record ring: {e:?}"));
@@ -91,10 +118,11 @@ impl HostSim {
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = Arc::clone(&stop);
         let thread = std::thread::Builder::new()
-            .name("kpin-cachesim".into())
+            .name(format!("kpin-{}", plan.tool))
             .spawn(move || serve(ring, sim, &stop2))
             .map_err(|e| VmmError::HostSim(format!("its thread: {e}")))?;
         Ok(Some(Self {
+            tool: plan.tool,
             ring: base,
             stop,
             thread: Some(thread),
@@ -120,7 +148,10 @@ impl HostSim {
         if s.panicked {
             daemon.log_host_line(
                 kpin_abi::io_ring::LogLevel::Error,
-                "host: cachesim's simulator thread failed; its files are not written",
+                &format!(
+                    "host: {}'s simulator thread failed; its files are not written",
+                    self.tool
+                ),
             );
             return;
         }
@@ -128,8 +159,8 @@ impl HostSim {
             daemon.log_host_line(
                 kpin_abi::io_ring::LogLevel::Warn,
                 &format!(
-                    "host: cachesim's window did not end in order; {} records simulated, no files written",
-                    s.records
+                    "host: {}'s window did not end in order; {} records simulated, no files written",
+                    self.tool, s.records
                 ),
             );
             return;
@@ -138,14 +169,14 @@ impl HostSim {
         if let Err(e) = s.sim.write_files(&mut files) {
             daemon.log_host_line(
                 kpin_abi::io_ring::LogLevel::Error,
-                &format!("host: cachesim could not write its files: {e}"),
+                &format!("host: {} could not write its files: {e}", self.tool),
             );
         }
         for (name, bytes) in &files.0 {
             daemon.write_host_file(name, bytes);
         }
         let mut line = String::from("host: ");
-        if s.sim.write_summary(&mut line).is_ok() {
+        if s.sim.summary(&mut line).is_ok() {
             line.push_str(&format!(
                 " ({} records from the engine, which waited for room {} times; the simulator thread busy {:.2} s of {:.2} s)",
                 s.records,
@@ -172,10 +203,11 @@ impl Drop for HostSim {
 
 /// The thread: simulates the published records in order until the engine closes the
 /// ring and everything is read, or the VMM stops it and nothing is left.
-fn serve(mut ring: Consumer, mut sim: CacheSim, stop: &AtomicBool) -> Served {
+fn serve(mut ring: Consumer, mut sim: Box<dyn RecordConsumer>, stop: &AtomicBool) -> Served {
     let mut records = 0u64;
     let born = Instant::now();
     let mut busy = Duration::ZERO;
+    let mut batch: Vec<MemRecord> = Vec::with_capacity(FEED);
     let run = catch_unwind(AssertUnwindSafe(|| {
         let mut idle = 0u32;
         loop {
@@ -199,14 +231,20 @@ fn serve(mut ring: Consumer, mut sim: CacheSim, stop: &AtomicBool) -> Served {
             let t0 = Instant::now();
             for i in 0..n {
                 let [ip, ea, size_access, pa] = ring.record(i);
-                sim.feed(&MemRecord {
+                batch.push(MemRecord {
                     ip,
                     ea,
                     size: size_access as u32,
                     access: (size_access >> 32) as u32,
                     pa,
                 });
+                if batch.len() == FEED {
+                    sim.feed(&batch);
+                    batch.clear();
+                }
             }
+            sim.feed(&batch);
+            batch.clear();
             records += n;
             ring.release(n);
             busy += t0.elapsed();
@@ -254,9 +292,31 @@ impl Sink for Collected {
 mod tests {
     use kpin_abi::record_ring::Producer;
     use kpin_tool::access;
-    use kpin_tool_cachesim::files::parse_counters;
 
     use super::*;
+
+    /// The registry's tool whose records may go to the host (cachesim), with `options`.
+    fn plan(options: &str) -> Planned {
+        let spec = kpin_tool_registry::TOOLS
+            .iter()
+            .find(|t| t.host.is_some_and(|h| h.takes_records.is_some()))
+            .expect("a tool that simulates on the host");
+        Planned {
+            tool: spec.name,
+            options: options.into(),
+        }
+    }
+
+    /// The files the tool's SPEC says the host writes.
+    fn host_files(plan: &Planned) -> Vec<String> {
+        let spec = kpin_tool_registry::find(plan.tool).unwrap();
+        let writes = spec.host.unwrap().takes_records.unwrap();
+        writes
+            .split(", ")
+            .flat_map(|w| w.split(" and "))
+            .map(str::to_owned)
+            .collect()
+    }
 
     const RING_BYTES: usize = record_ring::HEADER_BYTES + 64 * record_ring::RECORD_BYTES;
 
@@ -298,9 +358,10 @@ mod tests {
     fn a_closed_ring_is_simulated_in_full_and_its_files_written() {
         let mut ring = Box::new(Ring([0; RING_BYTES]));
         let base = ring.0.as_mut_ptr();
+        let plan = plan("L1I_size=1K LL_size=4K");
         // SAFETY: the boxed ring outlives the simulator (finished below, before the box
         // drops) and is 64-byte aligned.
-        let sim = unsafe { HostSim::start_at(base, RING_BYTES, "L1I_size=1K LL_size=4K") }
+        let sim = unsafe { HostSim::start_at(base, RING_BYTES, &plan) }
             .unwrap()
             .expect("options accepted");
         // SAFETY: as above; the test is the ring's only producer.
@@ -312,12 +373,21 @@ mod tests {
         let dir = out_dir("closed");
         let mut daemon = Daemon::new(&dir);
         sim.finish(&mut daemon);
-        let text = std::fs::read_to_string(dir.join(kpin_tool_cachesim::COUNTERS_NAME)).unwrap();
-        let c = parse_counters(&text).unwrap();
-        assert_eq!(c.fetch_refs, [1000, 0]);
+        let files = host_files(&plan);
+        assert_eq!(files.len(), 3, "{files:?}");
+        for f in &files {
+            assert!(dir.join(f).exists(), "{f}");
+        }
+        let counters = std::fs::read_to_string(dir.join(&files[0])).unwrap();
+        assert!(
+            counters.contains("fetch_kernel=1000 fetch_user=0"),
+            "{counters}"
+        );
         // 1000 distinct lines through a 16-line L1I: every fetch misses, once each.
-        assert_eq!(c.caches[0].stats.misses, [1000, 0]);
-        assert!(dir.join(kpin_tool_cachesim::INSNS_NAME).exists());
+        assert!(
+            counters.contains("misses_kernel=1000 misses_user=0"),
+            "{counters}"
+        );
         daemon.finish().unwrap();
         let log = std::fs::read_to_string(dir.join(host_daemon::ENGINE_LOG)).unwrap();
         assert!(
@@ -330,8 +400,9 @@ mod tests {
     fn a_ring_left_open_writes_no_files_and_says_so() {
         let mut ring = Box::new(Ring([0; RING_BYTES]));
         let base = ring.0.as_mut_ptr();
+        let plan = plan("");
         // SAFETY: as in the test above.
-        let sim = unsafe { HostSim::start_at(base, RING_BYTES, "") }
+        let sim = unsafe { HostSim::start_at(base, RING_BYTES, &plan) }
             .unwrap()
             .expect("options accepted");
         // SAFETY: as above.
@@ -340,7 +411,9 @@ mod tests {
         let dir = out_dir("open");
         let mut daemon = Daemon::new(&dir);
         sim.finish(&mut daemon);
-        assert!(!dir.join(kpin_tool_cachesim::COUNTERS_NAME).exists());
+        for f in host_files(&plan) {
+            assert!(!dir.join(&f).exists(), "{f}");
+        }
         daemon.finish().unwrap();
         let log = std::fs::read_to_string(dir.join(host_daemon::ENGINE_LOG)).unwrap();
         assert!(
@@ -358,7 +431,8 @@ mod tests {
     fn refused_options_start_no_thread() {
         let mut ring = Box::new(Ring([0; RING_BYTES]));
         // SAFETY: as above.
-        let sim = unsafe { HostSim::start_at(ring.0.as_mut_ptr(), RING_BYTES, "L1I_size=3K") };
+        let sim =
+            unsafe { HostSim::start_at(ring.0.as_mut_ptr(), RING_BYTES, &plan("L1I_size=3K")) };
         assert!(sim.unwrap().is_none());
     }
 }

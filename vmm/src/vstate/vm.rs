@@ -41,7 +41,7 @@ use crate::devices::serial::{
 };
 use crate::diag::dump;
 use crate::diag::symbols::Symbols;
-use crate::engine::host_sim::HostSim;
+use crate::engine::host_sim::{HostSim, Planned};
 use crate::engine::{self, EngineConfig, EngineEntry};
 use crate::error::{Result, VmmError};
 use crate::vstate::cpuid;
@@ -255,9 +255,9 @@ pub struct Vm {
     pub cpuid: CpuId,
     /// Where the engine was entered, when instrumenting.
     pub engine: Option<EngineEntry>,
-    /// cachesim's options when its simulation runs on a host thread ([`HostSim`]: asked
-    /// for, and the host has a second core).
-    host_sim: Option<String>,
+    /// The tool and options whose simulation runs on a host thread ([`HostSim::plan`]:
+    /// asked for, the tool's records may go to the host, and it has a second core).
+    host_sim: Option<Planned>,
     /// Stops the run from another thread ([`Vm::set_stop_request`]).
     stop: StopRequest,
 }
@@ -371,13 +371,7 @@ impl Vm {
             boot,
             cpuid,
             engine,
-            host_sim: cfg
-                .engine
-                .as_ref()
-                .filter(|e| {
-                    e.host_sim && e.tool == kpin_tool_cachesim::SPEC.name && HostSim::worthwhile()
-                })
-                .map(|e| e.options.clone()),
+            host_sim: cfg.engine.as_ref().and_then(HostSim::plan),
             stop: StopRequest::new(),
         })
     }
@@ -406,7 +400,7 @@ impl Vm {
         }
         // Before the vCPU first runs: the engine looks for a formatted record ring.
         let mut host_sim = match &self.host_sim {
-            Some(options) => HostSim::start(&self.mem, options)?,
+            Some(plan) => HostSim::start(&self.mem, plan)?,
             None => None,
         };
         let watchdog = Watchdog::arm(self.timeout)?;
@@ -430,7 +424,8 @@ impl Vm {
         let (mem, cpuid) = (&self.mem, &self.cpuid);
         let mut between =
             |vcpu: &mut VcpuFd, daemon: &mut Daemon, ring: &mut Consumer, exits: &ExitCounters| {
-                // cachesim's window ended (before a detach moves the output directory on).
+                // The simulated tool's window ended (before a detach moves the output
+                // directory on).
                 if host_sim.as_ref().is_some_and(HostSim::closed) {
                     if let Some(h) = host_sim.take() {
                         h.finish(daemon);

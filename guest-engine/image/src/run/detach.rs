@@ -30,7 +30,6 @@ use kpin_abi::attach_control::{
 use kpin_abi::ports::DETACH_PORT;
 use kpin_abi::stolen::WINDOW_VA;
 use kpin_abi::x86::msr;
-use kpin_tool_null::Null;
 
 use crate::events::irq;
 use crate::log;
@@ -143,7 +142,7 @@ pub fn serve(
         }
         REQ_DETACH_RESIDENT => {
             report(engine, vcpu, shadow, tool);
-            *tool = Chosen::Null(Null);
+            *tool = Chosen::resident();
             engine.reset_for_new_tool();
             log!(
                 Info,

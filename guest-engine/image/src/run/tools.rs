@@ -1,28 +1,25 @@
-//! The tools this image offers (`kpin run --tool NAME`), each a crate under `tools/`
-//! listed in the registry (`kpin_tool_registry::TOOLS`, their names and options):
-//! `null` (translation only), `bbcount` (an inline counter per basic block, written to
-//! `bbcount.csv`), `cachesim` (a cache simulator fed with every fetch and data access,
-//! configured by `--tool-option` in drcachesim's names) and `insmix` (dynamic counts per
-//! mnemonic, `insmix.txt`/`insmix.json`) and `memtrace` (every data access into
-//! `memtrace.bin`, streamed over the ring as it runs). A tool's files travel as `Open`/`Write`/`Close` records of the host I/O
-//! ring ([`RingSink`]) and land in the run's output directory.
+//! The tools this image offers (`kpin run --tool NAME`): the registry's
+//! (`kpin_tool_registry::ENTRIES`, each tool crate's `SPEC` and `new_tool`), and an
+//! out-of-tree crate's when the image was built with one (feature `extra-tool`). This
+//! file names no tool: [`Chosen`] is whichever the name selects, built by its crate's
+//! constructor. A tool's files travel as `Open`/`Write`/`Close` records of the host I/O
+//! ring ([`RingSink`]) and land in the run's output directory; a tool that writes during
+//! the run gets a [`RingSink`] of its own (`KpinTool::stream_to`).
 //!
-//! cachesim chosen at boot, when the VMM formatted the record ring (it then runs the
-//! simulation on a host thread, on another core), is [`HostCacheSim`]: the same
-//! instrumentation, its records handed to the host instead of simulated here.
+//! A tool whose SPEC says its records may be simulated on the host
+//! (`HostPart::takes_records`: cachesim), chosen at boot when the VMM formatted the record
+//! ring (it then runs the simulation on a host thread, on another core), is wrapped in
+//! [`ToHost`]: the same instrumentation, its records handed to the host instead of
+//! processed here.
 
+use alloc::boxed::Box;
 use core::fmt;
 
 use kpin_abi::io_ring::Kind;
 use kpin_abi::record_ring::{self, Producer};
 use kpin_abi::stolen::{RECORD_RING_BYTES, RECORD_RING_OFFSET, WINDOW_VA};
 use kpin_tool::host::{Error, Sink};
-use kpin_tool::{Engine, KpinTool, MemRecord, Tool, TraceInstrumenter};
-use kpin_tool_bbcount::BbCount;
-use kpin_tool_cachesim::CacheSim;
-use kpin_tool_insmix::InsMix;
-use kpin_tool_memtrace::MemTrace;
-use kpin_tool_null::Null;
+use kpin_tool::{Engine, KpinTool, MemRecord, NewTool, Tool, ToolSpec, TraceInstrumenter};
 
 use crate::log;
 use crate::ring0::log;
@@ -40,107 +37,82 @@ impl fmt::Display for ToolNames {
     }
 }
 
-/// A tool chosen by name.
-pub enum Chosen {
-    /// `null`.
-    Null(Null),
-    /// `bbcount`.
-    BbCount(BbCount),
-    /// `cachesim`.
-    CacheSim(alloc::boxed::Box<CacheSim>),
-    /// `cachesim`, simulating on the host.
-    HostCacheSim(alloc::boxed::Box<HostCacheSim>),
-    /// `insmix`.
-    InsMix(InsMix),
-    /// `memtrace`.
-    MemTrace(alloc::boxed::Box<MemTrace>),
-    /// The out-of-tree tool crate of `kpin run --tool-crate` (an image built by
-    /// `kpin_images::ensure_engine_with_tool`): its `new_tool` made it.
+/// The tool called `name` in this image: its SPEC and constructor (a registry tool first,
+/// then the out-of-tree crate's).
+fn lookup(name: &str) -> Option<(&'static ToolSpec, NewTool)> {
+    let found = kpin_tool_registry::entry(name).map(|e| (e.spec, e.new_tool));
     #[cfg(feature = "extra-tool")]
-    Extra(alloc::boxed::Box<dyn KpinTool>),
+    let found = found.or_else(|| {
+        (name == kpin_extra_tool::SPEC.name)
+            .then_some((&kpin_extra_tool::SPEC, kpin_extra_tool::new_tool as NewTool))
+    });
+    found
 }
 
+/// The tool the run uses: a registry tool (or the out-of-tree crate's of
+/// `kpin run --tool-crate`, an image built by `kpin_images::ensure_engine_with_tool`),
+/// made by its crate's `new_tool`. The translator drives it through `dyn Tool`, as it
+/// always did: the hooks run at translation time, and what runs per instruction is the
+/// code they inserted.
+pub struct Chosen(Box<dyn KpinTool>);
+
 impl Chosen {
-    /// The tool the run starts with: [`Chosen::by_name`], except that cachesim simulates
-    /// on the host when the VMM formatted the record ring for it.
+    /// The tool the run starts with: [`Chosen::by_name`], its records handed to the
+    /// host's simulator ([`ToHost`]) when its SPEC allows it and the VMM formatted the
+    /// record ring for it.
     pub fn for_boot(name: &str, options: &str) -> Option<Self> {
-        match Self::by_name(name, options)? {
-            Chosen::CacheSim(sim) => Some(match HostCacheSim::attach(sim) {
-                Ok(t) => Chosen::HostCacheSim(alloc::boxed::Box::new(t)),
-                Err(sim) => Chosen::CacheSim(sim),
-            }),
-            other => Some(other),
-        }
+        let (spec, new_tool) = lookup(name)?;
+        let tool = Self::build(name, new_tool, options);
+        Some(match spec.host.and_then(|h| h.takes_records) {
+            Some(writes) => match ToHost::attach(tool.0, writes) {
+                Ok(t) => Chosen(Box::new(t)),
+                Err(tool) => Chosen(tool),
+            },
+            None => tool,
+        })
     }
 
     /// The tool called `name`, if the engine has it, configured by `options` (the
-    /// `key=value` words of `--tool-option`). Options a tool refuses end the run. Each
-    /// arm is a registry tool, by its crate's `SPEC` (the VMM's tests check that every
-    /// registry tool has one).
+    /// `key=value` words of `--tool-option`). Options a tool refuses end the run.
     pub fn by_name(name: &str, options: &str) -> Option<Self> {
-        match name {
-            _ if name == kpin_tool_null::SPEC.name => Some(Chosen::Null(Null)),
-            _ if name == kpin_tool_bbcount::SPEC.name => Some(Chosen::BbCount(BbCount::default())),
-            _ if name == kpin_tool_cachesim::SPEC.name => match CacheSim::new(options) {
-                Ok(t) => Some(Chosen::CacheSim(alloc::boxed::Box::new(t))),
-                Err(e) => {
-                    log!(Error, "engine: cachesim: bad option {e}");
-                    crate::ring0::log::fail();
-                }
-            },
-            _ if name == kpin_tool_insmix::SPEC.name => Some(Chosen::InsMix(InsMix::default())),
-            _ if name == kpin_tool_memtrace::SPEC.name => match MemTrace::new(options) {
-                Ok(mut t) => {
-                    t.stream_to(alloc::boxed::Box::new(RingSink));
-                    Some(Chosen::MemTrace(alloc::boxed::Box::new(t)))
-                }
-                Err(e) => {
-                    log!(Error, "engine: memtrace: bad option {e}");
-                    crate::ring0::log::fail();
-                }
-            },
-            #[cfg(feature = "extra-tool")]
-            _ if name == kpin_extra_tool::SPEC.name => match kpin_extra_tool::new_tool(options) {
-                Ok(t) => Some(Chosen::Extra(t)),
-                Err(e) => {
-                    log!(Error, "engine: {name}: bad option {e}");
-                    crate::ring0::log::fail();
-                }
-            },
-            _ => None,
+        let (_, new_tool) = lookup(name)?;
+        Some(Self::build(name, new_tool, options))
+    }
+
+    /// The tool a resident engine runs (no instrumentation): the registry's
+    /// `RESIDENT`.
+    pub fn resident() -> Self {
+        let spec = kpin_tool_registry::RESIDENT;
+        match Self::by_name(spec.name, "") {
+            Some(t) => t,
+            None => {
+                log!(Error, "engine: no resident tool {}", spec.name);
+                log::fail();
+            }
         }
     }
 
-    fn tool(&mut self) -> &mut dyn KpinTool {
-        match self {
-            Chosen::Null(t) => t,
-            Chosen::BbCount(t) => t,
-            Chosen::CacheSim(t) => &mut **t,
-            Chosen::HostCacheSim(t) => &mut **t,
-            Chosen::InsMix(t) => t,
-            Chosen::MemTrace(t) => &mut **t,
-            #[cfg(feature = "extra-tool")]
-            Chosen::Extra(t) => &mut **t,
+    fn build(name: &str, new_tool: NewTool, options: &str) -> Self {
+        match new_tool(options) {
+            Ok(mut t) => {
+                t.stream_to(Box::new(RingSink));
+                Chosen(t)
+            }
+            Err(e) => {
+                log!(Error, "engine: {name}: bad option {e}");
+                log::fail();
+            }
         }
     }
 
     /// The tool as the translator drives it.
     pub fn as_tool(&mut self) -> &mut dyn Tool {
-        match self {
-            Chosen::Null(t) => t,
-            Chosen::BbCount(t) => t,
-            Chosen::CacheSim(t) => &mut **t,
-            Chosen::HostCacheSim(t) => &mut **t,
-            Chosen::InsMix(t) => t,
-            Chosen::MemTrace(t) => &mut **t,
-            #[cfg(feature = "extra-tool")]
-            Chosen::Extra(t) => &mut **t,
-        }
+        &mut *self.0
     }
 
     /// Ends the tool's run: its files, then its summary line in the log.
     pub fn finish(&mut self, engine: &Engine) {
-        let tool = self.tool();
+        let tool = &mut *self.0;
         if let Err(e) = tool.finish(engine, &mut RingSink) {
             log!(
                 Error,
@@ -155,14 +127,16 @@ impl Chosen {
     }
 }
 
-/// cachesim whose simulation runs on the host: the instrumentation of [`CacheSim`] (the
-/// same records, physical addresses resolved by the engine), the records pushed into the
-/// record ring for the VMM's simulator thread, which writes the tool's files when the run
-/// ends. A push waits while the ring is full, so the simulation sees every record.
-pub struct HostCacheSim {
-    /// Instruments traces and checked the options; its counters stay empty.
-    sim: alloc::boxed::Box<CacheSim>,
+/// A tool whose simulation runs on the host: its instrumentation (the same records,
+/// physical addresses resolved by the engine), the records pushed into the record ring
+/// for the VMM's simulator thread, which writes the tool's files when the run ends. A
+/// push waits while the ring is full, so the simulation sees every record.
+pub struct ToHost {
+    /// Instruments traces and checked the options; it is fed nothing.
+    tool: Box<dyn KpinTool>,
     ring: Producer,
+    /// The files the host's simulator writes (the SPEC's `takes_records`).
+    writes: &'static str,
 }
 
 /// Whether the record ring's producer was taken (it has one, for the run).
@@ -170,27 +144,31 @@ static RING_TAKEN: core::sync::atomic::AtomicBool = core::sync::atomic::AtomicBo
 
 const _: () = assert!(core::mem::size_of::<MemRecord>() == record_ring::RECORD_BYTES);
 
-impl HostCacheSim {
-    /// `sim` feeding the host's simulator, or `sim` back if no consumer formatted the
+impl ToHost {
+    /// `tool` feeding the host's simulator, or `tool` back if no consumer formatted the
     /// ring (or its producer was taken already).
-    fn attach(sim: alloc::boxed::Box<CacheSim>) -> Result<Self, alloc::boxed::Box<CacheSim>> {
+    fn attach(tool: Box<dyn KpinTool>, writes: &'static str) -> Result<Self, Box<dyn KpinTool>> {
         if RING_TAKEN.swap(true, core::sync::atomic::Ordering::Relaxed) {
-            return Err(sim);
+            return Err(tool);
         }
         let base = (WINDOW_VA + RECORD_RING_OFFSET) as *mut u8;
         // SAFETY: the window maps the whole stolen region (the bring-up checked its size
         // against the layout), `RECORD_RING_OFFSET` is 2 MiB aligned and reserved for the
         // ring, and `RING_TAKEN` makes this the ring's only producer.
         match unsafe { Producer::attach(base, RECORD_RING_BYTES as usize) } {
-            Ok(ring) => Ok(Self { sim, ring }),
-            Err(_) => Err(sim),
+            Ok(ring) => Ok(Self { tool, ring, writes }),
+            Err(_) => Err(tool),
         }
     }
 }
 
-impl Tool for HostCacheSim {
+impl Tool for ToHost {
     fn instrument_trace(&mut self, trace: &mut TraceInstrumenter<'_>) {
-        self.sim.instrument_trace(trace);
+        self.tool.instrument_trace(trace);
+    }
+
+    fn analyze(&mut self, routine: u32, args: &[u64]) {
+        self.tool.analyze(routine, args);
     }
 
     fn buffer_full(&mut self, records: &[MemRecord]) {
@@ -205,28 +183,29 @@ impl Tool for HostCacheSim {
         if let Err(e) = self.ring.push(bytes) {
             log!(
                 Error,
-                "engine: cachesim: the host's simulator no longer takes records ({e:?})"
+                "engine: {}: the host's simulator no longer takes records ({e:?})",
+                self.tool.name()
             );
             log::fail();
         }
     }
 
     fn records_fetches(&self) -> bool {
-        self.sim.records_fetches()
+        self.tool.records_fetches()
     }
 
     fn fetch_runs(&self) -> bool {
-        self.sim.fetch_runs()
+        self.tool.fetch_runs()
     }
 
     fn records_need_pa(&self) -> bool {
-        self.sim.records_need_pa()
+        self.tool.records_need_pa()
     }
 }
 
-impl KpinTool for HostCacheSim {
+impl KpinTool for ToHost {
     fn name(&self) -> &'static str {
-        kpin_tool_cachesim::SPEC.name
+        self.tool.name()
     }
 
     fn finish(&mut self, _engine: &Engine, _host: &mut dyn Sink) -> Result<(), Error> {
@@ -238,9 +217,11 @@ impl KpinTool for HostCacheSim {
     fn summary(&self, _engine: &Engine, out: &mut dyn fmt::Write) -> fmt::Result {
         write!(
             out,
-            "cachesim: {} records sent to the host's simulator ({} waits for room); it writes cachesim-counters.txt, cachesim-timeline.csv and cachesim-insns.csv",
+            "{}: {} records sent to the host's simulator ({} waits for room); it writes {}",
+            self.tool.name(),
             self.ring.published(),
-            self.ring.waits()
+            self.ring.waits(),
+            self.writes
         )
     }
 }
