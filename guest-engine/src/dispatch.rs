@@ -12,28 +12,25 @@
 //! the current mode's tables. The dispatcher caches no VA → PA translation of its own:
 //! every lookup asks `GuestMemory::translate`.
 
+mod exits;
+
 use alloc::collections::BTreeSet;
 use alloc::vec::Vec;
 
 use crate::addr::{CachePc, GuestPhys, GuestVirt};
-use crate::arch::x86_64::entry::{
-    split_exit_word, EXIT_ANALYSIS_CALL, EXIT_ATTENTION, EXIT_BUFFER_FULL, EXIT_DIRECT, EXIT_FAULT,
-    EXIT_HOIST_MISS, EXIT_IBL_MISS, EXIT_KINDS, EXIT_PA_MISMATCH, EXIT_SENSITIVE,
-};
-use crate::arch::{
-    cache_enter, decode_trace, translate_trace, DecodedTrace, EmitEnv, Scratch, Translated,
-};
+use crate::arch::x86_64::entry::EXIT_KINDS;
+use crate::arch::{decode_trace, translate_trace, DecodedTrace, EmitEnv, Scratch, Translated};
 use crate::code_cache::CodeCache;
 use crate::context::{CacheContext, GuestRegs};
 use crate::error::EngineError;
 use crate::fragment::{ExitKind, ExitRecord, Fragment};
 use crate::guest_memory::{GuestMemory, Mode};
 use crate::instrument::{
-    access, resolve_pa, Action, CallSpec, CounterAlloc, CounterId, IArg, IPoint, Insertion,
-    MemRecord, Tool, TraceInstrumenter,
+    access, Action, CallSpec, CounterAlloc, CounterId, IPoint, Insertion, MemRecord, Tool,
+    TraceInstrumenter,
 };
 use crate::layout::{COUNTER_SLOTS, INSN_COUNTER_SPREAD, MODE_SLOTS, RECENT_TRACES};
-use crate::platform::{Emulation, Platform, SensitiveInsn};
+use crate::platform::{Platform, SensitiveInsn};
 use crate::profile;
 use crate::softtlb::SoftTlb;
 
@@ -547,44 +544,6 @@ impl Engine {
         Ok(self.stats.guest_bytes - before)
     }
 
-    fn eval_args(
-        &self,
-        mem: &mut dyn GuestMemory,
-        platform: &mut dyn Platform,
-        frag: u32,
-        call: usize,
-        out: &mut Vec<u64>,
-    ) -> u32 {
-        let f = &self.cache.fragments[frag as usize];
-        let c = &f.calls[call];
-        let regs = &self.ctx().regs;
-        out.clear();
-        let mut ea = |m: &crate::instrument::MemOperand| {
-            m.effective_address(regs)
-                .wrapping_add(platform.segment_base(m.seg))
-        };
-        for a in &c.args {
-            let v = match *a {
-                IArg::InstPtr => c.ins.address.0,
-                IArg::MemEa(n) => c.ins.mem.get(usize::from(n)).map_or(0, &mut ea),
-                IArg::MemPa(n) => c
-                    .ins
-                    .mem
-                    .get(usize::from(n))
-                    .map_or(u64::MAX, |m| resolve_pa(mem, self.mode, ea(m), false)),
-                IArg::MemSize(n) => c
-                    .ins
-                    .mem
-                    .get(usize::from(n))
-                    .map_or(0, |m| u64::from(m.size)),
-                IArg::Reg(r) => regs.get(r),
-                IArg::Const(k) => k,
-            };
-            out.push(v);
-        }
-        c.routine
-    }
-
     /// Runs the guest from `rip()` under translation until it stops.
     pub fn run(
         &mut self,
@@ -605,226 +564,49 @@ impl Engine {
         stop
     }
 
+    /// The dispatch loop: look up (or translate) and enter, run the cache until it exits,
+    /// handle the exit (`exits.rs`), until a handler stops the run.
     fn run_inner(
         &mut self,
         mem: &mut dyn GuestMemory,
         platform: &mut dyn Platform,
         tp: *mut &mut dyn Tool,
     ) -> Stop {
-        // SAFETY (for every `&mut **tp` below): `tp` is live for the whole run, and each
-        // reference ends before the next cache entry, the only other user of the tool.
+        // `tp` is live for the whole run; each reference to the tool formed from it ends
+        // before the next cache entry, the only other user of the tool.
         let mut args = Vec::new();
         let mut next = Next::Lookup;
         loop {
             let target = match next {
-                Next::Lookup => {
-                    if self.ctx().attention != 0 {
-                        return Stop::Attention(self.rip);
-                    }
-                    // SAFETY: see the top of `run_inner`.
-                    match self.fragment_for(mem, unsafe { &mut **tp }, self.rip) {
-                        Ok(id) => {
-                            self.note_entered(id);
-                            self.cache.fragments[id as usize].body
-                        }
-                        Err(s) => return s,
-                    }
-                }
+                Next::Lookup => match self.enter_at_rip(mem, tp) {
+                    Ok(pc) => pc,
+                    Err(s) => return s,
+                },
                 Next::Enter(pc) => pc,
             };
-            profile::switch(profile::TRANSLATED);
-            // SAFETY: `target` is a fragment body or a resume PC inside the cache,
-            // produced by the translator for the current context; the context holds a
-            // guest state that code expects (the state at that point).
-            unsafe { cache_enter(&self.cache.gen, self.cache.context(), target.0) };
-            let (kind, idx) = split_exit_word(self.ctx().exit_word);
-            if (kind as usize) < self.stats.exits.len() {
-                self.stats.exits[kind as usize] += 1;
-            }
-            if kind == EXIT_FAULT {
-                profile::switch_charging(profile::TRANSLATED_TO_FAULT, profile::DISPATCH);
-                return self.stop_at_fault(mem);
-            }
-            profile::switch(profile::exit_slot(kind));
-            if kind == EXIT_IBL_MISS {
-                let va = GuestVirt(self.ctx().ibl_target);
-                self.rip = va;
-                if self.mode.is_stepping() {
-                    // The indirect branch completed: its trap comes before the target's
-                    // fetch (which may fault).
-                    return Stop::Stepped(va);
-                }
-                // SAFETY: see the top of `run_inner`.
-                match self.fragment_for(mem, unsafe { &mut **tp }, va) {
-                    Ok(id) => {
-                        let f = &self.cache.fragments[id as usize];
-                        let (entry, body, ret_entry) = (f.entry, f.body, f.ret_entry);
-                        if self.config.fill_ibl {
-                            let global = self.lookup_global;
-                            self.cache.ibl_insert(self.table_slot, va, entry, global);
-                            if self.config.return_cache {
-                                self.cache.rc_insert(self.table_slot, va, ret_entry, global);
-                            }
-                        }
-                        next = if self.ctx().attention != 0 {
-                            Next::Lookup
-                        } else {
-                            self.note_entered(id);
-                            Next::Enter(body)
-                        };
-                    }
-                    Err(s) => return s,
-                }
-                continue;
-            }
-            let Some(rec) = self.cache.exits.get(idx as usize).copied() else {
-                return Stop::Error(EngineError::MissingExitRecord { kind, index: idx });
-            };
-            let frag_start = self.cache.fragments[rec.fragment as usize].start;
-            next = match (kind, rec.kind) {
-                (
-                    EXIT_DIRECT,
-                    ExitKind::Direct {
-                        target, patch_at, ..
-                    },
-                ) => {
-                    self.rip = target;
-                    if self.mode.is_stepping() {
-                        // One instruction done; nothing is linked while stepping.
-                        return Stop::Stepped(target);
-                    }
-                    let gen = self.cache.generation;
-                    // SAFETY: see the top of `run_inner`.
-                    match self.fragment_for(mem, unsafe { &mut **tp }, target) {
-                        Ok(id) => {
-                            if self.config.link_direct && gen == self.cache.generation {
-                                self.link(idx, rec.fragment, id, patch_at);
-                            }
-                            if self.ctx().attention != 0 {
-                                Next::Lookup
-                            } else {
-                                self.note_entered(id);
-                                Next::Enter(self.cache.fragments[id as usize].body)
-                            }
-                        }
-                        Err(s) => return s,
-                    }
-                }
-                (EXIT_SENSITIVE, ExitKind::Sensitive(s)) => {
-                    self.rip = s.pc;
-                    // Emulation may change mappings (CR3, INVLPG, mode): the pending
-                    // records resolve their PAs under the ones their accesses used.
-                    // SAFETY: see the top of `run_inner`.
-                    let fetch = self.emulated_fetch(mem, unsafe { &mut **tp }, &s);
-                    profile::switch(profile::emulation_slot(s.kind));
-                    if self.config.inline_virtual_flags {
-                        let (vif, iopl) = self.virtual_flags();
-                        platform.set_virtual_flags(vif, iopl);
-                    }
-                    let emulation = platform.emulate(&s, &mut self.ctx_mut().regs);
-                    if let Some((vif, iopl)) = platform
-                        .virtual_flags()
-                        .filter(|_| self.config.inline_virtual_flags)
-                    {
-                        self.set_virtual_flags(vif, iopl);
-                    }
-                    profile::switch(profile::DISPATCH);
-                    match emulation {
-                        Emulation::Continue(n) => {
-                            // SAFETY: see the top of `run_inner`.
-                            Self::deliver_fetch(unsafe { &mut **tp }, fetch);
-                            self.count_emulated();
-                            self.rip = n;
-                            if self.mode.is_stepping() {
-                                return Stop::Stepped(n);
-                            }
-                            Next::Lookup
-                        }
-                        Emulation::Switch {
-                            next,
-                            mode,
-                            invalidate_mappings,
-                        } => {
-                            // SAFETY: see the top of `run_inner`.
-                            Self::deliver_fetch(unsafe { &mut **tp }, fetch);
-                            self.count_emulated();
-                            self.rip = next;
-                            // The trap follows the TF the instruction began with.
-                            let stepped = self.mode.is_stepping();
-                            if mode != self.mode {
-                                // Pending records resolve their PAs in their own mode.
-                                // SAFETY: see the top of `run_inner`.
-                                self.deliver_buffer(mem, unsafe { &mut **tp });
-                                if let Err(e) = self.set_mode(mode) {
-                                    return Stop::Error(e);
-                                }
-                            }
-                            if invalidate_mappings {
-                                self.invalidate_all_mappings();
-                            }
-                            if stepped {
-                                return Stop::Stepped(next);
-                            }
-                            if self.mode.is_stepping() {
-                                // The embedder checks around every stepped instruction
-                                // and needs the state before the first.
-                                return Stop::EnteredStepping(next);
-                            }
-                            Next::Lookup
-                        }
-                        Emulation::Stop => {
-                            self.held_fetch = fetch;
-                            return Stop::Sensitive(s);
-                        }
-                    }
-                }
-                (EXIT_ATTENTION, ExitKind::Attention) => {
-                    self.rip = frag_start;
-                    return Stop::Attention(frag_start);
-                }
-                (EXIT_PA_MISMATCH, ExitKind::PaMismatch) => {
-                    self.rip = frag_start;
-                    // A stale fragment (links undone) is looked up again.
-                    if !self.revalidate(mem, rec.fragment) || self.ctx().attention != 0 {
-                        Next::Lookup
-                    } else {
-                        self.note_entered(rec.fragment);
-                        Next::Enter(self.cache.fragments[rec.fragment as usize].body)
-                    }
-                }
-                (EXIT_BUFFER_FULL, ExitKind::BufferFull { resume, held }) => {
-                    // The records of the instruction about to run stay: if it faults,
-                    // they are taken back (`drop_records_of`), never delivered.
-                    // SAFETY: see the top of `run_inner`.
-                    self.deliver_buffer_holding(mem, unsafe { &mut **tp }, usize::from(held));
-                    Next::Enter(resume)
-                }
-                (EXIT_HOIST_MISS, ExitKind::HoistMiss) => {
-                    // Rare (a guest base register near the zone): the trace is built
-                    // again without hoisting, where the check names the instruction.
-                    self.rip = frag_start;
-                    self.no_hoist.insert((frag_start.0, self.mode.0));
-                    self.drop_fragment(rec.fragment);
-                    Next::Lookup
-                }
-                (EXIT_ANALYSIS_CALL, ExitKind::Call { call, resume }) => {
-                    let routine = self.eval_args(mem, platform, rec.fragment, call, &mut args);
-                    // SAFETY: see the top of `run_inner`.
-                    unsafe { (**tp).analyze(routine, &args) };
-                    Next::Enter(resume)
-                }
-                _ => return Stop::Error(EngineError::ExitKindMismatch { kind, index: idx }),
+            let (kind, idx) = self.enter_cache(target);
+            next = match self.on_exit(kind, idx, mem, platform, tp, &mut args) {
+                Ok(n) => n,
+                Err(s) => return s,
             };
         }
     }
 
-    /// Drops fragment `id` from lookup and undoes the links into it.
-    fn drop_fragment(&mut self, id: u32) {
-        let f = &self.cache.fragments[id as usize];
-        let key = (f.start.0, f.pa.0, f.mode.0);
-        self.cache.by_key.remove(&key);
-        self.unlink_incoming(id);
-        self.cache.clear_lookups();
+    /// `Next::Lookup`: the body of the fragment at `rip` (translated if needed), or a
+    /// stop for a pending attention or a fetch fault.
+    #[inline(always)]
+    fn enter_at_rip(
+        &mut self,
+        mem: &mut dyn GuestMemory,
+        tp: *mut &mut dyn Tool,
+    ) -> Result<CachePc, Stop> {
+        if self.ctx().attention != 0 {
+            return Err(Stop::Attention(self.rip));
+        }
+        // SAFETY: see the top of `run_inner`.
+        let id = self.fragment_for(mem, unsafe { &mut **tp }, self.rip)?;
+        self.note_entered(id);
+        Ok(self.cache.fragments[id as usize].body)
     }
 
     /// The guest wrote to (or unmapped) the code frame `pa_page`: every fragment translated
