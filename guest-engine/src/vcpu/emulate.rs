@@ -98,8 +98,21 @@ fn umip_protected(i: &Instruction) -> bool {
 }
 
 impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
-    /// The handler of `code`, `None` if it is not emulated.
+    /// The handler of `code`, `None` if it is not emulated. One table per family of
+    /// instructions, in the order of the modules that hold their handlers (a code is in
+    /// one table only; the first that knows it answers).
     fn handler(code: Code) -> Option<Handler<'a, H, M>> {
+        Self::system_handler(code)
+            .or_else(|| Self::segment_handler(code))
+            .or_else(|| Self::machine_handler(code))
+            .or_else(|| Self::legacy_handler(code))
+            .or_else(|| Self::optional_handler(code))
+            .or_else(|| Self::event_handler(code))
+    }
+
+    /// Control and debug registers, the virtual IF/IOPL/TF, descriptor-table registers
+    /// (`cr.rs`, `flags.rs`, `tables.rs`).
+    fn system_handler(code: Code) -> Option<Handler<'a, H, M>> {
         let h: Handler<'a, H, M> = match code {
             // cr.rs
             Code::Mov_r64_cr => Self::mov_from_cr,
@@ -126,6 +139,15 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             | Code::Lldt_rm16
             | Code::Lldt_r32m16
             | Code::Lldt_r64m16 => Self::load_system,
+            _ => return None,
+        };
+        Some(h)
+    }
+
+    /// Segment registers and the descriptor queries (`segments.rs`,
+    /// `segment_query.rs`).
+    fn segment_handler(code: Code) -> Option<Handler<'a, H, M>> {
+        let h: Handler<'a, H, M> = match code {
             // segments.rs
             Code::Mov_Sreg_rm16 | Code::Mov_Sreg_r32m16 | Code::Mov_Sreg_r64m16 => {
                 Self::mov_to_sreg
@@ -174,6 +196,15 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             | Code::Retfw_imm16
             | Code::Retfd_imm16
             | Code::Retfq_imm16 => Self::far_return,
+            _ => return None,
+        };
+        Some(h)
+    }
+
+    /// MSRs, `syscall`/`sysret` and base registers, port I/O, and the rest (`cpuid`,
+    /// time stamps, `hlt`): `msr.rs`, `syscall.rs`, `port_io.rs`, `misc.rs`.
+    fn machine_handler(code: Code) -> Option<Handler<'a, H, M>> {
+        let h: Handler<'a, H, M> = match code {
             // msr.rs
             Code::Rdmsr => Self::rdmsr,
             Code::Wrmsr => Self::wrmsr,
@@ -210,6 +241,14 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             Code::Rdtscp => Self::rdtscp,
             Code::Rdpid_r64 => Self::rdpid,
             Code::Hlt => Self::hlt,
+            _ => return None,
+        };
+        Some(h)
+    }
+
+    /// Far transfers and the instructions 64-bit mode dropped (`legacy.rs`).
+    fn legacy_handler(code: Code) -> Option<Handler<'a, H, M>> {
+        let h: Handler<'a, H, M> = match code {
             // legacy.rs
             Code::Jmp_m1616 | Code::Jmp_m1632 | Code::Jmp_m1664 | Code::Jmp_ptr1632 => {
                 Self::far_jmp
@@ -238,6 +277,15 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             Code::Daa | Code::Das | Code::Aaa | Code::Aas => Self::decimal_adjust,
             Code::Salc => Self::salc,
             Code::Arpl_rm16_r16 | Code::Arpl_r32m16_r32 => Self::arpl,
+            _ => return None,
+        };
+        Some(h)
+    }
+
+    /// Instructions whose outcome follows a CPUID feature, a control bit or the vendor
+    /// (`optional.rs`), and those of facilities the virtual CPU never enables (#UD).
+    fn optional_handler(code: Code) -> Option<Handler<'a, H, M>> {
+        let h: Handler<'a, H, M> = match code {
             // optional.rs
             Code::Sysenter => Self::sysenter,
             Code::Sysexitd | Code::Sysexitq => Self::sysexit,
@@ -291,6 +339,14 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             | Code::Senduipi_r64
             | Code::Uiret
             | Code::Rsm => Self::ud,
+            _ => return None,
+        };
+        Some(h)
+    }
+
+    /// `iretq`, software interrupts and the #UD opcodes: event delivery (`events.rs`).
+    fn event_handler(code: Code) -> Option<Handler<'a, H, M>> {
+        let h: Handler<'a, H, M> = match code {
             // events.rs
             Code::Iretq => Self::iretq,
             Code::Int3 => Self::int3,
