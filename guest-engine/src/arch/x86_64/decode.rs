@@ -1,5 +1,6 @@
 //! Trace formation: fetch guest bytes, decode with iced-x86, classify each instruction,
-//! and describe the trace for tools.
+//! and describe the trace for tools (the fetch and the loop over one trace's
+//! instructions are `decode/form.rs`).
 //!
 //! Invariants: every instruction of a trace *starts* on the trace's first page (an
 //! instruction may straddle into the next page); a trace never contains a sensitive
@@ -9,16 +10,19 @@
 use alloc::vec::Vec;
 
 use iced_x86::{
-    Code, ConditionCode, Decoder, DecoderError, DecoderOptions, FlowControl, Instruction,
-    InstructionInfoFactory, Mnemonic, OpAccess, OpKind, Register,
+    Code, ConditionCode, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpAccess,
+    OpKind, Register,
 };
 
-use crate::addr::{GuestPhys, GuestVirt, PAGE_BYTES};
+use crate::addr::{GuestPhys, GuestVirt};
 use crate::context::Gpr;
-use crate::guest_memory::{GuestMemory, Mode};
 use crate::instrument::{access, Bbl, InsInfo, InsKind, MemOperand, MemOps, SegBase};
-use crate::layout::{MAX_INSN_BYTES, MAX_TRACE_INSNS};
+use crate::layout::MAX_INSN_BYTES;
 use crate::platform::{SensitiveInsn, SensitiveKind};
+
+mod form;
+
+pub(crate) use form::decode_trace;
 
 /// How the translator must treat an instruction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -344,40 +348,6 @@ fn ins_kind(c: Class) -> InsKind {
     }
 }
 
-/// Direct jumps one trace may follow.
-const MAX_FOLLOWED_JUMPS: usize = 4;
-
-/// Bytes a trace can span: `MAX_TRACE_INSNS` maximal instructions.
-const MAX_TRACE_BYTES: usize = MAX_TRACE_INSNS * MAX_INSN_BYTES;
-
-/// Fetches the code a trace starting at `va` can cover: up to `MAX_TRACE_BYTES` of its
-/// page, plus the first bytes of the next page when the trace may reach the page end.
-/// Returns (bytes on the first page, bytes available).
-fn fetch(
-    mem: &mut dyn GuestMemory,
-    va: GuestVirt,
-    pa: GuestPhys,
-    mode: Mode,
-    buf: &mut [u8; MAX_TRACE_BYTES + 2 * MAX_INSN_BYTES],
-) -> Result<(usize, usize), FetchFault> {
-    let in_page = (PAGE_BYTES - (va.0 & (PAGE_BYTES - 1))) as usize;
-    if in_page >= MAX_TRACE_BYTES + MAX_INSN_BYTES {
-        if !mem.read(pa, &mut buf[..MAX_TRACE_BYTES + MAX_INSN_BYTES]) {
-            return Err(FetchFault(va));
-        }
-        return Ok((in_page, MAX_TRACE_BYTES + MAX_INSN_BYTES));
-    }
-    if !mem.read(pa, &mut buf[..in_page]) {
-        return Err(FetchFault(va));
-    }
-    let next = GuestVirt(va.page().0.wrapping_add(PAGE_BYTES));
-    let extra = match mem.translate(next, mode) {
-        Some(npa) if mem.read(npa, &mut buf[in_page..in_page + MAX_INSN_BYTES]) => MAX_INSN_BYTES,
-        _ => 0,
-    };
-    Ok((in_page, in_page + extra))
-}
-
 /// Reusable decoding state (keeps iced's info factory allocated across traces).
 pub(crate) struct Scratch {
     pub(crate) factory: InstructionInfoFactory,
@@ -389,191 +359,6 @@ impl Scratch {
             factory: InstructionInfoFactory::new(),
         }
     }
-}
-
-/// Whether `i` (at virtual CPL 0, followed by the byte `next` if known) runs inline
-/// against the virtual flags (`crate::vflags`): `cli`, `pushfq`, `popfq`, and `sti`
-/// unless a `hlt` follows (or the next byte is unknown).
-fn inline_flag_insn(i: &Instruction, next: Option<u8>) -> bool {
-    match i.code() {
-        Code::Cli | Code::Pushfq | Code::Popfq => true,
-        Code::Sti => next.is_some_and(|b| b != 0xF4),
-        _ => false,
-    }
-}
-
-pub(crate) fn decode_trace(
-    mem: &mut dyn GuestMemory,
-    va: GuestVirt,
-    pa: GuestPhys,
-    mode: Mode,
-    inline_flags: bool,
-    scratch: &mut Scratch,
-) -> Result<DecodedTrace, FetchFault> {
-    let mut buf = [0u8; MAX_TRACE_BYTES + 2 * MAX_INSN_BYTES];
-    let (in_page, avail) = fetch(mem, va, pa, mode, &mut buf)?;
-    let mut dec = Decoder::with_ip(mode.bitness(), &buf[..avail], va.0, DecoderOptions::NONE);
-    let factory = &mut scratch.factory;
-    let mut t = DecodedTrace {
-        start: va,
-        pa,
-        insns: Vec::with_capacity(24),
-        info: Vec::with_capacity(24),
-        bbls: Vec::with_capacity(4),
-        end: TraceEnd::Transfer,
-        guest_bytes: 0,
-    };
-    let mut off = 0usize;
-    let mut bbl_first = 0usize;
-    let mut instr = Instruction::default();
-    let mut followed = 0usize;
-    // A stepping trace is one instruction (`Mode::stepping`).
-    let max_insns = if mode.is_stepping() {
-        1
-    } else {
-        MAX_TRACE_INSNS
-    };
-    loop {
-        let pc = va.0.wrapping_add(off as u64);
-        // Stop at the page end, at the size limit, or where a followed jump moved the
-        // decoder past the fetched window (a partial-page fetch).
-        let window_end = avail < in_page && off + MAX_INSN_BYTES > avail;
-        if off >= in_page || t.insns.len() >= max_insns || window_end {
-            t.end = TraceEnd::FallThrough(pc);
-            break;
-        }
-        dec.decode_out(&mut instr);
-        if instr.is_invalid() {
-            if dec.last_error() == DecoderError::NoMoreBytes {
-                if t.insns.is_empty() {
-                    return Err(FetchFault(GuestVirt(va.page().0.wrapping_add(PAGE_BYTES))));
-                }
-                t.end = TraceEnd::FallThrough(pc);
-                break;
-            }
-            let mut bytes = [0u8; MAX_INSN_BYTES];
-            let n = (avail - off).min(MAX_INSN_BYTES);
-            bytes[..n].copy_from_slice(&buf[off..off + n]);
-            t.end = TraceEnd::Sensitive(SensitiveInsn {
-                pc: GuestVirt(pc),
-                len: 0,
-                bytes,
-                kind: SensitiveKind::Undefined,
-            });
-            break;
-        }
-        let len = instr.len();
-        let mut bytes = [0u8; MAX_INSN_BYTES];
-        bytes[..len].copy_from_slice(&buf[off..off + len]);
-        let next_byte = (off + len < avail).then(|| buf[off + len]);
-        let virt_flags = inline_flags
-            && mode.cpl() == 0
-            && !mode.is_stepping()
-            && inline_flag_insn(&instr, next_byte);
-        // 32-bit code without a 64-bit translation leaves like a sensitive instruction,
-        // and so does `rdtsc` under CR4.TSD.
-        let kind = sensitive_kind(&instr).or_else(|| {
-            if mode.is_compat() && super::compat::untranslatable(&instr) {
-                Some(SensitiveKind::Other)
-            } else if mode.is_timestamp_faulting() && instr.mnemonic() == Mnemonic::Rdtsc {
-                Some(SensitiveKind::Timestamp)
-            } else {
-                None
-            }
-        });
-        if let Some(kind) = kind.filter(|_| !virt_flags) {
-            t.end = TraceEnd::Sensitive(SensitiveInsn {
-                pc: GuestVirt(pc),
-                len: len as u8,
-                bytes,
-                kind,
-            });
-            break;
-        }
-        let mut class = if virt_flags {
-            Class::VirtFlags
-        } else {
-            classify(&instr)
-        };
-        if let Class::Jmp { target } = class {
-            // Follow a direct jump that stays on the trace's page and does not loop back
-            // into the trace (at most `MAX_FOLLOWED_JUMPS` per trace).
-            let fits = target.checked_sub(va.0).is_some_and(|toff| {
-                toff as usize + MAX_INSN_BYTES <= avail && (toff as usize) < in_page
-            });
-            let seen = target == pc || t.info.iter().any(|i| i.address.0 == target);
-            if fits && !seen && followed < MAX_FOLLOWED_JUMPS && !mode.is_stepping() {
-                class = Class::JmpElided { target };
-                followed += 1;
-            }
-        }
-        let rep = (instr.has_rep_prefix() || instr.has_repne_prefix()) && is_string_op(&instr);
-        let mut mem_ops = mem_operands(factory, &instr);
-        if rep {
-            // Describe one iteration: decode the instruction without its prefix.
-            let (sb, sn) = strip_rep(&bytes[..len]);
-            let mut d2 = Decoder::with_ip(mode.bitness(), &sb[..sn], pc, DecoderOptions::NONE);
-            let one = d2.decode();
-            mem_ops = mem_operands(factory, &one);
-        }
-        t.info.push(InsInfo {
-            address: GuestVirt(pc),
-            len: len as u8,
-            kind: ins_kind(class),
-            mem: mem_ops,
-            rep,
-            opcode: instr.mnemonic() as u16,
-        });
-        t.insns.push(DecodedInsn {
-            instr,
-            bytes,
-            class,
-        });
-        off += len;
-        t.guest_bytes += len as u64;
-        match class {
-            Class::JmpElided { target } => {
-                let n = t.insns.len();
-                t.bbls.push(Bbl {
-                    first: bbl_first,
-                    count: n - bbl_first,
-                    address: t.info[bbl_first].address,
-                });
-                bbl_first = n;
-                off = target.wrapping_sub(va.0) as usize;
-                dec.set_ip(target);
-                dec.set_position(off)
-                    .map_err(|_| FetchFault(GuestVirt(target)))?;
-            }
-            Class::Jcc { .. } | Class::LoopLike { .. } => {
-                let n = t.insns.len();
-                t.bbls.push(Bbl {
-                    first: bbl_first,
-                    count: n - bbl_first,
-                    address: t.info[bbl_first].address,
-                });
-                bbl_first = n;
-            }
-            Class::Jmp { .. }
-            | Class::Call { .. }
-            | Class::JmpInd
-            | Class::CallInd
-            | Class::Ret { .. } => {
-                t.end = TraceEnd::Transfer;
-                break;
-            }
-            Class::Plain | Class::RipRel | Class::VirtFlags => {}
-        }
-    }
-    if bbl_first < t.insns.len() {
-        let n = t.insns.len();
-        t.bbls.push(Bbl {
-            first: bbl_first,
-            count: n - bbl_first,
-            address: t.info[bbl_first].address,
-        });
-    }
-    Ok(t)
 }
 
 /// Status flags (OF SF ZF AF CF PF) in iced's `RflagsBits` encoding.
