@@ -198,7 +198,9 @@ impl Tx<'_> {
         self.compat_move_esp(-4, pc)
     }
 
-    /// A 32-bit instruction that does not transfer control (`Class::Plain`).
+    /// A 32-bit instruction that does not transfer control (`Class::Plain`): re-encoded
+    /// for 64-bit mode, or rewritten where 64-bit mode lacks it or does it differently
+    /// (see the module header).
     pub(super) fn compat_plain(&mut self, d: &DecodedInsn) -> Result<(), EngineError> {
         let i = &d.instr;
         let pc = i.ip();
@@ -207,19 +209,11 @@ impl Tx<'_> {
             // the rare 0x82 forms to the virtual CPU's #UD).
             let mut j = *i;
             j.set_code(code);
-            let b = self.encode(&j, pc)?;
-            self.a.bytes(&b);
-            return Ok(());
+            return self.emit_encoded(&j, pc);
         }
         match i.code() {
             Code::Inc_r16 | Code::Inc_r32 | Code::Dec_r16 | Code::Dec_r32 => {
-                let code = match i.code() {
-                    Code::Inc_r16 => Code::Inc_rm16,
-                    Code::Inc_r32 => Code::Inc_rm32,
-                    Code::Dec_r16 => Code::Dec_rm16,
-                    _ => Code::Dec_rm32,
-                };
-                self.emit_built(Instruction::with1(code, i.op0_register()), pc)
+                self.compat_inc_dec(i, pc)
             }
             Code::Push_r32 | Code::Push_rm32 if i.op0_kind() == OpKind::Register => {
                 // `push esp` stores ESP as it was before the push, as here.
@@ -230,26 +224,7 @@ impl Tx<'_> {
                 self.compat_move_esp(-4, pc)
             }
             Code::Pushd_imm32 | Code::Pushd_imm8 => self.compat_push_imm(i.immediate(0) as u32, pc),
-            Code::Push_rm32 => {
-                self.a.emit_spill(reg::R8);
-                if segment_relative(i) {
-                    self.compat_linear_r9(i, 0)?;
-                    self.emit_built(Instruction::with2(Code::Mov_r32_rm32, SCRATCH, at_r9()), pc)?;
-                    self.compat_linear_done();
-                } else {
-                    self.emit_built(
-                        Instruction::with2(Code::Mov_r32_rm32, SCRATCH, memory_operand(i, 0)),
-                        pc,
-                    )?;
-                }
-                self.emit_built(
-                    Instruction::with2(Code::Mov_rm32_r32, esp_at(-4), SCRATCH),
-                    pc,
-                )?;
-                self.compat_move_esp(-4, pc)?;
-                self.a.emit_unspill(reg::R8);
-                Ok(())
-            }
+            Code::Push_rm32 => self.compat_push_memory(i, pc),
             Code::Pop_r32 | Code::Pop_rm32
                 if i.op0_kind() == OpKind::Register && i.op0_register() == Register::ESP =>
             {
@@ -265,95 +240,139 @@ impl Tx<'_> {
                 )?;
                 self.compat_move_esp(4, pc)
             }
-            Code::Pop_rm32 => {
-                let delta = if i.memory_base() == Register::ESP {
-                    4
-                } else {
-                    0
-                };
-                self.a.emit_spill(reg::R8);
-                self.emit_built(
-                    Instruction::with2(Code::Mov_r32_rm32, SCRATCH, esp_at(0)),
-                    pc,
-                )?;
-                if segment_relative(i) {
-                    self.compat_linear_r9(i, delta)?;
-                    self.emit_built(Instruction::with2(Code::Mov_rm32_r32, at_r9(), SCRATCH), pc)?;
-                    self.compat_linear_done();
-                } else {
-                    self.emit_built(
-                        Instruction::with2(Code::Mov_rm32_r32, memory_operand(i, delta), SCRATCH),
-                        pc,
-                    )?;
-                }
-                self.compat_move_esp(4, pc)?;
-                self.a.emit_unspill(reg::R8);
-                Ok(())
-            }
-            Code::Leaved => {
-                // EBP ← [EBP], ESP ← EBP + 4: the load first.
-                self.a.emit_spill(reg::R8);
-                self.emit_built(
-                    Instruction::with2(
-                        Code::Mov_r32_rm32,
-                        SCRATCH,
-                        MemoryOperand::with_base(Register::EBP),
-                    ),
-                    pc,
-                )?;
-                self.emit_built(
-                    Instruction::with2(
-                        Code::Lea_r32_m,
-                        Register::ESP,
-                        MemoryOperand::with_base_displ(Register::EBP, 4),
-                    ),
-                    pc,
-                )?;
-                self.emit_built(
-                    Instruction::with2(Code::Mov_r32_rm32, Register::EBP, SCRATCH),
-                    pc,
-                )?;
-                self.a.emit_unspill(reg::R8);
-                Ok(())
-            }
-            _ if segment_relative(i) => {
-                // The linear address wraps at 4 GiB as in compatibility mode: computed
-                // into R9, the instruction then uses [r9].
-                self.compat_linear_r9(i, 0)?;
-                // The moffs forms have no ModRM: their ModRM twins.
-                if let Some((code, load)) = moffs_twin(i.code()) {
-                    let r = if load {
-                        i.op0_register()
-                    } else {
-                        i.op1_register()
-                    };
-                    let j = if load {
-                        Instruction::with2(code, r, at_r9())
-                    } else {
-                        Instruction::with2(code, at_r9(), r)
-                    };
-                    self.emit_built(j, pc)?;
-                    self.compat_linear_done();
-                    return Ok(());
-                }
-                let mut j = *i;
-                j.set_memory_base(Register::R9);
-                j.set_memory_index(Register::None);
-                j.set_memory_index_scale(1);
-                j.set_memory_displacement64(0);
-                j.set_memory_displ_size(0);
-                j.set_segment_prefix(Register::None);
-                let b = self.encode(&j, pc)?;
-                self.a.bytes(&b);
-                self.compat_linear_done();
-                Ok(())
-            }
-            _ => {
-                let b = self.encode(i, pc)?;
-                self.a.bytes(&b);
-                Ok(())
-            }
+            Code::Pop_rm32 => self.compat_pop_memory(i, pc),
+            Code::Leaved => self.compat_leave(pc),
+            _ if segment_relative(i) => self.compat_segment_relative(i, pc),
+            _ => self.emit_encoded(i, pc),
         }
+    }
+
+    /// Emits `i` (the guest's, or a copy of it changed here) encoded for 64-bit mode.
+    fn emit_encoded(&mut self, i: &Instruction, pc: u64) -> Result<(), EngineError> {
+        let b = self.encode(i, pc)?;
+        self.a.bytes(&b);
+        Ok(())
+    }
+
+    /// `inc`/`dec` r16/r32: their ModRM forms (0x40–0x4f are REX prefixes in 64-bit
+    /// mode).
+    fn compat_inc_dec(&mut self, i: &Instruction, pc: u64) -> Result<(), EngineError> {
+        let code = match i.code() {
+            Code::Inc_r16 => Code::Inc_rm16,
+            Code::Inc_r32 => Code::Inc_rm32,
+            Code::Dec_r16 => Code::Dec_rm16,
+            _ => Code::Dec_rm32,
+        };
+        self.emit_built(Instruction::with1(code, i.op0_register()), pc)
+    }
+
+    /// `push m32`: the load into R8 first, so that a fault leaves ESP unmoved.
+    fn compat_push_memory(&mut self, i: &Instruction, pc: u64) -> Result<(), EngineError> {
+        self.a.emit_spill(reg::R8);
+        if segment_relative(i) {
+            self.compat_linear_r9(i, 0)?;
+            self.emit_built(Instruction::with2(Code::Mov_r32_rm32, SCRATCH, at_r9()), pc)?;
+            self.compat_linear_done();
+        } else {
+            self.emit_built(
+                Instruction::with2(Code::Mov_r32_rm32, SCRATCH, memory_operand(i, 0)),
+                pc,
+            )?;
+        }
+        self.emit_built(
+            Instruction::with2(Code::Mov_rm32_r32, esp_at(-4), SCRATCH),
+            pc,
+        )?;
+        self.compat_move_esp(-4, pc)?;
+        self.a.emit_unspill(reg::R8);
+        Ok(())
+    }
+
+    /// `pop m32`: through R8; an ESP-based operand addresses with ESP after the pop.
+    fn compat_pop_memory(&mut self, i: &Instruction, pc: u64) -> Result<(), EngineError> {
+        let delta = if i.memory_base() == Register::ESP {
+            4
+        } else {
+            0
+        };
+        self.a.emit_spill(reg::R8);
+        self.emit_built(
+            Instruction::with2(Code::Mov_r32_rm32, SCRATCH, esp_at(0)),
+            pc,
+        )?;
+        if segment_relative(i) {
+            self.compat_linear_r9(i, delta)?;
+            self.emit_built(Instruction::with2(Code::Mov_rm32_r32, at_r9(), SCRATCH), pc)?;
+            self.compat_linear_done();
+        } else {
+            self.emit_built(
+                Instruction::with2(Code::Mov_rm32_r32, memory_operand(i, delta), SCRATCH),
+                pc,
+            )?;
+        }
+        self.compat_move_esp(4, pc)?;
+        self.a.emit_unspill(reg::R8);
+        Ok(())
+    }
+
+    /// `leave` (32-bit): EBP ← [EBP], ESP ← EBP + 4, the load first.
+    fn compat_leave(&mut self, pc: u64) -> Result<(), EngineError> {
+        self.a.emit_spill(reg::R8);
+        self.emit_built(
+            Instruction::with2(
+                Code::Mov_r32_rm32,
+                SCRATCH,
+                MemoryOperand::with_base(Register::EBP),
+            ),
+            pc,
+        )?;
+        self.emit_built(
+            Instruction::with2(
+                Code::Lea_r32_m,
+                Register::ESP,
+                MemoryOperand::with_base_displ(Register::EBP, 4),
+            ),
+            pc,
+        )?;
+        self.emit_built(
+            Instruction::with2(Code::Mov_r32_rm32, Register::EBP, SCRATCH),
+            pc,
+        )?;
+        self.a.emit_unspill(reg::R8);
+        Ok(())
+    }
+
+    /// An instruction with an FS/GS-relative memory operand: the linear address wraps at
+    /// 4 GiB as in compatibility mode, so it is computed into R9 and the instruction then
+    /// uses [r9].
+    fn compat_segment_relative(&mut self, i: &Instruction, pc: u64) -> Result<(), EngineError> {
+        self.compat_linear_r9(i, 0)?;
+        // The moffs forms have no ModRM: their ModRM twins.
+        if let Some((code, load)) = moffs_twin(i.code()) {
+            let r = if load {
+                i.op0_register()
+            } else {
+                i.op1_register()
+            };
+            let j = if load {
+                Instruction::with2(code, r, at_r9())
+            } else {
+                Instruction::with2(code, at_r9(), r)
+            };
+            self.emit_built(j, pc)?;
+            self.compat_linear_done();
+            return Ok(());
+        }
+        let mut j = *i;
+        j.set_memory_base(Register::R9);
+        j.set_memory_index(Register::None);
+        j.set_memory_index_scale(1);
+        j.set_memory_displacement64(0);
+        j.set_memory_displ_size(0);
+        j.set_segment_prefix(Register::None);
+        self.emit_encoded(&j, pc)?;
+        self.compat_linear_done();
+        Ok(())
     }
 
     /// R9 ← the 32-bit linear address of `i`'s FS/GS-relative memory operand (its
