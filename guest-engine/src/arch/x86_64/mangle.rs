@@ -524,7 +524,155 @@ impl Tx<'_> {
     }
 }
 
-/// Translates `t` for placement at `env.base` with the given insertions.
+/// Offsets in a trace's code of its entry points (the module header's layout).
+struct Heads {
+    checked_entry: usize,
+    ret_entry: usize,
+    entry: usize,
+    body: usize,
+    loop_entry: Option<usize>,
+}
+
+impl Tx<'_> {
+    /// Emits the trace's heads, in layout order: the PA-checked entry, the return-cache
+    /// entry, then at `entry` the hoisted isolation checks (if any) and the attention
+    /// check, before the body.
+    fn emit_heads(
+        &mut self,
+        t: &DecodedTrace,
+        live: &[u32],
+        bases: &mut BaseState,
+    ) -> Result<Heads, EngineError> {
+        let start = t.start.0;
+        let checked_entry = self.a.offset();
+        self.emit_pa_check(t.start.page().0, t.pa.page().0, start);
+        let entry_label = self.a.new_label();
+        self.a.jmp_label(entry_label);
+        let ret_entry = self.a.offset();
+        self.emit_ret_entry(start);
+        self.a.bind(entry_label);
+        let entry = self.a.offset();
+        let hoisted = if self.env.isolate && self.env.hoist {
+            hoistable(self, t, live)
+        } else {
+            Hoisted::default()
+        };
+        // A self-looping trace with hoisted checks: they come first (the dispatcher enters
+        // there too), the back edge enters at `loop_entry`, the attention check after them.
+        let (body, loop_entry) = if hoisted.any() {
+            let hit = self.new_stub(EXIT_HOIST_MISS, ExitSpec::HoistMiss, 0, start);
+            self.a.mark_guest(start);
+            self.emit_hoisted_checks(hoisted, start, bases, hit)?;
+            let loop_entry = self.a.offset();
+            self.emit_attention_check(live[0] == 0, start);
+            (entry, Some(loop_entry))
+        } else {
+            self.emit_attention_check(live[0] == 0, start);
+            (self.a.offset(), None)
+        };
+        Ok(Heads {
+            checked_entry,
+            ret_entry,
+            entry,
+            body,
+            loop_entry,
+        })
+    }
+
+    /// Emits instruction `k` of `t` with what runs around it: its isolation checks, the
+    /// `before` insertions, the instruction (mangled), the `after` insertions if it falls
+    /// through. `live[k]` is the flags live before it.
+    fn emit_insn(
+        &mut self,
+        t: &DecodedTrace,
+        k: usize,
+        live: &[u32],
+        bases: &mut BaseState,
+        before: &mut Vec<&Insertion>,
+        after: &[&Insertion],
+    ) -> Result<(), EngineError> {
+        let d = &t.insns[k];
+        let info = &t.info[k];
+        let pc = d.instr.ip();
+        self.a.mark_guest(pc);
+        if self.env.isolate {
+            self.emit_isolation_checks(d, &info.mem, bases, live[k] == 0)?;
+            self.a.mark_guest(pc);
+        }
+        let wants_records = before.iter().any(|x| x.action == Action::MemRecords);
+        // (32-bit code's `rep` strings run whole, recorded once.)
+        let rep_loop = info.rep && wants_records && !self.env.compat && !d.bytes().contains(&0x67);
+        // A `rep` string run as a loop of records may fault after some iterations, with
+        // buffer deliveries between them: its fetch record goes after it, so that an
+        // attempt that faults (taken back, then retried) has delivered none.
+        let fetch_after = rep_loop && before.iter().any(|x| x.action == Action::FetchRecord);
+        if fetch_after {
+            before.retain(|x| x.action != Action::FetchRecord);
+        }
+        self.records_pending = 0;
+        self.insert_actions(before, &info.mem, pc, info.len, live[k] == 0, rep_loop)?;
+        self.a.mark_guest(pc);
+        self.mangle_insn(d, if rep_loop { Some(&info.mem) } else { None })?;
+        if fetch_after {
+            self.a.mark_guest(d.instr.next_ip());
+            self.records_pending = 0;
+            self.insert_fetch_record(pc, u32::from(info.len))?;
+        }
+        let falls_through = matches!(
+            d.class,
+            Class::Plain
+                | Class::RipRel
+                | Class::Jcc { .. }
+                | Class::LoopLike { .. }
+                | Class::VirtFlags
+        );
+        if falls_through && !after.is_empty() {
+            let next = d.instr.next_ip();
+            self.a.mark_guest(next);
+            self.records_pending = 0;
+            self.insert_actions(after, &[], next, 0, live[k + 1] == 0, true)?;
+        }
+        Ok(())
+    }
+
+    /// Emits how the trace leaves when its last instruction does not: a direct exit to
+    /// the fall-through address, or the sensitive instruction's exit.
+    fn emit_trace_end(&mut self, end: TraceEnd) {
+        match end {
+            TraceEnd::FallThrough(pc) => {
+                self.a.mark_guest(pc);
+                self.emit_direct_exit(None, pc, pc);
+            }
+            TraceEnd::Sensitive(s) => {
+                self.a.mark_guest(s.pc.0);
+                self.emit_exit_inline(EXIT_SENSITIVE, ExitSpec::Sensitive(s));
+            }
+            TraceEnd::Transfer => {}
+        }
+    }
+}
+
+/// Sorts the insertions at instruction `k` into `before` and `after` (cleared first),
+/// keeping their order.
+fn insertions_at<'i>(
+    insertions: &'i [Insertion],
+    k: usize,
+    before: &mut Vec<&'i Insertion>,
+    after: &mut Vec<&'i Insertion>,
+) {
+    before.clear();
+    after.clear();
+    for ins in insertions.iter().filter(|x| x.ins == k) {
+        match ins.point {
+            IPoint::Before => before.push(ins),
+            IPoint::After => after.push(ins),
+        }
+    }
+}
+
+/// Translates `t` for placement at `env.base` with the given insertions: the heads, each
+/// instruction with its instrumentation, the trace's end, then the out-of-line code
+/// (cold isolation checks, exit stubs).
 pub(crate) fn translate_trace(
     t: &DecodedTrace,
     insertions: &[Insertion],
@@ -544,108 +692,27 @@ pub(crate) fn translate_trace(
         factory: &mut scratch.factory,
     };
     let live = flags_liveness(t);
-    let start = t.start.0;
-    let checked_entry = tx.a.offset();
-    tx.emit_pa_check(t.start.page().0, t.pa.page().0, start);
-    let entry_label = tx.a.new_label();
-    tx.a.jmp_label(entry_label);
-    let ret_entry = tx.a.offset();
-    tx.emit_ret_entry(start);
-    tx.a.bind(entry_label);
-    let entry = tx.a.offset();
     let mut bases = BaseState::default();
-    let hoisted = if env.isolate && env.hoist {
-        hoistable(&mut tx, t, &live)
-    } else {
-        Hoisted::default()
-    };
-    // A self-looping trace with hoisted checks: they come first (the dispatcher enters
-    // there too), the back edge enters at `loop_entry`, the attention check after them.
-    let (body, loop_entry) = if hoisted.any() {
-        let hit = tx.new_stub(EXIT_HOIST_MISS, ExitSpec::HoistMiss, 0, start);
-        tx.a.mark_guest(start);
-        tx.emit_hoisted_checks(hoisted, start, &mut bases, hit)?;
-        let loop_entry = tx.a.offset();
-        tx.emit_attention_check(live[0] == 0, start);
-        (entry, Some(loop_entry))
-    } else {
-        tx.emit_attention_check(live[0] == 0, start);
-        (tx.a.offset(), None)
-    };
+    let heads = tx.emit_heads(t, &live, &mut bases)?;
+    // Reused for every instruction.
     let mut before: Vec<&Insertion> = Vec::new();
     let mut after: Vec<&Insertion> = Vec::new();
-    for (k, d) in t.insns.iter().enumerate() {
-        let pc = d.instr.ip();
-        tx.a.mark_guest(pc);
-        before.clear();
-        after.clear();
-        for ins in insertions.iter().filter(|x| x.ins == k) {
-            match ins.point {
-                IPoint::Before => before.push(ins),
-                IPoint::After => after.push(ins),
-            }
-        }
-        let info = &t.info[k];
-        if env.isolate {
-            tx.emit_isolation_checks(d, &info.mem, &mut bases, live[k] == 0)?;
-            tx.a.mark_guest(pc);
-        }
-        let wants_records = before.iter().any(|x| x.action == Action::MemRecords);
-        // (32-bit code's `rep` strings run whole, recorded once.)
-        let rep_loop = info.rep && wants_records && !env.compat && !d.bytes().contains(&0x67);
-        // A `rep` string run as a loop of records may fault after some iterations, with
-        // buffer deliveries between them: its fetch record goes after it, so that an
-        // attempt that faults (taken back, then retried) has delivered none.
-        let fetch_after = rep_loop && before.iter().any(|x| x.action == Action::FetchRecord);
-        if fetch_after {
-            before.retain(|x| x.action != Action::FetchRecord);
-        }
-        tx.records_pending = 0;
-        tx.insert_actions(&before, &info.mem, pc, info.len, live[k] == 0, rep_loop)?;
-        tx.a.mark_guest(pc);
-        tx.mangle_insn(d, if rep_loop { Some(&info.mem) } else { None })?;
-        if fetch_after {
-            tx.a.mark_guest(d.instr.next_ip());
-            tx.records_pending = 0;
-            tx.insert_fetch_record(pc, u32::from(info.len))?;
-        }
-        let falls_through = matches!(
-            d.class,
-            Class::Plain
-                | Class::RipRel
-                | Class::Jcc { .. }
-                | Class::LoopLike { .. }
-                | Class::VirtFlags
-        );
-        if falls_through && !after.is_empty() {
-            let next = d.instr.next_ip();
-            tx.a.mark_guest(next);
-            tx.records_pending = 0;
-            tx.insert_actions(&after, &[], next, 0, live[k + 1] == 0, true)?;
-        }
+    for k in 0..t.insns.len() {
+        insertions_at(insertions, k, &mut before, &mut after);
+        tx.emit_insn(t, k, &live, &mut bases, &mut before, &after)?;
     }
-    match t.end {
-        TraceEnd::FallThrough(pc) => {
-            tx.a.mark_guest(pc);
-            tx.emit_direct_exit(None, pc, pc);
-        }
-        TraceEnd::Sensitive(s) => {
-            tx.a.mark_guest(s.pc.0);
-            tx.emit_exit_inline(EXIT_SENSITIVE, ExitSpec::Sensitive(s));
-        }
-        TraceEnd::Transfer => {}
-    }
+    tx.emit_trace_end(t.end);
     tx.emit_cold_checks()?;
     tx.emit_stubs();
     let exits = core::mem::take(&mut tx.exits);
     let (code, marks) = tx.a.finish()?;
     Ok(Translated {
         code,
-        checked_entry,
-        ret_entry,
-        entry,
-        body,
-        loop_entry,
+        checked_entry: heads.checked_entry,
+        ret_entry: heads.ret_entry,
+        entry: heads.entry,
+        body: heads.body,
+        loop_entry: heads.loop_entry,
         exits,
         marks,
     })
