@@ -18,9 +18,9 @@ pub(crate) const INIT_SCRIPT: &str = include_str!("../initramfs/init");
 
 /// Applets linked into `/bin`: everything `/init` runs, plus a few for interactive debugging.
 pub(crate) const APPLETS: &[&str] = &[
-    "awk", "cat", "cmp", "cp", "cut", "dmesg", "echo", "expr", "grep", "ls", "md5sum", "mkdir",
-    "mount", "poweroff", "reboot", "rm", "seq", "sh", "sleep", "sort", "sync", "uname", "uniq",
-    "wc",
+    "awk", "cat", "cmp", "cp", "cut", "dd", "dmesg", "echo", "expr", "grep", "insmod", "ls",
+    "md5sum", "mkdir", "mount", "poweroff", "reboot", "rm", "sed", "seq", "sh", "sleep", "sort",
+    "sync", "umount", "uname", "uniq", "wc",
 ];
 
 /// Empty directories of the root file system, with their permissions.

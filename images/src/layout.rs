@@ -3,6 +3,8 @@
 //! ```text
 //! out_dir/
 //!   linux-<release>/{vmlinuz, vmlinux, System.map, config}   each pinned kernel
+//!   linux-6.1.0-56-cloud-amd64/{modules/, initramfs-virtio.cpio}  its virtio modules and
+//!                                                            the initramfs carrying them
 //!   linux-6.12.117+deb12-amd64/{vmlinuz, vmlinux, config}    the generic 6.12, benchmarks only
 //!   busybox/busybox                                          static busybox from Debian
 //!   programs/{kpin-test, kpin-conform, kpin-conform32}      the initramfs' test programs
@@ -91,4 +93,6 @@ pub(crate) mod kernel_files {
     pub(crate) const SYSTEM_MAP: &str = "System.map";
     /// The kernel configuration.
     pub(crate) const CONFIG: &str = "config";
+    /// The default kernel's virtio initramfs (`virtio_initramfs.rs`).
+    pub(crate) const VIRTIO_INITRAMFS: &str = "initramfs-virtio.cpio";
 }

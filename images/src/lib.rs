@@ -32,6 +32,7 @@ mod nostd;
 mod overlay;
 mod pins;
 mod programs;
+mod virtio_initramfs;
 mod workload;
 
 use std::io;
@@ -344,6 +345,18 @@ pub fn ensure_linux_kernel(
     progress: &mut dyn FnMut(&str),
 ) -> Result<LinuxImages, ImagesError> {
     linux::ensure(kernel, out_dir, progress)
+}
+
+/// Makes sure the default Linux guest is complete in `out_dir` ([`ensure_linux`]) with
+/// the virtio initramfs in `initramfs`: the shared one followed by the kernel's virtio
+/// modules (`virtio_ring`, `virtio`, `virtio_mmio`, `virtio_blk`, `virtio-rng`) under
+/// `/lib/modules/kpin/`, which `/init` loads when the command line says
+/// `kpin.modules=virtio` (or `kpin.workload=virtio`), for `kpin run --disk`.
+pub fn ensure_linux_virtio(
+    out_dir: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<LinuxImages, ImagesError> {
+    linux::ensure_virtio(out_dir, progress)
 }
 
 /// Makes sure Debian's generic (non-cloud) 6.12 kernel, `6.12.117+deb12-amd64`, is in

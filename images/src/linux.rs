@@ -24,7 +24,8 @@ use crate::debian::{self, Member};
 use crate::layout::{self, kernel_files};
 use crate::pins::{DebPin, BUSYBOX, BUSYBOX_MEMBER, DEBIAN_6_12_GENERIC};
 use crate::{
-    bzimage, initramfs, programs, BenchLinuxImages, GuestKernel, ImagesError, LinuxImages,
+    bzimage, initramfs, programs, virtio_initramfs, BenchLinuxImages, GuestKernel, ImagesError,
+    LinuxImages,
 };
 
 /// Version of the vmlinux extraction; bump when `bzimage.rs` changes what it produces.
@@ -74,6 +75,40 @@ pub(crate) fn ensure(
         initramfs,
         kernel_version: pins.release,
     })
+}
+
+/// See [`crate::ensure_linux_virtio`]: the default kernel's files with the virtio
+/// initramfs (`virtio_initramfs.rs`) in place of the shared one.
+pub(crate) fn ensure_virtio(
+    out_dir: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<LinuxImages, ImagesError> {
+    let kernel = GuestKernel::Debian61;
+    let mut images = ensure(kernel, out_dir, progress)?;
+    let pins = kernel.pins();
+    let _lock = JobLock::acquire(out_dir, "linux", progress)?;
+    let kernel_dir = layout::kernel_dir(out_dir, pins.release);
+    cache::create_dir_all(&kernel_dir.join("modules"))?;
+    let members: Vec<(String, PathBuf)> = virtio_initramfs::MODULES
+        .iter()
+        .map(|m| {
+            (
+                virtio_initramfs::member(pins, m),
+                virtio_initramfs::cached(&kernel_dir, m),
+            )
+        })
+        .collect();
+    let list: Vec<(&str, &PathBuf)> = members.iter().map(|(m, d)| (m.as_str(), d)).collect();
+    ensure_from_deb(out_dir, &pins.image, &list, false, progress)?;
+    let modules: Vec<(&str, PathBuf)> = virtio_initramfs::MODULES
+        .iter()
+        .zip(&members)
+        .map(|(m, (_, d))| (*m, d.clone()))
+        .collect();
+    let dest = kernel_dir.join(kernel_files::VIRTIO_INITRAMFS);
+    virtio_initramfs::write(&dest, &images.initramfs, &modules, progress)?;
+    images.initramfs = dest;
+    Ok(images)
 }
 
 /// See [`crate::ensure_linux_generic_612`]: steps 1, 2 and 4 to 6, no `System.map`. The
