@@ -12,6 +12,7 @@
 pub mod attach;
 pub mod attach_control;
 pub mod io_ring;
+pub mod mmio;
 pub mod output;
 pub mod ports;
 pub mod record_ring;

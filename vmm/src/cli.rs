@@ -122,6 +122,18 @@ run.json is written when the run starts with \"complete\": false, \"status\": \"
 \"output file system full: <file>\", ...) and \"unfinished_files\", the tool files the \
 engine had not finished.";
 
+/// `kpin run --help`'s text for --disk.
+const DISK_HELP: &str = "\
+Attach a raw image file as a virtio-blk disk over virtio-mmio (repeatable, up to 4: the \
+guest's /dev/vda, /dev/vdb, ... in the order given). PATH,ro attaches it read-only: the \
+guest sees a read-only disk and every write fails with an I/O error. The file must be a \
+regular file, readable (and writable without ,ro), at least 512 bytes; a length that is \
+not a multiple of 512 is rounded down, with a note. kpin locks the file for the run. \
+Flushes from the guest are fdatasync()s of the file. The devices are declared in the ACPI \
+tables (LNRO0005); the guest kernel needs virtio_mmio and virtio_blk, built in or as \
+modules (with --guest linux the initramfs carries them and loads them). A virtio-rng is \
+added too (--rng).";
+
 #[derive(Clone, Copy, ValueEnum)]
 pub(crate) enum Guest {
     /// The pinned Debian cloud kernel with the busybox initramfs (built by `kpin images`).
@@ -203,6 +215,15 @@ pub(crate) struct RunArgs {
     /// How many of the hottest blocks bbcount-report.txt lists (--tool bbcount).
     #[arg(long, requires = "tool", value_name = "N", default_value_t = DEFAULT_TOP)]
     pub(crate) top: usize,
+    /// Attach a raw image file as a virtio-blk disk (repeatable, up to 4: the guest's
+    /// /dev/vda, /dev/vdb, ...), read-write, or read-only with ",ro". With --guest linux
+    /// the initramfs carries the virtio modules (`kpin.workload=virtio` tests the disk).
+    #[arg(long, value_name = "PATH[,ro]", long_help = DISK_HELP)]
+    pub(crate) disk: Vec<String>,
+    /// Give the guest a virtio-rng (its /dev/hwrng, entropy from the host's getrandom).
+    /// On whenever a --disk is given; this adds it without one.
+    #[arg(long)]
+    pub(crate) rng: bool,
     /// Image directory for --guest [default: images/out in the source tree].
     #[arg(long)]
     pub(crate) images: Option<PathBuf>,

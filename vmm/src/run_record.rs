@@ -44,6 +44,8 @@ pub(crate) struct RunStarted<'a> {
     pub(crate) cmdline: &'a str,
     pub(crate) mem_mib: u64,
     pub(crate) tool: Option<&'a str>,
+    /// The `--disk`s: `path` and `read_only` each.
+    pub(crate) disks: &'a [vmm::devices::virtio::disk::DiskConfig],
 }
 
 pub(crate) fn unix_seconds() -> u64 {

@@ -43,6 +43,8 @@ pub(crate) struct Summary<'a> {
     /// `exits_total` … `ring_doorbells` ([`ExitsRecord`]).
     #[serde(flatten, with = "ExitsRecord")]
     pub(crate) exits: ExitCounters,
+    /// The virtio devices (`--disk`, `--rng`): kind, image, window, IRQ, counters.
+    pub(crate) devices: Vec<vmm::devices::virtio::DeviceRecord>,
     /// `ring_records` … `engine_log_lines_dropped` ([`RingRecord`]).
     #[serde(flatten, with = "RingRecord")]
     pub(crate) ring: DaemonStats,
@@ -84,6 +86,9 @@ struct ExitsRecord {
     unbacked_mmio_total: u64,
     #[serde(rename = "unbacked_mmio_pages", serialize_with = "hex_keys")]
     unbacked_mmio: BTreeMap<u64, u64>,
+    /// MMIO accesses the virtio devices served.
+    #[serde(rename = "exits_mmio_device")]
+    mmio_device: u64,
     #[serde(rename = "exits_interrupted")]
     interrupted: u64,
     #[serde(rename = "ring_doorbells")]
@@ -126,7 +131,7 @@ mod tests {
     /// `run.json`'s keys, in order, as they were when `Summary` copied them by hand
     /// (`tests/host_faults.rs`, `vmm/tests/cli.rs` and users' scripts read them), then
     /// the tools' (`tool_keys`).
-    const RUN_JSON_KEYS: [&str; 31] = [
+    const RUN_JSON_KEYS: [&str; 33] = [
         "complete",
         "status",
         "incomplete_reason",
@@ -148,8 +153,10 @@ mod tests {
         "unpopulated_ports",
         "unbacked_mmio_total",
         "unbacked_mmio_pages",
+        "exits_mmio_device",
         "exits_interrupted",
         "ring_doorbells",
+        "devices",
         "ring_records",
         "files_written",
         "files_refused",
@@ -183,6 +190,7 @@ mod tests {
             unpopulated_ports: BTreeMap::from([(0x2e, 4), (0x100, 5)]),
             unbacked_mmio_total: 6,
             unbacked_mmio: BTreeMap::from([(0xfed0_0000, 6)]),
+            mmio_device: 0,
             interrupted: 7,
             doorbells: 8,
         };
@@ -214,6 +222,7 @@ mod tests {
             wall_seconds: 0.5,
             console_bytes: 17,
             exits,
+            devices: vec![],
             ring,
             engine_counters: None,
             tools: ToolEntries::none(),

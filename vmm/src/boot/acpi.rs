@@ -7,13 +7,18 @@
 //! named in the zero page), an XSDT, a FADT and a DSDT. The FADT describes a PM1a event
 //! block, a PM1a control block and a reset register at the ports of
 //! `kpin_abi::ports` (served by `devices::acpi_pm`); the DSDT holds only the `_S5` package
-//! whose SLP_TYP a poweroff writes. There is no MADT: the guest keeps the 8259 PIC and the
+//! whose SLP_TYP a poweroff writes, and one `LNRO0005` device per virtio-mmio device (the ACPI
+//! ID Linux's `virtio_mmio` driver matches, as Firecracker declares its devices: the
+//! Debian kernels lack `CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES`, so `virtio_mmio.device=` on
+//! the command line would not reach them) with its register page and its ISA interrupt,
+//! edge-triggered and active high. There is no MADT: the guest keeps the 8259 PIC and the
 //! PIT, which the engine delivers through (a MADT would move Linux to the IOAPIC).
 //!
 //! Invariants: every table lies in [`ACPI_START`, [`ACPI_END`]), inside the e820 reserved
 //! range below 1 MiB, 16-byte aligned; checksums are correct (the crate computes them; the
 //! tests recompute them).
 
+use crate::devices::virtio::MmioWindow;
 use acpi_tables::fadt::{FADTBuilder, Flags};
 use acpi_tables::gas::{AccessSize, AddressSpace, GAS};
 use acpi_tables::sdt::Sdt;
@@ -75,8 +80,56 @@ fn io_gas(port: u16, bytes: u8) -> GAS {
     )
 }
 
-/// Builds the RSDP, XSDT, FADT, FACS and DSDT, laid out from [`ACPI_START`].
-pub fn build() -> AcpiTables {
+/// The DSDT's `\_SB` entries for the virtio-mmio devices: `VR00`, `VR01`, … each with
+/// `_HID "LNRO0005"`, `_UID` its slot, and `_CRS` its register window and interrupt.
+fn virtio_devices(devices: &[MmioWindow]) -> Vec<u8> {
+    let mut out = Vec::new();
+    if devices.is_empty() {
+        return out;
+    }
+    // The AML builders borrow their parts: each level is built in a vector of its own.
+    let hid: &'static str = "LNRO0005";
+    let mems: Vec<aml::Memory32Fixed> = devices
+        .iter()
+        .map(|d| aml::Memory32Fixed::new(true, d.base as u32, d.len as u32))
+        .collect();
+    let irqs: Vec<aml::Interrupt> = devices
+        .iter()
+        .map(|d| aml::Interrupt::new(true, true, false, false, d.irq))
+        .collect();
+    let crs: Vec<aml::ResourceTemplate> = mems
+        .iter()
+        .zip(&irqs)
+        .map(|(m, i)| aml::ResourceTemplate::new(vec![m, i]))
+        .collect();
+    let uids: Vec<u32> = (0..devices.len() as u32).collect();
+    let names: Vec<[aml::Name; 3]> = crs
+        .iter()
+        .zip(&uids)
+        .map(|(c, u)| {
+            [
+                aml::Name::new("_HID".into(), &hid),
+                aml::Name::new("_UID".into(), u),
+                aml::Name::new("_CRS".into(), c),
+            ]
+        })
+        .collect();
+    let paths: Vec<String> = (0..devices.len()).map(|i| format!("VR{i:02X}")).collect();
+    let devs: Vec<aml::Device> = names
+        .iter()
+        .zip(&paths)
+        .map(|(n, p)| {
+            aml::Device::new(p.as_str().into(), n.iter().map(|x| x as &dyn Aml).collect())
+        })
+        .collect();
+    let children: Vec<&dyn Aml> = devs.iter().map(|d| d as &dyn Aml).collect();
+    aml::Scope::new("\\_SB_".into(), children).to_aml_bytes(&mut out);
+    out
+}
+
+/// Builds the RSDP, XSDT, FADT, FACS and DSDT, laid out from [`ACPI_START`], the DSDT
+/// declaring `devices` (virtio-mmio).
+pub fn build(devices: &[MmioWindow]) -> AcpiTables {
     let align = |a: u64| a.next_multiple_of(16);
     let rsdp_addr = ACPI_START;
     let xsdt_addr = align(rsdp_addr + Rsdp::len() as u64);
@@ -91,7 +144,8 @@ pub fn build() -> AcpiTables {
     let zero = 0u8;
     let s5_pkg = aml::Package::new(vec![&s5, &s5, &zero, &zero]);
     let s5_name = aml::Name::new("_S5_".into(), &s5_pkg);
-    let body = bytes(&s5_name);
+    let mut body = bytes(&s5_name);
+    body.extend(virtio_devices(devices));
     let mut dsdt = Sdt::new(*b"DSDT", 36, 2, OEM_ID, OEM_TABLE_ID, OEM_REVISION);
     dsdt.append_slice(&body);
     let dsdt = dsdt.as_slice().to_vec();
@@ -144,8 +198,38 @@ mod tests {
     }
 
     #[test]
+    fn test_virtio_devices_are_declared_in_the_dsdt() {
+        let none = build(&[]);
+        let w = |base, irq| MmioWindow {
+            base,
+            len: 0x1000,
+            irq,
+        };
+        let t = build(&[w(0xd000_0000, 10), w(0xd000_1000, 5)]);
+        let dsdt = |t: &AcpiTables| {
+            t.blobs
+                .iter()
+                .find(|(_, b)| b.starts_with(b"DSDT"))
+                .unwrap()
+                .1
+                .clone()
+        };
+        let (d0, d) = (dsdt(&none), dsdt(&t));
+        assert!(d.len() > d0.len());
+        assert_eq!(sum(&d), 0);
+        let has = |needle: &[u8]| d.windows(needle.len()).any(|x| x == needle);
+        assert!(has(b"LNRO0005\0"));
+        assert!(has(b"VR00") && has(b"VR01") && has(b"_SB_"));
+        // Memory32Fixed (0x86) with the base, and the extended IRQ (0x89) with line 10.
+        assert!(has(&[0x86, 9, 0, 1, 0, 0, 0, 0xd0, 0, 0x10, 0, 0]));
+        assert!(has(&[0x89, 6, 0, 0b11, 1, 10, 0, 0, 0]));
+        let end = t.blobs.last().map(|(a, b)| a + b.len() as u64).unwrap();
+        assert!(end <= ACPI_END);
+    }
+
+    #[test]
     fn test_tables_fit_the_bios_area_without_overlap_and_checksum_to_zero() {
-        let t = build();
+        let t = build(&[]);
         let mut end = ACPI_START;
         for (addr, b) in &t.blobs {
             assert!(*addr >= end, "table at {addr:#x} overlaps the previous one");
@@ -173,7 +257,7 @@ mod tests {
 
     #[test]
     fn test_fadt_names_the_pm_ports_reset_register_and_the_other_tables() {
-        let t = build();
+        let t = build(&[]);
         let addr_of = |sig: &[u8]| t.blobs.iter().find(|(_, b)| b.starts_with(sig)).unwrap();
         let (fadt_addr, fadt) = addr_of(b"FACP");
         let u32_at = |o: usize| u32::from_le_bytes(fadt[o..o + 4].try_into().unwrap());
@@ -210,7 +294,7 @@ mod tests {
 
     #[test]
     fn test_dsdt_defines_s5_with_the_slp_typ_the_pm_device_expects() {
-        let t = build();
+        let t = build(&[]);
         let (_, dsdt) = t
             .blobs
             .iter()

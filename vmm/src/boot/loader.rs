@@ -98,12 +98,14 @@ pub struct BootInfo {
     pub initrd: Option<(u64, u64)>,
 }
 
-/// Loads `kernel` (and `initrd`) with `cmdline` into `mem`; returns where to start.
+/// Loads `kernel` (and `initrd`) with `cmdline` into `mem`, the ACPI tables declaring the
+/// virtio-mmio `devices`; returns where to start.
 pub fn load(
     mem: &VmMemory,
     kernel: &Path,
     initrd: Option<&Path>,
     cmdline: &str,
+    devices: &[crate::devices::virtio::MmioWindow],
 ) -> Result<BootInfo> {
     // A regular file only, opened without blocking (a FIFO would hang `open`).
     let (mut file, _) = crate::input_check::open_regular(kernel, "kernel").map_err(|e| {
@@ -165,7 +167,7 @@ pub fn load(
 
     write_cmdline(mem, cmdline, &mut zero_page)?;
     put_e820(&mut zero_page, mem.ram_bytes);
-    let acpi = super::acpi::build();
+    let acpi = super::acpi::build(devices);
     for (addr, blob) in &acpi.blobs {
         write(mem, *addr, blob)?;
     }

@@ -12,6 +12,7 @@ use anyhow::{bail, Context};
 use host_daemon::resolve::SpaceReserve;
 use host_daemon::{DaemonStats, OutputFailure};
 use kpin_abi::output;
+use vmm::devices::virtio::disk::DiskConfig;
 use vmm::guests::{
     LINUX_612_CMDLINE, LINUX_CMDLINE, MINIKERNEL_NATIVE_CMDLINE, USER_KERNEL_CMDLINE,
 };
@@ -53,6 +54,7 @@ pub(crate) fn run(args: RunArgs) -> anyhow::Result<u8> {
         system_map: guest.system_map,
         cmdline: guest.cmdline,
     };
+    let disks = disk_configs(&args);
     let started = RunStarted {
         complete: false,
         status: STATUS_RUNNING,
@@ -64,6 +66,7 @@ pub(crate) fn run(args: RunArgs) -> anyhow::Result<u8> {
         cmdline: &run.cmdline,
         mem_mib: args.mem,
         tool: args.tool.as_deref(),
+        disks: &disks,
     };
     write_run_json(&run.out, &started)?;
     run_guest(&args, &run, engine, stop, &mut reserve).inspect_err(|e| {
@@ -104,6 +107,17 @@ fn check_command_line(args: &RunArgs) -> anyhow::Result<()> {
             min_mib: MIN_MEM_MIB,
             max_mib: MAX_MEM_MIB,
         });
+    }
+    if args.disk.len() > vmm::devices::virtio::MAX_DISKS {
+        return Err(UsageError(format!(
+            "--disk given {} times: at most {} disks",
+            args.disk.len(),
+            vmm::devices::virtio::MAX_DISKS
+        ))
+        .into());
+    }
+    for d in &args.disk {
+        DiskConfig::parse(d).map_err(UsageError)?;
     }
     if args.max_open_files == 0 {
         return Err(UsageError("--max-open-files must be at least 1".into()).into());
@@ -151,7 +165,12 @@ fn choose_guest(args: &RunArgs, image_dir: &Path) -> anyhow::Result<GuestFiles> 
             (l.vmlinux, Some(l.initramfs), Some(l.system_map), cmdline)
         }
         (None, Some(Guest::Linux) | None) => {
-            let l = kpin_images::ensure_linux(image_dir, &mut progress)?;
+            // With a disk, the initramfs that carries the virtio modules.
+            let l = if args.disk.is_empty() {
+                kpin_images::ensure_linux(image_dir, &mut progress)?
+            } else {
+                kpin_images::ensure_linux_virtio(image_dir, &mut progress)?
+            };
             (
                 l.vmlinux,
                 Some(l.initramfs),
@@ -164,6 +183,13 @@ fn choose_guest(args: &RunArgs, image_dir: &Path) -> anyhow::Result<GuestFiles> 
     input_check::check_kernel(&kernel, args.mem)?;
     if let Some(initrd) = &initrd {
         input_check::check_initrd(initrd, args.mem)?;
+    }
+    // The disks (exit status 1): usable raw images, opened now to say what is wrong.
+    for d in disk_configs(args) {
+        let disk = vmm::devices::virtio::disk::open(&d).map_err(anyhow::Error::msg)?;
+        if let Some(note) = disk.note {
+            progress(&note);
+        }
     }
     let mut cmdline = args.cmdline.clone().unwrap_or(default_cmdline);
     if let Some(extra) = &args.append {
@@ -178,6 +204,14 @@ fn choose_guest(args: &RunArgs, image_dir: &Path) -> anyhow::Result<GuestFiles> 
         system_map,
         cmdline,
     })
+}
+
+/// The `--disk`s, parsed (checked by [`check_command_line`]).
+fn disk_configs(args: &RunArgs) -> Vec<DiskConfig> {
+    args.disk
+        .iter()
+        .filter_map(|d| DiskConfig::parse(d).ok())
+        .collect()
 }
 
 /// The engine to start the guest under (`--tool`, or tool null for `--resident`), its
@@ -315,6 +349,7 @@ fn run_guest(
         wall_seconds: report.wall.as_secs_f64(),
         console_bytes: report.console_bytes,
         exits: report.exits.clone(),
+        devices: report.devices.clone(),
         ring,
         engine_counters,
         tools,
@@ -361,6 +396,8 @@ fn boot_and_run(
         echo_console: !args.quiet,
         system_map: system_map.clone(),
         engine,
+        disks: disk_configs(args),
+        rng: args.rng || !args.disk.is_empty(),
     };
     let mut vm = Vm::new(&cfg)?;
     vm.set_stop_request(stop);

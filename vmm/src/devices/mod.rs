@@ -9,5 +9,7 @@ pub mod acpi_pm;
 pub mod bus;
 pub mod engine_ports;
 pub mod i8042;
+pub mod mmio;
 pub mod pci;
 pub mod serial;
+pub mod virtio;

@@ -3,7 +3,8 @@
 //! The loop is a small state machine: `KVM_RUN`, classify the exit in `handle_exit` into
 //! a `Step` ("keep running", "drain the I/O ring, then keep running", "read the internal
 //! error", or a final [`Outcome`]), act on it, repeat. `handle_exit` sees only the exit
-//! and the port bus, so it is unit-tested with exits built by hand, without KVM.
+//! and the two buses (ports, and MMIO: the virtio-mmio devices), so it is unit-tested
+//! with exits built by hand, without KVM.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -14,6 +15,7 @@ use kvm_ioctls::{VcpuExit, VcpuFd};
 
 use crate::boot::layout::MMIO_GAP_END;
 use crate::devices::bus::{DeviceAction, PortBus, Routed};
+use crate::devices::mmio::{MmioAction, MmioBus, MmioRouted};
 use crate::devices::serial::ConsoleWatch;
 use crate::error::{Result, VmmError};
 use crate::vstate::watchdog::Watchdog;
@@ -44,7 +46,8 @@ pub enum Outcome {
         reason: u64,
     },
     /// An MMIO access above 4 GiB outside guest RAM and the in-kernel devices (below
-    /// 4 GiB such an access reads all ones and is counted, as on a PC).
+    /// 4 GiB such an access reads all ones and is counted, as on a PC), or an access to a
+    /// virtio-mmio device in a form its registers do not have (a width or alignment).
     UnhandledMmio {
         /// Guest-physical address.
         addr: u64,
@@ -130,6 +133,8 @@ pub struct ExitCounters {
     pub unbacked_mmio: BTreeMap<u64, u64>,
     /// All unbacked MMIO accesses below 4 GiB, including pages beyond the map's cap.
     pub unbacked_mmio_total: u64,
+    /// MMIO accesses a device on the MMIO bus (virtio-mmio) served.
+    pub mmio_device: u64,
     /// I/O-ring doorbells.
     pub doorbells: u64,
     /// Returns from `KVM_RUN` because of a signal.
@@ -151,6 +156,8 @@ pub struct RunReport {
     pub exits: ExitCounters,
     /// Bytes the guest wrote to its console.
     pub console_bytes: u64,
+    /// The virtio devices' counters (`run.json`'s `devices`).
+    pub devices: Vec<crate::devices::virtio::DeviceRecord>,
 }
 
 /// Runs the vCPU until the run ends: the guest stops, `watchdog` expires, `stop` is
@@ -162,6 +169,7 @@ pub struct RunReport {
 pub(crate) fn run_loop(
     vcpu: &mut VcpuFd,
     bus: &mut PortBus,
+    mmio: &mut MmioBus,
     console: &ConsoleWatch,
     ring: &mut Consumer,
     daemon: &mut Daemon,
@@ -179,7 +187,7 @@ pub(crate) fn run_loop(
         }
         between(vcpu, daemon, ring, exits)?;
         exits.total += 1;
-        let step = handle_exit(vcpu.run(), bus, exits)?;
+        let step = handle_exit(vcpu.run(), bus, mmio, exits)?;
         if console.panicked.get() {
             return Ok(Outcome::KernelPanic);
         }
@@ -236,30 +244,25 @@ enum Step {
 fn handle_exit(
     exit: std::result::Result<VcpuExit<'_>, kvm_ioctls::Error>,
     bus: &mut PortBus,
+    mmio: &mut MmioBus,
     exits: &mut ExitCounters,
 ) -> Result<Step> {
     let step = match exit {
         Ok(VcpuExit::IoOut(port, data)) => port_step(bus.write(port, data), port, true, exits),
         Ok(VcpuExit::IoIn(port, data)) => port_step(bus.read(port, data), port, false, exits),
-        Ok(VcpuExit::MmioRead(addr, data)) if addr < MMIO_GAP_END => {
-            data.fill(0xff);
-            count_unbacked_mmio(addr, exits);
-            Step::Continue
+        Ok(VcpuExit::MmioRead(addr, data)) if !mmio.is_empty() => {
+            let size = data.len();
+            match mmio.read(addr, data) {
+                MmioRouted::Device(a) => mmio_step(a, addr, false, size, exits),
+                MmioRouted::Unclaimed => unclaimed_mmio_read(addr, data, exits),
+            }
         }
-        Ok(VcpuExit::MmioWrite(addr, _)) if addr < MMIO_GAP_END => {
-            count_unbacked_mmio(addr, exits);
-            Step::Continue
-        }
-        Ok(VcpuExit::MmioRead(addr, data)) => Step::End(Outcome::UnhandledMmio {
-            addr,
-            write: false,
-            size: data.len(),
-        }),
-        Ok(VcpuExit::MmioWrite(addr, data)) => Step::End(Outcome::UnhandledMmio {
-            addr,
-            write: true,
-            size: data.len(),
-        }),
+        Ok(VcpuExit::MmioWrite(addr, data)) if !mmio.is_empty() => match mmio.write(addr, data) {
+            MmioRouted::Device(a) => mmio_step(a, addr, true, data.len(), exits),
+            MmioRouted::Unclaimed => unclaimed_mmio_write(addr, data.len(), exits),
+        },
+        Ok(VcpuExit::MmioRead(addr, data)) => unclaimed_mmio_read(addr, data, exits),
+        Ok(VcpuExit::MmioWrite(addr, data)) => unclaimed_mmio_write(addr, data.len(), exits),
         Ok(VcpuExit::Shutdown) => Step::End(Outcome::TripleFault),
         Ok(VcpuExit::InternalError) => Step::InternalError,
         Ok(VcpuExit::FailEntry(reason, _)) => Step::End(Outcome::FailEntry { reason }),
@@ -280,6 +283,53 @@ fn handle_exit(
         Err(e) => return Err(VmmError::Kvm("KVM_RUN", e)),
     };
     Ok(step)
+}
+
+/// An MMIO read no device claims: all ones below 4 GiB (counted), the end of the run above.
+fn unclaimed_mmio_read(addr: u64, data: &mut [u8], exits: &mut ExitCounters) -> Step {
+    if addr < MMIO_GAP_END {
+        data.fill(0xff);
+        count_unbacked_mmio(addr, exits);
+        Step::Continue
+    } else {
+        Step::End(Outcome::UnhandledMmio {
+            addr,
+            write: false,
+            size: data.len(),
+        })
+    }
+}
+
+/// An MMIO write no device claims: dropped below 4 GiB (counted), the end of the run above.
+fn unclaimed_mmio_write(addr: u64, size: usize, exits: &mut ExitCounters) -> Step {
+    if addr < MMIO_GAP_END {
+        count_unbacked_mmio(addr, exits);
+        Step::Continue
+    } else {
+        Step::End(Outcome::UnhandledMmio {
+            addr,
+            write: true,
+            size,
+        })
+    }
+}
+
+/// What a device's answer to an MMIO access means for the run loop: an access form the
+/// device does not support ends the run naming it.
+fn mmio_step(
+    action: MmioAction,
+    addr: u64,
+    write: bool,
+    size: usize,
+    exits: &mut ExitCounters,
+) -> Step {
+    match action {
+        MmioAction::Done => {
+            exits.mmio_device += 1;
+            Step::Continue
+        }
+        MmioAction::Unsupported => Step::End(Outcome::UnhandledMmio { addr, write, size }),
+    }
 }
 
 /// How many distinct unbacked MMIO pages [`ExitCounters::unbacked_mmio`] counts (a guest
@@ -340,7 +390,8 @@ mod tests {
     }
 
     fn step(exit: VcpuExit<'_>, exits: &mut ExitCounters) -> Step {
-        handle_exit(Ok(exit), &mut bus(), exits).expect("not a KVM_RUN failure")
+        handle_exit(Ok(exit), &mut bus(), &mut MmioBus::default(), exits)
+            .expect("not a KVM_RUN failure")
     }
 
     #[test]
@@ -440,6 +491,60 @@ mod tests {
         );
     }
 
+    /// Serves 4-byte accesses (reads 0x11), refuses others.
+    struct FourBytes;
+    impl crate::devices::mmio::MmioDevice for FourBytes {
+        fn read(&mut self, _: u64, data: &mut [u8]) -> MmioAction {
+            if data.len() != 4 {
+                return MmioAction::Unsupported;
+            }
+            data.fill(0x11);
+            MmioAction::Done
+        }
+        fn write(&mut self, _: u64, data: &[u8]) -> MmioAction {
+            if data.len() == 4 {
+                MmioAction::Done
+            } else {
+                MmioAction::Unsupported
+            }
+        }
+    }
+
+    #[test]
+    fn test_mmio_devices_serve_their_window_and_an_unsupported_form_ends_the_run() {
+        let mut exits = ExitCounters::default();
+        let mut mmio = MmioBus::default();
+        assert!(mmio.insert(0xd000_0000, 0x1000, Box::new(FourBytes)));
+        let mut run = |exit: VcpuExit<'_>, exits: &mut ExitCounters| {
+            handle_exit(Ok(exit), &mut bus(), &mut mmio, exits).unwrap()
+        };
+        let mut data = [0u8; 4];
+        assert_eq!(
+            run(VcpuExit::MmioRead(0xd000_0070, &mut data), &mut exits),
+            Step::Continue
+        );
+        assert_eq!(data, [0x11; 4]);
+        assert_eq!(
+            run(VcpuExit::MmioWrite(0xd000_0050, &[0; 4]), &mut exits),
+            Step::Continue
+        );
+        assert_eq!(exits.mmio_device, 2);
+        // The next slot has no device: all ones, counted as unbacked.
+        assert_eq!(
+            run(VcpuExit::MmioRead(0xd000_1000, &mut data), &mut exits),
+            Step::Continue
+        );
+        assert_eq!((data, exits.unbacked_mmio_total), ([0xff; 4], 1));
+        assert_eq!(
+            run(VcpuExit::MmioWrite(0xd000_0050, &[0; 8]), &mut exits),
+            Step::End(Outcome::UnhandledMmio {
+                addr: 0xd000_0050,
+                write: true,
+                size: 8
+            })
+        );
+    }
+
     #[test]
     fn test_machine_exits_become_outcomes() {
         let mut exits = ExitCounters::default();
@@ -477,13 +582,19 @@ mod tests {
         let mut exits = ExitCounters::default();
         assert_eq!(step(VcpuExit::Intr, &mut exits), Step::Continue);
         for errno in [libc::EINTR, libc::EAGAIN] {
-            let s = handle_exit(Err(kvm_ioctls::Error::new(errno)), &mut bus(), &mut exits);
+            let s = handle_exit(
+                Err(kvm_ioctls::Error::new(errno)),
+                &mut bus(),
+                &mut MmioBus::default(),
+                &mut exits,
+            );
             assert_eq!(s.expect("a signal is not an error"), Step::Continue);
         }
         assert_eq!(exits.interrupted, 3);
         let e = handle_exit(
             Err(kvm_ioctls::Error::new(libc::EFAULT)),
             &mut bus(),
+            &mut MmioBus::default(),
             &mut exits,
         );
         assert!(matches!(e, Err(VmmError::Kvm("KVM_RUN", _))), "{e:?}");

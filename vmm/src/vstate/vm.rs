@@ -39,6 +39,8 @@ use crate::devices::pci::{
 use crate::devices::serial::{
     Com1, ConsoleSink, ConsoleWatch, IrqTrigger, COM1_IRQ, COM1_PORT, COM1_PORT_SPAN,
 };
+use crate::devices::virtio::disk::DiskConfig;
+use crate::devices::virtio::{self, VirtioDevices};
 use crate::diag::dump;
 use crate::diag::symbols::Symbols;
 use crate::engine::host_sim::{HostSim, Planned};
@@ -71,6 +73,10 @@ pub struct VmConfig {
     /// Run the guest under the engine (`--tool`): the vCPU starts in the engine, which
     /// finds the guest's boot state in the attach block.
     pub engine: Option<EngineConfig>,
+    /// Raw image files the guest sees as virtio-blk disks (`--disk`), `vda` first.
+    pub disks: Vec<DiskConfig>,
+    /// Give the guest a virtio-rng.
+    pub rng: bool,
 }
 
 impl VmConfig {
@@ -88,6 +94,8 @@ impl VmConfig {
             echo_console: false,
             system_map: None,
             engine: None,
+            disks: Vec::new(),
+            rng: false,
         }
     }
 }
@@ -244,6 +252,8 @@ pub struct Vm {
     ring: Consumer,
     mem: VmMemory,
     bus: PortBus,
+    /// The virtio-mmio devices and the MMIO bus they are on.
+    virtio: VirtioDevices,
     console: Rc<ConsoleWatch>,
     /// COM1's transmitter for the daemon (console bytes the engine batched).
     console_tx: Option<host_daemon::ConsoleSink>,
@@ -288,7 +298,16 @@ impl Vm {
         vm.create_pit2(pit)
             .map_err(|e| VmmError::Kvm("KVM_CREATE_PIT2", e))?;
         let mem = VmMemory::new(&vm, cfg.mem_mib)?;
-        let boot = boot::load(&mem, &cfg.kernel, cfg.initrd.as_deref(), &cfg.cmdline)?;
+        let disks = virtio::open_disks(&cfg.disks)?;
+        let virtio =
+            VirtioDevices::new(&mem.ram, disks, cfg.rng, &mut |irq| virtio::irqfd(&vm, irq))?;
+        let boot = boot::load(
+            &mem,
+            &cfg.kernel,
+            cfg.initrd.as_deref(),
+            &cfg.cmdline,
+            &virtio.windows,
+        )?;
         let ring_base = mem.stolen_host_address(IO_RING_OFFSET)?;
         let ring_bytes = usize::try_from(IO_RING_BYTES).expect("the ring size fits usize");
         // SAFETY: the ring lies inside the stolen region's mapping (IO_RING_OFFSET +
@@ -364,6 +383,7 @@ impl Vm {
             ring,
             mem,
             bus,
+            virtio,
             console,
             console_tx: Some(console_tx),
             timeout: cfg.timeout,
@@ -439,6 +459,7 @@ impl Vm {
         let outcome = vcpu::run_loop(
             &mut self.vcpu,
             &mut self.bus,
+            &mut self.virtio.bus,
             &self.console,
             &mut self.ring,
             daemon,
@@ -485,6 +506,7 @@ impl Vm {
             wall,
             exits,
             console_bytes: self.console.bytes.get(),
+            devices: self.virtio.records(),
         })
     }
 }
