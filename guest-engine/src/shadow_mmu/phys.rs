@@ -37,7 +37,8 @@ pub trait PhysMem {
     }
     /// Whether `frame` is a device (MMIO) frame the guest may map: its shadow leaf then
     /// points at it so that the hardware access reaches the device model beneath (for
-    /// the engine: KVM's in-kernel local APIC and IOAPIC). The engine never reads such a
+    /// the engine: KVM's in-kernel local APIC and IOAPIC, and the VMM's virtio-mmio window
+    /// `kpin_abi::mmio`, whose accesses KVM turns into MMIO exits). The engine never reads such a
     /// frame itself, never prefetches it, and never maps it with a large page.
     fn guest_may_map_device(&self, frame: GuestPhys) -> bool {
         let _ = frame;

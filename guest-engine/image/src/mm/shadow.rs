@@ -205,9 +205,14 @@ impl PhysMem for StolenMem {
     /// The local APIC and IOAPIC pages at their default bases: KVM's in-kernel devices
     /// (the VMM creates the in-kernel irqchip), which emulate an access from CPL 3 as
     /// from ring 0, so the guest's accesses in translated code go to them unchanged.
-    /// (The engine itself uses neither: its interrupts come through the 8259.)
+    /// (The engine itself uses neither: its interrupts come through the 8259.) And the
+    /// VMM's virtio-mmio window (`kpin_abi::mmio`): no memslot backs it, so KVM decodes
+    /// the CPL-3 access and the VMM's device model serves it as a normal MMIO exit, in
+    /// program order; a page of the window with no device reads all ones, as natively.
     fn guest_may_map_device(&self, frame: GuestPhys) -> bool {
-        frame.0 == LAPIC_FRAME || frame.0 == IOAPIC_FRAME
+        frame.0 == LAPIC_FRAME
+            || frame.0 == IOAPIC_FRAME
+            || kpin_abi::mmio::is_device_frame(frame.0)
     }
 }
 
