@@ -24,8 +24,9 @@
 //! * `msr.rs` — the virtual MSR file, `rdmsr`/`wrmsr`;
 //! * `syscall.rs` — `syscall`/`sysretq`/`swapgs`/`rd/wr{fs,gs}base`;
 //! * `port_io.rs` — `in`/`out` of AL/AX/EAX (a poweroff or reset write stops for the
-//!   final report; string port I/O stops); `uart_status.rs` — COM1's line status, which
-//!   an embedder may answer without a port exit once it is known to be constant;
+//!   final report; string port I/O stops); `uart_status.rs` — COM1's line status and
+//!   IER, and `pic_mask.rs` — the PICs' masks, which an embedder may answer (and, for
+//!   the console's IER writes, keep) without a port exit once they are known;
 //! * `legacy.rs` — same-privilege far `jmp`/`call`, `iretd`, `lss`/`lfs`/`lgs`/`les`/
 //!   `lds`, and 32-bit code's `pushad`/`popad`, `into`, `bound`, `aam`/`aad`;
 //! * `optional.rs` — instructions that follow a CPUID feature, a control bit or the
@@ -58,6 +59,7 @@ mod mce;
 mod misc;
 mod msr;
 mod optional;
+pub mod pic_mask;
 mod port_io;
 mod segment_query;
 mod segments;
@@ -77,9 +79,10 @@ pub use cr::paging_control;
 pub use events::{Event, Kind, TripleFault};
 pub use hardware::{GuestFault, GuestMmu, Hardware};
 pub use msr::{LogOnce, MsrFile, Written, LAPIC_FRAME};
+pub use pic_mask::PicMaskCache;
 pub use segments::{Descriptor, Segments, Sreg};
 pub use tables::DescriptorTable;
-pub use uart_status::LineStatusCache;
+pub use uart_status::{LineStatusCache, OutRoute};
 
 use crate::shadow_mmu::View;
 use crate::{Gpr, GuestRegs, GuestVirt, Mode, SensitiveKind};

@@ -22,6 +22,16 @@
 //! instead of a port exit per byte, as long as it hands them over before the guest's next
 //! access that reaches the UART. Linux's console clears IER around every message it
 //! writes, so a boot's kernel messages travel this way.
+//!
+//! That IER save/clear/restore is itself three port exits per message (read IER, write
+//! 0, write the saved value). IER reads are answered from the guest's last write (the
+//! UART reads back the low four bits). An IER write is *absorbed* — kept here, not sent
+//! — when it cannot change what the UART does: THRI clear in both the value the UART
+//! holds and the new one (the UART raises nothing on such a write: its receive buffer
+//! is empty, as the known LSR shows, and only THRI raises an interrupt here). The
+//! guest's value is written back ([`LineStatusCache::write_back`]) before any other
+//! access reaches the UART and before the guest leaves the engine, so the UART holds it
+//! whenever anything could observe it.
 
 /// COM1's first port (`kpin_abi::x86`).
 pub use kpin_abi::x86::COM1_PORT as COM1;
@@ -41,6 +51,22 @@ pub const IER_THRI: u8 = 1 << 1;
 pub const LCR: u16 = COM1 + 3;
 /// LCR.DLAB: COM1+0 and COM1+1 are the divisor latch, not THR and IER.
 pub const LCR_DLAB: u8 = 1 << 7;
+/// The IER bits the UART keeps (vm-superio, as a 16550A: reads back `value & 0x0f`).
+pub const IER_VALID: u8 = 0x0f;
+
+/// Where an `out` the guest made to a port goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutRoute {
+    /// A THR byte the UART would only print: batch it (see the module's text).
+    BatchThr,
+    /// An IER write kept in the engine until [`LineStatusCache::write_back`].
+    Absorb,
+    /// To the device, after writing back the absorbed IER value if one is given.
+    Device {
+        /// The IER value to write to the UART first.
+        ier_first: Option<u8>,
+    },
+}
 
 /// What the engine knows of COM1's line status.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -53,8 +79,12 @@ pub struct LineStatusCache {
     lcr: Option<u8>,
     /// The guest's last IER write (with LCR.DLAB clear).
     ier: Option<u8>,
-    /// LSR reads answered from the cache.
+    /// The IER the UART holds (differs from `ier` while a write is absorbed).
+    device_ier: Option<u8>,
+    /// LSR and IER reads answered from the cache.
     pub answered: u64,
+    /// IER writes absorbed.
+    pub absorbed: u64,
 }
 
 fn touches_com1(port: u16, size: u8) -> bool {
@@ -65,12 +95,75 @@ fn touches_com1(port: u16, size: u8) -> bool {
 impl LineStatusCache {
     /// The value of an `in` of `size` bytes at `port`, if known without the device.
     pub fn answer(&mut self, port: u16, size: u8) -> Option<u32> {
-        if port != LSR || size != 1 {
-            return None;
-        }
-        let v = self.lsr?;
+        let v = match (port, size) {
+            (LSR, 1) => self.lsr?,
+            (IER, 1) if self.dlab_clear() => self.ier? & IER_VALID,
+            _ => return None,
+        };
         self.answered += 1;
         Some(u32::from(v))
+    }
+
+    /// Before an `in` that [`LineStatusCache::answer`] could not answer reaches the
+    /// device: the IER value to write back first, if the read touches the UART.
+    pub fn before_device_read(&mut self, port: u16, size: u8) -> Option<u8> {
+        if touches_com1(port, size) {
+            self.write_back()
+        } else {
+            None
+        }
+    }
+
+    /// Whether LCR.DLAB is known clear (COM1+0/+1 are THR/RBR and IER).
+    fn dlab_clear(&self) -> bool {
+        self.lcr.is_some_and(|l| l & LCR_DLAB == 0)
+    }
+
+    /// The IER value to write to the UART before an access reaches it (or the guest
+    /// leaves the engine), if a write was absorbed; the UART then holds it.
+    pub fn write_back(&mut self) -> Option<u8> {
+        let guest = self.unsent_ier()?;
+        self.device_ier = Some(guest);
+        Some(guest)
+    }
+
+    /// The guest's IER value when the UART does not hold it (an absorbed write).
+    pub fn unsent_ier(&self) -> Option<u8> {
+        let guest = self.ier? & IER_VALID;
+        (self.device_ier != Some(guest)).then_some(guest)
+    }
+
+    /// Whether the IER write of `value` can be absorbed (see the module's text).
+    fn absorbs_ier(&self, port: u16, size: u8, value: u32) -> bool {
+        port == IER
+            && size == 1
+            && self.dlab_clear()
+            && self.lsr.is_some()
+            && self.device_ier.is_some_and(|d| d & IER_THRI == 0)
+            && (value as u8) & IER_THRI == 0
+    }
+
+    /// Routes an `out` of `size` bytes of `value` at `port` and updates what is known.
+    pub fn out(&mut self, port: u16, size: u8, value: u32) -> OutRoute {
+        let route = if self.batches_thr(port, size) {
+            OutRoute::BatchThr
+        } else if self.absorbs_ier(port, size, value) {
+            self.absorbed += 1;
+            OutRoute::Absorb
+        } else if touches_com1(port, size) {
+            OutRoute::Device {
+                ier_first: self.write_back(),
+            }
+        } else {
+            OutRoute::Device { ier_first: None }
+        };
+        let ier_reaches_uart = route != OutRoute::Absorb && port == IER && size == 1;
+        let dlab_clear = self.dlab_clear();
+        self.write(port, size, value);
+        if ier_reaches_uart {
+            self.device_ier = dlab_clear.then_some(value as u8 & IER_VALID);
+        }
+        route
     }
 
     /// The device answered an `in` of `size` bytes at `port` with `value`.
@@ -82,6 +175,11 @@ impl LineStatusCache {
             let v = value as u8;
             let no_loop = self.mcr.is_some_and(|m| m & MCR_LOOP == 0);
             self.lsr = (no_loop && v & LSR_DR == 0).then_some(v);
+        } else if port == IER && size == 1 && self.dlab_clear() {
+            // What the UART holds (any absorbed value was written back before this
+            // read went through).
+            self.ier = Some(value as u8);
+            self.device_ier = Some(value as u8 & IER_VALID);
         } else if size != 1 {
             self.lsr = None;
         }
@@ -98,13 +196,14 @@ impl LineStatusCache {
     }
 
     /// The guest wrote `value` (`size` bytes) to `port` (before it reaches the device).
-    pub fn write(&mut self, port: u16, size: u8, value: u32) {
+    fn write(&mut self, port: u16, size: u8, value: u32) {
         if !touches_com1(port, size) {
             return;
         }
         if size != 1 {
             *self = LineStatusCache {
                 answered: self.answered,
+                absorbed: self.absorbed,
                 ..LineStatusCache::default()
             };
             return;
@@ -198,6 +297,69 @@ mod tests {
         c.write(MCR, 1, 0x0b);
         c.write(COM1, 2, 0);
         assert!(!c.batches_thr(COM1, 1), "a wide write forgets everything");
+    }
+
+    /// Linux's console: LCR, MCR and IER set up, the LSR learned.
+    fn console() -> LineStatusCache {
+        let mut c = LineStatusCache::default();
+        assert_eq!(c.out(LCR, 1, 0x03), OutRoute::Device { ier_first: None });
+        c.out(MCR, 1, 0x0b);
+        c.out(IER, 1, 0x05);
+        c.read_done(LSR, 1, 0x60);
+        c
+    }
+
+    #[test]
+    fn test_console_ier_save_clear_restore_stays_in_the_engine() {
+        let mut c = console();
+        assert_eq!(c.answer(IER, 1), Some(0x05));
+        assert_eq!(c.out(IER, 1, 0), OutRoute::Absorb);
+        assert_eq!(c.out(COM1, 1, u32::from(b'x')), OutRoute::BatchThr);
+        assert_eq!(c.answer(IER, 1), Some(0));
+        assert_eq!(c.out(IER, 1, 0x05), OutRoute::Absorb);
+        assert_eq!((c.answered, c.absorbed), (2, 2));
+        // The UART already holds 0x05: nothing to write back.
+        assert_eq!(c.write_back(), None);
+    }
+
+    #[test]
+    fn test_an_absorbed_value_reaches_the_uart_before_anything_else_does() {
+        let mut c = console();
+        c.out(IER, 1, 0x01);
+        assert_eq!(c.before_device_read(0x80, 1), None, "not the UART");
+        assert_eq!(c.before_device_read(COM1 + 2, 1), Some(0x01), "IIR read");
+        assert_eq!(c.before_device_read(COM1 + 2, 1), None, "written back once");
+        c.out(IER, 1, 0x00);
+        assert_eq!(
+            c.out(LCR, 1, 0x83),
+            OutRoute::Device {
+                ier_first: Some(0x00)
+            },
+            "before DLAB opens"
+        );
+        assert_eq!(c.answer(IER, 1), None, "divisor latch open");
+        assert_eq!(c.out(IER, 1, 0x00), OutRoute::Device { ier_first: None });
+    }
+
+    #[test]
+    fn test_ier_writes_that_could_interrupt_reach_the_uart() {
+        let mut c = console();
+        // Setting THRI makes the UART raise its THR-empty interrupt.
+        assert_eq!(
+            c.out(IER, 1, u32::from(IER_THRI | 1)),
+            OutRoute::Device { ier_first: None }
+        );
+        // Clearing it again changes what a later THR write would raise.
+        assert_eq!(c.out(IER, 1, 1), OutRoute::Device { ier_first: None });
+        assert_eq!(c.out(IER, 1, 0), OutRoute::Absorb);
+        // Unknown LSR (loopback on): nothing is absorbed.
+        c.out(MCR, 1, u32::from(MCR_LOOP));
+        assert_eq!(c.out(IER, 1, 0), OutRoute::Device { ier_first: None });
+        // The value read back through the gate is what the UART keeps.
+        let mut d = LineStatusCache::default();
+        d.out(LCR, 1, 0x03);
+        d.read_done(IER, 1, 0x0f);
+        assert_eq!(d.answer(IER, 1), Some(0x0f));
     }
 
     #[test]

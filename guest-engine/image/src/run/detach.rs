@@ -21,6 +21,7 @@
 use core::cell::RefCell;
 
 use guest_engine::attention::reason;
+use guest_engine::vcpu::uart_status;
 use guest_engine::Engine;
 use kpin_abi::attach::{Msr, PendingEvents, Regs, SystemRegs};
 use kpin_abi::attach_control::{
@@ -129,6 +130,10 @@ pub fn serve(
     match req {
         REQ_DETACH_NATIVE => {
             report(engine, vcpu, shadow, tool);
+            // The guest goes on natively with the UART: it must hold the guest's IER.
+            if let Some(ier) = vcpu.hw.com1.unsent_ier() {
+                gate::out(uart_status::IER, 1, u32::from(ier));
+            }
             hand_back(engine, vcpu);
             log!(
                 Info,

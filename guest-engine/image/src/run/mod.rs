@@ -398,8 +398,14 @@ fn report(
         .u64("port_out", v.outs)
         .u64("port_in", v.ins)
         .u64("cpuid", v.cpuids)
-        // Of the port reads, COM1 line-status reads the engine answered itself.
-        .u64("port_in_answered_in_engine", vcpu.hw.com1.answered)
+        // Of the port reads, those the engine answered itself (COM1's LSR and IER,
+        // the PICs' masks); of the writes, COM1 IER writes it kept (a console
+        // message's save/clear/restore).
+        .u64(
+            "port_in_answered_in_engine",
+            vcpu.hw.com1.answered + vcpu.hw.pic.answered,
+        )
+        .u64("port_out_kept_in_engine", vcpu.hw.com1.absorbed)
         .end();
     j.begin("events")
         .u64("interrupts_delivered", v.interrupts)

@@ -9,7 +9,8 @@ use core::cell::RefCell;
 use core::fmt;
 
 use guest_engine::shadow_mmu::{PagingControl, ShadowError, View};
-use guest_engine::vcpu::{GuestFault, GuestMmu, Hardware, LineStatusCache};
+use guest_engine::vcpu::uart_status::IER;
+use guest_engine::vcpu::{GuestFault, GuestMmu, Hardware, LineStatusCache, OutRoute, PicMaskCache};
 use kpin_abi::x86::msr;
 
 use crate::events::{irq, timer};
@@ -25,8 +26,11 @@ pub type Vcpu<'a> = guest_engine::vcpu::Vcpu<'a, Ring0, ShadowPort<'a>>;
 #[derive(Default)]
 pub struct Ring0 {
     /// COM1's line status: a constant once learned, answered without the gate (Linux's
-    /// console polls it before every character).
+    /// console polls it before every character); its IER, read and written around every
+    /// console message.
     pub com1: LineStatusCache,
+    /// The PICs' masks (Linux reads the IMR before acknowledging every interrupt).
+    pub pic: PicMaskCache,
     /// [`probe_null_selector_clears_base`]'s answer.
     pub null_clears_base: bool,
 }
@@ -82,24 +86,36 @@ pub fn probe_null_selector_clears_base() -> bool {
 
 impl Hardware for Ring0 {
     fn port_out(&mut self, port: u16, size: u8, value: u32) {
-        let batched = self.com1.batches_thr(port, size);
-        self.com1.write(port, size, value);
-        if batched {
-            log::console_byte(value as u8);
-            return;
+        self.pic.write(port, size, value);
+        match self.com1.out(port, size, value) {
+            OutRoute::BatchThr => log::console_byte(value as u8),
+            OutRoute::Absorb => {}
+            OutRoute::Device { ier_first } => {
+                // The UART sees the batched bytes and the guest's IER before anything
+                // the guest does next.
+                log::console_flush();
+                if let Some(ier) = ier_first {
+                    gate::out(IER, 1, u32::from(ier));
+                }
+                gate::out(port, size, value);
+            }
         }
-        // The UART sees the batched bytes before anything the guest does next.
-        log::console_flush();
-        gate::out(port, size, value);
     }
 
     fn port_in(&mut self, port: u16, size: u8) -> u32 {
         if let Some(v) = self.com1.answer(port, size) {
             return v;
         }
+        if let Some(v) = self.pic.answer(port, size) {
+            return v;
+        }
         log::console_flush();
+        if let Some(ier) = self.com1.before_device_read(port, size) {
+            gate::out(IER, 1, u32::from(ier));
+        }
         let v = gate::input(port, size);
         self.com1.read_done(port, size, v);
+        self.pic.read_done(port, size, v);
         v
     }
 
