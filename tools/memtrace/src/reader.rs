@@ -140,7 +140,7 @@ impl TracePrinter for Host {
 
 #[cfg(test)]
 mod tests {
-    use std::boxed::Box;
+    use std::vec::Vec;
 
     use super::*;
     use crate::format::{header, Record, FLAG_READ, FLAG_WRITE};
