@@ -323,6 +323,35 @@ fn arm_fault_redirect(engine: &Engine) {
     }
 }
 
+/// The virtual CPU's sections of `counters.json`: what it emulated and delivered.
+fn write_vcpu_counters(j: &mut JsonObject, vcpu: &Vcpu<'_>) {
+    let v = &vcpu.stats;
+    j.begin("emulated")
+        .u64("total", v.emulated.iter().sum())
+        .u64("port_out", v.outs)
+        .u64("port_in", v.ins)
+        .u64("cpuid", v.cpuids)
+        // Of the port reads, those the engine answered itself (COM1's LSR and IER,
+        // the PICs' masks); of the writes, COM1 IER writes it kept (a console
+        // message's save/clear/restore).
+        .u64(
+            "port_in_answered_in_engine",
+            vcpu.hw.com1.answered + vcpu.hw.pic.answered,
+        )
+        .u64("port_out_kept_in_engine", vcpu.hw.com1.absorbed)
+        .end();
+    j.begin("events")
+        .u64("interrupts_delivered", v.interrupts)
+        .u64("exceptions_delivered", v.exceptions.iter().sum())
+        .u64("software_interrupts", v.software_ints)
+        .u64("halts", v.halts)
+        // CPL-3 instructions the virtual CPU does not model, answered with #UD.
+        .u64("user_unsupported_ud", v.user_unsupported)
+        // DR7 writes enabling a hardware breakpoint.
+        .u64("breakpoint_enables", v.breakpoint_enables)
+        .end();
+}
+
 /// Logs what the run did, writes `counters.json` and lets the tool write its files.
 fn report(
     engine: &Engine,
@@ -392,31 +421,7 @@ fn report(
         // ... and block counts taken back after faults cut a block short.
         .u64("taken_back_after_faults", st.insns_taken_back)
         .end();
-    let v = &vcpu.stats;
-    j.begin("emulated")
-        .u64("total", v.emulated.iter().sum())
-        .u64("port_out", v.outs)
-        .u64("port_in", v.ins)
-        .u64("cpuid", v.cpuids)
-        // Of the port reads, those the engine answered itself (COM1's LSR and IER,
-        // the PICs' masks); of the writes, COM1 IER writes it kept (a console
-        // message's save/clear/restore).
-        .u64(
-            "port_in_answered_in_engine",
-            vcpu.hw.com1.answered + vcpu.hw.pic.answered,
-        )
-        .u64("port_out_kept_in_engine", vcpu.hw.com1.absorbed)
-        .end();
-    j.begin("events")
-        .u64("interrupts_delivered", v.interrupts)
-        .u64("exceptions_delivered", v.exceptions.iter().sum())
-        .u64("software_interrupts", v.software_ints)
-        .u64("halts", v.halts)
-        // CPL-3 instructions the virtual CPU does not model, answered with #UD.
-        .u64("user_unsupported_ud", v.user_unsupported)
-        // DR7 writes enabling a hardware breakpoint.
-        .u64("breakpoint_enables", v.breakpoint_enables)
-        .end();
+    write_vcpu_counters(&mut j, vcpu);
     j.begin("smc")
         .u64("frames_invalidated", sh.counters.code_writes)
         .u64("traces_invalidated", sh.counters.fragments_invalidated)
