@@ -289,13 +289,18 @@ pub fn check_tool(tool: &str, options: &BTreeMap<String, String>) -> Result<(), 
     {
         return Err(format!("bad tool option {k:?}={v:?}"));
     }
-    if options
+    // An option naming a host file (cachesim's config_file) is read by `kpin run` before
+    // boot; a window's options reach the engine as they are.
+    let spec = kpin_tool_registry::find(tool);
+    if let Some(o) = options
         .keys()
-        .any(|k| k == "config_file" || k == "cachesim.config_file")
+        .filter_map(|k| spec.and_then(|t| t.option(k)))
+        .find(|o| o.kind == kpin_tool::ValueKind::Path)
     {
-        return Err(
-            "config_file works with kpin run only (give attach the options one by one)".into(),
-        );
+        return Err(format!(
+            "{} works with kpin run only (give attach the options one by one)",
+            o.key
+        ));
     }
     let pairs: Vec<String> = options.iter().map(|(k, v)| format!("{k}={v}")).collect();
     crate::input_check::check_tool(tool, &pairs).map_err(|e| e.to_string())
