@@ -55,7 +55,7 @@ pub const RESERVED_NAMES: &[&str] = &[
     output::DUMP_TXT,
     ENGINE_LOG,
     // bbcount's host-side report, which the VMM writes after a `--tool bbcount` run (its
-    // name is `kpin_tool_bbcount::report::REPORT_NAME`; a VMM test ties the two).
+    // name is `kpin_tool_bbcount::report::REPORT_NAME`; a test in bbcount's report ties the two).
     "bbcount-report.txt",
     output::CONTROL_SOCKET,
 ];
