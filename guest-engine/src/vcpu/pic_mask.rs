@@ -78,19 +78,26 @@ impl PicMaskCache {
         Some(u32::from(v))
     }
 
-    /// The device answered an `in` of `size` bytes at `port` with `value`.
-    pub fn read_done(&mut self, port: u16, size: u8, value: u32) {
+    /// The PIC a one-byte access at `port` reaches and whether it is the data port;
+    /// `None` for other ports, and after forgetting everything for a wide access that
+    /// covers a PIC port.
+    fn reached(&mut self, port: u16, size: u8) -> Option<(&mut Pic, bool)> {
         if wide_over_pics(port, size) {
             *self = PicMaskCache {
                 answered: self.answered,
                 ..PicMaskCache::default()
             };
-            return;
+            return None;
         }
-        let Some((i, data)) = which(port) else {
+        let (i, data) = which(port)?;
+        Some((&mut self.pics[i], data))
+    }
+
+    /// The device answered an `in` of `size` bytes at `port` with `value`.
+    pub fn read_done(&mut self, port: u16, size: u8, value: u32) {
+        let Some((p, data)) = self.reached(port, size) else {
             return;
         };
-        let p = &mut self.pics[i];
         if core::mem::take(&mut p.poll) {
             return;
         }
@@ -101,17 +108,9 @@ impl PicMaskCache {
 
     /// The guest wrote `value` (`size` bytes) to `port`.
     pub fn write(&mut self, port: u16, size: u8, value: u32) {
-        if wide_over_pics(port, size) {
-            *self = PicMaskCache {
-                answered: self.answered,
-                ..PicMaskCache::default()
-            };
-            return;
-        }
-        let Some((i, data)) = which(port) else {
+        let Some((p, data)) = self.reached(port, size) else {
             return;
         };
-        let p = &mut self.pics[i];
         let v = value as u8;
         if data {
             if p.icws_left > 0 {
