@@ -4,7 +4,8 @@
 //!
 //! - `Open` records create files. A name must pass
 //!   [`kpin_abi::io_ring::validate_name`] (relative, `[A-Za-z0-9._-/]`, no empty, `..` or
-//!   dot-file component), must not be one of kpin's own files ([`RESERVED_NAMES`]), and is
+//!   dot-file component), must not be one of kpin's own files ([`RESERVED_NAMES`], and
+//!   the tools' host-side reports the VMM adds with [`Daemon::reserve`]), and is
 //!   resolved beneath the output directory without following symlinks
 //!   ([`resolve::OutDir`]); a name that passes through a file, a symlink, a FIFO or a
 //!   hard-linked file is refused. At most [`DaemonConfig::max_open_files`] files are open
@@ -54,9 +55,6 @@ pub const RESERVED_NAMES: &[&str] = &[
     output::RUN_JSON,
     output::DUMP_TXT,
     ENGINE_LOG,
-    // bbcount's host-side report, which the VMM writes after a `--tool bbcount` run (its
-    // name is `kpin_tool_bbcount::report::REPORT_NAME`; a test in bbcount's report ties the two).
-    "bbcount-report.txt",
     output::CONTROL_SOCKET,
 ];
 
@@ -191,6 +189,8 @@ pub struct Daemon {
     stopped: bool,
     /// Where [`Kind::Console`] bytes go: the VMM's UART ([`Daemon::set_console`]).
     console: Option<ConsoleSink>,
+    /// Names refused besides [`RESERVED_NAMES`] ([`Daemon::reserve`]).
+    reserved: Vec<&'static str>,
 }
 
 /// Takes the console bytes of one [`Kind::Console`] record, in order.
@@ -219,7 +219,14 @@ impl Daemon {
             output_failure: None,
             stopped: false,
             console: None,
+            reserved: Vec::new(),
         }
+    }
+
+    /// Refuses the guest `names` too, as kpin's own files: the files a tool's host side
+    /// writes after the run (`kpin_tool::host_side::HostTool::report_files`).
+    pub fn reserve(&mut self, names: &[&'static str]) {
+        self.reserved.extend_from_slice(names);
     }
 
     /// Sends the console bytes the engine batches to `uart` (without one they are
@@ -475,7 +482,7 @@ impl Daemon {
         }
         let rel = std::str::from_utf8(name).expect("validate_name admits ASCII only");
         let first = rel.split('/').next().unwrap_or(rel);
-        if RESERVED_NAMES.contains(&first) {
+        if RESERVED_NAMES.contains(&first) || self.reserved.contains(&first) {
             return self.refuse(name, "kpin writes that file itself");
         }
         if self.files.len() >= self.config.max_open_files {
@@ -716,13 +723,15 @@ mod tests {
         std::fs::write(&victim, "keep").unwrap();
         std::os::unix::fs::symlink(&victim, dir.join("tool.csv")).unwrap();
         let mut d = Daemon::new(&dir);
+        // A tool's host-side report, reserved by the VMM.
+        d.reserve(&["tool-report.txt"]);
         p.push(Kind::Open, 1, b"plain").unwrap();
         for (id, name) in (2..).zip([
             &b"run.json"[..],
             b"console.log",
             b"engine.log",
             b"dump.txt",
-            b"bbcount-report.txt",
+            b"tool-report.txt",
             b"run.json/x",
             b".bashrc",
             b"sub/.hidden",
@@ -741,7 +750,7 @@ mod tests {
             "run.json",
             "console.log",
             "dump.txt",
-            "bbcount-report.txt",
+            "tool-report.txt",
             ".bashrc",
         ] {
             assert!(!dir.join(kpin_file).exists(), "{kpin_file}");

@@ -11,9 +11,9 @@
 //!   the name one component at a time with `openat(O_NOFOLLOW | O_DIRECTORY)`; missing
 //!   directories are made with `mkdirat` beneath directories already opened that way.
 //! - [`create_output_file`] and [`read_output_file`] are kpin's own files (`console.log`,
-//!   reports; `counters.json` and `bbcount.csv` read back): `O_NOFOLLOW` on the last
+//!   reports; `counters.json` and tool files read back): `O_NOFOLLOW` on the last
 //!   component.
-//! - [`write_output_file`] (`run.json`, `dump.txt`, `bbcount-report.txt`) writes a whole
+//! - [`write_output_file`] (`run.json`, `dump.txt`, tools' host-side reports) writes a whole
 //!   file atomically: a new dot-file beside it (`O_EXCL | O_NOFOLLOW`), `fsync`, then
 //!   `rename` over the name (which replaces a symlink or hard link there, never writes
 //!   through it). A reader sees the old file or the whole new one, never a partial file,

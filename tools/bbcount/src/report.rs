@@ -212,6 +212,10 @@ impl HostTool for Host {
         Some(crate::SPEC.name)
     }
 
+    fn report_files(&self) -> &'static [&'static str] {
+        &[REPORT_NAME]
+    }
+
     fn report(&self, run: &mut RunFiles<'_>) -> Reported {
         // Only a finished CSV is a result.
         if run.is_unfinished(CSV_NAME) || !run.dir.join(CSV_NAME).exists() {
@@ -254,11 +258,17 @@ impl HostTool for Host {
 mod tests {
     use super::*;
 
-    /// The daemon refuses the guest the file the VMM writes after a bbcount run (the
-    /// daemon does not depend on the tool, so it spells the name itself).
+    /// The report the VMM writes after a bbcount run is declared, so that the daemon
+    /// refuses it to the guest.
     #[test]
-    fn test_the_daemon_reserves_the_report_the_vmm_writes_after_bbcount() {
-        assert!(host_daemon::RESERVED_NAMES.contains(&REPORT_NAME));
+    fn test_the_report_file_is_declared_for_the_daemon_to_reserve() {
+        assert_eq!(Host.report_files(), &[REPORT_NAME]);
+        let dir = std::env::temp_dir().join(format!("kpin-bbcount-reserve-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut d = host_daemon::Daemon::new(&dir);
+        d.reserve(Host.report_files());
+        assert!(!d.write_host_file(REPORT_NAME, b"x"), "refused");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     fn row(address: u64, cpl: u8, instructions: u32, count: u64) -> Row {

@@ -80,6 +80,12 @@ pub trait HostTool: Sync {
         Reported::default()
     }
 
+    /// The files [`HostTool::report`] writes in the output directory: the guest may not
+    /// create them (the record ring's daemon refuses them, as kpin's own files).
+    fn report_files(&self) -> &'static [&'static str] {
+        &[]
+    }
+
     /// The printer `kpin trace RUN` uses, if the tool leaves a trace.
     fn trace(&self) -> Option<&dyn TracePrinter> {
         None

@@ -241,8 +241,12 @@ fn prepare_out_dir(args: &RunArgs) -> anyhow::Result<PathBuf> {
     let out = args.out.clone().unwrap_or_else(default_run_dir);
     std::fs::create_dir_all(&out)
         .with_context(|| format!("cannot create output directory {}", out.display()))?;
-    // kpin's own files are never written through a link left in the directory.
-    for name in host_daemon::RESERVED_NAMES {
+    // kpin's own files (and the tools' host-side reports) are never written through a
+    // link left in the directory.
+    let reports = kpin_tool_registry::host::HOST_TOOLS
+        .iter()
+        .flat_map(|h| h.report_files());
+    for name in host_daemon::RESERVED_NAMES.iter().chain(reports) {
         let p = out.join(name);
         if std::fs::symlink_metadata(&p).is_ok_and(|m| m.file_type().is_symlink()) {
             bail!(
@@ -422,6 +426,9 @@ fn boot_and_run(
             ..Default::default()
         },
     );
+    for host in kpin_tool_registry::host::HOST_TOOLS {
+        daemon.reserve(host.report_files());
+    }
     let mut control = attach_control(out, image_dir, args.tool.as_deref(), cfg.engine.as_ref());
     control.boot_resident = args.resident;
     let report = vm.run_with_control(&mut daemon, Some(control))?;
