@@ -6,6 +6,8 @@
 //!   linux-6.1.0-56-cloud-amd64/{modules/, initramfs-virtio.cpio}  its virtio modules and
 //!                                                            the initramfs carrying them
 //!   linux-6.12.117+deb12-amd64/{vmlinuz, vmlinux, config}    the generic 6.12, benchmarks only
+//!   debian-bookworm/{disk.img, initrd.img-<release>, expected-md5, packages.txt, stamp}
+//!                                                            the Debian guest (debian_image.rs)
 //!   busybox/busybox                                          static busybox from Debian
 //!   programs/{kpin-test, kpin-conform, kpin-conform32}      the initramfs' test programs
 //!   programs/src-<program>/                                  the sources each was compiled from
@@ -18,7 +20,7 @@
 //!   .stamps/                                                 cache stamps (see cache.rs)
 //!   .scratch/                                                extraction space, emptied after use
 //!   .scratch-zstd/                                           a zstd payload being decompressed
-//!   .lock-linux, .lock-minikernel, .lock-engine              job locks
+//!   .lock-linux, .lock-minikernel, .lock-engine, .lock-debian  job locks
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -31,6 +33,11 @@ pub(crate) fn kernel_dir(out_dir: &Path, release: &str) -> PathBuf {
 /// Scratch space for decompressing a zstd kernel payload; removed after use.
 pub(crate) fn zstd_scratch_dir(out_dir: &Path) -> PathBuf {
     out_dir.join(".scratch-zstd")
+}
+
+/// Directory of the Debian bookworm guest (`debian_image.rs`).
+pub(crate) fn debian_dir(out_dir: &Path) -> PathBuf {
+    out_dir.join("debian-bookworm")
 }
 
 /// The initramfs' test program `name` (a static binary; see `programs.rs`).
@@ -95,4 +102,21 @@ pub(crate) mod kernel_files {
     pub(crate) const CONFIG: &str = "config";
     /// The default kernel's virtio initramfs (`virtio_initramfs.rs`).
     pub(crate) const VIRTIO_INITRAMFS: &str = "initramfs-virtio.cpio";
+}
+
+/// File names inside [`debian_dir`].
+pub(crate) mod debian_files {
+    /// The raw ext4 disk image (sparse).
+    pub(crate) const DISK: &str = "disk.img";
+    /// The workload's md5, as the build-time run in a chroot printed it.
+    pub(crate) const EXPECTED_MD5: &str = "expected-md5";
+    /// `dpkg-query -W` of the image: what went in.
+    pub(crate) const PACKAGES: &str = "packages.txt";
+    /// The disk image's stamp: the inputs' hash, its size and modification time.
+    pub(crate) const STAMP: &str = "stamp";
+
+    /// The initrd initramfs-tools made in the image for kernel `release`.
+    pub(crate) fn initrd(release: &str) -> String {
+        format!("initrd.img-{release}")
+    }
 }

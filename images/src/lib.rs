@@ -21,6 +21,7 @@ mod cache;
 mod command;
 mod cpio;
 mod debian;
+mod debian_image;
 mod engine;
 mod gdb;
 mod initramfs;
@@ -41,6 +42,7 @@ use std::path::{Path, PathBuf};
 pub use bzimage::BzImageError;
 pub use command::CommandError;
 pub use cpio::CpioError;
+pub use debian_image::disk_test_sha256;
 pub use gdb::{ensure_gdb, gdb_overlay, GDB_BEGIN, GDB_END};
 pub use lz4_legacy::Lz4Error;
 pub use overlay::{ensure_busybox_i386, overlay};
@@ -116,6 +118,23 @@ pub struct BenchLinuxImages {
     pub initramfs: PathBuf,
     /// The kernel release (`uname -r`), e.g. `6.12.117+deb12-amd64`.
     pub kernel_version: &'static str,
+}
+
+/// The Debian bookworm guest (`kpin images --debian`, `kpin run --guest debian`; built by
+/// [`ensure_debian`] into `out_dir/debian-bookworm/`): a raw ext4 disk image holding both
+/// pinned kernels' modules, and the initrd initramfs-tools made in it for this kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DebianImage {
+    /// The raw ext4 disk image (2 GiB, sparse): the guest's `/dev/vda`, its root file
+    /// system. Boot a copy: a run writes to its disk.
+    pub disk: PathBuf,
+    /// The initrd for [`DebianImage::linux`]'s kernel (loads virtio_mmio and virtio_blk).
+    pub initrd: PathBuf,
+    /// The md5 `kpin-workload` prints after `KPIN-WORKLOAD-DONE`, from its run in a chroot
+    /// of the image at build time.
+    pub expected_md5: String,
+    /// The kernel's files (its own busybox initramfs is not used).
+    pub linux: LinuxImages,
 }
 
 /// Why an image could not be produced. Messages name what failed; the cause is chained as
@@ -267,6 +286,45 @@ pub enum ImagesError {
         #[source]
         source: CpioError,
     },
+    /// The Debian image cannot be built (no root, a tool missing, a bad result).
+    #[error("could not build the Debian image: {why}")]
+    DebianImage {
+        /// What is wrong, and what to do.
+        why: String,
+    },
+    /// mmdebstrap could not reach Debian's mirror.
+    #[error(
+        "could not build the Debian image: mmdebstrap could not reach Debian's mirror \
+         (deb.debian.org; check the network, a proxy in /etc/apt/apt.conf.d, or \
+         `apt-get update`): `{command}` failed"
+    )]
+    DebianMirror {
+        /// The exact command that failed.
+        command: String,
+        /// How it failed.
+        #[source]
+        source: CommandError,
+    },
+    /// mmdebstrap failed.
+    #[error("could not build the Debian image: `{command}` failed (its output: {})", log.display())]
+    DebianBuild {
+        /// The exact command that failed.
+        command: String,
+        /// The file holding its whole output.
+        log: PathBuf,
+        /// How it failed.
+        #[source]
+        source: CommandError,
+    },
+    /// mkfs.ext4 could not pack the root file system.
+    #[error("could not pack the Debian image: `{command}` failed")]
+    DebianMkfs {
+        /// The exact command that failed.
+        command: String,
+        /// How it failed.
+        #[source]
+        source: CommandError,
+    },
     /// A no_std crate (the mini-kernel, the engine image) is not in the repository.
     #[error("the sources of {what} are missing: {} does not exist", manifest.display())]
     NoStdMissing {
@@ -398,6 +456,22 @@ pub fn ensure_conform_programs(
         bin64: programs::ensure(out_dir, &programs::CONFORM, progress)?,
         bin32: programs::ensure(out_dir, &programs::CONFORM32, progress)?,
     })
+}
+
+/// Makes sure the Debian bookworm guest is complete in `out_dir/debian-bookworm/` for
+/// `kernel` and returns its files (the kernel's too).
+///
+/// A cold build takes minutes and needs root, `mmdebstrap` and Debian's mirror: the root
+/// file system from Debian's packages with both pinned kernels installed (their verified
+/// packages from `out_dir/downloads/`), the workload unit, an initrd per kernel, the raw
+/// ext4 image (`images/src/debian_image.rs`, docs/images.md). `progress` gets a line per
+/// step, and mmdebstrap's own `I:` lines. A warm call checks the stamps and returns.
+pub fn ensure_debian(
+    kernel: GuestKernel,
+    out_dir: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<DebianImage, ImagesError> {
+    debian_image::ensure(kernel, out_dir, progress)
 }
 
 /// Builds the mini-kernel guest (`tests/guests/minikernel`) and returns the path of its ELF,
