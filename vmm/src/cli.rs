@@ -42,6 +42,11 @@ pub(crate) enum Command {
         /// benchmark only (about 110 MB to download).
         #[arg(long)]
         generic_612: bool,
+        /// Also build the Debian bookworm guest (`kpin run --guest debian`): a root file
+        /// system from Debian's packages made with mmdebstrap, a 2 GiB ext4 disk image,
+        /// initrds for both kernels (needs root and Debian's mirror; minutes when cold).
+        #[arg(long)]
+        debian: bool,
     },
     /// Boot a guest and run it to poweroff, crash or timeout.
     #[command(after_help = RUN_AFTER_HELP)]

@@ -38,9 +38,11 @@ const EXIT_OUTPUT_FAILED: u8 = 5;
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Images { dir, generic_612 } => {
-            cmd::images::images(dir, generic_612).map(|()| EXIT_CLEAN)
-        }
+        Command::Images {
+            dir,
+            generic_612,
+            debian,
+        } => cmd::images::images(dir, generic_612, debian).map(|()| EXIT_CLEAN),
         Command::Run(args) => cmd::run::run(*args),
         Command::Attach {
             run,
