@@ -108,6 +108,7 @@ pub fn engine_config(tool: &str, options: &str) -> vmm::EngineConfig {
         tool: tool.into(),
         options: options.into(),
         host_sim: true,
+        kernel_types: kpin_abi::attach::KernelTypes::UNKNOWN,
     }
 }
 

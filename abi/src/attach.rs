@@ -3,14 +3,16 @@
 //!
 //! It holds the complete guest vCPU state (general, segment, descriptor-table and control
 //! registers, MSRs, pending events), the CPUID table the engine answers CPUID from, the
-//! guest memory map, where the stolen region and the I/O ring are, and the tool's name
-//! and options.
+//! guest memory map, where the stolen region and the I/O ring are, the tool's name
+//! and options, and where the guest kernel keeps its running task ([`KernelTypes`], from
+//! the kernel's BTF; zeros when unknown).
 
 /// `magic` of a valid block: "KPINATCH".
 pub const MAGIC: u64 = u64::from_le_bytes(*b"KPINATCH");
-/// Layout version; bump on any change. 3: the window the block is reached through is PML4
-/// slot 257 (`stolen::WINDOW_VA`; 2 had it in the lower half, 1 in slot 256).
-pub const VERSION: u32 = 3;
+/// Layout version; bump on any change. 4: [`AttachBlock::kernel_types`] at the end. 3: the
+/// window the block is reached through is PML4 slot 257 (`stolen::WINDOW_VA`; 2 had it in
+/// the lower half, 1 in slot 256).
+pub const VERSION: u32 = 4;
 /// Capacity of [`AttachBlock::msrs`].
 pub const MAX_MSRS: usize = 32;
 /// Capacity of [`AttachBlock::cpuid`].
@@ -248,6 +250,50 @@ pub struct PendingEvents {
     pub pad: u32,
 }
 
+/// Where a Linux guest keeps its running task, read by the VMM from the kernel's BTF
+/// (`vmm/src/diag/kernel_types.rs`): the engine reads `current` when the guest returns
+/// to CPL 3 and names the task by these fields. Each field 0 means unknown; the engine
+/// then tracks no tasks ([`KernelTypes::is_known`] is false).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelTypes {
+    /// Offset of the running task's `struct task_struct *` from the kernel's per-CPU base
+    /// (the GS base at CPL 0): `current_task` (6.1) or `pcpu_hot.current_task` (6.2+).
+    pub current_task: u64,
+    /// Offset of `task_struct.pid` (`pid_t`, 4 bytes).
+    pub task_pid: u32,
+    /// Offset of `task_struct.tgid` (`pid_t`, 4 bytes).
+    pub task_tgid: u32,
+    /// Offset of `task_struct.comm`.
+    pub task_comm: u32,
+    /// Bytes of `task_struct.comm` (`TASK_COMM_LEN`, 16), at most [`MAX_COMM_BYTES`].
+    pub comm_bytes: u32,
+}
+
+/// Largest `KernelTypes::comm_bytes` the engine reads.
+pub const MAX_COMM_BYTES: u32 = 16;
+
+impl KernelTypes {
+    /// All zeros: nothing known.
+    pub const UNKNOWN: KernelTypes = KernelTypes {
+        current_task: 0,
+        task_pid: 0,
+        task_tgid: 0,
+        task_comm: 0,
+        comm_bytes: 0,
+    };
+
+    /// Whether every field is known (non-zero) and `comm_bytes` is within
+    /// [`MAX_COMM_BYTES`].
+    pub fn is_known(&self) -> bool {
+        self.current_task != 0
+            && self.task_pid != 0
+            && self.task_tgid != 0
+            && self.task_comm != 0
+            && (1..=MAX_COMM_BYTES).contains(&self.comm_bytes)
+    }
+}
+
 /// The attach block.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -288,6 +334,8 @@ pub struct AttachBlock {
     pub tool_name: [u8; TOOL_NAME_BYTES],
     /// Tool options, NUL-padded.
     pub tool_options: [u8; TOOL_OPTIONS_BYTES],
+    /// Where the guest kernel keeps its running task (zeros: unknown).
+    pub kernel_types: KernelTypes,
 }
 
 const _: () = assert!(core::mem::size_of::<AttachBlock>() as u64 <= crate::stolen::ATTACH_BYTES);
@@ -380,6 +428,7 @@ impl AttachBlock {
             stolen_bytes: 0,
             tool_name: [0; TOOL_NAME_BYTES],
             tool_options: [0; TOOL_OPTIONS_BYTES],
+            kernel_types: KernelTypes::UNKNOWN,
         }
     }
 
@@ -488,6 +537,25 @@ mod tests {
             [0; 4],
             "unknown leaves answer zeros"
         );
+    }
+
+    #[test]
+    fn test_kernel_types_are_known_only_when_whole() {
+        assert!(!AttachBlock::new().kernel_types.is_known());
+        let k = KernelTypes {
+            current_task: 0x1fb80,
+            task_pid: 0x5a0,
+            task_tgid: 0x5a4,
+            task_comm: 0x758,
+            comm_bytes: 16,
+        };
+        assert!(k.is_known());
+        assert!(!KernelTypes { task_pid: 0, ..k }.is_known());
+        assert!(!KernelTypes {
+            comm_bytes: 17,
+            ..k
+        }
+        .is_known());
     }
 
     #[test]

@@ -40,7 +40,10 @@ pub(crate) fn run(args: RunArgs) -> anyhow::Result<u8> {
         .clone()
         .unwrap_or_else(kpin_images::default_out_dir);
     let guest = choose_guest(&args, &image_dir)?;
-    let engine = engine_config(&args, &image_dir)?;
+    let mut engine = engine_config(&args, &image_dir)?;
+    if let Some(e) = &mut engine {
+        e.kernel_types = kernel_types(&guest.kernel);
+    }
     let out = prepare_out_dir(&args)?;
     // From here on SIGINT and SIGTERM stop the guest and keep its files so far.
     let stop = StopRequest::new();
@@ -230,9 +233,29 @@ fn engine_config(args: &RunArgs, image_dir: &Path) -> anyhow::Result<Option<vmm:
             tool: tool.clone(),
             options: input_check::engine_options(&tool, &args.tool_option)?,
             host_sim: !args.sim_in_engine,
+            // Set from the kernel by `run` once the guest is chosen.
+            kernel_types: kpin_abi::attach::KernelTypes::UNKNOWN,
         }),
         None => None,
     })
+}
+
+/// Where `kernel` keeps its running task, from its BTF, for the engine's process table
+/// (`docs/processes.md`); a kernel without usable BTF gets one warning line, and the engine
+/// then reports by address space (CR3).
+fn kernel_types(kernel: &Path) -> kpin_abi::attach::KernelTypes {
+    match vmm::diag::kernel_types::from_kernel(kernel) {
+        Ok((types, source)) => {
+            progress(&format!("processes: the running task from the {source}"));
+            types
+        }
+        Err(why) => {
+            progress(&format!(
+                "warning: processes are reported by address space (CR3), not by name: {why}"
+            ));
+            kpin_abi::attach::KernelTypes::UNKNOWN
+        }
+    }
 }
 
 /// Creates the output directory (`--out`, or `kpin-out/run-<time>-<pid>`) and refuses

@@ -461,6 +461,8 @@ impl Windows {
             options: options.to_owned(),
             // Windows simulate in the engine: the record ring serves the boot tool only.
             host_sim: false,
+            // Not read for a window yet: its processes are reported by address space.
+            kernel_types: kpin_abi::attach::KernelTypes::UNKNOWN,
         };
         match engine::enter::enter(vcpu, mem, cpuid, &cfg) {
             Ok(_) => {}

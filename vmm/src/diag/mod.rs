@@ -1,9 +1,10 @@
 //! Diagnostics: the guest-state dump written on every unexpected end of a run, the
-//! guest page-table walk it uses, and kernel symbol tables that name addresses in it and
-//! in tool reports.
+//! guest page-table walk it uses, kernel symbol tables that name addresses in it and in
+//! tool reports, and the kernel's types that say which task runs (`kernel_types.rs`).
 
 pub mod dump;
 pub mod kaslr;
 pub mod kernel_symbols;
+pub mod kernel_types;
 pub mod paging;
 pub mod symbols;

@@ -1,15 +1,16 @@
 //! Capturing the guest's vCPU state into the attach block ([`kpin_abi::attach`]) the
 //! engine starts from: general, segment, descriptor-table and control registers, pending
 //! events, the MSRs in [`ATTACH_MSRS`], the CPUID table, the e820 map, where the stolen
-//! region is, and the tool's name and options.
+//! region is, the tool's name and options, and where the guest kernel keeps its running
+//! task (`kernel_types`, from its BTF).
 //!
 //! Invariants: [`capture`] is a pure function of KVM's structures (unit-tested without
 //! KVM); a block it returns is valid ([`AttachBlock::is_valid`]) and every count is within
 //! its array; a table that does not fit is an error, never silently truncated.
 
 use kpin_abi::attach::{
-    AttachBlock, CpuidEntry, DescriptorTable, Msr, PendingEvents, Regs, Segment, SystemRegs,
-    MAX_CPUID, MAX_E820, MAX_MSRS, TOOL_NAME_BYTES, TOOL_OPTIONS_BYTES,
+    AttachBlock, CpuidEntry, DescriptorTable, KernelTypes, Msr, PendingEvents, Regs, Segment,
+    SystemRegs, MAX_CPUID, MAX_E820, MAX_MSRS, TOOL_NAME_BYTES, TOOL_OPTIONS_BYTES,
 };
 use kpin_abi::stolen::ATTACH_OFFSET;
 use kpin_abi::x86::msr;
@@ -80,6 +81,8 @@ pub struct AttachInputs<'a> {
     pub tool: &'a str,
     /// The tool's options (`key=value` separated by spaces).
     pub options: &'a str,
+    /// Where the guest kernel keeps its running task (`KernelTypes::UNKNOWN` if not known).
+    pub kernel_types: KernelTypes,
 }
 
 /// Reads the vCPU's complete state from KVM.
@@ -226,6 +229,7 @@ pub fn capture(state: &VcpuState, inputs: &AttachInputs<'_>) -> Result<AttachBlo
     b.stolen_bytes = inputs.stolen_bytes;
     b.tool_name = tool_name(inputs.tool)?;
     b.tool_options = tool_options(inputs.options)?;
+    b.kernel_types = inputs.kernel_types;
     Ok(b)
 }
 
@@ -349,6 +353,13 @@ mod tests {
             stolen_bytes: 64 << 20,
             tool: "null",
             options: "bringup.crash=pf x=1",
+            kernel_types: KernelTypes {
+                current_task: 0x1fb80,
+                task_pid: 0x970,
+                task_tgid: 0x974,
+                task_comm: 0xba0,
+                comm_bytes: 16,
+            },
         }
     }
 
@@ -384,6 +395,8 @@ mod tests {
         assert_eq!(b.stolen_base, 1 << 32);
         assert_eq!(b.tool_name(), b"null");
         assert_eq!(b.tool_options(), b"bringup.crash=pf x=1");
+        assert_eq!(b.kernel_types.current_task, 0x1fb80);
+        assert!(b.kernel_types.is_known());
     }
 
     #[test]

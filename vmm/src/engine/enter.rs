@@ -41,6 +41,10 @@ pub struct EngineConfig {
     /// ring ([`crate::engine::host_sim`]) rather than inside the engine (if the host has a
     /// second core).
     pub host_sim: bool,
+    /// Where the guest kernel keeps its running task, from its BTF
+    /// ([`crate::diag::kernel_types`]); `KernelTypes::UNKNOWN`: the engine names no
+    /// processes.
+    pub kernel_types: kpin_abi::attach::KernelTypes,
 }
 
 /// Where the engine was entered.
@@ -164,6 +168,7 @@ pub fn enter(
             stolen_bytes: STOLEN_SIZE_BYTES,
             tool: &cfg.tool,
             options: &cfg.options,
+            kernel_types: cfg.kernel_types,
         },
     )?;
     attach::write_block(mem, &block)?;

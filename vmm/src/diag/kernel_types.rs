@@ -1,0 +1,278 @@
+//! Where a Linux guest keeps its running task, from the kernel's own types: its BTF (the
+//! `.BTF` section of an ELF vmlinux, which Debian's kernels carry: `CONFIG_DEBUG_INFO_BTF`)
+//! gives the offsets in `struct task_struct` of `pid`, `tgid` and `comm`, and where the
+//! per-CPU pointer to the running task is: the per-CPU variable `current_task` (6.1) or
+//! the member `current_task` of the per-CPU `struct pcpu_hot` (6.2 and later). The engine
+//! reads them from the attach block ([`kpin_abi::attach::KernelTypes`]) and names the
+//! processes it sees run (`docs/processes.md`).
+//!
+//! The per-CPU variable's place comes from BTF too: the `.data..percpu` data section
+//! lists each per-CPU variable with its offset, and on x86-64 that section is linked at 0,
+//! so the offset is the variable's address relative to the kernel's per-CPU base (the GS
+//! base at CPL 0). KASLR does not move it (the kernel does not relocate per-CPU
+//! symbols), so no System.map or slide is needed; the tests check the offsets against
+//! the pinned kernels' System.map.
+//!
+//! Invariants: [`from_kernel`] reads only the ELF headers and the `.BTF` section; a
+//! kernel without BTF (a bzImage, a kernel built without it, BTF without one of the
+//! types) is an error saying why, never a guess: the engine then reports by address space.
+
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use btfparse::{Offset, Readable, TypeInformation, TypeVariant};
+use kpin_abi::attach::{KernelTypes, MAX_COMM_BYTES};
+
+/// Name of the data section that holds the per-CPU variables.
+const PERCPU_SECTION: &str = ".data..percpu";
+/// Largest `.BTF` section read (Debian's 6.12 kernels have 4.7 MB).
+const MAX_BTF_BYTES: u64 = 64 << 20;
+
+/// The running task's place and fields found in `kernel`'s BTF, with a note on where they
+/// came from, or why there are none.
+pub fn from_kernel(kernel: &Path) -> Result<(KernelTypes, String), String> {
+    let btf = elf_section(kernel, ".BTF")?.ok_or_else(|| {
+        format!(
+            "{} has no .BTF section (kpin reads BTF from an ELF vmlinux built with CONFIG_DEBUG_INFO_BTF; a bzImage is not read yet)",
+            kernel.display()
+        )
+    })?;
+    let (types, how) = from_btf(&btf)?;
+    Ok((types, format!("BTF of {} ({how})", kernel.display())))
+}
+
+/// The running task's place and fields in raw BTF `btf` (a `.BTF` section), with how
+/// `current` is found (`current_task` or `pcpu_hot.current_task`).
+pub fn from_btf(btf: &[u8]) -> Result<(KernelTypes, &'static str), String> {
+    let info =
+        TypeInformation::new(&Buffer(btf)).map_err(|e| format!("the BTF does not parse: {e:?}"))?;
+    let task = struct_id(&info, "task_struct")?;
+    let field = |name: &str| -> Result<(u32, u32), String> {
+        match info.offset_of(task, name) {
+            Ok((tid, Offset::ByteOffset(off))) => Ok((tid, off)),
+            Ok(_) => Err(format!("task_struct.{name} is a bit field")),
+            Err(e) => Err(format!("task_struct.{name}: {e:?}")),
+        }
+    };
+    let (_, pid) = field("pid")?;
+    let (_, tgid) = field("tgid")?;
+    let (comm_type, comm) = field("comm")?;
+    let comm_bytes = info
+        .size_of(comm_type)
+        .map_err(|e| format!("task_struct.comm's size: {e:?}"))?;
+    let comm_bytes = u32::try_from(comm_bytes)
+        .ok()
+        .filter(|n| (1..=MAX_COMM_BYTES).contains(n))
+        .ok_or_else(|| format!("task_struct.comm has {comm_bytes} bytes"))?;
+    let (current_task, how) = match percpu_offset(&info, "pcpu_hot") {
+        Some(hot) => {
+            let s = struct_id(&info, "pcpu_hot")?;
+            match info.offset_of(s, "current_task") {
+                Ok((_, Offset::ByteOffset(off))) => (hot + u64::from(off), "pcpu_hot.current_task"),
+                _ => return Err("pcpu_hot has no current_task".into()),
+            }
+        }
+        None => match percpu_offset(&info, "current_task") {
+            Some(off) => (off, "current_task"),
+            None => {
+                return Err(format!(
+                    "neither pcpu_hot nor current_task is a per-CPU variable in {PERCPU_SECTION}"
+                ))
+            }
+        },
+    };
+    let types = KernelTypes {
+        current_task,
+        task_pid: pid,
+        task_tgid: tgid,
+        task_comm: comm,
+        comm_bytes,
+    };
+    if !types.is_known() {
+        return Err(format!("implausible offsets {types:?}"));
+    }
+    Ok((types, how))
+}
+
+/// The id of the struct (not a variable or forward declaration of the same name) `name`.
+fn struct_id(info: &TypeInformation, name: &str) -> Result<u32, String> {
+    info.get()
+        .iter()
+        .find(|(_, t)| matches!(t, TypeVariant::Struct(s) if s.name().as_deref() == Some(name)))
+        .map(|(&id, _)| id)
+        .ok_or_else(|| format!("the BTF has no struct {name}"))
+}
+
+/// The offset of per-CPU variable `name` in the `.data..percpu` data section.
+fn percpu_offset(info: &TypeInformation, name: &str) -> Option<u64> {
+    info.get().values().find_map(|t| {
+        let TypeVariant::DataSec(d) = t else {
+            return None;
+        };
+        if d.name().as_deref() != Some(PERCPU_SECTION) {
+            return None;
+        }
+        d.variable_list().iter().find_map(|v| {
+            matches!(info.from_id(v.var_decl_id),
+                Some(TypeVariant::Var(var)) if var.name().as_deref() == Some(name))
+            .then_some(u64::from(v.offset))
+        })
+    })
+}
+
+/// A byte slice as btfparse reads it.
+struct Buffer<'a>(&'a [u8]);
+
+impl Readable for Buffer<'_> {
+    fn read(&self, offset: u64, out: &mut [u8]) -> btfparse::Result<()> {
+        let start = usize::try_from(offset).ok();
+        match start.and_then(|s| self.0.get(s..s.checked_add(out.len())?)) {
+            Some(b) => {
+                out.copy_from_slice(b);
+                Ok(())
+            }
+            None => Err(btfparse::Error::new(
+                btfparse::ErrorKind::EOF,
+                "read past the end of the BTF",
+            )),
+        }
+    }
+}
+
+/// The bytes of section `name` of the little-endian ELF64 file `path` (`None`: not such
+/// a file, or no such section), reading only its headers and that section.
+fn elf_section(path: &Path, name: &str) -> Result<Option<Vec<u8>>, String> {
+    let f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let read = |off: u64, len: u64| -> Option<Vec<u8>> {
+        let mut b = vec![0; usize::try_from(len).ok()?];
+        f.read_exact_at(&mut b, off).ok().map(|()| b)
+    };
+    let Some(header) = read(0, 64) else {
+        return Ok(None);
+    };
+    if header[..6] != *b"\x7fELF\x02\x01" {
+        return Ok(None);
+    }
+    let u16_at = |b: &[u8], o: usize| u16::from_le_bytes([b[o], b[o + 1]]);
+    let u32_at = |b: &[u8], o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+    let u64_at = |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+    let shoff = u64_at(&header, 0x28);
+    let shentsize = u64::from(u16_at(&header, 0x3a));
+    let shnum = u64::from(u16_at(&header, 0x3c));
+    let shstrndx = u64::from(u16_at(&header, 0x3e));
+    if shentsize < 0x40 || shstrndx >= shnum {
+        return Ok(None);
+    }
+    let Some(table) = read(shoff, shnum * shentsize) else {
+        return Ok(None);
+    };
+    let sh = |i: u64| &table[(i * shentsize) as usize..][..0x40];
+    let names = sh(shstrndx);
+    let (names_off, names_len) = (u64_at(names, 0x18), u64_at(names, 0x20));
+    let Some(names) = read(names_off, names_len.min(1 << 20)) else {
+        return Ok(None);
+    };
+    for i in 0..shnum {
+        let s = sh(i);
+        let at = u32_at(s, 0) as usize;
+        let this = names
+            .get(at..)
+            .and_then(|n| n.split(|&c| c == 0).next())
+            .unwrap_or_default();
+        if this == name.as_bytes() {
+            let (off, size) = (u64_at(s, 0x18), u64_at(s, 0x20));
+            if size > MAX_BTF_BYTES {
+                return Err(format!("{name} of {} has {size} bytes", path.display()));
+            }
+            return Ok(read(off, size));
+        }
+    }
+    Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn kernel_dir(release: &str) -> Option<PathBuf> {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../images/out")
+            .join(format!("linux-{release}"));
+        if dir.join("vmlinux").is_file() && dir.join("System.map").is_file() {
+            Some(dir)
+        } else {
+            eprintln!(
+                "SKIPPED: {} has no vmlinux and System.map (run `kpin images`)",
+                dir.display()
+            );
+            None
+        }
+    }
+
+    fn map_address(dir: &Path, symbol: &str) -> u64 {
+        let map = std::fs::read_to_string(dir.join("System.map")).unwrap();
+        map.lines()
+            .find_map(|l| {
+                let mut f = l.split_whitespace();
+                let (a, _, n) = (f.next()?, f.next()?, f.next()?);
+                (n == symbol).then(|| u64::from_str_radix(a, 16).unwrap())
+            })
+            .unwrap_or_else(|| panic!("{symbol} not in System.map"))
+    }
+
+    #[test]
+    fn test_linux_61_current_task_is_a_percpu_variable() {
+        let Some(dir) = kernel_dir("6.1.0-56-cloud-amd64") else {
+            return;
+        };
+        let (t, how) = from_kernel(&dir.join("vmlinux")).unwrap();
+        eprintln!("{how}: {t:x?}");
+        assert!(how.contains("(current_task)"), "{how}");
+        assert_eq!(t.current_task, map_address(&dir, "current_task"));
+        assert_eq!(t.comm_bytes, 16);
+        assert_eq!(t.task_tgid, t.task_pid + 4, "{t:?}");
+        assert!(t.task_comm > t.task_tgid, "{t:?}");
+    }
+
+    #[test]
+    fn test_linux_612_current_task_is_in_pcpu_hot() {
+        let Some(dir) = kernel_dir("6.12.117+deb12-cloud-amd64") else {
+            return;
+        };
+        let (t, how) = from_kernel(&dir.join("vmlinux")).unwrap();
+        eprintln!("{how}: {t:x?}");
+        assert!(how.contains("pcpu_hot.current_task"), "{how}");
+        // The distribution's PC configuration (no System.map) has the same layout of
+        // `current`.
+        let generic = dir
+            .with_file_name("linux-6.12.117+deb12-amd64")
+            .join("vmlinux");
+        if generic.is_file() {
+            let (g, _) = from_kernel(&generic).unwrap();
+            assert_eq!(g.comm_bytes, 16);
+            assert!(g.current_task != 0, "{g:x?}");
+        }
+        // `current_task` is pcpu_hot's first member.
+        assert_eq!(t.current_task, map_address(&dir, "pcpu_hot"));
+        assert_eq!(t.comm_bytes, 16);
+        assert_eq!(t.task_tgid, t.task_pid + 4, "{t:?}");
+    }
+
+    #[test]
+    fn test_files_without_btf_say_why() {
+        let dir = std::env::temp_dir().join(format!("kpin-kt-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let not_elf = dir.join("bzImage");
+        std::fs::write(
+            &not_elf,
+            b"MZ not an ELF file at all, but long enough for a header; .....",
+        )
+        .unwrap();
+        let e = from_kernel(&not_elf).unwrap_err();
+        assert!(e.contains("no .BTF section"), "{e}");
+        assert!(from_kernel(&dir.join("missing")).is_err());
+        assert!(from_btf(b"\x9f\xeb\x01\x00").is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
