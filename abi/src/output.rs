@@ -15,5 +15,8 @@ pub const ENGINE_LOG: &str = "engine.log";
 pub const ENGINE_COUNTERS: &str = "counters.json";
 /// The engine's cycle profile, written through the ring beside the counters.
 pub const ENGINE_PROFILE: &str = "profile.txt";
+/// The processes the engine saw run (pid, tgid, comm, first/last seen, instructions per
+/// CPL), written through the ring beside the counters (`docs/processes.md`).
+pub const ENGINE_PROCESSES: &str = "processes.json";
 /// The run's control socket (the VMM).
 pub const CONTROL_SOCKET: &str = "control.sock";

@@ -32,6 +32,7 @@ pub mod recover;
 pub mod redirect;
 pub mod shadow_mmu;
 mod softtlb;
+pub mod tasks;
 mod tool_switch;
 pub mod vcpu;
 pub mod vflags;

@@ -210,6 +210,9 @@ pub struct Vcpu<'a, H: Hardware, M: GuestMmu> {
     msr_gp_logged: LogOnce,
     /// Mnemonics whose #UD at CPL 3 (not modelled) was already logged.
     unsupported_logged: LogOnce,
+    /// Which guest task runs, checked at every entry to CPL 3 (`crate::tasks`; `None`:
+    /// not watched).
+    pub tasks: Option<crate::tasks::TaskWatch>,
 }
 
 impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
@@ -239,6 +242,7 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             sti_next: None,
             msr_gp_logged: LogOnce::new(),
             unsupported_logged: LogOnce::new(),
+            tasks: None,
         };
         v.sync_hw_bases();
         if v.cr4 & cr4::SSE_BITS != 0 {
@@ -286,13 +290,33 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
 
     /// Called after anything that may change the CPL (delivery, `iretq`, `syscall`,
     /// `sysretq`) with the CPL before it: the shadow view follows the CPL (user at CPL
-    /// 3, kernel otherwise). A failure is recorded for the run loop to report.
+    /// 3, kernel otherwise). A failure is recorded for the run loop to report. An entry
+    /// to CPL 3 is where the task watch looks at which task runs.
     pub(crate) fn cpl_changed(&mut self, old: u8) {
         let new = self.cpl();
         if new != old {
             if let Err(e) = self.mem.enter_view(View::for_cpl(new)) {
                 self.mem.record_failure(e);
             }
+            if new == 3 {
+                self.user_entry();
+            }
+        }
+    }
+
+    /// The guest entered CPL 3: the task watch, if any, reads `current` with the kernel's
+    /// privileges (a fault is only counted).
+    fn user_entry(&mut self) {
+        if let Some(w) = &mut self.tasks {
+            let t0 = self.hw.tsc();
+            let gs = [
+                self.segs.sregs[Sreg::Gs as usize].base,
+                self.msrs.kernel_gs_base,
+            ];
+            let mem = &mut self.mem;
+            let cr3 = mem.cr3();
+            w.on_user_entry(cr3, gs, &mut |va, out| mem.read(va, false, out).is_ok());
+            w.stats.cycles = w.stats.cycles.wrapping_add(self.hw.tsc().wrapping_sub(t0));
         }
     }
 

@@ -26,6 +26,7 @@ pub mod error;
 pub mod guest_dump;
 pub mod profile;
 mod run_loop;
+pub mod tasks;
 pub mod tools;
 pub mod vcpu;
 pub mod zone_access;
@@ -450,5 +451,7 @@ fn report(
             kpin_abi::output::ENGINE_COUNTERS
         );
     }
+    // The same instant as the counters above: the rows sum to their totals.
+    tasks::report(vcpu);
     log::flush();
 }

@@ -91,7 +91,8 @@ impl<'a> RunLoop<'a> {
             null_clears_base,
             ..Ring0::default()
         };
-        let vcpu = Vcpu::new(block, ring0, ShadowPort::new(shadow));
+        let mut vcpu = Vcpu::new(block, ring0, ShadowPort::new(shadow));
+        crate::run::tasks::watch(&mut vcpu, block, &engine);
         let progress = cache_page_fault::Progress::default();
         let t0 = timer::tsc();
         prof::start();

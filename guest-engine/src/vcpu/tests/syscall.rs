@@ -169,3 +169,79 @@ fn test_rdgsbase_reads_the_virtual_base() {
     assert_eq!(run(&mut v, RDGSBASE_RAX, &mut r), after(RDGSBASE_RAX));
     assert_eq!(r.get(Gpr::Rax), 0xffff_8880_0000_0000);
 }
+
+#[test]
+fn test_sysretq_to_user_lets_the_task_watch_read_current() {
+    use crate::layout::INSN_COUNTER_SPREAD;
+    use crate::tasks::{InsnCounts, TaskWatch};
+    use kpin_abi::attach::KernelTypes;
+    const PERCPU: u64 = 0xffff_8880_0f00_0000;
+    const TASK: u64 = 0xffff_8880_0100_0000;
+    let types = KernelTypes {
+        current_task: 0x1fb80,
+        task_pid: 0x970,
+        task_tgid: 0x974,
+        task_comm: 0xba0,
+        comm_bytes: 16,
+    };
+    let counters = alloc::vec![0u64; 2 * INSN_COUNTER_SPREAD];
+    // SAFETY: `counters` holds both modes' slots and outlives the virtual CPU.
+    let counts = unsafe {
+        InsnCounts::from_raw(counters.as_ptr(), counters[INSN_COUNTER_SPREAD..].as_ptr())
+    };
+    let mut b = block();
+    b.msrs[0].value = 0x0023_0010_0000_0000;
+    let mut v = vcpu(&b);
+    v.mem.map(PERCPU + 0x1f000, true, false);
+    v.mem.map(TASK, true, false);
+    v.mem.poke_u64(PERCPU + 0x1fb80, TASK);
+    v.mem.poke(TASK + 0x970, &[7, 0, 0, 0, 7, 0, 0, 0]);
+    v.mem.poke(TASK + 0xba0, b"sh\0");
+    v.tasks = Some(TaskWatch::new(&types, counts));
+    // After the kernel's `swapgs` its per-CPU base is in KERNEL_GS_BASE.
+    v.msrs.kernel_gs_base = PERCPU;
+    let mut r = kregs();
+    r.set(Gpr::Rcx, 0x40_1000);
+    r.set(Gpr::R11, rflags::FIXED | rflags::IF);
+    let e = run(&mut v, SYSRETQ, &mut r);
+    assert!(
+        matches!(
+            e,
+            Emulation::Switch {
+                mode: MODE_USER,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let w = v.tasks.as_ref().unwrap();
+    assert_eq!((w.stats.user_entries, w.stats.switches), (1, 1));
+    let t = w.report_table();
+    assert_eq!(
+        (t.rows()[1].key.pid, &t.rows()[1].key.comm[..3]),
+        (7, &b"sh\0"[..])
+    );
+    // A per-CPU base whose page is not mapped: the entry is skipped, nothing is
+    // delivered to the guest.
+    to_kernel(&mut v);
+    v.msrs.kernel_gs_base = 0xffff_8880_0e00_0000;
+    let e = run(&mut v, SYSRETQ, &mut r);
+    assert!(
+        matches!(
+            e,
+            Emulation::Switch {
+                mode: MODE_USER,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(v.cpl(), 3);
+    assert_eq!(v.tasks.as_ref().unwrap().stats.reads_failed, 1);
+}
+
+/// Puts the virtual CPU back at CPL 0 (CS = KCODE, SS = KDATA).
+fn to_kernel(v: &mut V<'_>) {
+    v.segs.sregs[Sreg::Cs as usize] = cache(KCODE, 0xb, 0, true);
+    v.segs.sregs[Sreg::Ss as usize] = cache(KDATA, 0x3, 0, false);
+}
