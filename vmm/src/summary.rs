@@ -50,6 +50,8 @@ pub(crate) struct Summary<'a> {
     pub(crate) ring: DaemonStats,
     /// The engine's `counters.json` (instrumented runs that got far enough to write it).
     pub(crate) engine_counters: Option<serde_json::Value>,
+    /// The processes the engine saw run, from its `processes.json` (`docs/processes.md`).
+    pub(crate) processes: Option<crate::cmd::processes::Processes>,
     /// The tools' entries, one key per registry tool whose host part has one (bbcount's
     /// user/kernel split and hottest blocks, for a `--tool bbcount` run that wrote
     /// `bbcount.csv`), `null` for another tool's run.
@@ -131,7 +133,7 @@ mod tests {
     /// `run.json`'s keys, in order, as they were when `Summary` copied them by hand
     /// (`tests/host_faults.rs`, `vmm/tests/cli.rs` and users' scripts read them), then
     /// the tools' (`tool_keys`).
-    const RUN_JSON_KEYS: [&str; 33] = [
+    const RUN_JSON_KEYS: [&str; 34] = [
         "complete",
         "status",
         "incomplete_reason",
@@ -165,6 +167,7 @@ mod tests {
         "engine_log_lines",
         "engine_log_lines_dropped",
         "engine_counters",
+        "processes",
     ];
 
     /// The tools' keys after them: the registry's, today bbcount's alone.
@@ -225,6 +228,7 @@ mod tests {
             devices: vec![],
             ring,
             engine_counters: None,
+            processes: None,
             tools: ToolEntries::none(),
         };
         let json = serde_json::to_string_pretty(&summary).unwrap();

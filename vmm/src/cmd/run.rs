@@ -342,6 +342,10 @@ fn run_guest(
     // The reports read what the tool wrote: not after a stop, nor from unfinished files.
     let reports = interrupted.is_none() && failure.is_none();
     let (engine_counters, tools) = post_process(args, run, reports, &unfinished, &mut failure);
+    let processes = super::processes::read(
+        out,
+        reports && !unfinished.contains(&out.join(output::ENGINE_PROCESSES)),
+    );
     let verdict = Verdict {
         outcome: &report.outcome,
         interrupted,
@@ -379,6 +383,7 @@ fn run_guest(
         devices: report.devices.clone(),
         ring,
         engine_counters,
+        processes,
         tools,
     };
     Ok(record_the_end(out, &report, &verdict, &summary))
