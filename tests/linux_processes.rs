@@ -1,0 +1,175 @@
+//! Issue #27's first slice: which process ran, from the kernel's own types. `kpin run`
+//! reads the kernel's BTF, the engine reads `current` at every entry to user mode and
+//! writes `processes.json`, and `kpin` copies it into `run.json` and prints the table
+//! (`docs/processes.md`). Under bbcount the pinned 6.1 kernel's workload must show its
+//! programs by name, and the rows' instructions must add up to the engine's totals in
+//! `counters.json` exactly, per CPL; the 6.12 kernel (where `current` is in `pcpu_hot`)
+//! the same under tool null; and a kernel without BTF (the mini-kernel) gets one warning
+//! and rows by address space, again summing exactly.
+
+use std::path::Path;
+use std::process::Command;
+
+use kpin_tests::{engine_counters, json_u64, kpin_bin, kpin_run, require_kvm, scratch_dir};
+
+/// Seconds kpin may run the guest (about 30 s here for Linux).
+const BUDGET_SECONDS: &str = "300";
+
+/// The programs the default workload execs (busybox applets by their names, the test
+/// programs; `busybox` is `"$BUSYBOX" expr`): each must have a row with its name.
+/// (Applets busybox's shell runs without an exec, `cp` and `cmp`, keep the shell's name.)
+const WORKLOAD_COMMS: &[&str] = &[
+    "init",
+    "busybox",
+    "seq",
+    "grep",
+    "wc",
+    "awk",
+    "sort",
+    "cut",
+    "uniq",
+    "kpin-test",
+    "md5sum",
+];
+
+/// Runs `kpin run` with `args` into `out`; returns stderr, `processes.json` and `run.json`
+/// after checking that the run ended cleanly.
+fn run(args: &[&str], out: &Path) -> (String, serde_json::Value, serde_json::Value) {
+    let mut cmd = Command::new(kpin_bin());
+    cmd.arg("run")
+        .args(args)
+        .args(["--quiet", "--timeout", BUDGET_SECONDS, "--out"])
+        .arg(out);
+    let run = kpin_run(&mut cmd, out);
+    assert_eq!(run.output.status.code(), Some(0), "{}", run.context);
+    let read = |name: &str| -> serde_json::Value {
+        let text = std::fs::read_to_string(out.join(name))
+            .unwrap_or_else(|e| panic!("{name}: {e}\n{}", run.context));
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{name}: {e}\n{text}"))
+    };
+    let stderr = String::from_utf8_lossy(&run.output.stderr).into_owned();
+    (stderr, read("processes.json"), read("run.json"))
+}
+
+/// The rows' instructions add up to `counters.json`'s totals exactly, per CPL, and
+/// `run.json` holds the same rows.
+fn assert_exact(out: &Path, processes: &serde_json::Value, run_json: &serde_json::Value) {
+    let counters = engine_counters(out);
+    let rows = processes["processes"].as_array().expect("rows");
+    let sum = |key: &str| -> u64 { rows.iter().map(|r| json_u64(r, &format!("/{key}"))).sum() };
+    let (user, kernel) = (
+        json_u64(&counters, "/guest_instructions/cpl3"),
+        json_u64(&counters, "/guest_instructions/cpl0"),
+    );
+    assert_eq!(
+        sum("user_instructions"),
+        user,
+        "CPL 3: rows vs counters.json"
+    );
+    assert_eq!(
+        sum("kernel_instructions"),
+        kernel,
+        "CPL 0: rows vs counters.json"
+    );
+    assert_eq!(json_u64(processes, "/user_instructions"), user);
+    assert_eq!(json_u64(processes, "/kernel_instructions"), kernel);
+    assert!(user > 0 && kernel > 0, "{counters}");
+    assert_eq!(rows[0]["kind"], "boot", "the boot row comes first");
+    assert_eq!(
+        rows.iter().filter(|r| r["kind"] == "boot").count(),
+        1,
+        "one boot row"
+    );
+    assert_eq!(
+        run_json["processes"], *processes,
+        "run.json's processes are processes.json's"
+    );
+}
+
+/// The names of the task rows.
+fn comms(processes: &serde_json::Value) -> Vec<String> {
+    processes["processes"]
+        .as_array()
+        .expect("rows")
+        .iter()
+        .filter_map(|r| r["comm"].as_str().map(str::to_owned))
+        .collect()
+}
+
+#[test]
+fn test_linux_61_workload_processes_appear_by_name_and_sum_exactly() {
+    require_kvm!();
+    let out = scratch_dir("linux-processes-61");
+    let (stderr, p, run_json) = run(&["--guest", "linux", "--tool", "bbcount"], &out);
+    assert!(
+        stderr.contains("processes: the running task from the BTF of")
+            && stderr.contains("(current_task)"),
+        "the VMM says where `current` came from:\n{stderr}"
+    );
+    assert!(stderr.contains("kpin: processes ("), "the table:\n{stderr}");
+    assert_eq!(p["by"], "task", "{p}");
+    assert_eq!(p["reads_failed"], 0, "{p}");
+    assert_exact(&out, &p, &run_json);
+    let names = comms(&p);
+    for want in WORKLOAD_COMMS {
+        assert!(
+            names.iter().any(|n| n == want),
+            "no row for {want:?}; rows: {names:?}"
+        );
+    }
+    let rows = p["processes"].as_array().unwrap();
+    let init = rows
+        .iter()
+        .find(|r| r["pid"] == 1)
+        .expect("a row for pid 1");
+    assert_eq!(init["comm"], "init", "{init}");
+    assert_eq!(init["tgid"], 1, "{init}");
+    // sort sorts 20000 lines three times: it must have run user code of its own.
+    let sort: u64 = rows
+        .iter()
+        .filter(|r| r["comm"] == "sort")
+        .map(|r| json_u64(r, "/user_instructions"))
+        .sum();
+    assert!(sort > 1_000_000, "sort ran {sort} user instructions");
+    eprintln!(
+        "Linux 6.1 under bbcount: {} rows, {} changes of the running task",
+        rows.len(),
+        p["switches"]
+    );
+}
+
+#[test]
+fn test_linux_612_finds_current_in_pcpu_hot() {
+    require_kvm!();
+    let out = scratch_dir("linux-processes-612");
+    let (stderr, p, run_json) = run(&["--guest", "linux-6.12", "--tool", "null"], &out);
+    assert!(
+        stderr.contains("(pcpu_hot.current_task)"),
+        "6.12 keeps `current` in pcpu_hot:\n{stderr}"
+    );
+    assert_eq!(p["by"], "task", "{p}");
+    assert_eq!(p["reads_failed"], 0, "{p}");
+    assert_exact(&out, &p, &run_json);
+    let names = comms(&p);
+    for want in ["init", "sort", "kpin-test"] {
+        assert!(
+            names.iter().any(|n| n == want),
+            "no row for {want:?}; rows: {names:?}"
+        );
+    }
+}
+
+#[test]
+fn test_a_kernel_without_btf_is_reported_by_address_space() {
+    require_kvm!();
+    let out = scratch_dir("minikernel-processes");
+    let (stderr, p, run_json) = run(&["--guest", "minikernel", "--tool", "null"], &out);
+    let warnings: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("processes are reported by address space"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "one warning line:\n{stderr}");
+    assert!(warnings[0].contains("no .BTF section"), "{}", warnings[0]);
+    assert_eq!(p["by"], "address_space", "{p}");
+    assert_exact(&out, &p, &run_json);
+}
