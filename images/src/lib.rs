@@ -474,6 +474,14 @@ pub fn ensure_debian(
     debian_image::ensure(kernel, out_dir, progress)
 }
 
+/// Copies a disk image (the Debian guest's [`DebianImage::disk`]) to `to` for one run, as
+/// a reflink where the file system has them, else as a sparse copy of its data ranges
+/// (~0.7 GB of the 2 GiB image; a second or two): a run writes to its disk, and the cached
+/// image must stay as built. Written under a temporary name and renamed.
+pub fn copy_disk(from: &Path, to: &Path) -> Result<(), ImagesError> {
+    debian_image::copy_disk(from, to)
+}
+
 /// Builds the mini-kernel guest (`tests/guests/minikernel`) and returns the path of its ELF,
 /// `out_dir/minikernel.elf`. Cheap when nothing changed (cargo's incremental build).
 pub fn ensure_minikernel(
