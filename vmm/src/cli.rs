@@ -147,6 +147,11 @@ pub(crate) enum Guest {
     /// initramfs and the distribution's command line (`console=ttyS0 panic=-1`).
     #[value(name = "linux-6.12")]
     Linux612,
+    /// Debian bookworm with systemd on the pinned 6.1 kernel (`kpin images --debian`, built
+    /// on demand: root, mmdebstrap, minutes): a copy of its ext4 disk image in the output
+    /// directory as /dev/vda, its initrd, `root=/dev/vda rw console=ttyS0 panic=-1`; a
+    /// unit runs the workload (python3, gcc, sqlite3, a disk read) and powers off.
+    Debian,
     /// The mini-kernel test guest (built by `kpin images`). Run natively, its default
     /// command line skips the steps this KVM cannot run natively (`kpin.skip=native-unsafe`);
     /// with --tool it runs every step.

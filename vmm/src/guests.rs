@@ -35,6 +35,12 @@ pub const LINUX_CMDLINE: &str = "console=ttyS0 earlyprintk=serial,ttyS0,115200 p
 /// VMM's CPUID table's, as for every guest).
 pub const LINUX_612_CMDLINE: &str = "console=ttyS0 panic=-1";
 
+/// Command line of the Debian bookworm guest (`--guest debian`, issue #26): its root file
+/// system is the first virtio disk, read-write (each run boots its own copy), the serial
+/// console, and `panic=-1` so that a panic ends the run at once. The VMM declares the
+/// virtio-mmio devices itself; the image's initrd loads virtio_mmio and virtio_blk.
+pub const DEBIAN_CMDLINE: &str = "root=/dev/vda rw console=ttyS0 panic=-1";
+
 /// Command line of a native mini-kernel run: skip the steps this KVM cannot run natively
 /// (the mini-kernel knows which they are).
 pub const MINIKERNEL_NATIVE_CMDLINE: &str = "kpin.skip=native-unsafe";

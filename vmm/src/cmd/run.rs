@@ -14,7 +14,8 @@ use host_daemon::{DaemonStats, OutputFailure};
 use kpin_abi::output;
 use vmm::devices::virtio::disk::DiskConfig;
 use vmm::guests::{
-    LINUX_612_CMDLINE, LINUX_CMDLINE, MINIKERNEL_NATIVE_CMDLINE, USER_KERNEL_CMDLINE,
+    DEBIAN_CMDLINE, LINUX_612_CMDLINE, LINUX_CMDLINE, MINIKERNEL_NATIVE_CMDLINE,
+    USER_KERNEL_CMDLINE,
 };
 use vmm::input_check::{self, UsageError};
 use vmm::layout::{MAX_MEM_MIB, MIN_MEM_MIB};
@@ -49,6 +50,7 @@ pub(crate) fn run(args: RunArgs) -> anyhow::Result<u8> {
     let stop = StopRequest::new();
     stop_signals::install(&stop).context("cannot install the SIGINT and SIGTERM handlers")?;
     let mut reserve = hold_reserve(&out)?;
+    let disks = guest_disks(&args, guest.root_disk.as_deref(), &out)?;
     let run = Prepared {
         out,
         image_dir,
@@ -56,8 +58,9 @@ pub(crate) fn run(args: RunArgs) -> anyhow::Result<u8> {
         initrd: guest.initrd,
         system_map: guest.system_map,
         cmdline: guest.cmdline,
+        disks,
     };
-    let disks = disk_configs(&args);
+    let disks = run.disks.clone();
     let started = RunStarted {
         complete: false,
         status: STATUS_RUNNING,
@@ -111,9 +114,10 @@ fn check_command_line(args: &RunArgs) -> anyhow::Result<()> {
             max_mib: MAX_MEM_MIB,
         });
     }
-    if args.disk.len() > vmm::devices::virtio::MAX_DISKS {
+    let guest_disks = usize::from(matches!(args.guest, Some(Guest::Debian)));
+    if args.disk.len() + guest_disks > vmm::devices::virtio::MAX_DISKS {
         return Err(UsageError(format!(
-            "--disk given {} times: at most {} disks",
+            "--disk given {} times: at most {} disks ({guest_disks} taken by --guest)",
             args.disk.len(),
             vmm::devices::virtio::MAX_DISKS
         ))
@@ -134,12 +138,15 @@ struct GuestFiles {
     initrd: Option<PathBuf>,
     system_map: Option<PathBuf>,
     cmdline: String,
+    /// The built-in guest's root disk image (`--guest debian`): a run boots a copy.
+    root_disk: Option<PathBuf>,
 }
 
 /// `--kernel`'s files, or a built-in guest's (built into `image_dir` if missing), checked
 /// (exit status 1: regular files whose headers hold, that fit), with the command line
 /// (`--cmdline` or the guest's default, then `--append`).
 fn choose_guest(args: &RunArgs, image_dir: &Path) -> anyhow::Result<GuestFiles> {
+    let mut root_disk = None;
     let (kernel, initrd, system_map, default_cmdline) = match (&args.kernel, args.guest) {
         (Some(k), _) => (
             k.clone(),
@@ -166,6 +173,21 @@ fn choose_guest(args: &RunArgs, image_dir: &Path) -> anyhow::Result<GuestFiles> 
             )?;
             let cmdline = LINUX_612_CMDLINE.to_string();
             (l.vmlinux, Some(l.initramfs), Some(l.system_map), cmdline)
+        }
+        (None, Some(Guest::Debian)) => {
+            let d = kpin_images::ensure_debian(
+                kpin_images::GuestKernel::Debian61,
+                image_dir,
+                &mut progress,
+            )?;
+            root_disk = Some(d.disk);
+            let cmdline = DEBIAN_CMDLINE.to_string();
+            (
+                d.linux.vmlinux,
+                Some(d.initrd),
+                Some(d.linux.system_map),
+                cmdline,
+            )
         }
         (None, Some(Guest::Linux) | None) => {
             // With a disk, the initramfs that carries the virtio modules.
@@ -206,7 +228,34 @@ fn choose_guest(args: &RunArgs, image_dir: &Path) -> anyhow::Result<GuestFiles> 
         initrd,
         system_map,
         cmdline,
+        root_disk,
     })
+}
+
+/// The run's disks in the guest's order: the built-in guest's root disk first (copied into
+/// the output directory, so that the run cannot change the cached image: a reflink or a
+/// sparse copy, a second or two), then the `--disk`s.
+fn guest_disks(
+    args: &RunArgs,
+    root_disk: Option<&Path>,
+    out: &Path,
+) -> anyhow::Result<Vec<DiskConfig>> {
+    let mut disks = Vec::new();
+    if let Some(image) = root_disk {
+        let copy = out.join("debian-disk.img");
+        progress(&format!(
+            "copying {} to {} (the run writes to it)",
+            image.display(),
+            copy.display()
+        ));
+        kpin_images::copy_disk(image, &copy)?;
+        disks.push(DiskConfig {
+            path: copy,
+            read_only: false,
+        });
+    }
+    disks.extend(disk_configs(args));
+    Ok(disks)
 }
 
 /// The `--disk`s, parsed (checked by [`check_command_line`]).
@@ -311,6 +360,8 @@ struct Prepared {
     initrd: Option<PathBuf>,
     system_map: Option<PathBuf>,
     cmdline: String,
+    /// Every disk, the guest's own first.
+    disks: Vec<DiskConfig>,
 }
 
 /// Boots and runs the guest, then writes its results; the exit status.
@@ -413,6 +464,7 @@ fn boot_and_run(
         initrd,
         system_map,
         cmdline,
+        disks,
     } = run;
     let console_file = args
         .console
@@ -428,8 +480,8 @@ fn boot_and_run(
         echo_console: !args.quiet,
         system_map: system_map.clone(),
         engine,
-        disks: disk_configs(args),
-        rng: args.rng || !args.disk.is_empty(),
+        disks: disks.clone(),
+        rng: args.rng || !disks.is_empty(),
     };
     let mut vm = Vm::new(&cfg)?;
     vm.set_stop_request(stop);
