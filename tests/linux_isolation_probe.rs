@@ -28,6 +28,7 @@ const KPIN_FILES: &[&str] = &[
     "run.json",
     "counters.json",
     "profile.txt",
+    "processes.json",
 ];
 
 #[test]
