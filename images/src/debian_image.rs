@@ -220,8 +220,12 @@ pub(crate) fn ensure(
 
     let downloads = layout::downloads_dir(out_dir);
     let mut debs = Vec::new();
-    for k in GuestKernel::ALL {
-        debs.push(ensure_deb(&k.pins().image, &downloads, progress)?);
+    {
+        // The kernel packages live in the Linux job's download directory: under its lock.
+        let _linux = JobLock::acquire(out_dir, "linux", progress)?;
+        for k in GuestKernel::ALL {
+            debs.push(ensure_deb(&k.pins().image, &downloads, progress)?);
+        }
     }
     let shas: Vec<&str> = GuestKernel::ALL
         .iter()
