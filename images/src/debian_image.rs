@@ -253,6 +253,7 @@ pub(crate) fn ensure(
     ));
     preflight()?;
     let build = dir.join(".build");
+    refuse_mounts_beneath(&build)?;
     remove_dir_if_present(&build)?;
     let files = build.join("files");
     let rootfs = build.join("rootfs");
@@ -296,6 +297,7 @@ pub(crate) fn ensure(
         DISK_SIZE >> 30
     ));
     make_ext4(&rootfs, &image.disk)?;
+    refuse_mounts_beneath(&build)?;
     remove_dir_if_present(&build)?;
 
     cache::write_atomic(&expected_path, format!("{md5}\n").as_bytes())?;
@@ -341,6 +343,62 @@ fn fresh(
     }
     let md5 = fs::read_to_string(expected).map_err(io_error("read", expected))?;
     Ok(Some(md5.trim().to_owned()))
+}
+
+/// An error if anything is mounted at or beneath `dir`: an mmdebstrap that was killed
+/// leaves the host's `/proc`, `/sys`, `/dev` entries or the kernel packages bind-mounted
+/// in its root file system, and removing the tree would then reach into the host's.
+fn refuse_mounts_beneath(dir: &Path) -> Result<(), ImagesError> {
+    let table = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mounted = mount_points_beneath(&table, dir);
+    if mounted.is_empty() {
+        return Ok(());
+    }
+    Err(ImagesError::DebianImage {
+        why: format!(
+            "an interrupted build left {} mounted beneath {} ({}); unmount them (`umount -R \
+             {}`) and run again",
+            mounted.len(),
+            dir.display(),
+            mounted.join(", "),
+            dir.join("rootfs").display()
+        ),
+    })
+}
+
+/// The mount points of `mountinfo` (the text of `/proc/self/mountinfo`) at or beneath `dir`.
+pub(crate) fn mount_points_beneath(mountinfo: &str, dir: &Path) -> Vec<String> {
+    mountinfo
+        .lines()
+        .filter_map(|line| line.split(' ').nth(4))
+        .map(unescape_mount_point)
+        .filter(|point| Path::new(point).starts_with(dir))
+        .collect()
+}
+
+/// A mountinfo field with its octal escapes (`\040` for a space) decoded.
+fn unescape_mount_point(field: &str) -> String {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let octal = bytes.get(i + 1..i + 4).and_then(|d| {
+            d.iter()
+                .all(|b| (b'0'..=b'7').contains(b))
+                .then(|| (d[0] - b'0') * 64 + (d[1] - b'0') * 8 + (d[2] - b'0'))
+        });
+        match (bytes[i], octal) {
+            (b'\\', Some(byte)) => {
+                out.push(byte);
+                i += 4;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Root, `mmdebstrap` and `mkfs.ext4` are there, or a clear error saying what to do.
@@ -713,6 +771,22 @@ mod tests {
             blocks * 512 < 8 << 20,
             "the copy is not sparse: {blocks} blocks"
         );
+    }
+
+    #[test]
+    fn test_mount_points_beneath_finds_leftover_mounts_only() {
+        let table = "22 1 0:21 / /proc rw - proc proc rw\n\
+                     90 1 0:21 / /o/debian-bookworm/.build/rootfs/proc rw - proc proc rw\n\
+                     91 1 8:1 /x /o/debian-bookworm/.build/rootfs/a\\040b rw - ext4 /dev/vda rw\n\
+                     92 1 8:1 / /o/debian-bookworm/.builder rw - ext4 /dev/vda rw\n";
+        assert_eq!(
+            mount_points_beneath(table, Path::new("/o/debian-bookworm/.build")),
+            vec![
+                "/o/debian-bookworm/.build/rootfs/proc".to_owned(),
+                "/o/debian-bookworm/.build/rootfs/a b".to_owned()
+            ]
+        );
+        assert!(refuse_mounts_beneath(Path::new("/nonexistent/kpin/.build")).is_ok());
     }
 
     #[test]
