@@ -90,7 +90,7 @@ struct GuestFile {
 }
 
 /// Every file of `images/debian/`; the hooks install them into the image.
-const FILES: [GuestFile; 9] = [
+const FILES: [GuestFile; 11] = [
     GuestFile {
         name: "essential",
         text: include_str!("../debian/essential"),
@@ -119,6 +119,16 @@ const FILES: [GuestFile; 9] = [
     GuestFile {
         name: "kpin-workload.service",
         text: include_str!("../debian/kpin-workload.service"),
+        executable: false,
+    },
+    GuestFile {
+        name: "system.conf",
+        text: include_str!("../debian/system.conf"),
+        executable: false,
+    },
+    GuestFile {
+        name: "services.conf",
+        text: include_str!("../debian/services.conf"),
         executable: false,
     },
     GuestFile {
