@@ -20,6 +20,7 @@
 use std::collections::VecDeque;
 
 use super::bus::{DeviceAction, PortDevice};
+use super::IrqLine;
 
 /// Base port of the controller's data register (0x60); the command/status port is 0x64.
 pub const I8042_DATA_PORT: u16 = 0x60;
@@ -99,24 +100,10 @@ const OUTPUT_PORT_RESET: u8 = 0x03;
 /// reads loses the newest, as the hardware's one-byte buffer would.
 const OUT_QUEUE_MAX: usize = 16;
 
-/// An interrupt line the controller pulses (an irqfd on the in-kernel PIC).
-pub trait IrqPulse {
-    /// Pulses the line once.
-    fn pulse(&self);
-}
-
-impl IrqPulse for vmm_sys_util::eventfd::EventFd {
-    fn pulse(&self) {
-        // A full eventfd counter (2^64 - 2 pending pulses) cannot happen: KVM consumes
-        // each write as it arrives.
-        let _ = self.write(1);
-    }
-}
-
 /// Unwired lines, for tests that only need the controller's registers.
 #[cfg(test)]
-impl IrqPulse for () {
-    fn pulse(&self) {}
+impl IrqLine for () {
+    fn trigger(&self) {}
 }
 
 /// Who put a byte in the output buffer.
@@ -140,7 +127,7 @@ enum DataWrite {
 }
 
 /// The controller and its keyboard.
-pub struct I8042<I: IrqPulse> {
+pub struct I8042<I: IrqLine> {
     ctr: u8,
     output_port: u8,
     last_write_was_command: bool,
@@ -150,7 +137,7 @@ pub struct I8042<I: IrqPulse> {
     aux_irq: I,
 }
 
-impl<I: IrqPulse> I8042<I> {
+impl<I: IrqLine> I8042<I> {
     /// A controller after a BIOS left it: keyboard interrupt on, translation off.
     pub fn new(kbd_irq: I, aux_irq: I) -> Self {
         I8042 {
@@ -199,8 +186,8 @@ impl<I: IrqPulse> I8042<I> {
     /// Pulses the interrupt of the byte now in the output buffer, if its port's is on.
     fn interrupt_for_head(&self) {
         match self.out.front() {
-            Some((_, Source::Keyboard)) if self.ctr & ctr::KBDINT != 0 => self.kbd_irq.pulse(),
-            Some((_, Source::Aux { .. })) if self.ctr & ctr::AUXINT != 0 => self.aux_irq.pulse(),
+            Some((_, Source::Keyboard)) if self.ctr & ctr::KBDINT != 0 => self.kbd_irq.trigger(),
+            Some((_, Source::Aux { .. })) if self.ctr & ctr::AUXINT != 0 => self.aux_irq.trigger(),
             _ => {}
         }
     }
@@ -285,7 +272,7 @@ impl<I: IrqPulse> I8042<I> {
     }
 }
 
-impl<I: IrqPulse> PortDevice for I8042<I> {
+impl<I: IrqLine> PortDevice for I8042<I> {
     fn read(&mut self, offset: u16, data: &mut [u8]) {
         let v = match offset {
             OFFSET_DATA => self.read_data(),
@@ -324,8 +311,8 @@ mod tests {
     #[derive(Clone, Default)]
     struct Count(Rc<Cell<u32>>);
 
-    impl IrqPulse for Count {
-        fn pulse(&self) {
+    impl IrqLine for Count {
+        fn trigger(&self) {
             self.0.set(self.0.get() + 1);
         }
     }

@@ -13,3 +13,16 @@ pub mod mmio;
 pub mod pci;
 pub mod serial;
 pub mod virtio;
+
+/// An ISA interrupt line a device raises (an irqfd on the in-kernel 8259).
+pub trait IrqLine {
+    /// Pulses the line (an edge on the 8259).
+    fn trigger(&self);
+}
+
+impl IrqLine for vmm_sys_util::eventfd::EventFd {
+    fn trigger(&self) {
+        // A full eventfd counter already means a pending pulse: nothing is lost.
+        let _ = self.write(1);
+    }
+}

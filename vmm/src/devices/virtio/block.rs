@@ -23,9 +23,9 @@ use virtio_bindings::virtio_blk::{
 };
 use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_INDIRECT_DESC;
-use virtio_queue::{Queue, QueueT, Reader, Writer};
+use virtio_queue::{Queue, Reader, Writer};
 
-use super::{read_bytes_at, GuestRam, VirtioDevice};
+use super::{read_bytes_at, serve_chains, GuestRam, VirtioDevice};
 
 /// Bytes per sector.
 pub const SECTOR_BYTES: u64 = 512;
@@ -38,8 +38,8 @@ pub const CHUNK_BYTES: usize = 256 << 10;
 /// Bytes of the request header.
 const HEADER_BYTES: usize = 16;
 
-/// What the device counted (for `run.json`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// What the device counted (in `run.json` under these names).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct BlockStats {
     /// `IN` requests served.
     pub reads: u64,
@@ -286,14 +286,7 @@ impl VirtioDevice for Block {
     }
 
     fn process_queue(&mut self, _index: usize, queue: &mut Queue, mem: &GuestRam) -> bool {
-        let mut used = false;
-        while let Some(chain) = queue.pop_descriptor_chain(mem) {
-            let head = chain.head_index();
-            let len = self.serve(chain, mem);
-            // A head outside the table cannot be returned; the entry is consumed anyway.
-            used |= queue.add_used(mem, head, len).is_ok();
-        }
-        used
+        serve_chains(queue, mem, |chain| self.serve(chain, mem))
     }
 }
 

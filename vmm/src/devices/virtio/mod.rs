@@ -23,7 +23,7 @@ pub mod block;
 pub mod rng;
 pub mod transport;
 
-use virtio_queue::Queue;
+use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
 
 /// Guest memory as the devices see it: guest RAM, without the stolen region.
@@ -44,17 +44,23 @@ pub trait VirtioDevice {
     fn process_queue(&mut self, index: usize, queue: &mut Queue, mem: &GuestRam) -> bool;
 }
 
-/// Raises the device's interrupt line.
-pub trait IrqLine {
-    /// Pulses the line (an edge on the 8259).
-    fn trigger(&self);
-}
+pub use super::IrqLine;
 
-impl IrqLine for vmm_sys_util::eventfd::EventFd {
-    fn trigger(&self) {
-        // A full eventfd counter already means a pending pulse: nothing is lost.
-        let _ = self.write(1);
+/// Hands every descriptor chain the driver made available on `queue` to `serve` (which
+/// returns the bytes it wrote) and puts it in the used ring; whether any was.
+pub(crate) fn serve_chains(
+    queue: &mut Queue,
+    mem: &GuestRam,
+    mut serve: impl FnMut(virtio_queue::DescriptorChain<&GuestRam>) -> u32,
+) -> bool {
+    let mut used = false;
+    while let Some(chain) = queue.pop_descriptor_chain(mem) {
+        let head = chain.head_index();
+        let len = serve(chain);
+        // A head outside the table cannot be returned; the entry is consumed anyway.
+        used |= queue.add_used(mem, head, len).is_ok();
     }
+    used
 }
 
 /// Copies `src` into `data` from byte `offset` of `src`; bytes past its end read 0.
@@ -78,7 +84,7 @@ use kpin_abi::mmio::{VIRTIO_MMIO_BASE, VIRTIO_MMIO_SLOTS, VIRTIO_MMIO_STRIDE};
 use serde::Serialize;
 
 use crate::devices::mmio::MmioBus;
-use block::BlockStats;
+pub use block::BlockStats;
 use transport::{TransportStats, VirtioMmio, MMIO_LEN};
 
 /// ISA interrupt lines of the disks, in slot order: lines no other device of the VM uses
@@ -137,40 +143,10 @@ pub struct DeviceRecord {
     pub interrupts: u64,
     /// The disk's request counts.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub block: Option<BlockRecord>,
+    pub block: Option<BlockStats>,
     /// Random bytes handed over (virtio-rng).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub random_bytes: Option<u64>,
-}
-
-/// [`BlockStats`] as `run.json` names them.
-#[derive(Clone, Copy, Debug, Serialize)]
-pub struct BlockRecord {
-    /// `IN` requests.
-    pub reads: u64,
-    /// `OUT` requests.
-    pub writes: u64,
-    /// `FLUSH` requests.
-    pub flushes: u64,
-    /// Bytes read from the image.
-    pub bytes_read: u64,
-    /// Bytes written to the image.
-    pub bytes_written: u64,
-    /// Requests that failed (`IOERR`, `UNSUPP`, no status byte).
-    pub errors: u64,
-}
-
-impl From<BlockStats> for BlockRecord {
-    fn from(s: BlockStats) -> Self {
-        BlockRecord {
-            reads: s.reads,
-            writes: s.writes,
-            flushes: s.flushes,
-            bytes_read: s.bytes_read,
-            bytes_written: s.bytes_written,
-            errors: s.errors,
-        }
-    }
 }
 
 /// Reads a device's counters at the end of the run.
@@ -264,7 +240,7 @@ impl VirtioDevices {
                     mmio_accesses: t.accesses,
                     notifies: t.notifies,
                     interrupts: t.interrupts,
-                    block: p.block.as_ref().map(|b| b.get().into()),
+                    block: p.block.as_ref().map(|b| b.get()),
                     random_bytes: p.rng.as_ref().map(|r| r.get()),
                     ..p.record.clone()
                 }

@@ -6,9 +6,9 @@
 use std::io::Write;
 
 use virtio_bindings::virtio_ids::VIRTIO_ID_RNG;
-use virtio_queue::{Queue, QueueT, Writer};
+use virtio_queue::{Queue, Writer};
 
-use super::{GuestRam, VirtioDevice};
+use super::{serve_chains, GuestRam, VirtioDevice};
 
 /// The queue's size.
 pub const QUEUE_SIZE: u16 = 64;
@@ -75,13 +75,7 @@ impl VirtioDevice for Rng {
     }
 
     fn process_queue(&mut self, _index: usize, queue: &mut Queue, mem: &GuestRam) -> bool {
-        let mut used = false;
-        while let Some(chain) = queue.pop_descriptor_chain(mem) {
-            let head = chain.head_index();
-            let len = self.serve(chain, mem);
-            used |= queue.add_used(mem, head, len).is_ok();
-        }
-        used
+        serve_chains(queue, mem, |chain| self.serve(chain, mem))
     }
 }
 
