@@ -44,6 +44,7 @@ pub use command::CommandError;
 pub use cpio::CpioError;
 pub use debian_image::disk_test_sha256;
 pub use gdb::{ensure_gdb, gdb_overlay, GDB_BEGIN, GDB_END};
+pub use linux::vmlinux_from_bzimage;
 pub use lz4_legacy::Lz4Error;
 pub use overlay::{ensure_busybox_i386, overlay};
 pub use workload::{

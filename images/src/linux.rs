@@ -271,6 +271,15 @@ fn ensure_initramfs(
     Ok(initramfs_path)
 }
 
+/// The kernel ELF (`vmlinux`, symbols stripped, sections such as `.BTF` kept) inside the
+/// bzImage at `path`: an LZ4 payload is decoded here, a zstd payload by the host's `zstd`
+/// in a scratch directory under `scratch_parent` (made and removed here; callers that may
+/// run at the same time pass directories of their own). For the VMM's BTF reader.
+pub fn vmlinux_from_bzimage(path: &Path, scratch_parent: &Path) -> Result<Vec<u8>, ImagesError> {
+    let bytes = fs::read(path).map_err(io_error("read", path))?;
+    extract_vmlinux(scratch_parent, path, &bytes, &mut |_| {})
+}
+
 /// The kernel ELF inside the bzImage `image` (read from `path`): an LZ4 payload is decoded
 /// here, a zstd payload by the host's `zstd` in a scratch directory under `out_dir`.
 fn extract_vmlinux(
