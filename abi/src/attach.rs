@@ -9,10 +9,11 @@
 
 /// `magic` of a valid block: "KPINATCH".
 pub const MAGIC: u64 = u64::from_le_bytes(*b"KPINATCH");
-/// Layout version; bump on any change. 4: [`AttachBlock::kernel_types`] at the end. 3: the
+/// Layout version; bump on any change. 5: [`KernelTypes`] also locates the task's
+/// executable (`mm->exe_file`'s dentry). 4: [`AttachBlock::kernel_types`] at the end. 3: the
 /// window the block is reached through is PML4 slot 257 (`stolen::WINDOW_VA`; 2 had it in
 /// the lower half, 1 in slot 256).
-pub const VERSION: u32 = 4;
+pub const VERSION: u32 = 5;
 /// Capacity of [`AttachBlock::msrs`].
 pub const MAX_MSRS: usize = 32;
 /// Capacity of [`AttachBlock::cpuid`].
@@ -253,7 +254,8 @@ pub struct PendingEvents {
 /// Where a Linux guest keeps its running task, read by the VMM from the kernel's BTF
 /// (`vmm/src/diag/kernel_types.rs`): the engine reads `current` when the guest returns
 /// to CPL 3 and names the task by these fields. Each field 0 means unknown; the engine
-/// then tracks no tasks ([`KernelTypes::is_known`] is false).
+/// then tracks no tasks ([`KernelTypes::is_known`] is false), or, if only the executable's
+/// fields are unknown, names no executables ([`KernelTypes::knows_exe`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KernelTypes {
@@ -268,7 +270,22 @@ pub struct KernelTypes {
     pub task_comm: u32,
     /// Bytes of `task_struct.comm` (`TASK_COMM_LEN`, 16), at most [`MAX_COMM_BYTES`].
     pub comm_bytes: u32,
+    /// Offset of `task_struct.mm` (`struct mm_struct *`, NULL for kernel threads).
+    pub task_mm: u32,
+    /// Offset of `mm_struct.exe_file` (`struct file *`).
+    pub mm_exe_file: u32,
+    /// Offset of `file.f_path.dentry` (`struct dentry *`).
+    pub file_dentry: u32,
+    /// Offset of `dentry.d_name.len` (`u32`).
+    pub dentry_name_len: u32,
+    /// Offset of `dentry.d_name.name` (`const unsigned char *`).
+    pub dentry_name: u32,
+    /// Offset of `dentry.d_parent` (`struct dentry *`; the root's is itself).
+    pub dentry_parent: u32,
 }
+
+const _: () = assert!(core::mem::size_of::<KernelTypes>() == 48);
+const _: () = assert!(core::mem::offset_of!(KernelTypes, task_mm) == 24);
 
 /// Largest `KernelTypes::comm_bytes` the engine reads.
 pub const MAX_COMM_BYTES: u32 = 16;
@@ -281,6 +298,12 @@ impl KernelTypes {
         task_tgid: 0,
         task_comm: 0,
         comm_bytes: 0,
+        task_mm: 0,
+        mm_exe_file: 0,
+        file_dentry: 0,
+        dentry_name_len: 0,
+        dentry_name: 0,
+        dentry_parent: 0,
     };
 
     /// Whether every field is known (non-zero) and `comm_bytes` is within
@@ -291,6 +314,18 @@ impl KernelTypes {
             && self.task_tgid != 0
             && self.task_comm != 0
             && (1..=MAX_COMM_BYTES).contains(&self.comm_bytes)
+    }
+
+    /// Whether the task's executable can be found too: [`KernelTypes::is_known`] and every
+    /// offset on the way from the task to its executable's name known (non-zero).
+    pub fn knows_exe(&self) -> bool {
+        self.is_known()
+            && self.task_mm != 0
+            && self.mm_exe_file != 0
+            && self.file_dentry != 0
+            && self.dentry_name_len != 0
+            && self.dentry_name != 0
+            && self.dentry_parent != 0
     }
 }
 
@@ -548,8 +583,26 @@ mod tests {
             task_tgid: 0x5a4,
             task_comm: 0x758,
             comm_bytes: 16,
+            ..KernelTypes::UNKNOWN
         };
         assert!(k.is_known());
+        assert!(!k.knows_exe(), "the executable's offsets are unknown");
+        let e = KernelTypes {
+            task_mm: 0x898,
+            mm_exe_file: 0x378,
+            file_dentry: 0x18,
+            dentry_name_len: 0x24,
+            dentry_name: 0x28,
+            dentry_parent: 0x18,
+            ..k
+        };
+        assert!(e.knows_exe());
+        assert!(!KernelTypes { task_pid: 0, ..e }.knows_exe());
+        assert!(!KernelTypes {
+            dentry_parent: 0,
+            ..e
+        }
+        .knows_exe());
         assert!(!KernelTypes { task_pid: 0, ..k }.is_known());
         assert!(!KernelTypes {
             comm_bytes: 17,

@@ -359,6 +359,7 @@ mod tests {
                 task_tgid: 0x974,
                 task_comm: 0xba0,
                 comm_bytes: 16,
+                ..KernelTypes::UNKNOWN
             },
         }
     }

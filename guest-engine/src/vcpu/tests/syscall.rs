@@ -183,6 +183,7 @@ fn test_sysretq_to_user_lets_the_task_watch_read_current() {
         task_tgid: 0x974,
         task_comm: 0xba0,
         comm_bytes: 16,
+        ..KernelTypes::UNKNOWN
     };
     let counters = alloc::vec![0u64; 2 * INSN_COUNTER_SPREAD];
     // SAFETY: `counters` holds both modes' slots and outlives the virtual CPU.
