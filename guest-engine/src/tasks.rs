@@ -8,7 +8,10 @@
 //! per-CPU base, which at CPL 3 is in KERNEL_GS_BASE) and the task's `comm` (a task may
 //! rename itself at any time), and, only when one of them or the address space changed,
 //! its `pid` and `tgid`; without them it keys tasks by address space (CR3 without PCID
-//! and the PTI bit, [`address_space`]).
+//! and the PTI bit, [`address_space`]). When a task gets a row of its own, the watch also
+//! reads the path of its executable file (`task->mm->exe_file->f_path.dentry`, its name
+//! and up to [`EXE_COMPONENTS`] components up `d_parent`: [`read_exe`]); busybox's applets
+//! show `busybox` there while `comm` is the applet's name.
 //!
 //! Charging rule: at each change the guest instructions executed since the last change
 //! (per CPL, from the engine's own counters, [`InsnCounts`]) go to the task that ran
@@ -20,9 +23,11 @@
 //! engine's totals.
 //!
 //! Invariants: nothing here runs per guest instruction, only at CPL-3 entries (two guest
-//! reads, `current` and its `comm`; more reads and a row lookup only at a change); a read that
-//! faults is skipped and counted ([`WatchStats::reads_failed`]), never delivered to the
-//! guest; the table never grows past [`MAX_TASKS`] rows (the rest share an overflow row).
+//! reads, `current` and its `comm`; more reads and a row lookup only at a change, the
+//! executable's at most `3 + 4 * EXE_COMPONENTS` only for a new row); a read that faults is
+//! skipped and counted ([`WatchStats::reads_failed`], [`WatchStats::exe_reads_failed`]),
+//! never delivered to the guest; the table never grows past [`MAX_TASKS`] rows (the rest
+//! share an overflow row).
 
 use alloc::string::String;
 use alloc::vec::Vec;
@@ -41,6 +46,156 @@ pub const MAX_TASKS: usize = 512;
 pub const COMM_BYTES: usize = 16;
 /// Lowest kernel (upper-half) address.
 const KERNEL_HALF: u64 = 0xffff_8000_0000_0000;
+/// Bytes of an executable's path kept (a longer path keeps its end, after `...`).
+pub const EXE_BYTES: usize = 96;
+/// Path components read up from the executable's dentry: its name and 7 directories
+/// (a deeper path starts with `...`).
+pub const EXE_COMPONENTS: usize = 8;
+/// Bytes of one path component read (a longer name is cut).
+const COMPONENT_BYTES: usize = 64;
+/// What marks a path that does not reach its file system's root.
+const CUT: &[u8] = b"...";
+
+/// The path of a task's executable, as far as [`read_exe`] walked it: `/bin/busybox`, or
+/// `.../lib/x` when cut, relative to the root of the file system that holds it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct ExePath {
+    bytes: [u8; EXE_BYTES],
+    len: u8,
+}
+
+impl ExePath {
+    /// The path's bytes.
+    pub fn path(&self) -> &[u8] {
+        &self.bytes[..usize::from(self.len)]
+    }
+
+    /// The file's own name: the path's last component.
+    pub fn name(&self) -> &[u8] {
+        let p = self.path();
+        p.rsplit(|&b| b == b'/').next().unwrap_or(p)
+    }
+}
+
+impl core::fmt::Debug for ExePath {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "ExePath({:?})", core::str::from_utf8(self.path()))
+    }
+}
+
+/// A path built from its end: components are put in front.
+struct PathFromEnd {
+    buf: [u8; EXE_BYTES],
+    start: usize,
+}
+
+impl PathFromEnd {
+    fn new() -> Self {
+        PathFromEnd {
+            buf: [0; EXE_BYTES],
+            start: EXE_BYTES,
+        }
+    }
+
+    /// Puts `/name` in front, keeping room for [`CUT`]; false if it does not fit.
+    fn push(&mut self, name: &[u8]) -> bool {
+        if self.start < name.len() + 1 + CUT.len() {
+            return false;
+        }
+        self.start -= name.len();
+        self.buf[self.start..self.start + name.len()].copy_from_slice(name);
+        self.start -= 1;
+        self.buf[self.start] = b'/';
+        true
+    }
+
+    /// The path; `cut`: it did not reach the root, so it starts with [`CUT`].
+    fn finish(mut self, cut: bool) -> ExePath {
+        if cut {
+            self.start -= CUT.len();
+            self.buf[self.start..self.start + CUT.len()].copy_from_slice(CUT);
+        }
+        let len = EXE_BYTES - self.start;
+        let mut bytes = [0; EXE_BYTES];
+        bytes[..len].copy_from_slice(&self.buf[self.start..]);
+        ExePath {
+            bytes,
+            len: len as u8,
+        }
+    }
+}
+
+/// A read on the way to an executable faulted, or a pointer was not a kernel address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Unreadable;
+
+/// The path of the executable of the task at `task` (`Ok(None)`: it has none: no `mm`, as
+/// a kernel thread or an exiting task, or no `exe_file`; `Err`: a read faulted or a
+/// pointer was not a kernel address). Reads `mm`, `exe_file` and its dentry, then per
+/// component its name's length, pointer and bytes and `d_parent`, up to
+/// [`EXE_COMPONENTS`] components or the root (the dentry that is its own parent).
+pub fn read_exe(
+    t: &KernelTypes,
+    task: u64,
+    read: &mut dyn FnMut(u64, &mut [u8]) -> bool,
+) -> Result<Option<ExePath>, Unreadable> {
+    let word = |read: &mut dyn FnMut(u64, &mut [u8]) -> bool, va: u64| -> Result<u64, Unreadable> {
+        let mut b = [0u8; 8];
+        if read(va, &mut b) {
+            Ok(u64::from_le_bytes(b))
+        } else {
+            Err(Unreadable)
+        }
+    };
+    let kernel = |p: u64| {
+        if p >= KERNEL_HALF {
+            Ok(p)
+        } else {
+            Err(Unreadable)
+        }
+    };
+    let mm = word(read, task.wrapping_add(u64::from(t.task_mm)))?;
+    if mm == 0 {
+        return Ok(None);
+    }
+    let file = word(read, kernel(mm)?.wrapping_add(u64::from(t.mm_exe_file)))?;
+    if file == 0 {
+        return Ok(None);
+    }
+    let mut dentry = kernel(word(
+        read,
+        kernel(file)?.wrapping_add(u64::from(t.file_dentry)),
+    )?)?;
+    let mut path = PathFromEnd::new();
+    let mut cut = true;
+    for _ in 0..EXE_COMPONENTS {
+        let parent = kernel(word(read, dentry.wrapping_add(u64::from(t.dentry_parent)))?)?;
+        if parent == dentry && path.start < EXE_BYTES {
+            // The root (its name is `/`), below the file itself.
+            cut = false;
+            break;
+        }
+        let mut four = [0u8; 4];
+        if !read(dentry.wrapping_add(u64::from(t.dentry_name_len)), &mut four) {
+            return Err(Unreadable);
+        }
+        let len = (u32::from_le_bytes(four) as usize).min(COMPONENT_BYTES);
+        let at = kernel(word(read, dentry.wrapping_add(u64::from(t.dentry_name)))?)?;
+        let mut name = [0u8; COMPONENT_BYTES];
+        if !read(at, &mut name[..len]) {
+            return Err(Unreadable);
+        }
+        if !path.push(&name[..len]) {
+            break;
+        }
+        if parent == dentry {
+            cut = false;
+            break;
+        }
+        dentry = parent;
+    }
+    Ok(Some(path.finish(cut)))
+}
 
 /// `cr3` without PCID (bits 0–11), the PTI user/kernel bit (12) and the no-flush bit
 /// (63): one value per address space.
@@ -185,6 +340,9 @@ pub struct TaskRow {
     pub user: u64,
     /// Instructions charged at CPL 0.
     pub kernel: u64,
+    /// The path of its executable, read when the row was made (`None`: none, not read, or
+    /// unreadable).
+    pub exe: Option<ExePath>,
 }
 
 /// The rows and which one runs; pure bookkeeping (host-tested).
@@ -208,6 +366,7 @@ impl TaskTable {
             entries: 1,
             user: 0,
             kernel: 0,
+            exe: None,
         });
         TaskTable {
             rows,
@@ -231,11 +390,13 @@ impl TaskTable {
     }
 
     /// `key` runs from `counts` on: the instructions until now go to the row that ran.
-    pub fn switch_to(&mut self, key: &TaskKey, counts: [u64; 2]) {
+    /// True if `key` got a row of its own just now.
+    pub fn switch_to(&mut self, key: &TaskKey, counts: [u64; 2]) -> bool {
         self.charge(counts);
         if self.rows[self.current].key.same(key) {
-            return;
+            return false;
         }
+        let rows = self.rows.len();
         let at = counts[0].wrapping_add(counts[1]);
         let found = self.rows.iter().rposition(|r| r.key.same(key));
         let i = match found {
@@ -253,6 +414,12 @@ impl TaskTable {
         self.rows[i].entries += 1;
         self.rows[i].last_seen = at;
         self.current = i;
+        self.rows.len() > rows && self.rows[i].key.same(key)
+    }
+
+    /// Sets the running row's executable.
+    pub fn set_exe(&mut self, exe: Option<ExePath>) {
+        self.rows[self.current].exe = exe;
     }
 
     fn add(&mut self, key: TaskKey, at: u64) -> usize {
@@ -263,6 +430,7 @@ impl TaskTable {
             entries: 0,
             user: 0,
             kernel: 0,
+            exe: None,
         });
         self.rows.len() - 1
     }
@@ -288,6 +456,9 @@ pub struct WatchStats {
     /// Guest reads that faulted, or a kernel per-CPU base or task pointer that was not a
     /// kernel address: that entry was skipped.
     pub reads_failed: u64,
+    /// New rows whose executable could not be read (a read faulted or a pointer was not a
+    /// kernel address): the row has no `exe`.
+    pub exe_reads_failed: u64,
     /// TSC cycles spent in the watch (its whole cost), as the embedder measured them.
     pub cycles: u64,
 }
@@ -324,6 +495,11 @@ impl TaskWatch {
     /// Whether tasks are named from the kernel's types (else keyed by address space).
     pub fn by_task(&self) -> bool {
         self.types.is_some()
+    }
+
+    /// Whether tasks' executables are read too.
+    pub fn reads_exe(&self) -> bool {
+        self.types.is_some_and(|t| t.knows_exe())
     }
 
     /// The guest has just entered CPL 3 with `cr3`; `gs_bases` are its GS base and
@@ -389,15 +565,21 @@ impl TaskWatch {
                     tgid,
                     comm,
                 };
-                self.switch(&key);
+                if self.switch(&key) && t.knows_exe() {
+                    match read_exe(&t, task, read) {
+                        Ok(exe) => self.table.set_exe(exe),
+                        Err(Unreadable) => self.stats.exe_reads_failed += 1,
+                    }
+                }
             }
             None => self.stats.reads_failed += 1,
         }
     }
 
-    fn switch(&mut self, key: &TaskKey) {
+    /// True if `key` got a new row.
+    fn switch(&mut self, key: &TaskKey) -> bool {
         self.stats.switches += 1;
-        self.table.switch_to(key, self.counts.read());
+        self.table.switch_to(key, self.counts.read())
     }
 
     /// The table as a report sees it now: the instructions since the last change charged
@@ -418,11 +600,12 @@ impl TaskWatch {
         let s = &self.stats;
         let _ = write!(
             j,
-            "{{\"by\":\"{}\",\"user_instructions\":{user},\"kernel_instructions\":{kernel},\"user_entries\":{},\"switches\":{},\"reads_failed\":{},\"watch_cycles\":{},\"processes\":[",
+            "{{\"by\":\"{}\",\"user_instructions\":{user},\"kernel_instructions\":{kernel},\"user_entries\":{},\"switches\":{},\"reads_failed\":{},\"exe_reads_failed\":{},\"watch_cycles\":{},\"processes\":[",
             if self.by_task() { "task" } else { "address_space" },
             s.user_entries,
             s.switches,
             s.reads_failed,
+            s.exe_reads_failed,
             s.cycles
         );
         for (i, r) in table.rows().iter().enumerate() {
@@ -446,6 +629,16 @@ fn row_json(j: &mut String, r: &TaskRow) {
         let _ = write!(j, ",\"task\":\"{:#x}\",", k.task);
     } else {
         j.push_str("\"pid\":null,\"tgid\":null,\"comm\":null,\"task\":null,");
+    }
+    match &r.exe {
+        Some(exe) => {
+            j.push_str("\"exe\":");
+            json_string(j, exe.name());
+            j.push_str(",\"exe_path\":");
+            json_string(j, exe.path());
+            j.push(',');
+        }
+        None => j.push_str("\"exe\":null,\"exe_path\":null,"),
     }
     let _ = write!(
         j,
@@ -522,6 +715,12 @@ mod tests {
         task_tgid: 0x974,
         task_comm: 0xba0,
         comm_bytes: 16,
+        task_mm: 0x8e0,
+        mm_exe_file: 0x3b0,
+        file_dentry: 0x18,
+        dentry_name_len: 0x24,
+        dentry_name: 0x28,
+        dentry_parent: 0x10,
     };
     const PERCPU: u64 = 0xffff_8880_0f00_0000;
 
@@ -544,6 +743,29 @@ mod tests {
         }
         fn run(&mut self, task: u64) {
             self.put(PERCPU + 0x1fb80, &task.to_le_bytes());
+        }
+        /// A dentry at `d` named `name` under `parent` (itself for a root).
+        fn dentry(&mut self, d: u64, name: &str, parent: u64) {
+            self.put(d + 0x10, &parent.to_le_bytes());
+            self.put(d + 0x24, &(name.len() as u32).to_le_bytes());
+            self.put(d + 0x28, &(d + 0x1000).to_le_bytes());
+            self.put(d + 0x1000, name.as_bytes());
+        }
+        /// Gives the task at `task` an mm whose exe_file is at the dentries `path` (the
+        /// root first), placed from `at` on; returns the file's dentry.
+        fn exe(&mut self, task: u64, at: u64, path: &[&str]) -> u64 {
+            let (mm, file) = (at, at + 0x1_0000);
+            self.put(task + 0x8e0, &mm.to_le_bytes());
+            self.put(mm + 0x3b0, &file.to_le_bytes());
+            let mut parent = at + 0x2_0000;
+            self.dentry(parent, "/", parent);
+            for (i, name) in path.iter().enumerate() {
+                let d = at + 0x3_0000 + i as u64 * 0x2000;
+                self.dentry(d, name, parent);
+                parent = d;
+            }
+            self.put(file + 0x18, &parent.to_le_bytes());
+            parent
         }
         fn reader(&mut self) -> impl FnMut(u64, &mut [u8]) -> bool + '_ {
             |va, out| {
@@ -727,6 +949,126 @@ mod tests {
             .iter()
             .fold([0, 0], |s, r| [s[0] + r.user, s[1] + r.kernel]);
         assert_eq!(sum, [1_000_000, 1_000_000]);
+    }
+
+    fn exe(r: &TaskRow) -> Option<&str> {
+        r.exe
+            .as_ref()
+            .map(|e| core::str::from_utf8(e.path()).unwrap())
+    }
+
+    #[test]
+    fn test_a_new_rows_executable_is_read_once() {
+        let mut c = Counters::new();
+        let mut g = Guest::default();
+        let (a, b) = (0xffff_8880_0100_0000, 0xffff_8880_0200_0000);
+        g.task(a, 1, "init");
+        g.exe(a, 0xffff_8880_1000_0000, &["bin", "busybox"]);
+        g.task(b, 7, "kpin-test");
+        g.exe(b, 0xffff_8880_2000_0000, &["usr", "bin", "kpin-test"]);
+        let mut w = TaskWatch::new(&TYPES, c.view());
+        assert!(w.reads_exe());
+        let mut reads = 0;
+        let entry = |w: &mut TaskWatch, g: &mut Guest, task: u64, reads: &mut u32| {
+            g.run(task);
+            let mut r = g.reader();
+            w.on_user_entry(0x1000, [0, PERCPU], &mut |va, out| {
+                *reads += 1;
+                r(va, out)
+            });
+        };
+        entry(&mut w, &mut g, a, &mut reads);
+        // current, comm, pid, tgid; mm, exe_file, dentry; 2 components (parent, len,
+        // name pointer, name), the root's parent.
+        assert_eq!(reads, 4 + 3 + 2 * 4 + 1);
+        c.run(5, 5);
+        entry(&mut w, &mut g, b, &mut reads);
+        c.run(5, 5);
+        reads = 0;
+        // Back to a: its row exists, only current, comm, pid and tgid are read.
+        entry(&mut w, &mut g, a, &mut reads);
+        assert_eq!(reads, 4);
+        // busybox renames itself for an applet: a new row, the same executable.
+        g.task(a, 1, "sort");
+        entry(&mut w, &mut g, a, &mut reads);
+        let t = w.report_table();
+        let rows: Vec<(&str, Option<&str>)> = t.rows().iter().map(|r| (comm(r), exe(r))).collect();
+        assert_eq!(
+            rows,
+            [
+                ("", None),
+                ("init", Some("/bin/busybox")),
+                ("kpin-test", Some("/usr/bin/kpin-test")),
+                ("sort", Some("/bin/busybox")),
+            ]
+        );
+        assert_eq!(t.rows()[3].exe.unwrap().name(), b"busybox");
+        let j = w.to_json();
+        assert!(
+            j.contains("\"exe\":\"kpin-test\",\"exe_path\":\"/usr/bin/kpin-test\""),
+            "{j}"
+        );
+        assert!(j.contains("\"exe\":null,\"exe_path\":null"), "{j}");
+        assert!(j.contains("\"exe_reads_failed\":0"), "{j}");
+    }
+
+    #[test]
+    fn test_no_mm_is_no_executable_and_faults_are_counted() {
+        let c = Counters::new();
+        let mut g = Guest::default();
+        let (a, b, d) = (
+            0xffff_8880_0100_0000,
+            0xffff_8880_0200_0000,
+            0xffff_8880_0300_0000,
+        );
+        g.task(a, 2, "kthreadd");
+        g.put(a + 0x8e0, &0u64.to_le_bytes());
+        g.task(b, 3, "gone");
+        g.put(b + 0x8e0, &0xffff_8880_0900_0000u64.to_le_bytes()); // mm unreadable
+        g.task(d, 4, "odd");
+        let dentry = g.exe(d, 0xffff_8880_1000_0000, &["x"]);
+        g.put(dentry + 0x28, &0x1000u64.to_le_bytes()); // a user-space name pointer
+        let mut w = TaskWatch::new(&TYPES, c.view());
+        for task in [a, b, d] {
+            g.run(task);
+            w.on_user_entry(0x1000, [0, PERCPU], &mut g.reader());
+        }
+        assert_eq!(w.stats.reads_failed, 0, "the entries themselves were seen");
+        assert_eq!(w.stats.exe_reads_failed, 2);
+        let t = w.report_table();
+        assert_eq!(t.rows().len(), 4);
+        assert!(t.rows().iter().all(|r| r.exe.is_none()));
+        // Types without the executable's offsets read no executable.
+        let old = KernelTypes {
+            task_mm: 0,
+            ..TYPES
+        };
+        let w = TaskWatch::new(&old, c.view());
+        assert!(w.by_task() && !w.reads_exe());
+    }
+
+    #[test]
+    fn test_deep_and_long_paths_keep_their_end() {
+        let mut g = Guest::default();
+        let a = 0xffff_8880_0100_0000;
+        let deep = ["a", "b", "c", "d", "e", "f", "g", "h", "i", "prog"];
+        g.exe(a, 0xffff_8880_1000_0000, &deep);
+        let e = read_exe(&TYPES, a, &mut g.reader()).unwrap().unwrap();
+        assert_eq!(e.path(), b".../c/d/e/f/g/h/i/prog");
+        assert_eq!(e.name(), b"prog");
+        // Exactly EXE_COMPONENTS deep: the root is reached.
+        let b = 0xffff_8880_0200_0000;
+        g.exe(b, 0xffff_8880_2000_0000, &deep[3..]);
+        let e = read_exe(&TYPES, b, &mut g.reader()).unwrap().unwrap();
+        assert_eq!(e.path(), b"/d/e/f/g/h/i/prog");
+        // Long names: each cut to 64 bytes, the path to what fits, the name kept.
+        let long = "n".repeat(80);
+        let c = 0xffff_8880_0300_0000;
+        g.exe(c, 0xffff_8880_3000_0000, &[&long, &long, "tool"]);
+        let e = read_exe(&TYPES, c, &mut g.reader()).unwrap().unwrap();
+        assert_eq!(e.name(), b"tool");
+        assert!(e.path().starts_with(b".../nnnn"), "{e:?}");
+        assert_eq!(e.path().len(), 3 + 1 + 64 + 5);
     }
 
     #[test]

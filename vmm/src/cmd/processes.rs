@@ -9,7 +9,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::progress;
 
-/// Largest `processes.json` kpin reads back (512 rows of ~300 bytes).
+/// Largest `processes.json` kpin reads back (512 rows of ~400 bytes; at most ~1550 with
+/// every name byte escaped).
 const MAX_PROCESSES_BYTES: u64 = 1 << 20;
 /// Rows the end-of-run table shows.
 pub(crate) const TABLE_ROWS: usize = 10;
@@ -29,6 +30,9 @@ pub(crate) struct Processes {
     pub(crate) switches: u64,
     /// Entries skipped because a read of the kernel's memory faulted.
     pub(crate) reads_failed: u64,
+    /// New rows whose executable could not be read.
+    #[serde(default)]
+    pub(crate) exe_reads_failed: u64,
     /// TSC cycles the engine spent watching (its whole cost).
     #[serde(default)]
     pub(crate) watch_cycles: u64,
@@ -44,6 +48,12 @@ pub(crate) struct Process {
     pub(crate) pid: Option<i64>,
     pub(crate) tgid: Option<i64>,
     pub(crate) comm: Option<String>,
+    /// The name of its executable file (`mm->exe_file`'s dentry).
+    #[serde(default)]
+    pub(crate) exe: Option<String>,
+    /// Its executable's path, as far as the engine walked it up (`...` in front when cut).
+    #[serde(default)]
+    pub(crate) exe_path: Option<String>,
     /// The `task_struct`'s address.
     pub(crate) task: Option<String>,
     /// The address space when first seen (CR3 without PCID and the PTI bit).
@@ -110,27 +120,17 @@ pub(crate) fn table(p: &Processes, top: usize) -> String {
     let mut rows: Vec<&Process> = p.processes.iter().collect();
     rows.sort_by_key(|r| std::cmp::Reverse(r.total()));
     let mut t = format!(
-        "{:>7} {:<34} {:>15} {:>15} {:>6}\n",
-        "pid", "comm", "user insns", "kernel insns", "share"
+        "{:>7} {:<34} {:<16} {:>15} {:>15} {:>6}\n",
+        "pid", "comm", "exe", "user insns", "kernel insns", "share"
     );
     for r in rows.iter().take(top) {
         let pid = r.pid.map_or_else(|| "-".into(), |p| p.to_string());
-        // The name came from the guest: printable ASCII only, and not too long.
-        let name: String = r
-            .name()
-            .chars()
-            .map(|c| {
-                if c.is_ascii_graphic() || c == ' ' {
-                    c
-                } else {
-                    '?'
-                }
-            })
-            .take(34)
-            .collect();
+        // Names came from the guest: printable ASCII only, and not too long.
+        let name = printable(&r.name(), 34);
+        let exe = printable(r.exe.as_deref().unwrap_or("-"), 16);
         let _ = writeln!(
             t,
-            "{pid:>7} {name:<34} {:>15} {:>15} {:>5.1}%",
+            "{pid:>7} {name:<34} {exe:<16} {:>15} {:>15} {:>5.1}%",
             r.user_instructions,
             r.kernel_instructions,
             r.total() as f64 * 100.0 / all as f64
@@ -146,23 +146,39 @@ pub(crate) fn table(p: &Processes, top: usize) -> String {
         });
         let _ = writeln!(
             t,
-            "{:>7} {:<34} {u:>15} {k:>15} {:>5.1}%",
+            "{:>7} {:<34} {:<16} {u:>15} {k:>15} {:>5.1}%",
             "",
             format!("({} more rows)", rest.len()),
+            "",
             u.saturating_add(k) as f64 * 100.0 / all as f64
         );
     }
     let _ = write!(
         t,
-        "{} rows by {}; {} changes of the running task in {} entries to user mode, {} skipped; {:.1} M TSC cycles spent watching",
+        "{} rows by {}; {} changes of the running task in {} entries to user mode, {} skipped, {} executables unreadable; {:.1} M TSC cycles spent watching",
         p.processes.len(),
         p.by,
         p.switches,
         p.user_entries,
         p.reads_failed,
+        p.exe_reads_failed,
         p.watch_cycles as f64 / 1e6
     );
     t
+}
+
+/// `s` with every character but printable ASCII and space as `?`, at most `max` of them.
+fn printable(s: &str, max: usize) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_graphic() || c == ' ' {
+                c
+            } else {
+                '?'
+            }
+        })
+        .take(max)
+        .collect()
 }
 
 #[cfg(test)]
@@ -172,7 +188,7 @@ mod tests {
     const FILE: &str = r#"{"by":"task","user_instructions":30,"kernel_instructions":70,"user_entries":9,"switches":2,"reads_failed":0,"processes":[
         {"kind":"boot","pid":null,"tgid":null,"comm":null,"task":null,"cr3":"0x0","first_seen":0,"last_seen":50,"entries":1,"user_instructions":0,"kernel_instructions":50},
         {"kind":"task","pid":1,"tgid":1,"comm":"init\u0007","task":"0xffff888003dfe000","cr3":"0x566e000","first_seen":50,"last_seen":80,"entries":1,"user_instructions":10,"kernel_instructions":10},
-        {"kind":"task","pid":7,"tgid":7,"comm":"sh","task":"0xffff888003dff000","cr3":"0x5670000","first_seen":80,"last_seen":100,"entries":1,"user_instructions":20,"kernel_instructions":10}]}"#;
+        {"kind":"task","pid":7,"tgid":7,"comm":"sh","exe":"busybox","exe_path":"/bin/busybox","task":"0xffff888003dff000","cr3":"0x5670000","first_seen":80,"last_seen":100,"entries":1,"user_instructions":20,"kernel_instructions":10}]}"#;
 
     #[test]
     fn test_processes_json_parses_and_the_table_ranks_rows() {
@@ -186,6 +202,10 @@ mod tests {
         );
         assert!(lines[1].contains("50.0%"), "{t}");
         assert!(lines[2].contains("sh") && lines[2].contains("30.0%"), "{t}");
+        assert!(lines[2].contains(" busybox "), "the exe column: {t}");
+        assert!(lines[1].contains(" - "), "no exe: {t}");
+        assert_eq!(p.processes[2].exe_path.as_deref(), Some("/bin/busybox"));
+        assert_eq!(p.processes[1].exe, None, "a file without exe still parses");
         assert!(lines[3].contains("(1 more rows)"), "{t}");
         assert!(lines[4].starts_with("3 rows by task"), "{t}");
         // A control character in a name is not printed.

@@ -29,6 +29,18 @@ pub fn watch(vcpu: &mut Vcpu<'_>, block: &AttachBlock, engine: &Engine) {
             t.task_comm,
             t.comm_bytes
         );
+        if w.reads_exe() {
+            log!(
+                Info,
+                "engine: processes: executables through mm at {:#x}, exe_file at {:#x}, f_path.dentry at {:#x}, d_name.len/name at {:#x}/{:#x}, d_parent at {:#x}",
+                t.task_mm,
+                t.mm_exe_file,
+                t.file_dentry,
+                t.dentry_name_len,
+                t.dentry_name,
+                t.dentry_parent
+            );
+        }
     } else {
         log!(
             Info,
@@ -46,11 +58,12 @@ pub fn report(vcpu: &Vcpu<'_>) {
     let s = &w.stats;
     log!(
         Info,
-        "engine: processes: {} rows, {} changes of the running task in {} entries to user mode, {} reads skipped",
+        "engine: processes: {} rows, {} changes of the running task in {} entries to user mode, {} reads skipped, {} executables unreadable",
         w.report_table().rows().len(),
         s.switches,
         s.user_entries,
-        s.reads_failed
+        s.reads_failed,
+        s.exe_reads_failed
     );
     let text = w.to_json();
     if let Err(e) = tools::write_file(ENGINE_PROCESSES, text.as_bytes()) {
