@@ -168,6 +168,7 @@ pub fn start_minikernel(
         engine_image: Some(engine_config("null", "").image),
         boot_tool: boot_tool.map(str::to_owned),
         boot_resident: false,
+        kernel: None,
     };
     let vm_thread = spawn_vm(cfg, control, dir.to_owned());
     wait_for_socket(dir);

@@ -121,7 +121,11 @@ fn soak(name: &str, windows: Windows, soak_s: u64, window: Duration, gap: Durati
         .expect("fetch and build the Linux images");
     let dir = scratch_dir(name);
     let console = dir.join("console.log");
-    let engine = engine_config("null", "");
+    let mut engine = engine_config("null", "");
+    // As `kpin run --resident` does: the windows name the processes they saw run.
+    engine.kernel_types = vmm::diag::kernel_types::from_kernel(&linux.vmlinux)
+        .expect("the kernel's BTF")
+        .0;
     let cfg = VmConfig {
         initrd: Some(linux.initramfs.clone()),
         cmdline: format!("{LINUX_CMDLINE} kpin.workload=soak kpin.soak={soak_s}"),
@@ -137,6 +141,7 @@ fn soak(name: &str, windows: Windows, soak_s: u64, window: Duration, gap: Durati
         engine_image: Some(engine.image),
         boot_tool: None,
         boot_resident: true,
+        kernel: Some(linux.vmlinux.clone()),
     };
     let vm_thread = spawn_vm(cfg, control, dir.clone());
     let read_console = || std::fs::read_to_string(&console).unwrap_or_default();
@@ -296,6 +301,38 @@ fn check_window(window: &Path, c: &Cycle) {
         c.engine_insns
     );
     assert!(window.join("counters.json").exists());
+    check_processes(window);
+}
+
+/// The window's `processes.json` names tasks (the resident engine's kernel types) and its
+/// rows add up to the window's `counters.json` exactly (both cover the engine's run so far,
+/// written at the same instant); busybox's applets show `busybox` as their executable.
+fn check_processes(window: &Path) {
+    let text = std::fs::read_to_string(window.join("processes.json"))
+        .unwrap_or_else(|e| panic!("{}/processes.json: {e}", window.display()));
+    let p: serde_json::Value = serde_json::from_str(&text).expect("processes.json parses");
+    assert_eq!(p["by"], "task", "{}", window.display());
+    let rows = p["processes"].as_array().expect("rows");
+    let counters = kpin_tests::engine_counters(window);
+    for (key, cpl) in [
+        ("user_instructions", "cpl3"),
+        ("kernel_instructions", "cpl0"),
+    ] {
+        let sum: u64 = rows.iter().filter_map(|r| r[key].as_u64()).sum();
+        assert_eq!(
+            sum,
+            kpin_tests::json_u64(&counters, &format!("/guest_instructions/{cpl}")),
+            "{}: {key}",
+            window.display()
+        );
+    }
+    assert!(
+        rows.iter()
+            .any(|r| r["exe"] == "busybox" && r["comm"] != "busybox"),
+        "{}: no busybox applet among {} rows",
+        window.display(),
+        rows.len()
+    );
 }
 
 fn print_latencies(cycles: &[Cycle]) {

@@ -44,6 +44,7 @@ fn test_attach_bbcount_to_the_native_minikernel_mid_run_counts_its_known_loop() 
         engine_image: Some(image),
         boot_tool: None,
         boot_resident: false,
+        kernel: None,
     };
     let vm_thread = spawn_vm(cfg, control, dir.clone());
     wait_for_socket(&dir);

@@ -511,6 +511,7 @@ fn boot_and_run(
     }
     let mut control = attach_control(out, image_dir, args.tool.as_deref(), cfg.engine.as_ref());
     control.boot_resident = args.resident;
+    control.kernel = Some(cfg.kernel.clone());
     let report = vm.run_with_control(&mut daemon, Some(control))?;
     Ok(Ran {
         report,
@@ -543,6 +544,7 @@ fn attach_control(
         engine_image,
         boot_tool: tool.map(str::to_owned),
         boot_resident: false,
+        kernel: None,
     }
 }
 

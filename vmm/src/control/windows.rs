@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use host_daemon::Daemon;
+use kpin_abi::attach::KernelTypes;
 use kpin_abi::attach_control::{
     Control, MAGIC, REQ_DETACH_NATIVE, REQ_DETACH_RESIDENT, REQ_NONE, REQ_SWITCH, REQ_TAKEN,
 };
@@ -132,6 +133,10 @@ pub struct Windows {
     xcrs: Option<kvm_xcrs>,
     /// The last two progress samples (older, newer).
     samples: [Option<Sample>; 2],
+    /// The guest's kernel, whose BTF names a native attach's processes
+    /// (`docs/processes.md`), and what was read from it (at the first native attach).
+    kernel: Option<PathBuf>,
+    kernel_types: Option<KernelTypes>,
 }
 
 impl Windows {
@@ -172,6 +177,8 @@ impl Windows {
             insns_before: 0,
             xcrs: None,
             samples: [None, None],
+            kernel: None,
+            kernel_types: None,
         }
     }
 
@@ -425,6 +432,33 @@ impl Windows {
             .map(Some)
     }
 
+    /// The windows' engines name processes from `kernel`'s BTF (a window's engine started
+    /// from native execution; a resident engine keeps the types of the run's start).
+    pub fn with_kernel(mut self, kernel: Option<PathBuf>) -> Self {
+        self.kernel = kernel;
+        self
+    }
+
+    /// Where the kernel keeps its running task, read from its BTF once, at the first
+    /// native attach (`KernelTypes::UNKNOWN`, said once, if it cannot be read: the
+    /// window's processes are then by address space).
+    fn kernel_types(&mut self) -> KernelTypes {
+        *self.kernel_types.get_or_insert_with(|| {
+            let Some(kernel) = &self.kernel else {
+                return KernelTypes::UNKNOWN;
+            };
+            match crate::diag::kernel_types::from_kernel(kernel) {
+                Ok((types, _)) => types,
+                Err(why) => {
+                    eprintln!(
+                        "kpin: warning: windows report processes by address space (CR3): {why}"
+                    );
+                    KernelTypes::UNKNOWN
+                }
+            }
+        })
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn attach_native(
         &mut self,
@@ -461,8 +495,7 @@ impl Windows {
             options: options.to_owned(),
             // Windows simulate in the engine: the record ring serves the boot tool only.
             host_sim: false,
-            // Not read for a window yet: its processes are reported by address space.
-            kernel_types: kpin_abi::attach::KernelTypes::UNKNOWN,
+            kernel_types: self.kernel_types(),
         };
         match engine::enter::enter(vcpu, mem, cpuid, &cfg) {
             Ok(_) => {}

@@ -113,6 +113,9 @@ pub struct ControlConfig {
     pub boot_tool: Option<String>,
     /// The run started under the engine with no window (`kpin run --resident`).
     pub boot_resident: bool,
+    /// The guest's kernel: a native attach reads its BTF to name processes (`None`: by
+    /// address space).
+    pub kernel: Option<PathBuf>,
 }
 
 /// A request to stop a running guest, from any thread (`kpin run` makes one of SIGINT and
@@ -432,7 +435,8 @@ impl Vm {
             Some(c) => {
                 let (server, rx) = ControlServer::start(&c.socket)?;
                 let windows =
-                    Windows::new(rx, c.engine_image, c.out_dir, c.boot_tool, c.boot_resident);
+                    Windows::new(rx, c.engine_image, c.out_dir, c.boot_tool, c.boot_resident)
+                        .with_kernel(c.kernel);
                 self.bus
                     .insert(ATTACH_STATUS_PORT, 1, Box::new(windows.status_port()));
                 self.bus
