@@ -4,8 +4,10 @@
 //! (`docs/processes.md`). Under bbcount the pinned 6.1 kernel's workload must show its
 //! programs by name, and the rows' instructions must add up to the engine's totals in
 //! `counters.json` exactly, per CPL; the 6.12 kernel (where `current` is in `pcpu_hot`)
-//! the same under tool null; and a kernel without BTF (the mini-kernel) gets one warning
-//! and rows by address space, again summing exactly.
+//! the same under tool null, also booted through its bzImage with KASLR (the BTF from the
+//! bzImage's payload); and a kernel without BTF (the mini-kernel) gets one warning and rows
+//! by address space, again summing exactly. Every task row names its executable: `busybox`
+//! for busybox's applets (whose `comm` is the applet), `kpin-test` for the test program.
 
 use std::path::Path;
 use std::process::Command;
@@ -86,6 +88,46 @@ fn assert_exact(out: &Path, processes: &serde_json::Value, run_json: &serde_json
     );
 }
 
+/// Every busybox applet's rows name `busybox` as their executable (`/bin/busybox`), and
+/// the test program its own; no executable read failed.
+fn assert_exes(processes: &serde_json::Value) {
+    assert_eq!(processes["exe_reads_failed"], 0, "{processes}");
+    let rows = processes["processes"].as_array().expect("rows");
+    let exe_of = |comm: &str| -> Vec<(String, String)> {
+        rows.iter()
+            .filter(|r| r["comm"] == comm)
+            .map(|r| {
+                (
+                    r["exe"].as_str().unwrap_or("(null)").to_owned(),
+                    r["exe_path"].as_str().unwrap_or("(null)").to_owned(),
+                )
+            })
+            .collect()
+    };
+    for applet in ["init", "seq", "awk", "sort", "md5sum"] {
+        let exes = exe_of(applet);
+        assert!(!exes.is_empty(), "no row for {applet}");
+        assert!(
+            exes.iter()
+                .all(|(e, p)| e == "busybox" && p == "/bin/busybox"),
+            "{applet}: {exes:?}"
+        );
+    }
+    let test = exe_of("kpin-test");
+    assert!(
+        !test.is_empty()
+            && test
+                .iter()
+                .all(|(e, p)| e == "kpin-test" && p.ends_with("/kpin-test")),
+        "kpin-test: {test:?}"
+    );
+    // Tasks return to user mode only with an mm: every task row has an executable.
+    for r in rows.iter().filter(|r| r["kind"] == "task") {
+        assert!(r["exe"].is_string(), "a task without exe: {r}");
+    }
+    assert!(rows[0]["exe"].is_null(), "the boot row has none");
+}
+
 /// The names of the task rows.
 fn comms(processes: &serde_json::Value) -> Vec<String> {
     processes["processes"]
@@ -131,6 +173,11 @@ fn test_linux_61_workload_processes_appear_by_name_and_sum_exactly() {
         .map(|r| json_u64(r, "/user_instructions"))
         .sum();
     assert!(sort > 1_000_000, "sort ran {sort} user instructions");
+    assert_exes(&p);
+    assert!(
+        stderr.contains(" exe "),
+        "the table's exe column:\n{stderr}"
+    );
     eprintln!(
         "Linux 6.1 under bbcount: {} rows, {} changes of the running task",
         rows.len(),
@@ -157,6 +204,53 @@ fn test_linux_612_finds_current_in_pcpu_hot() {
             "no row for {want:?}; rows: {names:?}"
         );
     }
+}
+
+#[test]
+fn test_linux_612_bzimage_with_kaslr_names_processes_from_its_payloads_btf() {
+    require_kvm!();
+    let images = kpin_images::default_out_dir();
+    let dir = images.join("linux-6.12.117+deb12-cloud-amd64");
+    let (bzimage, initrd) = (dir.join("vmlinuz"), images.join("initramfs.cpio"));
+    if !bzimage.is_file() || !initrd.is_file() {
+        eprintln!(
+            "SKIPPED: no {} or {} (run `kpin images`)",
+            bzimage.display(),
+            initrd.display()
+        );
+        return;
+    }
+    assert!(!vmm::guests::LINUX_612_CMDLINE.contains("nokaslr"));
+    let out = scratch_dir("linux-processes-612-bzimage");
+    let (stderr, p, run_json) = run(
+        &[
+            "--kernel",
+            bzimage.to_str().unwrap(),
+            "--initrd",
+            initrd.to_str().unwrap(),
+            "--cmdline",
+            vmm::guests::LINUX_612_CMDLINE,
+            "--tool",
+            "null",
+        ],
+        &out,
+    );
+    assert!(
+        stderr.contains("vmlinuz's payload (pcpu_hot.current_task)"),
+        "the types come from the bzImage's payload:\n{stderr}"
+    );
+    // KASLR on: the per-CPU offset of `current` is not moved, so no entry is skipped.
+    assert_eq!(p["by"], "task", "{p}");
+    assert_eq!(p["reads_failed"], 0, "{p}");
+    assert_exact(&out, &p, &run_json);
+    let names = comms(&p);
+    for want in WORKLOAD_COMMS {
+        assert!(
+            names.iter().any(|n| n == want),
+            "no row for {want:?}; rows: {names:?}"
+        );
+    }
+    assert_exes(&p);
 }
 
 #[test]
