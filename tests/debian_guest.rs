@@ -84,7 +84,7 @@ fn assert_clean_debian_run(r: &KpinRun, out: &Path) {
         assert!(!r.console.contains(bad), "`{bad}`\n{}", r.context);
     }
     assert_eq!(noticed_the_engine(&r.console), None, "{}", r.context);
-    let disk = out.join("debian-disk.img");
+    let disk = out.join(kpin_abi::output::GUEST_DISK_COPY);
     let check = Command::new(fsck())
         .args(["-fn"])
         .arg(&disk)
@@ -168,7 +168,7 @@ fn test_a_run_killed_during_the_workload_leaves_a_disk_e2fsck_repairs() {
     }
     child.kill().unwrap();
     child.wait().unwrap();
-    let disk = out.join("debian-disk.img");
+    let disk = out.join(kpin_abi::output::GUEST_DISK_COPY);
     let repair = Command::new(fsck())
         .args(["-fy"])
         .arg(&disk)

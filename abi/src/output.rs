@@ -20,3 +20,6 @@ pub const ENGINE_PROFILE: &str = "profile.txt";
 pub const ENGINE_PROCESSES: &str = "processes.json";
 /// The run's control socket (the VMM).
 pub const CONTROL_SOCKET: &str = "control.sock";
+/// The copy of a built-in guest's disk image the run boots and writes (`--guest debian`;
+/// the VMM).
+pub const GUEST_DISK_COPY: &str = "debian-disk.img";

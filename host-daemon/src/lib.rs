@@ -56,6 +56,7 @@ pub const RESERVED_NAMES: &[&str] = &[
     output::DUMP_TXT,
     ENGINE_LOG,
     output::CONTROL_SOCKET,
+    output::GUEST_DISK_COPY,
 ];
 
 /// Limits of one run's output.

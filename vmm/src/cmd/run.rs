@@ -242,7 +242,7 @@ fn guest_disks(
 ) -> anyhow::Result<Vec<DiskConfig>> {
     let mut disks = Vec::new();
     if let Some(image) = root_disk {
-        let copy = out.join("debian-disk.img");
+        let copy = out.join(output::GUEST_DISK_COPY);
         progress(&format!(
             "copying {} to {} (the run writes to it)",
             image.display(),
