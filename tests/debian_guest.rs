@@ -6,7 +6,8 @@
 //! cache drop) with the md5 its build-time run in a chroot printed, and powers off with
 //! `systemctl poweroff` (ACPI): exit 0. The disk the run wrote is clean for `fsck`.
 //!
-//! In CI: `--tool null` (about two minutes here, plus 1–3.5 minutes to build the image on a
+//! In CI: `--tool null` on both pinned kernels (`--guest debian`, `--guest debian-6.12`;
+//! about two minutes each here, plus 1–3.5 minutes to build the image on a
 //! cold cache: it needs root, mmdebstrap and Debian's mirror, which `.ci/setup` gives).
 //! Also in CI: a run killed with SIGKILL during the workload (after its python step, while
 //! gcc and sqlite3 write), whose disk e2fsck repairs (about a minute). Long runs (`--
@@ -45,11 +46,16 @@ fn fsck() -> PathBuf {
 
 /// `kpin run --guest debian --tool TOOL` into `out`.
 fn run_debian(out: &Path, tool: &str) -> KpinRun {
+    run_guest(out, "debian", tool)
+}
+
+/// `kpin run --guest GUEST --tool TOOL` into `out`.
+fn run_guest(out: &Path, guest: &str, tool: &str) -> KpinRun {
     kpin_run(
         Command::new(kpin_bin()).args([
             "run",
             "--guest",
-            "debian",
+            guest,
             "--tool",
             tool,
             "--timeout",
@@ -103,6 +109,21 @@ fn test_debian_boots_to_multi_user_runs_the_workload_and_powers_off_under_null()
     let dir = scratch_dir("debian-null");
     let out = dir.join("out");
     let r = run_debian(&out, "null");
+    assert_clean_debian_run(&r, &out);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn test_debian_on_the_612_kernel_boots_to_multi_user_and_powers_off_under_null() {
+    require_kvm!();
+    let dir = scratch_dir("debian-612-null");
+    let out = dir.join("out");
+    let r = run_guest(&out, "debian-6.12", "null");
+    assert!(
+        r.console.contains("KPIN-DEBIAN-MULTIUSER 6.12."),
+        "{}",
+        r.context
+    );
     assert_clean_debian_run(&r, &out);
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -152,6 +152,10 @@ pub(crate) enum Guest {
     /// directory as /dev/vda, its initrd, `root=/dev/vda rw console=ttyS0 panic=-1`; a
     /// unit runs the workload (python3, gcc, sqlite3, a disk read) and powers off.
     Debian,
+    /// The same Debian bookworm system on the second pinned kernel, Debian's 6.12 cloud
+    /// kernel (the image holds both kernels' modules and an initrd for each).
+    #[value(name = "debian-6.12")]
+    Debian612,
     /// The mini-kernel test guest (built by `kpin images`). Run natively, its default
     /// command line skips the steps this KVM cannot run natively (`kpin.skip=native-unsafe`);
     /// with --tool it runs every step.

@@ -114,7 +114,7 @@ fn check_command_line(args: &RunArgs) -> anyhow::Result<()> {
             max_mib: MAX_MEM_MIB,
         });
     }
-    let guest_disks = usize::from(matches!(args.guest, Some(Guest::Debian)));
+    let guest_disks = usize::from(matches!(args.guest, Some(Guest::Debian | Guest::Debian612)));
     if args.disk.len() + guest_disks > vmm::devices::virtio::MAX_DISKS {
         return Err(UsageError(format!(
             "--disk given {} times: at most {} disks ({guest_disks} taken by --guest)",
@@ -174,12 +174,13 @@ fn choose_guest(args: &RunArgs, image_dir: &Path) -> anyhow::Result<GuestFiles> 
             let cmdline = LINUX_612_CMDLINE.to_string();
             (l.vmlinux, Some(l.initramfs), Some(l.system_map), cmdline)
         }
-        (None, Some(Guest::Debian)) => {
-            let d = kpin_images::ensure_debian(
-                kpin_images::GuestKernel::Debian61,
-                image_dir,
-                &mut progress,
-            )?;
+        (None, Some(guest @ (Guest::Debian | Guest::Debian612))) => {
+            let kernel = if matches!(guest, Guest::Debian) {
+                kpin_images::GuestKernel::Debian61
+            } else {
+                kpin_images::GuestKernel::Debian612
+            };
+            let d = kpin_images::ensure_debian(kernel, image_dir, &mut progress)?;
             root_disk = Some(d.disk);
             let cmdline = DEBIAN_CMDLINE.to_string();
             (
