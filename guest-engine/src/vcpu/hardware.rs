@@ -85,6 +85,13 @@ pub trait GuestMmu {
     /// written) before guest code runs again.
     fn has_work(&self) -> bool;
 
+    /// Reads `out.len()` bytes at `va` with the kernel's privileges for an observer (the
+    /// task watch): `false` on anything the guest would fault on *and* on a frame the
+    /// engine cannot read, which for an instruction's access is an engine failure.
+    fn observe(&mut self, va: u64, out: &mut [u8]) -> bool {
+        self.read(va, false, out).is_ok()
+    }
+
     /// Reads a little-endian u64.
     fn read_u64(&mut self, va: u64, user: bool) -> Result<u64, GuestFault> {
         let mut b = [0u8; 8];

@@ -305,7 +305,7 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
     }
 
     /// The guest entered CPL 3: the task watch, if any, reads `current` with the kernel's
-    /// privileges (a fault is only counted).
+    /// privileges (a fault, or a pointer into a device page, is only counted).
     fn user_entry(&mut self) {
         if let Some(w) = &mut self.tasks {
             let t0 = self.hw.tsc();
@@ -315,7 +315,7 @@ impl<'a, H: Hardware, M: GuestMmu> Vcpu<'a, H, M> {
             ];
             let mem = &mut self.mem;
             let cr3 = mem.cr3();
-            w.on_user_entry(cr3, gs, &mut |va, out| mem.read(va, false, out).is_ok());
+            w.on_user_entry(cr3, gs, &mut |va, out| mem.observe(va, out));
             w.stats.cycles = w.stats.cycles.wrapping_add(self.hw.tsc().wrapping_sub(t0));
         }
     }

@@ -59,6 +59,26 @@ impl<'a> ShadowedMemory<'a> {
     /// address (SS-relative callers make that #SS(0)). On an engine failure (recorded in
     /// the shadow) the answer is a #PF the run never delivers: it stops first.
     pub fn try_read_virt(&self, va: u64, mode: Mode, out: &mut [u8]) -> Result<(), GuestFault> {
+        self.read_pages(va, mode, out, true)
+    }
+
+    /// Reads guest virtual memory for an observer (the task watch, `guest_engine::tasks`)
+    /// as [`ShadowedMemory::try_read_virt`] does, except that a frame the engine cannot
+    /// read (a device page the guest mapped) is only `false`, not an engine failure: what
+    /// the engine merely looks at never ends the run.
+    pub fn observe_virt(&self, va: u64, mode: Mode, out: &mut [u8]) -> bool {
+        self.read_pages(va, mode, out, false).is_ok()
+    }
+
+    /// The reads of both: `forbidden_fails` records a frame outside guest RAM as an engine
+    /// failure.
+    fn read_pages(
+        &self,
+        va: u64,
+        mode: Mode,
+        out: &mut [u8],
+        forbidden_fails: bool,
+    ) -> Result<(), GuestFault> {
         let mut sh = self.shadow.borrow_mut();
         let mut done = 0;
         while done < out.len() {
@@ -66,10 +86,12 @@ impl<'a> ShadowedMemory<'a> {
             let n = (out.len() - done).min((PAGE - (at & (PAGE - 1))) as usize);
             let pa = sh.access(at, Access::Read, view_of(mode))?;
             let Some(src) = sh.mem().guest_ptr(pa.0, n) else {
-                sh.record(guest_engine::shadow_mmu::ShadowError::ForbiddenFrame {
-                    va: GuestVirt(at),
-                    frame: pa.page(),
-                });
+                if forbidden_fails {
+                    sh.record(guest_engine::shadow_mmu::ShadowError::ForbiddenFrame {
+                        va: GuestVirt(at),
+                        frame: pa.page(),
+                    });
+                }
                 return Err(GuestFault::page_fault(GuestVirt(at), 0));
             };
             // SAFETY: `src..src+n` is guest RAM in the physmap (checked just above).

@@ -213,6 +213,10 @@ impl GuestMmu for ShadowPort<'_> {
         self.mem().try_write_virt(va, mode(user), data)
     }
 
+    fn observe(&mut self, va: u64, out: &mut [u8]) -> bool {
+        self.mem().observe_virt(va, MODE_KERNEL, out)
+    }
+
     fn cr3(&self) -> u64 {
         self.shadow.borrow().cr3()
     }
