@@ -62,6 +62,8 @@ mod ctr {
     pub const KBDDIS: u8 = 1 << 4;
     /// Auxiliary clock disabled.
     pub const AUXDIS: u8 = 1 << 5;
+    /// Scan-code translation (set 2 to set 1) on the keyboard port.
+    pub const XLATE: u8 = 1 << 6;
 }
 
 /// Controller commands (writes to port 0x64).
@@ -257,7 +259,14 @@ impl<I: IrqLine> I8042<I> {
             0xf2 => {
                 self.push(reply::ACK, kbd);
                 self.push(0xab, kbd);
-                self.push(if self.ctr & 0x40 != 0 { 0x41 } else { 0x83 }, kbd);
+                self.push(
+                    if self.ctr & ctr::XLATE != 0 {
+                        0x41
+                    } else {
+                        0x83
+                    },
+                    kbd,
+                );
             }
             0xee => self.push(reply::ECHO, kbd),
             // Set LEDs, typematic rate, scan-code set: an argument byte follows.
