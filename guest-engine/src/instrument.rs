@@ -45,6 +45,12 @@ pub mod access {
     pub const WITH_FETCH: u32 = 32;
     /// Shift of the instruction length in the `access` of a [`WITH_FETCH`] record.
     pub const FETCH_LEN_SHIFT: u32 = 12;
+    /// Not an access: a record the engine inserts where the running task changes (the
+    /// task watch's charging point, `guest-engine/src/tasks.rs`), for a tool whose records
+    /// go to the host. From this record on, the records belong to row `ea` of
+    /// `processes.json`'s `processes` (0: the kernel before the first process); `ip`,
+    /// `size` and `pa` are 0. Only with the kernel's types or address-space keying on.
+    pub const TASK: u32 = 64;
     /// Shift of the record's virtual CPL (bits 8–9: the mode its code was translated for,
     /// or ran in when the platform emulated it).
     pub const CPL_SHIFT: u32 = 8;

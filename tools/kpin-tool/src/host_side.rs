@@ -38,6 +38,31 @@ pub trait BlockNames {
     fn name(&self, addr: u64) -> Option<String>;
 }
 
+/// Where user-mode code came from: the file the guest had mapped at the code's address
+/// when the engine translated it (`processes.json`'s `objects` and `code_pages`), and the
+/// function the file's ELF symbols name there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UserCode {
+    /// The file's path in the guest (`/bin/busybox`), or `[anon]` for code in memory no
+    /// file backs (a JIT, the vDSO is `[vdso]`).
+    pub object: String,
+    /// The code's offset in that file.
+    pub offset: u64,
+    /// The function at `offset` (demangled C++/Rust names), if the file's symbols cover it.
+    pub function: Option<String>,
+}
+
+/// Names for user-mode code, keyed by the code's physical address (the same file page is
+/// the same code whatever process or virtual address ran it).
+pub trait UserNames {
+    /// Where the names come from, for the report (`processes.json + ELF files of
+    /// images/out/initramfs.cpio`).
+    fn source(&self) -> String;
+    /// The object and function of the user-mode instruction at physical address `pa`
+    /// (`None`: the engine saw no file there).
+    fn name(&self, pa: u64) -> Option<UserCode>;
+}
+
 /// A tool's host-side part. Every hook has a default that does nothing.
 pub trait HostTool: Sync {
     /// The tool's `SPEC`.
@@ -138,6 +163,10 @@ pub struct RunFiles<'a> {
     pub kernel_names: &'a mut dyn FnMut(
         &mut dyn Iterator<Item = u64>,
     ) -> anyhow::Result<Option<Box<dyn BlockNames>>>,
+    /// Names for the user-mode code the run executed (`None`: the engine recorded no
+    /// code origins, e.g. a kernel without BTF, or the guest's files are not on the host).
+    #[allow(clippy::type_complexity)]
+    pub user_names: &'a mut dyn FnMut() -> anyhow::Result<Option<Box<dyn UserNames>>>,
     /// Says a line of `kpin`'s progress.
     pub say: &'a mut dyn FnMut(&str),
 }
@@ -151,6 +180,11 @@ impl RunFiles<'_> {
     /// Says `line` as `kpin`'s progress.
     pub fn say(&mut self, line: &str) {
         (self.say)(line);
+    }
+
+    /// See [`RunFiles::user_names`].
+    pub fn user_code(&mut self) -> anyhow::Result<Option<Box<dyn UserNames>>> {
+        (self.user_names)()
     }
 
     /// See [`RunFiles::kernel_names`].

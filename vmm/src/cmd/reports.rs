@@ -136,12 +136,15 @@ pub(crate) fn tool_reports(
             })
         })
     };
+    // Filled in by the user-code symbolizer (issue #27): none yet.
+    let mut user_names = || Ok(None);
     let mut say = |line: &str| progress(line);
     let mut run = RunFiles {
         dir: out,
         unfinished: &unfinished,
         top,
         kernel_names: &mut kernel_names,
+        user_names: &mut user_names,
         say: &mut say,
     };
     let made = host.report(&mut run);
