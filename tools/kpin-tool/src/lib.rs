@@ -26,6 +26,8 @@ pub mod host;
 pub mod host_run;
 #[cfg(feature = "host")]
 pub mod host_side;
+#[cfg(feature = "host")]
+pub mod profile_out;
 pub mod spec;
 
 use alloc::boxed::Box;
