@@ -9,11 +9,13 @@
 
 /// `magic` of a valid block: "KPINATCH".
 pub const MAGIC: u64 = u64::from_le_bytes(*b"KPINATCH");
-/// Layout version; bump on any change. 5: [`KernelTypes`] also locates the task's
-/// executable (`mm->exe_file`'s dentry). 4: [`AttachBlock::kernel_types`] at the end. 3: the
+/// Layout version; bump on any change. 6: [`KernelTypes`] also locates the address
+/// space's VMAs (the maple tree `mm_struct.mm_mt`, [`MapleLayout`], `vm_area_struct`'s
+/// range, offset and file). 5: [`KernelTypes`] also locates the task's executable
+/// (`mm->exe_file`'s dentry). 4: [`AttachBlock::kernel_types`] at the end. 3: the
 /// window the block is reached through is PML4 slot 257 (`stolen::WINDOW_VA`; 2 had it in
 /// the lower half, 1 in slot 256).
-pub const VERSION: u32 = 5;
+pub const VERSION: u32 = 6;
 /// Capacity of [`AttachBlock::msrs`].
 pub const MAX_MSRS: usize = 32;
 /// Capacity of [`AttachBlock::cpuid`].
@@ -255,7 +257,8 @@ pub struct PendingEvents {
 /// (`vmm/src/diag/kernel_types.rs`): the engine reads `current` when the guest returns
 /// to CPL 3 and names the task by these fields. Each field 0 means unknown; the engine
 /// then tracks no tasks ([`KernelTypes::is_known`] is false), or, if only the executable's
-/// fields are unknown, names no executables ([`KernelTypes::knows_exe`]).
+/// fields are unknown, names no executables ([`KernelTypes::knows_exe`]), or, if only the
+/// VMAs' fields are unknown, records no code origins ([`KernelTypes::knows_vmas`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KernelTypes {
@@ -282,13 +285,88 @@ pub struct KernelTypes {
     pub dentry_name: u32,
     /// Offset of `dentry.d_parent` (`struct dentry *`; the root's is itself).
     pub dentry_parent: u32,
+    /// Offset of `mm_struct.mm_mt.ma_root`: the root of the maple tree that holds the
+    /// address space's VMAs (an encoded node pointer).
+    pub mm_mt_root: u32,
+    /// Offset of `mm_struct.context.vdso` (x86: the vDSO's address; 0: unknown, the vDSO's
+    /// code is then `[anon]`).
+    pub mm_vdso: u32,
+    /// Offset of `vm_area_struct.vm_start` (0 is a real value: it is the struct's first
+    /// member; the VMA's fields are known as a group, [`KernelTypes::knows_vmas`]).
+    pub vma_start: u32,
+    /// Offset of `vm_area_struct.vm_end` (exclusive).
+    pub vma_end: u32,
+    /// Offset of `vm_area_struct.vm_pgoff` (the mapping's offset in its file, in pages).
+    pub vma_pgoff: u32,
+    /// Offset of `vm_area_struct.vm_file` (`struct file *`, NULL for anonymous memory).
+    pub vma_file: u32,
+    /// Where the maple tree's nodes keep their pivots, slots and metadata.
+    pub maple: MapleLayout,
 }
 
-const _: () = assert!(core::mem::size_of::<KernelTypes>() == 48);
+const _: () = assert!(core::mem::size_of::<KernelTypes>() == 88);
 const _: () = assert!(core::mem::offset_of!(KernelTypes, task_mm) == 24);
 
 /// Largest `KernelTypes::comm_bytes` the engine reads.
 pub const MAX_COMM_BYTES: u32 = 16;
+
+/// Bytes of a maple tree node (`struct maple_node`: every node type fits in it).
+pub const MAPLE_NODE_BYTES: u16 = 256;
+
+/// The layouts of the maple tree's nodes the VMA tree uses, from BTF: `struct
+/// maple_range_64` (leaves, `maple_leaf_64`, and `maple_range_64` internal nodes) and
+/// `struct maple_arange_64` (internal nodes of a tree that tracks gaps, as the VMA tree
+/// does). Each starts with the `parent` pointer; pivots are `u64`s, inclusive upper bounds
+/// of the slot of the same index; the metadata's first byte is the node's last used slot.
+/// All zeros: unknown.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MapleLayout {
+    /// Offset of `maple_range_64.pivot`.
+    pub range_pivot: u16,
+    /// Offset of `maple_range_64.slot`.
+    pub range_slot: u16,
+    /// Offset of `maple_range_64.meta` (the metadata, over the last slot when that is
+    /// unused).
+    pub range_meta: u16,
+    /// Pivots of a `maple_range_64` (15; one slot more than pivots).
+    pub range_pivots: u16,
+    /// Offset of `maple_arange_64.pivot`.
+    pub arange_pivot: u16,
+    /// Offset of `maple_arange_64.slot`.
+    pub arange_slot: u16,
+    /// Offset of `maple_arange_64.meta`.
+    pub arange_meta: u16,
+    /// Pivots of a `maple_arange_64` (9).
+    pub arange_pivots: u16,
+}
+
+impl MapleLayout {
+    /// Whether both layouts are known and fit in a node: pivots after the parent pointer,
+    /// between 1 and 15 of them, the slots (one more) and the metadata's first byte
+    /// within [`MAPLE_NODE_BYTES`].
+    pub fn is_known(&self) -> bool {
+        let fits = |pivot: u16, slot: u16, meta: u16, pivots: u16| {
+            pivot >= 8
+                && (1..=15).contains(&pivots)
+                && u32::from(pivot) + 8 * u32::from(pivots) <= u32::from(slot)
+                && u32::from(slot) + 8 * (u32::from(pivots) + 1) <= u32::from(MAPLE_NODE_BYTES)
+                && meta >= 8
+                && meta < MAPLE_NODE_BYTES
+        };
+        fits(
+            self.range_pivot,
+            self.range_slot,
+            self.range_meta,
+            self.range_pivots,
+        ) && fits(
+            self.arange_pivot,
+            self.arange_slot,
+            self.arange_meta,
+            self.arange_pivots,
+        )
+    }
+}
 
 impl KernelTypes {
     /// All zeros: nothing known.
@@ -304,6 +382,22 @@ impl KernelTypes {
         dentry_name_len: 0,
         dentry_name: 0,
         dentry_parent: 0,
+        mm_mt_root: 0,
+        mm_vdso: 0,
+        vma_start: 0,
+        vma_end: 0,
+        vma_pgoff: 0,
+        vma_file: 0,
+        maple: MapleLayout {
+            range_pivot: 0,
+            range_slot: 0,
+            range_meta: 0,
+            range_pivots: 0,
+            arange_pivot: 0,
+            arange_slot: 0,
+            arange_meta: 0,
+            arange_pivots: 0,
+        },
     };
 
     /// Whether every field is known (non-zero) and `comm_bytes` is within
@@ -326,6 +420,19 @@ impl KernelTypes {
             && self.dentry_name_len != 0
             && self.dentry_name != 0
             && self.dentry_parent != 0
+    }
+
+    /// Whether the VMA of a user address can be found too (for the file its code came
+    /// from): [`KernelTypes::knows_exe`] (the file's path is read the same way), the maple
+    /// tree's root and node layouts, and the VMA's end, offset and file (its start may be
+    /// at offset 0). `mm_vdso` is optional.
+    pub fn knows_vmas(&self) -> bool {
+        self.knows_exe()
+            && self.mm_mt_root != 0
+            && self.vma_end != 0
+            && self.vma_pgoff != 0
+            && self.vma_file != 0
+            && self.maple.is_known()
     }
 }
 
@@ -603,6 +710,41 @@ mod tests {
             ..e
         }
         .knows_exe());
+        assert!(!e.knows_vmas(), "the VMAs' offsets are unknown");
+        let v = KernelTypes {
+            mm_mt_root: 0x8,
+            vma_end: 0x8,
+            vma_pgoff: 0x78,
+            vma_file: 0x80,
+            maple: MapleLayout {
+                range_pivot: 8,
+                range_slot: 0x80,
+                range_meta: 0xf8,
+                range_pivots: 15,
+                arange_pivot: 8,
+                arange_slot: 0x50,
+                arange_meta: 0xf0,
+                arange_pivots: 9,
+            },
+            ..e
+        };
+        assert!(v.knows_vmas(), "vm_start at 0 and no vDSO offset are fine");
+        assert!(!KernelTypes { vma_file: 0, ..v }.knows_vmas());
+        assert!(!KernelTypes { task_mm: 0, ..v }.knows_vmas());
+        let too_big = MapleLayout {
+            arange_pivots: 16,
+            ..v.maple
+        };
+        assert!(!KernelTypes {
+            maple: too_big,
+            ..v
+        }
+        .knows_vmas());
+        let past_the_node = MapleLayout {
+            range_slot: 0x88,
+            ..v.maple
+        };
+        assert!(!past_the_node.is_known(), "16 slots from 0x88 end past 256");
         assert!(!KernelTypes { task_pid: 0, ..k }.is_known());
         assert!(!KernelTypes {
             comm_bytes: 17,

@@ -297,6 +297,12 @@ fn kernel_types(kernel: &Path) -> kpin_abi::attach::KernelTypes {
     match vmm::diag::kernel_types::from_kernel(kernel) {
         Ok((types, source)) => {
             progress(&format!("processes: the running task from the {source}"));
+            if types.knows_exe() && !types.knows_vmas() {
+                // The note above says why; user code stays unnamed.
+                progress(
+                    "warning: user code is not attributed to files: the kernel's BTF does not locate its VMAs",
+                );
+            }
             types
         }
         Err(why) => {

@@ -7,6 +7,11 @@
 //! processes it sees run (`docs/processes.md`). BTF also gives the way from a task to the
 //! name of its executable file: `task->mm->exe_file->f_path.dentry->d_name` and the
 //! dentry's `d_parent` (for a path); without those the tasks are still named by `comm`.
+//! And it gives the way from a task to the VMA that maps a user address, for the file the
+//! code there came from: `mm->mm_mt` (the maple tree of VMAs, its node layouts from
+//! `struct maple_range_64` and `struct maple_arange_64`) and `vm_area_struct`'s
+//! `vm_start`, `vm_end`, `vm_pgoff`, `vm_file` (and `mm->context.vdso`, to tell the vDSO);
+//! without those the engine records no code origins.
 //! A bzImage's BTF is in its compressed payload: the vmlinux is decompressed in memory
 //! first (`kpin_images::vmlinux_from_bzimage`).
 //!
@@ -26,7 +31,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use btfparse::{Offset, Readable, TypeInformation, TypeVariant};
-use kpin_abi::attach::{KernelTypes, MAX_COMM_BYTES};
+use kpin_abi::attach::{KernelTypes, MapleLayout, MAX_COMM_BYTES};
 
 /// Name of the data section that holds the per-CPU variables.
 const PERCPU_SECTION: &str = ".data..percpu";
@@ -84,7 +89,8 @@ fn vmlinux_of(kernel: &Path) -> Result<Vec<u8>, String> {
 
 /// The running task's place and fields in raw BTF `btf` (a `.BTF` section), with how
 /// `current` is found (`current_task` or `pcpu_hot.current_task`) and, if the executable's
-/// offsets are not all there, why (the task is still named by `comm`).
+/// offsets are not all there, why (the task is still named by `comm`), or if the VMAs'
+/// are not, why (`no code origins: …`).
 pub fn from_btf(btf: &[u8]) -> Result<(KernelTypes, String), String> {
     let info =
         TypeInformation::new(&Buffer(btf)).map_err(|e| format!("the BTF does not parse: {e:?}"))?;
@@ -135,21 +141,76 @@ pub fn from_btf(btf: &[u8]) -> Result<(KernelTypes, String), String> {
         return Err(format!("implausible offsets {types:?}"));
     }
     match exe_offsets(&info, types) {
-        Ok(with_exe) => Ok((with_exe, how.to_owned())),
+        Ok(with_exe) => match vma_offsets(&info, with_exe) {
+            Ok(with_vmas) => Ok((with_vmas, how.to_owned())),
+            Err(why) => Ok((with_exe, format!("{how}; {NO_CODE_ORIGINS}: {why}"))),
+        },
         Err(why) => Ok((types, format!("{how}; no executables: {why}"))),
+    }
+}
+
+/// What [`from_btf`]'s note says when the VMAs cannot be found (`kpin run` warns).
+pub const NO_CODE_ORIGINS: &str = "no code origins";
+
+/// The byte offset of `path` in struct `s`.
+fn member(info: &TypeInformation, s: &str, path: &str) -> Result<u32, String> {
+    match info.offset_of(struct_id(info, s)?, path) {
+        Ok((_, Offset::ByteOffset(off))) => Ok(off),
+        Ok(_) => Err(format!("{s}.{path} is a bit field")),
+        Err(e) => Err(format!("{s}.{path}: {e:?}")),
+    }
+}
+
+/// `types` with the offsets on the way from a task's `mm` to the VMA that maps an address:
+/// the maple tree's root (`mm_struct.mm_mt.ma_root`), its node layouts, `vm_area_struct`'s
+/// range, page offset and file, and (optional) `mm_struct.context.vdso`.
+fn vma_offsets(info: &TypeInformation, types: KernelTypes) -> Result<KernelTypes, String> {
+    let small = |s: &str, path: &str| -> Result<u16, String> {
+        let off = member(info, s, path)?;
+        u16::try_from(off).map_err(|_| format!("{s}.{path} at {off:#x}"))
+    };
+    // The number of pivots: the `pivot` array's size in u64s.
+    let pivots = |s: &str| -> Result<u16, String> {
+        let (tid, _) = info
+            .offset_of(struct_id(info, s)?, "pivot")
+            .map_err(|e| format!("{s}.pivot: {e:?}"))?;
+        let bytes = info
+            .size_of(tid)
+            .map_err(|e| format!("{s}.pivot's size: {e:?}"))?;
+        u16::try_from(bytes / 8).map_err(|_| format!("{s}.pivot has {bytes} bytes"))
+    };
+    let maple = MapleLayout {
+        range_pivot: small("maple_range_64", "pivot")?,
+        range_slot: small("maple_range_64", "slot")?,
+        range_meta: small("maple_range_64", "meta")?,
+        range_pivots: pivots("maple_range_64")?,
+        arange_pivot: small("maple_arange_64", "pivot")?,
+        arange_slot: small("maple_arange_64", "slot")?,
+        arange_meta: small("maple_arange_64", "meta")?,
+        arange_pivots: pivots("maple_arange_64")?,
+    };
+    let t = KernelTypes {
+        mm_mt_root: member(info, "mm_struct", "mm_mt.ma_root")?,
+        // Without it the vDSO's code is `[anon]`.
+        mm_vdso: member(info, "mm_struct", "context.vdso").unwrap_or(0),
+        vma_start: member(info, "vm_area_struct", "vm_start")?,
+        vma_end: member(info, "vm_area_struct", "vm_end")?,
+        vma_pgoff: member(info, "vm_area_struct", "vm_pgoff")?,
+        vma_file: member(info, "vm_area_struct", "vm_file")?,
+        maple,
+        ..types
+    };
+    if t.knows_vmas() {
+        Ok(t)
+    } else {
+        Err(format!("implausible offsets {t:?}"))
     }
 }
 
 /// `types` with the offsets on the way from a task to its executable's name:
 /// `task->mm->exe_file->f_path.dentry->d_name` (`len`, `name`) and `d_parent`.
 fn exe_offsets(info: &TypeInformation, types: KernelTypes) -> Result<KernelTypes, String> {
-    let at = |s: &str, path: &str| -> Result<u32, String> {
-        match info.offset_of(struct_id(info, s)?, path) {
-            Ok((_, Offset::ByteOffset(off))) => Ok(off),
-            Ok(_) => Err(format!("{s}.{path} is a bit field")),
-            Err(e) => Err(format!("{s}.{path}: {e:?}")),
-        }
-    };
+    let at = |s: &str, path: &str| member(info, s, path);
     let t = KernelTypes {
         task_mm: at("task_struct", "mm")?,
         mm_exe_file: at("mm_struct", "exe_file")?,
@@ -341,6 +402,7 @@ mod tests {
         assert_eq!(t.task_tgid, t.task_pid + 4, "{t:?}");
         assert!(t.task_comm > t.task_tgid, "{t:?}");
         assert_exe_offsets(&t);
+        assert_vma_offsets(&t);
         // The LZ4 bzImage's payload has the same BTF.
         let (z, how) = from_kernel(&dir.join("vmlinuz")).unwrap();
         assert!(how.contains("vmlinuz's payload (current_task)"), "{how}");
@@ -356,6 +418,55 @@ mod tests {
             t.task_mm > t.task_pid.min(0x400) && t.task_mm < 0x4000,
             "{t:x?}"
         );
+    }
+
+    /// The VMAs' offsets are there and match the maple tree's 64-bit layout
+    /// (`include/linux/maple_tree.h`: 15 pivots and 16 slots, the metadata over the last
+    /// slot; 9 pivots, 10 slots, 10 gaps, then the metadata).
+    fn assert_vma_offsets(t: &KernelTypes) {
+        assert!(t.knows_vmas(), "{t:x?}");
+        let m = t.maple;
+        assert_eq!(
+            (m.range_pivot, m.range_slot, m.range_meta, m.range_pivots),
+            (8, 0x80, 0xf8, 15),
+            "{m:x?}"
+        );
+        assert_eq!(
+            (
+                m.arange_pivot,
+                m.arange_slot,
+                m.arange_meta,
+                m.arange_pivots
+            ),
+            (8, 0x50, 0xf0, 9),
+            "{m:x?}"
+        );
+        assert_eq!(t.vma_end, t.vma_start + 8, "{t:x?}");
+        assert!(t.mm_vdso != 0, "{t:x?}");
+    }
+
+    #[test]
+    fn test_a_btf_without_the_maple_tree_keeps_tasks_and_executables() {
+        let Some(dir) = kernel_dir("6.1.0-56-cloud-amd64") else {
+            return;
+        };
+        let btf = elf_section(&FileBytes::open(&dir.join("vmlinux")).unwrap(), ".BTF")
+            .unwrap()
+            .unwrap();
+        let (full, _) = from_btf(&btf).unwrap();
+        // The same BTF with the struct renamed in its string table: the engine names tasks
+        // and executables as before and records no code origins, and the note says why.
+        let mut renamed = btf.clone();
+        let name = b"\0maple_range_64\0";
+        let at = renamed.windows(name.len()).position(|w| w == name).unwrap();
+        renamed[at + 1] = b'n';
+        let (t, how) = from_btf(&renamed).unwrap();
+        assert!(
+            how.contains("no code origins: the BTF has no struct maple_range_64"),
+            "{how}"
+        );
+        assert!(t.knows_exe() && !t.knows_vmas(), "{t:x?}");
+        assert_eq!(t.task_mm, full.task_mm);
     }
 
     #[test]
@@ -381,6 +492,7 @@ mod tests {
         assert_eq!(t.comm_bytes, 16);
         assert_eq!(t.task_tgid, t.task_pid + 4, "{t:?}");
         assert_exe_offsets(&t);
+        assert_vma_offsets(&t);
         // The zstd bzImage's payload (decompressed by the host's zstd) has the same BTF.
         let (z, how) = from_kernel(&dir.join("vmlinuz")).unwrap();
         assert!(how.contains("vmlinuz's payload (pcpu_hot"), "{how}");
