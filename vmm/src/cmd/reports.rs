@@ -8,8 +8,9 @@ use std::path::{Path, PathBuf};
 
 use host_daemon::OutputFailure;
 use kpin_abi::output;
-use kpin_tool::host_side::{BlockNames, RunFiles, RunJson};
+use kpin_tool::host_side::{BlockNames, RunFiles, RunJson, UserNames};
 use vmm::diag::kernel_symbols::KernelSymbols;
+use vmm::diag::user_names::UserSymbolizer;
 
 use crate::progress;
 
@@ -105,6 +106,18 @@ impl serde::Serialize for ToolEntries {
     }
 }
 
+/// The guest's files a report names code from.
+pub(crate) struct GuestSources<'a> {
+    /// The kernel (its symbols, or its BTF's payload's).
+    pub(crate) kernel: &'a Path,
+    /// Its `System.map`, if the run has one.
+    pub(crate) system_map: Option<&'a Path>,
+    /// The initramfs (user programs' files).
+    pub(crate) initrd: Option<&'a Path>,
+    /// The raw disks, the guest's root first (user programs' files on ext4).
+    pub(crate) disks: Vec<PathBuf>,
+}
+
 /// The run's tool's host-side report (its registry host part's `report` hook), from the
 /// files the run finished (the caller calls it only when the run was not stopped and no
 /// write failed), and only for the tool the run used (another tool's run may leave a file
@@ -115,8 +128,7 @@ pub(crate) fn tool_reports(
     top: usize,
     out: &Path,
     unfinished: &[PathBuf],
-    kernel: &Path,
-    system_map: Option<&Path>,
+    guest: &GuestSources<'_>,
     failure: &mut Option<OutputFailure>,
 ) -> ToolEntries {
     let mut entries = ToolEntries::none();
@@ -128,7 +140,7 @@ pub(crate) fn tool_reports(
         .map(|p| p.strip_prefix(out).unwrap_or(p).to_path_buf())
         .collect();
     let mut kernel_names = |executed: &mut dyn Iterator<Item = u64>| {
-        KernelSymbols::load(kernel, system_map).map(|symbols| {
+        KernelSymbols::load(guest.kernel, guest.system_map).map(|symbols| {
             symbols.map(|mut s| {
                 // Where the kernel's code ran tells a KASLR slide (a bzImage boot).
                 s.find_slide(executed);
@@ -136,8 +148,13 @@ pub(crate) fn tool_reports(
             })
         })
     };
-    // Filled in by the user-code symbolizer (issue #27): none yet.
-    let mut user_names = || Ok(None);
+    // Only a tool that names user code reads processes.json's code pages and the files.
+    let mut user_names = || {
+        let (disks, initrd) = (guest.disks.clone(), guest.initrd.map(Path::to_path_buf));
+        let say = Box::new(|line: &str| progress(line));
+        UserSymbolizer::load(out, disks, initrd, say)
+            .map(|names| names.map(|n| Box::new(n) as Box<dyn UserNames>))
+    };
     let mut say = |line: &str| progress(line);
     let mut run = RunFiles {
         dir: out,

@@ -3,8 +3,10 @@
 //! tool reports, and the kernel's types that say which task runs (`kernel_types.rs`).
 
 pub mod dump;
+pub mod guest_files;
 pub mod kaslr;
 pub mod kernel_symbols;
 pub mod kernel_types;
 pub mod paging;
 pub mod symbols;
+pub mod user_names;
