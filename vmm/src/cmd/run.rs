@@ -22,7 +22,9 @@ use vmm::layout::{MAX_MEM_MIB, MIN_MEM_MIB};
 use vmm::vstate::vm::StopRequest;
 use vmm::{control, ControlConfig, Outcome, RunReport, Vm, VmConfig};
 
-use super::reports::{append_engine_log_tail, read_engine_counters, tool_reports, ToolEntries};
+use super::reports::{
+    append_engine_log_tail, read_engine_counters, tool_reports, GuestSources, ToolEntries,
+};
 use crate::cli::{Guest, RunArgs};
 use crate::run_record::{
     console_shortfall, unix_seconds, write_run_json, RunStarted, Verdict, OUTPUT_RESERVE_BYTES,
@@ -653,9 +655,14 @@ fn post_process(
         ));
     }
     let tools = if reports {
-        let (kernel, map) = (&run.kernel, run.system_map.as_deref());
+        let guest = GuestSources {
+            kernel: &run.kernel,
+            system_map: run.system_map.as_deref(),
+            initrd: run.initrd.as_deref(),
+            disks: run.disks.iter().map(|d| d.path.clone()).collect(),
+        };
         let tool = args.tool.as_deref();
-        tool_reports(tool, args.top, out, unfinished, kernel, map, failure)
+        tool_reports(tool, args.top, out, unfinished, &guest, failure)
     } else {
         ToolEntries::none()
     };
