@@ -237,6 +237,17 @@ pub enum ImagesError {
         #[source]
         source: CommandError,
     },
+    /// A kernel module (`.ko.xz`) could not be decompressed with the host's `xz`.
+    #[error("could not decompress the kernel module {}: `{command}` failed (is `xz` installed? `apt-get install xz-utils`)", path.display())]
+    Xz {
+        /// The compressed module.
+        path: PathBuf,
+        /// The exact command that failed.
+        command: String,
+        /// How it failed.
+        #[source]
+        source: CommandError,
+    },
     /// The initramfs' test programs could not be compiled.
     #[error(
         "could not build the initramfs test programs: `{command}` failed (they need `gcc` \
@@ -406,16 +417,18 @@ pub fn ensure_linux_kernel(
     linux::ensure(kernel, out_dir, progress)
 }
 
-/// Makes sure the default Linux guest is complete in `out_dir` ([`ensure_linux`]) with
-/// the virtio initramfs in `initramfs`: the shared one followed by the kernel's virtio
-/// modules (`virtio_ring`, `virtio`, `virtio_mmio`, `virtio_blk`, `virtio-rng`) under
+/// Makes sure the pinned Linux guest `kernel` is complete in `out_dir`
+/// ([`ensure_linux_kernel`]) with the virtio initramfs in `initramfs`: the shared one
+/// followed by the kernel's virtio modules (6.1: `virtio_ring`, `virtio`, `virtio_mmio`,
+/// `virtio_blk`, `virtio-rng`; 6.12: the last three, decompressed) under
 /// `/lib/modules/kpin/`, which `/init` loads when the command line says
 /// `kpin.modules=virtio` (or `kpin.workload=virtio`), for `kpin run --disk`.
 pub fn ensure_linux_virtio(
+    kernel: GuestKernel,
     out_dir: &Path,
     progress: &mut dyn FnMut(&str),
 ) -> Result<LinuxImages, ImagesError> {
-    linux::ensure_virtio(out_dir, progress)
+    linux::ensure_virtio(kernel, out_dir, progress)
 }
 
 /// Makes sure Debian's generic (non-cloud) 6.12 kernel, `6.12.117+deb12-amd64`, is in

@@ -77,19 +77,19 @@ pub(crate) fn ensure(
     })
 }
 
-/// See [`crate::ensure_linux_virtio`]: the default kernel's files with the virtio
-/// initramfs (`virtio_initramfs.rs`) in place of the shared one.
+/// See [`crate::ensure_linux_virtio`]: `kernel`'s files with the virtio initramfs
+/// (`virtio_initramfs.rs`) in place of the shared one.
 pub(crate) fn ensure_virtio(
+    kernel: GuestKernel,
     out_dir: &Path,
     progress: &mut dyn FnMut(&str),
 ) -> Result<LinuxImages, ImagesError> {
-    let kernel = GuestKernel::Debian61;
     let mut images = ensure(kernel, out_dir, progress)?;
     let pins = kernel.pins();
     let _lock = JobLock::acquire(out_dir, "linux", progress)?;
     let kernel_dir = layout::kernel_dir(out_dir, pins.release);
     cache::create_dir_all(&kernel_dir.join("modules"))?;
-    let members: Vec<(String, PathBuf)> = virtio_initramfs::MODULES
+    let members: Vec<(String, PathBuf)> = virtio_initramfs::modules(kernel)
         .iter()
         .map(|m| {
             (
@@ -100,7 +100,7 @@ pub(crate) fn ensure_virtio(
         .collect();
     let list: Vec<(&str, &PathBuf)> = members.iter().map(|(m, d)| (m.as_str(), d)).collect();
     ensure_from_deb(out_dir, &pins.image, &list, false, progress)?;
-    let modules: Vec<(&str, PathBuf)> = virtio_initramfs::MODULES
+    let modules: Vec<(&str, PathBuf)> = virtio_initramfs::modules(kernel)
         .iter()
         .zip(&members)
         .map(|(m, (_, d))| (*m, d.clone()))

@@ -168,11 +168,7 @@ fn choose_guest(args: &RunArgs, image_dir: &Path) -> anyhow::Result<GuestFiles> 
             },
         ),
         (None, Some(Guest::Linux612)) => {
-            let l = kpin_images::ensure_linux_kernel(
-                kpin_images::GuestKernel::Debian612,
-                image_dir,
-                &mut progress,
-            )?;
+            let l = linux_guest(kpin_images::GuestKernel::Debian612, args, image_dir)?;
             let cmdline = LINUX_612_CMDLINE.to_string();
             (l.vmlinux, Some(l.initramfs), Some(l.system_map), cmdline)
         }
@@ -193,12 +189,7 @@ fn choose_guest(args: &RunArgs, image_dir: &Path) -> anyhow::Result<GuestFiles> 
             )
         }
         (None, Some(Guest::Linux) | None) => {
-            // With a disk, the initramfs that carries the virtio modules.
-            let l = if args.disk.is_empty() {
-                kpin_images::ensure_linux(image_dir, &mut progress)?
-            } else {
-                kpin_images::ensure_linux_virtio(image_dir, &mut progress)?
-            };
+            let l = linux_guest(kpin_images::GuestKernel::Debian61, args, image_dir)?;
             (
                 l.vmlinux,
                 Some(l.initramfs),
@@ -232,6 +223,20 @@ fn choose_guest(args: &RunArgs, image_dir: &Path) -> anyhow::Result<GuestFiles> 
         system_map,
         cmdline,
         root_disk,
+    })
+}
+
+/// A pinned kernel's busybox guest; with a disk, the initramfs that carries the kernel's
+/// virtio modules.
+fn linux_guest(
+    kernel: kpin_images::GuestKernel,
+    args: &RunArgs,
+    image_dir: &Path,
+) -> anyhow::Result<kpin_images::LinuxImages> {
+    Ok(if args.disk.is_empty() {
+        kpin_images::ensure_linux_kernel(kernel, image_dir, &mut progress)?
+    } else {
+        kpin_images::ensure_linux_virtio(kernel, image_dir, &mut progress)?
     })
 }
 
