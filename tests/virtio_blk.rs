@@ -14,6 +14,7 @@
 //!
 //! Needs e2fsprogs (`mkfs.ext4 -d`, `debugfs`, `fsck.ext4`; `.ci/setup` installs it).
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -228,5 +229,54 @@ fn test_bad_disks_are_refused_before_the_guest_boots() {
         String::from_utf8_lossy(&o.stderr).contains("unknown option"),
         "{o:?}"
     );
+    // Exit status 1 and the fix, for images that exist but cannot be used as they are.
+    let refused = |disk: &str, says: &[&str]| {
+        let o = kpin(disk);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{disk}: {o:?}");
+        for s in says {
+            assert!(stderr.contains(s), "{disk}: no `{s}` in {stderr}");
+        }
+    };
+    let mut qcow2 = b"QFI\xfb\0\0\0\x03".to_vec();
+    qcow2.resize(1 << 16, 0);
+    let q = dir.join("disk.qcow2");
+    std::fs::write(&q, &qcow2).unwrap();
+    refused(q.to_str().unwrap(), &["qcow2", "qemu-img convert -O raw"]);
+    refused(&format!("{},ro", q.display()), &["qcow2"]);
+    let ragged = dir.join("ragged.img");
+    std::fs::write(&ragged, vec![0u8; 5000]).unwrap();
+    refused(ragged.to_str().unwrap(), &["5000 bytes", "truncated"]);
+    let read_only = dir.join("read-only.img");
+    std::fs::write(&read_only, vec![0u8; 1 << 16]).unwrap();
+    std::fs::set_permissions(&read_only, std::fs::Permissions::from_mode(0o444)).unwrap();
+    refused(read_only.to_str().unwrap(), &["read-only on disk", ",ro"]);
+    if let Some(mkfs) = e2fs("mkfs.ext4") {
+        // A real ext4 image cut short, as an interrupted copy leaves it.
+        let cut = dir.join("cut.ext4");
+        std::fs::File::create(&cut)
+            .unwrap()
+            .set_len(8 << 20)
+            .unwrap();
+        let out = Command::new(mkfs)
+            .args(["-q", "-F"])
+            .arg(&cut)
+            .output()
+            .expect("run mkfs.ext4");
+        assert!(out.status.success(), "mkfs.ext4: {out:?}");
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&cut)
+            .unwrap()
+            .set_len(4 << 20)
+            .unwrap();
+        refused(
+            &format!("{},ro", cut.display()),
+            &[
+                "truncated",
+                "ext4 file system says the disk is 8388608 bytes",
+            ],
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

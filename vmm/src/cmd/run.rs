@@ -205,10 +205,7 @@ fn choose_guest(args: &RunArgs, image_dir: &Path) -> anyhow::Result<GuestFiles> 
     }
     // The disks (exit status 1): usable raw images, opened now to say what is wrong.
     for d in disk_configs(args) {
-        let disk = vmm::devices::virtio::disk::open(&d).map_err(anyhow::Error::msg)?;
-        if let Some(note) = disk.note {
-            progress(&note);
-        }
+        vmm::devices::virtio::disk::open(&d).map_err(anyhow::Error::msg)?;
     }
     let mut cmdline = args.cmdline.clone().unwrap_or(default_cmdline);
     if let Some(extra) = &args.append {

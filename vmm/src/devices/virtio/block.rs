@@ -480,6 +480,45 @@ mod tests {
     }
 
     #[test]
+    fn test_a_write_past_the_end_is_an_ioerr_and_leaves_the_image_as_it_was() {
+        let mut r = rig(false);
+        let before = std::fs::read(&r.path).unwrap();
+        r.mem
+            .write_slice(&[0xab; 1024], GuestAddress(DATA))
+            .unwrap();
+        // Straddling the end (its first sector is inside: not written either), just past
+        // it, far past it, and a sector number whose byte offset overflows.
+        for (sector, len) in [(7, 1024), (8, 512), (1 << 40, 512), (u64::MAX, 512)] {
+            r.header(VIRTIO_BLK_T_OUT, sector);
+            let (len_used, status) = r.run(&[
+                d(HDR, 16, 0),
+                d(DATA, len, 0),
+                d(STATUS, 1, VRING_DESC_F_WRITE),
+            ]);
+            assert_eq!(
+                (len_used, status),
+                (1, VIRTIO_BLK_S_IOERR as u8),
+                "sector {sector} len {len}"
+            );
+        }
+        assert_eq!(
+            std::fs::read(&r.path).unwrap(),
+            before,
+            "no byte written, the file not extended"
+        );
+        // The device goes on serving: a write inside the disk succeeds.
+        r.header(VIRTIO_BLK_T_OUT, 7);
+        let (_, status) = r.run(&[
+            d(HDR, 16, 0),
+            d(DATA, 512, 0),
+            d(STATUS, 1, VRING_DESC_F_WRITE),
+        ]);
+        assert_eq!(status, VIRTIO_BLK_S_OK as u8);
+        let s = r.dev.stats.get();
+        assert_eq!((s.writes, s.errors, s.bytes_written), (1, 4, 512));
+    }
+
+    #[test]
     fn test_hostile_chains_never_panic_and_never_touch_memory_outside_ram() {
         let mut r = rig(false);
         r.header(VIRTIO_BLK_T_IN, 0);
