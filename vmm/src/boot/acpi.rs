@@ -11,8 +11,13 @@
 //! ID Linux's `virtio_mmio` driver matches, as Firecracker declares its devices: the
 //! Debian kernels lack `CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES`, so `virtio_mmio.device=` on
 //! the command line would not reach them) with its register page and its ISA interrupt,
-//! edge-triggered and active high. There is no MADT: the guest keeps the 8259 PIC and the
-//! PIT, which the engine delivers through (a MADT would move Linux to the IOAPIC).
+//! edge-triggered and active high. A MADT names the one local APIC and KVM's in-kernel
+//! IOAPIC (as Firecracker's does): without it Linux stays in virtual-wire mode with SMP
+//! disabled, never starts its local APIC timer and ticks with the PIT through the 8259 —
+//! five port accesses per tick (two PIT reloads, the PIC's mask, EOI and unmask), each a
+//! gate call and a VM exit under the engine: ~5 000 in a boot. With it the tick is the
+//! TSC-deadline timer and interrupts come through the IOAPIC (the engine's interrupt
+//! stubs take any vector, whichever chip raised it).
 //!
 //! Invariants: every table lies in [`ACPI_START`, [`ACPI_END`]), inside the e820 reserved
 //! range below 1 MiB, 16-byte aligned; checksums are correct (the crate computes them; the
@@ -21,6 +26,9 @@
 use crate::devices::virtio::MmioWindow;
 use acpi_tables::fadt::{FADTBuilder, Flags};
 use acpi_tables::gas::{AccessSize, AddressSpace, GAS};
+use acpi_tables::madt::{
+    EnabledStatus, IoApic, LocalInterruptController, ProcessorLocalApic, MADT,
+};
 use acpi_tables::sdt::Sdt;
 use acpi_tables::{aml, facs::FACS, rsdp::Rsdp, xsdt::XSDT, Aml};
 use kpin_abi::ports::{
@@ -41,6 +49,9 @@ const OEM_REVISION: u32 = 1;
 /// The SCI's interrupt (the PC's usual IRQ 9). Nothing raises it: the VMM has no ACPI
 /// events, but a full (not hardware-reduced) FADT must name one.
 const SCI_IRQ: u16 = 9;
+/// The local APIC's and the IOAPIC's MMIO addresses (KVM's in-kernel ones).
+const LAPIC_ADDR: u32 = 0xfee0_0000;
+const IOAPIC_ADDR: u32 = 0xfec0_0000;
 
 /// FADT IA-PC boot architecture flags: legacy devices (the i8042) and an 8042 present,
 /// and no CMOS RTC (bit 5; its ports read all ones here). Without that bit Linux registers
@@ -127,17 +138,28 @@ fn virtio_devices(devices: &[MmioWindow]) -> Vec<u8> {
     out
 }
 
-/// Builds the RSDP, XSDT, FADT, FACS and DSDT, laid out from [`ACPI_START`], the DSDT
+/// Builds the RSDP, XSDT, FADT, FACS, DSDT and MADT, laid out from [`ACPI_START`], the DSDT
 /// declaring `devices` (virtio-mmio).
 pub fn build(devices: &[MmioWindow]) -> AcpiTables {
     let align = |a: u64| a.next_multiple_of(16);
     let rsdp_addr = ACPI_START;
     let xsdt_addr = align(rsdp_addr + Rsdp::len() as u64);
-    // The XSDT's one entry is the FADT (the DSDT and FACS hang off the FADT).
-    let xsdt_len = 36 + 8;
+    // The XSDT's entries are the FADT (the DSDT and FACS hang off the FADT) and the MADT.
+    let xsdt_len = 36 + 2 * 8;
     let fadt_addr = align(xsdt_addr + xsdt_len);
     let facs_addr = align(fadt_addr + acpi_tables::fadt::FADT::len() as u64).next_multiple_of(64);
     let dsdt_addr = align(facs_addr + FACS::len() as u64);
+    let madt = {
+        let mut m = MADT::new(
+            OEM_ID,
+            OEM_TABLE_ID,
+            OEM_REVISION,
+            LocalInterruptController::Address(LAPIC_ADDR),
+        );
+        m.add_structure(ProcessorLocalApic::new(0, 0, EnabledStatus::Enabled));
+        m.add_structure(IoApic::new(0, IOAPIC_ADDR, 0));
+        bytes(&m)
+    };
 
     // DSDT: Name (_S5, Package () { SLP_TYPa, SLP_TYPb, 0, 0 }).
     let s5 = ACPI_S5_SLP_TYP as u8;
@@ -149,6 +171,7 @@ pub fn build(devices: &[MmioWindow]) -> AcpiTables {
     let mut dsdt = Sdt::new(*b"DSDT", 36, 2, OEM_ID, OEM_TABLE_ID, OEM_REVISION);
     dsdt.append_slice(&body);
     let dsdt = dsdt.as_slice().to_vec();
+    let madt_addr = align(dsdt_addr + dsdt.len() as u64);
 
     let facs = bytes(&FACS::new());
 
@@ -175,6 +198,7 @@ pub fn build(devices: &[MmioWindow]) -> AcpiTables {
 
     let mut xsdt = XSDT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
     xsdt.add_entry(fadt_addr);
+    xsdt.add_entry(madt_addr);
     let xsdt = bytes(&xsdt);
     debug_assert_eq!(xsdt.len() as u64, xsdt_len);
 
@@ -185,6 +209,7 @@ pub fn build(devices: &[MmioWindow]) -> AcpiTables {
         (fadt_addr, fadt),
         (facs_addr, facs),
         (dsdt_addr, dsdt),
+        (madt_addr, madt),
     ];
     AcpiTables { blobs, rsdp_addr }
 }
@@ -247,7 +272,7 @@ mod tests {
         let (_, rsdp) = find(b"RSD PTR ");
         assert_eq!(sum(&rsdp[..20]), 0);
         assert_eq!(sum(rsdp), 0);
-        for sig in [b"XSDT", b"FACP", b"DSDT"] {
+        for sig in [b"XSDT", b"FACP", b"DSDT", b"APIC"] {
             let (_, b) = find(sig);
             let len = u32::from_le_bytes(b[4..8].try_into().unwrap()) as usize;
             assert_eq!(len, b.len(), "{}", String::from_utf8_lossy(sig));
@@ -290,6 +315,36 @@ mod tests {
             *xsdt_addr
         );
         assert_eq!(t.rsdp_addr, ACPI_START);
+    }
+
+    #[test]
+    fn test_madt_names_the_one_local_apic_and_the_ioapic() {
+        let t = build(&[]);
+        let (madt_addr, madt) = t
+            .blobs
+            .iter()
+            .find(|(_, b)| b.starts_with(b"APIC"))
+            .unwrap();
+        assert_eq!(sum(madt), 0);
+        let u32_at = |o: usize| u32::from_le_bytes(madt[o..o + 4].try_into().unwrap());
+        assert_eq!(u32_at(4) as usize, madt.len());
+        assert_eq!(u32_at(36), LAPIC_ADDR);
+        // Processor local APIC (type 0, length 8): UID 0, APIC ID 0, enabled.
+        assert_eq!(&madt[44..52], &[0, 8, 0, 0, 1, 0, 0, 0]);
+        // I/O APIC (type 1, length 12): ID 0 (KVM's), its address, GSI base 0.
+        assert_eq!(&madt[52..56], &[1, 12, 0, 0]);
+        assert_eq!(u32_at(56), IOAPIC_ADDR);
+        assert_eq!(u32_at(60), 0);
+        assert_eq!(madt.len(), 64);
+        let (_, xsdt) = t
+            .blobs
+            .iter()
+            .find(|(_, b)| b.starts_with(b"XSDT"))
+            .unwrap();
+        assert_eq!(
+            u64::from_le_bytes(xsdt[44..52].try_into().unwrap()),
+            *madt_addr
+        );
     }
 
     #[test]
