@@ -19,6 +19,9 @@ pub trait Hardware {
     fn port_out(&mut self, port: u16, size: u8, value: u32);
     /// `in` of `size` (1, 2, 4) bytes from `port`, zero-extended.
     fn port_in(&mut self, port: u16, size: u8) -> u32;
+    /// The guest RIP of the port instruction whose accesses follow (for the embedder's
+    /// per-site count of the accesses that leave it, [`super::PortExitTable`]).
+    fn port_site(&mut self, _rip: u64) {}
     /// `rdmsr` of an MSR the virtual MSR file passes through to KVM.
     fn rdmsr_passthrough(&mut self, index: u32) -> u64;
     /// `rdmsr` that answers `None` where the hardware raises #GP.

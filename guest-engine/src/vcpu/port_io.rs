@@ -45,6 +45,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
             _ => 4,
         };
         self.check_io_permission(port, size)?;
+        self.hw.port_site(next.0.wrapping_sub(i.len() as u64));
         let rax = regs.get(Gpr::Rax);
         if i.mnemonic() == Mnemonic::Out {
             // What the `out` writes: AL, AX or EAX.
@@ -108,6 +109,7 @@ impl<H: Hardware, M: GuestMmu> Vcpu<'_, H, M> {
             0
         };
         let this = GuestVirt(next.0.wrapping_sub(i.len() as u64));
+        self.hw.port_site(this.0);
         let mut done = 0u64;
         loop {
             if rep && regs.get(Gpr::Rcx) & mask == 0 {

@@ -341,6 +341,19 @@ fn write_vcpu_counters(j: &mut JsonObject, vcpu: &Vcpu<'_>) {
         )
         .u64("port_out_kept_in_engine", vcpu.hw.com1.absorbed)
         .end();
+    // The port accesses that left the engine (a gate call and a VM exit each): the
+    // total, then per site `"<in|out> <port> at <guest RIP>"`, then those at sites the
+    // table had no room for.
+    let exits = &vcpu.hw.port_exits;
+    j.begin("port_exits").u64("total", exits.total);
+    for s in exits.sites() {
+        let dir = if s.out { "out" } else { "in" };
+        j.u64(
+            &alloc::format!("{dir} {:#x} at {:#x}", s.port, s.rip),
+            s.count,
+        );
+    }
+    j.u64("unlisted_sites", exits.unlisted).end();
     j.begin("events")
         .u64("interrupts_delivered", v.interrupts)
         .u64("exceptions_delivered", v.exceptions.iter().sum())

@@ -10,7 +10,9 @@ use core::fmt;
 
 use guest_engine::shadow_mmu::{PagingControl, ShadowError, View};
 use guest_engine::vcpu::uart_status::IER;
-use guest_engine::vcpu::{GuestFault, GuestMmu, Hardware, LineStatusCache, OutRoute, PicMaskCache};
+use guest_engine::vcpu::{
+    GuestFault, GuestMmu, Hardware, LineStatusCache, OutRoute, PicMaskCache, PortExitTable,
+};
 use kpin_abi::x86::msr;
 
 use crate::events::{irq, timer};
@@ -33,6 +35,24 @@ pub struct Ring0 {
     pub pic: PicMaskCache,
     /// [`probe_null_selector_clears_base`]'s answer.
     pub null_clears_base: bool,
+    /// The guest's port accesses that went through the gate, by port and guest RIP.
+    pub port_exits: PortExitTable,
+    /// The guest RIP of the port instruction being emulated.
+    pub site: u64,
+}
+
+impl Ring0 {
+    /// A guest `out` through the gate, counted at the current site.
+    fn gate_out(&mut self, port: u16, size: u8, value: u32) {
+        self.port_exits.record(port, true, self.site);
+        gate::out(port, size, value);
+    }
+
+    /// A guest `in` through the gate, counted at the current site.
+    fn gate_in(&mut self, port: u16, size: u8) -> u32 {
+        self.port_exits.record(port, false, self.site);
+        gate::input(port, size)
+    }
 }
 
 /// Writes the hardware FS (`fs` true) or GS base: `wrfsbase`/`wrgsbase` when `_start`
@@ -95,9 +115,9 @@ impl Hardware for Ring0 {
                 // the guest does next.
                 log::console_flush();
                 if let Some(ier) = ier_first {
-                    gate::out(IER, 1, u32::from(ier));
+                    self.gate_out(IER, 1, u32::from(ier));
                 }
-                gate::out(port, size, value);
+                self.gate_out(port, size, value);
             }
         }
     }
@@ -111,12 +131,16 @@ impl Hardware for Ring0 {
         }
         log::console_flush();
         if let Some(ier) = self.com1.before_device_read(port, size) {
-            gate::out(IER, 1, u32::from(ier));
+            self.gate_out(IER, 1, u32::from(ier));
         }
-        let v = gate::input(port, size);
+        let v = self.gate_in(port, size);
         self.com1.read_done(port, size, v);
         self.pic.read_done(port, size, v);
         v
+    }
+
+    fn port_site(&mut self, rip: u64) {
+        self.site = rip;
     }
 
     fn rdmsr_passthrough(&mut self, index: u32) -> u64 {
