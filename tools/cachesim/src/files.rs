@@ -102,12 +102,13 @@ pub fn write_counters(
     }
     writeln!(
         out,
-        " line_size={} replace_policy={} warmup_refs={} sim_refs={} top={}",
+        " line_size={} replace_policy={} warmup_refs={} sim_refs={} top={}{}",
         o.line_size,
         o.policy.name(),
         o.warmup_refs,
         o.sim_refs,
-        o.top
+        o.top,
+        if o.attribute { " attribute=on" } else { "" }
     )?;
     writeln!(
         out,

@@ -10,7 +10,9 @@
 //!   any mapping can change ([`kpin_tool::Tool::records_fetches`],
 //!   [`kpin_tool::Tool::records_need_pa`]), and at the end writes [`COUNTERS_NAME`] (the
 //!   totals), [`TIMELINE_NAME`] (cumulative counters every few references) and
-//!   [`INSNS_NAME`] (L1D and L1I misses per instruction, see [`insns`]);
+//!   [`INSNS_NAME`] (L1D and L1I misses per instruction, see [`insns`]), and with
+//!   `attribute=on` [`BLOCKS_NAME`] (Cachegrind's events per task and code block, see
+//!   [`attr`]);
 //! * `report` (feature `host`): turns those files into `cachesim.txt` (drcachesim's
 //!   layout, ending with the instructions that missed most, named from the kernel's
 //!   symbols), `cachesim.json` and `cachesim-timeline.svg`.
@@ -19,14 +21,18 @@
 
 extern crate alloc;
 
+pub mod attr;
 pub mod config;
 pub mod files;
 pub mod insns;
 pub mod options;
 #[cfg(feature = "host")]
+pub mod profile;
+#[cfg(feature = "host")]
 pub mod report;
 pub mod sim;
 
+use alloc::boxed::Box;
 use alloc::string::String;
 use alloc::vec::Vec;
 use core::fmt;
@@ -34,6 +40,7 @@ use core::fmt;
 use kpin_tool::host::{Error, File, Sink};
 use kpin_tool::{access, Engine, HostPart, KpinTool, MemRecord, Tool, ToolSpec, TraceInstrumenter};
 
+use crate::attr::Attribution;
 use crate::insns::{MissKind, MissTable};
 use crate::options::Options;
 use crate::sim::{Hierarchy, Kind, KERNEL, USER};
@@ -65,6 +72,8 @@ pub const COUNTERS_NAME: &str = "cachesim-counters.txt";
 pub const TIMELINE_NAME: &str = "cachesim-timeline.csv";
 /// The misses per instruction the engine writes (read by [`insns::parse`]).
 pub const INSNS_NAME: &str = "cachesim-insns.csv";
+/// With `attribute=on`: the events per task and code block (read by [`attr::parse`]).
+pub const BLOCKS_NAME: &str = "cachesim-blocks.csv";
 /// Most timeline rows kept: when full, every other row is dropped and the sampling
 /// interval doubles (rows are cumulative, so nothing is lost but resolution).
 pub const TIMELINE_ROWS: usize = 2048;
@@ -88,6 +97,8 @@ pub struct CacheSim {
     unresolved: u64,
     /// L1D and L1I misses per instruction.
     insns: MissTable,
+    /// With `attribute=on`: the events per task and code block.
+    attr: Option<Box<Attribution>>,
 }
 
 impl CacheSim {
@@ -100,8 +111,17 @@ impl CacheSim {
     /// [`CacheSim::new`] with a per-instruction table of `insns` instructions (the
     /// engine's default is [`insns::DEFAULT_CAPACITY`]).
     pub fn with_insn_capacity(options: &str, insns: usize) -> Result<Self, String> {
+        Self::with_capacities(options, insns, attr::DEFAULT_BLOCKS)
+    }
+
+    /// [`CacheSim::with_insn_capacity`] keeping at most `blocks` code blocks when
+    /// attributing (`attribute=on`; the engine's default is [`attr::DEFAULT_BLOCKS`]).
+    pub fn with_capacities(options: &str, insns: usize, blocks: usize) -> Result<Self, String> {
         let mut sim = Self::new(options)?;
         sim.insns = MissTable::new(insns);
+        if sim.attr.is_some() {
+            sim.attr = Some(Box::new(Attribution::new(blocks)));
+        }
         Ok(sim)
     }
 
@@ -116,10 +136,13 @@ impl CacheSim {
                 width,
                 rows: Vec::new(),
             },
-            options,
             hier,
             unresolved: 0,
             insns: MissTable::new(insns::DEFAULT_CAPACITY),
+            attr: options
+                .attribute
+                .then(|| Box::new(Attribution::new(attr::DEFAULT_BLOCKS))),
+            options,
         }
     }
 
@@ -143,47 +166,148 @@ impl CacheSim {
         self.unresolved
     }
 
+    /// The events per task and code block (`attribute=on`).
+    pub fn attribution(&self) -> Option<&Attribution> {
+        self.attr.as_deref()
+    }
+
+    /// Feeds memory records (as the engine delivers them). The attributing path is
+    /// another instance of the same code, chosen once per batch: without
+    /// `attribute=on` the simulation runs exactly as before.
+    pub fn feed_all(&mut self, records: &[MemRecord]) {
+        if self.attr.is_some() {
+            records.iter().for_each(|r| self.feed_one::<true>(r));
+        } else {
+            records.iter().for_each(|r| self.feed_one::<false>(r));
+        }
+    }
+
     /// Feeds one memory record (as the engine delivers them).
     pub fn feed(&mut self, r: &MemRecord) {
+        self.feed_all(core::slice::from_ref(r));
+    }
+
+    /// [`CacheSim::feed`], attributing events when `ATTR`.
+    #[inline(always)]
+    fn feed_one<const ATTR: bool>(&mut self, r: &MemRecord) {
         let a = r.access;
         let who = who(r);
+        if ATTR && a & access::TASK != 0 {
+            if let Some(at) = self.attr.as_deref_mut() {
+                at.set_task(r.ea);
+            }
+            return;
+        }
         if a & access::FETCH_RUN != 0 {
             if r.pa == u64::MAX {
                 self.unresolved += 1;
                 return;
             }
-            return self.feed_run(r, who);
+            return self.feed_run::<ATTR>(r, who);
         }
         // A fetch record, or an operand record carrying its instruction's fetch (its
         // physical address in `ea`), which comes before the data access.
         if a & access::FETCH != 0 {
-            return self.refs(Kind::Fetch, r, r.pa, r.size, 1, who);
+            if ATTR {
+                self.attr_fetch(r.ip, u64::from(r.size), r.pa, who);
+            }
+            return self.refs::<ATTR>(Kind::Fetch, r, r.pa, r.size, 1, who);
         }
         if a & access::WITH_FETCH != 0 {
             let len = (a >> access::FETCH_LEN_SHIFT) & 0xf;
-            self.refs(Kind::Fetch, r, r.ea, len, 1, who);
+            if ATTR {
+                self.attr_fetch(r.ip, u64::from(len), r.ea, who);
+            }
+            self.refs::<ATTR>(Kind::Fetch, r, r.ea, len, 1, who);
         }
         // A read-modify-write operand is a read then a write, as a tracer records it
-        // (both simulated alike: write-allocate).
+        // (both simulated alike: write-allocate). Attributed, they are two calls, so
+        // that each has its own misses: the same simulation as one call of two. (A
+        // `TASK` record, not attributed, has neither bit: no reference.)
+        if ATTR {
+            if a & access::READ != 0 {
+                self.refs::<ATTR>(Kind::Read, r, r.pa, r.size, 1, who);
+            }
+            if a & access::WRITE != 0 {
+                self.refs::<ATTR>(Kind::Write, r, r.pa, r.size, 1, who);
+            }
+            return;
+        }
         let refs = u64::from(a & access::READ != 0) + u64::from(a & access::WRITE != 0);
-        self.refs(Kind::Read, r, r.pa, r.size, refs, who);
+        self.refs::<ATTR>(Kind::Read, r, r.pa, r.size, refs, who);
+    }
+
+    /// Attributing: a fetch of `len` bytes at `ip` (physical `pa`).
+    #[inline(always)]
+    fn attr_fetch(&mut self, ip: u64, len: u64, pa: u64, who: usize) {
+        if let Some(at) = self.attr.as_deref_mut() {
+            at.fetch(ip, len, pa, who == USER);
+        }
+    }
+
+    /// Attributing: `refs` counted references of `kind`, `missed` of their line
+    /// accesses missing the L1, for the current block (and the memory-side misses
+    /// since the last L1 miss, which only an L1 miss makes).
+    #[inline(always)]
+    fn attr_count(&mut self, kind: Kind, refs: u64, missed: u64) {
+        let Some(at) = self.attr.as_deref_mut() else {
+            return;
+        };
+        at.count(kind, refs, missed);
+        if missed > 0 {
+            at.memory_misses(kind, memory_misses(&self.hier));
+        }
+    }
+
+    /// The references of `kind` by `who` counted so far.
+    fn counted(&self, kind: Kind, who: usize) -> u64 {
+        match kind {
+            Kind::Fetch => self.hier.fetch_refs[who],
+            Kind::Read | Kind::Write => self.hier.data_refs[who],
+        }
     }
 
     /// `n` references of `kind` in a row by `r`'s instruction to the `size` bytes at `pa`
     /// (`u64::MAX`: unresolved, not simulated), its L1 misses counted for it.
     #[inline(always)]
-    fn refs(&mut self, kind: Kind, r: &MemRecord, pa: u64, size: u32, n: u64, who: usize) {
+    fn refs<const ATTR: bool>(
+        &mut self,
+        kind: Kind,
+        r: &MemRecord,
+        pa: u64,
+        size: u32,
+        n: u64,
+        who: usize,
+    ) {
         if pa == u64::MAX {
             self.unresolved += 1;
             return;
         }
         let last = pa.wrapping_add(u64::from(size.max(1)) - 1);
         if self.same_line_hits(kind, pa, last, n, who) {
+            if ATTR {
+                self.attr_count(kind, n, 0);
+            }
             return;
         }
         let missed = match self.lines_direct(kind, pa, last, n, who) {
-            Some(missed) => missed,
-            None => self.refs_each(kind, pa, size, n, who),
+            Some(missed) => {
+                if ATTR {
+                    self.attr_count(kind, n, missed);
+                }
+                missed
+            }
+            None => {
+                // Warming up or counting up to `sim_refs`: the references counted are
+                // what the counters say.
+                let before = self.counted(kind, who);
+                let missed = self.refs_each(kind, pa, size, n, who);
+                if ATTR {
+                    let refs = self.counted(kind, who).wrapping_sub(before);
+                    self.attr_count(kind, refs, missed);
+                }
+                missed
+            }
         };
         if missed > 0 {
             let miss_kind = match kind {
@@ -239,7 +363,7 @@ impl CacheSim {
     /// is accessed once, the other fetches counted as the hits on the line just accessed
     /// that simulating them one by one would give (one by one while warming up, up to
     /// `sim_refs`, or with a timeline sample inside the run).
-    fn feed_run(&mut self, r: &MemRecord, who: usize) {
+    fn feed_run<const ATTR: bool>(&mut self, r: &MemRecord, who: usize) {
         let n = r.size.min(16);
         if n == 0 {
             return;
@@ -253,23 +377,37 @@ impl CacheSim {
         } else {
             r.ea & ((1 << (4 * n)) - 1)
         };
+        let bytes = nibble_sum(lens);
+        if ATTR {
+            self.attr_fetch(r.ip, bytes, r.pa, who);
+        }
         let end =
-            r.pa.wrapping_add(nibble_sum(lens))
+            r.pa.wrapping_add(bytes)
                 .wrapping_sub(u64::from(len(n - 1) != 0));
         if self.same_line_hits(Kind::Fetch, r.pa, end, u64::from(n), who) {
+            if ATTR {
+                self.attr_count(Kind::Fetch, u64::from(n), 0);
+            }
             return;
         }
         let t = &self.timeline;
         if !self.hier.counting_all() || t.since + u64::from(n) >= t.interval {
             // Warming up, counting up to `sim_refs`, or a timeline sample inside the run:
             // one reference at a time.
+            let before = self.counted(Kind::Fetch, who);
+            let mut run_missed = 0;
             let mut off = 0;
             for k in 0..n {
                 let missed = self.reference(r.pa + off, len(k) as u32, Kind::Fetch, who);
                 if missed > 0 {
                     self.insns.add(r.ip + off, r.cpl(), MissKind::Fetch, missed);
                 }
+                run_missed += missed;
                 off += len(k);
+            }
+            if ATTR {
+                let refs = self.counted(Kind::Fetch, who).wrapping_sub(before);
+                self.attr_count(Kind::Fetch, refs, run_missed);
             }
             return;
         }
@@ -290,8 +428,10 @@ impl CacheSim {
             }
         }
         let mut line = first;
+        let mut run_missed = 0;
         loop {
             if !self.hier.access_line(Kind::Fetch, line, who) {
+                run_missed += 1;
                 // The miss is the instruction's that touches the line first.
                 let mut off = 0;
                 for k in 0..n {
@@ -312,6 +452,9 @@ impl CacheSim {
         self.hier
             .add_repeat_hits(Kind::Fetch, accesses - (last - first + 1), who);
         self.timeline.since += u64::from(n);
+        if ATTR {
+            self.attr_count(Kind::Fetch, u64::from(n), run_missed);
+        }
     }
 
     /// [`Hierarchy::same_line_hits`] short of the timeline's next sample.
@@ -334,6 +477,9 @@ impl CacheSim {
             // The warmup just ended (the counters were reset) or goes on.
             self.timeline.rows.clear();
             self.timeline.since = 0;
+            if let Some(at) = self.attr.as_deref_mut() {
+                at.rebase(memory_misses(&self.hier));
+            }
             return missed;
         }
         let t = &mut self.timeline;
@@ -379,7 +525,13 @@ impl CacheSim {
         f.close()?;
         let mut f = File::create(host, INSNS_NAME)?;
         let _ = insns::write(&mut f, &self.insns);
-        f.close()
+        f.close()?;
+        if let Some(at) = &self.attr {
+            let mut f = File::create(host, BLOCKS_NAME)?;
+            let _ = at.write(&mut f);
+            f.close()?;
+        }
+        Ok(())
     }
 
     /// The one-line summary of the simulation for the log.
@@ -419,7 +571,11 @@ impl CacheSim {
         }
         out.write_str(
             "; cachesim-counters.txt, cachesim-timeline.csv and cachesim-insns.csv written",
-        )
+        )?;
+        match &self.attr {
+            Some(at) => write!(out, "; {BLOCKS_NAME} ({} blocks)", at.blocks().len()),
+            None => Ok(()),
+        }
     }
 
     /// References simulated, fetches and data, both CPLs.
@@ -430,6 +586,16 @@ impl CacheSim {
             .chain(&self.hier.data_refs)
             .sum()
     }
+}
+
+/// The misses of the caches whose parent is memory (both CPLs): the line accesses that
+/// went to memory, Cachegrind's `LL` misses.
+fn memory_misses(h: &Hierarchy) -> u64 {
+    h.caches()
+        .zip(h.parents())
+        .filter(|(_, p)| p.is_none())
+        .map(|((_, c), _)| c.stats.misses[KERNEL] + c.stats.misses[USER])
+        .sum()
 }
 
 /// [`USER`] for a record of CPL 3, else [`KERNEL`].
@@ -455,9 +621,7 @@ impl Tool for CacheSim {
     }
 
     fn buffer_full(&mut self, records: &[MemRecord]) {
-        for r in records {
-            self.feed(r);
-        }
+        self.feed_all(records);
     }
 
     fn records_fetches(&self) -> bool {

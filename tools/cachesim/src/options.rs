@@ -111,6 +111,12 @@ pub const KEYS: &[OptionSpec] = &[
         "instructions the report lists by data and by fetch misses",
     ),
     opt(
+        "attribute",
+        ValueKind::Choice(&["off", "on"]),
+        Some("off"),
+        "events per process and code block: cachesim-cachegrind.out, flame graph, per-process table",
+    ),
+    opt(
         "config_file",
         ValueKind::Path,
         None,
@@ -227,6 +233,9 @@ pub struct Options {
     /// A hierarchy from a `config_file` (children before parents), replacing `l1i`, `l1d`,
     /// `l2` and `ll`; `None`: those four.
     pub caches: Option<Vec<CacheSpec>>,
+    /// Whether the events are kept per task and code block (`attribute=on`; off by
+    /// default: it costs the simulation a lookup per block and a few adds per record).
+    pub attribute: bool,
 }
 
 impl Default for Options {
@@ -252,6 +261,7 @@ impl Default for Options {
             interval_refs: 1_000,
             top: 10,
             caches: None,
+            attribute: false,
         }
     }
 }
@@ -385,6 +395,13 @@ impl Options {
                         _ => return Err(format!("{word}: replace_policy is LRU, FIFO or RANDOM")),
                     }
                 }
+                "attribute" => {
+                    o.attribute = match value {
+                        "on" => true,
+                        "off" => false,
+                        _ => return Err(format!("{word}: attribute is on or off")),
+                    }
+                }
                 "warmup_refs" => o.warmup_refs = number()?,
                 "sim_refs" => o.sim_refs = number()?,
                 "top" => o.top = number()?,
@@ -495,6 +512,9 @@ impl Options {
         }
         if self.interval_refs != d.interval_refs {
             push("interval_refs", self.interval_refs.to_string());
+        }
+        if self.attribute {
+            push("attribute", "on".to_string());
         }
         w
     }

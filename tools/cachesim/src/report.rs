@@ -17,12 +17,15 @@ use std::path::{Path, PathBuf};
 
 use alloc::boxed::Box;
 use kpin_tool::host::{Error as SinkError, Sink};
-use kpin_tool::host_side::{BlockNames, HostTool, OptionFiles, RecordConsumer, Reported, RunFiles};
+use kpin_tool::host_side::{
+    BlockNames, HostTool, OptionFiles, RecordConsumer, Reported, RunFiles, UserNames,
+};
 use kpin_tool::MemRecord;
 use serde::Serialize;
 
 use crate::files::{parse_counters, parse_timeline, Counters, Timeline};
 use crate::insns::{self, InsnMisses, Insns, MissKind};
+use crate::profile::{self, Attributed};
 use crate::sim::{Stats, KERNEL, USER};
 
 /// The text report's name.
@@ -198,6 +201,9 @@ pub struct Report {
     /// The instructions with the most L1 misses, if the engine wrote them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub top_instructions: Option<TopInsns>,
+    /// With `attribute=on`: the events per process (and the Cachegrind totals).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attributed: Option<Attributed>,
 }
 
 fn rate(part: u64, whole: u64) -> f64 {
@@ -262,6 +268,7 @@ impl Report {
             unresolved_records: c.unresolved,
             caches,
             top_instructions: None,
+            attributed: None,
         }
     }
 
@@ -353,12 +360,15 @@ impl Report {
         if let Some(top) = &self.top_instructions {
             t.push_str(&top.text());
         }
+        if let Some(a) = &self.attributed {
+            t.push_str(&a.text(self.top()));
+        }
         t
     }
 }
 
 /// `1234567` as `1,234,567` (drcachesim's grouping).
-fn group(v: u64) -> String {
+pub(crate) fn group(v: u64) -> String {
     let s = v.to_string();
     let mut out = String::new();
     for (i, ch) in s.chars().enumerate() {
@@ -617,13 +627,24 @@ pub fn write_reports(out: &Path) -> Result<Option<(Report, Vec<PathBuf>)>, Strin
     write_reports_named(out, None)
 }
 
-/// Reads the engine's files in `out` and writes `cachesim.txt`, `cachesim.json` and
-/// `cachesim-timeline.svg` there, instructions named by `names`. `Ok(None)` if the run
-/// left no cachesim files; an error names the file that is not what the engine writes
-/// (it came from inside the guest).
+/// [`write_reports_attributed`] without user-code names.
 pub fn write_reports_named(
     out: &Path,
     names: Option<&dyn BlockNames>,
+) -> Result<Option<(Report, Vec<PathBuf>)>, String> {
+    write_reports_attributed(out, names, None)
+}
+
+/// Reads the engine's files in `out` and writes `cachesim.txt`, `cachesim.json` and
+/// `cachesim-timeline.svg` there, instructions named by `names`; with
+/// [`crate::BLOCKS_NAME`] (`attribute=on`) also the per-process table and the files of
+/// [`profile`], user code named by `user`. `Ok(None)` if the run left no cachesim files;
+/// an error names the file that is not what the engine writes (it came from inside the
+/// guest).
+pub fn write_reports_attributed(
+    out: &Path,
+    names: Option<&dyn BlockNames>,
+    user: Option<&dyn UserNames>,
 ) -> Result<Option<(Report, Vec<PathBuf>)>, String> {
     let counters_path = out.join(crate::COUNTERS_NAME);
     if !counters_path.exists() {
@@ -641,6 +662,12 @@ pub fn write_reports_named(
         report.add_top(&insns, names);
     }
     let mut written = Vec::new();
+    if let Some(blocks) = profile::read_blocks(out)? {
+        let tasks = profile::read_tasks(out)?.unwrap_or_default();
+        let made = profile::attribute(&blocks, &counters, &tasks, names, user);
+        written.extend(profile::write_files(&made, &counters, out)?);
+        report.attributed = Some(made.attributed);
+    }
     let write = |name: &str, data: &str, written: &mut Vec<PathBuf>| {
         let p = out.join(name);
         std::fs::write(&p, data).map_err(|e| format!("{}: {e}", p.display()))?;
@@ -682,6 +709,23 @@ impl HostTool for Host {
         &crate::SPEC
     }
 
+    fn run_json_key(&self) -> Option<&'static str> {
+        Some(crate::SPEC.name)
+    }
+
+    fn report_files(&self) -> &'static [&'static str] {
+        &[
+            TXT_NAME,
+            JSON_NAME,
+            SVG_NAME,
+            profile::CACHEGRIND_NAME,
+            profile::FOLDED_NAME,
+            profile::FLAME_NAME,
+            profile::FOLDED_L1D_NAME,
+            profile::FLAME_L1D_NAME,
+        ]
+    }
+
     fn engine_options(
         &self,
         options: &str,
@@ -701,7 +745,12 @@ impl HostTool for Host {
     }
 
     fn record_consumer(&self, options: &str) -> Option<Box<dyn RecordConsumer>> {
-        let sim = crate::CacheSim::with_insn_capacity(options, insns::HOST_CAPACITY).ok()?;
+        let sim = crate::CacheSim::with_capacities(
+            options,
+            insns::HOST_CAPACITY,
+            crate::attr::HOST_BLOCKS,
+        )
+        .ok()?;
         Some(Box::new(sim))
     }
 
@@ -715,7 +764,7 @@ impl HostTool for Host {
             return Reported::default();
         }
         let out = run.dir;
-        let executed: Vec<u64> = match read_insns(out) {
+        let mut executed: Vec<u64> = match read_insns(out) {
             Ok(Some(insns)) => insns
                 .rows
                 .iter()
@@ -724,6 +773,15 @@ impl HostTool for Host {
                 .collect(),
             _ => Vec::new(),
         };
+        // The blocks' kernel addresses ran too (a bad file is said below).
+        let blocks = profile::read_blocks(out).ok().flatten();
+        executed.extend(
+            blocks
+                .iter()
+                .flatten()
+                .filter(|b| !b.user && b.code != crate::attr::OVERFLOW)
+                .map(|b| b.code),
+        );
         let names = match run.names(executed) {
             Ok(n) => n,
             Err(e) => {
@@ -731,20 +789,33 @@ impl HostTool for Host {
                 None
             }
         };
-        match write_reports_named(out, names.as_deref()) {
-            Ok(Some((r, files))) => run.say(&format!("{}\ncachesim: {files:?}", r.text())),
-            Ok(None) => {}
-            Err(e) => run.say(&format!("no cachesim report: {e}")),
+        let user = match blocks {
+            Some(_) => run.user_code().unwrap_or_else(|e| {
+                run.say(&format!("cachesim's user code left unnamed: {e:#}"));
+                None
+            }),
+            None => None,
+        };
+        match write_reports_attributed(out, names.as_deref(), user.as_deref()) {
+            Ok(Some((r, files))) => {
+                run.say(&format!("{}\ncachesim: {files:?}", r.text()));
+                Reported {
+                    run_json: r.attributed.map(|a| Box::new(a) as _),
+                    failure: None,
+                }
+            }
+            Ok(None) => Reported::default(),
+            Err(e) => {
+                run.say(&format!("no cachesim report: {e}"));
+                Reported::default()
+            }
         }
-        Reported::default()
     }
 }
 
 impl RecordConsumer for crate::CacheSim {
     fn feed(&mut self, records: &[MemRecord]) {
-        for r in records {
-            crate::CacheSim::feed(self, r);
-        }
+        self.feed_all(records);
     }
 
     fn write_files(&self, sink: &mut dyn Sink) -> Result<(), SinkError> {
