@@ -415,7 +415,7 @@ fn unescape_mount_point(field: &str) -> String {
 fn preflight() -> Result<(), ImagesError> {
     // SAFETY: geteuid has no arguments and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
-        return Err(ImagesError::DebianImage {
+        return Err(ImagesError::DebianPrerequisite {
             why: "building it needs root (mmdebstrap --mode=root chroots and installs \
                   packages; mkfs.ext4 -d copies their owners): run `kpin images --debian` \
                   as root once; runs then use the cached image"
@@ -431,7 +431,7 @@ fn preflight() -> Result<(), ImagesError> {
             .status()
             .is_ok();
         if !found {
-            return Err(ImagesError::DebianImage {
+            return Err(ImagesError::DebianPrerequisite {
                 why: format!(
                     "`{tool}` is not installed: `apt-get install {package}` (.ci/setup does)"
                 ),

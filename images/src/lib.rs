@@ -304,6 +304,12 @@ pub enum ImagesError {
         /// What is wrong, and what to do.
         why: String,
     },
+    /// This host cannot build the Debian image: not root, or a tool missing.
+    #[error("could not build the Debian image: {why}")]
+    DebianPrerequisite {
+        /// What is missing, and what to do.
+        why: String,
+    },
     /// mmdebstrap could not reach Debian's mirror.
     #[error(
         "could not build the Debian image: mmdebstrap could not reach Debian's mirror \
@@ -378,6 +384,18 @@ pub enum ImagesError {
         /// The build output.
         path: PathBuf,
     },
+}
+
+impl ImagesError {
+    /// Whether the host is not set up to build the Debian image at all — not root,
+    /// `mmdebstrap` or `mkfs.ext4` missing, Debian's mirror unreachable — rather than a
+    /// build that went wrong: the tests that need the image skip on it.
+    pub fn is_debian_host_unprepared(&self) -> bool {
+        matches!(
+            self,
+            ImagesError::DebianPrerequisite { .. } | ImagesError::DebianMirror { .. }
+        )
+    }
 }
 
 /// The repository root (the parent of this crate's directory).
@@ -535,6 +553,32 @@ mod tests {
     use std::error::Error;
 
     use super::*;
+
+    #[test]
+    fn test_only_a_host_without_root_tools_or_mirror_is_unprepared_for_debian() {
+        let unprepared = [
+            ImagesError::DebianPrerequisite {
+                why: "building it needs root".into(),
+            },
+            ImagesError::DebianMirror {
+                command: "mmdebstrap".into(),
+                source: CommandError::Spawn(io::Error::other("x")),
+            },
+        ];
+        assert!(unprepared.iter().all(|e| e.is_debian_host_unprepared()));
+        // A build that went wrong is a failure, not a skip.
+        let failed = [
+            ImagesError::DebianImage {
+                why: "the workload printed no md5".into(),
+            },
+            ImagesError::DebianBuild {
+                command: "mmdebstrap".into(),
+                log: PathBuf::from("/x/log"),
+                source: CommandError::Spawn(io::Error::other("x")),
+            },
+        ];
+        assert!(failed.iter().all(|e| !e.is_debian_host_unprepared()));
+    }
 
     #[test]
     fn test_default_out_dir_is_images_out_in_repo() {
