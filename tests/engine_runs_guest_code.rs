@@ -114,11 +114,11 @@ fn test_bbcount_counts_the_loop_blocks_into_a_csv() {
     assert!(console.ends_with("Y\n"), "{console:?}");
     let csv = read(&dir.join("bbcount.csv"));
     assert!(
-        csv.starts_with("address,cpl,instructions,count\n"),
+        csv.starts_with("address,cpl,instructions,count,physical\n"),
         "{csv}\n{log}"
     );
     // `add3` (2 instructions) ran once per iteration, at CPL 0 (the guest never leaves it).
-    let add3 = format!("{:#x},0,2,100\n", TINY_LOAD_ADDR + ADD3_OFFSET);
+    let add3 = format!("\n{:#x},0,2,100,", TINY_LOAD_ADDR + ADD3_OFFSET);
     assert!(csv.contains(&add3), "{csv}");
     assert!(log.contains("bbcount: "), "{log}");
     assert!(

@@ -1,9 +1,11 @@
 //! `--tool bbcount`: an inline counter per basic block (one `add` to a counter slot in the
 //! code cache, no call), and at the end of the run `bbcount.csv` in the output directory:
-//! `address,cpl,instructions,count` per block, in translation order, where `cpl` is the
-//! virtual CPL the block was translated for (0 kernel, 3 user). A block translated again
-//! (in another trace, after a cache flush or a code change) keeps its row and counter; a
-//! block of the same address at another CPL or of another length has its own row.
+//! `address,cpl,instructions,count,physical` per block, in translation order, where `cpl`
+//! is the virtual CPL the block was translated for (0 kernel, 3 user) and `physical` the
+//! guest physical address of its first instruction (what names user code: the same
+//! virtual address is other code in another process). A block translated again (in
+//! another trace, after a cache flush or a code change) keeps its row and counter; a
+//! block of the same address at another physical address, CPL or length has its own row.
 //!
 //! With the `host` feature (the VMM's; never the engine image's) the crate also has the
 //! host-side [`report`] of a run: the user/kernel split and the hottest blocks, named.
@@ -12,6 +14,8 @@
 
 extern crate alloc;
 
+#[cfg(feature = "host")]
+mod processes;
 #[cfg(feature = "host")]
 pub mod report;
 
@@ -49,7 +53,7 @@ pub const HOST: report::Host = report::Host;
 /// The output file's name.
 pub const CSV_NAME: &str = "bbcount.csv";
 /// The CSV's header line.
-pub const CSV_HEADER: &str = "address,cpl,instructions,count";
+pub const CSV_HEADER: &str = "address,cpl,instructions,count,physical";
 
 /// One row of `bbcount.csv`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,6 +66,8 @@ pub struct Row {
     pub instructions: u32,
     /// Times the block ran.
     pub count: u64,
+    /// Guest physical address of the block's first instruction.
+    pub physical: u64,
 }
 
 /// Parses `bbcount.csv` (for host-side readers: tests, reports); the error is the number
@@ -79,11 +85,13 @@ pub fn parse_csv(text: &str) -> Result<Vec<Row>, usize> {
                 let cpl = f.next()?.parse().ok().filter(|c| *c <= 3)?;
                 let instructions = f.next()?.parse().ok()?;
                 let count = f.next()?.parse().ok()?;
+                let physical = u64::from_str_radix(f.next()?.strip_prefix("0x")?, 16).ok()?;
                 f.next().is_none().then_some(Row {
                     address,
                     cpl,
                     instructions,
                     count,
+                    physical,
                 })
             })();
             row.ok_or(i + 1)
@@ -95,6 +103,7 @@ pub fn parse_csv(text: &str) -> Result<Vec<Row>, usize> {
 #[derive(Clone, Copy, Debug)]
 struct Block {
     address: u64,
+    physical: u64,
     cpl: u8,
     insns: u32,
     counter: CounterId,
@@ -104,10 +113,11 @@ struct Block {
 #[derive(Debug, Default)]
 pub struct BbCount {
     blocks: Vec<Block>,
-    /// Index in `blocks` by ⟨address, CPL, length⟩: a block translated again (in another
-    /// trace, after a cache flush or a code change) adds to the same counter, so counter
-    /// slots — a fixed number in the code cache — are spent once per distinct block.
-    index: BTreeMap<(u64, u8, u32), usize>,
+    /// Index in `blocks` by ⟨address, physical address, CPL, length⟩: a block translated
+    /// again (in another trace, after a cache flush or a code change) adds to the same
+    /// counter, so counter slots — a fixed number in the code cache — are spent once per
+    /// distinct block.
+    index: BTreeMap<(u64, u64, u8, u32), usize>,
     /// Blocks left uncounted because the engine's counter slots ran out.
     uncounted: u64,
 }
@@ -115,9 +125,12 @@ pub struct BbCount {
 impl Tool for BbCount {
     fn instrument_trace(&mut self, trace: &mut TraceInstrumenter<'_>) {
         let cpl = trace.mode().cpl();
+        // Every instruction of a trace starts on the trace's first page.
+        let page = trace.physical().0.wrapping_sub(trace.address().0);
         for i in 0..trace.bbls().len() {
             let b = trace.bbls()[i];
-            let key = (b.address.0, cpl, b.count as u32);
+            let physical = page.wrapping_add(b.address.0);
+            let key = (b.address.0, physical, cpl, b.count as u32);
             if let Some(&k) = self.index.get(&key) {
                 trace.insert_bbl_counter(i, self.blocks[k].counter, 1);
                 continue;
@@ -128,6 +141,7 @@ impl Tool for BbCount {
                     self.index.insert(key, self.blocks.len());
                     self.blocks.push(Block {
                         address: b.address.0,
+                        physical,
                         cpl,
                         insns: b.count as u32,
                         counter,
@@ -175,6 +189,7 @@ impl BbCount {
             cpl: b.cpl,
             instructions: b.insns,
             count: engine.counter(b.counter),
+            physical: b.physical,
         })
     }
 }
@@ -192,8 +207,8 @@ impl KpinTool for BbCount {
             // A failed write is kept by `File` and returned by `close`.
             let _ = writeln!(
                 f,
-                "{:#x},{},{},{}",
-                r.address, r.cpl, r.instructions, r.count
+                "{:#x},{},{},{},{:#x}",
+                r.address, r.cpl, r.instructions, r.count, r.physical
             );
         }
         f.close()
@@ -228,7 +243,7 @@ mod tests {
     #[test]
     fn parse_csv_reads_rows_and_names_the_first_bad_line() {
         let rows = parse_csv(
-            "address,cpl,instructions,count\n0x401000,3,3,99\n0xffffffff81000000,0,1,0\n",
+            "address,cpl,instructions,count,physical\n0x401000,3,3,99,0x5123000\n0xffffffff81000000,0,1,0,0x1000000\n",
         )
         .unwrap();
         assert_eq!(
@@ -238,23 +253,30 @@ mod tests {
                     address: 0x40_1000,
                     cpl: 3,
                     instructions: 3,
-                    count: 99
+                    count: 99,
+                    physical: 0x512_3000
                 },
                 Row {
                     address: 0xffff_ffff_8100_0000,
                     cpl: 0,
                     instructions: 1,
-                    count: 0
+                    count: 0,
+                    physical: 0x100_0000
                 }
             ]
         );
         assert_eq!(parse_csv("nope\n"), Err(1));
-        // The old header, without `cpl`, is not this format.
+        // The old headers, without `cpl` or `physical`, are not this format.
         assert_eq!(parse_csv("address,instructions,count\n0x10,1,2\n"), Err(1));
-        let bad = |row: &str| parse_csv(&format!("{CSV_HEADER}\n0x10,0,1,2\n{row}\n"));
-        assert_eq!(bad("16,0,1,2"), Err(3), "address without 0x");
-        assert_eq!(bad("0x10,0,1,2,3"), Err(3), "a fifth field");
-        assert_eq!(bad("0x10,0,1"), Err(3), "a missing field");
-        assert_eq!(bad("0x10,4,1,2"), Err(3), "no CPL 4");
+        assert_eq!(
+            parse_csv("address,cpl,instructions,count\n0x10,0,1,2\n"),
+            Err(1)
+        );
+        let bad = |row: &str| parse_csv(&format!("{CSV_HEADER}\n0x10,0,1,2,0x10\n{row}\n"));
+        assert_eq!(bad("16,0,1,2,0x10"), Err(3), "address without 0x");
+        assert_eq!(bad("0x10,0,1,2,16"), Err(3), "physical address without 0x");
+        assert_eq!(bad("0x10,0,1,2,0x10,3"), Err(3), "a sixth field");
+        assert_eq!(bad("0x10,0,1,2"), Err(3), "a missing field");
+        assert_eq!(bad("0x10,4,1,2,0x10"), Err(3), "no CPL 4");
     }
 }

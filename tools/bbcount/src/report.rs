@@ -1,18 +1,22 @@
 //! The host-side report of a `--tool bbcount` run (feature `host`): from the tool's
-//! `bbcount.csv`, the guest instructions executed per virtual CPL (the user/kernel split)
-//! and the hottest blocks by instructions executed (count × block length), each named
-//! `symbol+0xoff` by the caller's [`BlockNames`] (the VMM passes the kernel's symbols).
-//! Written as [`REPORT_NAME`] beside the CSV; its [`BbcountSummary`] also goes into
-//! `run.json`.
+//! `bbcount.csv`, the guest instructions executed per virtual CPL (the user/kernel split),
+//! the hottest blocks by instructions executed (count × block length) — kernel blocks
+//! named `symbol+0xoff` by the caller's [`BlockNames`] (the VMM passes the kernel's
+//! symbols), user blocks `object: function+0xoff` by its [`UserNames`] (from each block's
+//! physical address) — the instructions per function for kernel and user code, what share
+//! of user instructions is named with a file and with a function, and the per-process
+//! table of `processes.json`. Written as [`REPORT_NAME`] beside the CSV; its
+//! [`BbcountSummary`] also goes into `run.json`.
 
 use std::collections::HashMap;
 use std::fmt::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use kpin_tool::host_side::{HostTool, Reported, RunFiles};
+use kpin_tool::host_side::{HostTool, Reported, RunFiles, UserNames};
 use serde::Serialize;
 
+pub use crate::processes::{ProcessRow, Processes};
 use crate::{parse_csv, Row, CSV_NAME};
 
 /// The report's file name in the output directory.
@@ -29,9 +33,12 @@ pub use kpin_tool::host_side::DEFAULT_TOP;
 pub struct HotBlock {
     /// Guest virtual address of its first instruction (`0x…`).
     pub address: String,
+    /// Guest physical address of its first instruction (`0x…`; `None`: not recorded).
+    pub physical: Option<String>,
     /// Virtual CPL it ran at.
     pub cpl: u8,
-    /// `symbol+0xoff`, if a symbol covers the address.
+    /// `symbol+0xoff` (kernel), `object: function+0xoff` or `object+0xoff` (user), if
+    /// anything names it.
     pub symbol: Option<String>,
     /// Its length in instructions.
     pub instructions: u32,
@@ -42,7 +49,7 @@ pub struct HotBlock {
 }
 
 /// What the report says, as `run.json` carries it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct BbcountSummary {
     /// Guest instructions executed in counted blocks, all CPLs.
     pub total: u64,
@@ -54,56 +61,184 @@ pub struct BbcountSummary {
     pub blocks: usize,
     /// Where block names come from, if anywhere.
     pub symbols: Option<String>,
+    /// Where user code's names come from, if anywhere.
+    pub user_symbols: Option<String>,
+    /// User instructions (CPL 3, counted blocks) whose code a file is named for.
+    pub user_named_object: u64,
+    /// … and a function of that file.
+    pub user_named_function: u64,
+    /// `user_named_object` / `cpl3` (0 without user instructions).
+    pub user_object_share: f64,
+    /// `user_named_function` / `cpl3`.
+    pub user_function_share: f64,
     /// The hottest blocks, hottest first.
     pub top: Vec<HotBlock>,
+    /// Kernel functions by instructions executed, most first (`?`: unnamed).
+    pub kernel_functions: Vec<FunctionRow>,
+    /// User functions (`object: function`, `object` alone, or `?`) likewise.
+    pub user_functions: Vec<FunctionRow>,
+    /// The engine's per-process table, if the run wrote one.
+    pub processes: Option<Processes>,
+    /// Rows the text's tables show (`kpin run --top`).
+    #[serde(skip)]
+    shown: usize,
+}
+
+/// One function of a per-function table.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FunctionRow {
+    /// Its name.
+    pub function: String,
+    /// Guest instructions executed in its blocks.
+    pub executed: u64,
+}
+
+/// `name` without its `+0x…` offset.
+fn function_of(name: &str) -> &str {
+    match name.rsplit_once("+0x") {
+        Some((f, off)) if !off.is_empty() && off.bytes().all(|b| b.is_ascii_hexdigit()) => f,
+        _ => name,
+    }
+}
+
+/// The `top` functions of `(name, executed)` pairs, by their summed instructions.
+fn by_function(named: &[(Option<String>, u64)], top: usize) -> Vec<FunctionRow> {
+    let mut sums: HashMap<&str, u64> = HashMap::new();
+    for (name, executed) in named {
+        let f = name.as_deref().map_or("?", function_of);
+        let e = sums.entry(f).or_default();
+        *e = e.saturating_add(*executed);
+    }
+    let mut rows: Vec<FunctionRow> = sums
+        .into_iter()
+        .map(|(f, executed)| FunctionRow {
+            function: f.to_string(),
+            executed,
+        })
+        .collect();
+    rows.sort_by(|a, b| {
+        b.executed
+            .cmp(&a.executed)
+            .then(a.function.cmp(&b.function))
+    });
+    rows.truncate(top);
+    rows
 }
 
 impl BbcountSummary {
-    /// Sums `rows` per CPL and picks the `top` hottest blocks. Rows of one block
-    /// translated more than once (same address, CPL and length: in two traces, or again
-    /// after a cache flush) are added together.
+    /// Sums `rows` per CPL and picks the `top` hottest blocks, kernel blocks named by
+    /// `symbols`. Rows of one block translated more than once (same addresses, CPL and
+    /// length: in two traces, or again after a cache flush) are added together.
     pub fn new(rows: &[Row], symbols: Option<&dyn BlockNames>, top: usize) -> Self {
+        Self::named(rows, symbols, None, top)
+    }
+
+    /// [`BbcountSummary::new`] with user blocks named by `user` from their physical
+    /// addresses, and user functions' table and named shares.
+    pub fn named(
+        rows: &[Row],
+        symbols: Option<&dyn BlockNames>,
+        user: Option<&dyn UserNames>,
+        top: usize,
+    ) -> Self {
         // The CSV comes from inside the guest: sums and products saturate at u64::MAX
         // instead of wrapping (a count of 2^63 once made the report say "executed 0").
         let executed = |r: &Row| r.count.saturating_mul(u64::from(r.instructions));
         let sum = |it: &mut dyn Iterator<Item = u64>| it.fold(0u64, u64::saturating_add);
         let at = |cpl| sum(&mut rows.iter().filter(|r| r.cpl == cpl).map(executed));
-        let mut merged: HashMap<(u64, u8, u32), u64> = HashMap::new();
+        let mut merged: HashMap<(u64, u64, u8, u32), u64> = HashMap::new();
         for r in rows {
             let c = merged
-                .entry((r.address, r.cpl, r.instructions))
+                .entry((r.address, r.physical, r.cpl, r.instructions))
                 .or_default();
             *c = c.saturating_add(r.count);
         }
         let mut blocks: Vec<_> = merged.into_iter().collect();
         // Hottest first; ties in address order so the report is stable.
-        blocks.sort_by_key(|&((address, cpl, insns), count)| {
+        blocks.sort_by_key(|&((address, physical, cpl, insns), count)| {
             (
                 std::cmp::Reverse(count.saturating_mul(u64::from(insns))),
                 address,
+                physical,
                 cpl,
                 insns,
             )
         });
-        let top = blocks
+        // Every block named once: its function for the tables, the top list's names.
+        let (mut kernel_named, mut user_named) = (Vec::new(), Vec::new());
+        let (mut user_named_object, mut user_named_function) = (0u64, 0u64);
+        let mut names = Vec::with_capacity(blocks.len());
+        for &((address, physical, cpl, insns), count) in &blocks {
+            let executed = count.saturating_mul(u64::from(insns));
+            let name = if cpl == 3 {
+                let code = user.and_then(|u| (physical != 0).then(|| u.name(physical)).flatten());
+                let object = code.as_ref().filter(|c| c.object != "[anon]");
+                if object.is_some() {
+                    user_named_object = user_named_object.saturating_add(executed);
+                }
+                if object.is_some_and(|c| c.function.is_some()) {
+                    user_named_function = user_named_function.saturating_add(executed);
+                }
+                let name = code.map(|c| match c.function {
+                    Some(f) => format!("{}: {f}", c.object),
+                    None => format!("{}+{:#x}", c.object, c.offset),
+                });
+                user_named.push((name.clone(), executed));
+                name
+            } else {
+                let name = symbols.and_then(|s| s.name(address));
+                kernel_named.push((name.clone(), executed));
+                name
+            };
+            names.push(name);
+        }
+        let top_blocks = blocks
             .into_iter()
+            .zip(names)
             .take(top)
-            .map(|((address, cpl, instructions), count)| HotBlock {
-                address: format!("{address:#x}"),
-                cpl,
-                symbol: symbols.and_then(|s| s.name(address)),
-                instructions,
-                count,
-                executed: count.saturating_mul(u64::from(instructions)),
-            })
+            .map(
+                |(((address, physical, cpl, instructions), count), symbol)| HotBlock {
+                    address: format!("{address:#x}"),
+                    physical: (physical != 0).then(|| format!("{physical:#x}")),
+                    cpl,
+                    symbol,
+                    instructions,
+                    count,
+                    executed: count.saturating_mul(u64::from(instructions)),
+                },
+            )
             .collect();
+        let cpl3 = at(3);
+        let share = |n: u64| {
+            if cpl3 == 0 {
+                0.0
+            } else {
+                n as f64 / cpl3 as f64
+            }
+        };
         BbcountSummary {
             total: sum(&mut rows.iter().map(executed)),
             cpl0: at(0),
-            cpl3: at(3),
+            cpl3,
             blocks: rows.len(),
             symbols: symbols.map(|s| s.source()),
-            top,
+            user_symbols: user.map(|u| u.source()),
+            user_named_object,
+            user_named_function,
+            user_object_share: share(user_named_object),
+            user_function_share: share(user_named_function),
+            top: top_blocks,
+            kernel_functions: match symbols {
+                Some(_) => by_function(&kernel_named, top),
+                None => Vec::new(),
+            },
+            // An object's bare offset is not a function: the object is its own line.
+            user_functions: match user {
+                Some(_) => by_function(&user_named, top),
+                None => Vec::new(),
+            },
+            processes: None,
+            shown: top,
         }
     }
 
@@ -136,6 +271,13 @@ impl BbcountSummary {
         );
         let _ = writeln!(
             t,
+            "  user code named: {:.2}% of user instructions with a file, {:.2}% with a function ({})",
+            100.0 * self.user_object_share,
+            100.0 * self.user_function_share,
+            self.user_symbols.as_deref().unwrap_or("no user names")
+        );
+        let _ = writeln!(
+            t,
             "hottest {} blocks by instructions executed (count x length); names from {}:",
             self.top.len(),
             self.symbols.as_deref().unwrap_or("nowhere (no symbols)")
@@ -159,6 +301,28 @@ impl BbcountSummary {
                 b.symbol.as_deref().unwrap_or("?")
             );
         }
+        for (what, rows) in [
+            ("kernel", &self.kernel_functions),
+            ("user", &self.user_functions),
+        ] {
+            if rows.is_empty() {
+                continue;
+            }
+            let _ = writeln!(t, "{what} functions by instructions executed:");
+            for (i, f) in rows.iter().enumerate() {
+                let _ = writeln!(
+                    t,
+                    "  {:>3}  {:>12} {:>6.2}%  {}",
+                    i + 1,
+                    f.executed,
+                    pct(f.executed),
+                    f.function
+                );
+            }
+        }
+        if let Some(p) = &self.processes {
+            t.push_str(&p.render(self.shown));
+        }
         t
     }
 }
@@ -180,17 +344,21 @@ pub fn read_rows(out: &Path) -> anyhow::Result<Option<Vec<Row>>> {
 }
 
 /// After a `--tool bbcount` run: reads `<out>/bbcount.csv` and writes
-/// `<out>/bbcount-report.txt`. `Ok(None)` if the run wrote no CSV (another tool, or the
-/// engine stopped before the tool finished).
+/// `<out>/bbcount-report.txt`, kernel blocks named by `symbols`, user blocks by `user`,
+/// with the run's `processes` table. `Ok(None)` if the run wrote no CSV (another tool,
+/// or the engine stopped before the tool finished).
 pub fn write_report(
     out: &Path,
     symbols: Option<&dyn BlockNames>,
+    user: Option<&dyn UserNames>,
+    processes: Option<Processes>,
     top: usize,
 ) -> anyhow::Result<Option<(BbcountSummary, PathBuf)>> {
     let Some(rows) = read_rows(out)? else {
         return Ok(None);
     };
-    let summary = BbcountSummary::new(&rows, symbols, top);
+    let mut summary = BbcountSummary::named(&rows, symbols, user, top);
+    summary.processes = processes;
     let path = out.join(REPORT_NAME);
     host_daemon::resolve::write_output_file(&path, summary.render().as_bytes())
         .with_context(|| format!("cannot write {}", path.display()))?;
@@ -198,8 +366,9 @@ pub fn write_report(
 }
 
 /// bbcount's host-side part (the registry's): after a run, [`REPORT_NAME`] from the CSV,
-/// its blocks named from the kernel's symbols (the KASLR slide found from where the
-/// kernel's blocks ran), and the [`BbcountSummary`] as `run.json`'s `bbcount`.
+/// its kernel blocks named from the kernel's symbols (the KASLR slide found from where the
+/// kernel's blocks ran), its user blocks from the guest's files, the per-process table
+/// from `processes.json`, and the [`BbcountSummary`] as `run.json`'s `bbcount`.
 #[derive(Clone, Copy, Debug)]
 pub struct Host;
 
@@ -226,7 +395,22 @@ impl HostTool for Host {
             Ok(Some(rows)) => run.names(rows.iter().filter(|r| r.cpl == 0).map(|r| r.address)),
             _ => run.names(core::iter::empty()),
         };
-        let made = kernel.and_then(|names| write_report(out, names.as_deref(), run.top));
+        // Without user names or processes the report is still made: said, left out.
+        let user = run.user_code().unwrap_or_else(|e| {
+            run.say(&format!("bbcount: user code unnamed: {e:#}"));
+            None
+        });
+        let processes = if run.is_unfinished(kpin_abi::output::ENGINE_PROCESSES) {
+            None
+        } else {
+            Processes::read(out).unwrap_or_else(|e| {
+                run.say(&format!("bbcount: no per-process table: {e}"));
+                None
+            })
+        };
+        let made = kernel.and_then(|names| {
+            write_report(out, names.as_deref(), user.as_deref(), processes, run.top)
+        });
         match made {
             Ok(Some((summary, path))) => {
                 run.say(&format!("{}:\n{}", path.display(), summary.render()));
@@ -277,7 +461,140 @@ mod tests {
             cpl,
             instructions,
             count,
+            physical: 0,
         }
+    }
+
+    /// User code: frame 0x5000 holds page 0x2000 of /bin/prog, whose `main` covers file
+    /// offsets 0x2000..0x2100 and `helper` 0x2100..0x2200; frame 0x6000 is a stripped
+    /// /lib/libx.so; frame 0x7000 anonymous memory.
+    struct TestUserNames;
+
+    impl UserNames for TestUserNames {
+        fn source(&self) -> String {
+            "test objects".into()
+        }
+        fn name(&self, pa: u64) -> Option<kpin_tool::host_side::UserCode> {
+            let (object, offset) = match pa & !0xfff {
+                0x5000 => ("/bin/prog", 0x2000 + (pa & 0xfff)),
+                0x6000 => ("/lib/libx.so", 0x9000 + (pa & 0xfff)),
+                0x7000 => ("[anon]", 0),
+                _ => return None,
+            };
+            let function = (object == "/bin/prog").then(|| match offset {
+                o if o < 0x2100 => format!("main+{:#x}", o - 0x2000),
+                o => format!("helper+{:#x}", o - 0x2100),
+            });
+            Some(kpin_tool::host_side::UserCode {
+                object: object.into(),
+                offset,
+                function,
+            })
+        }
+    }
+
+    #[test]
+    fn test_user_blocks_named_by_physical_address_with_shares_and_tables() {
+        let user = |va: u64, pa: u64, insns: u32, count: u64| Row {
+            physical: pa,
+            ..row(va, 3, insns, count)
+        };
+        let rows = [
+            user(0x40_1010, 0x5010, 10, 60),  // 600 main
+            user(0x40_1120, 0x5120, 5, 40),   // 200 helper
+            user(0x40_1010, 0x8010, 10, 10),  // 100 the same VA, other code: no origin
+            user(0x7f00_0000, 0x6040, 2, 25), // 50 libx (no function)
+            user(0x7f10_0000, 0x7000, 1, 50), // 50 anonymous
+            row(0xffff_ffff_8100_0004, 0, 1, 1000),
+        ];
+        let s = BbcountSummary::named(&rows, Some(&TestSymbols), Some(&TestUserNames), 10);
+        assert_eq!(
+            (s.cpl3, s.user_named_object, s.user_named_function),
+            (1000, 850, 800)
+        );
+        assert_eq!((s.user_object_share, s.user_function_share), (0.85, 0.8));
+        let named: Vec<(&str, Option<&str>, Option<&str>)> = s
+            .top
+            .iter()
+            .map(|b| {
+                (
+                    b.address.as_str(),
+                    b.physical.as_deref(),
+                    b.symbol.as_deref(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            &named[..4],
+            [
+                ("0xffffffff81000004", None, Some("do_syscall_64+0x4")),
+                ("0x401010", Some("0x5010"), Some("/bin/prog: main+0x10")),
+                ("0x401120", Some("0x5120"), Some("/bin/prog: helper+0x20")),
+                ("0x401010", Some("0x8010"), None),
+            ]
+        );
+        assert!(named.contains(&("0x7f000000", Some("0x6040"), Some("/lib/libx.so+0x9040"))));
+        let table: Vec<(&str, u64)> = s
+            .user_functions
+            .iter()
+            .map(|f| (f.function.as_str(), f.executed))
+            .collect();
+        assert_eq!(
+            table,
+            [
+                ("/bin/prog: main", 600),
+                ("/bin/prog: helper", 200),
+                ("?", 100),
+                ("/lib/libx.so", 50),
+                ("[anon]", 50),
+            ]
+        );
+        assert_eq!(s.kernel_functions[0].function, "do_syscall_64");
+        let text = s.render();
+        assert!(
+            text.contains("  user code named: 85.00% of user instructions with a file, 80.00% with a function (test objects)\n"),
+            "{text}"
+        );
+        assert!(text.contains("user functions by instructions executed:\n    1           600  30.00%  /bin/prog: main\n"), "{text}");
+        assert!(
+            text.contains("kernel functions by instructions executed:\n"),
+            "{text}"
+        );
+        // run.json carries the same.
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(json["user_function_share"], 0.8);
+        assert_eq!(json["user_functions"][0]["function"], "/bin/prog: main");
+        assert_eq!(json["top"][1]["physical"], "0x5010");
+    }
+
+    #[test]
+    fn test_the_process_table_goes_into_the_report_and_run_json() {
+        let dir = std::env::temp_dir().join(format!("kpin-report-proc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join(CSV_NAME),
+            format!("{}\n0x401000,3,2,5,0x5000\n", crate::CSV_HEADER),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join(kpin_abi::output::ENGINE_PROCESSES),
+            r#"{"by":"task","user_instructions":10,"kernel_instructions":4,"processes":[
+            {"kind":"boot","pid":null,"comm":null,"cr3":"0x0","user_instructions":0,"kernel_instructions":4},
+            {"kind":"task","pid":1,"comm":"init","exe":"busybox","cr3":"0x1000","user_instructions":10,"kernel_instructions":0}]}"#,
+        )
+        .unwrap();
+        let processes = Processes::read(&dir).unwrap();
+        let (s, path) = write_report(&dir, None, Some(&TestUserNames), processes, 5)
+            .unwrap()
+            .unwrap();
+        let text = std::fs::read_to_string(path).unwrap();
+        assert!(text.contains("processes (processes.json, by task): 2 rows; 10 user + 4 kernel instructions, the rows sum to both exactly\n"), "{text}");
+        assert!(text.contains("/bin/prog: main+0x0"), "{text}");
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(json["processes"]["rows"][0]["comm"], "init");
+        assert_eq!(json["processes"]["rows"][0]["user_instructions"], 10);
+        assert_eq!(json["processes"]["rows_sum_to_totals"], true);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// Kernel symbols at 0xffffffff81000000 and 0xffffffff81000100, each naming the
@@ -365,7 +682,11 @@ mod tests {
             text.contains("hottest 3 blocks by instructions executed (count x length); names from System.map test:"),
             "{text}"
         );
-        let first = text.lines().nth(5).unwrap();
+        assert!(
+            text.contains("  user code named: 0.00% of user instructions with a file, 0.00% with a function (no user names)\n"),
+            "{text}"
+        );
+        let first = text.lines().nth(6).unwrap();
         assert_eq!(
             first.split_whitespace().collect::<Vec<_>>(),
             [
@@ -380,7 +701,17 @@ mod tests {
             ],
             "{text}"
         );
-        assert!(text.lines().nth(7).unwrap().ends_with("  ?"), "{text}");
+        assert!(text.lines().nth(8).unwrap().ends_with("  ?"), "{text}");
+        let kernel: Vec<(&str, u64)> = s
+            .kernel_functions
+            .iter()
+            .map(|f| (f.function.as_str(), f.executed))
+            .collect();
+        assert_eq!(
+            kernel,
+            [("do_syscall_64", 4000), ("entry_SYSCALL_64", 1630)]
+        );
+        assert!(s.user_functions.is_empty(), "no user names");
     }
 
     #[test]
@@ -414,16 +745,18 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("kpin-report-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         assert!(
-            write_report(&dir, None, DEFAULT_TOP).unwrap().is_none(),
+            write_report(&dir, None, None, None, DEFAULT_TOP)
+                .unwrap()
+                .is_none(),
             "no CSV, no report"
         );
 
         std::fs::write(
             dir.join(CSV_NAME),
-            "address,cpl,instructions,count\n0xffffffff81000040,0,3,7\n0x401000,3,2,5\n",
+            "address,cpl,instructions,count,physical\n0xffffffff81000040,0,3,7,0x1000040\n0x401000,3,2,5,0x5000\n",
         )
         .unwrap();
-        let (s, path) = write_report(&dir, Some(&TestSymbols), DEFAULT_TOP)
+        let (s, path) = write_report(&dir, Some(&TestSymbols), None, None, DEFAULT_TOP)
             .unwrap()
             .expect("a report");
         assert_eq!(path, dir.join(REPORT_NAME));
@@ -432,7 +765,7 @@ mod tests {
         assert_eq!(s.top[0].symbol.as_deref(), Some("do_syscall_64+0x40"));
 
         std::fs::write(dir.join(CSV_NAME), "address,instructions,count\n0x10,1,1\n").unwrap();
-        let e = write_report(&dir, None, DEFAULT_TOP)
+        let e = write_report(&dir, None, None, None, DEFAULT_TOP)
             .unwrap_err()
             .to_string();
         assert!(

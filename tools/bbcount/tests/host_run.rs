@@ -1,6 +1,6 @@
 //! bbcount on the host: a counted loop run by the translator in this test process (no
 //! VM), as kernel code and then as user code, then the CSV it writes (with each block's
-//! CPL) and its summary's user/kernel split compared with what the loop must have executed.
+//! CPL and physical address) and its summary's user/kernel split compared with what the loop must have executed.
 
 use guest_engine::{Config, Engine, Gpr, GuestVirt, Mode, Stop, StopPlatform};
 use kpin_tool::host_run::{CodePage, Files, Region};
@@ -78,7 +78,9 @@ fn loop_blocks_are_counted_exactly() {
                 address: base + 5,
                 cpl,
                 instructions: 3,
-                count: ITERATIONS - 1
+                count: ITERATIONS - 1,
+                // `CodePage` maps the code at its own address.
+                physical: base + 5,
             }),
             "no CPL {cpl} loop-body row in {rows:?}"
         );
