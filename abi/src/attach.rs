@@ -351,8 +351,7 @@ impl MapleLayout {
                 && (1..=15).contains(&pivots)
                 && u32::from(pivot) + 8 * u32::from(pivots) <= u32::from(slot)
                 && u32::from(slot) + 8 * (u32::from(pivots) + 1) <= u32::from(MAPLE_NODE_BYTES)
-                && meta >= 8
-                && meta < MAPLE_NODE_BYTES
+                && (8..MAPLE_NODE_BYTES).contains(&meta)
         };
         fits(
             self.range_pivot,

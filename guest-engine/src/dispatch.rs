@@ -350,6 +350,7 @@ impl Engine {
     fn fragment_for(
         &mut self,
         mem: &mut dyn GuestMemory,
+        platform: &mut dyn Platform,
         tool: &mut dyn Tool,
         va: GuestVirt,
     ) -> Result<u32, Stop> {
@@ -367,6 +368,10 @@ impl Engine {
         let inline_flags = self.config.inline_virtual_flags;
         let decoded = decode_trace(mem, va, pa, mode, inline_flags, &mut self.scratch)
             .map_err(|f| Stop::FetchFault(f.0))?;
+        if mode.cpl() == 3 {
+            // Where user code came from, per physical page (`crate::tasks`).
+            platform.user_code(va, pa);
+        }
         let (insertions, calls) = self.instrument(tool, va, &decoded);
         let tr = self.emit(va, &decoded, &insertions, &calls)?;
         let id = self.register(va, pa, tr, calls);
@@ -416,6 +421,7 @@ impl Engine {
         let mut insertions = self.block_count_insertions(&decoded.bbls);
         let mut ti = TraceInstrumenter::new(
             va,
+            decoded.pa,
             self.mode,
             &decoded.info,
             &decoded.bbls,
@@ -540,7 +546,7 @@ impl Engine {
         va: GuestVirt,
     ) -> Result<u64, Stop> {
         let before = self.stats.guest_bytes;
-        self.fragment_for(mem, tool, va)?;
+        self.fragment_for(mem, &mut crate::platform::StopPlatform, tool, va)?;
         Ok(self.stats.guest_bytes - before)
     }
 
@@ -578,7 +584,7 @@ impl Engine {
         let mut next = Next::Lookup;
         loop {
             let target = match next {
-                Next::Lookup => match self.enter_at_rip(mem, tp) {
+                Next::Lookup => match self.enter_at_rip(mem, platform, tp) {
                     Ok(pc) => pc,
                     Err(s) => return s,
                 },
@@ -598,13 +604,14 @@ impl Engine {
     fn enter_at_rip(
         &mut self,
         mem: &mut dyn GuestMemory,
+        platform: &mut dyn Platform,
         tp: *mut &mut dyn Tool,
     ) -> Result<CachePc, Stop> {
         if self.ctx().attention != 0 {
             return Err(Stop::Attention(self.rip));
         }
         // SAFETY: see the top of `run_inner`.
-        let id = self.fragment_for(mem, unsafe { &mut **tp }, self.rip)?;
+        let id = self.fragment_for(mem, platform, unsafe { &mut **tp }, self.rip)?;
         self.note_entered(id);
         Ok(self.cache.fragments[id as usize].body)
     }

@@ -47,9 +47,14 @@ pub mod access {
     pub const FETCH_LEN_SHIFT: u32 = 12;
     /// Not an access: a record the engine inserts where the running task changes (the
     /// task watch's charging point, `guest-engine/src/tasks.rs`), for a tool whose records
-    /// go to the host. From this record on, the records belong to row `ea` of
-    /// `processes.json`'s `processes` (0: the kernel before the first process); `ip`,
-    /// `size` and `pa` are 0. Only with the kernel's types or address-space keying on.
+    /// go to the host ([`super::Tool::task_records`]). From this record on, the records
+    /// belong to row `ea` of `processes.json`'s `processes` (0: the kernel before the first
+    /// process); `ip`, `size` and `pa` are 0. Only with the kernel's types or address-space
+    /// keying on. The first comes at the first change after the tool started: the records
+    /// before it belong to the row that ran when it started (row 0 for a tool chosen at
+    /// boot). It comes after every record of the instructions before the change and
+    /// before the fetch record of the emulated `sysretq`/`iretq` at which the change was
+    /// seen (that instruction counts for the new row, as in the task watch's charging).
     pub const TASK: u32 = 64;
     /// Shift of the record's virtual CPL (bits 8–9: the mode its code was translated for,
     /// or ran in when the platform emulated it).
@@ -310,6 +315,7 @@ pub(crate) struct CounterAlloc {
 /// The view of one trace handed to a tool, and the sink of its insertions.
 pub struct TraceInstrumenter<'a> {
     address: GuestVirt,
+    physical: GuestPhys,
     mode: Mode,
     insns: &'a [InsInfo],
     bbls: &'a [Bbl],
@@ -321,6 +327,7 @@ pub struct TraceInstrumenter<'a> {
 impl<'a> TraceInstrumenter<'a> {
     pub(crate) fn new(
         address: GuestVirt,
+        physical: GuestPhys,
         mode: Mode,
         insns: &'a [InsInfo],
         bbls: &'a [Bbl],
@@ -328,6 +335,7 @@ impl<'a> TraceInstrumenter<'a> {
     ) -> Self {
         Self {
             address,
+            physical,
             mode,
             insns,
             bbls,
@@ -340,6 +348,17 @@ impl<'a> TraceInstrumenter<'a> {
     /// Guest address of the trace's first instruction.
     pub fn address(&self) -> GuestVirt {
         self.address
+    }
+
+    /// Guest physical address of the trace's first instruction, as the trace was
+    /// translated from (traces are keyed by it: the same code at another physical address
+    /// is another trace). Every instruction of a trace starts on that first page, so an
+    /// instruction's physical address is this plus its offset from
+    /// [`TraceInstrumenter::address`]. The same file page is the same code whatever
+    /// process or virtual address runs it: user code is named by it
+    /// (`processes.json`'s `code_pages`).
+    pub fn physical(&self) -> GuestPhys {
+        self.physical
     }
 
     /// The mode the trace is translated for (its virtual CPL: [`Mode::cpl`]); the same
@@ -449,6 +468,13 @@ pub trait Tool {
     }
     /// Whether records carry physical addresses (as `Config::records_need_pa`).
     fn records_need_pa(&self) -> bool {
+        false
+    }
+    /// Whether the engine puts an [`access::TASK`] record among this tool's records where
+    /// the running task changes: for a tool whose records go to the host, which has no
+    /// other way to tell tasks apart (the engine image's wrapper of such a tool answers
+    /// yes). Asked at each change.
+    fn task_records(&self) -> bool {
         false
     }
 }

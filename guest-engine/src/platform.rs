@@ -5,7 +5,7 @@
 //! guest. The translator never copies one; it ends the trace before it with a
 //! `SENSITIVE` exit, and the dispatcher hands it to the [`Platform`].
 
-use crate::addr::GuestVirt;
+use crate::addr::{GuestPhys, GuestVirt};
 use crate::context::GuestRegs;
 use crate::guest_memory::Mode;
 use crate::instrument::SegBase;
@@ -120,6 +120,18 @@ pub trait Platform {
     /// With `Config::inline_virtual_flags`: the virtual IF and IOPL after an emulation,
     /// for translated code (`None`: unchanged).
     fn virtual_flags(&self) -> Option<(bool, u8)> {
+        None
+    }
+
+    /// The engine translated a trace of user-mode (CPL 3) code at `va`, physical `pa`
+    /// (the task watch records where that code came from: `crate::tasks`).
+    fn user_code(&mut self, va: GuestVirt, pa: GuestPhys) {
+        let _ = (va, pa);
+    }
+
+    /// After an emulation: the row of the task that runs from now on, if the running task
+    /// changed (the task watch's `take_switch`), for the tool's `access::TASK` record.
+    fn take_task_switch(&mut self) -> Option<u64> {
         None
     }
 }

@@ -106,6 +106,21 @@ impl Engine {
         Some(r)
     }
 
+    /// The running task changed to row `row`: an [`access::TASK`] record for a tool that
+    /// takes them (the buffer is empty here: delivered before the emulation).
+    pub(crate) fn deliver_task(tool: &mut dyn Tool, row: u64) {
+        if tool.task_records() {
+            let r = MemRecord {
+                ip: 0,
+                ea: row,
+                size: 0,
+                access: access::TASK,
+                pa: 0,
+            };
+            tool.buffer_full(core::slice::from_ref(&r));
+        }
+    }
+
     /// Delivers an emulated instruction's fetch record (see [`Engine::emulated_fetch`]).
     pub(crate) fn deliver_fetch(tool: &mut dyn Tool, fetch: Option<MemRecord>) {
         if let Some(r) = fetch {

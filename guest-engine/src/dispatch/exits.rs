@@ -72,7 +72,7 @@ impl Engine {
         profile::switch(profile::exit_slot(kind));
         // An IBL miss has no exit record: its target is in the context.
         if kind == EXIT_IBL_MISS {
-            return self.on_ibl_miss(mem, tp);
+            return self.on_ibl_miss(mem, platform, tp);
         }
         let Some(rec) = self.cache.exits.get(idx as usize).copied() else {
             return Err(Stop::Error(EngineError::MissingExitRecord {
@@ -87,7 +87,7 @@ impl Engine {
                 ExitKind::Direct {
                     target, patch_at, ..
                 },
-            ) => self.on_direct(mem, tp, idx, rec.fragment, target, patch_at),
+            ) => self.on_direct(mem, platform, tp, idx, rec.fragment, target, patch_at),
             (EXIT_SENSITIVE, ExitKind::Sensitive(s)) => self.on_sensitive(mem, platform, tp, s),
             (EXIT_ATTENTION, ExitKind::Attention) => {
                 self.rip = frag_start;
@@ -136,6 +136,7 @@ impl Engine {
     fn on_ibl_miss(
         &mut self,
         mem: &mut dyn GuestMemory,
+        platform: &mut dyn Platform,
         tp: *mut &mut dyn Tool,
     ) -> Result<Next, Stop> {
         let va = GuestVirt(self.ctx().ibl_target);
@@ -146,7 +147,7 @@ impl Engine {
             return Err(Stop::Stepped(va));
         }
         // SAFETY: see the module header.
-        let id = self.fragment_for(mem, unsafe { &mut **tp }, va)?;
+        let id = self.fragment_for(mem, platform, unsafe { &mut **tp }, va)?;
         if self.config.fill_ibl {
             let f = &self.cache.fragments[id as usize];
             let (entry, ret_entry) = (f.entry, f.ret_entry);
@@ -163,9 +164,13 @@ impl Engine {
     /// left for `target`: find or build it and link the branch to it, unless the cache
     /// was flushed while translating (the exit then belongs to a dropped fragment).
     #[inline(always)]
+    // The dispatcher's three (memory, platform, tool) and the exit record's four: inlined
+    // into the loop, a struct of them would only be taken apart again.
+    #[allow(clippy::too_many_arguments)]
     fn on_direct(
         &mut self,
         mem: &mut dyn GuestMemory,
+        platform: &mut dyn Platform,
         tp: *mut &mut dyn Tool,
         idx: u32,
         from: u32,
@@ -179,7 +184,7 @@ impl Engine {
         }
         let gen = self.cache.generation;
         // SAFETY: see the module header.
-        let id = self.fragment_for(mem, unsafe { &mut **tp }, target)?;
+        let id = self.fragment_for(mem, platform, unsafe { &mut **tp }, target)?;
         if self.config.link_direct && gen == self.cache.generation {
             self.link(idx, from, id, patch_at);
         }
@@ -204,6 +209,12 @@ impl Engine {
         profile::switch(profile::emulation_slot(s.kind));
         let emulation = self.emulate(platform, &s);
         profile::switch(profile::DISPATCH);
+        // The running task changed at this instruction: the tool's records so far (all
+        // delivered above) were the old task's; the instruction's fetch is the new one's.
+        if let Some(row) = platform.take_task_switch() {
+            // SAFETY: see the module header.
+            Self::deliver_task(unsafe { &mut **tp }, row);
+        }
         match emulation {
             Emulation::Continue(n) => {
                 // SAFETY: see the module header.

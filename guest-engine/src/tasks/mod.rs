@@ -13,6 +13,14 @@
 //! and up to [`EXE_COMPONENTS`] components up `d_parent`: [`read_exe`]); busybox's applets
 //! show `busybox` there while `comm` is the applet's name.
 //!
+//! Code origins (`origins.rs`, `vmas.rs`): the engine tells the watch of every user trace
+//! it translates ([`TaskWatch::on_user_code`]); a physical page not yet known as mapped
+//! there is looked up in the running task's VMAs (the maple tree `mm->mm_mt`) and its file
+//! and file offset remembered, for the host to name user code by physical address.
+//! Task records: at each change of the running row the watch leaves the row's index for
+//! the engine ([`TaskWatch::take_switch`]), which puts an `access::TASK` record among the
+//! records of a tool that takes them (`Tool::task_records`).
+//!
 //! Charging rule: at each change the guest instructions executed since the last change
 //! (per CPL, from the engine's own counters, [`InsnCounts`]) go to the task that ran
 //! until then; the first task's predecessor is the boot row (the kernel before the first
@@ -24,10 +32,11 @@
 //!
 //! Invariants: nothing here runs per guest instruction, only at CPL-3 entries (two guest
 //! reads, `current` and its `comm`; more reads and a row lookup only at a change, the
-//! executable's at most `3 + 4 * EXE_COMPONENTS` only for a new row); a read that faults is
-//! skipped and counted ([`WatchStats::reads_failed`], [`WatchStats::exe_reads_failed`]),
-//! never delivered to the guest; the table never grows past [`MAX_TASKS`] rows (the rest
-//! share an overflow row).
+//! executable's at most `3 + 4 * EXE_COMPONENTS` only for a new row), and at translations
+//! of user traces (a lookup; a walk only for a page not known there); a read that faults
+//! is skipped and counted ([`WatchStats::reads_failed`], [`WatchStats::exe_reads_failed`],
+//! [`WatchStats::origin_walk_failures`]), never delivered to the guest; the table never
+//! grows past [`MAX_TASKS`] rows (the rest share an overflow row).
 
 use alloc::string::String;
 use alloc::vec::Vec;
@@ -40,163 +49,24 @@ use crate::layout::INSN_COUNTER_SPREAD;
 use crate::vcpu::{MODE_KERNEL, MODE_USER};
 use crate::Engine;
 
+mod exe;
+mod origins;
+#[cfg(test)]
+mod test_guest;
+#[cfg(test)]
+mod tests;
+mod vmas;
+
+pub use exe::{read_exe, ExePath, Unreadable, EXE_BYTES, EXE_COMPONENTS};
+pub use origins::{CodeOrigin, CodeOrigins, Noted, ANON, MAX_CODE_PAGES, MAX_OBJECTS, VDSO};
+pub use vmas::{find_vma, Vma, VmaMiss, MAX_DEPTH};
+
 /// Rows the table holds, the boot row and the overflow row included.
 pub const MAX_TASKS: usize = 512;
 /// Bytes of a task's name kept (`TASK_COMM_LEN`).
 pub const COMM_BYTES: usize = 16;
 /// Lowest kernel (upper-half) address.
 const KERNEL_HALF: u64 = 0xffff_8000_0000_0000;
-/// Bytes of an executable's path kept (a longer path keeps its end, after `...`).
-pub const EXE_BYTES: usize = 96;
-/// Path components read up from the executable's dentry: its name and 7 directories
-/// (a deeper path starts with `...`).
-pub const EXE_COMPONENTS: usize = 8;
-/// Bytes of one path component read (a longer name is cut).
-const COMPONENT_BYTES: usize = 64;
-/// What marks a path that does not reach its file system's root.
-const CUT: &[u8] = b"...";
-
-/// The path of a task's executable, as far as [`read_exe`] walked it: `/bin/busybox`, or
-/// `.../lib/x` when cut, relative to the root of the file system that holds it.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub struct ExePath {
-    bytes: [u8; EXE_BYTES],
-    len: u8,
-}
-
-impl ExePath {
-    /// The path's bytes.
-    pub fn path(&self) -> &[u8] {
-        &self.bytes[..usize::from(self.len)]
-    }
-
-    /// The file's own name: the path's last component.
-    pub fn name(&self) -> &[u8] {
-        let p = self.path();
-        p.rsplit(|&b| b == b'/').next().unwrap_or(p)
-    }
-}
-
-impl core::fmt::Debug for ExePath {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        write!(f, "ExePath({:?})", core::str::from_utf8(self.path()))
-    }
-}
-
-/// A path built from its end: components are put in front.
-struct PathFromEnd {
-    buf: [u8; EXE_BYTES],
-    start: usize,
-}
-
-impl PathFromEnd {
-    fn new() -> Self {
-        PathFromEnd {
-            buf: [0; EXE_BYTES],
-            start: EXE_BYTES,
-        }
-    }
-
-    /// Puts `/name` in front, keeping room for [`CUT`]; false if it does not fit.
-    fn push(&mut self, name: &[u8]) -> bool {
-        if self.start < name.len() + 1 + CUT.len() {
-            return false;
-        }
-        self.start -= name.len();
-        self.buf[self.start..self.start + name.len()].copy_from_slice(name);
-        self.start -= 1;
-        self.buf[self.start] = b'/';
-        true
-    }
-
-    /// The path; `cut`: it did not reach the root, so it starts with [`CUT`].
-    fn finish(mut self, cut: bool) -> ExePath {
-        if cut {
-            self.start -= CUT.len();
-            self.buf[self.start..self.start + CUT.len()].copy_from_slice(CUT);
-        }
-        let len = EXE_BYTES - self.start;
-        let mut bytes = [0; EXE_BYTES];
-        bytes[..len].copy_from_slice(&self.buf[self.start..]);
-        ExePath {
-            bytes,
-            len: len as u8,
-        }
-    }
-}
-
-/// A read on the way to an executable faulted, or a pointer was not a kernel address.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Unreadable;
-
-/// The path of the executable of the task at `task` (`Ok(None)`: it has none: no `mm`, as
-/// a kernel thread or an exiting task, or no `exe_file`; `Err`: a read faulted or a
-/// pointer was not a kernel address). Reads `mm`, `exe_file` and its dentry, then per
-/// component its name's length, pointer and bytes and `d_parent`, up to
-/// [`EXE_COMPONENTS`] components or the root (the dentry that is its own parent).
-pub fn read_exe(
-    t: &KernelTypes,
-    task: u64,
-    read: &mut dyn FnMut(u64, &mut [u8]) -> bool,
-) -> Result<Option<ExePath>, Unreadable> {
-    let word = |read: &mut dyn FnMut(u64, &mut [u8]) -> bool, va: u64| -> Result<u64, Unreadable> {
-        let mut b = [0u8; 8];
-        if read(va, &mut b) {
-            Ok(u64::from_le_bytes(b))
-        } else {
-            Err(Unreadable)
-        }
-    };
-    let kernel = |p: u64| {
-        if p >= KERNEL_HALF {
-            Ok(p)
-        } else {
-            Err(Unreadable)
-        }
-    };
-    let mm = word(read, task.wrapping_add(u64::from(t.task_mm)))?;
-    if mm == 0 {
-        return Ok(None);
-    }
-    let file = word(read, kernel(mm)?.wrapping_add(u64::from(t.mm_exe_file)))?;
-    if file == 0 {
-        return Ok(None);
-    }
-    let mut dentry = kernel(word(
-        read,
-        kernel(file)?.wrapping_add(u64::from(t.file_dentry)),
-    )?)?;
-    let mut path = PathFromEnd::new();
-    let mut cut = true;
-    for _ in 0..EXE_COMPONENTS {
-        let parent = kernel(word(read, dentry.wrapping_add(u64::from(t.dentry_parent)))?)?;
-        if parent == dentry && path.start < EXE_BYTES {
-            // The root (its name is `/`), below the file itself.
-            cut = false;
-            break;
-        }
-        let mut four = [0u8; 4];
-        if !read(dentry.wrapping_add(u64::from(t.dentry_name_len)), &mut four) {
-            return Err(Unreadable);
-        }
-        let len = (u32::from_le_bytes(four) as usize).min(COMPONENT_BYTES);
-        let at = kernel(word(read, dentry.wrapping_add(u64::from(t.dentry_name)))?)?;
-        let mut name = [0u8; COMPONENT_BYTES];
-        if !read(at, &mut name[..len]) {
-            return Err(Unreadable);
-        }
-        if !path.push(&name[..len]) {
-            break;
-        }
-        if parent == dentry {
-            cut = false;
-            break;
-        }
-        dentry = parent;
-    }
-    Ok(Some(path.finish(cut)))
-}
-
 /// `cr3` without PCID (bits 0–11), the PTI user/kernel bit (12) and the no-flush bit
 /// (63): one value per address space.
 pub const fn address_space(cr3: u64) -> u64 {
@@ -461,6 +331,14 @@ pub struct WatchStats {
     pub exe_reads_failed: u64,
     /// TSC cycles spent in the watch (its whole cost), as the embedder measured them.
     pub cycles: u64,
+    /// Walks of the running task's VMAs for a user code page not known there.
+    pub origin_walks: u64,
+    /// Walks that found no VMA containing the page (a read faulted, a node or pointer was
+    /// not what it should be, a gap): the page's origin is unchanged.
+    pub origin_walk_failures: u64,
+    /// Pages (or new objects) not recorded because the table was full
+    /// ([`MAX_CODE_PAGES`], [`MAX_OBJECTS`]).
+    pub origins_dropped: u64,
 }
 
 /// The task watch the virtual CPU drives (`Vcpu::tasks`).
@@ -474,6 +352,10 @@ pub struct TaskWatch {
     last_task: u64,
     last_space: u64,
     last_comm: [u8; COMM_BYTES],
+    /// Where user code came from (`None`: the types do not locate VMAs).
+    origins: Option<CodeOrigins>,
+    /// The row that runs since the last change not yet taken ([`TaskWatch::take_switch`]).
+    switched: Option<u64>,
     /// What it did.
     pub stats: WatchStats,
 }
@@ -488,8 +370,66 @@ impl TaskWatch {
             last_task: 0,
             last_space: u64::MAX,
             last_comm: [0; COMM_BYTES],
+            origins: types.knows_vmas().then(CodeOrigins::new),
+            switched: None,
             stats: WatchStats::default(),
         }
+    }
+
+    /// Whether the origins of user code are recorded (the types locate VMAs).
+    pub fn records_origins(&self) -> bool {
+        self.origins.is_some()
+    }
+
+    /// The origins of user code recorded so far.
+    pub fn origins(&self) -> Option<&CodeOrigins> {
+        self.origins.as_ref()
+    }
+
+    /// The engine translated a user trace at `va` (physical `pa`) with `cr3`; `gs_bases`
+    /// and `read` as for [`TaskWatch::on_user_entry`]. A page not known as mapped there
+    /// is looked up in the running task's VMAs (`current->mm`), and its origin recorded.
+    pub fn on_user_code(
+        &mut self,
+        va: u64,
+        pa: u64,
+        cr3: u64,
+        gs_bases: [u64; 2],
+        read: &mut dyn FnMut(u64, &mut [u8]) -> bool,
+    ) {
+        let (Some(origins), Some(t)) = (&mut self.origins, &self.types) else {
+            return;
+        };
+        let space = address_space(cr3);
+        if origins.known(pa >> 12, space, va & !0xfff) {
+            return;
+        }
+        self.stats.origin_walks += 1;
+        let mm = kernel_percpu_base(gs_bases)
+            .and_then(|base| {
+                let mut w = [0u8; 8];
+                read(base.wrapping_add(t.current_task), &mut w).then(|| u64::from_le_bytes(w))
+            })
+            .filter(|&task| task >= KERNEL_HALF)
+            .and_then(|task| {
+                let mut w = [0u8; 8];
+                read(task.wrapping_add(u64::from(t.task_mm)), &mut w).then(|| u64::from_le_bytes(w))
+            });
+        let Some(mm) = mm else {
+            self.stats.origin_walk_failures += 1;
+            return;
+        };
+        match origins.note(t, va, pa, space, mm, read) {
+            Noted::Known | Noted::Recorded => {}
+            Noted::Dropped => self.stats.origins_dropped += 1,
+            Noted::Failed(_) => self.stats.origin_walk_failures += 1,
+        }
+    }
+
+    /// The row (its index in `processes.json`'s `processes`) that runs since the last
+    /// change of the running row, if it changed since the last call.
+    pub fn take_switch(&mut self) -> Option<u64> {
+        self.switched.take()
     }
 
     /// Whether tasks are named from the kernel's types (else keyed by address space).
@@ -579,7 +519,12 @@ impl TaskWatch {
     /// True if `key` got a new row.
     fn switch(&mut self, key: &TaskKey) -> bool {
         self.stats.switches += 1;
-        self.table.switch_to(key, self.counts.read())
+        let before = self.table.current;
+        let new = self.table.switch_to(key, self.counts.read());
+        if self.table.current != before {
+            self.switched = Some(self.table.current as u64);
+        }
+        new
     }
 
     /// The table as a report sees it now: the instructions since the last change charged
@@ -600,13 +545,16 @@ impl TaskWatch {
         let s = &self.stats;
         let _ = write!(
             j,
-            "{{\"by\":\"{}\",\"user_instructions\":{user},\"kernel_instructions\":{kernel},\"user_entries\":{},\"switches\":{},\"reads_failed\":{},\"exe_reads_failed\":{},\"watch_cycles\":{},\"processes\":[",
+            "{{\"by\":\"{}\",\"user_instructions\":{user},\"kernel_instructions\":{kernel},\"user_entries\":{},\"switches\":{},\"reads_failed\":{},\"exe_reads_failed\":{},\"watch_cycles\":{},\"origin_walks\":{},\"origin_walk_failures\":{},\"origins_dropped\":{},\"processes\":[",
             if self.by_task() { "task" } else { "address_space" },
             s.user_entries,
             s.switches,
             s.reads_failed,
             s.exe_reads_failed,
-            s.cycles
+            s.cycles,
+            s.origin_walks,
+            s.origin_walk_failures,
+            s.origins_dropped
         );
         for (i, r) in table.rows().iter().enumerate() {
             if i > 0 {
@@ -614,7 +562,12 @@ impl TaskWatch {
             }
             row_json(&mut j, r);
         }
-        j.push_str("]}\n");
+        j.push_str("],");
+        match &self.origins {
+            Some(o) => o.write_json(&mut j),
+            None => j.push_str("\"objects\":[],\"code_pages\":[]"),
+        }
+        j.push_str("}\n");
         j
     }
 }
@@ -682,412 +635,4 @@ fn read_ids(
     let pid = i32::from_le_bytes(four);
     read(task.wrapping_add(u64::from(t.task_tgid)), &mut four).then_some(())?;
     Some((pid, i32::from_le_bytes(four)))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use alloc::boxed::Box;
-    use alloc::collections::BTreeMap;
-
-    /// Counters the test sets, as the engine's would be.
-    struct Counters(Box<[u64; 2 * INSN_COUNTER_SPREAD]>);
-
-    impl Counters {
-        fn new() -> Self {
-            Counters(Box::new([0; 2 * INSN_COUNTER_SPREAD]))
-        }
-        fn view(&self) -> InsnCounts {
-            let p = self.0.as_ptr();
-            // SAFETY: the box holds both modes' slots and outlives the watch in each test.
-            unsafe { InsnCounts::from_raw(p, p.add(INSN_COUNTER_SPREAD)) }
-        }
-        /// Runs `user` and `kernel` more instructions (spread over slots as blocks are).
-        fn run(&mut self, user: u64, kernel: u64) {
-            self.0[(user % 7) as usize] += user;
-            self.0[INSN_COUNTER_SPREAD + (kernel % 11) as usize] += kernel;
-        }
-    }
-
-    const TYPES: KernelTypes = KernelTypes {
-        current_task: 0x1fb80,
-        task_pid: 0x970,
-        task_tgid: 0x974,
-        task_comm: 0xba0,
-        comm_bytes: 16,
-        task_mm: 0x8e0,
-        mm_exe_file: 0x3b0,
-        file_dentry: 0x18,
-        dentry_name_len: 0x24,
-        dentry_name: 0x28,
-        dentry_parent: 0x10,
-    };
-    const PERCPU: u64 = 0xffff_8880_0f00_0000;
-
-    /// A guest memory of u8s at addresses.
-    #[derive(Default)]
-    struct Guest(BTreeMap<u64, u8>);
-
-    impl Guest {
-        fn put(&mut self, va: u64, bytes: &[u8]) {
-            for (i, &b) in bytes.iter().enumerate() {
-                self.0.insert(va + i as u64, b);
-            }
-        }
-        fn task(&mut self, task: u64, pid: i32, comm: &str) {
-            self.put(task + 0x970, &pid.to_le_bytes());
-            self.put(task + 0x974, &pid.to_le_bytes());
-            let mut c = [0u8; 16];
-            c[..comm.len()].copy_from_slice(comm.as_bytes());
-            self.put(task + 0xba0, &c);
-        }
-        fn run(&mut self, task: u64) {
-            self.put(PERCPU + 0x1fb80, &task.to_le_bytes());
-        }
-        /// A dentry at `d` named `name` under `parent` (itself for a root).
-        fn dentry(&mut self, d: u64, name: &str, parent: u64) {
-            self.put(d + 0x10, &parent.to_le_bytes());
-            self.put(d + 0x24, &(name.len() as u32).to_le_bytes());
-            self.put(d + 0x28, &(d + 0x1000).to_le_bytes());
-            self.put(d + 0x1000, name.as_bytes());
-        }
-        /// Gives the task at `task` an mm whose exe_file is at the dentries `path` (the
-        /// root first), placed from `at` on; returns the file's dentry.
-        fn exe(&mut self, task: u64, at: u64, path: &[&str]) -> u64 {
-            let (mm, file) = (at, at + 0x1_0000);
-            self.put(task + 0x8e0, &mm.to_le_bytes());
-            self.put(mm + 0x3b0, &file.to_le_bytes());
-            let mut parent = at + 0x2_0000;
-            self.dentry(parent, "/", parent);
-            for (i, name) in path.iter().enumerate() {
-                let d = at + 0x3_0000 + i as u64 * 0x2000;
-                self.dentry(d, name, parent);
-                parent = d;
-            }
-            self.put(file + 0x18, &parent.to_le_bytes());
-            parent
-        }
-        fn reader(&mut self) -> impl FnMut(u64, &mut [u8]) -> bool + '_ {
-            |va, out| {
-                for (i, o) in out.iter_mut().enumerate() {
-                    match self.0.get(&(va + i as u64)) {
-                        Some(&b) => *o = b,
-                        None => return false,
-                    }
-                }
-                true
-            }
-        }
-    }
-
-    fn comm(r: &TaskRow) -> &str {
-        let n = r
-            .key
-            .comm
-            .iter()
-            .position(|&b| b == 0)
-            .unwrap_or(COMM_BYTES);
-        core::str::from_utf8(&r.key.comm[..n]).unwrap()
-    }
-
-    #[test]
-    fn test_rows_sum_to_the_totals_and_charge_the_task_that_ran() {
-        let mut c = Counters::new();
-        let mut g = Guest::default();
-        let (a, b) = (0xffff_8880_0100_0000, 0xffff_8880_0200_0000);
-        g.task(a, 1, "init");
-        g.task(b, 7, "sh");
-        c.run(0, 1000); // the boot
-        let mut w = TaskWatch::new(&TYPES, c.view());
-        c.run(0, 500);
-        g.run(a);
-        w.on_user_entry(0x1000, [0, PERCPU], &mut g.reader());
-        c.run(300, 40);
-        w.on_user_entry(0x1000, [0, PERCPU], &mut g.reader()); // same task: nothing
-        c.run(200, 60);
-        g.run(b);
-        w.on_user_entry(0x2000 | 5, [0x7f00_0000, PERCPU], &mut g.reader());
-        c.run(50, 5);
-        g.run(a);
-        w.on_user_entry(0x1001, [0, PERCPU], &mut g.reader()); // PCID bits differ only
-        c.run(11, 22);
-        let t = w.report_table();
-        let rows = t.rows();
-        assert_eq!(rows.len(), 3);
-        assert_eq!(rows[0].key.kind, RowKind::Boot);
-        assert_eq!((rows[0].user, rows[0].kernel), (0, 500));
-        assert_eq!((comm(&rows[1]), rows[1].key.pid), ("init", 1));
-        assert_eq!(
-            (rows[1].user, rows[1].kernel),
-            (300 + 200 + 11, 40 + 60 + 22)
-        );
-        assert_eq!(
-            (comm(&rows[2]), rows[2].user, rows[2].kernel),
-            ("sh", 50, 5)
-        );
-        assert_eq!(rows[1].entries, 2);
-        assert_eq!(rows[1].first_seen, 1500);
-        assert_eq!(rows[2].last_seen, 1000 + 500 + 300 + 40 + 200 + 60 + 55);
-        let total = c.view().read();
-        assert_eq!(
-            rows.iter()
-                .fold([0, 0], |s, r| [s[0] + r.user, s[1] + r.kernel]),
-            [total[0], total[1] - 1000],
-            "every instruction since the watch began is charged once"
-        );
-        assert_eq!(w.stats.switches, 3);
-        assert_eq!(w.stats.user_entries, 4);
-        // A later report charges what ran since, to the same row.
-        c.run(1, 1);
-        assert_eq!(w.report_table().rows()[1].user, 512);
-    }
-
-    #[test]
-    fn test_an_exec_and_a_reused_task_struct_are_new_rows() {
-        let mut c = Counters::new();
-        let mut g = Guest::default();
-        let a = 0xffff_8880_0100_0000;
-        g.task(a, 5, "sh");
-        let mut w = TaskWatch::new(&TYPES, c.view());
-        g.run(a);
-        w.on_user_entry(0x1000, [0, PERCPU], &mut g.reader());
-        c.run(10, 10);
-        // exec: same task_struct, new address space and name.
-        g.task(a, 5, "ls");
-        w.on_user_entry(0x3000, [0, PERCPU], &mut g.reader());
-        c.run(20, 20);
-        // The task exited, its task_struct went to pid 9 with the same name.
-        g.task(a, 9, "ls");
-        w.on_user_entry(0x5000, [0, PERCPU], &mut g.reader());
-        let t = w.report_table();
-        let names: Vec<(&str, i32)> = t.rows()[1..].iter().map(|r| (comm(r), r.key.pid)).collect();
-        assert_eq!(names, [("sh", 5), ("ls", 5), ("ls", 9)]);
-    }
-
-    #[test]
-    fn test_a_task_that_renames_itself_is_a_new_row() {
-        let c = Counters::new();
-        let mut g = Guest::default();
-        let a = 0xffff_8880_0100_0000;
-        g.task(a, 5, "init");
-        g.run(a);
-        let mut w = TaskWatch::new(&TYPES, c.view());
-        w.on_user_entry(0x1000, [0, PERCPU], &mut g.reader());
-        // prctl(PR_SET_NAME): same task, same address space.
-        g.task(a, 5, "awk");
-        w.on_user_entry(0x1000, [0, PERCPU], &mut g.reader());
-        w.on_user_entry(0x1000, [0, PERCPU], &mut g.reader());
-        let t = w.report_table();
-        let names: Vec<&str> = t.rows()[1..].iter().map(comm).collect();
-        assert_eq!(names, ["init", "awk"]);
-        assert_eq!(w.stats.switches, 2);
-    }
-
-    #[test]
-    fn test_faulting_reads_are_skipped_and_counted() {
-        let c = Counters::new();
-        let mut g = Guest::default();
-        let mut w = TaskWatch::new(&TYPES, c.view());
-        // No per-CPU base among the GS bases.
-        w.on_user_entry(0x1000, [0, 0x7fff_0000], &mut g.reader());
-        // `current` unreadable.
-        w.on_user_entry(0x1000, [0, PERCPU], &mut g.reader());
-        // A task pointer whose fields are unreadable, then a user address.
-        g.run(0xffff_8880_0300_0000);
-        w.on_user_entry(0x1000, [0, PERCPU], &mut g.reader());
-        g.run(0x1234);
-        w.on_user_entry(0x1000, [0, PERCPU], &mut g.reader());
-        assert_eq!(w.stats.reads_failed, 4);
-        assert_eq!(w.report_table().rows().len(), 1, "only the boot row");
-        // The GS base itself, if KERNEL_GS_BASE is not a kernel address.
-        assert_eq!(kernel_percpu_base([PERCPU, 0]), Some(PERCPU));
-        assert_eq!(kernel_percpu_base([1, PERCPU]), Some(PERCPU));
-    }
-
-    #[test]
-    fn test_without_types_tasks_are_address_spaces() {
-        let mut c = Counters::new();
-        let mut g = Guest::default();
-        let mut w = TaskWatch::new(&KernelTypes::UNKNOWN, c.view());
-        assert!(!w.by_task());
-        for (cr3, n) in [
-            (0x1000, 3),
-            (0x1000 | 1 << 12 | 1 << 63, 4),
-            (0x4000, 5),
-            (0x1000, 6),
-        ] {
-            w.on_user_entry(cr3, [0, 0], &mut g.reader());
-            c.run(n, n);
-        }
-        let t = w.report_table();
-        let rows = t.rows();
-        assert_eq!(rows.len(), 3);
-        assert_eq!(rows[1].key.kind, RowKind::AddressSpace);
-        assert_eq!((rows[1].key.space, rows[1].user), (0x0, 3 + 4 + 6));
-        assert_eq!((rows[2].key.space, rows[2].user), (0x4000, 5));
-        assert_eq!(address_space(0x8000_0000_0123_5fff), 0x0123_4000);
-    }
-
-    #[test]
-    fn test_a_full_table_charges_new_tasks_to_the_overflow_row() {
-        let mut t = TaskTable::new([0, 0]);
-        for i in 0..(MAX_TASKS as u64 + 10) {
-            let key = TaskKey {
-                task: KERNEL_HALF + i * 0x1000,
-                pid: i as i32,
-                ..TaskKey::special(RowKind::Task)
-            };
-            t.switch_to(&key, [i, i]);
-        }
-        t.charge([1_000_000, 1_000_000]);
-        assert_eq!(t.rows().len(), MAX_TASKS);
-        let last = t.rows().last().unwrap();
-        assert_eq!(last.key.kind, RowKind::Overflow);
-        assert_eq!(last.entries, 12);
-        let sum = t
-            .rows()
-            .iter()
-            .fold([0, 0], |s, r| [s[0] + r.user, s[1] + r.kernel]);
-        assert_eq!(sum, [1_000_000, 1_000_000]);
-    }
-
-    fn exe(r: &TaskRow) -> Option<&str> {
-        r.exe
-            .as_ref()
-            .map(|e| core::str::from_utf8(e.path()).unwrap())
-    }
-
-    #[test]
-    fn test_a_new_rows_executable_is_read_once() {
-        let mut c = Counters::new();
-        let mut g = Guest::default();
-        let (a, b) = (0xffff_8880_0100_0000, 0xffff_8880_0200_0000);
-        g.task(a, 1, "init");
-        g.exe(a, 0xffff_8880_1000_0000, &["bin", "busybox"]);
-        g.task(b, 7, "kpin-test");
-        g.exe(b, 0xffff_8880_2000_0000, &["usr", "bin", "kpin-test"]);
-        let mut w = TaskWatch::new(&TYPES, c.view());
-        assert!(w.reads_exe());
-        let mut reads = 0;
-        let entry = |w: &mut TaskWatch, g: &mut Guest, task: u64, reads: &mut u32| {
-            g.run(task);
-            let mut r = g.reader();
-            w.on_user_entry(0x1000, [0, PERCPU], &mut |va, out| {
-                *reads += 1;
-                r(va, out)
-            });
-        };
-        entry(&mut w, &mut g, a, &mut reads);
-        // current, comm, pid, tgid; mm, exe_file, dentry; 2 components (parent, len,
-        // name pointer, name), the root's parent.
-        assert_eq!(reads, 4 + 3 + 2 * 4 + 1);
-        c.run(5, 5);
-        entry(&mut w, &mut g, b, &mut reads);
-        c.run(5, 5);
-        reads = 0;
-        // Back to a: its row exists, only current, comm, pid and tgid are read.
-        entry(&mut w, &mut g, a, &mut reads);
-        assert_eq!(reads, 4);
-        // busybox renames itself for an applet: a new row, the same executable.
-        g.task(a, 1, "sort");
-        entry(&mut w, &mut g, a, &mut reads);
-        let t = w.report_table();
-        let rows: Vec<(&str, Option<&str>)> = t.rows().iter().map(|r| (comm(r), exe(r))).collect();
-        assert_eq!(
-            rows,
-            [
-                ("", None),
-                ("init", Some("/bin/busybox")),
-                ("kpin-test", Some("/usr/bin/kpin-test")),
-                ("sort", Some("/bin/busybox")),
-            ]
-        );
-        assert_eq!(t.rows()[3].exe.unwrap().name(), b"busybox");
-        let j = w.to_json();
-        assert!(
-            j.contains("\"exe\":\"kpin-test\",\"exe_path\":\"/usr/bin/kpin-test\""),
-            "{j}"
-        );
-        assert!(j.contains("\"exe\":null,\"exe_path\":null"), "{j}");
-        assert!(j.contains("\"exe_reads_failed\":0"), "{j}");
-    }
-
-    #[test]
-    fn test_no_mm_is_no_executable_and_faults_are_counted() {
-        let c = Counters::new();
-        let mut g = Guest::default();
-        let (a, b, d) = (
-            0xffff_8880_0100_0000,
-            0xffff_8880_0200_0000,
-            0xffff_8880_0300_0000,
-        );
-        g.task(a, 2, "kthreadd");
-        g.put(a + 0x8e0, &0u64.to_le_bytes());
-        g.task(b, 3, "gone");
-        g.put(b + 0x8e0, &0xffff_8880_0900_0000u64.to_le_bytes()); // mm unreadable
-        g.task(d, 4, "odd");
-        let dentry = g.exe(d, 0xffff_8880_1000_0000, &["x"]);
-        g.put(dentry + 0x28, &0x1000u64.to_le_bytes()); // a user-space name pointer
-        let mut w = TaskWatch::new(&TYPES, c.view());
-        for task in [a, b, d] {
-            g.run(task);
-            w.on_user_entry(0x1000, [0, PERCPU], &mut g.reader());
-        }
-        assert_eq!(w.stats.reads_failed, 0, "the entries themselves were seen");
-        assert_eq!(w.stats.exe_reads_failed, 2);
-        let t = w.report_table();
-        assert_eq!(t.rows().len(), 4);
-        assert!(t.rows().iter().all(|r| r.exe.is_none()));
-        // Types without the executable's offsets read no executable.
-        let old = KernelTypes {
-            task_mm: 0,
-            ..TYPES
-        };
-        let w = TaskWatch::new(&old, c.view());
-        assert!(w.by_task() && !w.reads_exe());
-    }
-
-    #[test]
-    fn test_deep_and_long_paths_keep_their_end() {
-        let mut g = Guest::default();
-        let a = 0xffff_8880_0100_0000;
-        let deep = ["a", "b", "c", "d", "e", "f", "g", "h", "i", "prog"];
-        g.exe(a, 0xffff_8880_1000_0000, &deep);
-        let e = read_exe(&TYPES, a, &mut g.reader()).unwrap().unwrap();
-        assert_eq!(e.path(), b".../c/d/e/f/g/h/i/prog");
-        assert_eq!(e.name(), b"prog");
-        // Exactly EXE_COMPONENTS deep: the root is reached.
-        let b = 0xffff_8880_0200_0000;
-        g.exe(b, 0xffff_8880_2000_0000, &deep[3..]);
-        let e = read_exe(&TYPES, b, &mut g.reader()).unwrap().unwrap();
-        assert_eq!(e.path(), b"/d/e/f/g/h/i/prog");
-        // Long names: each cut to 64 bytes, the path to what fits, the name kept.
-        let long = "n".repeat(80);
-        let c = 0xffff_8880_0300_0000;
-        g.exe(c, 0xffff_8880_3000_0000, &[&long, &long, "tool"]);
-        let e = read_exe(&TYPES, c, &mut g.reader()).unwrap().unwrap();
-        assert_eq!(e.name(), b"tool");
-        assert!(e.path().starts_with(b".../nnnn"), "{e:?}");
-        assert_eq!(e.path().len(), 3 + 1 + 64 + 5);
-    }
-
-    #[test]
-    fn test_json_escapes_names() {
-        let c = Counters::new();
-        let mut g = Guest::default();
-        let a = 0xffff_8880_0100_0000;
-        g.task(a, 3, "a\"b\\c\u{1}");
-        g.run(a);
-        let mut w = TaskWatch::new(&TYPES, c.view());
-        w.on_user_entry(0x1000, [0, PERCPU], &mut g.reader());
-        let j = w.to_json();
-        assert!(
-            j.starts_with("{\"by\":\"task\",\"user_instructions\":0,"),
-            "{j}"
-        );
-        assert!(j.contains("\"comm\":\"a\\\"b\\\\c\\u0001\""), "{j}");
-        assert!(j.contains("{\"kind\":\"boot\",\"pid\":null"), "{j}");
-        assert!(j.contains("\"task\":\"0xffff888001000000\""), "{j}");
-        assert!(j.ends_with("]}\n"));
-    }
 }

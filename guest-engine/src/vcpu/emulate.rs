@@ -12,7 +12,8 @@ use super::hardware::{GuestMmu, Hardware};
 use super::segments::Sreg;
 use super::{Vcpu, VcpuStop};
 use crate::{
-    Emulation, Gpr, GuestRegs, GuestVirt, Platform, SegBase, SensitiveInsn, SensitiveKind,
+    Emulation, Gpr, GuestPhys, GuestRegs, GuestVirt, Platform, SegBase, SensitiveInsn,
+    SensitiveKind,
 };
 
 /// What an emulation does next.
@@ -553,5 +554,27 @@ impl<H: Hardware, M: GuestMmu> Platform for Vcpu<'_, H, M> {
 
     fn virtual_flags(&self) -> Option<(bool, u8)> {
         Some((self.vif, self.iopl))
+    }
+
+    fn user_code(&mut self, va: GuestVirt, pa: GuestPhys) {
+        if let Some(w) = &mut self.tasks {
+            if !w.records_origins() {
+                return;
+            }
+            let t0 = self.hw.tsc();
+            let gs = [
+                self.segs.sregs[Sreg::Gs as usize].base,
+                self.msrs.kernel_gs_base,
+            ];
+            let mem = &mut self.mem;
+            let cr3 = mem.cr3();
+            // Read with the kernel's privileges; a fault is only counted.
+            w.on_user_code(va.0, pa.0, cr3, gs, &mut |at, out| mem.observe(at, out));
+            w.stats.cycles = w.stats.cycles.wrapping_add(self.hw.tsc().wrapping_sub(t0));
+        }
+    }
+
+    fn take_task_switch(&mut self) -> Option<u64> {
+        self.tasks.as_mut()?.take_switch()
     }
 }

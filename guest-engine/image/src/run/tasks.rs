@@ -41,6 +41,18 @@ pub fn watch(vcpu: &mut Vcpu<'_>, block: &AttachBlock, engine: &Engine) {
                 t.dentry_parent
             );
         }
+        if w.records_origins() {
+            log!(
+                Info,
+                "engine: processes: user code's files through mm_mt.ma_root at {:#x}, vm_start/vm_end/vm_pgoff/vm_file at {:#x}/{:#x}/{:#x}/{:#x}, context.vdso at {:#x}",
+                t.mm_mt_root,
+                t.vma_start,
+                t.vma_end,
+                t.vma_pgoff,
+                t.vma_file,
+                t.mm_vdso
+            );
+        }
     } else {
         log!(
             Info,
@@ -65,6 +77,17 @@ pub fn report(vcpu: &Vcpu<'_>) {
         s.reads_failed,
         s.exe_reads_failed
     );
+    if let Some(o) = w.origins() {
+        log!(
+            Info,
+            "engine: processes: user code from {} objects on {} pages, {} VMA walks, {} failed, {} pages dropped",
+            o.objects().len(),
+            o.page_count(),
+            s.origin_walks,
+            s.origin_walk_failures,
+            s.origins_dropped
+        );
+    }
     let text = w.to_json();
     if let Err(e) = tools::write_file(ENGINE_PROCESSES, text.as_bytes()) {
         log!(Error, "engine: cannot write {ENGINE_PROCESSES}: {e}");

@@ -201,6 +201,11 @@ impl Tool for ToHost {
     fn records_need_pa(&self) -> bool {
         self.tool.records_need_pa()
     }
+
+    fn task_records(&self) -> bool {
+        // The host's simulator sees only records: the task changes come among them.
+        true
+    }
 }
 
 impl KpinTool for ToHost {
