@@ -26,6 +26,9 @@ const S_IFMT: u32 = 0o170_000;
 const S_IFREG: u32 = 0o100_000;
 const S_IFLNK: u32 = 0o120_000;
 
+/// Decompresses data with the named host tool (`gzip`, `zstd`, …): the plain bytes.
+pub type Decompress<'a> = &'a mut dyn FnMut(&'static str, &[u8]) -> Result<Vec<u8>, String>;
+
 /// One entry of an unpacked initramfs: a regular file's bytes or a link's target.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CpioEntry {
@@ -44,7 +47,7 @@ pub enum CpioEntry {
 pub fn unpack_initramfs(
     bytes: &[u8],
     into: &mut HashMap<String, CpioEntry>,
-    decompress: &mut dyn FnMut(&'static str, &[u8]) -> Result<Vec<u8>, String>,
+    decompress: Decompress<'_>,
 ) -> Result<(), String> {
     let mut at = 0;
     loop {

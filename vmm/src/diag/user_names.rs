@@ -164,6 +164,9 @@ pub fn demangle(name: &str) -> String {
     name.to_string()
 }
 
+/// Where a line about the names goes (`kpin`'s progress).
+pub type Say = Box<dyn FnMut(&str)>;
+
 /// An object's symbols as loaded: `None` until asked for.
 type Loaded = Option<Option<ElfSymbols>>;
 
@@ -173,7 +176,7 @@ pub struct UserSymbolizer {
     files: RefCell<GuestFiles>,
     objects: RefCell<Vec<Loaded>>,
     source: String,
-    say: RefCell<Box<dyn FnMut(&str)>>,
+    say: RefCell<Say>,
 }
 
 impl UserSymbolizer {
@@ -184,7 +187,7 @@ impl UserSymbolizer {
         out: &Path,
         disks: Vec<PathBuf>,
         initrd: Option<PathBuf>,
-        say: Box<dyn FnMut(&str)>,
+        say: Say,
     ) -> anyhow::Result<Option<Self>> {
         let path = out.join(kpin_abi::output::ENGINE_PROCESSES);
         if std::fs::symlink_metadata(&path).is_err() {
@@ -198,7 +201,7 @@ impl UserSymbolizer {
     }
 
     /// From code origins and the files they name.
-    pub fn new(origins: CodeOrigins, files: GuestFiles, say: Box<dyn FnMut(&str)>) -> Self {
+    pub fn new(origins: CodeOrigins, files: GuestFiles, say: Say) -> Self {
         let source = format!(
             "{} code pages of {} objects (processes.json), ELF symbols of {}",
             origins.pages.len(),
