@@ -12,7 +12,9 @@
 //! Also in CI: a run killed with SIGKILL during the workload (after its python step, while
 //! gcc and sqlite3 write), whose disk e2fsck repairs (about a minute). Long runs (`--
 //! --ignored`): `--tool bbcount` (about 5 minutes here) and `--tool cachesim`, whose
-//! report must attribute misses to both kernel and user.
+//! report must attribute misses to both kernel and user. Also in CI: `--kernel` (the 6.12
+//! bzImage) with `--initrd` (the image's) and `--disk disk.img,ro` mounts the image as `/`
+//! (about 30 s).
 //!
 //! Without `/dev/kvm`, or on a host that cannot build the image (not root, no
 //! `mmdebstrap`, Debian's mirror unreachable) and has none cached, each test prints
@@ -183,6 +185,58 @@ fn test_debian_on_the_612_kernel_boots_to_multi_user_and_powers_off_under_null()
         r.context
     );
     assert_clean_debian_run(&r, &out);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--disk` with `--kernel`: a user's own kernel and initrd (here the pinned 6.12 bzImage
+/// and the image's initrd, which loads virtio_mmio and virtio_blk) mount the image as the
+/// root file system. Read-only (`,ro`, `ro`): the cached image itself, no copy. `init=`
+/// prints the mounts and exits, so the kernel panics (exit status 3) right after.
+#[test]
+fn test_a_user_kernel_and_initrd_mount_the_image_as_root_with_disk() {
+    require_kvm_and_debian!(GuestKernel::Debian612);
+    let dir = scratch_dir("debian-user-kernel");
+    let out = dir.join("out");
+    let images = kpin_images::default_out_dir();
+    let release = GuestKernel::Debian612.release();
+    let r = kpin_run(
+        Command::new(kpin_bin())
+            .args(["run", "--tool", "null", "--quiet", "--timeout", "900"])
+            .arg("--kernel")
+            .arg(images.join(format!("linux-{release}/vmlinuz")))
+            .arg("--initrd")
+            .arg(images.join(format!("debian-bookworm/initrd.img-{release}")))
+            .arg("--disk")
+            .arg(format!(
+                "{},ro",
+                images.join("debian-bookworm/disk.img").display()
+            ))
+            .args([
+                "--append",
+                "root=/dev/vda ro init=/usr/bin/findmnt",
+                "--out",
+            ])
+            .arg(&out),
+        &out,
+    );
+    let root = r
+        .console
+        .lines()
+        .find(|l| l.starts_with("/ "))
+        .unwrap_or_else(|| panic!("findmnt printed no `/` line\n{}", r.context));
+    assert_eq!(
+        root.split_whitespace().collect::<Vec<_>>(),
+        ["/", "/dev/vda", "ext4", "ro,relatime"],
+        "{}",
+        r.context
+    );
+    assert!(
+        r.console
+            .contains("Attempted to kill init! exitcode=0x00000000"),
+        "findmnt succeeded, then init ended\n{}",
+        r.context
+    );
+    assert_eq!(r.output.status.code(), Some(3), "{}", r.context);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
