@@ -1,4 +1,5 @@
-//! COM1's line status register answered without a port exit when its value is known.
+//! COM1's line status register (and modem status, likewise) answered without a port
+//! exit when its value is known.
 //!
 //! Linux's 8250 console polls the line status register (LSR, 0x3fd) before every
 //! character it transmits, so half of a booting guest's COM1 accesses are LSR reads, each
@@ -32,6 +33,19 @@
 //! guest's value is written back ([`LineStatusCache::write_back`]) before any other
 //! access reaches the UART and before the guest leaves the engine, so the UART holds it
 //! whenever anything could observe it.
+//!
+//! With IER.THRI set (the tty's interrupt-driven transmit: a process writing to the
+//! console) every THR byte reaches the UART, but a run of them need not: the UART prints
+//! each byte and raises its THR-empty interrupt only if IIR's THR-empty bit is clear,
+//! then sets it, and nothing but an access to the UART clears it again. So a run of THR
+//! writes with no other UART access between them leaves the UART as its last write alone
+//! would, once the earlier bytes are printed: the cache *holds* the last THR byte
+//! ([`OutRoute::Hold`]; the one held before it goes to the console batch) and the
+//! embedder sends it through the port ([`LineStatusCache::take_held`]) after the batch,
+//! before any other access reaches a device and before the guest leaves the engine or
+//! is given an interrupt. The THR-empty interrupt then comes later than on the UART's
+//! first write, as a 16550 raises it only when its FIFO has drained; the guest cannot
+//! tell the difference.
 
 /// COM1's first port (`kpin_abi::x86`).
 pub use kpin_abi::x86::COM1_PORT as COM1;
@@ -41,6 +55,8 @@ pub const LSR: u16 = COM1 + 5;
 pub const MCR: u16 = COM1 + 4;
 /// MCR.LOOP: loopback mode (THR writes go to the receive buffer).
 pub const MCR_LOOP: u8 = 1 << 4;
+/// The modem status register.
+pub const MSR: u16 = COM1 + 6;
 /// LSR.DR: data ready.
 pub const LSR_DR: u8 = 1;
 /// The interrupt enable register (with LCR.DLAB clear).
@@ -59,10 +75,19 @@ pub const IER_VALID: u8 = 0x0f;
 pub enum OutRoute {
     /// A THR byte the UART would only print: batch it (see the module's text).
     BatchThr,
+    /// A THR byte written with THRI set: hold it, batching `release` (the byte held
+    /// before it, already as good as printed).
+    Hold {
+        /// The previously held byte, for the console batch.
+        release: Option<u8>,
+    },
     /// An IER write kept in the engine until [`LineStatusCache::write_back`].
     Absorb,
-    /// To the device, after writing back the absorbed IER value if one is given.
+    /// To the device, after sending the held THR byte and then writing back the
+    /// absorbed IER value, if given.
     Device {
+        /// The held THR byte to send first.
+        thr_first: Option<u8>,
         /// The IER value to write to the UART first.
         ier_first: Option<u8>,
     },
@@ -75,6 +100,10 @@ pub struct LineStatusCache {
     mcr: Option<u8>,
     /// The LSR, when known to be constant.
     lsr: Option<u8>,
+    /// The MSR, when known to be constant: the UART's modem inputs are fixed and
+    /// only loopback mode (MCR.LOOP) derives them from MCR (8250 drivers read it on
+    /// every interrupt).
+    msr: Option<u8>,
     /// The guest's last LCR write.
     lcr: Option<u8>,
     /// The guest's last IER write (with LCR.DLAB clear).
@@ -85,6 +114,10 @@ pub struct LineStatusCache {
     pub answered: u64,
     /// IER writes absorbed.
     pub absorbed: u64,
+    /// The THR byte written last with THRI set and not yet sent.
+    held: Option<u8>,
+    /// THR writes held (each held byte but the last of a run never reaches the port).
+    pub held_total: u64,
 }
 
 fn touches_com1(port: u16, size: u8) -> bool {
@@ -97,6 +130,7 @@ impl LineStatusCache {
     pub fn answer(&mut self, port: u16, size: u8) -> Option<u32> {
         let v = match (port, size) {
             (LSR, 1) => self.lsr?,
+            (MSR, 1) => self.msr?,
             (IER, 1) if self.dlab_clear() => self.ier? & IER_VALID,
             _ => return None,
         };
@@ -104,14 +138,36 @@ impl LineStatusCache {
         Some(u32::from(v))
     }
 
-    /// Before an `in` that [`LineStatusCache::answer`] could not answer reaches the
-    /// device: the IER value to write back first, if the read touches the UART.
-    pub fn before_device_read(&mut self, port: u16, size: u8) -> Option<u8> {
-        if touches_com1(port, size) {
+    /// Before an `in` that [`LineStatusCache::answer`] could not answer reaches a
+    /// device: the held THR byte to send first (whatever the port), then the IER value
+    /// to write back, if the read touches the UART.
+    pub fn before_device_read(&mut self, port: u16, size: u8) -> (Option<u8>, Option<u8>) {
+        let thr = self.take_held();
+        let ier = if touches_com1(port, size) {
             self.write_back()
         } else {
             None
-        }
+        };
+        (thr, ier)
+    }
+
+    /// The held THR byte, to send to the UART now (after the console batch): before any
+    /// other device access, a `hlt`, an interrupt, the end of the run or a detach.
+    pub fn take_held(&mut self) -> Option<u8> {
+        self.held.take()
+    }
+
+    /// Whether the THR write of `size` bytes at `port` can be held (see the module's
+    /// text): THRI set in the UART and in the guest's IER (no absorbed write waits), the
+    /// divisor latch closed, loopback off and the LSR known constant.
+    fn holds_thr(&self, port: u16, size: u8) -> bool {
+        port == COM1
+            && size == 1
+            && self.dlab_clear()
+            && self.lsr.is_some()
+            && self.mcr.is_some_and(|m| m & MCR_LOOP == 0)
+            && self.unsent_ier().is_none()
+            && self.device_ier.is_some_and(|d| d & IER_THRI != 0)
     }
 
     /// Whether LCR.DLAB is known clear (COM1+0/+1 are THR/RBR and IER).
@@ -147,15 +203,23 @@ impl LineStatusCache {
     pub fn out(&mut self, port: u16, size: u8, value: u32) -> OutRoute {
         let route = if self.batches_thr(port, size) {
             OutRoute::BatchThr
+        } else if self.holds_thr(port, size) {
+            self.held_total += 1;
+            OutRoute::Hold {
+                release: self.held.replace(value as u8),
+            }
         } else if self.absorbs_ier(port, size, value) {
             self.absorbed += 1;
             OutRoute::Absorb
-        } else if touches_com1(port, size) {
-            OutRoute::Device {
-                ier_first: self.write_back(),
-            }
         } else {
-            OutRoute::Device { ier_first: None }
+            OutRoute::Device {
+                thr_first: self.take_held(),
+                ier_first: if touches_com1(port, size) {
+                    self.write_back()
+                } else {
+                    None
+                },
+            }
         };
         let ier_reaches_uart = route != OutRoute::Absorb && port == IER && size == 1;
         let dlab_clear = self.dlab_clear();
@@ -175,6 +239,9 @@ impl LineStatusCache {
             let v = value as u8;
             let no_loop = self.mcr.is_some_and(|m| m & MCR_LOOP == 0);
             self.lsr = (no_loop && v & LSR_DR == 0).then_some(v);
+        } else if port == MSR && size == 1 {
+            let no_loop = self.mcr.is_some_and(|m| m & MCR_LOOP == 0);
+            self.msr = no_loop.then_some(value as u8);
         } else if port == IER && size == 1 && self.dlab_clear() {
             // What the UART holds (any absorbed value was written back before this
             // read went through).
@@ -182,6 +249,7 @@ impl LineStatusCache {
             self.device_ier = Some(value as u8 & IER_VALID);
         } else if size != 1 {
             self.lsr = None;
+            self.msr = None;
         }
     }
 
@@ -204,6 +272,7 @@ impl LineStatusCache {
             *self = LineStatusCache {
                 answered: self.answered,
                 absorbed: self.absorbed,
+                held_total: self.held_total,
                 ..LineStatusCache::default()
             };
             return;
@@ -220,6 +289,7 @@ impl LineStatusCache {
                 self.mcr = Some(m);
                 if m & MCR_LOOP != 0 {
                     self.lsr = None;
+                    self.msr = None;
                 }
             }
             // THR (or the divisor latch): with LOOP clear the byte leaves at once and the
@@ -302,7 +372,13 @@ mod tests {
     /// Linux's console: LCR, MCR and IER set up, the LSR learned.
     fn console() -> LineStatusCache {
         let mut c = LineStatusCache::default();
-        assert_eq!(c.out(LCR, 1, 0x03), OutRoute::Device { ier_first: None });
+        assert_eq!(
+            c.out(LCR, 1, 0x03),
+            OutRoute::Device {
+                thr_first: None,
+                ier_first: None
+            }
+        );
         c.out(MCR, 1, 0x0b);
         c.out(IER, 1, 0x05);
         c.read_done(LSR, 1, 0x60);
@@ -326,19 +402,34 @@ mod tests {
     fn test_an_absorbed_value_reaches_the_uart_before_anything_else_does() {
         let mut c = console();
         c.out(IER, 1, 0x01);
-        assert_eq!(c.before_device_read(0x80, 1), None, "not the UART");
-        assert_eq!(c.before_device_read(COM1 + 2, 1), Some(0x01), "IIR read");
-        assert_eq!(c.before_device_read(COM1 + 2, 1), None, "written back once");
+        assert_eq!(c.before_device_read(0x80, 1), (None, None), "not the UART");
+        assert_eq!(
+            c.before_device_read(COM1 + 2, 1),
+            (None, Some(0x01)),
+            "IIR read"
+        );
+        assert_eq!(
+            c.before_device_read(COM1 + 2, 1),
+            (None, None),
+            "written back once"
+        );
         c.out(IER, 1, 0x00);
         assert_eq!(
             c.out(LCR, 1, 0x83),
             OutRoute::Device {
+                thr_first: None,
                 ier_first: Some(0x00)
             },
             "before DLAB opens"
         );
         assert_eq!(c.answer(IER, 1), None, "divisor latch open");
-        assert_eq!(c.out(IER, 1, 0x00), OutRoute::Device { ier_first: None });
+        assert_eq!(
+            c.out(IER, 1, 0x00),
+            OutRoute::Device {
+                thr_first: None,
+                ier_first: None
+            }
+        );
     }
 
     #[test]
@@ -347,19 +438,151 @@ mod tests {
         // Setting THRI makes the UART raise its THR-empty interrupt.
         assert_eq!(
             c.out(IER, 1, u32::from(IER_THRI | 1)),
-            OutRoute::Device { ier_first: None }
+            OutRoute::Device {
+                thr_first: None,
+                ier_first: None
+            }
         );
         // Clearing it again changes what a later THR write would raise.
-        assert_eq!(c.out(IER, 1, 1), OutRoute::Device { ier_first: None });
+        assert_eq!(
+            c.out(IER, 1, 1),
+            OutRoute::Device {
+                thr_first: None,
+                ier_first: None
+            }
+        );
         assert_eq!(c.out(IER, 1, 0), OutRoute::Absorb);
         // Unknown LSR (loopback on): nothing is absorbed.
         c.out(MCR, 1, u32::from(MCR_LOOP));
-        assert_eq!(c.out(IER, 1, 0), OutRoute::Device { ier_first: None });
+        assert_eq!(
+            c.out(IER, 1, 0),
+            OutRoute::Device {
+                thr_first: None,
+                ier_first: None
+            }
+        );
         // The value read back through the gate is what the UART keeps.
         let mut d = LineStatusCache::default();
         d.out(LCR, 1, 0x03);
         d.read_done(IER, 1, 0x0f);
         assert_eq!(d.answer(IER, 1), Some(0x0f));
+    }
+
+    /// The console after the tty started an interrupt-driven transmit (IER 0x07).
+    fn transmitting() -> LineStatusCache {
+        let mut c = console();
+        assert_eq!(
+            c.out(IER, 1, 0x07),
+            OutRoute::Device {
+                thr_first: None,
+                ier_first: None
+            }
+        );
+        c
+    }
+
+    #[test]
+    fn test_a_run_of_thr_writes_with_thri_reaches_the_uart_as_its_last_byte() {
+        let mut c = transmitting();
+        // serial8250_tx_chars: the IIR read goes to the UART, then the bytes.
+        assert_eq!(c.before_device_read(COM1 + 2, 1), (None, None));
+        assert_eq!(c.out(COM1, 1, 0x61), OutRoute::Hold { release: None });
+        assert_eq!(c.answer(LSR, 1), Some(0x60));
+        assert_eq!(
+            c.out(COM1, 1, 0x62),
+            OutRoute::Hold {
+                release: Some(0x61)
+            }
+        );
+        assert_eq!(
+            c.out(COM1, 1, 0x63),
+            OutRoute::Hold {
+                release: Some(0x62)
+            }
+        );
+        // The next IIR read: the last byte reaches the UART first.
+        assert_eq!(c.before_device_read(COM1 + 2, 1), (Some(0x63), None));
+        assert_eq!(c.take_held(), None);
+        assert_eq!(c.out(COM1, 1, 0x64), OutRoute::Hold { release: None });
+        // stop_tx clears THRI: the byte goes before the IER write.
+        assert_eq!(
+            c.out(IER, 1, 0x05),
+            OutRoute::Device {
+                thr_first: Some(0x64),
+                ier_first: None
+            }
+        );
+        assert_eq!(c.out(COM1, 1, 0x65), OutRoute::BatchThr, "THRI clear");
+        assert_eq!(c.held_total, 4);
+    }
+
+    #[test]
+    fn test_a_held_byte_goes_before_any_other_device_access_or_at_a_flush() {
+        let mut c = transmitting();
+        c.out(COM1, 1, 0x61);
+        assert_eq!(
+            c.out(0x80, 1, 0),
+            OutRoute::Device {
+                thr_first: Some(0x61),
+                ier_first: None
+            },
+            "another device"
+        );
+        c.out(COM1, 1, 0x62);
+        assert_eq!(c.before_device_read(0xcfc, 4), (Some(0x62), None));
+        c.out(COM1, 1, 0x63);
+        assert_eq!(
+            c.take_held(),
+            Some(0x63),
+            "hlt, interrupt, detach, poweroff"
+        );
+    }
+
+    #[test]
+    fn test_thr_writes_are_held_only_when_the_uart_holds_thri_and_prints_them() {
+        let sends = OutRoute::Device {
+            thr_first: None,
+            ier_first: None,
+        };
+        let mut c = transmitting();
+        c.out(MCR, 1, u32::from(MCR_LOOP | 0x0b));
+        assert_eq!(
+            c.out(COM1, 1, 0x61),
+            sends,
+            "loopback: the byte is received"
+        );
+        let mut c = transmitting();
+        c.out(LCR, 1, 0x83);
+        assert_eq!(c.out(COM1, 1, 0x01), sends, "divisor latch");
+        let mut c = transmitting();
+        c.out(COM1 + 3, 2, 0x0b03);
+        assert_eq!(c.out(COM1, 1, 0x61), sends, "state forgotten");
+        // The UART's IER unknown (read back never, written with DLAB unknown).
+        let mut d = LineStatusCache::default();
+        d.out(MCR, 1, 0x0b);
+        d.read_done(LSR, 1, 0x60);
+        d.out(IER, 1, 0x07);
+        d.out(LCR, 1, 0x03);
+        assert_eq!(d.out(COM1, 1, 0x61), sends, "THRI in the UART unknown");
+    }
+
+    #[test]
+    fn test_modem_status_known_outside_loopback() {
+        let mut c = LineStatusCache::default();
+        c.read_done(MSR, 1, 0xb0);
+        assert_eq!(c.answer(MSR, 1), None, "MCR unknown: loopback possible");
+        c.out(MCR, 1, 0x0b);
+        c.read_done(MSR, 1, 0xb0);
+        assert_eq!(c.answer(MSR, 1), Some(0xb0));
+        assert_eq!(c.answer(MSR, 2), None);
+        c.out(MCR, 1, u32::from(MCR_LOOP | 0x0b));
+        assert_eq!(c.answer(MSR, 1), None, "loopback: MSR follows MCR");
+        c.read_done(MSR, 1, 0xf0);
+        assert_eq!(c.answer(MSR, 1), None);
+        c.out(MCR, 1, 0x0b);
+        c.read_done(MSR, 1, 0xb0);
+        c.out(COM1 + 4, 2, 0x000b);
+        assert_eq!(c.answer(MSR, 1), None, "a wide write forgets it");
     }
 
     #[test]

@@ -340,6 +340,9 @@ fn write_vcpu_counters(j: &mut JsonObject, vcpu: &Vcpu<'_>) {
             vcpu.hw.com1.answered + vcpu.hw.pic.answered,
         )
         .u64("port_out_kept_in_engine", vcpu.hw.com1.absorbed)
+        // COM1 THR writes made with THRI set and held (all but the last of a run
+        // never reach the port).
+        .u64("com1_thr_writes_held", vcpu.hw.com1.held_total)
         .end();
     // The port accesses that left the engine (a gate call and a VM exit each): the
     // total, then per site `"<in|out> <port> at <guest RIP>"`, then those at sites the

@@ -137,6 +137,9 @@ impl<'a> RunLoop<'a> {
         // `kpin detach`/`attach` on this engine: served here, at a trace boundary.
         detach::note_progress(&self.engine);
         if detach::requested() != 0 {
+            // A native detach hands the UART to the guest: it must have the held byte
+            // (the IER write-back is `serve`'s).
+            self.vcpu.hw.flush_console();
             let t0 = self.t0;
             detach::serve(
                 &mut self.engine,
@@ -223,6 +226,8 @@ impl<'a> RunLoop<'a> {
                 Ok(())
             }
             Some(VcpuStop::FinalPortWrite { port, size, value }) => {
+                // The held THR byte before the report, so that it counts it.
+                self.vcpu.hw.flush_console();
                 report(
                     &self.engine,
                     &self.vcpu,
@@ -412,8 +417,9 @@ impl<'a> RunLoop<'a> {
         prof::switch(profile::INTERRUPT);
         self.engine.set_attention(0);
         // Console bytes wait at most for the next interrupt (a guest that spins
-        // after a message, e.g. a kernel panic without reboot, still shows it).
-        log::console_flush();
+        // after a message, e.g. a kernel panic without reboot, still shows it), and
+        // a held THR byte's THR-empty interrupt comes before the guest's next one.
+        self.vcpu.hw.flush_console();
         match self.vcpu.deliver_pending(self.engine.regs_mut(), va.0) {
             Ok(Some(handler)) => self.engine.set_rip(GuestVirt(handler)),
             Ok(None) => self.engine.set_rip(va),

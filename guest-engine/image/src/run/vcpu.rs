@@ -9,7 +9,7 @@ use core::cell::RefCell;
 use core::fmt;
 
 use guest_engine::shadow_mmu::{PagingControl, ShadowError, View};
-use guest_engine::vcpu::uart_status::IER;
+use guest_engine::vcpu::uart_status::{COM1, IER};
 use guest_engine::vcpu::{
     GuestFault, GuestMmu, Hardware, LineStatusCache, OutRoute, PicMaskCache, PortExitTable,
 };
@@ -39,6 +39,8 @@ pub struct Ring0 {
     pub port_exits: PortExitTable,
     /// The guest RIP of the port instruction being emulated.
     pub site: u64,
+    /// The guest RIP of the THR write whose byte `com1` holds.
+    pub held_site: u64,
 }
 
 impl Ring0 {
@@ -46,6 +48,22 @@ impl Ring0 {
     fn gate_out(&mut self, port: u16, size: u8, value: u32) {
         self.port_exits.record(port, true, self.site);
         gate::out(port, size, value);
+    }
+
+    /// Hands the console's batched bytes to the VMM, then the held THR byte, if any, to
+    /// the UART (`LineStatusCache::take_held`): before any other device access, a
+    /// `hlt`, an interrupt, a detach or the run's last port write.
+    pub fn flush_console(&mut self) {
+        log::console_flush();
+        if let Some(b) = self.com1.take_held() {
+            self.send_held(b);
+        }
+    }
+
+    /// The held THR byte `b` through the gate, counted at its own site.
+    fn send_held(&mut self, b: u8) {
+        self.port_exits.record(COM1, true, self.held_site);
+        gate::out(COM1, 1, u32::from(b));
     }
 
     /// A guest `in` through the gate, counted at the current site.
@@ -109,11 +127,23 @@ impl Hardware for Ring0 {
         self.pic.write(port, size, value);
         match self.com1.out(port, size, value) {
             OutRoute::BatchThr => log::console_byte(value as u8),
+            OutRoute::Hold { release } => {
+                if let Some(b) = release {
+                    log::console_byte(b);
+                }
+                self.held_site = self.site;
+            }
             OutRoute::Absorb => {}
-            OutRoute::Device { ier_first } => {
-                // The UART sees the batched bytes and the guest's IER before anything
-                // the guest does next.
+            OutRoute::Device {
+                thr_first,
+                ier_first,
+            } => {
+                // The UART sees the batched bytes, the held one and the guest's IER
+                // before anything the guest does next.
                 log::console_flush();
+                if let Some(b) = thr_first {
+                    self.send_held(b);
+                }
                 if let Some(ier) = ier_first {
                     self.gate_out(IER, 1, u32::from(ier));
                 }
@@ -130,7 +160,11 @@ impl Hardware for Ring0 {
             return v;
         }
         log::console_flush();
-        if let Some(ier) = self.com1.before_device_read(port, size) {
+        let (thr, ier) = self.com1.before_device_read(port, size);
+        if let Some(b) = thr {
+            self.send_held(b);
+        }
+        if let Some(ier) = ier {
             self.gate_out(IER, 1, u32::from(ier));
         }
         let v = self.gate_in(port, size);
@@ -171,7 +205,7 @@ impl Hardware for Ring0 {
     }
 
     fn halt(&mut self) {
-        log::console_flush();
+        self.flush_console();
         gate::hlt();
     }
 
