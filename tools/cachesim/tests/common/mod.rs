@@ -1,0 +1,3 @@
+//! Shared by the tests (and the `feed_cost` example).
+
+pub mod program;
