@@ -2,12 +2,23 @@
 //! MRU-first list (LRU), an insertion-ordered queue (FIFO) or a way array (RANDOM, with
 //! the documented xorshift64 stream), a `HashSet` of lines ever held per cache, and the
 //! hierarchy walked by hand. Every counter is compared exactly on random and adversarial
-//! streams.
+//! streams of references, and on streams of the engine's records fed to [`CacheSim`] as
+//! the host thread feeds them (each record expanded here into the references it stands
+//! for): the caches' counters, the references, the timeline and the misses per
+//! instruction.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
+use kpin_tool::host::{Error, Sink};
+use kpin_tool::{access, MemRecord};
+use kpin_tool_cachesim::files::parse_timeline;
+use kpin_tool_cachesim::insns::HOST_CAPACITY;
 use kpin_tool_cachesim::options::{Geometry, Options, Policy};
 use kpin_tool_cachesim::sim::{Hierarchy, Kind, Stats, KERNEL, USER};
+use kpin_tool_cachesim::{CacheSim, TIMELINE_NAME};
+
+mod common;
+use common::program::{Program, Rng};
 
 /// One reference cache.
 struct RefCache {
@@ -121,7 +132,8 @@ impl RefHierarchy {
         }
     }
 
-    fn access(&mut self, addr: u64, size: u32, kind: Kind, who: usize) {
+    /// Returns the line accesses that missed the L1.
+    fn access(&mut self, addr: u64, size: u32, kind: Kind, who: usize) -> u64 {
         if kind == Kind::Fetch {
             self.fetch[who] += 1;
         } else {
@@ -129,18 +141,22 @@ impl RefHierarchy {
         }
         let mut line = addr / self.line;
         let end = (addr + u64::from(size) - 1) / self.line;
+        let mut l1_misses = 0;
         while line <= end {
             let l1 = if kind == Kind::Fetch {
                 &mut self.l1i
             } else {
                 &mut self.l1d
             };
-            let hit = l1.access(line, who) || self.l2.as_mut().is_some_and(|c| c.access(line, who));
+            let l1_hit = l1.access(line, who);
+            l1_misses += u64::from(!l1_hit);
+            let hit = l1_hit || self.l2.as_mut().is_some_and(|c| c.access(line, who));
             if !hit {
                 self.ll.access(line, who);
             }
             line += 1;
         }
+        l1_misses
     }
 
     fn stats(&self) -> Vec<Stats> {
@@ -385,4 +401,404 @@ fn warmup_and_sim_refs_bound_the_statistics() {
         .collect();
     let got: Vec<Stats> = h.caches().map(|(_, c)| c.stats).collect();
     assert_eq!(got, diff);
+}
+
+/// What a [`CacheSim`] fed records reports: per cache its stats, the references by kind,
+/// the unresolved records, the timeline's rows and the misses per instruction.
+#[derive(Debug, PartialEq)]
+struct Outcome {
+    stats: Vec<Stats>,
+    fetch: [u64; 2],
+    data: [u64; 2],
+    skipped: u64,
+    unresolved: u64,
+    timeline: Vec<Vec<u64>>,
+    insns: Vec<(u64, u8, u64, u64)>,
+}
+
+/// The reference for a record stream: each record expanded into the references it stands
+/// for, simulated one by one by [`RefHierarchy`], with the warmup, `sim_refs`, the
+/// timeline and the per-instruction misses kept by hand.
+struct RefFeed {
+    h: RefHierarchy,
+    warmup_left: u64,
+    sim_left: Option<u64>,
+    skipped: u64,
+    unresolved: u64,
+    interval: u64,
+    counted: u64,
+    rows: Vec<Vec<u64>>,
+    insns: HashMap<(u64, u8), (u64, u64)>,
+}
+
+impl RefFeed {
+    fn new(o: &Options) -> Self {
+        RefFeed {
+            h: RefHierarchy::new(o),
+            warmup_left: o.warmup_refs,
+            sim_left: (o.sim_refs > 0).then_some(o.sim_refs),
+            skipped: 0,
+            unresolved: 0,
+            interval: o.interval_refs,
+            counted: 0,
+            rows: Vec::new(),
+            insns: HashMap::new(),
+        }
+    }
+
+    fn row(&self) -> Vec<u64> {
+        let h = &self.h;
+        let mut row = vec![h.fetch[0], h.fetch[1], h.data[0], h.data[1]];
+        for s in h.stats() {
+            row.extend([s.hits[0], s.hits[1], s.misses[0], s.misses[1]]);
+        }
+        row
+    }
+
+    /// One reference of the instruction at `ip` (`pa` `u64::MAX`: not simulated).
+    fn reference(&mut self, ip: u64, cpl: u8, pa: u64, size: u32, kind: Kind) {
+        if pa == u64::MAX {
+            self.unresolved += 1;
+            return;
+        }
+        let who = usize::from(cpl == 3);
+        if self.warmup_left > 0 {
+            self.h.access(pa, size.max(1), kind, who);
+            self.warmup_left -= 1;
+            if self.warmup_left == 0 {
+                for c in [&mut self.h.l1i, &mut self.h.l1d, &mut self.h.ll] {
+                    c.stats = Stats::default();
+                }
+                if let Some(c) = &mut self.h.l2 {
+                    c.stats = Stats::default();
+                }
+                (self.h.fetch, self.h.data) = ([0; 2], [0; 2]);
+            }
+            return;
+        }
+        // Past `sim_refs` a reference is skipped, but the timeline still counts it.
+        let skip = self.sim_left == Some(0);
+        if let Some(n) = &mut self.sim_left {
+            *n = n.saturating_sub(1);
+        }
+        self.skipped += u64::from(skip);
+        let missed = if skip {
+            0
+        } else {
+            self.h.access(pa, size.max(1), kind, who)
+        };
+        if missed > 0 {
+            let e = self.insns.entry((ip, cpl)).or_default();
+            if kind == Kind::Fetch {
+                e.1 += missed;
+            } else {
+                e.0 += missed;
+            }
+        }
+        self.counted += 1;
+        if self.counted.is_multiple_of(self.interval) {
+            let row = self.row();
+            self.rows.push(row);
+        }
+    }
+
+    fn feed(&mut self, r: &MemRecord) {
+        let (a, cpl) = (r.access, r.cpl());
+        if a & access::FETCH_RUN != 0 {
+            if r.pa == u64::MAX {
+                self.unresolved += 1;
+                return;
+            }
+            let mut off = 0;
+            for k in 0..r.size.min(16) {
+                let len = (r.ea >> (4 * k)) & 0xf;
+                self.reference(r.ip + off, cpl, r.pa + off, len as u32, Kind::Fetch);
+                off += len;
+            }
+            return;
+        }
+        if a & access::FETCH != 0 {
+            return self.reference(r.ip, cpl, r.pa, r.size, Kind::Fetch);
+        }
+        if a & access::WITH_FETCH != 0 {
+            let len = (a >> access::FETCH_LEN_SHIFT) & 0xf;
+            self.reference(r.ip, cpl, r.ea, len, Kind::Fetch);
+        }
+        let refs = u32::from(a & access::READ != 0) + u32::from(a & access::WRITE != 0);
+        if r.pa == u64::MAX {
+            self.unresolved += 1;
+            return;
+        }
+        for _ in 0..refs {
+            self.reference(r.ip, cpl, r.pa, r.size, Kind::Read);
+        }
+    }
+
+    fn outcome(&self) -> Outcome {
+        let mut timeline = self.rows.clone();
+        let last = self.row();
+        if timeline.last() != Some(&last) {
+            timeline.push(last);
+        }
+        let mut insns: Vec<_> = self
+            .insns
+            .iter()
+            .map(|(&(va, cpl), &(d, f))| (va, cpl, d, f))
+            .collect();
+        insns.sort_unstable();
+        Outcome {
+            stats: self.h.stats(),
+            fetch: self.h.fetch,
+            data: self.h.data,
+            skipped: self.skipped,
+            unresolved: self.unresolved,
+            timeline,
+            insns,
+        }
+    }
+}
+
+/// The files a [`CacheSim`] writes, in memory.
+#[derive(Default)]
+struct Files(Vec<(String, Vec<u8>)>);
+
+impl Sink for Files {
+    fn open(&mut self, name: &str) -> Result<u16, Error> {
+        self.0.push((name.to_string(), Vec::new()));
+        Ok((self.0.len() - 1) as u16)
+    }
+
+    fn write(&mut self, file: u16, data: &[u8]) -> Result<(), Error> {
+        self.0[usize::from(file)].1.extend_from_slice(data);
+        Ok(())
+    }
+
+    fn close(&mut self, _file: u16) -> Result<(), Error> {
+        Ok(())
+    }
+}
+
+fn sim_outcome(sim: &CacheSim) -> Outcome {
+    let mut files = Files::default();
+    sim.write_files(&mut files).unwrap();
+    let (_, csv) = files.0.iter().find(|(n, _)| n == TIMELINE_NAME).unwrap();
+    let timeline = parse_timeline(std::str::from_utf8(csv).unwrap()).unwrap();
+    let h = sim.hierarchy();
+    let mut insns: Vec<_> = sim
+        .insns()
+        .entries()
+        .map(|e| (e.va, e.cpl, e.data, e.fetch))
+        .collect();
+    insns.sort_unstable();
+    Outcome {
+        stats: h.caches().map(|(_, c)| c.stats).collect(),
+        fetch: h.fetch_refs,
+        data: h.data_refs,
+        skipped: h.skipped_refs,
+        unresolved: sim.unresolved(),
+        timeline: timeline.rows,
+        insns,
+    }
+}
+
+/// Feeds `records` to a [`CacheSim`] for `o` in stretches of uneven length (as the host
+/// thread's ring hands them over) and to the reference; every outcome must be equal.
+fn compare_records(o: &Options, records: &[MemRecord], what: &str) {
+    let mut sim = CacheSim::with_insn_capacity(&o.to_words(), HOST_CAPACITY).unwrap();
+    let mut reference = RefFeed::new(o);
+    let mut rng = Rng(7);
+    let mut rest = records;
+    while !rest.is_empty() {
+        let (now, later) = rest.split_at((1 + rng.below(5000) as usize).min(rest.len()));
+        kpin_tool::host_side::RecordConsumer::feed(&mut sim, now);
+        rest = later;
+    }
+    for r in records {
+        reference.feed(r);
+    }
+    let (got, want) = (sim_outcome(&sim), reference.outcome());
+    assert!(
+        want.stats[0].hits.iter().sum::<u64>() > 0 && want.stats[1].misses.iter().sum::<u64>() > 0,
+        "{what}: the stream exercises hits and misses"
+    );
+    assert!(want.timeline.len() > 3, "{what}: timeline rows");
+    if got != want {
+        // Name the first field that differs rather than dumping both.
+        assert_eq!(got.stats, want.stats, "{what}: {o:?}");
+        assert_eq!((got.fetch, got.data), (want.fetch, want.data), "{what}");
+        assert_eq!(
+            (got.skipped, got.unresolved),
+            (want.skipped, want.unresolved),
+            "{what}"
+        );
+        assert_eq!(
+            got.timeline.len(),
+            want.timeline.len(),
+            "{what}: timeline rows"
+        );
+        for (i, (g, w)) in got.timeline.iter().zip(&want.timeline).enumerate() {
+            assert_eq!(g, w, "{what}: timeline row {i}");
+        }
+        assert_eq!(got.insns, want.insns, "{what}: misses per instruction");
+    }
+}
+
+/// Records with every shape the engine sends, at random: runs of 2–16 instructions (some
+/// of zero length, some crossing lines), single fetches, operands with and without their
+/// instruction's fetch, read-modify-writes, line-crossing and unresolved addresses, both
+/// CPLs; addresses from a small span, so lines repeat, or a wide one.
+fn random_records(seed: u64, n: usize, span: u64) -> Vec<MemRecord> {
+    let mut r = Rng(seed);
+    let cpl = |r: &mut Rng| {
+        if r.chance(50) {
+            3u32 << access::CPL_SHIFT
+        } else {
+            0
+        }
+    };
+    let pa = |r: &mut Rng| {
+        if r.below(500) == 0 {
+            u64::MAX
+        } else {
+            r.below(span)
+        }
+    };
+    (0..n)
+        .map(|_| {
+            let ip = 0x40_0000 + r.below(4096);
+            match r.below(4) {
+                0 => {
+                    let n = 2 + r.below(15);
+                    let lens = (0..n).fold(0, |l, k| l | r.below(16) << (4 * k));
+                    MemRecord {
+                        ip,
+                        ea: lens,
+                        size: n as u32,
+                        access: access::FETCH | access::FETCH_RUN | cpl(&mut r),
+                        pa: pa(&mut r),
+                    }
+                }
+                1 => MemRecord {
+                    ip,
+                    ea: ip,
+                    size: 1 + r.below(15) as u32,
+                    access: access::FETCH | cpl(&mut r),
+                    pa: pa(&mut r),
+                },
+                k => {
+                    let rw = [access::READ, access::WRITE, access::READ | access::WRITE]
+                        [r.below(3) as usize];
+                    let with_fetch = if k == 2 {
+                        access::WITH_FETCH | (1 + r.below(15) as u32) << access::FETCH_LEN_SHIFT
+                    } else {
+                        0
+                    };
+                    MemRecord {
+                        ip,
+                        ea: if k == 2 { pa(&mut r) } else { ip },
+                        size: [1, 2, 4, 8, 16, 64][r.below(6) as usize],
+                        access: rw | with_fetch | cpl(&mut r),
+                        pa: pa(&mut r),
+                    }
+                }
+            }
+        })
+        .collect()
+}
+
+fn program_records(seed: u64, n: usize) -> Vec<MemRecord> {
+    let mut p = Program::new(seed);
+    let mut v = Vec::new();
+    p.records(n, &mut v);
+    v
+}
+
+#[test]
+fn record_streams_match_the_reference_in_every_counter() {
+    let geometries = [
+        ("small", small()),
+        (
+            "no L2, 32-byte lines",
+            Options {
+                l1i: Geometry {
+                    size: 1024,
+                    assoc: 1,
+                },
+                l1d: Geometry {
+                    size: 1024,
+                    assoc: 2,
+                },
+                l2: None,
+                ll: Geometry {
+                    size: 16384,
+                    assoc: 16,
+                },
+                line_size: 32,
+                ..Options::default()
+            },
+        ),
+        (
+            "issue #25's",
+            Options {
+                l1i: Geometry {
+                    size: 16 << 10,
+                    assoc: 8,
+                },
+                l1d: Geometry {
+                    size: 16 << 10,
+                    assoc: 8,
+                },
+                l2: None,
+                ll: Geometry {
+                    size: 2 << 20,
+                    assoc: 16,
+                },
+                line_size: 64,
+                ..Options::default()
+            },
+        ),
+    ];
+    for (name, g) in geometries {
+        for policy in policies() {
+            let o = Options {
+                policy,
+                interval_refs: 997,
+                ..g.clone()
+            };
+            compare_records(
+                &o,
+                &program_records(3, 150_000),
+                &format!("{name}, program"),
+            );
+            compare_records(
+                &o,
+                &random_records(4, 60_000, 48 << 10),
+                &format!("{name}, random"),
+            );
+            compare_records(
+                &o,
+                &random_records(5, 60_000, 4 << 20),
+                &format!("{name}, random wide"),
+            );
+        }
+    }
+}
+
+#[test]
+fn record_streams_match_the_reference_with_warmup_and_sim_refs() {
+    for policy in policies() {
+        let o = Options {
+            policy,
+            interval_refs: 500,
+            warmup_refs: 20_000,
+            ..small()
+        };
+        compare_records(&o, &program_records(6, 100_000), "warmup");
+        let limited = Options {
+            sim_refs: 90_000,
+            ..o
+        };
+        let records = program_records(7, 100_000);
+        compare_records(&limited, &records, "warmup and sim_refs");
+    }
 }

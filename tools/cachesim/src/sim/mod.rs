@@ -127,11 +127,24 @@ impl Cache {
         }
         self.last = tag;
         let base = (line & self.set_mask) as usize * self.assoc;
+        // The set's first way is its most recent line (LRU), its newest (FIFO), or way 0
+        // (random): a hit there changes no policy state. Data accesses mostly alternate
+        // between a few lines in different sets, so this is where most of them hit.
+        if self.tags[base] == tag {
+            self.stats.hits[who] += 1;
+            return true;
+        }
+        self.access_set(base, line, tag, who)
+    }
+
+    /// [`Cache::access`] past the first way of the set at `base`.
+    #[inline(never)]
+    fn access_set(&mut self, base: usize, line: u64, tag: u64, who: usize) -> bool {
         let set = &mut self.tags[base..base + self.assoc];
-        if let Some(w) = set.iter().position(|&t| t == tag) {
+        if let Some(w) = set.iter().skip(1).position(|&t| t == tag) {
             if self.policy == Policy::Lru {
                 // To the front (a few ways at most, mostly: no call to `memmove`).
-                for k in (1..=w).rev() {
+                for k in (1..=w + 1).rev() {
                     set[k] = set[k - 1];
                 }
                 set[0] = tag;
@@ -194,6 +207,9 @@ pub struct Hierarchy {
     line_shift: u32,
     warmup_left: u64,
     sim_left: Option<u64>,
+    /// [`Hierarchy::counting_all`], kept up to date: the same-line test of every record
+    /// asks it.
+    all: bool,
     /// References simulated (after the warmup), `[kernel, user]`, by kind: fetches, and
     /// data references.
     pub fetch_refs: [u64; 2],
@@ -228,6 +244,7 @@ impl Hierarchy {
             line_shift: o.line_size.max(1).trailing_zeros(),
             warmup_left: o.warmup_refs,
             sim_left: (o.sim_refs > 0).then_some(o.sim_refs),
+            all: o.warmup_refs == 0 && o.sim_refs == 0,
             fetch_refs: [0; 2],
             data_refs: [0; 2],
             skipped_refs: 0,
@@ -252,7 +269,7 @@ impl Hierarchy {
     /// no `sim_refs` limit).
     #[inline]
     pub fn counting_all(&self) -> bool {
-        self.warmup_left == 0 && self.sim_left.is_none()
+        self.all
     }
 
     /// While [`Hierarchy::counting_all`]: one access of `line` by a reference of `kind`
@@ -366,6 +383,7 @@ impl Hierarchy {
             self.warmup_left -= 1;
             if self.warmup_left == 0 {
                 self.reset_stats();
+                self.all = self.sim_left.is_none();
             }
         }
         if measuring {
