@@ -8,6 +8,8 @@
 //! bzImage's payload); and a kernel without BTF (the mini-kernel) gets one warning and rows
 //! by address space, again summing exactly. Every task row names its executable: `busybox`
 //! for busybox's applets (whose `comm` is the applet), `kpin-test` for the test program.
+//! And the engine records where user code came from (`objects`, `code_pages`): busybox
+//! and the test program among the files, with few failed walks of the tasks' VMAs.
 
 use std::path::Path;
 use std::process::Command;
@@ -82,10 +84,17 @@ fn assert_exact(out: &Path, processes: &serde_json::Value, run_json: &serde_json
         1,
         "one boot row"
     );
-    assert_eq!(
-        run_json["processes"], *processes,
-        "run.json's processes are processes.json's"
-    );
+    // run.json keeps the counts and rows, not the code origins (`objects`, `code_pages`).
+    let kept = run_json["processes"]
+        .as_object()
+        .expect("run.json's processes");
+    assert!(kept.contains_key("processes") && !kept.contains_key("code_pages"));
+    for (key, value) in kept {
+        assert_eq!(
+            *value, processes[key],
+            "run.json's processes.{key} is processes.json's"
+        );
+    }
 }
 
 /// Every busybox applet's rows name `busybox` as their executable (`/bin/busybox`), and
@@ -126,6 +135,63 @@ fn assert_exes(processes: &serde_json::Value) {
         assert!(r["exe"].is_string(), "a task without exe: {r}");
     }
     assert!(rows[0]["exe"].is_null(), "the boot row has none");
+}
+
+/// The user code's origins: `/bin/busybox` and the test program among the objects, each
+/// once; every code page names one of them; few walks of the VMAs failed, none dropped.
+fn assert_origins(processes: &serde_json::Value) {
+    let objects: Vec<&str> = processes["objects"]
+        .as_array()
+        .expect("objects")
+        .iter()
+        .map(|o| o.as_str().expect("an object is a string"))
+        .collect();
+    assert!(objects.contains(&"/bin/busybox"), "{objects:?}");
+    assert!(
+        objects.iter().any(|o| o.ends_with("/kpin-test")),
+        "{objects:?}"
+    );
+    let mut unique = objects.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), objects.len(), "each once: {objects:?}");
+    let pages = processes["code_pages"].as_array().expect("code_pages");
+    assert!(pages.len() > 100, "{} code pages", pages.len());
+    let mut pfns = std::collections::BTreeSet::new();
+    for p in pages {
+        let [pfn, object, offset] = [0, 1, 2].map(|i| p[i].as_u64().expect("numbers"));
+        assert!((object as usize) < objects.len(), "{p}");
+        assert_eq!(offset % 4096, 0, "a page's offset: {p}");
+        assert!(pfns.insert(pfn), "one entry per frame: {p}");
+    }
+    let busybox = objects.iter().position(|o| *o == "/bin/busybox").unwrap() as u64;
+    assert!(
+        pages.iter().filter(|p| p[1] == busybox).count() > 50,
+        "busybox's code pages"
+    );
+    let walks = json_u64(processes, "/origin_walks");
+    let failures = json_u64(processes, "/origin_walk_failures");
+    assert!(walks >= pages.len() as u64, "{walks} walks");
+    assert!(
+        failures * 100 <= walks,
+        "{failures} of {walks} walks failed"
+    );
+    assert_eq!(json_u64(processes, "/origins_dropped"), 0);
+    eprintln!(
+        "user code: {} objects, {} code pages, {walks} walks, {failures} failed: {objects:?}",
+        objects.len(),
+        pages.len()
+    );
+}
+
+/// The workload printed the md5 the host expects: watching changed nothing it computed.
+fn assert_workload_md5(out: &Path) {
+    let console = std::fs::read_to_string(out.join("console.log")).expect("console.log");
+    let md5 = kpin_images::workload_expected_md5();
+    assert!(
+        console.contains(&format!("KPIN-WORKLOAD-DONE {md5}")),
+        "workload md5 {md5} expected"
+    );
 }
 
 /// The names of the task rows.
@@ -174,6 +240,8 @@ fn test_linux_61_workload_processes_appear_by_name_and_sum_exactly() {
         .sum();
     assert!(sort > 1_000_000, "sort ran {sort} user instructions");
     assert_exes(&p);
+    assert_origins(&p);
+    assert_workload_md5(&out);
     assert!(
         stderr.contains(" exe "),
         "the table's exe column:\n{stderr}"
@@ -204,6 +272,8 @@ fn test_linux_612_finds_current_in_pcpu_hot() {
             "no row for {want:?}; rows: {names:?}"
         );
     }
+    assert_origins(&p);
+    assert_workload_md5(&out);
 }
 
 #[test]
@@ -251,6 +321,8 @@ fn test_linux_612_bzimage_with_kaslr_names_processes_from_its_payloads_btf() {
         );
     }
     assert_exes(&p);
+    assert_origins(&p);
+    assert_workload_md5(&out);
 }
 
 #[test]
@@ -266,4 +338,8 @@ fn test_a_kernel_without_btf_is_reported_by_address_space() {
     assert!(warnings[0].contains("no .BTF section"), "{}", warnings[0]);
     assert_eq!(p["by"], "address_space", "{p}");
     assert_exact(&out, &p, &run_json);
+    // No types, no VMAs: no origins, and no second warning about them.
+    assert_eq!(p["objects"], serde_json::json!([]), "{p}");
+    assert_eq!(p["code_pages"], serde_json::json!([]), "{p}");
+    assert!(!stderr.contains("user code is not attributed"), "{stderr}");
 }
