@@ -46,7 +46,7 @@ pub mod access {
     /// Shift of the instruction length in the `access` of a [`WITH_FETCH`] record.
     pub const FETCH_LEN_SHIFT: u32 = 12;
     /// Not an access: a record the engine inserts where the running task changes (the
-    /// task watch's charging point, `guest-engine/src/tasks.rs`), for a tool whose records
+    /// task watch's charging point, `guest-engine/src/tasks/mod.rs`), for a tool whose records
     /// go to the host ([`super::Tool::task_records`]). From this record on, the records
     /// belong to row `ea` of `processes.json`'s `processes` (0: the kernel before the first
     /// process); `ip`, `size` and `pa` are 0. Only with the kernel's types or address-space
