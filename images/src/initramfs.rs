@@ -1,7 +1,8 @@
 //! The busybox initramfs: layout of the guest's root file system, packed as newc cpio.
 //!
-//! Contents: `/bin/busybox` with a symlink per applet in [`APPLETS`] (the Debian build has a
-//! standalone shell, so the links are for humans and for other shells, not required by
+//! Contents: `/bin/busybox` (built from Debian's source with its symbols,
+//! `busybox_build.rs`) with a symlink per applet in [`APPLETS`] (Debian's static
+//! configuration has a standalone shell, so the links are for humans and for other shells, not required by
 //! `/init`), the mount points `/proc /sys /dev /tmp`, `/root` and `/etc`, a `/dev/console`
 //! node (5,1) so that the kernel can open the console for `/init` before devtmpfs is mounted,
 //! the native test programs (`programs.rs`: `/bin/kpin-test`, `/bin/kpin-conform`,

@@ -8,7 +8,9 @@
 //!   linux-6.12.117+deb12-amd64/{vmlinuz, vmlinux, config}    the generic 6.12, benchmarks only
 //!   debian-bookworm/{disk.img, initrd.img-<release>, expected-md5, packages.txt, stamp}
 //!                                                            the Debian guest (debian_image.rs)
-//!   busybox/busybox                                          static busybox from Debian
+//!   busybox-source/busybox                                   static busybox built from Debian's
+//!                                                            source, unstripped (busybox_build.rs)
+//!   busybox-source/build/                                    its build tree, removed afterwards
 //!   programs/{kpin-test, kpin-conform, kpin-conform32}      the initramfs' test programs
 //!   programs/src-<program>/                                  the sources each was compiled from
 //!   initramfs.cpio                                           newc archive, uncompressed
@@ -17,6 +19,7 @@
 //!   kpin-engine.elf                                          the engine image
 //!   engine-target/                                           cargo's target dir for it
 //!   downloads/                                               verified .debs (the big -dbg one is deleted)
+//!                                                            and busybox's source package
 //!   .stamps/                                                 cache stamps (see cache.rs)
 //!   .scratch/                                                extraction space, emptied after use
 //!   .scratch-zstd/                                           a zstd payload being decompressed
@@ -60,9 +63,9 @@ pub(crate) fn scratch_dir(out_dir: &Path) -> PathBuf {
     out_dir.join(".scratch")
 }
 
-/// The extracted busybox binary.
+/// The busybox binary built from Debian's source (`busybox_build.rs`).
 pub(crate) fn busybox(out_dir: &Path) -> PathBuf {
-    out_dir.join("busybox").join("busybox")
+    out_dir.join("busybox-source").join("busybox")
 }
 
 /// The initramfs archive.

@@ -12,10 +12,12 @@
 //! Host requirements: `apt-get` (with a package index that knows the pinned versions),
 //! `dpkg-deb`, `tar`, `zstd` (for kernels with a zstd payload), `gcc` with `libc6-dev`
 //! and `gcc-multilib` (the initramfs' test programs are static C programs, one of them
-//! also built 32-bit), and for the mini-kernel `cargo` with the `x86_64-unknown-none`
+//! also built 32-bit), `make`, `patch`, `bzip2` and `xz` (busybox is built from Debian's
+//! source package), and for the mini-kernel `cargo` with the `x86_64-unknown-none`
 //! target.
 #![deny(missing_docs)]
 
+mod busybox_build;
 mod bzimage;
 mod cache;
 mod command;
@@ -272,6 +274,49 @@ pub enum ImagesError {
         /// How it failed.
         #[source]
         source: CommandError,
+    },
+    /// A file of a pinned Debian source package could not be downloaded.
+    #[error(
+        "could not download {url}: `{command}` failed (Debian's mirror must be reachable; \
+         apt's proxy settings apply)"
+    )]
+    SourceDownload {
+        /// The file's URL.
+        url: String,
+        /// The exact command that failed.
+        command: String,
+        /// How it failed.
+        #[source]
+        source: CommandError,
+    },
+    /// The host lacks tools that building busybox from source needs.
+    #[error(
+        "building busybox from Debian's source needs {missing}, which the host does not \
+         have: `apt-get install {packages}` (.ci/setup does)"
+    )]
+    BusyboxTools {
+        /// The missing programs.
+        missing: String,
+        /// The Debian packages that provide them.
+        packages: String,
+    },
+    /// A step of the busybox build failed.
+    #[error(
+        "could not build busybox from Debian's source: `{command}` failed (it needs gcc, \
+         libc6-dev, make, patch, bzip2 and xz, which .ci/setup installs)"
+    )]
+    BusyboxBuild {
+        /// The exact command that failed.
+        command: String,
+        /// How it failed.
+        #[source]
+        source: CommandError,
+    },
+    /// The busybox source or build is not what kpin expects.
+    #[error("could not build busybox from Debian's source: {why}")]
+    BusyboxSource {
+        /// What is wrong.
+        why: String,
     },
     /// gdb's shared libraries could not be listed.
     #[error("could not list gdb's shared libraries: `{command}` failed")]

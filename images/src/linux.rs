@@ -6,7 +6,8 @@
 //! 2. `vmlinux` from `vmlinuz`'s payload: LZ4 decoded in-process, zstd by the host's `zstd`.
 //! 3. `System.map` from the `-dbg` package, which is deleted afterwards (~300 MB); the stamp
 //!    of `System.map` records the verified hash of the package it came from.
-//! 4. `busybox` from `busybox-static`.
+//! 4. `busybox`, built from Debian's `busybox` source package with its symbol table
+//!    (`busybox_build.rs`).
 //! 5. the native test programs (`kpin-test`, `kpin-conform`, `kpin-conform32`), compiled
 //!    with `gcc -static` (`programs.rs`).
 //! 6. `initramfs.cpio`, rebuilt in memory on every call (milliseconds) and written only when
@@ -22,10 +23,10 @@ use crate::cache::{self, io_error, JobLock};
 use crate::command;
 use crate::debian::{self, Member};
 use crate::layout::{self, kernel_files};
-use crate::pins::{DebPin, BUSYBOX, BUSYBOX_MEMBER, DEBIAN_6_12_GENERIC};
+use crate::pins::{DebPin, DEBIAN_6_12_GENERIC};
 use crate::{
-    bzimage, initramfs, programs, virtio_initramfs, BenchLinuxImages, GuestKernel, ImagesError,
-    LinuxImages,
+    busybox_build, bzimage, initramfs, programs, virtio_initramfs, BenchLinuxImages, GuestKernel,
+    ImagesError, LinuxImages,
 };
 
 /// Version of the vmlinux extraction; bump when `bzimage.rs` changes what it produces.
@@ -227,17 +228,10 @@ fn ensure_initramfs(
     out_dir: &Path,
     progress: &mut dyn FnMut(&str),
 ) -> Result<PathBuf, ImagesError> {
-    let busybox_path = layout::busybox(out_dir);
     let initramfs_path = layout::initramfs(out_dir);
 
-    // 4. busybox.
-    ensure_from_deb(
-        out_dir,
-        &BUSYBOX,
-        &[(BUSYBOX_MEMBER, &busybox_path)],
-        false,
-        progress,
-    )?;
+    // 4. busybox, built from Debian's source with its symbol table.
+    let busybox_path = busybox_build::ensure(out_dir, progress)?;
 
     // 5. the test programs.
     let program_paths = programs::ensure_all(out_dir, progress)?;

@@ -125,17 +125,90 @@ pub(crate) const DEBIAN_6_12_GENERIC: BenchKernelPins = BenchKernelPins {
     config_member: "./boot/config-6.12.117+deb12-amd64",
 };
 
-/// Statically linked busybox with a standalone shell (applets run without symlinks).
-pub(crate) const BUSYBOX: DebPin = DebPin {
-    package: "busybox-static",
-    version: "1:1.35.0-4+deb12u1+b1",
-    arch: "amd64",
-    sha256: "3d3fdbe91d4660c873e14b092c213fe81c1da6362daa236eb25d0171eb108744",
-    size_bytes: 928_188,
+/// A file of a Debian source package in Debian's pool, pinned by its SHA-256.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SourceFile {
+    /// The file name in the pool directory.
+    pub name: &'static str,
+    /// Lower-case hex SHA-256 of the file.
+    pub sha256: &'static str,
+}
+
+/// A Debian source package pinned to one exact version: its `.dsc` and its two tarballs
+/// (format `3.0 (quilt)`), fetched from Debian's pool (take the sums from
+/// `apt-cache showsrc <package>`'s `Checksums-Sha256`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SourcePin {
+    /// Source package name.
+    pub package: &'static str,
+    /// Exact Debian version, epoch included.
+    pub version: &'static str,
+    /// The pool directory on [`DEBIAN_MIRROR`], e.g. `pool/main/b/busybox`.
+    pub pool_dir: &'static str,
+    /// The source control file, which lists the tarballs' SHA-256.
+    pub dsc: SourceFile,
+    /// The upstream tarball.
+    pub orig: SourceFile,
+    /// Debian's `debian/` directory: patches, configurations, rules.
+    pub debian: SourceFile,
+}
+
+/// The Debian mirror source packages are fetched from (the one apt uses here).
+pub(crate) const DEBIAN_MIRROR: &str = "http://deb.debian.org/debian";
+
+/// The source of the default guest's busybox: the source package of Debian's
+/// `busybox-static` 1:1.35.0-4+deb12u1+b1 (a binNMU of this version), built by
+/// `busybox_build.rs` with Debian's static configuration so that the binary keeps its
+/// symbol table (Debian's package is stripped and its debug symbols are on a mirror this
+/// machine cannot reach).
+pub(crate) const BUSYBOX_SOURCE: SourcePin = SourcePin {
+    package: "busybox",
+    version: "1:1.35.0-4+deb12u1",
+    pool_dir: "pool/main/b/busybox",
+    dsc: SourceFile {
+        name: "busybox_1.35.0-4+deb12u1.dsc",
+        sha256: "9c01fe128b0eeded371c70e37d474fdb5055f71b5d0a778db44c6b0c62d3a7fa",
+    },
+    orig: SourceFile {
+        name: "busybox_1.35.0.orig.tar.bz2",
+        sha256: "faeeb244c35a348a334f4a59e44626ee870fb07b6884d68c10ae8bc19f83a694",
+    },
+    debian: SourceFile {
+        name: "busybox_1.35.0-4+deb12u1.debian.tar.xz",
+        sha256: "1cacbe095ef4880ea7879933c8e3c5075d1527cd6fbcb626a9b41e5daefd1a46",
+    },
 };
 
-/// The same busybox built for i386 (needs `dpkg --add-architecture i386`, which
-/// .ci/setup does): a real 32-bit program that runs the guest's whole default workload
+impl SourcePin {
+    /// The three files, `.dsc` first.
+    pub(crate) fn files(&self) -> [SourceFile; 3] {
+        [self.dsc, self.orig, self.debian]
+    }
+
+    /// The URL of `file` on [`DEBIAN_MIRROR`].
+    pub(crate) fn url(&self, file: &SourceFile) -> String {
+        format!("{DEBIAN_MIRROR}/{}/{}", self.pool_dir, file.name)
+    }
+
+    /// A one-line identity of the verified source, used as the input of cache stamps.
+    pub(crate) fn identity(&self) -> String {
+        let sums: Vec<String> = self
+            .files()
+            .iter()
+            .map(|f| format!("{} sha256:{}", f.name, f.sha256))
+            .collect();
+        format!(
+            "{} {} source {}",
+            self.package,
+            self.version,
+            sums.join(" ")
+        )
+    }
+}
+
+/// Debian's statically linked busybox built for i386, with a standalone shell (applets run
+/// without symlinks; needs `dpkg --add-architecture i386`, which .ci/setup does): a real
+/// 32-bit program that runs the guest's whole default workload
 /// as PID 1's shell (tests/linux_i386_busybox.rs).
 pub(crate) const BUSYBOX_I386: DebPin = DebPin {
     package: "busybox-static",
@@ -145,7 +218,7 @@ pub(crate) const BUSYBOX_I386: DebPin = DebPin {
     size_bytes: 958_344,
 };
 
-/// Archive member of [`BUSYBOX`] holding the binary.
+/// Archive member of [`BUSYBOX_I386`] holding the binary.
 pub(crate) const BUSYBOX_MEMBER: &str = "./bin/busybox";
 
 impl DebPin {
@@ -212,15 +285,11 @@ mod tests {
             BUSYBOX_I386.deb_file_name(),
             "busybox-static_1%3a1.35.0-4+deb12u1+b1_i386.deb"
         );
-        assert_eq!(BUSYBOX.apt_spec(), "busybox-static=1:1.35.0-4+deb12u1+b1");
+        assert_eq!(GDB_MINIMAL.apt_spec(), "gdb-minimal=13.1-3");
     }
 
     #[test]
     fn test_deb_file_name_url_encodes_epoch() {
-        assert_eq!(
-            BUSYBOX.deb_file_name(),
-            "busybox-static_1%3a1.35.0-4+deb12u1+b1_amd64.deb"
-        );
         assert_eq!(
             DEBIAN_6_1.image.deb_file_name(),
             "linux-image-6.1.0-56-cloud-amd64_6.1.192-2_amd64.deb"
@@ -259,12 +328,7 @@ mod tests {
 
     #[test]
     fn test_pins_are_lowercase_sha256_and_distinct() {
-        let mut all = vec![
-            BUSYBOX,
-            BUSYBOX_I386,
-            GDB_MINIMAL,
-            DEBIAN_6_12_GENERIC.image,
-        ];
+        let mut all = vec![BUSYBOX_I386, GDB_MINIMAL, DEBIAN_6_12_GENERIC.image];
         for k in KERNELS {
             all.extend([k.image, k.dbg]);
         }
@@ -302,6 +366,26 @@ mod tests {
         assert_eq!(DEBIAN_6_1.image.size_for_humans(), "27 MB");
         assert_eq!(DEBIAN_6_1.dbg.size_for_humans(), "283 MB");
         assert_eq!(DEBIAN_6_12.dbg.size_for_humans(), "318 MB");
-        assert_eq!(BUSYBOX.size_for_humans(), "928 kB");
+        assert_eq!(BUSYBOX_I386.size_for_humans(), "958 kB");
+    }
+
+    #[test]
+    fn test_busybox_source_is_the_binary_packages_version_and_pinned_by_file() {
+        // The i386 binary package is a binNMU (`+b1`) of exactly this source version.
+        assert_eq!(
+            BUSYBOX_I386.version,
+            format!("{}+b1", BUSYBOX_SOURCE.version)
+        );
+        assert_eq!(
+            BUSYBOX_SOURCE.url(&BUSYBOX_SOURCE.orig),
+            "http://deb.debian.org/debian/pool/main/b/busybox/busybox_1.35.0.orig.tar.bz2"
+        );
+        let identity = BUSYBOX_SOURCE.identity();
+        for file in BUSYBOX_SOURCE.files() {
+            assert_eq!(file.sha256.len(), 64, "{}", file.name);
+            assert!(identity.contains(file.sha256), "{identity}");
+        }
+        assert!(BUSYBOX_SOURCE.debian.name.ends_with(".debian.tar.xz"));
+        assert!(BUSYBOX_SOURCE.orig.name.ends_with(".orig.tar.bz2"));
     }
 }
