@@ -1,7 +1,10 @@
 //! Host instructions per record of the simulator on a deterministic program-like stream
-//! (`tests/common/program.rs`), fed the way the host thread feeds it
-//! ([`RecordConsumer::feed`] on 4096-record stretches):
-//! `cargo run --release -p kpin-tool-cachesim --example feed_cost [-- RECORDS [OPTIONS...]]`.
+//! (`tests/common/program.rs`) of RECORDS records, or on the records of FILE (32 bytes
+//! each: ip, ea, size | access << 32, pa, little-endian, as the record ring carries
+//! them), fed the way the host thread feeds them ([`RecordConsumer::feed`], 256 records a
+//! call as `vmm/src/engine/host_sim.rs` does):
+//! `cargo run --release -p kpin-tool-cachesim --example feed_cost [-- RECORDS|FILE [OPTIONS...]]`
+//! (options as `--tool-option` takes them; by default issue #25's geometry).
 //!
 //! It runs itself under `valgrind --tool=callgrind`, counting only the instructions
 //! executed inside the feeding (`simulate` below), and prints them per record: an exact
@@ -24,15 +27,24 @@ mod program;
 const RECORDS: usize = 4_000_000;
 const OPTIONS: &str =
     "L1I_size=16K L1I_assoc=8 L1D_size=16K L1D_assoc=8 LL_size=2M LL_assoc=16 line_size=64";
-/// Records per feed: a stretch of the record ring.
-const STRETCH: usize = 4096;
+/// Records per feed (`host_sim.rs`'s `FEED`).
+const STRETCH: usize = 256;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().is_some_and(|a| a == "--child") {
         return child(&args[1..]);
     }
-    let records = args.first().cloned().unwrap_or_else(|| RECORDS.to_string());
+    let source = args.first().cloned().unwrap_or_else(|| RECORDS.to_string());
+    let records = match source.parse::<u64>() {
+        Ok(n) => n,
+        Err(_) => {
+            std::fs::metadata(&source)
+                .expect("a record count or a file")
+                .len()
+                / 32
+        }
+    };
     let options = if args.len() > 1 {
         args[1..].to_vec()
     } else {
@@ -43,7 +55,7 @@ fn main() {
         .args(["--tool=callgrind", "--toggle-collect=*feed_cost::simulate*"])
         .arg(format!("--callgrind-out-file={}", out_file.display()))
         .arg(std::env::current_exe().expect("own path"))
-        .args(["--child", &records])
+        .args(["--child", &source])
         .args(&options)
         .output()
         .expect("valgrind runs");
@@ -60,10 +72,9 @@ fn main() {
         .find_map(|l| l.strip_prefix("totals: "))
         .and_then(|t| t.trim().parse().ok())
         .expect("callgrind's totals line");
-    let n: f64 = records.parse().expect("a record count");
     println!(
         "{records} records: {total} instructions simulating them, {:.1} per record",
-        total as f64 / n
+        total as f64 / records as f64
     );
 }
 
@@ -74,18 +85,33 @@ fn simulate(sim: &mut CacheSim, records: &[MemRecord]) {
 }
 
 fn child(args: &[String]) {
-    let n: usize = args[0].parse().expect("a record count");
     // The host thread's consumer (`report::Host::record_consumer`).
     let mut sim =
         CacheSim::with_insn_capacity(&args[1..].join(" "), HOST_CAPACITY).expect("options");
-    let mut program = program::Program::new(25);
     let mut buf: Vec<MemRecord> = Vec::with_capacity(2 * STRETCH);
-    let mut made = 0;
-    while made < n {
-        program.records(STRETCH.min(n - made), &mut buf);
-        buf.truncate(n - made);
-        made += buf.len();
-        simulate(&mut sim, &buf);
+    if let Ok(n) = args[0].parse::<usize>() {
+        let mut program = program::Program::new(25);
+        let mut made = 0;
+        while made < n {
+            program.records(STRETCH.min(n - made), &mut buf);
+            buf.truncate(n - made);
+            made += buf.len();
+            simulate(&mut sim, &buf);
+        }
+    } else {
+        let bytes = std::fs::read(&args[0]).expect("the records file");
+        let word = |c: &[u8], k: usize| u64::from_le_bytes(c[8 * k..8 * k + 8].try_into().unwrap());
+        for stretch in bytes.chunks(32 * STRETCH) {
+            buf.clear();
+            buf.extend(stretch.chunks_exact(32).map(|c| MemRecord {
+                ip: word(c, 0),
+                ea: word(c, 1),
+                size: word(c, 2) as u32,
+                access: (word(c, 2) >> 32) as u32,
+                pa: word(c, 3),
+            }));
+            simulate(&mut sim, &buf);
+        }
     }
     let h = sim.hierarchy();
     println!(
