@@ -5,14 +5,15 @@
 //! streams of references, and on streams of the engine's records fed to [`CacheSim`] as
 //! the host thread feeds them (each record expanded here into the references it stands
 //! for): the caches' counters, the references, the timeline and the misses per
-//! instruction.
+//! instruction. So is the loop that feeds records straight into the hierarchy
+//! (`Hierarchy::feed_records`), stopped at random points.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use kpin_tool::host::{Error, Sink};
 use kpin_tool::{access, MemRecord};
 use kpin_tool_cachesim::files::parse_timeline;
-use kpin_tool_cachesim::insns::HOST_CAPACITY;
+use kpin_tool_cachesim::insns::{MissTable, HOST_CAPACITY};
 use kpin_tool_cachesim::options::{Geometry, Options, Policy};
 use kpin_tool_cachesim::sim::{Hierarchy, Kind, Stats, KERNEL, USER};
 use kpin_tool_cachesim::{CacheSim, TIMELINE_NAME};
@@ -800,5 +801,121 @@ fn record_streams_match_the_reference_with_warmup_and_sim_refs() {
         };
         let records = program_records(7, 100_000);
         compare_records(&limited, &records, "warmup and sim_refs");
+    }
+}
+
+/// The records' loop ([`Hierarchy::feed_records`]) against the reference, stopped at
+/// random budgets of references (as the next timeline sample stops it), every record it
+/// leaves fed on its own with room: the counters, the references, the unresolved records
+/// and the misses per instruction are those of the reference.
+#[test]
+fn feeding_records_straight_into_the_hierarchy_matches_the_reference() {
+    let issue_25 = Options {
+        l1i: Geometry {
+            size: 16 << 10,
+            assoc: 8,
+        },
+        l1d: Geometry {
+            size: 16 << 10,
+            assoc: 8,
+        },
+        l2: None,
+        ll: Geometry {
+            size: 2 << 20,
+            assoc: 16,
+        },
+        ..Options::default()
+    };
+    for g in [small(), issue_25] {
+        for policy in policies() {
+            let o = Options {
+                policy,
+                interval_refs: u64::MAX,
+                ..g.clone()
+            };
+            let mut records = program_records(11, 100_000);
+            records.extend(random_records(12, 40_000, 64 << 10));
+            let mut h = Hierarchy::new(&o);
+            let mut insns = MissTable::new(HOST_CAPACITY);
+            let (mut unresolved, mut refs, mut stops) = (0, 0, 0);
+            let mut rng = Rng(13);
+            let mut rest = &records[..];
+            while !rest.is_empty() {
+                // Now and then too small for the next record.
+                let most = if rng.chance(20) { 4 } else { 200 };
+                let budget = 1 + rng.below(most);
+                let fed = h.feed_records(rest, budget, &mut insns, &mut unresolved);
+                assert!(fed.refs < budget, "{policy:?}: {fed:?} within {budget}");
+                refs += fed.refs;
+                stops += u64::from(fed.records < rest.len());
+                rest = &rest[fed.records..];
+                if fed.records == 0 {
+                    // The next record's references reach the budget.
+                    let fed = h.feed_records(&rest[..1], u64::MAX, &mut insns, &mut unresolved);
+                    assert_eq!(fed.records, 1);
+                    refs += fed.refs;
+                    rest = &rest[1..];
+                }
+            }
+            assert!(stops > 1000, "{policy:?}: the budgets stopped the loop");
+            let mut reference = RefFeed::new(&o);
+            records.iter().for_each(|r| reference.feed(r));
+            let want = reference.outcome();
+            let mut got: Vec<_> = insns
+                .entries()
+                .map(|e| (e.va, e.cpl, e.data, e.fetch))
+                .collect();
+            got.sort_unstable();
+            let stats: Vec<Stats> = h.caches().map(|(_, c)| c.stats).collect();
+            assert_eq!(stats, want.stats, "{policy:?}");
+            assert_eq!((h.fetch_refs, h.data_refs), (want.fetch, want.data));
+            assert_eq!(refs, want.fetch.iter().chain(&want.data).sum::<u64>());
+            assert_eq!(unresolved, want.unresolved);
+            assert!(got == want.insns, "{policy:?}: misses per instruction");
+        }
+    }
+}
+
+/// The loop leaves to `CacheSim::feed` what only it handles: records while warming up
+/// or counting up to `sim_refs`, and records of no reference (a run of no instruction, a
+/// task change).
+#[test]
+fn feeding_records_straight_leaves_the_rest_to_the_record_by_record_path() {
+    let records = program_records(14, 100);
+    let mut insns = MissTable::new(64);
+    let mut unresolved = 0;
+    for o in [
+        Options {
+            warmup_refs: 10,
+            ..small()
+        },
+        Options {
+            sim_refs: 1000,
+            ..small()
+        },
+    ] {
+        let mut h = Hierarchy::new(&o);
+        let fed = h.feed_records(&records, u64::MAX, &mut insns, &mut unresolved);
+        assert_eq!((fed.records, fed.refs), (0, 0));
+    }
+    let mut h = Hierarchy::new(&small());
+    let empty_run = MemRecord {
+        ip: 0x1000,
+        ea: 0,
+        size: 0,
+        access: access::FETCH | access::FETCH_RUN,
+        pa: 0x1000,
+    };
+    let task = MemRecord {
+        ip: 0,
+        ea: 5,
+        size: 0,
+        access: access::TASK,
+        pa: 0,
+    };
+    for odd in [empty_run, task] {
+        let stream = [records[0], records[1], odd, records[2]];
+        let fed = h.feed_records(&stream, u64::MAX, &mut insns, &mut unresolved);
+        assert_eq!(fed.records, 2, "{odd:?}");
     }
 }

@@ -9,6 +9,9 @@ use alloc::vec::Vec;
 
 use crate::options::{CacheKind, Geometry, Options, Policy};
 
+mod feed;
+pub use feed::Fed;
+
 /// Index of the kernel (CPL 0–2) half of a split counter.
 pub const KERNEL: usize = 0;
 /// Index of the user (CPL 3) half of a split counter.
@@ -120,11 +123,17 @@ impl Cache {
     /// or [`USER`]); returns whether it hit. A miss fills the line.
     #[inline]
     pub fn access(&mut self, line: u64, who: usize) -> bool {
-        let tag = line.wrapping_add(1);
-        if tag == self.last {
+        if line.wrapping_add(1) == self.last {
             self.stats.hits[who] += 1;
             return true;
         }
+        self.access_other(line, who)
+    }
+
+    /// [`Cache::access`] of a line other than the last one accessed.
+    #[inline]
+    fn access_other(&mut self, line: u64, who: usize) -> bool {
+        let tag = line.wrapping_add(1);
         self.last = tag;
         let base = (line & self.set_mask) as usize * self.assoc;
         // The set's first way is its most recent line (LRU), its newest (FIFO), or way 0
