@@ -37,31 +37,31 @@ impl Hierarchy {
         if !self.all {
             return Fed { records: 0, refs };
         }
+        // Each record is checked against the budget with all the references it stands
+        // for (those without an address too: a bound, as the record by record path checks
+        // each part on its own).
         for (i, r) in records.iter().enumerate() {
             let a = r.access;
-            let data = u64::from(a & access::READ != 0) + u64::from(a & access::WRITE != 0);
-            // The references the record stands for (those without an address included:
-            // a bound, as the record by record path checks each part on its own).
-            let n = if a & access::FETCH_RUN != 0 {
-                u64::from(r.size.min(16))
-            } else if a & access::FETCH != 0 {
-                1
-            } else if data == 0 {
-                0
-            } else {
-                data + u64::from(a & access::WITH_FETCH != 0)
-            };
-            if n == 0 || refs + n >= budget {
-                return Fed { records: i, refs };
-            }
             let who = usize::from(a >> access::CPL_SHIFT & 3 == 3);
             refs += if a & access::FETCH_RUN != 0 {
+                let n = u64::from(r.size.min(16));
+                if n == 0 || refs + n >= budget {
+                    return Fed { records: i, refs };
+                }
                 self.run(r, who, insns, unresolved)
             } else if a & access::FETCH != 0 {
+                if refs + 1 >= budget {
+                    return Fed { records: i, refs };
+                }
                 self.refs(Kind::Fetch, r, r.pa, r.size, 1, who, insns, unresolved)
             } else {
+                let data = u64::from(a & access::READ != 0) + u64::from(a & access::WRITE != 0);
+                let with_fetch = a & access::WITH_FETCH != 0;
+                if data == 0 || refs + data + u64::from(with_fetch) >= budget {
+                    return Fed { records: i, refs };
+                }
                 let mut fetched = 0;
-                if a & access::WITH_FETCH != 0 {
+                if with_fetch {
                     let len = (a >> access::FETCH_LEN_SHIFT) & 0xf;
                     fetched = self.refs(Kind::Fetch, r, r.ea, len, 1, who, insns, unresolved);
                 }
