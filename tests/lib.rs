@@ -533,6 +533,29 @@ pub fn compare_minikernel_transcript(console: &str, expected: &str) -> Result<us
     Ok(skipped.len())
 }
 
+/// `cg_annotate`'s program totals for `file` (`None`, said, where it is not installed).
+pub fn cg_annotate_totals(file: &std::path::Path) -> Option<Vec<u64>> {
+    let Ok(out) = std::process::Command::new("cg_annotate").arg(file).output() else {
+        eprintln!("SKIPPED: cg_annotate is not installed (Debian's valgrind package)");
+        return None;
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "cg_annotate failed: {stderr}");
+    assert!(!stderr.contains("WARNING"), "{stderr}");
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("PROGRAM TOTALS"))
+        .unwrap_or_else(|| panic!("no program totals:\n{stdout}"));
+    // `1,234 (100.0%) 5 (100.0%) … PROGRAM TOTALS`
+    Some(
+        line.split_whitespace()
+            .filter(|w| w.chars().all(|c| c.is_ascii_digit() || c == ','))
+            .map(|w| w.replace(',', "").parse().expect("a count"))
+            .collect(),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

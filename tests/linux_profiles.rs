@@ -5,36 +5,12 @@
 //! per-process table's rows sum to it too, and the workload's programs are in it by name.
 //! One boot (~1–3 min here).
 
-use std::path::Path;
 use std::process::Command;
 
-use kpin_tests::{kpin_bin, kpin_run, require_kvm, scratch_dir};
+use kpin_tests::{cg_annotate_totals, kpin_bin, kpin_run, require_kvm, scratch_dir};
 
 /// Seconds kpin may run the guest.
 const BUDGET_SECONDS: &str = "600";
-
-/// `cg_annotate`'s program totals for `file` (`None`, said, where it is not installed).
-fn cg_annotate_totals(file: &Path) -> Option<Vec<u64>> {
-    let Ok(out) = Command::new("cg_annotate").arg(file).output() else {
-        eprintln!("SKIPPED: cg_annotate is not installed (Debian's valgrind package)");
-        return None;
-    };
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "cg_annotate failed: {stderr}");
-    assert!(!stderr.contains("WARNING"), "{stderr}");
-    let line = stdout
-        .lines()
-        .find(|l| l.contains("PROGRAM TOTALS"))
-        .unwrap_or_else(|| panic!("no program totals:\n{stdout}"));
-    // `1,234 (100.0%) 5 (100.0%) … PROGRAM TOTALS`
-    Some(
-        line.split_whitespace()
-            .filter(|w| w.chars().all(|c| c.is_ascii_digit() || c == ','))
-            .map(|w| w.replace(',', "").parse().expect("a count"))
-            .collect(),
-    )
-}
 
 #[test]
 fn test_linux_cachesim_profiles_sum_to_the_counters() {

@@ -8,7 +8,9 @@
 
 use std::process::Command;
 
-use kpin_tests::{engine_counters, json_u64, kpin_bin, kpin_run, require_kvm, scratch_dir};
+use kpin_tests::{
+    cg_annotate_totals, engine_counters, json_u64, kpin_bin, kpin_run, require_kvm, scratch_dir,
+};
 
 /// The functions `images/workloads/kpin-test.c` defines (`static T name(…) {`).
 fn kpin_test_functions() -> Vec<String> {
@@ -104,4 +106,26 @@ fn test_linux_user_code_named_by_file_and_function() {
         report.contains("/bin/kpin-test: "),
         "the report names it: {report}"
     );
+
+    // The same counts per function as a Cachegrind file (cg_annotate's total is bbcount's)
+    // and as folded stacks, whose sum is the flame graph's root.
+    let total = json_u64(bb, "/total");
+    if let Some(totals) = cg_annotate_totals(&out.join("cachegrind.out.bbcount")) {
+        assert_eq!(totals, [total], "cg_annotate's program total");
+    }
+    let folded = std::fs::read_to_string(out.join("bbcount.folded")).expect("bbcount.folded");
+    let sum: u64 = folded
+        .lines()
+        .map(|l| {
+            l.rsplit_once(' ')
+                .expect("`stack count`")
+                .1
+                .parse::<u64>()
+                .expect("a count")
+        })
+        .sum();
+    assert_eq!(sum, total, "folded stacks");
+    assert!(folded.contains("/bin/kpin-test;"), "{folded:.2000}");
+    let svg = std::fs::read_to_string(out.join("bbcount-flamegraph.svg")).expect("the SVG");
+    assert!(svg.contains("</svg>"), "{svg:.300}");
 }

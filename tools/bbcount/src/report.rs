@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use kpin_tool::host_side::{HostTool, Reported, RunFiles, UserNames};
+use kpin_tool::profile_out::{Folded, Profile};
 use serde::Serialize;
 
 pub use crate::processes::{ProcessRow, Processes};
@@ -21,6 +22,15 @@ use crate::{parse_csv, Row, CSV_NAME};
 
 /// The report's file name in the output directory.
 pub const REPORT_NAME: &str = "bbcount-report.txt";
+/// The instructions per object and function in the Cachegrind format (one event, `Ir`),
+/// for `cg_annotate` and KCachegrind (`docs/profiles.md`).
+pub const CACHEGRIND_NAME: &str = "cachegrind.out.bbcount";
+/// The same as folded stacks, `object;function count` (`[kernel]` for the kernel's code).
+pub const FOLDED_NAME: &str = "bbcount.folded";
+/// The flame graph of [`FOLDED_NAME`] (inferno), its root the instructions counted.
+pub const FLAME_NAME: &str = "bbcount-flamegraph.svg";
+/// The object kernel code is listed under in [`CACHEGRIND_NAME`] and [`FOLDED_NAME`].
+const KERNEL_OBJECT: &str = "[kernel]";
 /// Largest `bbcount.csv` the report reads (the daemon's default output limit is 1 GiB).
 pub const MAX_CSV_BYTES: u64 = 256 << 20;
 /// Names for block addresses: a symbol table, and where it came from (the tool API's).
@@ -82,6 +92,12 @@ pub struct BbcountSummary {
     /// Rows the text's tables show (`kpin run --top`).
     #[serde(skip)]
     shown: usize,
+    /// Every block's instructions per object and function: [`CACHEGRIND_NAME`].
+    #[serde(skip)]
+    pub cachegrind: Profile,
+    /// The same as `object;function` stacks: [`FOLDED_NAME`] and [`FLAME_NAME`].
+    #[serde(skip)]
+    pub folded: Folded,
 }
 
 /// One function of a per-function table.
@@ -168,10 +184,21 @@ impl BbcountSummary {
         let (mut kernel_named, mut user_named) = (Vec::new(), Vec::new());
         let (mut user_named_object, mut user_named_function) = (0u64, 0u64);
         let mut names = Vec::with_capacity(blocks.len());
+        let mut cachegrind = Profile::new(&["Ir"]);
+        let mut folded = Folded::default();
+        let mut profile = |object: &str, function: Option<&str>, executed: u64| {
+            let function = function.map_or("?", function_of);
+            cachegrind.add(object, function, &[executed]);
+            folded.add(&[object, function], executed);
+        };
         for &((address, physical, cpl, insns), count) in &blocks {
             let executed = count.saturating_mul(u64::from(insns));
             let name = if cpl == 3 {
                 let code = user.and_then(|u| (physical != 0).then(|| u.name(physical)).flatten());
+                match &code {
+                    Some(c) => profile(&c.object, c.function.as_deref(), executed),
+                    None => profile("[user]", None, executed),
+                }
                 let object = code.as_ref().filter(|c| c.object != "[anon]");
                 if object.is_some() {
                     user_named_object = user_named_object.saturating_add(executed);
@@ -187,6 +214,7 @@ impl BbcountSummary {
                 name
             } else {
                 let name = symbols.and_then(|s| s.name(address));
+                profile(KERNEL_OBJECT, name.as_deref(), executed);
                 kernel_named.push((name.clone(), executed));
                 name
             };
@@ -239,6 +267,8 @@ impl BbcountSummary {
             },
             processes: None,
             shown: top,
+            cachegrind,
+            folded,
         }
     }
 
@@ -323,6 +353,10 @@ impl BbcountSummary {
         if let Some(p) = &self.processes {
             t.push_str(&p.render(self.shown));
         }
+        let _ = writeln!(
+            t,
+            "per function, kernel and user: {CACHEGRIND_NAME} (cg_annotate), {FOLDED_NAME}, {FLAME_NAME}"
+        );
         t
     }
 }
@@ -359,9 +393,28 @@ pub fn write_report(
     };
     let mut summary = BbcountSummary::named(&rows, symbols, user, top);
     summary.processes = processes;
+    let write = |name: &str, bytes: &[u8]| {
+        let path = out.join(name);
+        host_daemon::resolve::write_output_file(&path, bytes)
+            .with_context(|| format!("cannot write {}", path.display()))
+    };
+    let mut cachegrind = Vec::new();
+    let desc = [String::from(
+        "kpin bbcount: guest instructions executed per function, kernel and user",
+    )];
+    summary
+        .cachegrind
+        .write_cachegrind(&mut cachegrind, &desc, "kpin run --tool bbcount")?;
+    write(CACHEGRIND_NAME, &cachegrind)?;
+    let mut folded = Vec::new();
+    summary.folded.write(&mut folded)?;
+    write(FOLDED_NAME, &folded)?;
+    let svg = summary
+        .folded
+        .flame_graph_svg("kpin bbcount: guest instructions", "instructions")?;
+    write(FLAME_NAME, &svg)?;
     let path = out.join(REPORT_NAME);
-    host_daemon::resolve::write_output_file(&path, summary.render().as_bytes())
-        .with_context(|| format!("cannot write {}", path.display()))?;
+    write(REPORT_NAME, summary.render().as_bytes())?;
     Ok(Some((summary, path)))
 }
 
@@ -382,7 +435,7 @@ impl HostTool for Host {
     }
 
     fn report_files(&self) -> &'static [&'static str] {
-        &[REPORT_NAME]
+        &[REPORT_NAME, CACHEGRIND_NAME, FOLDED_NAME, FLAME_NAME]
     }
 
     fn report(&self, run: &mut RunFiles<'_>) -> Reported {
@@ -446,7 +499,10 @@ mod tests {
     /// refuses it to the guest.
     #[test]
     fn test_the_report_file_is_declared_for_the_daemon_to_reserve() {
-        assert_eq!(Host.report_files(), &[REPORT_NAME]);
+        assert_eq!(
+            Host.report_files(),
+            &[REPORT_NAME, CACHEGRIND_NAME, FOLDED_NAME, FLAME_NAME]
+        );
         let dir = std::env::temp_dir().join(format!("kpin-bbcount-reserve-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let mut d = host_daemon::Daemon::new(&dir);
@@ -763,6 +819,22 @@ mod tests {
         assert_eq!((s.cpl0, s.cpl3), (21, 10));
         assert_eq!(std::fs::read_to_string(&path).unwrap(), s.render());
         assert_eq!(s.top[0].symbol.as_deref(), Some("do_syscall_64+0x40"));
+        // The profiles: every instruction once, under its function (the kernel's) or `?`.
+        assert_eq!(
+            std::fs::read_to_string(dir.join(CACHEGRIND_NAME)).unwrap(),
+            "desc: kpin bbcount: guest instructions executed per function, kernel and user\n\
+             cmd: kpin run --tool bbcount\nevents: Ir\nfl=[kernel]\nfn=do_syscall_64\n0 21\n\
+             fl=[user]\nfn=?\n0 10\nsummary: 31\n"
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.join(FOLDED_NAME)).unwrap(),
+            "[kernel];do_syscall_64 21\n[user];? 10\n"
+        );
+        let svg = std::fs::read_to_string(dir.join(FLAME_NAME)).unwrap();
+        assert!(
+            svg.starts_with("<?xml") && svg.contains("do_syscall_64"),
+            "{svg:.200}"
+        );
 
         std::fs::write(dir.join(CSV_NAME), "address,instructions,count\n0x10,1,1\n").unwrap();
         let e = write_report(&dir, None, None, None, DEFAULT_TOP)
