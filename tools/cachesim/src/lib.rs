@@ -178,7 +178,22 @@ impl CacheSim {
         if self.attr.is_some() {
             records.iter().for_each(|r| self.feed_one::<true>(r));
         } else {
-            records.iter().for_each(|r| self.feed_one::<false>(r));
+            // The common case in one loop (`Hierarchy::feed_records`, ~22 % fewer host
+            // instructions per record); the record it stops at (warmup, past `sim_refs`, a
+            // timeline sample inside it, a TASK record) goes through `feed_one`.
+            let mut rest = records;
+            while !rest.is_empty() {
+                let budget = self.timeline.interval - self.timeline.since;
+                let fed =
+                    self.hier
+                        .feed_records(rest, budget, &mut self.insns, &mut self.unresolved);
+                self.timeline.since += fed.refs;
+                rest = &rest[fed.records..];
+                if let Some((r, later)) = rest.split_first() {
+                    self.feed_one::<false>(r);
+                    rest = later;
+                }
+            }
         }
     }
 
