@@ -14,6 +14,7 @@ pub mod attach_control;
 pub mod io_ring;
 pub mod mmio;
 pub mod output;
+pub mod pci;
 pub mod ports;
 pub mod record_ring;
 pub mod stolen;

@@ -25,8 +25,10 @@
 //! * `syscall.rs` — `syscall`/`sysretq`/`swapgs`/`rd/wr{fs,gs}base`;
 //! * `port_io.rs` — `in`/`out` of AL/AX/EAX (a poweroff or reset write stops for the
 //!   final report; string port I/O stops); `uart_status.rs` — COM1's line status and
-//!   IER, and `pic_mask.rs` — the PICs' masks, which an embedder may answer (and, for
-//!   the console's IER writes, keep) without a port exit once they are known;
+//!   IER, `pic_mask.rs` — the PICs' masks, and `pci_config.rs` — PCI configuration
+//!   mechanism 1's address register and reads, which an embedder may answer (and, for
+//!   the console's IER writes and the PCI address, keep) without a port exit once they
+//!   are known;
 //! * `legacy.rs` — same-privilege far `jmp`/`call`, `iretd`, `lss`/`lfs`/`lgs`/`les`/
 //!   `lds`, and 32-bit code's `pushad`/`popad`, `into`, `bound`, `aam`/`aad`;
 //! * `optional.rs` — instructions that follow a CPUID feature, a control bit or the
@@ -59,6 +61,7 @@ mod mce;
 mod misc;
 mod msr;
 mod optional;
+pub mod pci_config;
 pub mod pic_mask;
 mod port_exits;
 mod port_io;
@@ -80,6 +83,7 @@ pub use cr::paging_control;
 pub use events::{Event, Kind, TripleFault};
 pub use hardware::{GuestFault, GuestMmu, Hardware};
 pub use msr::{LogOnce, MsrFile, Written, LAPIC_FRAME};
+pub use pci_config::{PciConfigCache, PciOut};
 pub use pic_mask::PicMaskCache;
 pub use port_exits::{PortExitTable, PortSite};
 pub use segments::{Descriptor, Segments, Sreg};
