@@ -134,6 +134,10 @@ pub fn serve(
             if let Some(ier) = vcpu.hw.com1.unsent_ier() {
                 gate::out(uart_status::IER, 1, u32::from(ier));
             }
+            // And the PCI model the guest's address register (`vcpu::pci_config`).
+            if let Some(latch) = vcpu.hw.pci.unsent_latch() {
+                gate::out(kpin_abi::pci::ADDRESS_PORT, 4, latch);
+            }
             hand_back(engine, vcpu);
             log!(
                 Info,

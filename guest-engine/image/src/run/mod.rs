@@ -333,13 +333,16 @@ fn write_vcpu_counters(j: &mut JsonObject, vcpu: &Vcpu<'_>) {
         .u64("port_in", v.ins)
         .u64("cpuid", v.cpuids)
         // Of the port reads, those the engine answered itself (COM1's LSR and IER,
-        // the PICs' masks); of the writes, COM1 IER writes it kept (a console
-        // message's save/clear/restore).
+        // the PICs' masks, PCI configuration reads); of the writes, those it kept
+        // (COM1 IER writes: a console message's save/clear/restore; the PCI address).
         .u64(
             "port_in_answered_in_engine",
-            vcpu.hw.com1.answered + vcpu.hw.pic.answered,
+            vcpu.hw.com1.answered + vcpu.hw.pic.answered + vcpu.hw.pci.answered,
         )
-        .u64("port_out_kept_in_engine", vcpu.hw.com1.absorbed)
+        .u64(
+            "port_out_kept_in_engine",
+            vcpu.hw.com1.absorbed + vcpu.hw.pci.absorbed,
+        )
         // COM1 THR writes made with THRI set and held (all but the last of a run
         // never reach the port).
         .u64("com1_thr_writes_held", vcpu.hw.com1.held_total)

@@ -11,8 +11,10 @@ use core::fmt;
 use guest_engine::shadow_mmu::{PagingControl, ShadowError, View};
 use guest_engine::vcpu::uart_status::{COM1, IER};
 use guest_engine::vcpu::{
-    GuestFault, GuestMmu, Hardware, LineStatusCache, OutRoute, PicMaskCache, PortExitTable,
+    GuestFault, GuestMmu, Hardware, LineStatusCache, OutRoute, PciConfigCache, PciOut,
+    PicMaskCache, PortExitTable,
 };
+use kpin_abi::pci::ADDRESS_PORT as PCI_ADDRESS;
 use kpin_abi::x86::msr;
 
 use crate::events::{irq, timer};
@@ -33,6 +35,10 @@ pub struct Ring0 {
     pub com1: LineStatusCache,
     /// The PICs' masks (Linux reads the IMR before acknowledging every interrupt).
     pub pic: PicMaskCache,
+    /// PCI configuration mechanism 1: the address register kept here, configuration
+    /// reads answered from the VMM's model (`kpin_abi::pci`) — Linux's early quirks
+    /// and PCI probe read it a few hundred times during boot.
+    pub pci: PciConfigCache,
     /// [`probe_null_selector_clears_base`]'s answer.
     pub null_clears_base: bool,
     /// The guest's port accesses that went through the gate, by port and guest RIP.
@@ -124,6 +130,10 @@ pub fn probe_null_selector_clears_base() -> bool {
 
 impl Hardware for Ring0 {
     fn port_out(&mut self, port: u16, size: u8, value: u32) {
+        let pci_latch = match self.pci.out(port, size, value) {
+            PciOut::Absorb => return,
+            PciOut::Device { latch_first } => latch_first,
+        };
         self.pic.write(port, size, value);
         match self.com1.out(port, size, value) {
             OutRoute::BatchThr => log::console_byte(value as u8),
@@ -147,6 +157,10 @@ impl Hardware for Ring0 {
                 if let Some(ier) = ier_first {
                     self.gate_out(IER, 1, u32::from(ier));
                 }
+                // The PCI model holds the guest's address before a data write.
+                if let Some(latch) = pci_latch {
+                    self.gate_out(PCI_ADDRESS, 4, latch);
+                }
                 self.gate_out(port, size, value);
             }
         }
@@ -157,6 +171,11 @@ impl Hardware for Ring0 {
             return v;
         }
         if let Some(v) = self.pic.answer(port, size) {
+            return v;
+        }
+        // A PCI read the cache cannot answer finds the latch unknown, so nothing to write
+        // back (`pci_config.rs`).
+        if let Some(v) = self.pci.answer(port, size) {
             return v;
         }
         log::console_flush();
@@ -170,6 +189,7 @@ impl Hardware for Ring0 {
         let v = self.gate_in(port, size);
         self.com1.read_done(port, size, v);
         self.pic.read_done(port, size, v);
+        self.pci.read_done(port, size, v);
         v
     }
 
