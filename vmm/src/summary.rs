@@ -170,7 +170,7 @@ mod tests {
         "processes",
     ];
 
-    /// The tools' keys after them: the registry's, bbcount's and cachesim's.
+    /// The tools' keys after them: the registry's: bbcount's, cachesim's and insmix's.
     fn tool_keys() -> Vec<&'static str> {
         kpin_tool_registry::host::HOST_TOOLS
             .iter()
@@ -180,7 +180,7 @@ mod tests {
 
     #[test]
     fn test_the_tools_keys_are_the_registrys() {
-        assert_eq!(tool_keys(), ["bbcount", "cachesim"]);
+        assert_eq!(tool_keys(), ["bbcount", "cachesim", "insmix"]);
     }
 
     #[test]

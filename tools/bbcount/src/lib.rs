@@ -15,8 +15,6 @@
 extern crate alloc;
 
 #[cfg(feature = "host")]
-mod processes;
-#[cfg(feature = "host")]
 pub mod report;
 
 use alloc::boxed::Box;
@@ -35,7 +33,7 @@ pub const SPEC: ToolSpec = ToolSpec {
     options: &[],
     prefixed_keys: false,
     host: Some(HostPart {
-        about: "bbcount-report.txt: the user/kernel split and the hottest blocks, named from the kernel's symbols",
+        about: "bbcount-report.txt: the user/kernel split, the hottest blocks and functions named from the kernel's symbols and the guest's ELF files, the per-process table; cachegrind.out.bbcount, bbcount.folded, bbcount-flamegraph.svg",
         takes_records: None,
     }),
 };

@@ -17,7 +17,7 @@ use kpin_tool::host_side::{HostTool, Reported, RunFiles, UserNames};
 use kpin_tool::profile_out::{Folded, Profile};
 use serde::Serialize;
 
-pub use crate::processes::{ProcessRow, Processes};
+pub use kpin_tool::processes::{ProcessRow, Processes};
 use crate::{parse_csv, Row, CSV_NAME};
 
 /// The report's file name in the output directory.

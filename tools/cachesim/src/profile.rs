@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use kpin_tool::host_side::{BlockNames, UserNames};
+use kpin_tool::processes::Processes;
 use kpin_tool::profile_out::{Folded, Profile};
 use serde::Serialize;
 
@@ -33,12 +34,8 @@ pub const FLAME_NAME: &str = "cachesim-flamegraph.svg";
 pub const FOLDED_L1D_NAME: &str = "cachesim-l1d.folded";
 /// Their flame graph.
 pub const FLAME_L1D_NAME: &str = "cachesim-l1d-flamegraph.svg";
-/// The processes file the engine writes beside the tool's.
-pub const PROCESSES_NAME: &str = "processes.json";
 /// Largest blocks file read (~60 bytes a block; a Linux run has ~100 000).
 pub const MAX_BLOCKS_BYTES: u64 = 256 << 20;
-/// Largest `processes.json` read (the VMM's bound).
-pub const MAX_PROCESSES_BYTES: u64 = 1 << 20;
 
 /// The object of kernel frames.
 pub const KERNEL_OBJECT: &str = "[kernel]";
@@ -57,55 +54,29 @@ pub struct Task {
     pub name: String,
 }
 
-/// Reads the rows of `processes.json` (`Ok(None)`: none in the run). The file came from
-/// the guest's side: a row that is not the engine's shape is named by its index.
+/// Reads the rows of `processes.json` (`Ok(None)`: none in the run), indexed as the
+/// engine's `TASK` records name them. The file came from the guest's side
+/// ([`kpin_tool::processes`] reads it as untrusted).
 pub fn read_tasks(out: &Path) -> Result<Option<Vec<Task>>, String> {
-    let path = out.join(PROCESSES_NAME);
-    if std::fs::symlink_metadata(&path).is_err() {
+    let Some(p) = Processes::read(out)? else {
         return Ok(None);
+    };
+    let mut tasks = alloc::vec![Task::default(); p.rows.len()];
+    for r in p.rows {
+        let name = match r.kind.as_str() {
+            "boot" => "[boot]".to_string(),
+            "overflow" => "[overflow]".to_string(),
+            "address_space" => format!("cr3 {}", r.cr3.as_deref().unwrap_or("?")),
+            _ => r.comm,
+        };
+        if let Some(t) = tasks.get_mut(r.row) {
+            *t = Task {
+                pid: r.pid.and_then(|p| u64::try_from(p).ok()),
+                name,
+            };
+        }
     }
-    let text = host_daemon::resolve::read_output_text(&path, MAX_PROCESSES_BYTES)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-    let rows = v
-        .get("processes")
-        .and_then(|p| p.as_array())
-        .ok_or_else(|| format!("{}: no processes list", path.display()))?;
-    Ok(Some(
-        rows.iter()
-            .enumerate()
-            .map(|(i, r)| {
-                let s = |k: &str| r.get(k).and_then(|v| v.as_str()).map(printable);
-                let name = match r.get("kind").and_then(|k| k.as_str()) {
-                    Some("boot") => "[boot]".to_string(),
-                    Some("overflow") => "[overflow]".to_string(),
-                    Some("address_space") => r
-                        .get("cr3")
-                        .and_then(|c| c.as_u64())
-                        .map_or(format!("row {i}"), |c| format!("cr3 {c:#x}")),
-                    _ => s("comm").unwrap_or(format!("row {i}")),
-                };
-                Task {
-                    pid: r.get("pid").and_then(|p| p.as_u64()),
-                    name,
-                }
-            })
-            .collect(),
-    ))
-}
-
-/// A guest-made name as printable ASCII (others `?`), as the VMM prints them.
-fn printable(s: &str) -> String {
-    s.chars()
-        .map(|c| {
-            if c.is_ascii_graphic() || c == ' ' {
-                c
-            } else {
-                '?'
-            }
-        })
-        .collect()
+    Ok(Some(tasks))
 }
 
 /// One process's row of the table.

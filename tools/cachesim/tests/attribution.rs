@@ -300,11 +300,12 @@ impl UserNames for User {
 }
 
 fn processes_json() -> &'static str {
-    r#"{"by":"task","processes":[
-        {"kind":"boot","pid":null,"comm":null},
-        {"kind":"task","pid":1,"comm":"init"},
-        {"kind":"task","pid":7,"comm":"sort"},
-        {"kind":"task","pid":8,"comm":"a;b\nc"}
+    // The engine's shape (`docs/processes.md`): the counts do not matter here.
+    r#"{"by":"task","user_instructions":0,"kernel_instructions":0,"processes":[
+        {"kind":"boot","pid":null,"comm":null,"cr3":"0x0","user_instructions":0,"kernel_instructions":0},
+        {"kind":"task","pid":1,"comm":"init","cr3":"0x1000","user_instructions":0,"kernel_instructions":0},
+        {"kind":"task","pid":7,"comm":"sort","cr3":"0x2000","user_instructions":0,"kernel_instructions":0},
+        {"kind":"task","pid":8,"comm":"a;b\nc","cr3":"0x3000","user_instructions":0,"kernel_instructions":0}
     ]}"#
 }
 

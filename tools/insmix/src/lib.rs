@@ -12,6 +12,9 @@
 
 extern crate alloc;
 
+#[cfg(feature = "host")]
+pub mod host;
+
 use alloc::collections::BTreeMap;
 use alloc::vec::Vec;
 use core::fmt::{self, Write};
@@ -25,7 +28,10 @@ pub const SPEC: ToolSpec = ToolSpec {
     summary: "dynamic and static counts per mnemonic, kernel and user -> insmix.txt, insmix.json",
     options: &[],
     prefixed_keys: false,
-    host: None,
+    host: Some(kpin_tool::HostPart {
+        about: "insmix-processes.txt: the instructions each process executed, user and kernel on its behalf",
+        takes_records: None,
+    }),
 };
 
 /// The tool for `--tool-option` words (it has no options of its own): the registry's
@@ -33,6 +39,10 @@ pub const SPEC: ToolSpec = ToolSpec {
 pub fn new_tool(_options: &str) -> Result<alloc::boxed::Box<dyn KpinTool>, alloc::string::String> {
     Ok(alloc::boxed::Box::new(InsMix::default()))
 }
+
+/// The host part (the registry's): the per-process table after the run.
+#[cfg(feature = "host")]
+pub const HOST: host::Host = host::Host;
 
 /// The table's name.
 pub const TXT_NAME: &str = "insmix.txt";

@@ -27,6 +27,8 @@ pub mod host_run;
 #[cfg(feature = "host")]
 pub mod host_side;
 #[cfg(feature = "host")]
+pub mod processes;
+#[cfg(feature = "host")]
 pub mod profile_out;
 pub mod spec;
 

@@ -68,7 +68,7 @@ registry! {
     kpin_tool_null,
     kpin_tool_bbcount: host,
     kpin_tool_cachesim: host,
-    kpin_tool_insmix,
+    kpin_tool_insmix: host,
     kpin_tool_memtrace: host,
 }
 

@@ -1,9 +1,15 @@
-//! The per-process table of bbcount's report (feature `host`): the engine's
+//! The per-process table of the tools' reports (feature `host`): the engine's
 //! `processes.json` (`docs/processes.md`), read back as untrusted — every row's pid, comm,
 //! executable and the instructions charged to it per CPL, and whether the rows add up to
-//! the totals (the engine charges every instruction to exactly one row).
+//! the totals (the engine charges every instruction to exactly one row). bbcount and
+//! insmix print it as it is; cachesim names its `TASK` rows from it.
 
-use std::fmt::Write;
+extern crate std;
+
+use alloc::format;
+use alloc::string::{String, ToString};
+use alloc::vec::Vec;
+use core::fmt::Write;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -37,6 +43,13 @@ struct FileRow {
 /// One process (row of `processes.json`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ProcessRow {
+    /// Its index in `processes.json`'s `processes` (what a `TASK` record's `ea` names).
+    pub row: usize,
+    /// `task`, `boot` (the kernel before the first process), `overflow` (tasks past the
+    /// table's end) or `address_space` (a kernel without BTF: keyed by CR3).
+    pub kind: String,
+    /// The address space's CR3 (`0x…`), for `address_space` rows.
+    pub cr3: Option<String>,
     /// Its pid (`None`: not a task: the kernel before the first process, an address space).
     pub pid: Option<i64>,
     /// What it calls itself, or what the row is (`(kernel before the first process)`).
@@ -78,7 +91,11 @@ impl Processes {
         let mut rows: Vec<ProcessRow> = f
             .processes
             .into_iter()
-            .map(|r| ProcessRow {
+            .enumerate()
+            .map(|(row, r)| ProcessRow {
+                row,
+                kind: printable(&r.kind),
+                cr3: r.cr3.as_deref().map(printable),
                 pid: r.pid.filter(|_| r.kind == "task"),
                 comm: match (r.kind.as_str(), r.comm) {
                     ("task", Some(c)) => printable(&c),
@@ -97,7 +114,7 @@ impl Processes {
         let sum = |f: fn(&ProcessRow) -> u64| rows.iter().map(f).fold(0u64, u64::saturating_add);
         let rows_sum_to_totals = sum(|r| r.user_instructions) == f.user_instructions
             && sum(|r| r.kernel_instructions) == f.kernel_instructions;
-        rows.sort_by_key(|r| std::cmp::Reverse(r.total()));
+        rows.sort_by_key(|r| core::cmp::Reverse(r.total()));
         Ok(Processes {
             by: printable(&f.by),
             user_instructions: f.user_instructions,
@@ -185,8 +202,9 @@ impl Processes {
     }
 }
 
-/// `s` as printable ASCII (`?` for anything else), at most [`NAME_CHARS`] characters.
-fn printable(s: &str) -> String {
+/// `s` as printable ASCII (`?` for anything else), at most [`NAME_CHARS`] characters: a
+/// name the guest made, safe to print.
+pub fn printable(s: &str) -> String {
     s.chars()
         .map(|c| {
             if c.is_ascii_graphic() || c == ' ' {
@@ -222,6 +240,21 @@ mod tests {
                 (Some(1), "init?"),
                 (Some(7), "sort"),
                 (None, "(address space 0x1000)")
+            ]
+        );
+        // Ranked, each row keeps its index in the file (a TASK record's `ea`) and kind.
+        let at: Vec<(usize, &str, Option<&str>)> = p
+            .rows
+            .iter()
+            .map(|r| (r.row, r.kind.as_str(), r.cr3.as_deref()))
+            .collect();
+        assert_eq!(
+            at,
+            [
+                (0, "boot", Some("0x0")),
+                (1, "task", Some("0x566e000")),
+                (2, "task", Some("0x5670000")),
+                (3, "address_space", Some("0x1000"))
             ]
         );
         let t = p.render(2);
