@@ -9,9 +9,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::progress;
 
-/// Largest `processes.json` kpin reads back (512 rows of ~400 bytes; at most ~1550 with
-/// every name byte escaped).
-const MAX_PROCESSES_BYTES: u64 = 1 << 20;
+/// Largest `processes.json` kpin reads back: 512 rows of ~400 bytes (at most ~1550 with
+/// every name byte escaped), 256 objects' paths and 16 384 code pages of ~30 bytes.
+const MAX_PROCESSES_BYTES: u64 = 4 << 20;
 /// Rows the end-of-run table shows.
 pub(crate) const TABLE_ROWS: usize = 10;
 
