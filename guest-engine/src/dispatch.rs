@@ -374,9 +374,12 @@ impl Engine {
         }
         let (insertions, calls) = self.instrument(tool, va, &decoded);
         let tr = self.emit(va, &decoded, &insertions, &calls)?;
-        let id = self.register(va, pa, tr, calls);
+        let id = self.register(va, pa, &tr, calls);
         self.stats.guest_insns += decoded.insns.len() as u64;
         self.stats.guest_bytes += decoded.guest_bytes;
+        // The next translation reuses their storage.
+        self.scratch.tx.recycle(tr);
+        self.scratch.recycle_trace(decoded);
         self.stats.translate_ns += self.now().wrapping_sub(t0);
         profile::switch(prof_prev);
         Ok(id)
@@ -504,7 +507,7 @@ impl Engine {
         &mut self,
         va: GuestVirt,
         pa: GuestPhys,
-        tr: Translated,
+        tr: &Translated,
         calls: Vec<CallSpec>,
     ) -> u32 {
         let mode = self.mode;
@@ -526,7 +529,8 @@ impl Engine {
             entry: at(tr.entry),
             body: at(tr.body),
             loop_entry: tr.loop_entry.map(at),
-            marks: tr.marks,
+            // A copy of the exact size: the translator's buffer is reused.
+            marks: tr.marks.clone(),
             calls,
             incoming: Vec::new(),
         });

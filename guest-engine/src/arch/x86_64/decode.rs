@@ -10,8 +10,8 @@
 use alloc::vec::Vec;
 
 use iced_x86::{
-    Code, ConditionCode, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpAccess,
-    OpKind, Register,
+    Code, ConditionCode, FlowControl, Instruction, InstructionInfo, InstructionInfoFactory,
+    Mnemonic, OpAccess, OpKind, Register,
 };
 
 use crate::addr::{GuestPhys, GuestVirt};
@@ -59,6 +59,10 @@ pub(crate) struct DecodedInsn {
     pub instr: Instruction,
     pub bytes: [u8; MAX_INSN_BYTES],
     pub class: Class,
+    /// The GPRs (bit = hardware number) the instruction reads or writes, and those it
+    /// writes: iced's register usage, taken once at decode (`gpr_usage`).
+    pub gprs_used: u16,
+    pub gprs_written: u16,
 }
 
 impl DecodedInsn {
@@ -301,9 +305,13 @@ pub(crate) fn strip_rep(bytes: &[u8]) -> ([u8; MAX_INSN_BYTES], usize) {
 }
 
 pub(crate) fn mem_operands(factory: &mut InstructionInfoFactory, i: &Instruction) -> MemOps {
+    mem_operands_of(factory.info(i), i)
+}
+
+/// [`mem_operands`] from iced's `info` of `i` already computed.
+pub(crate) fn mem_operands_of(info: &InstructionInfo, i: &Instruction) -> MemOps {
     let mut v = MemOps::default();
     let size_hint = i.memory_size().size() as u32;
-    let info = factory.info(i);
     for m in info.used_memory() {
         let acc = match m.access() {
             OpAccess::Read | OpAccess::CondRead => access::READ,
@@ -336,6 +344,27 @@ pub(crate) fn mem_operands(factory: &mut InstructionInfoFactory, i: &Instruction
     v
 }
 
+/// The GPRs (bit = hardware number) `info` says its instruction uses, and those it writes
+/// (also conditionally).
+pub(crate) fn gpr_usage(info: &InstructionInfo) -> (u16, u16) {
+    let (mut used, mut written) = (0u16, 0u16);
+    for u in info.used_registers() {
+        let r = u.register();
+        if !r.is_gpr() {
+            continue;
+        }
+        let bit = 1 << (r.full_register() as u32 - Register::RAX as u32);
+        used |= bit;
+        if matches!(
+            u.access(),
+            OpAccess::Write | OpAccess::CondWrite | OpAccess::ReadWrite | OpAccess::ReadCondWrite
+        ) {
+            written |= bit;
+        }
+    }
+    (used, written)
+}
+
 fn ins_kind(c: Class) -> InsKind {
     match c {
         Class::Plain | Class::RipRel | Class::VirtFlags => InsKind::Plain,
@@ -348,26 +377,57 @@ fn ins_kind(c: Class) -> InsKind {
     }
 }
 
-/// Reusable decoding state (keeps iced's info factory allocated across traces).
+/// Reusable translation state: iced's info factory, and the storage of the last traces
+/// decoded and translated (returned by `recycle_trace` and `TxBuffers::recycle`), so that
+/// translating a trace does not allocate once the buffers have grown.
 pub(crate) struct Scratch {
     pub(crate) factory: InstructionInfoFactory,
+    insns: Vec<DecodedInsn>,
+    info: Vec<InsInfo>,
+    bbls: Vec<Bbl>,
+    pub(crate) tx: super::mangle::TxBuffers,
 }
 
 impl Scratch {
     pub(crate) fn new() -> Self {
         Self {
             factory: InstructionInfoFactory::new(),
+            insns: Vec::with_capacity(24),
+            info: Vec::with_capacity(24),
+            bbls: Vec::with_capacity(4),
+            tx: super::mangle::TxBuffers::default(),
         }
+    }
+
+    /// Takes back the storage of a trace the dispatcher is done with.
+    pub(crate) fn recycle_trace(&mut self, t: DecodedTrace) {
+        self.insns = t.insns;
+        self.info = t.info;
+        self.bbls = t.bbls;
+    }
+
+    /// Empty vectors for a new trace (the recycled ones).
+    fn trace_vecs(&mut self) -> (Vec<DecodedInsn>, Vec<InsInfo>, Vec<Bbl>) {
+        let mut v = (
+            core::mem::take(&mut self.insns),
+            core::mem::take(&mut self.info),
+            core::mem::take(&mut self.bbls),
+        );
+        v.0.clear();
+        v.1.clear();
+        v.2.clear();
+        v
     }
 }
 
 /// Status flags (OF SF ZF AF CF PF) in iced's `RflagsBits` encoding.
 pub(crate) const STATUS_FLAGS: u32 = 0x3F;
 
-/// Flags live *before* each instruction; index `n` (trace end) is all-live.
-pub(crate) fn flags_liveness(t: &DecodedTrace) -> Vec<u32> {
+/// Flags live *before* each instruction, into `live`; index `n` (trace end) is all-live.
+pub(crate) fn flags_liveness(t: &DecodedTrace, live: &mut Vec<u32>) {
     let n = t.insns.len();
-    let mut live = alloc::vec![STATUS_FLAGS; n + 1];
+    live.clear();
+    live.resize(n + 1, STATUS_FLAGS);
     for k in (0..n).rev() {
         let d = &t.insns[k];
         let i = &d.instr;
@@ -379,7 +439,6 @@ pub(crate) fn flags_liveness(t: &DecodedTrace) -> Vec<u32> {
         let kills = if count_may_be_zero(i) { 0 } else { writes };
         live[k] = ((after & !kills) | i.rflags_read()) & STATUS_FLAGS;
     }
-    live
 }
 
 /// Shifts and rotates leave flags untouched when the (masked) count is zero, and so do

@@ -72,14 +72,43 @@ fn modrm(md: u8, r: u8, rm: u8) -> u8 {
     (md << 6) | ((r & 7) << 3) | (rm & 7)
 }
 
+/// An [`Asm`]'s buffers between two uses ([`Asm::with_buffers`], [`Asm::finish_buffers`]):
+/// the translator keeps them across traces, so that emitting one allocates nothing once
+/// they have grown.
+#[derive(Default)]
+pub(crate) struct AsmBuffers {
+    pub(crate) code: Vec<u8>,
+    labels: Vec<Option<usize>>,
+    fixups: Vec<Fixup>,
+    pub(crate) marks: Vec<MapMark>,
+}
+
 impl Asm {
     pub(crate) fn new(base: u64, spill_base: u64) -> Self {
-        Self {
-            buf: Vec::with_capacity(1024),
+        Self::with_buffers(
             base,
-            labels: Vec::with_capacity(16),
-            fixups: Vec::with_capacity(16),
-            marks: Vec::with_capacity(64),
+            spill_base,
+            AsmBuffers {
+                code: Vec::with_capacity(1024),
+                labels: Vec::with_capacity(16),
+                fixups: Vec::with_capacity(16),
+                marks: Vec::with_capacity(64),
+            },
+        )
+    }
+
+    /// An empty buffer for `base` in `b`'s (cleared) storage.
+    pub(crate) fn with_buffers(base: u64, spill_base: u64, mut b: AsmBuffers) -> Self {
+        b.code.clear();
+        b.labels.clear();
+        b.fixups.clear();
+        b.marks.clear();
+        Self {
+            buf: b.code,
+            base,
+            labels: b.labels,
+            fixups: b.fixups,
+            marks: b.marks,
             guest_pc: 0,
             spilled: 0,
             spill_base,
@@ -189,8 +218,15 @@ impl Asm {
         });
     }
 
-    /// Resolves label fixups and returns the code bytes.
-    pub(crate) fn finish(mut self) -> Result<(Vec<u8>, Vec<MapMark>), EngineError> {
+    /// Resolves label fixups and returns the code bytes and the PC map.
+    pub(crate) fn finish(self) -> Result<(Vec<u8>, Vec<MapMark>), EngineError> {
+        let b = self.finish_buffers()?;
+        Ok((b.code, b.marks))
+    }
+
+    /// Resolves label fixups and returns the buffers: the code bytes and the PC map in
+    /// `code` and `marks`.
+    pub(crate) fn finish_buffers(mut self) -> Result<AsmBuffers, EngineError> {
         for f in &self.fixups {
             let target = self.labels[f.label.0].ok_or(EngineError::UnboundLabel)?;
             let rel = target as i64 - f.end as i64;
@@ -202,7 +238,12 @@ impl Asm {
                 self.buf[f.at..f.at + 4].copy_from_slice(&r.to_le_bytes());
             }
         }
-        Ok((self.buf, self.marks))
+        Ok(AsmBuffers {
+            code: self.buf,
+            labels: self.labels,
+            fixups: self.fixups,
+            marks: self.marks,
+        })
     }
 
     // ---- branches -----------------------------------------------------------------

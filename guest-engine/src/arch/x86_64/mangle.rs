@@ -19,19 +19,17 @@
 
 use alloc::vec::Vec;
 
-use iced_x86::{
-    Code, Encoder, Instruction, InstructionInfoFactory, MemoryOperand, OpKind, Register,
-};
+use iced_x86::{Code, Encoder, Instruction, MemoryOperand, OpKind, Register};
 
 use super::decode::{
     flags_liveness, strip_rep, Class, DecodedInsn, DecodedTrace, Scratch, TraceEnd,
 };
-use super::emit::{reg, Asm, Label, MapMark};
+use super::emit::{reg, Asm, AsmBuffers, Label, MapMark};
 use super::entry::{
     emit_ibl_lookup, exit_word, CtxAddrs, Gencode, EXIT_ATTENTION, EXIT_DIRECT, EXIT_HOIST_MISS,
     EXIT_PA_MISMATCH, EXIT_SENSITIVE,
 };
-use super::isolate::{hoistable, BaseState, Hoisted};
+use super::isolate::{hoistable, BaseState, ColdCheck, Hoisted};
 use crate::addr::GuestVirt;
 use crate::error::EngineError;
 use crate::instrument::{Action, CallSpec, IPoint, Insertion, MemOperand};
@@ -131,11 +129,30 @@ pub(super) struct Tx<'e> {
     /// run: a buffer-full exit holds them back.
     pub(super) records_pending: u8,
     /// Out-of-line slow paths of isolation checks, emitted before the stubs.
-    pub(super) cold: Vec<super::isolate::ColdCheck>,
+    pub(super) cold: Vec<ColdCheck>,
     /// The trace's VA page and the frame it was translated from (every instruction starts
     /// on that page): fetch records carry their physical address from here.
     pub(super) page: (u64, u64),
-    pub(super) factory: &'e mut InstructionInfoFactory,
+}
+
+/// The storage translating a trace uses besides its input and output, kept across traces
+/// (`Scratch::tx`): a translation reuses the previous ones' buffers instead of allocating.
+#[derive(Default)]
+pub(crate) struct TxBuffers {
+    asm: AsmBuffers,
+    exits: Vec<ExitSpec>,
+    stubs: Vec<Stub>,
+    cold: Vec<ColdCheck>,
+    live: Vec<u32>,
+}
+
+impl TxBuffers {
+    /// Takes back the buffers of `tr` once the dispatcher has committed it.
+    pub(crate) fn recycle(&mut self, tr: Translated) {
+        self.asm.code = tr.code;
+        self.asm.marks = tr.marks;
+        self.exits = tr.exits;
+    }
 }
 
 pub(super) fn hw(r: Register) -> u8 {
@@ -208,18 +225,12 @@ impl Tx<'_> {
         Ok(enc.take_buffer())
     }
 
-    /// A scratch GPR the instruction does not use (never RSP/RBP/R13).
-    fn pick_scratch(&mut self, i: &Instruction, avoid: u16) -> Result<u8, EngineError> {
-        let mut used: u16 = avoid | 1 << reg::RSP | 1 << reg::RBP | 1 << reg::R13;
-        for u in self.factory.info(i).used_registers() {
-            let r = u.register();
-            if r.is_gpr() {
-                used |= 1 << hw(r);
-            }
-        }
+    /// A scratch GPR instruction `d` does not use (never RSP/RBP/R13).
+    fn pick_scratch(&mut self, d: &DecodedInsn, avoid: u16) -> Result<u8, EngineError> {
+        let used: u16 = d.gprs_used | avoid | 1 << reg::RSP | 1 << reg::RBP | 1 << reg::R13;
         (0..16u8)
             .find(|r| used & (1 << r) == 0)
-            .ok_or(EngineError::Unsupported(GuestVirt(i.ip())))
+            .ok_or(EngineError::Unsupported(GuestVirt(d.instr.ip())))
     }
 
     // ---- entry checks ------------------------------------------------------------------
@@ -270,7 +281,7 @@ impl Tx<'_> {
             self.a.mov_r_imm64(hw(i.op0_register()), abs & 0xFFFF_FFFF);
             return Ok(());
         }
-        let s = self.pick_scratch(i, 0)?;
+        let s = self.pick_scratch(d, 0)?;
         self.a.emit_spill(s);
         self.a.mov_r_imm64(s, abs);
         let mut i2 = *i;
@@ -680,32 +691,39 @@ pub(crate) fn translate_trace(
     env: &EmitEnv,
     scratch: &mut Scratch,
 ) -> Result<Translated, EngineError> {
+    let bufs = &mut scratch.tx;
     let mut tx = Tx {
-        a: Asm::new(env.base, env.ctx.spill),
+        a: Asm::with_buffers(env.base, env.ctx.spill, core::mem::take(&mut bufs.asm)),
         env,
         calls,
-        exits: Vec::with_capacity(8),
-        stubs: Vec::with_capacity(8),
+        exits: cleared(&mut bufs.exits),
+        stubs: cleared(&mut bufs.stubs),
         records_pending: 0,
-        cold: Vec::new(),
+        cold: cleared(&mut bufs.cold),
         page: (t.start.page().0, t.pa.page().0),
-        factory: &mut scratch.factory,
     };
-    let live = flags_liveness(t);
+    let live = &mut bufs.live;
+    flags_liveness(t, live);
     let mut bases = BaseState::default();
-    let heads = tx.emit_heads(t, &live, &mut bases)?;
+    let heads = tx.emit_heads(t, live, &mut bases)?;
     // Reused for every instruction.
     let mut before: Vec<&Insertion> = Vec::new();
     let mut after: Vec<&Insertion> = Vec::new();
     for k in 0..t.insns.len() {
         insertions_at(insertions, k, &mut before, &mut after);
-        tx.emit_insn(t, k, &live, &mut bases, &mut before, &after)?;
+        tx.emit_insn(t, k, live, &mut bases, &mut before, &after)?;
     }
     tx.emit_trace_end(t.end);
     tx.emit_cold_checks()?;
     tx.emit_stubs();
-    let exits = core::mem::take(&mut tx.exits);
-    let (code, marks) = tx.a.finish()?;
+    bufs.stubs = tx.stubs;
+    bufs.cold = tx.cold;
+    let mut asm = tx.a.finish_buffers()?;
+    let code = core::mem::take(&mut asm.code);
+    let marks = core::mem::take(&mut asm.marks);
+    // Labels and fixups stay; the code, the PC map and the exits come back through
+    // `TxBuffers::recycle`.
+    bufs.asm = asm;
     Ok(Translated {
         code,
         checked_entry: heads.checked_entry,
@@ -713,9 +731,16 @@ pub(crate) fn translate_trace(
         entry: heads.entry,
         body: heads.body,
         loop_entry: heads.loop_entry,
-        exits,
+        exits: tx.exits,
         marks,
     })
+}
+
+/// `v`'s storage, emptied, leaving `v` empty.
+fn cleared<T>(v: &mut Vec<T>) -> Vec<T> {
+    let mut v = core::mem::take(v);
+    v.clear();
+    v
 }
 
 #[cfg(test)]

@@ -10,8 +10,8 @@ use iced_x86::{
 };
 
 use super::{
-    classify, ins_kind, is_string_op, mem_operands, sensitive_kind, strip_rep, Class, DecodedInsn,
-    DecodedTrace, FetchFault, Scratch, TraceEnd,
+    classify, gpr_usage, ins_kind, is_string_op, mem_operands, mem_operands_of, sensitive_kind,
+    strip_rep, Class, DecodedInsn, DecodedTrace, FetchFault, Scratch, TraceEnd,
 };
 use crate::addr::{GuestPhys, GuestVirt, PAGE_BYTES};
 use crate::guest_memory::{GuestMemory, Mode};
@@ -81,7 +81,8 @@ pub(crate) fn decode_trace(
         in_page,
         avail,
     };
-    let mut f = Former::new(window, va, pa, mode, inline_flags);
+    let vecs = scratch.trace_vecs();
+    let mut f = Former::new(window, va, pa, mode, inline_flags, vecs);
     let mut instr = Instruction::default();
     let end = loop {
         let pc = va.0.wrapping_add(f.off as u64);
@@ -128,7 +129,15 @@ struct Former<'b> {
 }
 
 impl<'b> Former<'b> {
-    fn new(w: Window<'b>, va: GuestVirt, pa: GuestPhys, mode: Mode, inline_flags: bool) -> Self {
+    /// A trace at `va` in the (empty) vectors `(insns, info, bbls)`.
+    fn new(
+        w: Window<'b>,
+        va: GuestVirt,
+        pa: GuestPhys,
+        mode: Mode,
+        inline_flags: bool,
+        (insns, info, bbls): (Vec<DecodedInsn>, Vec<InsInfo>, Vec<Bbl>),
+    ) -> Self {
         let dec = Decoder::with_ip(
             mode.bitness(),
             &w.buf[..w.avail],
@@ -151,9 +160,9 @@ impl<'b> Former<'b> {
             t: DecodedTrace {
                 start: va,
                 pa,
-                insns: Vec::with_capacity(24),
-                info: Vec::with_capacity(24),
-                bbls: Vec::with_capacity(4),
+                insns,
+                info,
+                bbls,
                 end: TraceEnd::Transfer,
                 guest_bytes: 0,
             },
@@ -283,6 +292,10 @@ impl<'b> Former<'b> {
     ) {
         let len = instr.len();
         let rep = (instr.has_rep_prefix() || instr.has_repne_prefix()) && is_string_op(instr);
+        // One look at iced's usage information serves the tools' operands and the
+        // translator's register choices (`isolate`, `mangle`).
+        let info = factory.info(instr);
+        let (gprs_used, gprs_written) = gpr_usage(info);
         let mem_ops = if rep {
             // Describe one iteration: decode the instruction without its prefix.
             let (sb, sn) = strip_rep(&bytes[..len]);
@@ -291,7 +304,7 @@ impl<'b> Former<'b> {
             let one = d2.decode();
             mem_operands(factory, &one)
         } else {
-            mem_operands(factory, instr)
+            mem_operands_of(info, instr)
         };
         self.t.info.push(InsInfo {
             address: GuestVirt(pc),
@@ -305,6 +318,8 @@ impl<'b> Former<'b> {
             instr: *instr,
             bytes,
             class,
+            gprs_used,
+            gprs_written,
         });
     }
 

@@ -90,7 +90,7 @@ pub(in crate::arch::x86_64) fn hoistable(
     let looped = &t.insns[..=last];
     let mut written = 0u16;
     for d in looped {
-        written |= written_gprs(tx, d);
+        written |= written_gprs(d);
         if d.instr.stack_pointer_increment() != 0 {
             written |= 1 << reg::RSP;
         }

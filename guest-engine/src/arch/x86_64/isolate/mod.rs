@@ -72,7 +72,7 @@
 //! bases a self-looping trace never writes, moved to its top), `classify` (what a #UD
 //! at a translated instruction means).
 
-use iced_x86::{Mnemonic, OpAccess, OpKind, Register};
+use iced_x86::{Mnemonic, OpKind, Register};
 
 use super::decode::DecodedInsn;
 use super::emit::{reg, Label};
@@ -269,23 +269,9 @@ impl BaseState {
 
 /// The GPRs (bit = hardware number) `d` writes, RSP only when it is written other than
 /// by the implicit adjustment of a push/pop/call/ret.
-fn written_gprs(tx: &mut Tx<'_>, d: &DecodedInsn) -> u16 {
+fn written_gprs(d: &DecodedInsn) -> u16 {
     let i = &d.instr;
-    let mut mask = 0u16;
-    for u in tx.factory.info(i).used_registers() {
-        let r = u.register();
-        if r.is_gpr()
-            && matches!(
-                u.access(),
-                OpAccess::Write
-                    | OpAccess::CondWrite
-                    | OpAccess::ReadWrite
-                    | OpAccess::ReadCondWrite
-            )
-        {
-            mask |= 1 << hw(r);
-        }
-    }
+    let mut mask = d.gprs_written;
     let rsp = 1u16 << reg::RSP;
     if mask & rsp != 0
         && i.stack_pointer_increment() != 0
@@ -412,7 +398,7 @@ impl Tx<'_> {
                 _ => self.emit_zone_check(m, pc, flags_dead)?,
             }
         }
-        bases.written(written_gprs(self, d));
+        bases.written(written_gprs(d));
         Ok(())
     }
 
