@@ -13,12 +13,12 @@ use std::fmt::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use kpin_tool::host_side::{HostTool, Reported, RunFiles, UserNames};
+use kpin_tool::host_side::{function_of, HostTool, Reported, RunFiles, UserNames};
 use kpin_tool::profile_out::{Folded, Profile};
 use serde::Serialize;
 
-pub use kpin_tool::processes::{ProcessRow, Processes};
 use crate::{parse_csv, Row, CSV_NAME};
+pub use kpin_tool::processes::{ProcessRow, Processes};
 
 /// The report's file name in the output directory.
 pub const REPORT_NAME: &str = "bbcount-report.txt";
@@ -107,14 +107,6 @@ pub struct FunctionRow {
     pub function: String,
     /// Guest instructions executed in its blocks.
     pub executed: u64,
-}
-
-/// `name` without its `+0x…` offset.
-fn function_of(name: &str) -> &str {
-    match name.rsplit_once("+0x") {
-        Some((f, off)) if !off.is_empty() && off.bytes().all(|b| b.is_ascii_hexdigit()) => f,
-        _ => name,
-    }
 }
 
 /// The `top` functions of `(name, executed)` pairs, by their summed instructions.

@@ -15,7 +15,7 @@ use core::fmt::Write;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use kpin_tool::host_side::{BlockNames, UserNames};
+use kpin_tool::host_side::{function_of, BlockNames, UserNames};
 use kpin_tool::processes::Processes;
 use kpin_tool::profile_out::{Folded, Profile};
 use serde::Serialize;
@@ -150,11 +150,11 @@ impl Frames<'_> {
             return (object.to_string(), OTHER_BLOCKS.to_string(), false, false);
         }
         if !b.user {
-            let function = self.kernel.and_then(|n| n.name(b.code)).map(|s| {
-                // `symbol+0xoff`: the function is the symbol.
-                s.rsplit_once("+0x")
-                    .map_or(s.clone(), |(f, _)| f.to_string())
-            });
+            // `symbol+0xoff`: the function is the symbol.
+            let function = self
+                .kernel
+                .and_then(|n| n.name(b.code))
+                .map(|s| function_of(&s).to_string());
             let named = function.is_some();
             return (
                 KERNEL_OBJECT.to_string(),
@@ -168,7 +168,8 @@ impl Frames<'_> {
                 let named = c.function.is_some();
                 (
                     c.object,
-                    c.function.unwrap_or_else(|| UNKNOWN.to_string()),
+                    c.function
+                        .map_or_else(|| UNKNOWN.to_string(), |f| function_of(&f).to_string()),
                     true,
                     named,
                 )

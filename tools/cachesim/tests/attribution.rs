@@ -287,7 +287,8 @@ impl UserNames for User {
             UserCode {
                 object: "/bin/busybox".into(),
                 offset: pa,
-                function: Some(format!("ufunc{}", pa >> 12)),
+                // As the VMM's UserNames give it: the covering symbol and the offset.
+                function: Some(format!("ufunc{}+0x{:x}", pa >> 12, pa & 0xfff)),
             }
         } else {
             UserCode {
@@ -373,6 +374,7 @@ fn the_report_tables_processes_and_writes_profiles_with_the_counters_totals() {
     let kernel = cg.split("fl=[kernel]\n").nth(1).unwrap();
     assert!(kernel.starts_with("fn=kfunc0\n0 "), "{cg}");
     assert!(cg.contains("fl=/bin/busybox\nfn=ufunc"), "{cg}");
+    assert!(!cg.contains("+0x"), "a function is its symbol, without the offset: {cg}");
     assert!(cg.contains("fl=/lib/libstripped.so\nfn=[unknown]"), "{cg}");
     let summary: Vec<u64> = cg
         .lines()

@@ -48,7 +48,8 @@ pub struct UserCode {
     pub object: String,
     /// The code's offset in that file.
     pub offset: u64,
-    /// The function at `offset` (demangled C++/Rust names), if the file's symbols cover it.
+    /// The symbol that covers `offset`, as `function+0xoff` (demangled C++/Rust names;
+    /// [`function_of`] takes the offset off), if the file's symbols cover it.
     pub function: Option<String>,
 }
 
@@ -61,6 +62,15 @@ pub trait UserNames {
     /// The object and function of the user-mode instruction at physical address `pa`
     /// (`None`: the engine saw no file there).
     fn name(&self, pa: u64) -> Option<UserCode>;
+}
+
+/// The function of a code name as [`BlockNames`] and [`UserCode::function`] give them:
+/// `name` without a trailing `+0x…` offset (`do_syscall_64+0x40` → `do_syscall_64`).
+pub fn function_of(name: &str) -> &str {
+    match name.rsplit_once("+0x") {
+        Some((f, off)) if !off.is_empty() && off.bytes().all(|b| b.is_ascii_hexdigit()) => f,
+        _ => name,
+    }
 }
 
 /// A tool's host-side part. Every hook has a default that does nothing.
