@@ -374,7 +374,10 @@ fn the_report_tables_processes_and_writes_profiles_with_the_counters_totals() {
     let kernel = cg.split("fl=[kernel]\n").nth(1).unwrap();
     assert!(kernel.starts_with("fn=kfunc0\n0 "), "{cg}");
     assert!(cg.contains("fl=/bin/busybox\nfn=ufunc"), "{cg}");
-    assert!(!cg.contains("+0x"), "a function is its symbol, without the offset: {cg}");
+    assert!(
+        !cg.contains("+0x"),
+        "a function is its symbol, without the offset: {cg}"
+    );
     assert!(cg.contains("fl=/lib/libstripped.so\nfn=[unknown]"), "{cg}");
     let summary: Vec<u64> = cg
         .lines()
