@@ -203,23 +203,10 @@ impl CodeOrigins {
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_guest::{root, with_vmas, Mem, LEAF};
+    use super::super::test_guest::{root, with_vmas, Mem, LEAF, TYPES};
     use super::*;
 
-    const T: KernelTypes = with_vmas(KernelTypes {
-        current_task: 0x1fb80,
-        task_pid: 0x970,
-        task_tgid: 0x974,
-        task_comm: 0xba0,
-        comm_bytes: 16,
-        task_mm: 0x8e0,
-        mm_exe_file: 0x3b0,
-        file_dentry: 0x18,
-        dentry_name_len: 0x24,
-        dentry_name: 0x28,
-        dentry_parent: 0x10,
-        ..KernelTypes::UNKNOWN
-    });
+    const T: KernelTypes = with_vmas(TYPES);
     const MM: u64 = 0xffff_8880_0100_0000;
     const LEAF_AT: u64 = 0xffff_8880_0200_0000;
     const TEXT: u64 = 0xffff_8880_0300_0000;

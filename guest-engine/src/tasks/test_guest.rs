@@ -17,6 +17,23 @@ pub const MAPLE: MapleLayout = MapleLayout {
     arange_pivots: 9,
 };
 
+/// The pinned 6.1 kernel's task offsets (`current_task`, `task_struct`, the way to the
+/// executable's name), without the VMAs' ([`with_vmas`] adds them).
+pub const TYPES: KernelTypes = KernelTypes {
+    current_task: 0x1fb80,
+    task_pid: 0x970,
+    task_tgid: 0x974,
+    task_comm: 0xba0,
+    comm_bytes: 16,
+    task_mm: 0x8e0,
+    mm_exe_file: 0x3b0,
+    file_dentry: 0x18,
+    dentry_name_len: 0x24,
+    dentry_name: 0x28,
+    dentry_parent: 0x10,
+    ..KernelTypes::UNKNOWN
+};
+
 /// `t` with the pinned 6.1 kernel's VMA offsets.
 pub const fn with_vmas(t: KernelTypes) -> KernelTypes {
     KernelTypes {

@@ -1,5 +1,6 @@
 //! The task watch's host tests: charging, rows, executables, JSON.
 
+use super::test_guest::TYPES;
 use super::*;
 use alloc::boxed::Box;
 use alloc::collections::BTreeMap;
@@ -23,20 +24,6 @@ impl Counters {
     }
 }
 
-const TYPES: KernelTypes = KernelTypes {
-    current_task: 0x1fb80,
-    task_pid: 0x970,
-    task_tgid: 0x974,
-    task_comm: 0xba0,
-    comm_bytes: 16,
-    task_mm: 0x8e0,
-    mm_exe_file: 0x3b0,
-    file_dentry: 0x18,
-    dentry_name_len: 0x24,
-    dentry_name: 0x28,
-    dentry_parent: 0x10,
-    ..KernelTypes::UNKNOWN
-};
 const PERCPU: u64 = 0xffff_8880_0f00_0000;
 
 /// A guest memory of u8s at addresses.
