@@ -43,7 +43,7 @@ use kpin_tool::{access, Engine, HostPart, KpinTool, MemRecord, Tool, ToolSpec, T
 use crate::attr::Attribution;
 use crate::insns::{MissKind, MissTable};
 use crate::options::Options;
-use crate::sim::{Hierarchy, Kind, KERNEL, USER};
+use crate::sim::{nibble_sum, run_line_accesses, Hierarchy, Kind, KERNEL, USER};
 
 /// What `--tool cachesim` is (the registry's entry).
 pub const SPEC: ToolSpec = ToolSpec {
@@ -432,16 +432,11 @@ impl CacheSim {
         // the line just accessed: a hit that changes nothing but counters.
         let shift = self.hier.line_shift();
         let (first, last) = (r.pa >> shift, end >> shift);
-        let mut accesses = u64::from(n);
-        if first != last {
-            let mut off = 0;
-            for k in 0..n {
-                let at = r.pa.wrapping_add(off);
-                let end = at.wrapping_add(len(k).max(1) - 1);
-                accesses += (end >> shift) - (at >> shift);
-                off += len(k);
-            }
-        }
+        let accesses = if first == last {
+            u64::from(n)
+        } else {
+            run_line_accesses(r.pa, r.ea, n, shift)
+        };
         let mut line = first;
         let mut run_missed = 0;
         loop {
@@ -618,14 +613,6 @@ fn memory_misses(h: &Hierarchy) -> u64 {
 fn who(r: &MemRecord) -> usize {
     const _: () = assert!(USER == 1 && KERNEL == 0);
     usize::from(r.access >> access::CPL_SHIFT & 3 == 3)
-}
-
-/// The sum of the 16 nibbles of `x`.
-fn nibble_sum(x: u64) -> u64 {
-    const LOW: u64 = 0x0f0f_0f0f_0f0f_0f0f;
-    // Bytes of at most 30, then all eight added into the top byte (at most 240).
-    let bytes = (x & LOW) + ((x >> 4) & LOW);
-    bytes.wrapping_mul(0x0101_0101_0101_0101) >> 56
 }
 
 impl Tool for CacheSim {

@@ -182,16 +182,11 @@ impl Hierarchy {
         // line accesses never go back, so each of its lines is accessed once in full
         // (the first maybe a hit on the L1's last line), and every other access repeats
         // the line just accessed.
-        let mut accesses = u64::from(n);
-        if first != last {
-            let mut off = 0;
-            for k in 0..n {
-                let at = r.pa.wrapping_add(off);
-                let end = at.wrapping_add(len(k).max(1) - 1);
-                accesses += (end >> shift) - (at >> shift);
-                off += len(k);
-            }
-        }
+        let accesses = if first == last {
+            u64::from(n)
+        } else {
+            run_line_accesses(r.pa, r.ea, n, shift)
+        };
         let mut line = first;
         loop {
             if !self.caches[leaf].access(line, who) {
@@ -218,8 +213,24 @@ impl Hierarchy {
     }
 }
 
+/// The line accesses of a fetch run of `n` instructions from `pa` whose lengths are the
+/// nibbles of `lens` (a `FETCH_RUN` record's `ea`), with lines of `1 << shift` bytes: one
+/// per instruction, and one more for every line boundary an instruction crosses.
+pub(crate) fn run_line_accesses(pa: u64, lens: u64, n: u32, shift: u32) -> u64 {
+    let len = |k: u32| (lens >> (4 * k)) & 0xf;
+    let mut accesses = u64::from(n);
+    let mut off = 0;
+    for k in 0..n {
+        let at = pa.wrapping_add(off);
+        let end = at.wrapping_add(len(k).max(1) - 1);
+        accesses += (end >> shift) - (at >> shift);
+        off += len(k);
+    }
+    accesses
+}
+
 /// The sum of the 16 nibbles of `x`.
-fn nibble_sum(x: u64) -> u64 {
+pub(crate) fn nibble_sum(x: u64) -> u64 {
     const LOW: u64 = 0x0f0f_0f0f_0f0f_0f0f;
     // Bytes of at most 30, then all eight added into the top byte (at most 240).
     let bytes = (x & LOW) + ((x >> 4) & LOW);

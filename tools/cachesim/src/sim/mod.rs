@@ -11,6 +11,7 @@ use crate::options::{CacheKind, Geometry, Options, Policy};
 
 mod feed;
 pub use feed::Fed;
+pub(crate) use feed::{nibble_sum, run_line_accesses};
 
 /// Index of the kernel (CPL 0–2) half of a split counter.
 pub const KERNEL: usize = 0;
