@@ -9,7 +9,9 @@
 //! by address space, again summing exactly. Every task row names its executable: `busybox`
 //! for busybox's applets (whose `comm` is the applet), `kpin-test` for the test program.
 //! And the engine records where user code came from (`objects`, `code_pages`): busybox
-//! and the test program among the files, with few failed walks of the tasks' VMAs.
+//! and the test program among the files, with few failed walks of the tasks' VMAs. A
+//! program with a known loop count (`kpin.workload=count`) finds it in its own row and,
+//! under bbcount, in its own function.
 
 use std::path::Path;
 use std::process::Command;
@@ -250,6 +252,50 @@ fn test_linux_61_workload_processes_appear_by_name_and_sum_exactly() {
         "Linux 6.1 under bbcount: {} rows, {} changes of the running task",
         rows.len(),
         p["switches"]
+    );
+}
+
+/// `kpin.workload=count`: `kpin-test count 50000000` renames itself `kpin-count` and runs
+/// exactly 2 × 50 000 000 user instructions in its loop (`dec; jnz`,
+/// images/workloads/kpin-test.c). Its own row must hold them (plus its `printf` and exit:
+/// a few thousand), and bbcount must put them in `count_loop` of `/bin/kpin-test`.
+#[test]
+fn test_a_known_loop_count_lands_in_its_processs_row_and_function() {
+    require_kvm!();
+    const LOOP: u64 = 2 * 50_000_000;
+    let out = scratch_dir("linux-processes-count");
+    let (_, p, run_json) = run(
+        &[
+            "--guest",
+            "linux",
+            "--tool",
+            "bbcount",
+            "--append",
+            "kpin.workload=count",
+        ],
+        &out,
+    );
+    assert_exact(&out, &p, &run_json);
+    let rows = p["processes"].as_array().unwrap();
+    let count: Vec<&serde_json::Value> =
+        rows.iter().filter(|r| r["comm"] == "kpin-count").collect();
+    assert_eq!(count.len(), 1, "one kpin-count row: {rows:?}");
+    let user = json_u64(count[0], "/user_instructions");
+    assert!(
+        (LOOP..LOOP + 20_000).contains(&user),
+        "kpin-count ran {user} user instructions, its loop {LOOP}"
+    );
+    let functions = run_json["bbcount"]["user_functions"]
+        .as_array()
+        .expect("bbcount's user functions");
+    let in_loop = functions
+        .iter()
+        .find(|f| f["function"] == "/bin/kpin-test: count_loop")
+        .unwrap_or_else(|| panic!("no count_loop among {functions:?}"));
+    let executed = json_u64(in_loop, "/executed");
+    assert!(
+        (LOOP..LOOP + 100).contains(&executed),
+        "count_loop executed {executed}"
     );
 }
 

@@ -36,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/time.h>
 #include <sys/wait.h>
@@ -718,6 +719,27 @@ static int test_probe(void) {
     return 0;
 }
 
+/* ---- count: a known number of user instructions ------------------------------------ */
+
+/* `kpin-test count N`: renames itself `kpin-count` (prctl), then runs a loop of exactly
+ * 2 * N user instructions (`dec; jnz`), prints `KPIN-COUNT <N>` and exits. The row of
+ * `kpin-count` in kpin's per-process table must hold those instructions (issue #27,
+ * tests/linux_processes.rs). */
+__attribute__((noinline)) static int count_loop(const char *arg) {
+    char *end;
+    unsigned long n = strtoul(arg, &end, 10);
+    if (*arg == 0 || *end != 0 || n == 0) {
+        fprintf(stderr, "kpin-test count: N must be a positive number\n");
+        return 2;
+    }
+    if (prctl(PR_SET_NAME, "kpin-count", 0, 0, 0) != 0)
+        return 1;
+    unsigned long left = n;
+    __asm__ volatile("1: dec %0\n\tjnz 1b" : "+r"(left) : : "cc");
+    printf("KPIN-COUNT %lu\n", n);
+    return 0;
+}
+
 /* ---- main ------------------------------------------------------------------------ */
 
 static const struct {
@@ -731,6 +753,8 @@ static const struct {
 int main(int argc, char **argv) {
     if (argc == 3 && strcmp(argv[1], "forkpipe-child") == 0)
         return forkpipe_child(argv[2]);
+    if (argc == 3 && strcmp(argv[1], "count") == 0)
+        return count_loop(argv[2]);
     if (argc == 3 && strcmp(argv[1], "probe") == 0) {
         /* The log is opened before the probe drops root. */
         probe_log_path = argv[2];
@@ -745,6 +769,6 @@ int main(int argc, char **argv) {
             }
         }
     }
-    fprintf(stderr, "usage: kpin-test jit|sigsegv|timer|forkpipe|fpu|probe\n");
+    fprintf(stderr, "usage: kpin-test jit|sigsegv|timer|forkpipe|fpu|probe | count N\n");
     return 2;
 }
