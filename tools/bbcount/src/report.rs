@@ -13,7 +13,7 @@ use std::fmt::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use kpin_tool::host_side::{function_of, HostTool, Reported, RunFiles, UserNames};
+use kpin_tool::host_side::{function_of, storage_failure, HostTool, Reported, RunFiles, UserNames};
 use kpin_tool::profile_out::{Folded, Profile};
 use serde::Serialize;
 
@@ -467,13 +467,10 @@ impl HostTool for Host {
             Ok(None) => Reported::default(),
             Err(e) => {
                 run.say(&format!("no bbcount report: {e:#}"));
-                // A host fault is an OS error (`is_host_fault` reads its number).
                 let failure = e
                     .chain()
                     .find_map(|c| c.downcast_ref::<std::io::Error>())
-                    .filter(|io| host_daemon::resolve::is_host_fault(io))
-                    .and_then(std::io::Error::raw_os_error)
-                    .map(|n| (out.join(REPORT_NAME), std::io::Error::from_raw_os_error(n)));
+                    .and_then(|io| storage_failure(&out.join(REPORT_NAME), io));
                 Reported {
                     run_json: None,
                     failure,

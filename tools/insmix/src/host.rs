@@ -10,7 +10,7 @@ use alloc::boxed::Box;
 use alloc::format;
 use std::path::Path;
 
-use kpin_tool::host_side::{HostTool, Reported, RunFiles};
+use kpin_tool::host_side::{storage_failure, HostTool, Reported, RunFiles};
 use kpin_tool::processes::Processes;
 
 /// The table's file in the output directory.
@@ -77,12 +77,10 @@ fn write_table(out: &Path, top: usize) -> Result<Option<Processes>, Failure> {
     };
     let path = out.join(PROCESSES_NAME);
     host_daemon::resolve::write_output_file(&path, p.render(top).as_bytes()).map_err(|e| {
-        let msg = format!("cannot write {}: {e}", path.display());
-        let failure = host_daemon::resolve::is_host_fault(&e)
-            .then(|| e.raw_os_error())
-            .flatten()
-            .map(|n| (path.clone(), std::io::Error::from_raw_os_error(n)));
-        (msg, failure)
+        (
+            format!("cannot write {}: {e}", path.display()),
+            storage_failure(&path, &e),
+        )
     })?;
     Ok(Some(p))
 }

@@ -209,6 +209,17 @@ impl RunFiles<'_> {
 /// A value for `run.json`: any serde value, serialised as it is (fields in their order).
 pub type RunJson = Box<dyn erased_serde::Serialize>;
 
+/// [`Reported::failure`] for an error writing `path`: `Some` only if the host's storage
+/// failed (`host_daemon::resolve::is_host_fault`: full, read-only, failing), with the
+/// error's OS number kept; anything else is the report's own problem, said, not a failure.
+pub fn storage_failure(path: &Path, e: &io::Error) -> Option<(PathBuf, io::Error)> {
+    if !host_daemon::resolve::is_host_fault(e) {
+        return None;
+    }
+    e.raw_os_error()
+        .map(|n| (path.to_path_buf(), io::Error::from_raw_os_error(n)))
+}
+
 /// What a report made.
 #[derive(Default)]
 pub struct Reported {
@@ -252,5 +263,21 @@ impl fmt::Display for TraceError {
             TraceError::Io(e) => write!(f, "{e}"),
             TraceError::Format(e) => f.write_str(e),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn storage_failure_is_the_hosts_storage_only() {
+        let path = Path::new("/out/report.txt");
+        // ENOSPC on Linux.
+        let full = io::Error::from_raw_os_error(28);
+        let (p, e) = storage_failure(path, &full).expect("a full disk is a failure");
+        assert_eq!((p.as_path(), e.raw_os_error()), (path, full.raw_os_error()));
+        let missing = io::Error::from(io::ErrorKind::NotFound);
+        assert!(storage_failure(path, &missing).is_none());
     }
 }
