@@ -196,6 +196,17 @@ fn assert_workload_md5(out: &Path) {
     );
 }
 
+/// Every name of `wants` has a row in `processes`.
+fn assert_rows_named(processes: &serde_json::Value, wants: &[&str]) {
+    let names = comms(processes);
+    for want in wants {
+        assert!(
+            names.iter().any(|n| n == want),
+            "no row for {want:?}; rows: {names:?}"
+        );
+    }
+}
+
 /// The names of the task rows.
 fn comms(processes: &serde_json::Value) -> Vec<String> {
     processes["processes"]
@@ -220,13 +231,7 @@ fn test_linux_61_workload_processes_appear_by_name_and_sum_exactly() {
     assert_eq!(p["by"], "task", "{p}");
     assert_eq!(p["reads_failed"], 0, "{p}");
     assert_exact(&out, &p, &run_json);
-    let names = comms(&p);
-    for want in WORKLOAD_COMMS {
-        assert!(
-            names.iter().any(|n| n == want),
-            "no row for {want:?}; rows: {names:?}"
-        );
-    }
+    assert_rows_named(&p, WORKLOAD_COMMS);
     let rows = p["processes"].as_array().unwrap();
     let init = rows
         .iter()
@@ -311,13 +316,7 @@ fn test_linux_612_finds_current_in_pcpu_hot() {
     assert_eq!(p["by"], "task", "{p}");
     assert_eq!(p["reads_failed"], 0, "{p}");
     assert_exact(&out, &p, &run_json);
-    let names = comms(&p);
-    for want in ["init", "sort", "kpin-test"] {
-        assert!(
-            names.iter().any(|n| n == want),
-            "no row for {want:?}; rows: {names:?}"
-        );
-    }
+    assert_rows_named(&p, &["init", "sort", "kpin-test"]);
     assert_origins(&p);
     assert_workload_md5(&out);
 }
@@ -359,13 +358,7 @@ fn test_linux_612_bzimage_with_kaslr_names_processes_from_its_payloads_btf() {
     assert_eq!(p["by"], "task", "{p}");
     assert_eq!(p["reads_failed"], 0, "{p}");
     assert_exact(&out, &p, &run_json);
-    let names = comms(&p);
-    for want in WORKLOAD_COMMS {
-        assert!(
-            names.iter().any(|n| n == want),
-            "no row for {want:?}; rows: {names:?}"
-        );
-    }
+    assert_rows_named(&p, WORKLOAD_COMMS);
     assert_exes(&p);
     assert_origins(&p);
     assert_workload_md5(&out);
