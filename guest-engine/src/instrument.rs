@@ -59,6 +59,27 @@ pub mod access {
     /// Shift of the record's virtual CPL (bits 8–9: the mode its code was translated for,
     /// or ran in when the platform emulated it).
     pub const CPL_SHIFT: u32 = 8;
+    /// On a record that stands for a `call`'s fetch (a [`FETCH`] record, a [`FETCH_RUN`]
+    /// that ends with it, or a [`WITH_FETCH`] operand record), for a tool answering
+    /// [`super::Tool::fetch_runs`]: the instruction is a `call`, direct or indirect. It
+    /// returns to the instruction's end; the next fetch of its mode is its target; a
+    /// [`WITH_FETCH`] record of its stack write has the return address's slot in `pa`.
+    /// For shadow call stacks kept from the record stream (cachesim's `attribute=on`).
+    pub const CALL: u32 = 1 << 16;
+    /// As [`CALL`], for a `ret`: the next fetch of its mode is where it returned to; a
+    /// [`WITH_FETCH`] record of its stack read has the slot it took the address from in
+    /// `pa`.
+    pub const RET: u32 = 1 << 17;
+
+    /// The [`CALL`]/[`RET`] bit of an instruction of kind `kind` (0 for the others).
+    pub(crate) fn flow(kind: super::InsKind) -> u32 {
+        use super::InsKind as K;
+        match kind {
+            K::Call | K::IndirectCall => CALL,
+            K::Return => RET,
+            _ => 0,
+        }
+    }
 }
 
 /// Segment override of a memory operand that changes its linear address.
@@ -286,15 +307,24 @@ pub(crate) enum Action {
     MemRecords,
     /// A fetch record for the instruction (`Tool::records_fetches`).
     FetchRecord,
+    /// A fetch record for a `call` or `ret` (`Tool::fetch_runs`): `flow` is its
+    /// `access::CALL`/`access::RET` bit.
+    FetchFlowRecord {
+        flow: u32,
+    },
     /// One fetch record for the instruction and the `n − 1` after it, of lengths `lens`
-    /// (4 bits each; `Tool::fetch_runs`).
+    /// (4 bits each; `Tool::fetch_runs`); `flow`: the last one's `access::CALL`/`RET` bit.
     FetchRun {
         n: u8,
         lens: u64,
+        flow: u32,
     },
     /// The instruction's fetch goes into its first operand record (`access::WITH_FETCH`;
-    /// a fetch record of its own if it appends none).
-    FetchInRecords,
+    /// a fetch record of its own if it appends none); `flow`: its `access::CALL`/`RET`
+    /// bit.
+    FetchInRecords {
+        flow: u32,
+    },
     Call(usize),
 }
 

@@ -149,6 +149,8 @@ impl Engine {
                 for k in 0..r.size {
                     if at == guest_pc.0 {
                         r.size = k;
+                        // The run's last instruction, a `call` or `ret`, did not run.
+                        r.access &= !(access::CALL | access::RET);
                         break;
                     }
                     at += (r.ea >> (4 * k)) & 0xf;
@@ -198,10 +200,18 @@ pub(crate) fn fetch_runs(
                     n += 1;
                 }
             }
+            // Only a block's last instruction can be a `call` or `ret`: a run's last.
+            let flow = access::flow(info[i + n - 1].kind);
             let action = if n > 1 {
-                Action::FetchRun { n: n as u8, lens }
+                Action::FetchRun {
+                    n: n as u8,
+                    lens,
+                    flow,
+                }
             } else if merge && !info[i].rep && records(i) {
-                Action::FetchInRecords
+                Action::FetchInRecords { flow }
+            } else if flow != 0 {
+                Action::FetchFlowRecord { flow }
             } else {
                 Action::FetchRecord
             };

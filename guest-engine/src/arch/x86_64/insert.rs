@@ -189,13 +189,14 @@ impl Tx<'_> {
     }
 
     /// Appends one record per operand to the buffer; exits when it fills up. With
-    /// `fetch` (the instruction's length), the first record carries the instruction's
-    /// fetch too (`access::WITH_FETCH`, its physical address in `pa` until delivery).
+    /// `fetch` (the instruction's length and `access::CALL`/`RET` bit), the first record
+    /// carries the instruction's fetch too (`access::WITH_FETCH`, its physical address in
+    /// `pa` until delivery).
     pub(super) fn insert_mem_records(
         &mut self,
         ops: &[MemOperand],
         ip: u64,
-        fetch: Option<u8>,
+        fetch: Option<(u8, u32)>,
     ) -> Result<(), EngineError> {
         for (k, m) in ops.iter().enumerate() {
             self.a.spill_quiet(reg::RAX);
@@ -203,9 +204,10 @@ impl Tx<'_> {
             self.emit_ea_rcx(m, ip)?;
             let access = m.access | self.env.record_bits;
             match fetch.filter(|_| k == 0) {
-                Some(len) => {
+                Some((len, flow)) => {
                     let pa = self.frame_pa(ip);
-                    let with = access::WITH_FETCH | u32::from(len & 0xf) << access::FETCH_LEN_SHIFT;
+                    let with =
+                        access::WITH_FETCH | u32::from(len & 0xf) << access::FETCH_LEN_SHIFT | flow;
                     self.append_record(ip, None, Some(pa), m.size, access | with)?;
                 }
                 None => self.append_record(ip, None, None, m.size, access)?,
@@ -218,9 +220,20 @@ impl Tx<'_> {
     /// physical address: the frame the trace was translated from, which its page maps to
     /// whenever the trace runs (`softtlb.rs`), so the delivery need not resolve it.
     pub(super) fn insert_fetch_record(&mut self, ip: u64, len: u32) -> Result<(), EngineError> {
+        self.insert_flow_fetch_record(ip, len, 0)
+    }
+
+    /// [`Tx::insert_fetch_record`] for an instruction whose `access::CALL`/`RET` bit is
+    /// `flow`.
+    fn insert_flow_fetch_record(
+        &mut self,
+        ip: u64,
+        len: u32,
+        flow: u32,
+    ) -> Result<(), EngineError> {
         self.a.spill_quiet(reg::RAX);
         self.a.spill_quiet(reg::RCX);
-        let access = access::FETCH | self.env.record_bits;
+        let access = access::FETCH | self.env.record_bits | flow;
         self.append_record(ip, Some(ip), Some(self.frame_pa(ip)), len, access)
     }
 
@@ -232,16 +245,18 @@ impl Tx<'_> {
     }
 
     /// Appends the one record of a run of `n` instructions from `ip` (lengths `lens`, 4
-    /// bits each; `access::FETCH_RUN`), with the first one's physical address.
+    /// bits each; `access::FETCH_RUN`), with the first one's physical address; `flow`:
+    /// the last one's `access::CALL`/`RET` bit.
     pub(super) fn insert_fetch_run(
         &mut self,
         ip: u64,
         n: u8,
         lens: u64,
+        flow: u32,
     ) -> Result<(), EngineError> {
         self.a.spill_quiet(reg::RAX);
         self.a.spill_quiet(reg::RCX);
-        let access = access::FETCH | access::FETCH_RUN | self.env.record_bits;
+        let access = access::FETCH | access::FETCH_RUN | self.env.record_bits | flow;
         self.append_record(
             ip,
             Some(lens),
@@ -325,7 +340,13 @@ impl Tx<'_> {
         // The fetch rides on the first operand record when the instruction appends one.
         let records =
             !skip_records && !ops.is_empty() && acts.iter().any(|x| x.action == Action::MemRecords);
-        let fetch_in = records && acts.iter().any(|x| x.action == Action::FetchInRecords);
+        let fetch_in = records.then(|| {
+            acts.iter().find_map(|x| match x.action {
+                Action::FetchInRecords { flow } => Some(flow),
+                _ => None,
+            })
+        });
+        let fetch_in = fetch_in.flatten();
         for ins in acts {
             match &ins.action {
                 Action::Counter { id, amount } => {
@@ -333,14 +354,17 @@ impl Tx<'_> {
                     self.insert_counter(slot, *amount, flags_dead);
                 }
                 Action::MemRecords if !skip_records => {
-                    self.insert_mem_records(ops, ip, fetch_in.then_some(len))?;
+                    self.insert_mem_records(ops, ip, fetch_in.map(|flow| (len, flow)))?;
                 }
                 Action::MemRecords => {}
-                Action::FetchInRecords if fetch_in => {}
-                Action::FetchRecord | Action::FetchInRecords => {
-                    self.insert_fetch_record(ip, u32::from(len))?;
+                Action::FetchInRecords { .. } if fetch_in.is_some() => {}
+                Action::FetchRecord => self.insert_fetch_record(ip, u32::from(len))?,
+                Action::FetchFlowRecord { flow } | Action::FetchInRecords { flow } => {
+                    self.insert_flow_fetch_record(ip, u32::from(len), *flow)?;
                 }
-                Action::FetchRun { n, lens } => self.insert_fetch_run(ip, *n, *lens)?,
+                Action::FetchRun { n, lens, flow } => {
+                    self.insert_fetch_run(ip, *n, *lens, *flow)?;
+                }
                 Action::Call(c) => {
                     let spec = &self.calls[*c];
                     let inline = self.env.inline_calls
