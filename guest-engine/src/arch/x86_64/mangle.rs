@@ -144,6 +144,10 @@ pub(crate) struct TxBuffers {
     stubs: Vec<Stub>,
     cold: Vec<ColdCheck>,
     live: Vec<u32>,
+    /// The storage of the insertions before and after one instruction (`insertions_at`),
+    /// empty between traces.
+    before: Vec<&'static Insertion>,
+    after: Vec<&'static Insertion>,
 }
 
 impl TxBuffers {
@@ -519,8 +523,9 @@ impl Tx<'_> {
     }
 
     fn emit_stubs(&mut self) {
-        let stubs = core::mem::take(&mut self.stubs);
-        for s in stubs {
+        // Drained, not consumed: the storage goes back to `TxBuffers` for the next trace.
+        let mut stubs = core::mem::take(&mut self.stubs);
+        for s in stubs.drain(..) {
             self.a.bind(s.label);
             self.a.mark_guest(s.guest_pc);
             self.a.set_spilled(s.restore);
@@ -532,6 +537,7 @@ impl Tx<'_> {
             self.a.mov_m64_imm32(self.env.ctx.exit_word, s.word);
             self.a.jmp_abs(self.env.gen.exit);
         }
+        self.stubs = stubs;
     }
 }
 
@@ -706,13 +712,15 @@ pub(crate) fn translate_trace(
     flags_liveness(t, live);
     let mut bases = BaseState::default();
     let heads = tx.emit_heads(t, live, &mut bases)?;
-    // Reused for every instruction.
-    let mut before: Vec<&Insertion> = Vec::new();
-    let mut after: Vec<&Insertion> = Vec::new();
+    // Reused for every instruction, and across traces.
+    let mut before = relifetime(core::mem::take(&mut bufs.before));
+    let mut after = relifetime(core::mem::take(&mut bufs.after));
     for k in 0..t.insns.len() {
         insertions_at(insertions, k, &mut before, &mut after);
         tx.emit_insn(t, k, live, &mut bases, &mut before, &after)?;
     }
+    bufs.before = relifetime(before);
+    bufs.after = relifetime(after);
     tx.emit_trace_end(t.end);
     tx.emit_cold_checks()?;
     tx.emit_stubs();
@@ -734,6 +742,13 @@ pub(crate) fn translate_trace(
         exits: tx.exits,
         marks,
     })
+}
+
+/// `v`'s storage, emptied, for references of another lifetime (collected in place: the
+/// allocation is kept).
+fn relifetime<'b>(mut v: Vec<&Insertion>) -> Vec<&'b Insertion> {
+    v.clear();
+    v.into_iter().map(|_| unreachable!("emptied")).collect()
 }
 
 /// `v`'s storage, emptied, leaving `v` empty.
