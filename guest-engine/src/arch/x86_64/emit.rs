@@ -128,6 +128,20 @@ impl Asm {
         self.buf.extend_from_slice(b);
     }
 
+    /// Appends `b[..n]` by copying the whole of `b` (a fixed-size copy, where a slice of
+    /// run-time length costs a `memcpy` call) into the spare capacity.
+    pub(crate) fn bytes_of<const N: usize>(&mut self, b: &[u8; N], n: usize) {
+        assert!(n <= N, "{n} of {N} bytes");
+        self.buf.reserve(N);
+        let len = self.buf.len();
+        // SAFETY: `reserve` made room for `N` bytes past `len`; the copy initializes them,
+        // and only the first `n` become part of the buffer.
+        unsafe {
+            core::ptr::copy_nonoverlapping(b.as_ptr(), self.buf.as_mut_ptr().add(len), N);
+            self.buf.set_len(len + n);
+        }
+    }
+
     fn u32le(&mut self, v: u32) {
         self.buf.extend_from_slice(&v.to_le_bytes());
     }

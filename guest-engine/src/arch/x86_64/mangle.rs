@@ -564,7 +564,7 @@ impl Tx<'_> {
             Class::Plain if self.env.compat => self.compat_plain(d)?,
             Class::Plain => match rep_records {
                 Some(ops) => self.mangle_rep_string(d, ops)?,
-                None => self.a.bytes(d.bytes()),
+                None => self.a.bytes_of(&d.bytes, d.instr.len()),
             },
             Class::LoopLike { target } if self.env.compat => {
                 // In ECX: the 0x67 form of the same opcode (`compat::untranslatable`
