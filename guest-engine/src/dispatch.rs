@@ -437,6 +437,7 @@ impl Engine {
                 &decoded.bbls,
                 &ti.insertions,
                 self.config.records_need_pa || tool.records_need_pa(),
+                tool.call_stack_records(),
             ));
         } else if tool.records_fetches() {
             insertions.extend((0..decoded.info.len()).map(|ins| Insertion {

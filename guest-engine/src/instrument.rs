@@ -64,11 +64,13 @@ pub mod access {
     /// [`super::Tool::fetch_runs`]: the instruction is a `call`, direct or indirect. It
     /// returns to the instruction's end; the next fetch of its mode is its target; a
     /// [`WITH_FETCH`] record of its stack write has the return address's slot in `pa`.
-    /// For shadow call stacks kept from the record stream (cachesim's `attribute=on`).
+    /// For a tool answering [`super::Tool::call_stack_records`], the fetch always has a
+    /// [`FETCH`] record of its own, and the stack write's record (the last of its
+    /// operands') keeps the slot's virtual address in `ea`. For shadow call stacks kept
+    /// from the record stream (cachesim's `attribute=on`).
     pub const CALL: u32 = 1 << 16;
-    /// As [`CALL`], for a `ret`: the next fetch of its mode is where it returned to; a
-    /// [`WITH_FETCH`] record of its stack read has the slot it took the address from in
-    /// `pa`.
+    /// As [`CALL`], for a `ret`: the next fetch of its mode is where it returned to; its
+    /// stack read's record has the slot it took the address from.
     pub const RET: u32 = 1 << 17;
 
     /// The [`CALL`]/[`RET`] bit of an instruction of kind `kind` (0 for the others).
@@ -498,6 +500,14 @@ pub trait Tool {
     }
     /// Whether records carry physical addresses (as `Config::records_need_pa`).
     fn records_need_pa(&self) -> bool {
+        false
+    }
+    /// With [`Tool::fetch_runs`]: whether a `call`'s or `ret`'s fetch has an
+    /// [`access::FETCH`] record of its own ([`access::CALL`]/[`access::RET`]) even where
+    /// its operand record could carry it, so that the stack access's record keeps the
+    /// slot's virtual address: what names the stack a kernel call runs on (its
+    /// `THREAD_SIZE`-aligned block), for a shadow call stack per kernel stack.
+    fn call_stack_records(&self) -> bool {
         false
     }
     /// Whether the engine puts an [`access::TASK`] record among this tool's records where

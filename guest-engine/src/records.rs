@@ -174,12 +174,14 @@ const MAX_RUN: usize = 16;
 /// `insertions` (so no record or call comes between their fetches) and are not `rep`
 /// strings (whose fetch follows their loop). With `merge` (the tool's records get
 /// physical addresses), an instruction with operand records has its fetch carried by the
-/// first of them; any other instruction gets its own record.
+/// first of them, but for a `call` or `ret` with `split_flow` (`Tool::call_stack_records`);
+/// any other instruction gets its own record.
 pub(crate) fn fetch_runs(
     info: &[InsInfo],
     bbls: &[Bbl],
     insertions: &[Insertion],
     merge: bool,
+    split_flow: bool,
 ) -> Vec<Insertion> {
     let busy = |i: usize| info[i].rep || insertions.iter().any(|x| x.ins == i);
     let records = |i: usize| {
@@ -208,7 +210,7 @@ pub(crate) fn fetch_runs(
                     lens,
                     flow,
                 }
-            } else if merge && !info[i].rep && records(i) {
+            } else if merge && !info[i].rep && records(i) && !(split_flow && flow != 0) {
                 Action::FetchInRecords { flow }
             } else if flow != 0 {
                 Action::FetchFlowRecord { flow }

@@ -347,9 +347,13 @@ fn test_an_operand_record_carrying_the_fetch_goes_with_a_faulting_instruction() 
     assert_eq!(each.0, runs.0, "the same stream");
 }
 
-/// The records that carry `access::CALL` or `access::RET`: `(ip, access, pa)`.
-#[derive(Default)]
-struct Flows(Vec<(u64, u32, u64)>);
+/// The records of the instructions at `ips`: `(ip, access, ea, pa)`; with `split`, a
+/// tool answering `call_stack_records`.
+struct Flows {
+    ips: [u64; 2],
+    split: bool,
+    seen: Vec<(u64, u32, u64, u64)>,
+}
 
 impl Tool for Flows {
     fn instrument_trace(&mut self, trace: &mut TraceInstrumenter<'_>) {
@@ -358,12 +362,11 @@ impl Tool for Flows {
         }
     }
     fn buffer_full(&mut self, records: &[MemRecord]) {
-        let flow = access::CALL | access::RET;
-        self.0.extend(
+        self.seen.extend(
             records
                 .iter()
-                .filter(|r| r.access & flow != 0)
-                .map(|r| (r.ip, r.access, r.pa)),
+                .filter(|r| self.ips.contains(&r.ip))
+                .map(|r| (r.ip, r.access, r.ea, r.pa)),
         );
     }
     fn records_fetches(&self) -> bool {
@@ -375,47 +378,78 @@ impl Tool for Flows {
     fn records_need_pa(&self) -> bool {
         true
     }
+    fn call_stack_records(&self) -> bool {
+        self.split
+    }
 }
 
 #[test]
 fn test_a_call_and_its_ret_say_so_on_the_records_carrying_their_fetches() {
     // call f; jmp over; f: nop; ret; over: jmp exit — the call's stack write carries its
-    // fetch and `CALL`, the ret's stack read `RET`, and both name the same slot.
-    let Setup {
-        mut rig,
-        base,
-        exit,
-        block: _block,
-        _turn,
-    } = setup(
-        Config::default(),
-        libc::SIGSEGV,
-        &[0xE8, 0x02, 0, 0, 0, 0xEB, 0x02, 0x90, 0xC3],
-    );
-    let mut mem = HostMemory::new(vec![(base, base + 4096)]);
-    let mut tool = Flows::default();
-    rig.engine.regs_mut().set(Gpr::Rsp, base + 0xf00);
-    rig.engine.set_rip(GuestVirt(base));
-    let stop = rig
-        .engine
-        .run(&mut mem, &mut HostPlatform::default(), &mut tool);
-    assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
-    let with = access::WITH_FETCH;
-    let seen: Vec<(u64, u32)> = tool
-        .0
-        .iter()
-        .map(|&(ip, a, _)| {
-            let bits = access::CALL | access::RET | access::READ | access::WRITE | with;
-            (ip - base, a & bits)
-        })
-        .collect();
-    assert_eq!(
-        seen,
-        [
-            (0, access::CALL | access::WRITE | with),
-            (8, access::RET | access::READ | with)
-        ]
-    );
-    assert_eq!(tool.0[0].2, base + 0xf00 - 8, "the return address's slot");
-    assert_eq!(tool.0[1].2, tool.0[0].2, "the ret reads the call's slot");
+    // fetch and `CALL`, the ret's stack read `RET`, and both name the same slot. For a
+    // tool answering `call_stack_records` the fetches have records of their own, and the
+    // stack accesses' records keep the slot's virtual address.
+    for split in [false, true] {
+        let Setup {
+            mut rig,
+            base,
+            exit,
+            block: _block,
+            _turn,
+        } = setup(
+            Config::default(),
+            libc::SIGSEGV,
+            &[0xE8, 0x02, 0, 0, 0, 0xEB, 0x02, 0x90, 0xC3],
+        );
+        let mut mem = HostMemory::new(vec![(base, base + 4096)]);
+        let mut tool = Flows {
+            ips: [base, base + 8],
+            split,
+            seen: Vec::new(),
+        };
+        rig.engine.regs_mut().set(Gpr::Rsp, base + 0xf00);
+        rig.engine.set_rip(GuestVirt(base));
+        let stop = rig
+            .engine
+            .run(&mut mem, &mut HostPlatform::default(), &mut tool);
+        assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+        let slot = base + 0xf00 - 8;
+        let bits = access::CALL
+            | access::RET
+            | access::READ
+            | access::WRITE
+            | access::FETCH
+            | access::WITH_FETCH;
+        let seen: Vec<(u64, u32, u64, u64)> = tool
+            .seen
+            .iter()
+            .map(|&(ip, a, ea, pa)| {
+                // A fetch's `ea`/`pa` is the instruction's (identity-mapped here).
+                (ip - base, a & bits, ea, pa)
+            })
+            .collect();
+        let (call, ret) = (access::CALL, access::RET);
+        let (r, w, with) = (access::READ, access::WRITE, access::WITH_FETCH);
+        if split {
+            let fetch = access::FETCH;
+            assert_eq!(
+                seen,
+                [
+                    (0, fetch | call, base, base),
+                    (0, w, slot, slot),
+                    (8, fetch | ret, base + 8, base + 8),
+                    (8, r, slot, slot)
+                ]
+            );
+        } else {
+            assert_eq!(
+                seen,
+                [
+                    (0, call | w | with, base, slot),
+                    (8, ret | r | with, base + 8, slot)
+                ],
+                "the slot in pa, the instruction in ea"
+            );
+        }
+    }
 }

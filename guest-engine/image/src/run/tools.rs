@@ -202,6 +202,10 @@ impl Tool for ToHost {
         self.tool.records_need_pa()
     }
 
+    fn call_stack_records(&self) -> bool {
+        self.tool.call_stack_records()
+    }
+
     fn task_records(&self) -> bool {
         // The host's simulator sees only records: the task changes come among them.
         true
