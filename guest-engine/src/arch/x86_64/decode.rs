@@ -382,6 +382,8 @@ fn ins_kind(c: Class) -> InsKind {
 /// translating a trace does not allocate once the buffers have grown.
 pub(crate) struct Scratch {
     pub(crate) factory: InstructionInfoFactory,
+    /// The fetch buffer of the trace being decoded (`form.rs`).
+    fetch: alloc::boxed::Box<[u8; form::FETCH_BYTES]>,
     insns: Vec<DecodedInsn>,
     info: Vec<InsInfo>,
     bbls: Vec<Bbl>,
@@ -392,6 +394,7 @@ impl Scratch {
     pub(crate) fn new() -> Self {
         Self {
             factory: InstructionInfoFactory::new(),
+            fetch: alloc::boxed::Box::new([0; form::FETCH_BYTES]),
             insns: Vec::with_capacity(24),
             info: Vec::with_capacity(24),
             bbls: Vec::with_capacity(4),

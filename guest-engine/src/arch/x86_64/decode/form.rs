@@ -2,6 +2,10 @@
 //! and add instructions one by one (`Former::add`) until the page end, the size limit, a
 //! sensitive instruction or an unconditional transfer ends it, following short direct
 //! jumps and cutting basic blocks at branches. The invariants are `decode.rs`'s.
+//!
+//! The fetch is lazy: a first chunk of the window, the rest (and the next page's first
+//! bytes) only when decoding comes within an instruction of the chunk's end or a decision
+//! depends on the whole window; every decision is the one the whole window gives.
 
 use alloc::vec::Vec;
 
@@ -25,32 +29,95 @@ const MAX_FOLLOWED_JUMPS: usize = 4;
 /// Bytes a trace can span: `MAX_TRACE_INSNS` maximal instructions.
 const MAX_TRACE_BYTES: usize = MAX_TRACE_INSNS * MAX_INSN_BYTES;
 
-/// Fetches the code a trace starting at `va` can cover: up to `MAX_TRACE_BYTES` of its
-/// page, plus the first bytes of the next page when the trace may reach the page end.
-/// Returns (bytes on the first page, bytes available).
-fn fetch(
-    mem: &mut dyn GuestMemory,
+/// The fetch buffer: the whole window a trace can cover, and room past it.
+pub(crate) const FETCH_BYTES: usize = MAX_TRACE_BYTES + 2 * MAX_INSN_BYTES;
+
+/// Bytes fetched first: most traces are much shorter (~30 bytes).
+const FIRST_FETCH: usize = 256;
+
+/// The window of guest code a trace starting at `va` can cover: up to `MAX_TRACE_BYTES`
+/// (+ one instruction) of its page, plus the first bytes of the next page when the trace
+/// may reach the page end; and how much of it is fetched so far.
+#[derive(Clone, Copy)]
+struct Window {
     va: GuestVirt,
     pa: GuestPhys,
     mode: Mode,
-    buf: &mut [u8; MAX_TRACE_BYTES + 2 * MAX_INSN_BYTES],
-) -> Result<(usize, usize), FetchFault> {
-    let in_page = (PAGE_BYTES - (va.0 & (PAGE_BYTES - 1))) as usize;
-    if in_page >= MAX_TRACE_BYTES + MAX_INSN_BYTES {
-        if !mem.read(pa, &mut buf[..MAX_TRACE_BYTES + MAX_INSN_BYTES]) {
+    /// Bytes on the trace's first page.
+    in_page: usize,
+    /// Bytes the whole window holds; while the next page's part is not fetched,
+    /// `in_page` (all that `limit_reached` and `maybe_follow` need of it then).
+    avail: usize,
+    /// Bytes fetched so far (`buf[..fetched]`).
+    fetched: usize,
+    /// The whole window is fetched (`fetched == avail`).
+    whole: bool,
+}
+
+impl Window {
+    /// Fetches the first chunk of the window at `va`.
+    fn open(
+        mem: &mut dyn GuestMemory,
+        va: GuestVirt,
+        pa: GuestPhys,
+        mode: Mode,
+        buf: &mut [u8; FETCH_BYTES],
+    ) -> Result<Self, FetchFault> {
+        let in_page = (PAGE_BYTES - (va.0 & (PAGE_BYTES - 1))) as usize;
+        let cross_page = in_page < MAX_TRACE_BYTES + MAX_INSN_BYTES;
+        let first_page = in_page.min(MAX_TRACE_BYTES + MAX_INSN_BYTES);
+        let fetched = first_page.min(FIRST_FETCH);
+        if !mem.read(pa, &mut buf[..fetched]) {
             return Err(FetchFault(va));
         }
-        return Ok((in_page, MAX_TRACE_BYTES + MAX_INSN_BYTES));
+        Ok(Self {
+            va,
+            pa,
+            mode,
+            in_page,
+            avail: first_page,
+            fetched,
+            whole: fetched == first_page && !cross_page,
+        })
     }
-    if !mem.read(pa, &mut buf[..in_page]) {
-        return Err(FetchFault(va));
+
+    /// Fetches the rest of the window: the rest of the first page's part, then (when the
+    /// trace may reach the page end) the next page's first bytes, if it is mapped.
+    fn complete(
+        &mut self,
+        mem: &mut dyn GuestMemory,
+        buf: &mut [u8; FETCH_BYTES],
+    ) -> Result<(), FetchFault> {
+        let first_page = self.in_page.min(MAX_TRACE_BYTES + MAX_INSN_BYTES);
+        if self.fetched < first_page {
+            let at = GuestPhys(self.pa.0 + self.fetched as u64);
+            if !mem.read(at, &mut buf[self.fetched..first_page]) {
+                return Err(FetchFault(self.va));
+            }
+        }
+        self.avail = first_page;
+        if self.in_page < MAX_TRACE_BYTES + MAX_INSN_BYTES {
+            let in_page = self.in_page;
+            let next = GuestVirt(self.va.page().0.wrapping_add(PAGE_BYTES));
+            let extra = match mem.translate(next, self.mode) {
+                Some(npa) if mem.read(npa, &mut buf[in_page..in_page + MAX_INSN_BYTES]) => {
+                    MAX_INSN_BYTES
+                }
+                _ => 0,
+            };
+            self.avail = in_page + extra;
+        }
+        self.fetched = self.avail;
+        self.whole = true;
+        Ok(())
     }
-    let next = GuestVirt(va.page().0.wrapping_add(PAGE_BYTES));
-    let extra = match mem.translate(next, mode) {
-        Some(npa) if mem.read(npa, &mut buf[in_page..in_page + MAX_INSN_BYTES]) => MAX_INSN_BYTES,
-        _ => 0,
-    };
-    Ok((in_page, in_page + extra))
+
+    /// Whether an instruction at `off` (and the byte after it) may lie past what is
+    /// fetched: the whole window must be fetched before it is decoded.
+    #[inline]
+    fn short_at(&self, off: usize) -> bool {
+        !self.whole && off + MAX_INSN_BYTES + 1 > self.fetched
+    }
 }
 
 /// Whether `i` (at virtual CPL 0, followed by the byte `next` if known) runs inline
@@ -74,47 +141,71 @@ pub(crate) fn decode_trace(
     inline_flags: bool,
     scratch: &mut Scratch,
 ) -> Result<DecodedTrace, FetchFault> {
-    let mut buf = [0u8; MAX_TRACE_BYTES + 2 * MAX_INSN_BYTES];
-    let (in_page, avail) = fetch(mem, va, pa, mode, &mut buf)?;
-    let window = Window {
-        buf: &buf,
-        in_page,
-        avail,
-    };
     let vecs = scratch.trace_vecs();
+    // (Bytes past `fetched` are stale, never read.)
+    let Scratch { factory, fetch, .. } = scratch;
+    let buf = &mut **fetch;
+    let window = Window::open(mem, va, pa, mode, buf)?;
     let mut f = Former::new(window, va, pa, mode, inline_flags, vecs);
     let mut instr = Instruction::default();
-    let end = loop {
-        let pc = va.0.wrapping_add(f.off as u64);
-        if f.limit_reached() {
-            break TraceEnd::FallThrough(pc);
+    let end = 'trace: loop {
+        // A decoder over what is fetched, at the next instruction; a new one after the
+        // rest of the window is fetched.
+        let mut dec = Decoder::with_ip(
+            mode.bitness(),
+            &buf[..f.w.fetched],
+            va.0.wrapping_add(f.off as u64),
+            DecoderOptions::NONE,
+        );
+        dec.set_position(f.off)
+            .map_err(|_| FetchFault(GuestVirt(va.0.wrapping_add(f.off as u64))))?;
+        loop {
+            let pc = va.0.wrapping_add(f.off as u64);
+            if f.limit_reached() {
+                break 'trace TraceEnd::FallThrough(pc);
+            }
+            if f.w.short_at(f.off) {
+                break;
+            }
+            dec.decode_out(&mut instr);
+            if instr.is_invalid() {
+                break 'trace f.undecodable(&dec, buf, pc)?;
+            }
+            match f.add(factory, buf, &instr, pc)? {
+                Added::End(end) => break 'trace end,
+                Added::Next => {}
+                Added::Jumped(target) => {
+                    if f.w.short_at(f.off) {
+                        break;
+                    }
+                    dec.set_ip(target);
+                    dec.set_position(f.off)
+                        .map_err(|_| FetchFault(GuestVirt(target)))?;
+                }
+                Added::NeedsWindow => break,
+            }
         }
-        f.dec.decode_out(&mut instr);
-        if instr.is_invalid() {
-            break f.undecodable(pc)?;
-        }
-        if let Some(end) = f.add(&mut scratch.factory, &instr, pc)? {
-            break end;
-        }
+        f.w.complete(mem, buf)?;
     };
     Ok(f.finish(end))
 }
 
-/// The guest code `fetch` brought in for one trace.
-#[derive(Clone, Copy)]
-struct Window<'b> {
-    buf: &'b [u8; MAX_TRACE_BYTES + 2 * MAX_INSN_BYTES],
-    /// Bytes on the trace's first page.
-    in_page: usize,
-    /// Bytes fetched.
-    avail: usize,
+/// What `Former::add` did with an instruction.
+enum Added {
+    /// Added; the trace goes on at the next instruction.
+    Next,
+    /// A followed jump: the trace goes on at this target (`Former::off` is there).
+    Jumped(u64),
+    /// The trace ends (before or after the instruction).
+    End(TraceEnd),
+    /// Not added: deciding needs the whole window fetched.
+    NeedsWindow,
 }
 
-/// One trace being formed: the decoder over the fetched window, where it is, and the
-/// trace so far.
-struct Former<'b> {
-    w: Window<'b>,
-    dec: Decoder<'b>,
+/// One trace being formed: the window of its guest code, where it is, and the trace so
+/// far.
+struct Former {
+    w: Window,
     mode: Mode,
     inline_flags: bool,
     /// A stepping trace is one instruction (`Mode::stepping`).
@@ -128,25 +219,18 @@ struct Former<'b> {
     t: DecodedTrace,
 }
 
-impl<'b> Former<'b> {
+impl Former {
     /// A trace at `va` in the (empty) vectors `(insns, info, bbls)`.
     fn new(
-        w: Window<'b>,
+        w: Window,
         va: GuestVirt,
         pa: GuestPhys,
         mode: Mode,
         inline_flags: bool,
         (insns, info, bbls): (Vec<DecodedInsn>, Vec<InsInfo>, Vec<Bbl>),
     ) -> Self {
-        let dec = Decoder::with_ip(
-            mode.bitness(),
-            &w.buf[..w.avail],
-            va.0,
-            DecoderOptions::NONE,
-        );
         Self {
             w,
-            dec,
             mode,
             inline_flags,
             max_insns: if mode.is_stepping() {
@@ -170,8 +254,8 @@ impl<'b> Former<'b> {
     }
 
     /// Whether the trace stops before the next instruction: at the page end, at the size
-    /// limit, or where a followed jump moved the decoder past the fetched window (a
-    /// partial-page fetch).
+    /// limit, or where a followed jump moved the decoder past the window (a
+    /// partial-page window).
     #[inline]
     fn limit_reached(&self) -> bool {
         let w = &self.w;
@@ -182,8 +266,15 @@ impl<'b> Former<'b> {
     /// How the trace ends at `pc`, where iced decoded nothing: out of bytes, it falls
     /// through to the next page (or, if nothing was decoded, that page's fetch faults);
     /// else the bytes leave for the virtual CPU as an undefined instruction.
-    fn undecodable(&self, pc: u64) -> Result<TraceEnd, FetchFault> {
-        if self.dec.last_error() == DecoderError::NoMoreBytes {
+    fn undecodable(
+        &self,
+        dec: &Decoder<'_>,
+        buf: &[u8; FETCH_BYTES],
+        pc: u64,
+    ) -> Result<TraceEnd, FetchFault> {
+        // (An instruction is decoded only with `MAX_INSN_BYTES` + 1 bytes fetched past it
+        // or the whole window: out of bytes means out of the window.)
+        if dec.last_error() == DecoderError::NoMoreBytes {
             if self.t.insns.is_empty() {
                 let next_page = self.t.start.page().0.wrapping_add(PAGE_BYTES);
                 return Err(FetchFault(GuestVirt(next_page)));
@@ -191,8 +282,8 @@ impl<'b> Former<'b> {
             return Ok(TraceEnd::FallThrough(pc));
         }
         let mut bytes = [0u8; MAX_INSN_BYTES];
-        let n = (self.w.avail - self.off).min(MAX_INSN_BYTES);
-        bytes[..n].copy_from_slice(&self.w.buf[self.off..self.off + n]);
+        let n = (self.w.fetched - self.off).min(MAX_INSN_BYTES);
+        bytes[..n].copy_from_slice(&buf[self.off..self.off + n]);
         Ok(TraceEnd::Sensitive(SensitiveInsn {
             pc: GuestVirt(pc),
             len: 0,
@@ -202,20 +293,21 @@ impl<'b> Former<'b> {
     }
 
     /// Adds `instr`, decoded at `pc`, to the trace; or ends the trace before it (it is
-    /// sensitive) or after it (a transfer). `Some` is how the trace ends.
+    /// sensitive) or after it (a transfer); or leaves it for the whole window.
     #[inline]
     fn add(
         &mut self,
         factory: &mut InstructionInfoFactory,
+        buf: &[u8; FETCH_BYTES],
         instr: &Instruction,
         pc: u64,
-    ) -> Result<Option<TraceEnd>, FetchFault> {
+    ) -> Result<Added, FetchFault> {
         let len = instr.len();
         let mut bytes = [0u8; MAX_INSN_BYTES];
-        bytes[..len].copy_from_slice(&self.w.buf[self.off..self.off + len]);
-        let virt_flags = self.runs_on_virtual_flags(instr, len);
+        bytes[..len].copy_from_slice(&buf[self.off..self.off + len]);
+        let virt_flags = self.runs_on_virtual_flags(buf, instr, len);
         if let Some(kind) = self.leaves_as_sensitive(instr).filter(|_| !virt_flags) {
-            return Ok(Some(TraceEnd::Sensitive(SensitiveInsn {
+            return Ok(Added::End(TraceEnd::Sensitive(SensitiveInsn {
                 pc: GuestVirt(pc),
                 len: len as u8,
                 bytes,
@@ -225,19 +317,28 @@ impl<'b> Former<'b> {
         let class = if virt_flags {
             Class::VirtFlags
         } else {
-            self.maybe_follow(classify(instr), pc)
+            match self.maybe_follow(classify(instr), pc) {
+                Some(c) => c,
+                None => return Ok(Added::NeedsWindow),
+            }
         };
         self.push(factory, instr, bytes, class, pc);
         self.off += len;
         self.t.guest_bytes += len as u64;
-        self.after(class)
+        Ok(self.after(class))
     }
 
     /// Whether `instr` (`len` bytes at `off`) runs inline against the virtual flags
     /// (`Config::inline_virtual_flags`, virtual CPL 0, not stepping).
     #[inline]
-    fn runs_on_virtual_flags(&self, instr: &Instruction, len: usize) -> bool {
-        let next_byte = (self.off + len < self.w.avail).then(|| self.w.buf[self.off + len]);
+    fn runs_on_virtual_flags(
+        &self,
+        buf: &[u8; FETCH_BYTES],
+        instr: &Instruction,
+        len: usize,
+    ) -> bool {
+        // (Fetched: see `Window::short_at`.)
+        let next_byte = (self.off + len < self.w.fetched).then(|| buf[self.off + len]);
         self.inline_flags
             && self.mode.cpl() == 0
             && !self.mode.is_stepping()
@@ -262,22 +363,27 @@ impl<'b> Former<'b> {
 
     /// `class`, or for a direct jump (at `pc`) that stays on the trace's page and does
     /// not loop back into the trace, `JmpElided`: the trace follows it (at most
-    /// `MAX_FOLLOWED_JUMPS` per trace, none while stepping).
+    /// `MAX_FOLLOWED_JUMPS` per trace, none while stepping). `None`: whether it fits
+    /// needs the whole window.
     #[inline]
-    fn maybe_follow(&mut self, class: Class, pc: u64) -> Class {
+    fn maybe_follow(&mut self, class: Class, pc: u64) -> Option<Class> {
         let Class::Jmp { target } = class else {
-            return class;
+            return Some(class);
         };
         let w = &self.w;
-        let fits = target.checked_sub(self.t.start.0).is_some_and(|toff| {
+        let toff = target.checked_sub(self.t.start.0);
+        if toff.is_some_and(|t| t < w.in_page as u64 && w.short_at(t as usize)) {
+            return None;
+        }
+        let fits = toff.is_some_and(|toff| {
             toff as usize + MAX_INSN_BYTES <= w.avail && (toff as usize) < w.in_page
         });
         let seen = target == pc || self.t.info.iter().any(|i| i.address.0 == target);
         if fits && !seen && self.followed < MAX_FOLLOWED_JUMPS && !self.mode.is_stepping() {
             self.followed += 1;
-            return Class::JmpElided { target };
+            return Some(Class::JmpElided { target });
         }
-        class
+        Some(class)
     }
 
     /// Appends `instr` and its description for tools (`InsInfo`).
@@ -324,27 +430,25 @@ impl<'b> Former<'b> {
     }
 
     /// After an instruction of `class`: a branch closes its basic block (a followed jump
-    /// also moves the decoder to its target); a transfer ends the trace.
+    /// also moves the trace to its target, where the caller moves the decoder); a
+    /// transfer ends the trace.
     #[inline]
-    fn after(&mut self, class: Class) -> Result<Option<TraceEnd>, FetchFault> {
+    fn after(&mut self, class: Class) -> Added {
         match class {
             Class::JmpElided { target } => {
                 self.close_bbl();
                 self.off = target.wrapping_sub(self.t.start.0) as usize;
-                self.dec.set_ip(target);
-                self.dec
-                    .set_position(self.off)
-                    .map_err(|_| FetchFault(GuestVirt(target)))?;
+                return Added::Jumped(target);
             }
             Class::Jcc { .. } | Class::LoopLike { .. } => self.close_bbl(),
             Class::Jmp { .. }
             | Class::Call { .. }
             | Class::JmpInd
             | Class::CallInd
-            | Class::Ret { .. } => return Ok(Some(TraceEnd::Transfer)),
+            | Class::Ret { .. } => return Added::End(TraceEnd::Transfer),
             Class::Plain | Class::RipRel | Class::VirtFlags => {}
         }
-        Ok(None)
+        Added::Next
     }
 
     /// Closes the basic block `bbl_first..` (at least one instruction).
