@@ -216,6 +216,30 @@ pub(crate) fn sensitive_kind(i: &Instruction) -> Option<SensitiveKind> {
     Some(k)
 }
 
+/// [`sensitive_kind`] of each `Code`, computed at its first instruction: it depends on
+/// the code alone (its mnemonic, the register classes of its operands — a control,
+/// debug, test or segment register is never an r/m operand —, its flow control).
+pub(crate) struct SensitiveKinds(Vec<Option<Option<SensitiveKind>>>);
+
+impl SensitiveKinds {
+    fn new() -> Self {
+        Self(alloc::vec![None; Code::values().count()])
+    }
+
+    /// `sensitive_kind(i)`.
+    #[inline]
+    pub(crate) fn of(&mut self, i: &Instruction) -> Option<SensitiveKind> {
+        let slot = &mut self.0[i.code() as usize];
+        match *slot {
+            Some(k) => {
+                debug_assert_eq!(k, sensitive_kind(i), "{:?}", i.code());
+                k
+            }
+            None => *slot.insert(sensitive_kind(i)),
+        }
+    }
+}
+
 fn classify(i: &Instruction) -> Class {
     match i.flow_control() {
         FlowControl::ConditionalBranch => {
@@ -382,6 +406,7 @@ fn ins_kind(c: Class) -> InsKind {
 /// translating a trace does not allocate once the buffers have grown.
 pub(crate) struct Scratch {
     pub(crate) factory: InstructionInfoFactory,
+    pub(crate) sensitive: SensitiveKinds,
     /// The fetch buffer of the trace being decoded (`form.rs`).
     fetch: alloc::boxed::Box<[u8; form::FETCH_BYTES]>,
     insns: Vec<DecodedInsn>,
@@ -394,6 +419,7 @@ impl Scratch {
     pub(crate) fn new() -> Self {
         Self {
             factory: InstructionInfoFactory::new(),
+            sensitive: SensitiveKinds::new(),
             fetch: alloc::boxed::Box::new([0; form::FETCH_BYTES]),
             insns: Vec::with_capacity(24),
             info: Vec::with_capacity(24),
@@ -480,6 +506,40 @@ mod tests {
 
     use super::sensitive_kind;
     use crate::platform::SensitiveKind as K;
+
+    /// `SensitiveKinds` keeps one answer per `Code`: over random instructions (64- and
+    /// 32-bit, every register and memory form they happen to hit) the answer depends on
+    /// the code alone.
+    #[test]
+    fn test_sensitive_kind_depends_on_the_code_alone() {
+        let mut seen = alloc::collections::BTreeMap::new();
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut bytes = [0u8; 16];
+        for n in 0..400_000 {
+            for b in bytes.chunks_mut(8) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                b.copy_from_slice(&x.to_le_bytes());
+            }
+            // Two-byte opcodes (system instructions among them) and prefixed ones too.
+            match n % 4 {
+                1 => bytes[0] = 0x0F,
+                2 => bytes[..2].copy_from_slice(&[0x0F, (n / 4 % 2) as u8]),
+                3 => bytes[..2].copy_from_slice(&[[0x66, 0xF3, 0xF2, 0x48][n / 4 % 4], 0x0F]),
+                _ => {}
+            }
+            for bitness in [64, 32] {
+                let i = Decoder::with_ip(bitness, &bytes, 0x1000, DecoderOptions::NONE).decode();
+                if i.is_invalid() {
+                    continue;
+                }
+                let k = sensitive_kind(&i);
+                assert_eq!(*seen.entry(i.code()).or_insert(k), k, "{:?}", i.code());
+            }
+        }
+        assert!(seen.len() > 1500, "{} codes", seen.len());
+    }
 
     #[test]
     fn test_sensitive_instructions_are_classified() {

@@ -14,8 +14,8 @@ use iced_x86::{
 };
 
 use super::{
-    classify, gpr_usage, ins_kind, is_string_op, mem_operands, mem_operands_of, sensitive_kind,
-    strip_rep, Class, DecodedInsn, DecodedTrace, FetchFault, Scratch, TraceEnd,
+    classify, gpr_usage, ins_kind, is_string_op, mem_operands, mem_operands_of, strip_rep, Class,
+    DecodedInsn, DecodedTrace, FetchFault, Scratch, SensitiveKinds, TraceEnd,
 };
 use crate::addr::{GuestPhys, GuestVirt, PAGE_BYTES};
 use crate::guest_memory::{GuestMemory, Mode};
@@ -143,7 +143,12 @@ pub(crate) fn decode_trace(
 ) -> Result<DecodedTrace, FetchFault> {
     let vecs = scratch.trace_vecs();
     // (Bytes past `fetched` are stale, never read.)
-    let Scratch { factory, fetch, .. } = scratch;
+    let Scratch {
+        factory,
+        sensitive,
+        fetch,
+        ..
+    } = scratch;
     let buf = &mut **fetch;
     let window = Window::open(mem, va, pa, mode, buf)?;
     let mut f = Former::new(window, va, pa, mode, inline_flags, vecs);
@@ -171,7 +176,7 @@ pub(crate) fn decode_trace(
             if instr.is_invalid() {
                 break 'trace f.undecodable(&dec, buf, pc)?;
             }
-            match f.add(factory, buf, &instr, pc)? {
+            match f.add(factory, sensitive, buf, &instr, pc)? {
                 Added::End(end) => break 'trace end,
                 Added::Next => {}
                 Added::Jumped(target) => {
@@ -298,6 +303,7 @@ impl Former {
     fn add(
         &mut self,
         factory: &mut InstructionInfoFactory,
+        sensitive: &mut SensitiveKinds,
         buf: &[u8; FETCH_BYTES],
         instr: &Instruction,
         pc: u64,
@@ -306,7 +312,10 @@ impl Former {
         let mut bytes = [0u8; MAX_INSN_BYTES];
         bytes[..len].copy_from_slice(&buf[self.off..self.off + len]);
         let virt_flags = self.runs_on_virtual_flags(buf, instr, len);
-        if let Some(kind) = self.leaves_as_sensitive(instr).filter(|_| !virt_flags) {
+        if let Some(kind) = self
+            .leaves_as_sensitive(sensitive, instr)
+            .filter(|_| !virt_flags)
+        {
             return Ok(Added::End(TraceEnd::Sensitive(SensitiveInsn {
                 pc: GuestVirt(pc),
                 len: len as u8,
@@ -349,8 +358,12 @@ impl Former {
     /// instruction, or (as one) 32-bit code without a 64-bit translation and `rdtsc`
     /// under CR4.TSD.
     #[inline]
-    fn leaves_as_sensitive(&self, instr: &Instruction) -> Option<SensitiveKind> {
-        sensitive_kind(instr).or_else(|| {
+    fn leaves_as_sensitive(
+        &self,
+        sensitive: &mut SensitiveKinds,
+        instr: &Instruction,
+    ) -> Option<SensitiveKind> {
+        sensitive.of(instr).or_else(|| {
             if self.mode.is_compat() && super::super::compat::untranslatable(instr) {
                 Some(SensitiveKind::Other)
             } else if self.mode.is_timestamp_faulting() && instr.mnemonic() == Mnemonic::Rdtsc {
