@@ -604,10 +604,11 @@ impl Tx<'_> {
             self.a.bind(s.label);
             self.a.mark_guest(s.guest_pc);
             self.a.set_spilled(s.restore);
-            for r in 0..16u8 {
-                if s.restore & (1 << r) != 0 {
-                    self.a.emit_unspill(r);
-                }
+            // Ascending register numbers.
+            let mut restore = s.restore;
+            while restore != 0 {
+                self.a.emit_unspill(restore.trailing_zeros() as u8);
+                restore &= restore - 1;
             }
             self.a.mov_m64_imm32(self.env.ctx.exit_word, s.word);
             self.a.jmp_abs(self.env.gen.exit);
