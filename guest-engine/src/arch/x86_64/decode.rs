@@ -368,6 +368,111 @@ pub(crate) fn mem_operands_of(info: &InstructionInfo, i: &Instruction) -> MemOps
     v
 }
 
+/// Entries of `Usage`'s cache (a power of two).
+const USAGE_ENTRIES: usize = 2048;
+
+/// An instruction's use of GPRs and memory (`gpr_usage`, `mem_operands_of`) from iced's
+/// info factory, remembered for instructions without a memory operand: for those, iced's
+/// answer is a function of their shape (`usage_key`), and most of a trace's instructions
+/// repeat shapes seen before (`mov rdi, rbx`, `push rbp`, `test eax, eax`, `jcc`, `ret`).
+pub(crate) struct Usage {
+    pub(crate) factory: InstructionInfoFactory,
+    /// Direct-mapped by the key's hash; `key == u64::MAX`: empty.
+    cache: Vec<UsageEntry>,
+}
+
+#[derive(Clone, Copy)]
+struct UsageEntry {
+    key: u64,
+    used: u16,
+    written: u16,
+    mem: MemOps,
+}
+
+/// The shape of an instruction that has no memory operand (explicit, or a string's or
+/// `maskmov`'s implicit one), no op mask and is not `enter`: its code, its register
+/// operands, its segment, `rep` and `lock` prefixes and its code size — everything iced's
+/// register and memory usage of such an instruction depends on (its implicit accesses,
+/// stack ones among them, depend on the code and the code size; `xor r, r`-style idioms
+/// on the registers; `xstore`'s on `rep`). `test_usage_is_a_function_of_the_usage_key`
+/// checks it over random instructions.
+fn usage_key(i: &Instruction) -> Option<u64> {
+    let mut key = i.code() as u64;
+    for n in 0..i.op_count() {
+        match i.op_kind(n) {
+            OpKind::Register => key |= (i.op_register(n) as u64) << (16 + 8 * n),
+            OpKind::NearBranch16
+            | OpKind::NearBranch32
+            | OpKind::NearBranch64
+            | OpKind::FarBranch16
+            | OpKind::FarBranch32
+            | OpKind::Immediate8
+            | OpKind::Immediate8_2nd
+            | OpKind::Immediate16
+            | OpKind::Immediate32
+            | OpKind::Immediate64
+            | OpKind::Immediate8to16
+            | OpKind::Immediate8to32
+            | OpKind::Immediate8to64
+            | OpKind::Immediate32to64 => {}
+            _ => return None,
+        }
+    }
+    if i.has_op_mask() || i.mnemonic() == Mnemonic::Enter {
+        return None;
+    }
+    let seg = match i.segment_prefix() {
+        Register::None => 0,
+        r => (r as u64).wrapping_sub(Register::ES as u64) + 1,
+    };
+    // `rep`/`repne` (`xstore`'s RCX) and `lock`, as they are.
+    let prefixes = u64::from(i.has_rep_prefix())
+        | u64::from(i.has_repne_prefix()) << 1
+        | u64::from(i.has_lock_prefix()) << 2;
+    // (Code < 2^13, 5 registers < 2^8 each: bits 0..56; the segment 1..=6: 3 bits; never
+    // `u64::MAX`.)
+    Some(key | (seg & 7) << 56 | (i.code_size() as u64 & 3) << 59 | prefixes << 61)
+}
+
+impl Usage {
+    fn new() -> Self {
+        let empty = UsageEntry {
+            key: u64::MAX,
+            used: 0,
+            written: 0,
+            mem: MemOps::default(),
+        };
+        Self {
+            factory: InstructionInfoFactory::new(),
+            cache: alloc::vec![empty; USAGE_ENTRIES],
+        }
+    }
+
+    /// The GPRs `i` uses and writes (`gpr_usage`), and its memory operands
+    /// (`mem_operands_of`).
+    #[inline]
+    pub(crate) fn of(&mut self, i: &Instruction) -> (u16, u16, MemOps) {
+        let Some(key) = usage_key(i) else {
+            let info = self.factory.info(i);
+            let (used, written) = gpr_usage(info);
+            return (used, written, mem_operands_of(info, i));
+        };
+        let h = key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - USAGE_ENTRIES.trailing_zeros());
+        let e = &mut self.cache[h as usize];
+        if e.key != key {
+            let info = self.factory.info(i);
+            let (used, written) = gpr_usage(info);
+            *e = UsageEntry {
+                key,
+                used,
+                written,
+                mem: mem_operands_of(info, i),
+            };
+        }
+        (e.used, e.written, e.mem)
+    }
+}
+
 /// The GPRs (bit = hardware number) `info` says its instruction uses, and those it writes
 /// (also conditionally).
 pub(crate) fn gpr_usage(info: &InstructionInfo) -> (u16, u16) {
@@ -405,7 +510,7 @@ fn ins_kind(c: Class) -> InsKind {
 /// decoded and translated (returned by `recycle_trace` and `TxBuffers::recycle`), so that
 /// translating a trace does not allocate once the buffers have grown.
 pub(crate) struct Scratch {
-    pub(crate) factory: InstructionInfoFactory,
+    pub(crate) usage: Usage,
     pub(crate) sensitive: SensitiveKinds,
     /// The fetch buffer of the trace being decoded (`form.rs`).
     fetch: alloc::boxed::Box<[u8; form::FETCH_BYTES]>,
@@ -418,7 +523,7 @@ pub(crate) struct Scratch {
 impl Scratch {
     pub(crate) fn new() -> Self {
         Self {
-            factory: InstructionInfoFactory::new(),
+            usage: Usage::new(),
             sensitive: SensitiveKinds::new(),
             fetch: alloc::boxed::Box::new([0; form::FETCH_BYTES]),
             insns: Vec::with_capacity(24),
@@ -548,6 +653,48 @@ mod tests {
             }
         }
         assert!(seen.len() > 1500, "{} codes", seen.len());
+    }
+
+    /// `Usage` answers as iced's info factory does, and for instructions with a
+    /// `usage_key`, iced's answer is the same for every instruction of that key: over
+    /// random 64- and 32-bit instructions, with and without segment prefixes.
+    #[test]
+    fn test_usage_is_a_function_of_the_usage_key() {
+        let mut usage = super::Usage::new();
+        let mut factory = iced_x86::InstructionInfoFactory::new();
+        let mut seen = alloc::collections::BTreeMap::new();
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut bytes = [0u8; 16];
+        for n in 0..400_000 {
+            for b in bytes.chunks_mut(8) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                b.copy_from_slice(&x.to_le_bytes());
+            }
+            match n % 4 {
+                1 => bytes[0] = 0x0F,
+                2 => bytes[0] = [0x64, 0x65, 0x2E, 0x67][n / 4 % 4],
+                3 => bytes[..2].copy_from_slice(&[[0x66, 0xF3, 0xC5, 0x48][n / 4 % 4], 0x0F]),
+                _ => {}
+            }
+            for bitness in [64, 32] {
+                let i = Decoder::with_ip(bitness, &bytes, 0x1000, DecoderOptions::NONE).decode();
+                if i.is_invalid() {
+                    continue;
+                }
+                let info = factory.info(&i);
+                let direct = {
+                    let (u, w) = super::gpr_usage(info);
+                    (u, w, super::mem_operands_of(info, &i))
+                };
+                assert_eq!(usage.of(&i), direct, "{:?}", i.code());
+                if let Some(key) = super::usage_key(&i) {
+                    assert_eq!(*seen.entry(key).or_insert(direct), direct, "{:?}", i.code());
+                }
+            }
+        }
+        assert!(seen.len() > 20_000, "{} keys", seen.len());
     }
 
     #[test]

@@ -9,13 +9,11 @@
 
 use alloc::vec::Vec;
 
-use iced_x86::{
-    Code, Decoder, DecoderError, DecoderOptions, Instruction, InstructionInfoFactory, Mnemonic,
-};
+use iced_x86::{Code, Decoder, DecoderError, DecoderOptions, Instruction, Mnemonic};
 
 use super::{
-    classify, gpr_usage, ins_kind, is_string_op, mem_operands, mem_operands_of, strip_rep, Class,
-    DecodedInsn, DecodedTrace, FetchFault, Scratch, SensitiveKinds, TraceEnd,
+    classify, gpr_usage, ins_kind, is_string_op, mem_operands, strip_rep, Class, DecodedInsn,
+    DecodedTrace, FetchFault, Scratch, SensitiveKinds, TraceEnd, Usage,
 };
 use crate::addr::{GuestPhys, GuestVirt, PAGE_BYTES};
 use crate::guest_memory::{GuestMemory, Mode};
@@ -144,7 +142,7 @@ pub(crate) fn decode_trace(
     let vecs = scratch.trace_vecs();
     // (Bytes past `fetched` are stale, never read.)
     let Scratch {
-        factory,
+        usage,
         sensitive,
         fetch,
         ..
@@ -176,7 +174,7 @@ pub(crate) fn decode_trace(
             if instr.is_invalid() {
                 break 'trace f.undecodable(&dec, buf, pc)?;
             }
-            match f.add(factory, sensitive, buf, &instr, pc)? {
+            match f.add(usage, sensitive, buf, &instr, pc)? {
                 Added::End(end) => break 'trace end,
                 Added::Next => {}
                 Added::Jumped(target) => {
@@ -302,7 +300,7 @@ impl Former {
     #[inline]
     fn add(
         &mut self,
-        factory: &mut InstructionInfoFactory,
+        usage: &mut Usage,
         sensitive: &mut SensitiveKinds,
         buf: &[u8; FETCH_BYTES],
         instr: &Instruction,
@@ -331,7 +329,7 @@ impl Former {
                 None => return Ok(Added::NeedsWindow),
             }
         };
-        self.push(factory, instr, bytes, class, pc);
+        self.push(usage, instr, bytes, class, pc);
         self.off += len;
         self.t.guest_bytes += len as u64;
         Ok(self.after(class))
@@ -403,7 +401,7 @@ impl Former {
     #[inline]
     fn push(
         &mut self,
-        factory: &mut InstructionInfoFactory,
+        usage: &mut Usage,
         instr: &Instruction,
         bytes: [u8; MAX_INSN_BYTES],
         class: Class,
@@ -411,19 +409,18 @@ impl Former {
     ) {
         let len = instr.len();
         let rep = (instr.has_rep_prefix() || instr.has_repne_prefix()) && is_string_op(instr);
-        // One look at iced's usage information serves the tools' operands and the
-        // translator's register choices (`isolate`, `mangle`).
-        let info = factory.info(instr);
-        let (gprs_used, gprs_written) = gpr_usage(info);
-        let mem_ops = if rep {
+        // One look at iced's usage information (or its remembered answer) serves the
+        // tools' operands and the translator's register choices (`isolate`, `mangle`).
+        let (gprs_used, gprs_written, mem_ops) = if rep {
+            let (used, written) = gpr_usage(usage.factory.info(instr));
             // Describe one iteration: decode the instruction without its prefix.
             let (sb, sn) = strip_rep(&bytes[..len]);
             let bitness = self.mode.bitness();
             let mut d2 = Decoder::with_ip(bitness, &sb[..sn], pc, DecoderOptions::NONE);
             let one = d2.decode();
-            mem_operands(factory, &one)
+            (used, written, mem_operands(&mut usage.factory, &one))
         } else {
-            mem_operands_of(info, instr)
+            usage.of(instr)
         };
         self.t.info.push(InsInfo {
             address: GuestVirt(pc),
