@@ -569,9 +569,20 @@ pub(crate) fn flags_liveness(t: &DecodedTrace, live: &mut Vec<u32>) {
         if matches!(d.class, Class::Jcc { .. } | Class::LoopLike { .. }) {
             after = STATUS_FLAGS;
         }
-        // written | cleared | set, in two of iced's look-ups instead of three.
-        let writes = i.rflags_modified() & !i.rflags_undefined();
-        let kills = if count_may_be_zero(i) { 0 } else { writes };
+        // written | cleared | set, in two of iced's look-ups instead of three (one for
+        // the many instructions that modify no flag).
+        let modified = i.rflags_modified();
+        let writes = if modified == 0 {
+            0
+        } else {
+            modified & !i.rflags_undefined()
+        };
+        // (Whether they may be left alone matters only if they kill a live flag.)
+        let kills = if writes & after == 0 || count_may_be_zero(i) {
+            0
+        } else {
+            writes
+        };
         live[k] = ((after & !kills) | i.rflags_read()) & STATUS_FLAGS;
     }
 }
