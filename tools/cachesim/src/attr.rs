@@ -18,6 +18,20 @@
 //! past every cache (the misses of the caches whose parent is memory; with L1s → [L2 →]
 //! LL, the LL's misses). Every counted reference and miss lands in exactly one block, so
 //! the blocks sum to the counters of `cachesim-counters.txt`.
+//!
+//! With call stacks on, a block is also keyed by its calling context: a node of a
+//! calling-context tree whose path from the root is the chain of calls the code ran
+//! under. A shadow call stack per task and mode follows the engine's
+//! [`kpin_tool::access::CALL`] and [`kpin_tool::access::RET`] bits: a `call` pushes a frame
+//! (its return address, the slot it was stored in, the context its target's entry makes)
+//! when the next fetch of that stack shows the target; a `ret` pops to the frame it
+//! returns through — the topmost whose return address is where it went, or whose slot
+//! it read (a retpoline's `ret` goes elsewhere). A `ret` that matches no frame (a new
+//! task's first return, a longjmp past the stack's bottom) leaves the stack as it is.
+//! Interrupts and exceptions need nothing: their handlers' calls and returns balance
+//! above the interrupted frames, and a mode or task change switches stacks. Contexts
+//! deeper than [`MAX_DEPTH`] stay at that depth (recursion does not grow the tree), and
+//! a stack keeps its newest [`MAX_FRAMES`] frames.
 
 use alloc::boxed::Box;
 use alloc::collections::BTreeMap;
@@ -47,6 +61,17 @@ pub const DEFAULT_BLOCKS: usize = 16 << 10;
 pub const HOST_BLOCKS: usize = 1 << 21;
 /// The code address of a task's overflow block.
 pub const OVERFLOW: u64 = u64::MAX;
+/// Calling contexts the engine's heap keeps at most (past that, calls stay in their
+/// caller's context).
+pub const DEFAULT_CONTEXTS: usize = 4 << 10;
+/// Calling contexts the host keeps at most.
+pub const HOST_CONTEXTS: usize = 1 << 20;
+/// Deepest calling context (calls below it stay in it).
+pub const MAX_DEPTH: u32 = 64;
+/// Frames a shadow call stack keeps (past that, its oldest are dropped).
+pub const MAX_FRAMES: usize = 256;
+/// The root context: no call seen (the code a task or mode started in).
+pub const ROOT: u32 = 0;
 
 /// The index in [`EVENTS`] of `kind`'s references.
 #[inline]
@@ -72,6 +97,364 @@ pub struct Block {
     pub counts: [u64; 9],
 }
 
+/// One calling context's events for one task (with call stacks).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stacked {
+    /// The `processes.json` row it ran for.
+    pub task: u32,
+    /// Whether it is user-mode code.
+    pub user: bool,
+    /// The context ([`ROOT`]: code that ran before any call its stack saw).
+    pub ctx: u32,
+    /// In the root context, the code block it is (as [`Block::code`]); else
+    /// [`OVERFLOW`].
+    pub code: u64,
+    /// Counts, in [`EVENTS`] order.
+    pub counts: [u64; 9],
+}
+
+/// A calling context: a call of `callee` made in context `parent`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Context {
+    /// The caller's context (less than this context's number).
+    pub parent: u32,
+    /// Whether the call was made in user mode.
+    pub user: bool,
+    /// The function it entered, as a block's `code` (kernel virtual, user physical): the
+    /// call's target, or where the target jumped within its first two instructions (an
+    /// indirect-branch thunk, a PLT stub, a tail-calling wrapper).
+    pub callee: u64,
+    /// Calls from the root.
+    pub depth: u32,
+}
+
+/// A call on a shadow stack.
+#[derive(Clone, Copy, Debug)]
+struct Frame {
+    /// Where it returns to.
+    ret: u64,
+    /// The virtual address of the slot holding the return address (`u64::MAX`: not
+    /// known).
+    slot: u64,
+    /// The context its target runs in.
+    ctx: u32,
+    /// Instructions its target ran itself so far, while at most [`ENTRY_INSNS`] (`None`
+    /// past that): a jump, or a return from a call it made to somewhere else than that
+    /// call's end, within them retargets the frame (an indirect-branch thunk, a
+    /// retpoline, a PLT stub).
+    entering: Option<u32>,
+}
+
+/// The count of a frame's own instructions after `k` and `n` more, if still entering.
+fn entering(k: u32, n: u32) -> Option<u32> {
+    let k = k.saturating_add(n);
+    (k <= ENTRY_INSNS).then_some(k)
+}
+
+/// What the last `call` or `ret` of a stack left to do at its next fetch.
+#[derive(Clone, Copy, Debug, Default)]
+enum Pending {
+    #[default]
+    None,
+    Call {
+        ret: u64,
+        slot: u64,
+    },
+    Ret {
+        slot: u64,
+    },
+}
+
+/// A shadow call stack.
+#[derive(Clone, Debug, Default)]
+struct Stack {
+    frames: Vec<Frame>,
+    pending: Pending,
+    /// The fall-through of the stack's last fetch.
+    next: u64,
+}
+
+impl Stack {
+    fn ctx(&self) -> u32 {
+        self.frames.last().map_or(ROOT, |f| f.ctx)
+    }
+
+    /// Drops the frames whose slots are at or below `slot` (the stack pointer is above
+    /// them: they returned, or were unwound past); returns the last one dropped.
+    fn unwind_to(&mut self, slot: u64) -> Option<Frame> {
+        let mut last = None;
+        while self
+            .frames
+            .last()
+            .is_some_and(|f| f.slot != u64::MAX && f.slot <= slot)
+        {
+            last = self.frames.pop();
+        }
+        last
+    }
+}
+
+/// Shift of a kernel stack's size: Linux's x86-64 task and IRQ stacks are
+/// `THREAD_SIZE`-aligned blocks of 16 KiB (without KASAN), so a return address slot's
+/// virtual address names the stack it is on.
+pub const KERNEL_STACK_SHIFT: u32 = 14;
+/// Bit 63 of a user stack's key (its task row below it); kernel stacks are keyed by
+/// their slots' virtual address shifted right, which leaves it clear.
+const USER_STACK: u64 = 1 << 63;
+/// The stack of kernel code entered from user mode before its first call or return
+/// shows the stack it runs on (always empty there).
+const ENTRY_STACK: u64 = u64::MAX;
+/// Instructions at a call's target within which a jump retargets the call.
+const ENTRY_INSNS: u32 = 2;
+
+/// The calling-context tree, the shadow stacks and the events per task and context.
+#[derive(Clone, Debug)]
+struct Stacks {
+    contexts: Vec<Context>,
+    tree: BTreeMap<(u32, bool, u64), u32>,
+    capacity: usize,
+    /// The current stack (out of `parked`).
+    cur: Stack,
+    /// Its key: `USER_STACK | row`, a kernel stack's slot address
+    /// `>> KERNEL_STACK_SHIFT`, or `ENTRY_STACK`.
+    key: u64,
+    /// The other stacks.
+    parked: BTreeMap<u64, Stack>,
+    /// The events per task and context.
+    stacked: Vec<Stacked>,
+    index: BTreeMap<(u32, bool, u32, u64), u32>,
+    /// Per context, the task and place in `stacked` it last counted for.
+    last: Vec<(u32, u32)>,
+    stacked_capacity: usize,
+    /// The place in `stacked` the events go to, and the task, mode, context and code it
+    /// was taken for.
+    at: usize,
+    at_key: (u32, bool, u32, u64),
+}
+
+impl Stacks {
+    fn new(contexts: usize, stacked: usize) -> Self {
+        let mut s = Stacks {
+            contexts: alloc::vec![Context {
+                parent: ROOT,
+                user: false,
+                callee: OVERFLOW,
+                depth: 0,
+            }],
+            tree: BTreeMap::new(),
+            capacity: contexts.max(1),
+            cur: Stack::default(),
+            key: ENTRY_STACK,
+            parked: BTreeMap::new(),
+            stacked: Vec::new(),
+            index: BTreeMap::new(),
+            last: alloc::vec![(u32::MAX, 0)],
+            stacked_capacity: stacked.max(1),
+            at: 0,
+            at_key: (u32::MAX, false, ROOT, OVERFLOW),
+        };
+        s.count_for(0, false, OVERFLOW);
+        s
+    }
+
+    fn user(&self) -> bool {
+        self.key != ENTRY_STACK && self.key & USER_STACK != 0
+    }
+
+    /// Makes `key`'s stack the current one.
+    fn switch(&mut self, key: u64) {
+        if key != self.key {
+            let next = if key == ENTRY_STACK {
+                Stack::default()
+            } else {
+                self.parked.remove(&key).unwrap_or_default()
+            };
+            let old = core::mem::replace(&mut self.cur, next);
+            let live = !old.frames.is_empty() || !matches!(old.pending, Pending::None);
+            if self.key != ENTRY_STACK && live {
+                self.parked.insert(self.key, old);
+            }
+            self.key = key;
+        }
+    }
+
+    /// A fetch by task row `task` in user mode or not: the stack it runs on. Kernel code
+    /// stays on the kernel stack it was on; entered from user mode, on the entry stack
+    /// until a call or return names its stack.
+    #[inline]
+    fn enter(&mut self, task: u32, user: bool) {
+        let key = if user {
+            USER_STACK | u64::from(task)
+        } else if self.user() {
+            ENTRY_STACK
+        } else {
+            return;
+        };
+        self.switch(key);
+    }
+
+    /// The current stack's next fetch, `n` instructions, the `len` bytes at `ip` (its
+    /// code `code`): does what the last `call` or `ret` left pending, or retargets a call
+    /// whose target jumped at once.
+    #[inline]
+    fn arrive(&mut self, ip: u64, len: u64, code: u64, n: u32) {
+        let jumped = ip != self.cur.next;
+        self.cur.next = ip.wrapping_add(len);
+        match core::mem::take(&mut self.cur.pending) {
+            Pending::None => {}
+            Pending::Call { ret, slot } => return self.push(ret, slot, code, n),
+            Pending::Ret { slot } => return self.pop_to(ip, slot, code, n),
+        }
+        match self.cur.frames.last().and_then(|f| f.entering) {
+            Some(_) if jumped => self.retarget(code, n),
+            Some(k) => {
+                if let Some(f) = self.cur.frames.last_mut() {
+                    f.entering = entering(k, n);
+                }
+            }
+            None => {}
+        }
+    }
+
+    /// The top frame's target went on at `code` (`n` instructions) before doing anything
+    /// of its own: the frame is a call of `code`.
+    fn retarget(&mut self, code: u64, n: u32) {
+        let Some(top) = self.cur.frames.last().copied() else {
+            return;
+        };
+        let parent = self.contexts[top.ctx as usize].parent;
+        let ctx = self.intern(parent, code);
+        if let Some(f) = self.cur.frames.last_mut() {
+            f.ctx = ctx;
+            f.entering = entering(0, n);
+        }
+    }
+
+    /// The stack access of the `call` or `ret` just fetched: its return address's slot
+    /// is at virtual address `slot`, on the kernel stack it names in kernel mode.
+    fn slot(&mut self, slot: u64) {
+        let mut pending = core::mem::take(&mut self.cur.pending);
+        match &mut pending {
+            Pending::None => return,
+            Pending::Call { slot: s, .. } | Pending::Ret { slot: s } => *s = slot,
+        }
+        if !self.user() {
+            self.switch(slot >> KERNEL_STACK_SHIFT);
+        }
+        self.cur.pending = pending;
+    }
+
+    /// The context of a call of `callee` in context `parent`, made if new (the parent
+    /// itself past [`MAX_DEPTH`] or the tree's capacity).
+    fn intern(&mut self, parent: u32, callee: u64) -> u32 {
+        let user = self.user();
+        let depth = self.contexts[parent as usize].depth;
+        if depth >= MAX_DEPTH {
+            return parent;
+        }
+        if let Some(&c) = self.tree.get(&(parent, user, callee)) {
+            return c;
+        }
+        if self.contexts.len() >= self.capacity {
+            return parent;
+        }
+        let c = self.contexts.len() as u32;
+        self.contexts.push(Context {
+            parent,
+            user,
+            callee,
+            depth: depth + 1,
+        });
+        self.last.push((u32::MAX, 0));
+        self.tree.insert((parent, user, callee), c);
+        c
+    }
+
+    #[inline(never)]
+    fn push(&mut self, ret: u64, slot: u64, callee: u64, n: u32) {
+        if slot != u64::MAX {
+            self.cur.unwind_to(slot);
+        }
+        let ctx = self.intern(self.cur.ctx(), callee);
+        if self.cur.frames.len() >= MAX_FRAMES {
+            self.cur.frames.remove(0);
+        }
+        self.cur.frames.push(Frame {
+            ret,
+            slot,
+            ctx,
+            entering: entering(0, n),
+        });
+    }
+
+    /// A `ret` that went to `target` (its code `code`, `n` instructions fetched there),
+    /// having read its address at `slot`: the frames at or below the slot go; without
+    /// the slot, those down to the topmost that returns to `target` (none if no frame
+    /// does). A return elsewhere than the call's end (a retpoline's) into a frame still
+    /// entering retargets it.
+    #[inline(never)]
+    fn pop_to(&mut self, target: u64, slot: u64, code: u64, n: u32) {
+        let popped = if slot != u64::MAX {
+            self.cur.unwind_to(slot)
+        } else if let Some(at) = self.cur.frames.iter().rposition(|f| f.ret == target) {
+            let f = self.cur.frames[at];
+            self.cur.frames.truncate(at);
+            Some(f)
+        } else {
+            None
+        };
+        let entering = self.cur.frames.last().is_some_and(|t| t.entering.is_some());
+        if popped.is_some_and(|f| f.ret != target) && entering {
+            self.retarget(code, n);
+        }
+    }
+
+    /// Counts from here on for `task` in the current context (`code`: the block, which
+    /// matters in the root context only).
+    #[inline]
+    fn count_for(&mut self, task: u32, user: bool, code: u64) {
+        let ctx = self.cur.ctx();
+        let code = if ctx == ROOT { code } else { OVERFLOW };
+        if self.at_key == (task, user, ctx, code) {
+            return;
+        }
+        self.at_key = (task, user, ctx, code);
+        let last = self.last[ctx as usize];
+        if ctx != ROOT && last.0 == task && self.stacked[last.1 as usize].user == user {
+            self.at = last.1 as usize;
+            return;
+        }
+        self.at = self.find(task, user, ctx, code);
+        if ctx != ROOT {
+            self.last[ctx as usize] = (task, self.at as u32);
+        }
+    }
+
+    #[inline(never)]
+    fn find(&mut self, task: u32, user: bool, ctx: u32, code: u64) -> usize {
+        let mut key = (task, user, ctx, code);
+        if let Some(&at) = self.index.get(&key) {
+            return at as usize;
+        }
+        if self.stacked.len() >= self.stacked_capacity {
+            // Past the table's capacity: the task's overflow entry.
+            key = (task, user, ROOT, OVERFLOW);
+        }
+        let next = self.stacked.len() as u32;
+        let at = *self.index.entry(key).or_insert(next);
+        if at == next {
+            self.stacked.push(Stacked {
+                task,
+                user,
+                ctx: key.2,
+                code: key.3,
+                counts: [0; 9],
+            });
+        }
+        at as usize
+    }
+}
+
 /// Recent blocks' places: 2^RECENT_BITS entries.
 const RECENT_BITS: u32 = 14;
 
@@ -91,11 +474,18 @@ pub struct Attribution {
     next_ip: u64,
     /// The memory-side misses seen so far (the caches below memory, both CPLs).
     mem_seen: u64,
+    /// With call stacks.
+    stacks: Option<Box<Stacks>>,
+    /// The `call` (`access::CALL`) or `ret` (`access::RET`) just fetched whose stack
+    /// access has not been seen yet (its records follow its fetch's).
+    awaiting: u32,
 }
 
 impl Attribution {
     /// No blocks yet; at most `capacity` of them (then each task's overflow block).
-    pub fn new(capacity: usize) -> Self {
+    /// With `contexts` (how many at most), the events are kept per task and calling
+    /// context too (at most `capacity` entries).
+    pub fn new(capacity: usize, contexts: Option<usize>) -> Self {
         let mut a = Attribution {
             blocks: Vec::new(),
             index: BTreeMap::new(),
@@ -105,6 +495,8 @@ impl Attribution {
             cur: 0,
             next_ip: u64::MAX,
             mem_seen: 0,
+            stacks: contexts.map(|n| Box::new(Stacks::new(n, capacity))),
+            awaiting: 0,
         };
         // Records before the first fetch (none, in a whole run) count for row 0.
         a.cur = a.place(false, OVERFLOW);
@@ -114,6 +506,16 @@ impl Attribution {
     /// The blocks, in the order first run.
     pub fn blocks(&self) -> &[Block] {
         &self.blocks
+    }
+
+    /// The calling contexts ([`ROOT`] first), if kept.
+    pub fn contexts(&self) -> Option<&[Context]> {
+        self.stacks.as_deref().map(|s| &s.contexts[..])
+    }
+
+    /// The events per task and calling context, if kept.
+    pub fn stacked(&self) -> Option<&[Stacked]> {
+        self.stacks.as_deref().map(|s| &s.stacked[..])
     }
 
     /// The sum of every block's counts.
@@ -131,19 +533,62 @@ impl Attribution {
     /// is the engine's mistake: kept apart as the last row).
     pub fn set_task(&mut self, row: u64) {
         self.task = u32::try_from(row).unwrap_or(u32::MAX);
-        // The current code goes on for the new task (its data references follow).
+        // The current code goes on for the new task (its data references follow), in the
+        // same context: the task's user stack is taken up at its first user fetch.
         let (user, code) = (self.blocks[self.cur].user, self.blocks[self.cur].code);
         self.cur = self.place(user, code);
+        if let Some(s) = self.stacks.as_deref_mut() {
+            s.count_for(self.task, user, code);
+        }
     }
 
-    /// A fetch of the `len` bytes of instructions at virtual address `ip` (physical `pa`)
-    /// by user mode or not: a new block unless it is the last fetch's fall-through.
+    /// A fetch of `n` instructions, the `len` bytes at virtual address `ip` (physical
+    /// `pa`), by user mode or not: a new block unless it is the last fetch's
+    /// fall-through. `flow`: the record's [`kpin_tool::access::CALL`] or
+    /// [`kpin_tool::access::RET`] bit, for the last of the instructions, whose stack
+    /// access ([`Attribution::stack_access`]) may follow.
     #[inline]
-    pub fn fetch(&mut self, ip: u64, len: u64, pa: u64, user: bool) {
+    pub fn fetch(&mut self, ip: u64, len: u64, n: u32, pa: u64, user: bool, flow: u32) {
+        let code = if user { pa } else { ip };
         if ip != self.next_ip {
-            self.cur = self.place(user, if user { pa } else { ip });
+            self.cur = self.place(user, code);
         }
         self.next_ip = ip.wrapping_add(len);
+        let Some(s) = self.stacks.as_deref_mut() else {
+            return;
+        };
+        s.enter(self.task, user);
+        s.arrive(ip, len, code, n);
+        // In the root context the events go by block.
+        s.count_for(self.task, user, self.blocks[self.cur].code);
+        self.awaiting = flow;
+        if flow & kpin_tool::access::CALL != 0 {
+            s.cur.pending = Pending::Call {
+                ret: ip.wrapping_add(len),
+                slot: u64::MAX,
+            };
+        } else if flow & kpin_tool::access::RET != 0 {
+            s.cur.pending = Pending::Ret { slot: u64::MAX };
+        }
+    }
+
+    /// A data access to virtual address `va`, writing or not: for the `call` or `ret`
+    /// just fetched, its stack write or read (the return address's slot), which names the
+    /// stack it runs on and unwinds it by address.
+    #[inline]
+    pub fn stack_access(&mut self, va: u64, write: bool) {
+        let want = if write {
+            kpin_tool::access::CALL
+        } else {
+            kpin_tool::access::RET
+        };
+        if self.awaiting != want {
+            return;
+        }
+        self.awaiting = 0;
+        if let Some(s) = self.stacks.as_deref_mut() {
+            s.slot(va);
+        }
     }
 
     /// `refs` counted references of `kind` by the current block, `l1_misses` of their
@@ -154,6 +599,11 @@ impl Attribution {
         let c = &mut self.blocks[self.cur].counts;
         c[b] += refs;
         c[b + L1] += l1_misses;
+        if let Some(s) = self.stacks.as_deref_mut() {
+            let c = &mut s.stacked[s.at].counts;
+            c[b] += refs;
+            c[b + L1] += l1_misses;
+        }
     }
 
     /// After first-level misses of `kind`: the memory-side misses are now `mem_misses`;
@@ -163,6 +613,9 @@ impl Attribution {
         let new = mem_misses.wrapping_sub(self.mem_seen);
         self.mem_seen = mem_misses;
         self.blocks[self.cur].counts[base(kind) + LL] += new;
+        if let Some(s) = self.stacks.as_deref_mut() {
+            s.stacked[s.at].counts[base(kind) + LL] += new;
+        }
     }
 
     /// The counters were reset or are not kept yet (the warmup): the memory-side misses
@@ -210,35 +663,85 @@ impl Attribution {
     /// Writes [`crate::BLOCKS_NAME`]: a header, then per block with counts
     /// `task,cpl,code,` and the [`EVENTS`] counts (`code` in hex).
     pub fn write(&self, out: &mut dyn fmt::Write) -> fmt::Result {
-        out.write_str("task,cpl,code")?;
-        for e in EVENTS {
-            write!(out, ",{e}")?;
-        }
-        out.write_str("\n")?;
+        write_header(out, BLOCKS_HEADER)?;
         for b in self.blocks.iter().filter(|b| b.counts != [0; 9]) {
-            write!(
-                out,
-                "{},{},{:#x}",
-                b.task,
-                if b.user { 3 } else { 0 },
-                b.code
-            )?;
-            for c in b.counts {
-                write!(out, ",{c}")?;
-            }
-            out.write_str("\n")?;
+            let cpl = if b.user { 3 } else { 0 };
+            write!(out, "{},{cpl},{:#x}", b.task, b.code)?;
+            write_counts(out, &b.counts)?;
+        }
+        Ok(())
+    }
+
+    /// Writes [`crate::CONTEXTS_NAME`] (with call stacks): a header, then per context
+    /// but the root `ctx,parent,cpl,callee` (`callee` in hex), in order.
+    pub fn write_contexts(&self, out: &mut dyn fmt::Write) -> fmt::Result {
+        out.write_str(CONTEXTS_HEADER)?;
+        out.write_str("\n")?;
+        for (i, c) in self.contexts().unwrap_or(&[]).iter().enumerate().skip(1) {
+            let cpl = if c.user { 3 } else { 0 };
+            writeln!(out, "{i},{},{cpl},{:#x}", c.parent, c.callee)?;
+        }
+        Ok(())
+    }
+
+    /// Writes [`crate::STACKS_NAME`] (with call stacks): a header, then per task and
+    /// context with counts `task,cpl,ctx,code,` and the [`EVENTS`] counts (`code` in
+    /// hex).
+    pub fn write_stacked(&self, out: &mut dyn fmt::Write) -> fmt::Result {
+        write_header(out, STACKS_HEADER)?;
+        for e in self
+            .stacked()
+            .unwrap_or(&[])
+            .iter()
+            .filter(|e| e.counts != [0; 9])
+        {
+            let cpl = if e.user { 3 } else { 0 };
+            write!(out, "{},{cpl},{},{:#x}", e.task, e.ctx, e.code)?;
+            write_counts(out, &e.counts)?;
         }
         Ok(())
     }
 }
 
-/// Parses [`crate::BLOCKS_NAME`]; the error is the first line that is not what
-/// [`Attribution::write`] writes (the file came from inside the guest when the engine
-/// ran the simulation).
-pub fn parse(text: &str) -> Result<Vec<Block>, usize> {
+/// The first fields of [`crate::BLOCKS_NAME`]'s header (the events follow).
+const BLOCKS_HEADER: &str = "task,cpl,code";
+/// [`crate::CONTEXTS_NAME`]'s header.
+const CONTEXTS_HEADER: &str = "ctx,parent,cpl,callee";
+/// The first fields of [`crate::STACKS_NAME`]'s header (the events follow).
+const STACKS_HEADER: &str = "task,cpl,ctx,code";
+
+fn write_header(out: &mut dyn fmt::Write, first: &str) -> fmt::Result {
+    out.write_str(first)?;
+    for e in EVENTS {
+        write!(out, ",{e}")?;
+    }
+    out.write_str("\n")
+}
+
+fn write_counts(out: &mut dyn fmt::Write, counts: &[u64; 9]) -> fmt::Result {
+    for c in counts {
+        write!(out, ",{c}")?;
+    }
+    out.write_str("\n")
+}
+
+/// A line of the blocks or stacks file: its first fields, its CPL's user bit, its
+/// counts.
+type Line<'t> = (Vec<&'t str>, bool, [u64; 9]);
+
+/// The lines of a file whose header is `first` and the events: per line, its first
+/// fields (`fields` of them), its CPL's user bit and its counts; the error is the
+/// number of the first line that is not so (the file came from inside the guest when
+/// the engine ran the simulation). `cpl` is the index of the CPL field.
+fn parse_lines<'t>(
+    text: &'t str,
+    first: &str,
+    fields: usize,
+    cpl: usize,
+) -> Result<Vec<Line<'t>>, usize> {
     let mut lines = text.lines();
     let header = lines.next().ok_or(1usize)?;
-    let mut want = alloc::string::String::from("task,cpl,code");
+    let mut want = alloc::string::String::from(first);
     for e in EVENTS {
         want.push(',');
         want.push_str(e);
@@ -246,32 +749,110 @@ pub fn parse(text: &str) -> Result<Vec<Block>, usize> {
     if header != want {
         return Err(1);
     }
-    let mut blocks = Vec::new();
+    let mut out = Vec::new();
     for (i, l) in lines.enumerate() {
         let bad = i + 2;
         let f: Vec<&str> = l.split(',').collect();
-        if f.len() != 3 + EVENTS.len() {
+        if f.len() != fields + EVENTS.len() {
             return Err(bad);
         }
-        let user = match f[1] {
+        let user = match f[cpl] {
             "0" => false,
             "3" => true,
             _ => return Err(bad),
         };
-        let code = f[2]
-            .strip_prefix("0x")
-            .and_then(|h| u64::from_str_radix(h, 16).ok())
-            .ok_or(bad)?;
         let mut counts = [0u64; 9];
-        for (c, t) in counts.iter_mut().zip(&f[3..]) {
+        for (c, t) in counts.iter_mut().zip(&f[fields..]) {
             *c = t.parse().map_err(|_| bad)?;
         }
+        out.push((f[..fields].to_vec(), user, counts));
+    }
+    Ok(out)
+}
+
+fn hex(t: &str) -> Option<u64> {
+    t.strip_prefix("0x")
+        .and_then(|h| u64::from_str_radix(h, 16).ok())
+}
+
+/// Parses [`crate::BLOCKS_NAME`]; the error is the first line that is not what
+/// [`Attribution::write`] writes (the file came from inside the guest when the engine
+/// ran the simulation).
+pub fn parse(text: &str) -> Result<Vec<Block>, usize> {
+    let lines = parse_lines(text, BLOCKS_HEADER, 3, 1)?;
+    let mut blocks = Vec::with_capacity(lines.len());
+    for (i, (f, user, counts)) in lines.into_iter().enumerate() {
+        let bad = i + 2;
         blocks.push(Block {
             task: f[0].parse().map_err(|_| bad)?,
             user,
-            code,
+            code: hex(f[2]).ok_or(bad)?,
             counts,
         });
     }
     Ok(blocks)
+}
+
+/// Parses [`crate::STACKS_NAME`] as [`parse`] does [`crate::BLOCKS_NAME`]; a context
+/// past `contexts` (the number of them) is an error too.
+pub fn parse_stacked(text: &str, contexts: usize) -> Result<Vec<Stacked>, usize> {
+    let lines = parse_lines(text, STACKS_HEADER, 4, 1)?;
+    let mut out = Vec::with_capacity(lines.len());
+    for (i, (f, user, counts)) in lines.into_iter().enumerate() {
+        let bad = i + 2;
+        let ctx: u32 = f[2].parse().map_err(|_| bad)?;
+        if ctx as usize >= contexts {
+            return Err(bad);
+        }
+        out.push(Stacked {
+            task: f[0].parse().map_err(|_| bad)?,
+            user,
+            ctx,
+            code: hex(f[3]).ok_or(bad)?,
+            counts,
+        });
+    }
+    Ok(out)
+}
+
+/// Parses [`crate::CONTEXTS_NAME`] into the contexts, the root first; the error is the
+/// first line that is not what [`Attribution::write_contexts`] writes (the file came
+/// from inside the guest when the engine ran the simulation): contexts in order, each
+/// parent before its child.
+pub fn parse_contexts(text: &str) -> Result<Vec<Context>, usize> {
+    let mut lines = text.lines();
+    if lines.next() != Some(CONTEXTS_HEADER) {
+        return Err(1);
+    }
+    let mut out = alloc::vec![Context {
+        parent: ROOT,
+        user: false,
+        callee: OVERFLOW,
+        depth: 0,
+    }];
+    for (i, l) in lines.enumerate() {
+        let bad = i + 2;
+        let f: Vec<&str> = l.split(',').collect();
+        let [id, parent, cpl, callee] = f[..] else {
+            return Err(bad);
+        };
+        let parent: u32 = parent.parse().map_err(|_| bad)?;
+        if id.parse::<usize>() != Ok(out.len()) || parent as usize >= out.len() {
+            return Err(bad);
+        }
+        let user = match cpl {
+            "0" => false,
+            "3" => true,
+            _ => return Err(bad),
+        };
+        let callee = hex(callee).ok_or(bad)?;
+        let depth = out[parent as usize].depth + 1;
+        out.push(Context {
+            parent,
+            user,
+            callee,
+            depth,
+        });
+    }
+    Ok(out)
 }

@@ -108,7 +108,11 @@ pub fn write_counters(
         o.warmup_refs,
         o.sim_refs,
         o.top,
-        if o.attribute { " attribute=on" } else { "" }
+        match (o.attribute, o.callstacks) {
+            (false, _) => "",
+            (true, true) => " attribute=on callstacks=on",
+            (true, false) => " attribute=on callstacks=off",
+        }
     )?;
     writeln!(
         out,

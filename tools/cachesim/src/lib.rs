@@ -74,6 +74,12 @@ pub const TIMELINE_NAME: &str = "cachesim-timeline.csv";
 pub const INSNS_NAME: &str = "cachesim-insns.csv";
 /// With `attribute=on`: the events per task and code block (read by [`attr::parse`]).
 pub const BLOCKS_NAME: &str = "cachesim-blocks.csv";
+/// With `attribute=on callstacks=on`: the calling contexts the blocks name (read by
+/// [`attr::parse_contexts`]).
+pub const CONTEXTS_NAME: &str = "cachesim-contexts.csv";
+/// With `attribute=on callstacks=on`: the events per task and calling context (read by
+/// [`attr::parse_stacked`]).
+pub const STACKS_NAME: &str = "cachesim-stacks.csv";
 /// Most timeline rows kept: when full, every other row is dropped and the sampling
 /// interval doubles (rows are cumulative, so nothing is lost but resolution).
 pub const TIMELINE_ROWS: usize = 2048;
@@ -111,16 +117,23 @@ impl CacheSim {
     /// [`CacheSim::new`] with a per-instruction table of `insns` instructions (the
     /// engine's default is [`insns::DEFAULT_CAPACITY`]).
     pub fn with_insn_capacity(options: &str, insns: usize) -> Result<Self, String> {
-        Self::with_capacities(options, insns, attr::DEFAULT_BLOCKS)
+        Self::with_capacities(options, insns, attr::DEFAULT_BLOCKS, attr::DEFAULT_CONTEXTS)
     }
 
-    /// [`CacheSim::with_insn_capacity`] keeping at most `blocks` code blocks when
-    /// attributing (`attribute=on`; the engine's default is [`attr::DEFAULT_BLOCKS`]).
-    pub fn with_capacities(options: &str, insns: usize, blocks: usize) -> Result<Self, String> {
+    /// [`CacheSim::with_insn_capacity`] keeping at most `blocks` code blocks and
+    /// `contexts` calling contexts when attributing (`attribute=on`; the engine's
+    /// defaults are [`attr::DEFAULT_BLOCKS`] and [`attr::DEFAULT_CONTEXTS`]).
+    pub fn with_capacities(
+        options: &str,
+        insns: usize,
+        blocks: usize,
+        contexts: usize,
+    ) -> Result<Self, String> {
         let mut sim = Self::new(options)?;
         sim.insns = MissTable::new(insns);
         if sim.attr.is_some() {
-            sim.attr = Some(Box::new(Attribution::new(blocks)));
+            let contexts = sim.options.callstacks.then_some(contexts);
+            sim.attr = Some(Box::new(Attribution::new(blocks, contexts)));
         }
         Ok(sim)
     }
@@ -139,9 +152,10 @@ impl CacheSim {
             hier,
             unresolved: 0,
             insns: MissTable::new(insns::DEFAULT_CAPACITY),
-            attr: options
-                .attribute
-                .then(|| Box::new(Attribution::new(attr::DEFAULT_BLOCKS))),
+            attr: options.attribute.then(|| {
+                let contexts = options.callstacks.then_some(attr::DEFAULT_CONTEXTS);
+                Box::new(Attribution::new(attr::DEFAULT_BLOCKS, contexts))
+            }),
             options,
         }
     }
@@ -224,14 +238,14 @@ impl CacheSim {
         // physical address in `ea`), which comes before the data access.
         if a & access::FETCH != 0 {
             if ATTR {
-                self.attr_fetch(r.ip, u64::from(r.size), r.pa, who);
+                self.attr_fetch(r.ip, u64::from(r.size), 1, r.pa, who, a);
             }
             return self.refs::<ATTR>(Kind::Fetch, r, r.pa, r.size, 1, who);
         }
         if a & access::WITH_FETCH != 0 {
             let len = (a >> access::FETCH_LEN_SHIFT) & 0xf;
             if ATTR {
-                self.attr_fetch(r.ip, u64::from(len), r.ea, who);
+                self.attr_fetch(r.ip, u64::from(len), 1, r.ea, who, a);
             }
             self.refs::<ATTR>(Kind::Fetch, r, r.ea, len, 1, who);
         }
@@ -240,6 +254,12 @@ impl CacheSim {
         // that each has its own misses: the same simulation as one call of two. (A
         // `TASK` record, not attributed, has neither bit: no reference.)
         if ATTR {
+            if a & access::WITH_FETCH == 0 {
+                // A call's or ret's stack access names the stack and the slot (`ea`).
+                if let Some(at) = self.attr.as_deref_mut() {
+                    at.stack_access(r.ea, a & access::WRITE != 0);
+                }
+            }
             if a & access::READ != 0 {
                 self.refs::<ATTR>(Kind::Read, r, r.pa, r.size, 1, who);
             }
@@ -252,11 +272,13 @@ impl CacheSim {
         self.refs::<ATTR>(Kind::Read, r, r.pa, r.size, refs, who);
     }
 
-    /// Attributing: a fetch of `len` bytes at `ip` (physical `pa`).
+    /// Attributing: a fetch of `n` instructions, `len` bytes at `ip` (physical `pa`),
+    /// by a record with `access` bits (its `CALL`/`RET` bit for the shadow stacks).
     #[inline(always)]
-    fn attr_fetch(&mut self, ip: u64, len: u64, pa: u64, who: usize) {
+    fn attr_fetch(&mut self, ip: u64, len: u64, n: u32, pa: u64, who: usize, access: u32) {
         if let Some(at) = self.attr.as_deref_mut() {
-            at.fetch(ip, len, pa, who == USER);
+            let flow = access & (access::CALL | access::RET);
+            at.fetch(ip, len, n, pa, who == USER, flow);
         }
     }
 
@@ -394,7 +416,7 @@ impl CacheSim {
         };
         let bytes = nibble_sum(lens);
         if ATTR {
-            self.attr_fetch(r.ip, bytes, r.pa, who);
+            self.attr_fetch(r.ip, bytes, n, r.pa, who, r.access);
         }
         let end =
             r.pa.wrapping_add(bytes)
@@ -540,6 +562,14 @@ impl CacheSim {
             let mut f = File::create(host, BLOCKS_NAME)?;
             let _ = at.write(&mut f);
             f.close()?;
+            if at.contexts().is_some() {
+                let mut f = File::create(host, CONTEXTS_NAME)?;
+                let _ = at.write_contexts(&mut f);
+                f.close()?;
+                let mut f = File::create(host, STACKS_NAME)?;
+                let _ = at.write_stacked(&mut f);
+                f.close()?;
+            }
         }
         Ok(())
     }
@@ -583,7 +613,18 @@ impl CacheSim {
             "; cachesim-counters.txt, cachesim-timeline.csv and cachesim-insns.csv written",
         )?;
         match &self.attr {
-            Some(at) => write!(out, "; {BLOCKS_NAME} ({} blocks)", at.blocks().len()),
+            Some(at) => {
+                write!(out, "; {BLOCKS_NAME} ({} blocks)", at.blocks().len())?;
+                match (at.contexts(), at.stacked()) {
+                    (Some(c), Some(s)) => write!(
+                        out,
+                        "; {CONTEXTS_NAME} ({} calling contexts), {STACKS_NAME} ({} task and context pairs)",
+                        c.len(),
+                        s.len()
+                    ),
+                    _ => Ok(()),
+                }
+            }
             None => Ok(()),
         }
     }
@@ -636,6 +677,11 @@ impl Tool for CacheSim {
 
     fn records_need_pa(&self) -> bool {
         true
+    }
+
+    fn call_stack_records(&self) -> bool {
+        // The shadow stacks want each call's and ret's stack slot by virtual address.
+        self.attr.as_ref().is_some_and(|a| a.contexts().is_some())
     }
 }
 

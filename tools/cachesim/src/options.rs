@@ -117,6 +117,12 @@ pub const KEYS: &[OptionSpec] = &[
         "events per process and code block: cachesim-cachegrind.out, flame graph, per-process table",
     ),
     opt(
+        "callstacks",
+        ValueKind::Choice(&["on", "off"]),
+        Some("on"),
+        "with attribute=on: blocks per calling context from shadow call stacks (per task and mode, 64 calls deep): the flame graphs show callers",
+    ),
+    opt(
         "config_file",
         ValueKind::Path,
         None,
@@ -236,6 +242,10 @@ pub struct Options {
     /// Whether the events are kept per task and code block (`attribute=on`; off by
     /// default: it costs the simulation a lookup per block and a few adds per record).
     pub attribute: bool,
+    /// With `attribute`, whether blocks are kept per calling context too
+    /// (`callstacks=on`, the default: the flame graphs' frames are then the calls the
+    /// code ran under).
+    pub callstacks: bool,
 }
 
 impl Default for Options {
@@ -262,6 +272,7 @@ impl Default for Options {
             top: 10,
             caches: None,
             attribute: false,
+            callstacks: true,
         }
     }
 }
@@ -402,6 +413,13 @@ impl Options {
                         _ => return Err(format!("{word}: attribute is on or off")),
                     }
                 }
+                "callstacks" => {
+                    o.callstacks = match value {
+                        "on" => true,
+                        "off" => false,
+                        _ => return Err(format!("{word}: callstacks is on or off")),
+                    }
+                }
                 "warmup_refs" => o.warmup_refs = number()?,
                 "sim_refs" => o.sim_refs = number()?,
                 "top" => o.top = number()?,
@@ -515,6 +533,9 @@ impl Options {
         }
         if self.attribute {
             push("attribute", "on".to_string());
+        }
+        if !self.callstacks {
+            push("callstacks", "off".to_string());
         }
         w
     }

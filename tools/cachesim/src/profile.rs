@@ -4,7 +4,13 @@
 //! and KCachegrind) and folded stacks with their flame graphs (`process;object;function`,
 //! by instructions and by L1D misses). Kernel blocks are named from the kernel's symbols
 //! ([`BlockNames`]) and charged to the task they ran for; user blocks from the guest's
-//! files ([`UserNames`]).
+//! files ([`UserNames`]). With call stacks ([`crate::CONTEXTS_NAME`],
+//! [`crate::STACKS_NAME`]), the folded stacks are `process;object;function…` per task and
+//! calling context: the functions the context's calls entered, outermost first (kernel
+//! and user stacks are apart: a kernel function's callers are kernel functions; code
+//! that ran before any call of its stack, such as the kernel's entry code, is its own
+//! frame). The Cachegrind file and the per-process table come from the blocks either
+//! way.
 
 extern crate std;
 
@@ -17,10 +23,10 @@ use std::path::{Path, PathBuf};
 
 use kpin_tool::host_side::{function_of, BlockNames, UserNames};
 use kpin_tool::processes::Processes;
-use kpin_tool::profile_out::{Folded, Profile};
+use kpin_tool::profile_out::{frame_safe, Folded, Profile};
 use serde::Serialize;
 
-use crate::attr::{self, Block, EVENTS, OVERFLOW};
+use crate::attr::{self, Block, Context, Stacked, EVENTS, OVERFLOW, ROOT};
 use crate::files::Counters;
 
 /// The Cachegrind file (Valgrind's `cachegrind.out.<pid>` pattern, which KCachegrind's
@@ -129,11 +135,16 @@ pub struct Attributed {
     pub processes: Vec<ProcessRow>,
 }
 
-/// What a block is: its task, object and function.
+/// What a block is: its task, object and function, and its callers.
 struct Frames<'a> {
     tasks: &'a [Task],
     kernel: Option<&'a dyn BlockNames>,
     user: Option<&'a dyn UserNames>,
+    /// The calling contexts (empty: no call stacks).
+    contexts: &'a [Context],
+    /// Per context, the functions its calls entered, outermost first, as folded
+    /// frames joined by `;` (made once per context, from its parent's).
+    callers: BTreeMap<u32, String>,
 }
 
 impl Frames<'_> {
@@ -141,6 +152,61 @@ impl Frames<'_> {
         self.tasks
             .get(row as usize)
             .map_or(format!("row {row}"), |t| t.name.clone())
+    }
+
+    /// The code a context's call entered, as a block of `user` code at `code`.
+    fn entry(user: bool, code: u64) -> Block {
+        Block {
+            task: 0,
+            user,
+            code,
+            counts: [0; 9],
+        }
+    }
+
+    /// The functions context `ctx`'s calls entered, outermost first, as folded frames
+    /// joined by `;` (empty for the root, or a context the file does not have).
+    fn callers(&mut self, ctx: u32) -> &str {
+        // Made for the missing ancestors first, outermost first: parents come before
+        // their children (`attr::parse_contexts`), so the walk up ends.
+        let mut missing = Vec::new();
+        let mut c = ctx;
+        while c != ROOT && !self.callers.contains_key(&c) {
+            match self.contexts.get(c as usize) {
+                Some(x) => {
+                    missing.push(c);
+                    c = x.parent;
+                }
+                None => break,
+            }
+        }
+        for &c in missing.iter().rev() {
+            let x = self.contexts[c as usize];
+            let name = frame_safe(&self.code(&Self::entry(x.user, x.callee)).1);
+            let joined = match self.callers.get(&x.parent) {
+                Some(p) if x.parent != ROOT => alloc::format!("{p};{name}"),
+                _ => name,
+            };
+            self.callers.insert(c, joined);
+        }
+        self.callers.get(&ctx).map_or("", |s| s.as_str())
+    }
+
+    /// The folded stack of `e`, joined: its task, the object of the code it ran, the
+    /// functions its context's calls entered and, in the root context, its block's
+    /// function.
+    fn stack(&mut self, e: &Stacked) -> String {
+        let leaf = match self.contexts.get(e.ctx as usize) {
+            Some(x) if e.ctx != ROOT => Self::entry(x.user, x.callee),
+            _ => Self::entry(e.user, e.code),
+        };
+        let (object, function, ..) = self.code(&leaf);
+        let head = alloc::format!("{};{}", frame_safe(&self.task(e.task)), frame_safe(&object));
+        if e.ctx == ROOT {
+            alloc::format!("{head};{}", frame_safe(&function))
+        } else {
+            alloc::format!("{head};{}", self.callers(e.ctx))
+        }
     }
 
     /// (object, function, whether the object is known, whether the function is).
@@ -226,17 +292,22 @@ pub struct Made {
 }
 
 /// Attributes `blocks` to tasks, objects and functions.
+/// With call stacks (`stacks`: the run's calling contexts and its events per task and
+/// context), the folded stacks are by calling context.
 pub fn attribute(
     blocks: &[Block],
+    stacks: Option<(&[Context], &[Stacked])>,
     counters: &Counters,
     tasks: &[Task],
     kernel: Option<&dyn BlockNames>,
     user: Option<&dyn UserNames>,
 ) -> Made {
-    let frames = Frames {
+    let mut frames = Frames {
         tasks,
         kernel,
         user,
+        contexts: stacks.map_or(&[], |s| s.0),
+        callers: BTreeMap::new(),
     };
     let mut profile = Profile::new(&EVENTS);
     let (mut folded, mut folded_l1d) = (Folded::default(), Folded::default());
@@ -251,8 +322,10 @@ pub fn attribute(
         let task = frames.task(b.task);
         let c = &b.counts;
         profile.add(&object, &function, c);
-        folded.add(&[&task, &object, &function], c[ir]);
-        folded_l1d.add(&[&task, &object, &function], c[d1mr] + c[d1mw]);
+        if stacks.is_none() {
+            folded.add(&[&task, &object, &function], c[ir]);
+            folded_l1d.add(&[&task, &object, &function], c[d1mr] + c[d1mw]);
+        }
         let row = rows.entry(b.task).or_default();
         row[0] += c[ir];
         row[1] += if b.user { 0 } else { c[ir] };
@@ -261,6 +334,12 @@ pub fn attribute(
         if b.user && has_object {
             named[usize::from(!has_function)] += c[ir];
         }
+    }
+    for e in stacks.map_or(&[][..], |s| s.1) {
+        let stack = frames.stack(e);
+        let c = &e.counts;
+        folded.add_joined(&stack, c[ir]);
+        folded_l1d.add_joined(&stack, c[d1mr] + c[d1mw]);
     }
     let totals = profile.totals();
     let all: [u64; 4] = rows.values().fold([0; 4], |mut a, r| {
@@ -429,6 +508,32 @@ pub fn read_blocks(out: &Path) -> Result<Option<Vec<Block>>, String> {
         .map_err(|l| format!("{}: line {l} is not what cachesim writes", path.display()))
 }
 
+/// A run's calling contexts and its events per task and context.
+pub type Stacks = (Vec<Context>, Vec<Stacked>);
+
+/// Reads [`crate::CONTEXTS_NAME`] and [`crate::STACKS_NAME`] in `out` (`Ok(None)`: the
+/// run kept no call stacks).
+pub fn read_stacks(out: &Path) -> Result<Option<Stacks>, String> {
+    let read = |name: &str| {
+        let path = out.join(name);
+        if std::fs::symlink_metadata(&path).is_err() {
+            return Ok(None);
+        }
+        host_daemon::resolve::read_output_text(&path, MAX_BLOCKS_BYTES)
+            .map(|t| Some((path.clone(), t)))
+            .map_err(|e| format!("{}: {e}", path.display()))
+    };
+    let (Some((cpath, ctext)), Some((spath, stext))) =
+        (read(crate::CONTEXTS_NAME)?, read(crate::STACKS_NAME)?)
+    else {
+        return Ok(None);
+    };
+    let bad = |p: &Path, l: usize| format!("{}: line {l} is not what cachesim writes", p.display());
+    let contexts = attr::parse_contexts(&ctext).map_err(|l| bad(&cpath, l))?;
+    let stacked = attr::parse_stacked(&stext, contexts.len()).map_err(|l| bad(&spath, l))?;
+    Ok(Some((contexts, stacked)))
+}
+
 /// Writes the Cachegrind file, the folded stacks and the flame graphs of `made` in
 /// `out`; returns the files written.
 pub fn write_files(made: &Made, counters: &Counters, out: &Path) -> Result<Vec<PathBuf>, String> {
@@ -462,14 +567,14 @@ pub fn write_files(made: &Made, counters: &Counters, out: &Path) -> Result<Vec<P
             &made.folded,
             FOLDED_NAME,
             FLAME_NAME,
-            "cachesim: instructions by process, object and function",
+            "cachesim: instructions by process, object, callers and function",
             "instructions",
         ),
         (
             &made.folded_l1d,
             FOLDED_L1D_NAME,
             FLAME_L1D_NAME,
-            "cachesim: L1D misses by process, object and function",
+            "cachesim: L1D misses by process, object, callers and function",
             "L1D misses",
         ),
     ] {

@@ -664,7 +664,9 @@ pub fn write_reports_attributed(
     let mut written = Vec::new();
     if let Some(blocks) = profile::read_blocks(out)? {
         let tasks = profile::read_tasks(out)?.unwrap_or_default();
-        let made = profile::attribute(&blocks, &counters, &tasks, names, user);
+        let stacks = profile::read_stacks(out)?;
+        let stacks = stacks.as_ref().map(|(c, s)| (&c[..], &s[..]));
+        let made = profile::attribute(&blocks, stacks, &counters, &tasks, names, user);
         written.extend(profile::write_files(&made, &counters, out)?);
         report.attributed = Some(made.attributed);
     }
@@ -749,6 +751,7 @@ impl HostTool for Host {
             options,
             insns::HOST_CAPACITY,
             crate::attr::HOST_BLOCKS,
+            crate::attr::HOST_CONTEXTS,
         )
         .ok()?;
         Some(Box::new(sim))

@@ -231,7 +231,7 @@ fn events_go_to_the_running_task_and_block() {
 
 #[test]
 fn a_full_table_keeps_counting_in_each_tasks_overflow_block() {
-    let mut s = CacheSim::with_capacities("attribute=on", 64, 3).unwrap();
+    let mut s = CacheSim::with_capacities("attribute=on", 64, 3, 16).unwrap();
     let mut records = vec![task(1)];
     for k in 0..10 {
         records.push(fetch(KERNEL + 0x100 * k, 0x1000 + 0x100 * k, 4, 0));
@@ -319,6 +319,7 @@ fn the_report_tables_processes_and_writes_profiles_with_the_counters_totals() {
         "L1D_size=1K L1D_assoc=2 attribute=on",
         64,
         kpin_tool_cachesim::attr::HOST_BLOCKS,
+        kpin_tool_cachesim::attr::HOST_CONTEXTS,
     )
     .unwrap();
     s.feed_all(&stream(20_000));
@@ -396,7 +397,8 @@ fn the_report_tables_processes_and_writes_profiles_with_the_counters_totals() {
     assert_eq!(lines_sum, totals);
     cg_annotate_totals(&dir.join("cachegrind.out.cachesim"), &totals);
 
-    // Folded stacks: process;object;function, summing to the instructions; the SVG's
+    // Folded stacks: process;object;function (the stream has no calls), summing to the
+    // instructions; the SVG's
     // root is the same number, and inferno reads the folded file back to it.
     let folded = std::fs::read_to_string(dir.join("cachesim.folded")).unwrap();
     let mut total = 0;

@@ -20,6 +20,12 @@ fn line_safe(name: &str) -> String {
         .collect()
 }
 
+/// A name as a frame of a folded stack: as [`line_safe`], and `;` (which would split
+/// the frame) as `:`.
+pub fn frame_safe(name: &str) -> String {
+    line_safe(name).replace(';', ":")
+}
+
 /// Counts per object (`fl=`) and function (`fn=`) for a Cachegrind file: one count per
 /// event, in the order of [`Profile::events`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -109,10 +115,24 @@ impl Folded {
         }
         let stack = frames
             .iter()
-            .map(|f| line_safe(f).replace(';', ":"))
+            .map(|f| frame_safe(f))
             .collect::<Vec<_>>()
             .join(";");
         *self.stacks.entry(stack).or_default() += count;
+    }
+
+    /// [`Folded::add`] for a stack already joined from [`frame_safe`] frames (a report
+    /// that shares the frames of many stacks joins them once).
+    pub fn add_joined(&mut self, stack: &str, count: u64) {
+        if count == 0 {
+            return;
+        }
+        match self.stacks.get_mut(stack) {
+            Some(n) => *n += count,
+            None => {
+                self.stacks.insert(String::from(stack), count);
+            }
+        }
     }
 
     /// The sum of the counts (the flame graph's root).
