@@ -2,7 +2,8 @@
 //! `--tool cachesim --tool-option attribute=on` through `kpin run`. `cg_annotate` reads
 //! the Cachegrind file without error and prints the simulation's counters as its totals;
 //! the folded stacks sum to the instruction count, which is the flame graph's root; the
-//! per-process table's rows sum to it too, and the workload's programs are in it by name.
+//! per-process table's rows sum to it too, and the workload's programs are in it by name;
+//! the folded stacks are call stacks (user and kernel) from cachesim's shadow stacks.
 //! One boot (~1–3 min here).
 
 use std::process::Command;
@@ -70,6 +71,33 @@ fn test_linux_cachesim_profiles_sum_to_the_counters() {
         .sum();
     assert_eq!(folded_sum, ir, "folded stacks vs instructions");
     assert!(folded.contains(";[kernel];"), "kernel frames");
+    // Call stacks (callstacks=on by default): the workload's programs under their
+    // callers, and the kernel's syscalls under the system call entry.
+    let frames = |prefix: &str, inner: &str| {
+        folded
+            .lines()
+            .filter(|l| l.starts_with(prefix) && l.contains(inner))
+            .map(|l| l.rsplit_once(' ').unwrap().0.split(';').count())
+            .max()
+            .unwrap_or(0)
+    };
+    assert!(
+        frames("sort;/bin/busybox;", ";sort_main;") >= 6,
+        "sort's stacks: {:.3000}",
+        folded
+    );
+    assert!(
+        frames("kpin-test;/bin/kpin-test;", ";main") >= 4,
+        "kpin-test's main under its caller"
+    );
+    assert!(
+        frames("", ";[kernel];") >= 8 && frames("", ";do_syscall_64;") >= 5,
+        "kernel call stacks"
+    );
+    let stacks = kpin_tool_cachesim::profile::read_stacks(&out)
+        .expect("the contexts and stacks files")
+        .expect("call stacks kept");
+    assert!(stacks.0.len() > 1000 && !stacks.1.is_empty(), "contexts");
     let svg = std::fs::read_to_string(out.join(kpin_tool_cachesim::profile::FLAME_NAME))
         .expect("flame graph");
     assert!(svg.contains(&format!("total_samples=\"{ir}\"")), "the root");
