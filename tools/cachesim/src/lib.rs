@@ -12,7 +12,7 @@
 //!   totals), [`TIMELINE_NAME`] (cumulative counters every few references) and
 //!   [`INSNS_NAME`] (L1D and L1I misses per instruction, see [`insns`]), and with
 //!   `attribute=on` [`BLOCKS_NAME`] (Cachegrind's events per task and code block, see
-//!   [`attr`]);
+//!   [`attr`]) and, with call stacks ([`stacks`]), [`CONTEXTS_NAME`] and [`STACKS_NAME`];
 //! * `report` (feature `host`): turns those files into `cachesim.txt` (drcachesim's
 //!   layout, ending with the instructions that missed most, named from the kernel's
 //!   symbols), `cachesim.json` and `cachesim-timeline.svg`.
@@ -31,6 +31,7 @@ pub mod profile;
 #[cfg(feature = "host")]
 pub mod report;
 pub mod sim;
+pub mod stacks;
 
 use alloc::boxed::Box;
 use alloc::string::String;
