@@ -703,7 +703,10 @@ impl Tx<'_> {
             before.retain(|x| x.action != Action::FetchRecord);
         }
         self.records_pending = 0;
-        self.insert_actions(before, &info.mem, pc, info.len, live[k] == 0, rep_loop)?;
+        // (No insertions emit nothing, as after the instruction below.)
+        if !before.is_empty() {
+            self.insert_actions(before, &info.mem, pc, info.len, live[k] == 0, rep_loop)?;
+        }
         self.a.mark_guest(pc);
         self.mangle_insn(d, if rep_loop { Some(&info.mem) } else { None })?;
         if fetch_after {
