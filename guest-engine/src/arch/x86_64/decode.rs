@@ -372,35 +372,45 @@ pub(crate) fn mem_operands_of(info: &InstructionInfo, i: &Instruction) -> MemOps
 const USAGE_ENTRIES: usize = 2048;
 
 /// An instruction's use of GPRs and memory (`gpr_usage`, `mem_operands_of`) from iced's
-/// info factory, remembered for instructions without a memory operand: for those, iced's
-/// answer is a function of their shape (`usage_key`), and most of a trace's instructions
-/// repeat shapes seen before (`mov rdi, rbx`, `push rbp`, `test eax, eax`, `jcc`, `ret`).
+/// info factory, remembered by the instruction's shape (`usage_key`), of which iced's
+/// answer is a function (but for the explicit operand's displacement): most of a
+/// trace's instructions repeat shapes seen before (`mov rdi, rbx`, `push rbp`,
+/// `test eax, eax`, `jcc`, `ret`, `mov rax, [rdi+disp]`).
 pub(crate) struct Usage {
     pub(crate) factory: InstructionInfoFactory,
-    /// Direct-mapped by the key's hash; `key == u64::MAX`: empty.
+    /// Direct-mapped by the key's hash; `key.0 == u64::MAX`: empty.
     cache: Vec<UsageEntry>,
 }
 
 #[derive(Clone, Copy)]
 struct UsageEntry {
-    key: u64,
+    key: (u64, u64),
     used: u16,
     written: u16,
     mem: MemOps,
 }
 
-/// The shape of an instruction that has no memory operand (explicit, or a string's or
-/// `maskmov`'s implicit one), no op mask and is not `enter`: its code, its register
-/// operands, its segment, `rep` and `lock` prefixes and its code size — everything iced's
-/// register and memory usage of such an instruction depends on (its implicit accesses,
-/// stack ones among them, depend on the code and the code size; `xor r, r`-style idioms
-/// on the registers; `xstore`'s on `rep`). `test_usage_is_a_function_of_the_usage_key`
-/// checks it over random instructions.
-fn usage_key(i: &Instruction) -> Option<u64> {
+/// The shape of an instruction: its code, its register operands, its explicit memory
+/// operand's base, index and scale (not its displacement), its segment, `rep` and `lock`
+/// prefixes and its code size — everything iced's register and memory usage depends on
+/// but the displacement, which goes only into the explicit operand's own entry
+/// (implicit accesses, stack ones among them, depend on the code and the code size;
+/// `xor r, r`-style idioms on the registers; `xstore`'s on `rep`). The second word is 0
+/// without an explicit memory operand. `None` for what is not cached: a string's or
+/// `maskmov`'s implicit operand, an op mask or broadcast, `enter`.
+/// `test_usage_is_a_function_of_the_usage_key` checks it over random instructions.
+fn usage_key(i: &Instruction) -> Option<(u64, u64)> {
     let mut key = i.code() as u64;
+    let mut mem = 0;
     for n in 0..i.op_count() {
         match i.op_kind(n) {
             OpKind::Register => key |= (i.op_register(n) as u64) << (16 + 8 * n),
+            OpKind::Memory => {
+                mem = 1
+                    | (i.memory_base() as u64) << 8
+                    | (i.memory_index() as u64) << 16
+                    | u64::from(i.memory_index_scale().trailing_zeros()) << 24;
+            }
             OpKind::NearBranch16
             | OpKind::NearBranch32
             | OpKind::NearBranch64
@@ -418,7 +428,7 @@ fn usage_key(i: &Instruction) -> Option<u64> {
             _ => return None,
         }
     }
-    if i.has_op_mask() || i.mnemonic() == Mnemonic::Enter {
+    if i.has_op_mask() || i.is_broadcast() || i.mnemonic() == Mnemonic::Enter {
         return None;
     }
     let seg = match i.segment_prefix() {
@@ -431,13 +441,37 @@ fn usage_key(i: &Instruction) -> Option<u64> {
         | u64::from(i.has_lock_prefix()) << 2;
     // (Code < 2^13, 5 registers < 2^8 each: bits 0..56; the segment 1..=6: 3 bits; never
     // `u64::MAX`.)
-    Some(key | (seg & 7) << 56 | (i.code_size() as u64 & 3) << 59 | prefixes << 61)
+    let key = key | (seg & 7) << 56 | (i.code_size() as u64 & 3) << 59 | prefixes << 61;
+    Some((key, mem))
+}
+
+/// iced's answer for `i` (of shape `key`) as `Usage` keeps it: with an explicit memory
+/// operand, only when that operand is the instruction's one memory access (its entry
+/// is then the one whose displacement changes with the instruction), its displacement
+/// zeroed; `None`: not kept.
+fn shape_answer(
+    key: (u64, u64),
+    i: &Instruction,
+    answer: (u16, u16, MemOps),
+) -> Option<(u16, u16, MemOps)> {
+    if key.1 == 0 {
+        return Some(answer);
+    }
+    let (used, written, mem) = answer;
+    match *mem {
+        [m] if m.disp == i.memory_displacement64() => {
+            let mut one = MemOps::default();
+            one.push(MemOperand { disp: 0, ..m });
+            Some((used, written, one))
+        }
+        _ => None,
+    }
 }
 
 impl Usage {
     fn new() -> Self {
         let empty = UsageEntry {
-            key: u64::MAX,
+            key: (u64::MAX, 0),
             used: 0,
             written: 0,
             mem: MemOps::default(),
@@ -452,24 +486,38 @@ impl Usage {
     /// (`mem_operands_of`).
     #[inline]
     pub(crate) fn of(&mut self, i: &Instruction) -> (u16, u16, MemOps) {
-        let Some(key) = usage_key(i) else {
-            let info = self.factory.info(i);
+        let direct = |factory: &mut InstructionInfoFactory| {
+            let info = factory.info(i);
             let (used, written) = gpr_usage(info);
-            return (used, written, mem_operands_of(info, i));
+            (used, written, mem_operands_of(info, i))
         };
-        let h = key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - USAGE_ENTRIES.trailing_zeros());
+        let Some(key) = usage_key(i) else {
+            return direct(&mut self.factory);
+        };
+        let h = (key.0 ^ key.1.rotate_left(23)).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            >> (64 - USAGE_ENTRIES.trailing_zeros());
         let e = &mut self.cache[h as usize];
-        if e.key != key {
-            let info = self.factory.info(i);
-            let (used, written) = gpr_usage(info);
+        if e.key == key {
+            if key.1 == 0 {
+                return (e.used, e.written, e.mem);
+            }
+            let mut mem = MemOps::default();
+            mem.push(MemOperand {
+                disp: i.memory_displacement64(),
+                ..e.mem[0]
+            });
+            return (e.used, e.written, mem);
+        }
+        let answer = direct(&mut self.factory);
+        if let Some((used, written, mem)) = shape_answer(key, i, answer) {
             *e = UsageEntry {
                 key,
                 used,
                 written,
-                mem: mem_operands_of(info, i),
+                mem,
             };
         }
-        (e.used, e.written, e.mem)
+        answer
     }
 }
 
@@ -701,7 +749,8 @@ mod tests {
                 };
                 assert_eq!(usage.of(&i), direct, "{:?}", i.code());
                 if let Some(key) = super::usage_key(&i) {
-                    assert_eq!(*seen.entry(key).or_insert(direct), direct, "{:?}", i.code());
+                    let kept = super::shape_answer(key, &i, direct);
+                    assert_eq!(*seen.entry(key).or_insert(kept), kept, "{:?}", i.code());
                 }
             }
         }
