@@ -57,6 +57,8 @@ pub(crate) enum Class {
 #[derive(Clone, Debug)]
 pub(crate) struct DecodedInsn {
     pub instr: Instruction,
+    /// Its bytes: the first `instr.len()` (`bytes()`; the rest are the guest bytes that
+    /// followed it).
     pub bytes: [u8; MAX_INSN_BYTES],
     pub class: Class,
     /// The GPRs (bit = hardware number) the instruction reads or writes, and those it

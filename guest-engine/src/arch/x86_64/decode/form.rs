@@ -307,13 +307,17 @@ impl Former {
         pc: u64,
     ) -> Result<Added, FetchFault> {
         let len = instr.len();
+        // A fixed-size copy (the buffer extends `MAX_INSN_BYTES` past anything
+        // decodable): the bytes past `len` are whatever followed the instruction.
         let mut bytes = [0u8; MAX_INSN_BYTES];
-        bytes[..len].copy_from_slice(&buf[self.off..self.off + len]);
+        bytes.copy_from_slice(&buf[self.off..self.off + MAX_INSN_BYTES]);
         let virt_flags = self.runs_on_virtual_flags(buf, instr, len);
         if let Some(kind) = self
             .leaves_as_sensitive(sensitive, instr)
             .filter(|_| !virt_flags)
         {
+            // (The platform gets them zero-padded.)
+            bytes[len..].fill(0);
             return Ok(Added::End(TraceEnd::Sensitive(SensitiveInsn {
                 pc: GuestVirt(pc),
                 len: len as u8,
