@@ -242,6 +242,7 @@ impl SensitiveKinds {
     }
 }
 
+#[inline]
 fn classify(i: &Instruction) -> Class {
     match i.flow_control() {
         FlowControl::ConditionalBranch => {
@@ -401,6 +402,7 @@ struct UsageEntry {
 /// without an explicit memory operand. `None` for what is not cached: a string's or
 /// `maskmov`'s implicit operand, an op mask or broadcast, `enter`.
 /// `test_usage_is_a_function_of_the_usage_key` checks it over random instructions.
+#[inline]
 fn usage_key(i: &Instruction) -> Option<(u64, u64)> {
     let mut key = i.code() as u64;
     let mut mem = 0;

@@ -116,20 +116,24 @@ impl Asm {
     }
 
     /// Cache address of the next byte.
+    #[inline]
     pub(crate) fn pc(&self) -> u64 {
         self.base + self.buf.len() as u64
     }
 
+    #[inline]
     pub(crate) fn offset(&self) -> usize {
         self.buf.len()
     }
 
+    #[inline]
     pub(crate) fn bytes(&mut self, b: &[u8]) {
         self.buf.extend_from_slice(b);
     }
 
     /// Appends `b[..n]` by copying the whole of `b` (a fixed-size copy, where a slice of
     /// run-time length costs a `memcpy` call) into the spare capacity.
+    #[inline]
     pub(crate) fn bytes_of<const N: usize>(&mut self, b: &[u8; N], n: usize) {
         assert!(n <= N, "{n} of {N} bytes");
         self.buf.reserve(N);
@@ -142,16 +146,19 @@ impl Asm {
         }
     }
 
+    #[inline]
     fn u32le(&mut self, v: u32) {
         self.buf.extend_from_slice(&v.to_le_bytes());
     }
 
     /// Starts the code of guest instruction `pc` (no spilled registers).
+    #[inline]
     pub(crate) fn mark_guest(&mut self, pc: u64) {
         self.guest_pc = pc;
         self.push_mark();
     }
 
+    #[inline]
     fn push_mark(&mut self) {
         let offset = self.buf.len() as u32;
         if let Some(last) = self.marks.last_mut() {
@@ -170,11 +177,13 @@ impl Asm {
 
     /// Forgets the spill state for code that is only reached on a side path whose
     /// state was already described (out-of-line stubs restore before they exit).
+    #[inline]
     pub(crate) fn set_spilled(&mut self, mask: u16) {
         self.spilled = mask;
         self.push_mark();
     }
 
+    #[inline]
     pub(crate) fn spill_slot(&self, r: u8) -> u64 {
         self.spill_base + 8 * u64::from(r)
     }
@@ -195,6 +204,7 @@ impl Asm {
     }
 
     /// `mov [ctx.spill[r]], r` and record that `r` now lives in its slot.
+    #[inline]
     pub(crate) fn emit_spill(&mut self, r: u8) {
         self.mov_m_r(self.spill_slot(r), r);
         self.spilled |= 1 << r;
@@ -202,6 +212,7 @@ impl Asm {
     }
 
     /// `mov r, [ctx.spill[r]]` and record that `r` is back in its register.
+    #[inline]
     pub(crate) fn emit_unspill(&mut self, r: u8) {
         self.mov_r_m(r, self.spill_slot(r));
         self.spilled &= !(1 << r);
@@ -210,15 +221,18 @@ impl Asm {
 
     // ---- labels -------------------------------------------------------------------
 
+    #[inline]
     pub(crate) fn new_label(&mut self) -> Label {
         self.labels.push(None);
         Label(self.labels.len() - 1)
     }
 
+    #[inline]
     pub(crate) fn bind(&mut self, l: Label) {
         self.labels[l.0] = Some(self.buf.len());
     }
 
+    #[inline]
     fn fixup(&mut self, width: u8, label: Label) {
         let at = self.buf.len();
         self.buf
@@ -263,6 +277,7 @@ impl Asm {
     // ---- branches -----------------------------------------------------------------
 
     /// `jmp rel32` to a label; returns the offset of the rel32 field.
+    #[inline]
     pub(crate) fn jmp_label(&mut self, l: Label) -> usize {
         self.buf.push(0xE9);
         let at = self.buf.len();
@@ -271,6 +286,7 @@ impl Asm {
     }
 
     /// `jcc rel32` (condition nibble `cc`) to a label; returns the rel32 offset.
+    #[inline]
     pub(crate) fn jcc_label(&mut self, cc: u8, l: Label) -> usize {
         self.bytes(&[0x0F, 0x80 | (cc & 0xF)]);
         let at = self.buf.len();
@@ -284,12 +300,14 @@ impl Asm {
     }
 
     /// `jrcxz rel8` to a label (flag-free zero test of RCX).
+    #[inline]
     pub(crate) fn jrcxz_label(&mut self, l: Label) {
         self.buf.push(0xE3);
         self.fixup(1, l);
     }
 
     /// `jmp rel32` to an absolute cache address.
+    #[inline]
     pub(crate) fn jmp_abs(&mut self, target: u64) {
         self.buf.push(0xE9);
         let end = self.pc() + 4;
@@ -303,6 +321,7 @@ impl Asm {
 
     // ---- RIP-relative data access -------------------------------------------------
 
+    #[inline]
     fn riprel(&mut self, rexb: Option<u8>, op: &[u8], r: u8, target: u64, imm: &[u8]) {
         // Assembled on the stack and appended once: the glue's most frequent form, where
         // one capacity check instead of five shows in the translator's profile.
@@ -321,11 +340,13 @@ impl Asm {
     }
 
     /// `mov [rip+target], r64`.
+    #[inline]
     pub(crate) fn mov_m_r(&mut self, target: u64, r: u8) {
         self.riprel(Some(rex(true, r, 0, 0)), &[0x89], r, target, &[]);
     }
 
     /// `mov r64, [rip+target]`.
+    #[inline]
     pub(crate) fn mov_r_m(&mut self, r: u8, target: u64) {
         self.riprel(Some(rex(true, r, 0, 0)), &[0x8B], r, target, &[]);
     }
@@ -341,6 +362,7 @@ impl Asm {
     }
 
     /// `mov qword [rip+target], imm32` (sign-extended).
+    #[inline]
     pub(crate) fn mov_m64_imm32(&mut self, target: u64, imm: i32) {
         self.riprel(
             Some(rex(true, 0, 0, 0)),
@@ -367,6 +389,7 @@ impl Asm {
     }
 
     /// `cmp byte [rip+target], imm8` — WRITES EFLAGS.
+    #[inline]
     pub(crate) fn cmp_m8_imm8(&mut self, target: u64, imm: u8) {
         self.riprel(None, &[0x80], 7, target, &[imm]);
     }
@@ -399,6 +422,7 @@ impl Asm {
     // ---- register forms -----------------------------------------------------------
 
     /// `mov r64, imm64` (or the shorter zero-extending `mov r32, imm32`).
+    #[inline]
     pub(crate) fn mov_r_imm64(&mut self, r: u8, imm: u64) {
         if let Ok(v) = u32::try_from(imm) {
             if r >= 8 {
@@ -414,6 +438,7 @@ impl Asm {
     }
 
     /// `mov dst, src` (64-bit).
+    #[inline]
     pub(crate) fn mov_r_r(&mut self, dst: u8, src: u8) {
         self.bytes(&[rex(true, src, 0, dst), 0x89, modrm(3, src, dst)]);
     }
@@ -465,6 +490,7 @@ impl Asm {
     }
 
     /// ModRM + optional SIB + disp32 for `[base + disp32]` with `reg` in the reg field.
+    #[inline]
     fn mem_base_disp(&mut self, r: u8, base: u8, disp: i32) {
         self.buf.push(modrm(2, r, base));
         if base & 7 == 4 {
@@ -474,6 +500,7 @@ impl Asm {
     }
 
     /// `lea dst, [base + disp32]` (flag-free add).
+    #[inline]
     pub(crate) fn lea_r_disp(&mut self, dst: u8, base: u8, disp: i32) {
         self.bytes(&[rex(true, dst, 0, base), 0x8D]);
         self.mem_base_disp(dst, base, disp);
