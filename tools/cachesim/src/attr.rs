@@ -143,6 +143,11 @@ pub struct Attribution {
     /// The `call` (`access::CALL`) or `ret` (`access::RET`) just fetched whose stack
     /// access has not been seen yet (its records follow its fetch's).
     awaiting: u32,
+    /// Whether the stacks have nothing to do at a fetch by the mode it names, if it does
+    /// not jump in the root context ([`Stacks::calm`]).
+    calm: Option<bool>,
+    /// Whether the current context is the root.
+    at_root: bool,
 }
 
 impl Attribution {
@@ -161,6 +166,8 @@ impl Attribution {
             mem_seen: 0,
             stacks: contexts.map(|n| Box::new(Stacks::new(n, capacity))),
             awaiting: 0,
+            calm: None,
+            at_root: true,
         };
         // Records before the first fetch (none, in a whole run) count for row 0.
         a.cur = a.place(false, OVERFLOW);
@@ -203,6 +210,8 @@ impl Attribution {
         self.cur = self.place(user, code);
         if let Some(s) = self.stacks.as_deref_mut() {
             s.count_for(self.task, user, code);
+            // The task's first fetch in user mode takes up its stack.
+            self.calm = None;
         }
     }
 
@@ -214,10 +223,23 @@ impl Attribution {
     #[inline]
     pub fn fetch(&mut self, ip: u64, len: u64, n: u32, pa: u64, user: bool, flow: u32) {
         let code = if user { pa } else { ip };
-        if ip != self.next_ip {
+        let jumped = ip != self.next_ip;
+        if jumped {
             self.cur = self.place(user, code);
         }
         self.next_ip = ip.wrapping_add(len);
+        // Most fetches leave the stacks nothing to do: no call or ret pending, no frame
+        // still entering, the same task and mode, and the same context (a jump within a
+        // context other than the root, where the events go by block).
+        let calm = self.calm == Some(user) && flow == 0 && !(jumped && self.at_root);
+        if self.stacks.is_some() && !calm {
+            self.fetch_stacks(ip, len, n, code, user, flow);
+        }
+    }
+
+    /// [`Attribution::fetch`]'s part for the stacks.
+    #[inline(never)]
+    fn fetch_stacks(&mut self, ip: u64, len: u64, n: u32, code: u64, user: bool, flow: u32) {
         let Some(s) = self.stacks.as_deref_mut() else {
             return;
         };
@@ -234,6 +256,8 @@ impl Attribution {
         } else if flow & kpin_tool::access::RET != 0 {
             s.cur.pending = Pending::Ret { slot: u64::MAX };
         }
+        self.calm = s.calm().then_some(user);
+        self.at_root = s.cur.ctx() == ROOT;
     }
 
     /// A data access to virtual address `va`, writing or not: for the `call` or `ret`
@@ -241,6 +265,9 @@ impl Attribution {
     /// stack it runs on and unwinds it by address.
     #[inline]
     pub fn stack_access(&mut self, va: u64, write: bool) {
+        if self.awaiting == 0 {
+            return;
+        }
         let want = if write {
             kpin_tool::access::CALL
         } else {

@@ -14,6 +14,7 @@
 //! retpoline), is retargeted: a thunk's frame becomes its target's. Contexts deeper than
 //! [`MAX_DEPTH`] stay at that depth; a stack keeps its newest [`MAX_FRAMES`] frames.
 
+use alloc::boxed::Box;
 use alloc::collections::BTreeMap;
 use alloc::vec::Vec;
 
@@ -98,6 +99,16 @@ const ENTRY_STACK: u64 = u64::MAX;
 /// Instructions at a call's target within which a jump retargets the call.
 pub const ENTRY_INSNS: u32 = 2;
 
+/// Most entries of the direct-mapped caches in front of the trees: 2^RECENT_BITS (fewer
+/// for a smaller tree: the engine's heap).
+const RECENT_BITS: u32 = 16;
+
+/// The entry of a direct-mapped cache of 2^`bits` entries for a key hashing to `x`.
+#[inline]
+fn slot(x: u64, bits: u32) -> usize {
+    (x.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - bits)) as usize
+}
+
 /// The calling-context tree, the shadow stacks and the events per task and context.
 #[derive(Clone, Debug)]
 pub(crate) struct Stacks {
@@ -114,8 +125,13 @@ pub(crate) struct Stacks {
     /// The events per task and context.
     pub(crate) stacked: Vec<Stacked>,
     index: BTreeMap<(u32, bool, u32, u64), u32>,
-    /// Per context, the task and place in `stacked` it last counted for.
-    last: Vec<(u32, u32)>,
+    /// Direct-mapped cache in front of `tree`: (callee, parent | user << 32, context).
+    recent_calls: Box<[(u64, u64, u32)]>,
+    /// Direct-mapped cache in front of `index`: (code, task << 1 | user, context,
+    /// place), the code [`OVERFLOW`] but in the root context.
+    recent_counts: Box<[(u64, u64, u32, u32)]>,
+    /// Both caches have 2^`bits` entries.
+    bits: u32,
     stacked_capacity: usize,
     /// The place in `stacked` the events go to, and the task, mode, context and code it
     /// was taken for.
@@ -125,6 +141,7 @@ pub(crate) struct Stacks {
 
 impl Stacks {
     pub(crate) fn new(contexts: usize, stacked: usize) -> Self {
+        let bits = (contexts.max(1).ilog2() + 1).clamp(8, RECENT_BITS);
         let mut s = Stacks {
             contexts: alloc::vec![Context {
                 parent: ROOT,
@@ -139,7 +156,9 @@ impl Stacks {
             parked: BTreeMap::new(),
             stacked: Vec::new(),
             index: BTreeMap::new(),
-            last: alloc::vec![(u32::MAX, 0)],
+            recent_calls: alloc::vec![(0, u64::MAX, 0); 1 << bits].into_boxed_slice(),
+            recent_counts: alloc::vec![(0, u64::MAX, 0, 0); 1 << bits].into_boxed_slice(),
+            bits,
             stacked_capacity: stacked.max(1),
             at: 0,
             at_key: (u32::MAX, false, ROOT, OVERFLOW),
@@ -221,6 +240,13 @@ impl Stacks {
         }
     }
 
+    /// Whether the current stack has nothing to do at a fetch that goes on where the
+    /// last one ended: no call or ret pending, no frame still entering.
+    pub(crate) fn calm(&self) -> bool {
+        matches!(self.cur.pending, Pending::None)
+            && self.cur.frames.last().is_none_or(|f| f.entering.is_none())
+    }
+
     /// The stack access of the `call` or `ret` just fetched: its return address's slot
     /// is at virtual address `slot`, on the kernel stack it names in kernel mode.
     pub(crate) fn slot(&mut self, slot: u64) {
@@ -239,6 +265,19 @@ impl Stacks {
     /// itself past [`MAX_DEPTH`] or the tree's capacity).
     fn intern(&mut self, parent: u32, callee: u64) -> u32 {
         let user = self.user();
+        let tag = u64::from(parent) | u64::from(user) << 32;
+        let h = slot(callee ^ tag.rotate_right(17), self.bits);
+        let hit = self.recent_calls[h];
+        if hit.0 == callee && hit.1 == tag {
+            return hit.2;
+        }
+        let c = self.intern_slow(parent, user, callee);
+        self.recent_calls[h] = (callee, tag, c);
+        c
+    }
+
+    #[inline(never)]
+    fn intern_slow(&mut self, parent: u32, user: bool, callee: u64) -> u32 {
         let depth = self.contexts[parent as usize].depth;
         if depth >= MAX_DEPTH {
             return parent;
@@ -256,7 +295,6 @@ impl Stacks {
             callee,
             depth: depth + 1,
         });
-        self.last.push((u32::MAX, 0));
         self.tree.insert((parent, user, callee), c);
         c
     }
@@ -310,15 +348,18 @@ impl Stacks {
             return;
         }
         self.at_key = (task, user, ctx, code);
-        let last = self.last[ctx as usize];
-        if ctx != ROOT && last.0 == task && self.stacked[last.1 as usize].user == user {
-            self.at = last.1 as usize;
+        let tag = u64::from(task) << 1 | u64::from(user);
+        let h = slot(
+            code ^ u64::from(ctx).rotate_right(13) ^ tag.rotate_right(29),
+            self.bits,
+        );
+        let hit = self.recent_counts[h];
+        if hit.0 == code && hit.1 == tag && hit.2 == ctx {
+            self.at = hit.3 as usize;
             return;
         }
         self.at = self.find(task, user, ctx, code);
-        if ctx != ROOT {
-            self.last[ctx as usize] = (task, self.at as u32);
-        }
+        self.recent_counts[h] = (code, tag, ctx, self.at as u32);
     }
 
     #[inline(never)]
