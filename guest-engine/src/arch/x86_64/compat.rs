@@ -176,8 +176,7 @@ impl Tx<'_> {
         pc: u64,
     ) -> Result<(), EngineError> {
         let i = i.map_err(|_| EngineError::Encode(GuestVirt(pc)))?;
-        let b = self.encode(&i, pc)?;
-        self.a.bytes(&b);
+        self.emit_enc(&i, pc)?;
         Ok(())
     }
 
@@ -249,8 +248,7 @@ impl Tx<'_> {
 
     /// Emits `i` (the guest's, or a copy of it changed here) encoded for 64-bit mode.
     fn emit_encoded(&mut self, i: &Instruction, pc: u64) -> Result<(), EngineError> {
-        let b = self.encode(i, pc)?;
-        self.a.bytes(&b);
+        self.emit_enc(i, pc)?;
         Ok(())
     }
 

@@ -9,7 +9,7 @@ use iced_x86::{Code, Instruction, MemoryOperand, Register};
 
 use super::emit::reg;
 use super::entry::{analysis_trampoline, EXIT_ANALYSIS_CALL, EXIT_BUFFER_FULL};
-use super::mangle::{reg_of, ExitSpec, Tx};
+use super::mangle::{encode_load_ea_regs, reg_of, ExitSpec, Tx};
 use crate::addr::GuestVirt;
 use crate::error::EngineError;
 use crate::instrument::{access, Action, IArg, Insertion, MemOperand, SegBase};
@@ -136,6 +136,23 @@ impl Tx<'_> {
             // (32-bit code: a 32-bit address, zero-extended.)
             (None, None) if self.env.compat => self.a.mov_r_imm64(reg::RCX, m.disp & 0xffff_ffff),
             (None, None) => self.a.mov_r_imm64(reg::RCX, m.disp),
+            // The common case encoded from the parts, without an iced `Instruction`: the
+            // bytes `encode_load_ea` gives for the instruction built below.
+            (b, x)
+                if !self.env.compat
+                    && x.is_none_or(|x| x as u8 != reg::RSP)
+                    && matches!(m.scale.max(1), 1 | 2 | 4 | 8)
+                    && encode_load_ea_regs(
+                        0x8D,
+                        reg::RCX,
+                        b.map(|r| r as u8),
+                        x.map(|r| r as u8),
+                        m.scale.max(1).trailing_zeros() as u8,
+                        m.disp as i64,
+                        u32::from(m.disp != 0),
+                    )
+                    .map(|(bytes, n)| self.a.bytes_of(&bytes, n))
+                    .is_some() => {}
             (b, x) => {
                 let width = |r: crate::context::Gpr| {
                     let r64 = reg_of(r as u8);
@@ -170,8 +187,7 @@ impl Tx<'_> {
                 };
                 let i = Instruction::with2(code, dst, mo)
                     .map_err(|_| EngineError::Encode(GuestVirt(ip)))?;
-                let b = self.encode(&i, ip)?;
-                self.a.bytes(&b);
+                self.emit_enc(&i, ip)?;
             }
         }
         match m.seg {

@@ -188,12 +188,35 @@ fn encode_load_ea(i: &Instruction) -> Option<([u8; 16], usize)> {
         Register::RSP => return None,
         r => Some(gpr64(r)?),
     };
+    encode_load_ea_regs(
+        opcode,
+        dst,
+        base,
+        index,
+        i.memory_index_scale().trailing_zeros() as u8,
+        i.memory_displacement64() as i64,
+        i.memory_displ_size(),
+    )
+}
+
+/// [`encode_load_ea`] of the instruction with `opcode` (0x8D `lea`, 0x8B `mov`), 64-bit
+/// hardware registers `dst`, `base`, `index` (not RSP), `index*(1 << scale)`, and iced's
+/// displacement and displacement size: for callers that have the parts, not an
+/// `Instruction`.
+#[inline]
+pub(super) fn encode_load_ea_regs(
+    opcode: u8,
+    dst: u8,
+    base: Option<u8>,
+    index: Option<u8>,
+    scale: u8,
+    displ: i64,
+    mut displ_size: u32,
+) -> Option<([u8; 16], usize)> {
     if base.is_none() && index.is_none() {
         return None;
     }
-    let displ = i32::try_from(i.memory_displacement64() as i64).ok()?;
-    let scale = i.memory_index_scale().trailing_zeros() as u8;
-    let mut displ_size = i.memory_displ_size();
+    let displ = i32::try_from(displ).ok()?;
     // [rbp]/[r13] => [rbp+00].
     if displ_size == 0 && base.is_some_and(|b| b & 7 == 5) {
         if displ != 0 {
@@ -304,6 +327,27 @@ impl Tx<'_> {
         Ok(enc.take_buffer())
     }
 
+    /// Emits `i` encoded for 64-bit mode at the current cache address: what
+    /// [`Tx::encode`] returns, appended to the code buffer without a `Vec` of its own
+    /// (iced's encoder appends to the code buffer lent to it).
+    pub(super) fn emit_enc(&mut self, i: &Instruction, guest_pc: u64) -> Result<(), EngineError> {
+        if let Some((b, n)) = encode_load_ea(i) {
+            self.a.bytes_of(&b, n);
+            return Ok(());
+        }
+        let rip = self.a.pc();
+        let len = self.a.buf.len();
+        let mut enc = Encoder::new(64);
+        enc.set_buffer(core::mem::take(&mut self.a.buf));
+        let r = enc.encode(i, rip);
+        self.a.buf = enc.take_buffer();
+        if r.is_err() {
+            self.a.buf.truncate(len);
+            return Err(EngineError::Encode(GuestVirt(guest_pc)));
+        }
+        Ok(())
+    }
+
     /// A scratch GPR instruction `d` does not use (never RSP/RBP/R13).
     fn pick_scratch(&mut self, d: &DecodedInsn, avoid: u16) -> Result<u8, EngineError> {
         let used: u16 = d.gprs_used | avoid | 1 << reg::RSP | 1 << reg::RBP | 1 << reg::R13;
@@ -368,8 +412,7 @@ impl Tx<'_> {
         i2.set_memory_index(Register::None);
         i2.set_memory_displacement64(0);
         i2.set_memory_displ_size(0);
-        let b = self.encode(&i2, i.ip())?;
-        self.a.bytes(&b);
+        self.emit_enc(&i2, i.ip())?;
         self.a.emit_unspill(s);
         Ok(())
     }
@@ -378,8 +421,7 @@ impl Tx<'_> {
     fn emit_mov_rdx(&mut self, mo: MemoryOperand, pc: u64) -> Result<(), EngineError> {
         let l = Instruction::with2(Code::Mov_r64_rm64, Register::RDX, mo)
             .map_err(|_| EngineError::Encode(GuestVirt(pc)))?;
-        let b = self.encode(&l, pc)?;
-        self.a.bytes(&b);
+        self.emit_enc(&l, pc)?;
         Ok(())
     }
 

@@ -45,8 +45,7 @@ impl Tx<'_> {
         self.a.mov_m64_imm32(ctx.vsib_lane, 0);
         let store =
             vector_store(index, ctx.vsib_lanes).ok_or(EngineError::Unsupported(GuestVirt(pc)))?;
-        let bytes = self.encode(&store, pc)?;
-        self.a.bytes(&bytes);
+        self.emit_enc(&store, pc)?;
         let mask = vsib_mask(i);
         let store_mask = match mask {
             LaneMask::Vector(r, _) => vector_store(r, ctx.vsib_mask),
@@ -54,8 +53,7 @@ impl Tx<'_> {
             LaneMask::All => None,
         };
         if let Some(store) = store_mask {
-            let bytes = self.encode(&store, pc)?;
-            self.a.bytes(&bytes);
+            self.emit_enc(&store, pc)?;
         }
         let pext = iced_x86::Instruction::with3(
             iced_x86::Code::VEX_Pext_r64_r64_rm64,
