@@ -96,6 +96,9 @@ const USER_STACK: u64 = 1 << 63;
 /// The stack of kernel code entered from user mode before its first call or return
 /// shows the stack it runs on (always empty there).
 const ENTRY_STACK: u64 = u64::MAX;
+/// Most stacks kept besides the current one (each at most [`MAX_FRAMES`] frames); fewer
+/// for a smaller tree (the engine's heap).
+pub const MAX_PARKED: usize = 8192;
 /// Instructions at a call's target within which a jump retargets the call.
 pub const ENTRY_INSNS: u32 = 2;
 
@@ -120,8 +123,10 @@ pub(crate) struct Stacks {
     /// Its key: `USER_STACK | row`, a kernel stack's slot address
     /// `>> KERNEL_STACK_SHIFT`, or `ENTRY_STACK`.
     key: u64,
-    /// The other stacks.
+    /// The other stacks with frames, at most `parked_capacity` (a guest names a kernel
+    /// stack with any stack pointer it likes).
     parked: BTreeMap<u64, Stack>,
+    parked_capacity: usize,
     /// The events per task and context.
     pub(crate) stacked: Vec<Stacked>,
     index: BTreeMap<(u32, bool, u32, u64), u32>,
@@ -154,6 +159,7 @@ impl Stacks {
             cur: Stack::default(),
             key: ENTRY_STACK,
             parked: BTreeMap::new(),
+            parked_capacity: (contexts / 16).clamp(64, MAX_PARKED),
             stacked: Vec::new(),
             index: BTreeMap::new(),
             recent_calls: alloc::vec![(0, u64::MAX, 0); 1 << bits].into_boxed_slice(),
@@ -182,6 +188,10 @@ impl Stacks {
             let old = core::mem::replace(&mut self.cur, next);
             let live = !old.frames.is_empty() || !matches!(old.pending, Pending::None);
             if self.key != ENTRY_STACK && live {
+                if self.parked.len() >= self.parked_capacity {
+                    // Full: a stack goes (the lowest key; its task starts over at the root).
+                    self.parked.pop_first();
+                }
                 self.parked.insert(self.key, old);
             }
             self.key = key;

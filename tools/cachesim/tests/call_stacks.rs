@@ -356,3 +356,25 @@ fn a_retpoline_is_a_call_of_where_it_returns() {
         ]
     );
 }
+
+#[test]
+fn stacks_named_by_any_stack_pointer_stay_bounded() {
+    // A guest that calls on 20 000 kernel stacks (any RSP it likes) and never returns:
+    // the simulation keeps going and the stacks it keeps stay bounded, so a stack's
+    // frames may be dropped: its task starts over at the root.
+    let f = K + 0x1000;
+    let mut records = Vec::new();
+    for k in 0..20_000u64 {
+        records.extend(call(K, 5, 0xffff_c900_0000_3f00 + (k << 14), 0));
+        records.extend([at(f, 1, 0, 0), at(f + 1, 1, 0, 0), at(f + 2, 1, 0, 0)]);
+    }
+    // Back on the first stack, deeper than f's frame: that frame was dropped, so the
+    // call is made at the root.
+    let g = K + 0x3000;
+    records.extend(call(f + 3, 5, 0xffff_c900_0000_3f00 - 0x100, 0));
+    records.push(at(g, 1, 0, 0));
+    let (stacked, contexts) = run("attribute=on", &records);
+    assert_eq!(contexts.len(), 3, "the root, f, g");
+    assert_eq!(stacked.iter().map(|e| e.3).sum::<u64>(), 80_002);
+    assert!(stacked.iter().any(|e| e.0 == g && e.2 == [g]), "{stacked:x?}");
+}
