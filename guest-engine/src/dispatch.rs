@@ -380,6 +380,7 @@ impl Engine {
         // The next translation reuses their storage.
         self.scratch.tx.recycle(tr);
         self.scratch.recycle_trace(decoded);
+        self.scratch.insertions = insertions;
         self.stats.translate_ns += self.now().wrapping_sub(t0);
         profile::switch(prof_prev);
         Ok(id)
@@ -421,7 +422,10 @@ impl Engine {
         va: GuestVirt,
         decoded: &DecodedTrace,
     ) -> (Vec<Insertion>, Vec<CallSpec>) {
-        let mut insertions = self.block_count_insertions(&decoded.bbls);
+        // The kept storage of the previous trace's list (`fragment_for` returns it).
+        let mut insertions = core::mem::take(&mut self.scratch.insertions);
+        insertions.clear();
+        self.block_count_insertions(&decoded.bbls, &mut insertions);
         let mut ti = TraceInstrumenter::new(
             va,
             decoded.pa,

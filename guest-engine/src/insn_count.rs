@@ -42,9 +42,8 @@ impl Engine {
     /// The block-count insertions for a trace's blocks in the current mode (none without
     /// `Config::count_insns`). They go before the tool's insertions: insertions at one
     /// instruction are emitted in order, so the engine's counter comes first at each block
-    /// start, like a tool's block counter.
-    pub(crate) fn block_count_insertions(&self, bbls: &[Bbl]) -> Vec<Insertion> {
-        let mut insertions = Vec::new();
+    /// start, like a tool's block counter. Appended to `insertions`.
+    pub(crate) fn block_count_insertions(&self, bbls: &[Bbl], insertions: &mut Vec<Insertion>) {
         for b in bbls {
             let h = (b.address.0 ^ b.address.0 >> 8) as usize % INSN_COUNTER_SPREAD;
             if let Some(id) = insn_counter(self.insn_counters, self.slot, h) {
@@ -58,7 +57,6 @@ impl Engine {
                 });
             }
         }
-        insertions
     }
 
     /// The embedder completed the sensitive instruction the platform stopped on

@@ -153,14 +153,39 @@ pub(crate) fn emit_pa_check(
     a.mark_guest(guest_pc);
     a.emit_spill(reg::RCX);
     a.emit_spill(reg::RDX);
-    for (word, expect) in [(slot, va_page), (slot + 8, pa_page)] {
-        let ok = a.new_label();
-        a.mov_r_m(reg::RCX, word);
-        a.mov_r_imm64(reg::RDX, expect.wrapping_neg());
-        a.lea_r_bi(reg::RCX, reg::RCX, reg::RDX, 0);
-        a.jrcxz_label(ok);
-        a.jmp_label(fail);
-        a.bind(ok);
+    // Both comparisons assembled on the stack and appended at once (the trace head's
+    // most frequent glue), each:
+    //   mov rcx, [rip+word]; mov rdx, -expect; lea rcx, [rcx+rdx]; jrcxz ok; jmp fail; ok:
+    let start = a.offset();
+    let pc = a.pc();
+    let mut b = [0u8; 64];
+    let mut n = 0;
+    let mut jmps = [0usize; 2];
+    for (k, (word, expect)) in [(slot, va_page), (slot + 8, pa_page)]
+        .into_iter()
+        .enumerate()
+    {
+        let end = pc + (n + 7) as u64;
+        b[n..n + 3].copy_from_slice(&[0x48, 0x8B, 0x0D]);
+        b[n + 3..n + 7].copy_from_slice(&(word.wrapping_sub(end) as u32).to_le_bytes());
+        n += 7;
+        let neg = expect.wrapping_neg();
+        if let Ok(v) = u32::try_from(neg) {
+            b[n] = 0xBA;
+            b[n + 1..n + 5].copy_from_slice(&v.to_le_bytes());
+            n += 5;
+        } else {
+            b[n..n + 2].copy_from_slice(&[0x48, 0xBA]);
+            b[n + 2..n + 10].copy_from_slice(&neg.to_le_bytes());
+            n += 10;
+        }
+        b[n..n + 8].copy_from_slice(&[0x48, 0x8D, 0x0C, 0x11, 0xE3, 0x05, 0xE9, 0]);
+        jmps[k] = n + 7;
+        n += 11;
+    }
+    a.bytes_of(&b, n);
+    for at in jmps {
+        a.fixup_rel32_at(start + at, fail);
     }
     a.emit_unspill(reg::RCX);
     a.emit_unspill(reg::RDX);

@@ -570,6 +570,8 @@ pub(crate) struct Scratch {
     info: Vec<InsInfo>,
     bbls: Vec<Bbl>,
     pub(crate) tx: super::mangle::TxBuffers,
+    /// The storage of a trace's insertion list (the dispatcher's `instrument`).
+    pub(crate) insertions: Vec<crate::instrument::Insertion>,
 }
 
 impl Scratch {
@@ -582,6 +584,7 @@ impl Scratch {
             info: Vec::with_capacity(24),
             bbls: Vec::with_capacity(4),
             tx: super::mangle::TxBuffers::default(),
+            insertions: Vec::new(),
         }
     }
 

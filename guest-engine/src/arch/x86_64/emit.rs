@@ -235,14 +235,29 @@ impl Asm {
     #[inline]
     fn fixup(&mut self, width: u8, label: Label) {
         let at = self.buf.len();
-        self.buf
-            .extend(core::iter::repeat_n(0u8, usize::from(width)));
+        if width == 1 {
+            self.buf.push(0);
+        } else {
+            self.buf.extend_from_slice(&[0; 4]);
+        }
         let end = self.buf.len();
         self.fixups.push(Fixup {
             at,
             width,
             end,
             label,
+        });
+    }
+
+    /// Makes the rel32 field at offset `at` (already in the buffer, the end of its
+    /// instruction) a branch to `l`.
+    #[inline]
+    pub(crate) fn fixup_rel32_at(&mut self, at: usize, l: Label) {
+        self.fixups.push(Fixup {
+            at,
+            width: 4,
+            end: at + 4,
+            label: l,
         });
     }
 

@@ -404,7 +404,9 @@ impl Tx<'_> {
 
     /// The out-of-line slow paths (`self.cold`), then back to the instruction.
     pub(super) fn emit_cold_checks(&mut self) -> Result<(), EngineError> {
-        for c in core::mem::take(&mut self.cold) {
+        // Drained, not consumed: the list keeps its storage for the next trace.
+        let mut cold = core::mem::take(&mut self.cold);
+        for c in cold.drain(..) {
             self.a.bind(c.slow);
             self.a.mark_guest(c.pc);
             match c.kind {
@@ -429,6 +431,7 @@ impl Tx<'_> {
                 }
             }
         }
+        self.cold = cold;
         Ok(())
     }
 
