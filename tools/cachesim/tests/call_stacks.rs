@@ -376,5 +376,8 @@ fn stacks_named_by_any_stack_pointer_stay_bounded() {
     let (stacked, contexts) = run("attribute=on", &records);
     assert_eq!(contexts.len(), 3, "the root, f, g");
     assert_eq!(stacked.iter().map(|e| e.3).sum::<u64>(), 80_002);
-    assert!(stacked.iter().any(|e| e.0 == g && e.2 == [g]), "{stacked:x?}");
+    assert!(
+        stacked.iter().any(|e| e.0 == g && e.2 == [g]),
+        "{stacked:x?}"
+    );
 }
