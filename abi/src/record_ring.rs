@@ -312,6 +312,39 @@ impl Consumer {
         }
     }
 
+    /// Copies available records from the `i`-th on into `out` in one copy: as many whole
+    /// records as `out` holds, no more than lie before the end of the data area
+    /// ([`Consumer::contiguous`]); returns how many. Where [`Consumer::record`] reads a
+    /// record, this moves a stretch of them as the 32 bytes each slot holds.
+    #[inline]
+    pub fn copy_records(&self, i: u64, out: &mut [u8]) -> usize {
+        let n = self
+            .contiguous()
+            .saturating_sub(i)
+            .min((out.len() / RECORD_BYTES) as u64) as usize;
+        if n == 0 {
+            return 0;
+        }
+        // SAFETY: slots `slot + i .. slot + i + n` are published and not released
+        // (`i + n <= contiguous()`), so they lie in the data area (`contiguous` stops at
+        // its end) and the producer does not write them until released; `out` holds
+        // `n * RECORD_BYTES` bytes and is the caller's, so the two do not overlap. A
+        // producer breaking the protocol can only change which bytes are copied: the
+        // caller takes them as data, as from `record` (a copy of guest memory with
+        // `copy_nonoverlapping`, as vm-memory's `copy_slice` does for more than a word).
+        unsafe {
+            core::ptr::copy_nonoverlapping(
+                self.raw
+                    .data
+                    .add((self.slot + i) as usize * RECORD_BYTES)
+                    .cast_const(),
+                out.as_mut_ptr(),
+                n * RECORD_BYTES,
+            );
+        }
+        n
+    }
+
     /// Releases the first `n` available records to the producer.
     pub fn release(&mut self, n: u64) {
         let n = n.min(self.available());
@@ -402,8 +435,40 @@ mod tests {
         // SAFETY: as above.
         assert!(unsafe { is_closed(base) });
         assert_eq!(seen, (0..12).collect::<Vec<_>>());
+        assert_eq!(
+            c.copy_records(0, &mut [0; RECORD_BYTES]),
+            0,
+            "nothing available"
+        );
         assert_eq!(p.waits(), 0);
         assert_eq!(p.push(&rec(99)), Err(RecordRingError::Closed));
+    }
+
+    #[test]
+    fn stretches_are_copied_up_to_the_end_of_the_data_area() {
+        let mut mem = std::boxed::Box::new(Mem([0; HEADER_BYTES + 5 * RECORD_BYTES]));
+        let (base, len) = (mem.0.as_mut_ptr(), mem.0.len());
+        // SAFETY: as in the test above.
+        unsafe { format(base, len) }.unwrap();
+        // SAFETY: as above.
+        let mut p = unsafe { Producer::attach(base, len) }.unwrap();
+        // SAFETY: as above.
+        let mut c = unsafe { Consumer::attach(base, len) }.unwrap();
+        p.push(&(0..3).flat_map(rec).collect::<Vec<u8>>()).unwrap();
+        c.release(3);
+        p.push(&(3..7).flat_map(rec).collect::<Vec<u8>>()).unwrap();
+        // Records 3 and 4 lie before the end (slots 3, 4), 5 and 6 after the wrap.
+        let mut out = vec![0xaa; 3 * RECORD_BYTES + 5];
+        assert_eq!(c.copy_records(0, &mut out), 2);
+        assert_eq!(out[..2 * RECORD_BYTES], [rec(3), rec(4)].concat()[..]);
+        assert!(out[2 * RECORD_BYTES..].iter().all(|&b| b == 0xaa));
+        assert_eq!(c.copy_records(1, &mut out), 1);
+        assert_eq!(out[..RECORD_BYTES], rec(4));
+        assert_eq!(c.copy_records(2, &mut out), 0);
+        assert_eq!(c.copy_records(0, &mut out[..RECORD_BYTES - 1]), 0);
+        c.release(2);
+        assert_eq!(c.copy_records(0, &mut out), 2);
+        assert_eq!(out[..2 * RECORD_BYTES], [rec(5), rec(6)].concat()[..]);
     }
 
     #[test]
