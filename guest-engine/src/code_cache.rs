@@ -23,7 +23,7 @@ use crate::bits::Bits;
 use crate::context::CacheContext;
 use crate::error::EngineError;
 use crate::fast_lookup::FastLookup;
-use crate::fragment::{ExitRecord, Fragment, FragmentMap, MarkArena};
+use crate::fragment::{ExitRecord, Fragment, FragmentMap};
 use crate::guest_memory::Mode;
 use crate::layout::{
     COUNTERS_OFFSET, GENCODE_OFFSET, IBL_ENTRIES, IBL_ENTRY_BYTES, IBL_HASH_BITS, IBL_OFFSET,
@@ -97,8 +97,6 @@ pub(crate) struct CodeCache {
     pub gen: Gencode,
     cursor: usize,
     pub fragments: Vec<Fragment>,
-    /// The fragments' PC maps.
-    pub marks: MarkArena,
     pub by_key: FragmentMap,
     pub exits: Vec<ExitRecord>,
     /// Bumped by every flush.
@@ -146,7 +144,6 @@ impl CodeCache {
             gen,
             cursor: TRACES_OFFSET,
             fragments: Vec::new(),
-            marks: MarkArena::default(),
             by_key: FragmentMap::new(),
             exits: Vec::new(),
             generation: 0,
@@ -199,7 +196,6 @@ impl CodeCache {
     /// Drops every fragment, exit, link and IBL entry.
     pub(crate) fn flush(&mut self) {
         self.fragments.clear();
-        self.marks.clear();
         self.by_key.clear();
         self.exits.clear();
         self.cursor = TRACES_OFFSET;

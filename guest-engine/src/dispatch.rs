@@ -534,8 +534,8 @@ impl Engine {
             entry: at(tr.entry),
             body: at(tr.body),
             loop_entry: tr.loop_entry.map(at),
-            // A copy in the arena: the translator's buffer is reused.
-            marks: self.cache.marks.push(&tr.marks),
+            // A copy of the exact size: the translator's buffer is reused.
+            marks: tr.marks.clone(),
             calls,
             incoming: Vec::new(),
         });

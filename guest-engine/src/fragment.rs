@@ -25,66 +25,10 @@ pub(crate) struct Fragment {
     pub body: CachePc,
     /// Where a link of the trace's own back edge enters (past its hoisted checks).
     pub loop_entry: Option<CachePc>,
-    /// Its PC map (see `recover`), in the cache's [`MarkArena`].
-    pub marks: MarksRef,
+    pub marks: Vec<MapMark>,
     pub calls: Vec<CallSpec>,
     /// Exit records currently linked to this fragment (undone by `unlink_incoming`).
     pub incoming: Vec<u32>,
-}
-
-/// Where a fragment's PC map lies in the [`MarkArena`].
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct MarksRef {
-    chunk: u32,
-    start: u32,
-    len: u32,
-}
-
-/// Marks per chunk of the [`MarkArena`] (a PC map longer than this gets a chunk of its
-/// own size).
-const MARK_CHUNK: usize = 4096;
-
-/// The fragments' PC maps, appended to chunks of fixed capacity: committing a fragment
-/// copies its map into the current chunk instead of allocating a copy of its own, and
-/// no chunk ever moves (no reallocation of a large table in the engine's heap).
-/// Emptied with the fragments (`CodeCache::flush`).
-#[derive(Default)]
-pub(crate) struct MarkArena {
-    chunks: Vec<Vec<MapMark>>,
-}
-
-impl MarkArena {
-    /// Stores `marks`; returns where.
-    pub(crate) fn push(&mut self, marks: &[MapMark]) -> MarksRef {
-        let fits = self
-            .chunks
-            .last()
-            .is_some_and(|c| c.capacity() - c.len() >= marks.len());
-        if !fits {
-            self.chunks
-                .push(Vec::with_capacity(MARK_CHUNK.max(marks.len())));
-        }
-        let chunk = self.chunks.len() - 1;
-        let c = &mut self.chunks[chunk];
-        let start = c.len();
-        c.extend_from_slice(marks);
-        MarksRef {
-            chunk: chunk as u32,
-            start: start as u32,
-            len: marks.len() as u32,
-        }
-    }
-
-    /// The PC map stored at `r`.
-    pub(crate) fn get(&self, r: MarksRef) -> &[MapMark] {
-        let start = r.start as usize;
-        &self.chunks[r.chunk as usize][start..start + r.len as usize]
-    }
-
-    /// Drops every PC map.
-    pub(crate) fn clear(&mut self) {
-        self.chunks.clear();
-    }
 }
 
 /// What an exit record does when its stub is reached.

@@ -65,9 +65,8 @@ impl Engine {
     pub fn recover(&self, pc: CachePc) -> Option<Recovered> {
         let f = self.cache.fragment_at(pc)?;
         let off = (pc.0 - f.base.0) as u32;
-        let marks = self.cache.marks.get(f.marks);
-        let i = marks.partition_point(|m| m.offset <= off);
-        let m = marks.get(i.checked_sub(1)?)?;
+        let i = f.marks.partition_point(|m| m.offset <= off);
+        let m = f.marks.get(i.checked_sub(1)?)?;
         Some(Recovered {
             guest_pc: GuestVirt(m.guest_pc),
             spilled: m.spilled,
