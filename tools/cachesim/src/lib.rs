@@ -321,7 +321,7 @@ impl CacheSim {
             self.unresolved += 1;
             return;
         }
-        let last = pa.wrapping_add(u64::from(size.max(1)) - 1);
+        let last = pa.wrapping_add(u64::from(sim::ref_bytes(size)) - 1);
         if self.same_line_hits(kind, pa, last, n, who) {
             if ATTR {
                 self.attr_count(kind, n, 0);

@@ -97,3 +97,28 @@ fn test_run_records_simulate_like_one_fetch_record_each() {
     assert_eq!(each.unresolved(), runs.unresolved());
     assert!(each.references() > 100_000 && each.unresolved() > 0);
 }
+
+#[test]
+fn a_reference_of_any_size_is_simulated_for_at_most_a_page() {
+    // The records come from the engine's side: a size of gigabytes, high in the
+    // physical address space (past the seen-lines bitmaps), alone, in a batch and with
+    // attribution, simulates the lines of MAX_REF_BYTES and no more.
+    use kpin_tool_cachesim::sim::MAX_REF_BYTES;
+    let huge = |bits: u32| MemRecord {
+        ip: 0x40_1000,
+        ea: 0,
+        size: u32::MAX,
+        access: bits,
+        pa: 0x7fff_0000_0000,
+    };
+    for opts in ["line_size=64", "line_size=64 attribute=on"] {
+        let mut s = CacheSim::new(opts).unwrap();
+        s.feed(&huge(access::READ));
+        s.feed_all(&[huge(access::WRITE), huge(access::READ | access::WRITE)]);
+        let l1d = s.hierarchy().l1d().stats;
+        let lines = u64::from(MAX_REF_BYTES / 64);
+        assert_eq!(l1d.misses[0] + l1d.misses[1], lines, "{opts}");
+        // The write hits them all, and the read-modify-write is a read and a write.
+        assert_eq!(l1d.hits[0] + l1d.hits[1], 3 * lines, "{opts}");
+    }
+}

@@ -97,7 +97,7 @@ impl Hierarchy {
         let shift = self.line_shift;
         let (first, last) = (
             pa >> shift,
-            pa.wrapping_add(u64::from(size.max(1)) - 1) >> shift,
+            pa.wrapping_add(u64::from(super::ref_bytes(size)) - 1) >> shift,
         );
         let leaf = self.leaf(kind);
         let mut missed = 0;

@@ -17,6 +17,17 @@ pub(crate) use feed::{nibble_sum, run_line_accesses};
 pub const KERNEL: usize = 0;
 /// Index of the user (CPL 3) half of a split counter.
 pub const USER: usize = 1;
+/// The most bytes one reference is simulated for: the records come from the engine's
+/// side, and a `size` of gigabytes would walk (and remember as seen) millions of lines.
+/// The largest real operands are an `xsave` area's few KiB; a fetch is at most 15 bytes.
+pub const MAX_REF_BYTES: u32 = 4096;
+
+/// The bytes a reference of `size` is simulated for: at least one, at most
+/// [`MAX_REF_BYTES`].
+#[inline]
+pub fn ref_bytes(size: u32) -> u32 {
+    size.clamp(1, MAX_REF_BYTES)
+}
 
 /// Counters of one cache, each `[kernel, user]`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -345,14 +356,15 @@ impl Hierarchy {
         self.line_shift
     }
 
-    /// One reference of `size` bytes at physical address `addr` by `who`; every line it
+    /// One reference of `size` bytes (at most [`MAX_REF_BYTES`]) at physical address
+    /// `addr` by `who`; every line it
     /// touches is accessed in turn. Returns the line accesses that missed the L1 the
     /// reference started at and were counted (0 during the warmup and past `sim_refs`).
     #[inline]
     pub fn access(&mut self, addr: u64, size: u32, kind: Kind, who: usize) -> u64 {
         // Most references touch one line, the one their L1 saw last (a fetch after a
         // fetch in the same line): a hit that changes nothing else (`Cache::last`).
-        let last = addr.saturating_add(u64::from(size.max(1)) - 1);
+        let last = addr.saturating_add(u64::from(ref_bytes(size)) - 1);
         if self.same_line_hits(kind, addr, last, 1, who) {
             return 0;
         }
@@ -375,7 +387,7 @@ impl Hierarchy {
             self.count_refs(kind, 1, who);
         }
         let first = addr >> self.line_shift;
-        let last = addr.saturating_add(u64::from(size.max(1)) - 1) >> self.line_shift;
+        let last = addr.saturating_add(u64::from(ref_bytes(size)) - 1) >> self.line_shift;
         let leaf = self.leaf(kind);
         let mut leaf_misses = 0;
         let mut line = first;
