@@ -14,6 +14,7 @@
 //! O(fills). The dispatcher's front cache (`fast_lookup.rs`) has the IBL tables'
 //! lifetime and is cleared with them.
 
+use alloc::collections::BTreeMap;
 use alloc::vec::Vec;
 use core::ops::Range;
 
@@ -23,13 +24,16 @@ use crate::bits::Bits;
 use crate::context::CacheContext;
 use crate::error::EngineError;
 use crate::fast_lookup::FastLookup;
-use crate::fragment::{ExitRecord, Fragment, FragmentMap};
+use crate::fragment::{ExitRecord, Fragment};
 use crate::guest_memory::Mode;
 use crate::layout::{
     COUNTERS_OFFSET, GENCODE_OFFSET, IBL_ENTRIES, IBL_ENTRY_BYTES, IBL_HASH_BITS, IBL_OFFSET,
     IBL_STRIDE, MAX_REGION_BYTES, MIN_REGION_BYTES, RC_BYTES, RC_ENTRIES, RC_OFFSET, TABLE_SLOTS,
     TRACES_OFFSET, XSAVE_GUEST_OFFSET, XSAVE_HOST_OFFSET,
 };
+
+/// Fragment map key.
+pub(crate) type Key = (u64, u64, u32);
 
 /// Which slots of one lookup table hold an entry, and which of those were made for a
 /// non-global page (a guest CR3 write empties those; entries of global pages survive it,
@@ -97,7 +101,7 @@ pub(crate) struct CodeCache {
     pub gen: Gencode,
     cursor: usize,
     pub fragments: Vec<Fragment>,
-    pub by_key: FragmentMap,
+    pub by_key: BTreeMap<Key, u32>,
     pub exits: Vec<ExitRecord>,
     /// Bumped by every flush.
     pub generation: u64,
@@ -144,7 +148,7 @@ impl CodeCache {
             gen,
             cursor: TRACES_OFFSET,
             fragments: Vec::new(),
-            by_key: FragmentMap::new(),
+            by_key: BTreeMap::new(),
             exits: Vec::new(),
             generation: 0,
             ibl_used: core::array::from_fn(|_| Occupancy::new(IBL_ENTRIES)),
@@ -336,6 +340,6 @@ impl CodeCache {
     }
 
     pub(crate) fn lookup(&self, va: GuestVirt, pa: GuestPhys, mode: Mode) -> Option<u32> {
-        self.by_key.get(&(va.0, pa.0, mode.0))
+        self.by_key.get(&(va.0, pa.0, mode.0)).copied()
     }
 }

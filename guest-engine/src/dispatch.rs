@@ -631,15 +631,14 @@ impl Engine {
     /// instruction straddles into the frame from the previous page are not found.)
     pub fn invalidate_code_page(&mut self, pa_page: GuestPhys) -> usize {
         let page = pa_page.page();
-        let mut victims: Vec<((u64, u64, u32), u32)> = self
+        let victims: Vec<u32> = self
             .cache
             .by_key
             .iter()
             .filter(|(k, _)| GuestPhys(k.1).page() == page)
+            .map(|(_, v)| *v)
             .collect();
-        // In key order, as the map (a `BTreeMap` then) gave them.
-        victims.sort_unstable();
-        for (_, id) in &victims {
+        for id in &victims {
             let f = &self.cache.fragments[*id as usize];
             let key = (f.start.0, f.pa.0, f.mode.0);
             self.cache.by_key.remove(&key);

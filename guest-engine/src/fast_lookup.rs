@@ -1,11 +1,10 @@
 //! The dispatcher's front cache for fragment lookups: ⟨VA, mode⟩ → ⟨PA, fragment⟩.
 //!
 //! A dispatcher lookup asks the embedder to translate the VA (in the engine image: a walk
-//! of the shadow tables, ~800 cycles) and then searches the fragment map (when this
-//! table was added, a `BTreeMap` of ~100 000 keys, another ~800; now a hash table,
-//! `fragment::FragmentMap`); a booting Linux does that millions of times (after every
-//! emulated instruction, IBL miss and PA mismatch). This direct-mapped table remembers
-//! the answer of both.
+//! of the shadow tables, ~800 cycles) and then searches the fragment map (a `BTreeMap`
+//! of ~100 000 keys, another ~800); a booting Linux does that millions of times (after
+//! every emulated instruction, IBL miss and PA mismatch). This direct-mapped table
+//! remembers the answer of both.
 //!
 //! Invariant: an entry is valid only while the VA → PA mapping it was made under holds
 //! and its fragment is still in the map — exactly the lifetime of an IBL-table entry, so
