@@ -679,6 +679,16 @@ mod tests {
     use super::sensitive_kind;
     use crate::platform::SensitiveKind as K;
 
+    /// Fills `bytes` from the xorshift state `x` (random instruction bytes).
+    fn random_bytes(x: &mut u64, bytes: &mut [u8; 16]) {
+        for b in bytes.chunks_mut(8) {
+            *x ^= *x << 13;
+            *x ^= *x >> 7;
+            *x ^= *x << 17;
+            b.copy_from_slice(&x.to_le_bytes());
+        }
+    }
+
     /// `SensitiveKinds` keeps one answer per `Code`: over random instructions (64- and
     /// 32-bit, every register and memory form they happen to hit) the answer depends on
     /// the code alone. (And iced's modified flags less the undefined ones are the
@@ -689,12 +699,7 @@ mod tests {
         let mut x = 0x9E37_79B9_7F4A_7C15u64;
         let mut bytes = [0u8; 16];
         for n in 0..400_000 {
-            for b in bytes.chunks_mut(8) {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                b.copy_from_slice(&x.to_le_bytes());
-            }
+            random_bytes(&mut x, &mut bytes);
             // Two-byte opcodes (system instructions among them) and prefixed ones too.
             match n % 4 {
                 1 => bytes[0] = 0x0F,
@@ -732,12 +737,7 @@ mod tests {
         let mut x = 0x2545_F491_4F6C_DD1Du64;
         let mut bytes = [0u8; 16];
         for n in 0..400_000 {
-            for b in bytes.chunks_mut(8) {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                b.copy_from_slice(&x.to_le_bytes());
-            }
+            random_bytes(&mut x, &mut bytes);
             match n % 4 {
                 1 => bytes[0] = 0x0F,
                 2 => bytes[0] = [0x64, 0x65, 0x2E, 0x67][n / 4 % 4],
