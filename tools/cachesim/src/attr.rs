@@ -265,9 +265,6 @@ impl Attribution {
     /// stack it runs on and unwinds it by address.
     #[inline]
     pub fn stack_access(&mut self, va: u64, write: bool) {
-        if self.awaiting == 0 {
-            return;
-        }
         let want = if write {
             kpin_tool::access::CALL
         } else {
@@ -421,15 +418,10 @@ fn write_counts(out: &mut dyn fmt::Write, counts: &[u64; 9]) -> fmt::Result {
 type Line<'t> = (Vec<&'t str>, bool, [u64; 9]);
 
 /// The lines of a file whose header is `first` and the events: per line, its first
-/// fields (`fields` of them), its CPL's user bit and its counts; the error is the
-/// number of the first line that is not so (the file came from inside the guest when
-/// the engine ran the simulation). `cpl` is the index of the CPL field.
-fn parse_lines<'t>(
-    text: &'t str,
-    first: &str,
-    fields: usize,
-    cpl: usize,
-) -> Result<Vec<Line<'t>>, usize> {
+/// fields (`fields` of them, the CPL second), its CPL's user bit and its counts; the
+/// error is the number of the first line that is not so (the file came from inside the
+/// guest when the engine ran the simulation).
+fn parse_lines<'t>(text: &'t str, first: &str, fields: usize) -> Result<Vec<Line<'t>>, usize> {
     let mut lines = text.lines();
     let header = lines.next().ok_or(1usize)?;
     let mut want = alloc::string::String::from(first);
@@ -447,11 +439,7 @@ fn parse_lines<'t>(
         if f.len() != fields + EVENTS.len() {
             return Err(bad);
         }
-        let user = match f[cpl] {
-            "0" => false,
-            "3" => true,
-            _ => return Err(bad),
-        };
+        let user = user_cpl(f[1]).ok_or(bad)?;
         let mut counts = [0u64; 9];
         for (c, t) in counts.iter_mut().zip(&f[fields..]) {
             *c = t.parse().map_err(|_| bad)?;
@@ -459,6 +447,15 @@ fn parse_lines<'t>(
         out.push((f[..fields].to_vec(), user, counts));
     }
     Ok(out)
+}
+
+/// A CPL field: whether it is user mode (`3`) or the kernel (`0`).
+fn user_cpl(t: &str) -> Option<bool> {
+    match t {
+        "0" => Some(false),
+        "3" => Some(true),
+        _ => None,
+    }
 }
 
 fn hex(t: &str) -> Option<u64> {
@@ -470,7 +467,7 @@ fn hex(t: &str) -> Option<u64> {
 /// [`Attribution::write`] writes (the file came from inside the guest when the engine
 /// ran the simulation).
 pub fn parse(text: &str) -> Result<Vec<Block>, usize> {
-    let lines = parse_lines(text, BLOCKS_HEADER, 3, 1)?;
+    let lines = parse_lines(text, BLOCKS_HEADER, 3)?;
     let mut blocks = Vec::with_capacity(lines.len());
     for (i, (f, user, counts)) in lines.into_iter().enumerate() {
         let bad = i + 2;
@@ -487,7 +484,7 @@ pub fn parse(text: &str) -> Result<Vec<Block>, usize> {
 /// Parses [`crate::STACKS_NAME`] as [`parse`] does [`crate::BLOCKS_NAME`]; a context
 /// past `contexts` (the number of them) is an error too.
 pub fn parse_stacked(text: &str, contexts: usize) -> Result<Vec<Stacked>, usize> {
-    let lines = parse_lines(text, STACKS_HEADER, 4, 1)?;
+    let lines = parse_lines(text, STACKS_HEADER, 4)?;
     let mut out = Vec::with_capacity(lines.len());
     for (i, (f, user, counts)) in lines.into_iter().enumerate() {
         let bad = i + 2;
@@ -531,11 +528,7 @@ pub fn parse_contexts(text: &str) -> Result<Vec<Context>, usize> {
         if id.parse::<usize>() != Ok(out.len()) || parent as usize >= out.len() {
             return Err(bad);
         }
-        let user = match cpl {
-            "0" => false,
-            "3" => true,
-            _ => return Err(bad),
-        };
+        let user = user_cpl(cpl).ok_or(bad)?;
         let callee = hex(callee).ok_or(bad)?;
         let depth = out[parent as usize].depth + 1;
         out.push(Context {
