@@ -59,6 +59,7 @@
 //! 5. writes the engine itself makes to guest memory through the physmap (emulated
 //!    instructions) bypass the shadow: check [`ShadowMmu::is_code_frame_protected`] first.
 
+mod lend;
 mod phys;
 mod prefetch;
 mod pte;
@@ -170,6 +171,12 @@ pub struct ShadowConfig {
     /// A guest CR3 write keeps the new space's leaves that the guest's tables still map
     /// alike (`revalidate.rs`) instead of dropping every non-global one.
     pub revalidate_on_cr3_write: bool,
+    /// A guest CR3 write to a space whose kernel half the current space shares may keep
+    /// the current kernel root, if its lower half is empty: the root is *lent* to the
+    /// new space, and goes home when the guest switches back (`lend.rs`). No real CR3
+    /// load is needed either way out (Linux's `text_poke` switches to `poking_mm` and
+    /// back for every patched instruction).
+    pub lend_roots: bool,
 }
 
 /// A page fault the guest must see, as a real CPU at the virtual CPL would raise it.
@@ -294,6 +301,10 @@ pub struct ShadowStats {
     pub protected_frames: u64,
     /// Shadow roots evicted from the cache.
     pub roots_evicted: u64,
+    /// Kernel roots lent to another space on a CR3 write ([`ShadowConfig::lend_roots`]).
+    pub roots_lent: u64,
+    /// Lent roots that went back to the space they were built for.
+    pub roots_returned: u64,
     /// Shadow tables currently allocated (roots included).
     pub tables: u64,
 }
@@ -303,6 +314,9 @@ pub struct ShadowStats {
 struct RootSlot {
     /// The guest space: PML4 frame of the guest CR3.
     space: u64,
+    /// The space the root served before it was last lent (the one it was built for if
+    /// never lent); differs from `space` while the root is lent.
+    home: u64,
     view: View,
     root: GuestPhys,
     last_use: u64,
@@ -312,6 +326,11 @@ struct RootSlot {
     /// A kernel root that installed a leaf the user view may not see (module header): the
     /// space's user view has a root of its own from then on.
     split: bool,
+    /// The lower half of the space this root was last lent to, kept for its next loan
+    /// (`lend.rs`).
+    parked: lend::Parked,
+    /// A lower-half PML4 entry may be present (false: surely none; `lend.rs`).
+    lower_used: bool,
 }
 
 /// The shadow MMU of one vCPU.
@@ -325,6 +344,9 @@ pub struct ShadowMmu<M: PhysMem> {
     rmap: ReverseMap,
     stats: ShadowStats,
     hw_flush: HwFlush,
+    /// A present shadow entry was dropped or rewritten (or a table freed) since the
+    /// last guest CR3 write began: the loaded root's TLB entries may be stale.
+    narrowed: bool,
 }
 
 impl<M: PhysMem> ShadowMmu<M> {
@@ -356,6 +378,7 @@ impl<M: PhysMem> ShadowMmu<M> {
             rmap: ReverseMap::new(),
             stats: ShadowStats::default(),
             hw_flush: HwFlush::None,
+            narrowed: false,
         };
         for slot in ENGINE_SLOTS {
             mmu.read(Self::slot_addr(config.template_root, slot))?;
@@ -431,11 +454,14 @@ impl<M: PhysMem> ShadowMmu<M> {
         }
         self.roots.push(RootSlot {
             space,
+            home: space,
             view,
             root,
             last_use: clock,
             filled: false,
             split: false,
+            parked: lend::Parked::default(),
+            lower_used: false,
         });
         Ok(root)
     }
@@ -483,11 +509,22 @@ impl<M: PhysMem> ShadowMmu<M> {
     /// The guest writes CR3: switch spaces and drop the new space's non-global shadow
     /// leaves (all of them if CR4.PGE = 0), as the real TLB would be flushed — or, with
     /// [`ShadowConfig::revalidate_on_cr3_write`], keep those the guest's tables still map
-    /// alike (`revalidate.rs`).
+    /// alike (`revalidate.rs`). A hardware flush is owed if the new space's kernel root
+    /// is not the old one's (the embedder loads it) or a leaf of it was dropped or
+    /// narrowed; with [`ShadowConfig::lend_roots`] the old kernel root may serve the new
+    /// space (`lend.rs`).
     pub fn write_cr3(&mut self, cr3: u64) -> Result<(), ShadowError> {
         self.stats.invalidations += 1;
-        self.cr3 = cr3;
+        let old_space = self.cr3 & pte::ADDR_MASK;
         let space = cr3 & pte::ADDR_MASK;
+        let old_root = self.kernel_root_of(old_space);
+        self.cr3 = cr3;
+        self.narrowed = false;
+        let lent = if self.config.lend_roots && space != old_space {
+            self.lend_or_return(old_space, space)?
+        } else {
+            None
+        };
         let keep_global = self.control.pge;
         let mut roots = Vec::new();
         for r in self
@@ -515,8 +552,24 @@ impl<M: PhysMem> ShadowMmu<M> {
                 self.zap_table(root, pte::LEVELS, keep_global)?;
             }
         }
-        self.hw_flush = HwFlush::All;
+        let root = self.kernel_root_of(space);
+        if self.narrowed || root.is_none() || root != old_root {
+            self.hw_flush = HwFlush::All;
+        }
+        if let Some(root) = lent {
+            // After the revalidation above, which then had no lower half to walk: what
+            // this drops or frees was in no real CR3 since its last load.
+            self.unpark(root, space)?;
+        }
         Ok(())
+    }
+
+    /// The kernel-view root serving `space`, if one is cached.
+    fn kernel_root_of(&self, space: u64) -> Option<GuestPhys> {
+        self.roots
+            .iter()
+            .find(|r| r.space == space && r.view == View::Kernel)
+            .map(|r| r.root)
     }
 
     /// The guest changes CR0.WP, EFER.NXE, CR4.PGE or CR4.SMEP: if anything changed, every
@@ -563,6 +616,7 @@ impl<M: PhysMem> ShadowMmu<M> {
         }
         for root in roots {
             self.zap_table(root, pte::LEVELS, false)?;
+            self.drop_parked(root)?;
         }
         self.hw_flush = HwFlush::All;
         Ok(())

@@ -111,7 +111,12 @@ impl<M: PhysMem> ShadowMmu<M> {
 
     /// Entry `i` of the guest's `level` table at `table` if it is present, valid and
     /// accessed, and the table a frame the guest may map; `None` otherwise.
-    fn guest_entry(&mut self, table: u64, i: usize, level: u8) -> Result<Option<u64>, ShadowError> {
+    pub(super) fn guest_entry(
+        &mut self,
+        table: u64,
+        i: usize,
+        level: u8,
+    ) -> Result<Option<u64>, ShadowError> {
         if !self.mem.guest_may_map(GuestPhys(table)) {
             return Ok(None);
         }
@@ -163,6 +168,7 @@ impl<M: PhysMem> ShadowMmu<M> {
         self.note_kernel_leaf(GuestVirt(va), user, view);
         let new = self.shadow_leaf(&leaf, view, false);
         if new != e {
+            self.narrowed = true;
             self.write(slot, new)?;
         }
         self.stats.leaves_kept += 1;

@@ -47,6 +47,7 @@ impl<M: PhysMem> ShadowMmu<M> {
     }
 
     pub(super) fn free_table(&mut self, t: GuestPhys) {
+        self.narrowed = true;
         self.mem.free_table(t);
         self.stats.tables = self.stats.tables.saturating_sub(1);
     }
@@ -102,6 +103,9 @@ impl<M: PhysMem> ShadowMmu<M> {
                 let t = self.alloc_table()?;
                 let flags = pte::PRESENT | pte::WRITABLE | pte::USER | pte::SW_NONGLOBAL_BELOW;
                 self.write(slot, t.0 | flags)?;
+                if l == pte::LEVELS && va.0 < 1 << 47 {
+                    self.note_lower_half_used(root);
+                }
                 t
             };
         }
@@ -139,6 +143,7 @@ impl<M: PhysMem> ShadowMmu<M> {
 
     /// Removes the present leaf `e` at `slot` from the reverse map.
     pub(super) fn unlist_leaf(&mut self, slot: GuestPhys, e: u64, level: u8) {
+        self.narrowed = true;
         let base = GuestPhys(pte::leaf_base(e, level));
         if level == 2 {
             self.rmap.remove_large(base, slot);
@@ -215,6 +220,8 @@ impl<M: PhysMem> ShadowMmu<M> {
         let Some(i) = pick else {
             return Ok(());
         };
+        let victim = self.roots[i].root;
+        self.drop_parked(victim)?;
         let victim = self.roots.swap_remove(i);
         self.zap_table(victim.root, pte::LEVELS, false)?;
         self.free_table(victim.root);

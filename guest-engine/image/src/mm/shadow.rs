@@ -316,6 +316,8 @@ impl Shadow {
             // A process's pages survive a context switch back to it (checked against
             // its tables), which saves a shadow-miss trip per page touched again.
             revalidate_on_cr3_write: true,
+            // `text_poke`'s switches to `poking_mm` and back cost one real CR3 load, not two.
+            lend_roots: true,
         };
         let control = guest_engine::vcpu::paging_control(s.cr0, s.cr4, s.efer);
         Ok(Self {
@@ -577,8 +579,14 @@ impl Shadow {
             self.work.all_mappings = true;
         }
         let view = self.view;
-        self.with_tables(|m| m.root(view).map(|_| ()))?;
-        // The write's HwFlush::All: `settle` (in `with_tables`) reloaded the new root.
+        let root = self.with_tables(|m| m.root(view))?;
+        // A new root owes HwFlush::All, which `settle` (in `with_tables`) paid by loading
+        // it; a lent one stays loaded (`ShadowConfig::lend_roots`), and the write owes a
+        // flush only if it dropped or narrowed one of its leaves.
+        if self.loaded.is_some() && self.loaded != Some(root) {
+            self.load(root);
+            let _ = self.mmu.take_hw_flush();
+        }
         Ok(())
     }
 
@@ -614,7 +622,7 @@ impl Shadow {
 
 impl Shadow {
     /// Every counter, named as in the statistics line and `counters.json`.
-    fn counter_fields(&self) -> [(&'static str, u64); 24] {
+    fn counter_fields(&self) -> [(&'static str, u64); 26] {
         let s = self.stats();
         let c = &self.counters;
         [
@@ -632,6 +640,8 @@ impl Shadow {
             ("leaves_dropped", s.leaves_dropped),
             ("leaves_kept_across_cr3_writes", s.leaves_kept),
             ("roots_evicted", s.roots_evicted),
+            ("roots_lent", s.roots_lent),
+            ("roots_returned", s.roots_returned),
             ("tables", s.tables),
             ("free_table_frames", self.mem().free_frames()),
             ("table_reclaims", c.table_reclaims),

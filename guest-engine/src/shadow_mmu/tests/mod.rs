@@ -6,6 +6,7 @@ mod fill;
 mod invalidation;
 mod isolation;
 mod large;
+mod lend;
 mod prefetch;
 mod protection;
 mod revalidate;
@@ -179,6 +180,7 @@ fn config() -> ShadowConfig {
         prefetch: 0,
         unified: false,
         revalidate_on_cr3_write: false,
+        lend_roots: false,
     }
 }
 

@@ -9,6 +9,7 @@ fn setup_revalidating() -> (ShadowMmu<MockMem>, Space) {
     let space = Space::new(&mut mem);
     let config = ShadowConfig {
         revalidate_on_cr3_write: true,
+        lend_roots: false,
         ..config()
     };
     let mmu = ShadowMmu::new(mem, config, control(), space.pml4).expect("mmu");
