@@ -114,11 +114,9 @@ impl<M: PhysMem> ShadowMmu<M> {
             space: Some(borrower),
             ..Parked::default()
         };
-        for i in 0..LOWER_HALF_SLOTS {
-            let e = self.read(Self::slot_addr(root, i))?;
-            if e & pte::PRESENT == 0 {
-                continue;
-            }
+        let mut next = 0;
+        while let Some((i, e)) = self.next_present(root, next, LOWER_HALF_SLOTS)? {
+            next = i + 1;
             if parked.len == PARK_SLOTS {
                 return self.drop_lower_half(root);
             }
@@ -216,10 +214,8 @@ impl<M: PhysMem> ShadowMmu<M> {
             return Ok(true);
         }
         let root = self.roots[i].root;
-        for j in 0..LOWER_HALF_SLOTS {
-            if self.read(Self::slot_addr(root, j))? & pte::PRESENT != 0 {
-                return Ok(false);
-            }
+        if self.next_present(root, 0, LOWER_HALF_SLOTS)?.is_some() {
+            return Ok(false);
         }
         self.roots[i].lower_used = false;
         Ok(true)
@@ -227,12 +223,10 @@ impl<M: PhysMem> ShadowMmu<M> {
 
     /// Drops every leaf `root` maps in the lower half and frees the tables below it.
     fn drop_lower_half(&mut self, root: GuestPhys) -> Result<(), ShadowError> {
-        for i in 0..LOWER_HALF_SLOTS {
+        let mut next = 0;
+        while let Some((i, e)) = self.next_present(root, next, LOWER_HALF_SLOTS)? {
+            next = i + 1;
             let slot = Self::slot_addr(root, i);
-            let e = self.read(slot)?;
-            if e & pte::PRESENT == 0 {
-                continue;
-            }
             let child = GuestPhys(e & pte::ADDR_MASK);
             self.zap_table(child, pte::LEVELS - 1, false)?;
             self.write(slot, 0)?;

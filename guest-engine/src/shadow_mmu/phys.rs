@@ -25,6 +25,25 @@ pub trait PhysMem {
             None => false,
         }
     }
+    /// The first entry of the 512-entry table at `table`, at an index in `from..end`,
+    /// whose present bit is set: its index and value; `Ok(None)` if none is; `Err(pa)` if
+    /// the entry at `pa` is not backed. For the shadow MMU's own tables (its scans of
+    /// mostly empty tables); override where a slice beats one `read_u64` an entry.
+    fn next_present(
+        &mut self,
+        table: GuestPhys,
+        from: usize,
+        end: usize,
+    ) -> Result<Option<(usize, u64)>, GuestPhys> {
+        for i in from..end {
+            let pa = GuestPhys(table.0 + i as u64 * 8);
+            let e = self.read_u64(pa).ok_or(pa)?;
+            if e & 1 != 0 {
+                return Ok(Some((i, e)));
+            }
+        }
+        Ok(None)
+    }
     /// Allocates a zeroed 4 KiB frame for a shadow table; `None` when none is left.
     fn alloc_table(&mut self) -> Option<GuestPhys>;
     /// Returns a frame obtained from [`PhysMem::alloc_table`].

@@ -37,15 +37,13 @@ impl<M: PhysMem> ShadowMmu<M> {
         view: View,
     ) -> Result<(bool, bool), ShadowError> {
         let (mut empty, mut nonglobal) = (true, false);
-        for i in 0..pte::ENTRIES {
+        let mut next = 0;
+        while let Some((i, e)) = self.next_present(table, next, pte::ENTRIES)? {
+            next = i + 1;
             if level == pte::LEVELS && RESERVED_SLOTS.contains(&i) {
                 continue;
             }
             let slot = Self::slot_addr(table, i);
-            let e = self.read(slot)?;
-            if e & pte::PRESENT == 0 {
-                continue;
-            }
             let mut va = va_base | (i as u64) << (pte::PAGE_SHIFT + 9 * u32::from(level - 1));
             if level == pte::LEVELS && i >= 256 {
                 va |= 0xffff_0000_0000_0000;

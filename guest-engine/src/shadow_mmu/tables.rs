@@ -32,6 +32,18 @@ impl<M: PhysMem> ShadowMmu<M> {
             .ok_or(ShadowError::ShadowTableUnbacked(pa))
     }
 
+    /// The first present entry of the shadow `table` at an index in `from..end`.
+    pub(super) fn next_present(
+        &mut self,
+        table: GuestPhys,
+        from: usize,
+        end: usize,
+    ) -> Result<Option<(usize, u64)>, ShadowError> {
+        self.mem
+            .next_present(table, from, end.min(pte::ENTRIES))
+            .map_err(ShadowError::ShadowTableUnbacked)
+    }
+
     pub(super) fn write(&mut self, pa: GuestPhys, value: u64) -> Result<(), ShadowError> {
         if self.mem.write_u64(pa, value) {
             Ok(())
@@ -165,15 +177,13 @@ impl<M: PhysMem> ShadowMmu<M> {
         keep_global: bool,
     ) -> Result<bool, ShadowError> {
         let mut empty = true;
-        for i in 0..pte::ENTRIES {
+        let mut next = 0;
+        while let Some((i, e)) = self.next_present(table, next, pte::ENTRIES)? {
+            next = i + 1;
             if level == pte::LEVELS && RESERVED_SLOTS.contains(&i) {
                 continue;
             }
             let slot = Self::slot_addr(table, i);
-            let e = self.read(slot)?;
-            if e & pte::PRESENT == 0 {
-                continue;
-            }
             if level == 1 || (level == 2 && e & pte::PAGE_SIZE != 0) {
                 if keep_global && e & pte::SW_GLOBAL != 0 {
                     empty = false;

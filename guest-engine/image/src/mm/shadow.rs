@@ -163,6 +163,30 @@ impl PhysMem for StolenMem {
         true
     }
 
+    fn next_present(
+        &mut self,
+        table: GuestPhys,
+        from: usize,
+        end: usize,
+    ) -> Result<Option<(usize, u64)>, GuestPhys> {
+        let tables = self.stolen_base + SHADOW_TABLES_OFFSET;
+        let in_tables = table.0 >= tables && table.0 + PAGE <= tables + SHADOW_TABLES_BYTES;
+        if !in_tables || !table.0.is_multiple_of(PAGE) || end > 512 {
+            return Err(table);
+        }
+        let at = (WINDOW_VA + (table.0 - self.stolen_base)) as *const u64;
+        for i in from..end {
+            // SAFETY: a 4 KiB-aligned frame of the shadow-table area (checked above),
+            // mapped by the window; `i < 512`. The engine's own memory: the CPU sets
+            // A/D bits in it only while guest code runs, never during this scan.
+            let e = unsafe { at.add(i).read() };
+            if e & 1 != 0 {
+                return Ok(Some((i, e)));
+            }
+        }
+        Ok(None)
+    }
+
     fn alloc_table(&mut self) -> Option<GuestPhys> {
         let pa = match self.free.pop() {
             Some(pa) => pa,
