@@ -294,6 +294,28 @@ impl Translator {
         self.engine.stats().fragments - before
     }
 
+    /// Translates the one trace at `va` into an emptied cache (kernel mode for an
+    /// upper-half `va`) and returns the code emitted for it, with its cache address.
+    pub fn dump(&mut self, mem: &mut TextMemory, tool: &mut dyn Tool, va: u64) -> (u64, Vec<u8>) {
+        self.engine.flush();
+        let mode = if va >> 63 == 1 {
+            Mode::KERNEL
+        } else {
+            Mode::USER
+        };
+        self.engine.set_mode(mode).expect("mode");
+        self.engine
+            .pretranslate(mem, tool, GuestVirt(va))
+            .expect("translate");
+        let used = self.engine.cache_used_bytes();
+        // SAFETY: as in `code_digest`.
+        let code = unsafe {
+            std::slice::from_raw_parts(self.cache.add(guest_engine::layout::TRACES_OFFSET), used)
+        };
+        let at = self.cache as u64 + guest_engine::layout::TRACES_OFFSET as u64;
+        (at, code.to_vec())
+    }
+
     /// FNV-1a of the code the last pass emitted (every trace, in order).
     pub fn code_digest(&self) -> u64 {
         let used = self.engine.cache_used_bytes();

@@ -6,6 +6,9 @@
 //! `cargo run --release -p guest-engine --example translate_cost -- [--tool null|bbcount]
 //! [--stride N] [--passes N]`
 //!
+//! `--dump HEXVA` instead prints the code emitted for the one trace at that address
+//! (a debugging aid: what the glue around real code looks like).
+//!
 //! Deterministic instruction counts of the translation alone (docs/benchmarks.md):
 //!
 //! ```text
@@ -38,6 +41,12 @@ fn main() {
     let mut mem = TextMemory::new(texts);
     let mut t = Translator::new();
     let mut tool = tool(&tool_name);
+    if let Some(va) = arg("--dump") {
+        let va = u64::from_str_radix(va.trim_start_matches("0x"), 16).expect("--dump HEXVA");
+        let (at, code) = t.dump(&mut mem, &mut *tool, va);
+        print_code(at, &code);
+        return;
+    }
     for pass in 0..passes {
         let s0 = t.engine.stats();
         let start = Instant::now();
@@ -54,4 +63,18 @@ fn main() {
             t.code_digest()
         );
     }
+}
+
+/// Disassembles `code`, emitted at `at`.
+fn print_code(at: u64, code: &[u8]) {
+    use iced_x86::{Decoder, DecoderOptions, Formatter, NasmFormatter};
+    let mut decoder = Decoder::with_ip(64, code, at, DecoderOptions::NONE);
+    let mut formatter = NasmFormatter::new();
+    let mut text = String::new();
+    for insn in &mut decoder {
+        text.clear();
+        formatter.format(&insn, &mut text);
+        println!("{:016x}  {text}", insn.ip());
+    }
+    println!("{} bytes", code.len());
 }
