@@ -296,6 +296,8 @@ impl Translator {
 
     /// Translates the one trace at `va` into an emptied cache (kernel mode for an
     /// upper-half `va`) and returns the code emitted for it, with its cache address.
+    // (`tests/translate_digest.rs` shares this file and has no use for it.)
+    #[allow(dead_code)]
     pub fn dump(&mut self, mem: &mut TextMemory, tool: &mut dyn Tool, va: u64) -> (u64, Vec<u8>) {
         self.engine.flush();
         let mode = if va >> 63 == 1 {
