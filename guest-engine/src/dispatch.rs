@@ -79,6 +79,10 @@ pub struct Config {
     /// them through `Platform::set_virtual_flags` / `virtual_flags` around every
     /// emulation.
     pub inline_virtual_flags: bool,
+    /// Undefined flags the CPU that runs the translations in fact writes
+    /// ([`crate::host_flags::probe`]); flags liveness treats them as written. The default
+    /// claims nothing.
+    pub host_flags: crate::HostFlags,
 }
 
 impl Default for Config {
@@ -99,6 +103,9 @@ impl Default for Config {
             memory_pressure: None,
             isolate: true,
             inline_virtual_flags: false,
+            host_flags: crate::HostFlags {
+                logic_af_written: false,
+            },
         }
     }
 }
@@ -425,7 +432,7 @@ impl Engine {
         // The kept storage of the previous trace's list (`fragment_for` returns it).
         let mut insertions = core::mem::take(&mut self.scratch.insertions);
         insertions.clear();
-        self.block_count_insertions(&decoded.bbls, &mut insertions);
+        self.block_count_insertions(decoded, &mut insertions);
         let mut ti = TraceInstrumenter::new(
             va,
             decoded.pa,
@@ -491,6 +498,7 @@ impl Engine {
                 isolate: self.config.isolate,
                 fence: crate::arch::Fence::for_cpl(mode.cpl()),
                 hoist: !self.no_hoist.contains(&(va.0, mode.0)) && !mode.is_stepping(),
+                host_flags: self.config.host_flags,
                 compat: mode.is_compat(),
             };
             let tr = translate_trace(decoded, insertions, calls, &env, &mut self.scratch)

@@ -3,18 +3,35 @@
 //!
 //! Invariants: a mode's count is the sum of its `INSN_COUNTER_SPREAD` counter slots (the
 //! first `MODE_SLOTS × INSN_COUNTER_SPREAD` slots of the counter area, allocated before
-//! any tool's); each basic block adds its instruction count at its start, before any tool
-//! insertion there; an emulated sensitive instruction adds one in the mode it ran in; a
-//! precise fault takes back the faulting instruction and the rest of its block. Without
-//! `Config::count_insns` nothing here emits code or touches a counter.
+//! any tool's); each basic block adds its instruction count once, at its *count point*
+//! ([`count_point`]: its first instruction before which no status flag is live, else
+//! its first instruction), before any tool insertion there; an emulated sensitive
+//! instruction adds one in the mode it ran in; a precise fault leaves the count at the
+//! instructions executed before it. Without `Config::count_insns` nothing here emits
+//! code or touches a counter.
+//!
+//! Why the count point: where a flag is live, the add must not touch the flags and takes
+//! five instructions (spill, load, `lea`, store, reload) instead of one `add` to memory;
+//! at a block's start a flag is live two times in three (often only AF, which `test`,
+//! `and` and the like leave undefined rather than write), while most blocks reach a
+//! `cmp` or an arithmetic instruction that writes every flag a little further on.
 
 use alloc::vec::Vec;
 
 use crate::addr::{CachePc, GuestVirt};
-use crate::arch::decode_trace;
+use crate::arch::{decode_trace, flags_liveness};
 use crate::dispatch::Engine;
 use crate::guest_memory::{GuestMemory, Mode};
 use crate::instrument::{Action, Bbl, CounterId, IPoint, Insertion};
+
+/// Where block `b` adds its instruction count: its first instruction before which no
+/// status flag is live (`live`: flags live before each instruction of the trace), else
+/// its first instruction. The translator and the fault path derive it alike.
+pub(crate) fn count_point(b: &Bbl, live: &[u32]) -> usize {
+    (b.first..b.first + b.count)
+        .find(|&k| live.get(k) == Some(&0))
+        .unwrap_or(b.first)
+}
 use crate::layout::INSN_COUNTER_SPREAD;
 
 /// Counter `h` of mode slot `m`'s instruction counters (`base`: the first of them). A
@@ -39,16 +56,25 @@ impl Engine {
         }
     }
 
-    /// The block-count insertions for a trace's blocks in the current mode (none without
-    /// `Config::count_insns`). They go before the tool's insertions: insertions at one
-    /// instruction are emitted in order, so the engine's counter comes first at each block
-    /// start, like a tool's block counter. Appended to `insertions`.
-    pub(crate) fn block_count_insertions(&self, bbls: &[Bbl], insertions: &mut Vec<Insertion>) {
-        for b in bbls {
+    /// The block-count insertions for trace `t`'s blocks in the current mode (none without
+    /// `Config::count_insns`), each at its block's [`count_point`]. They go before the
+    /// tool's insertions: insertions at one instruction are emitted in order, so the
+    /// engine's counter comes first there. Appended to `insertions`.
+    pub(crate) fn block_count_insertions(
+        &mut self,
+        t: &crate::arch::DecodedTrace,
+        insertions: &mut Vec<Insertion>,
+    ) {
+        if self.insn_counters.is_none() {
+            return;
+        }
+        let live = &mut self.scratch.count_live;
+        flags_liveness(t, live, self.config.host_flags);
+        for b in &t.bbls {
             let h = (b.address.0 ^ b.address.0 >> 8) as usize % INSN_COUNTER_SPREAD;
             if let Some(id) = insn_counter(self.insn_counters, self.slot, h) {
                 insertions.push(Insertion {
-                    ins: b.first,
+                    ins: count_point(b, live),
                     point: IPoint::Before,
                     action: Action::Counter {
                         id,
@@ -88,9 +114,11 @@ impl Engine {
     }
 
     /// A fault at guest instruction `guest_pc` (cache PC `pc`) left the rest of its basic
-    /// block unexecuted, but the block's instruction count was added at its start: take
-    /// back the faulting instruction and those after it in the block. The block structure
-    /// is re-derived by decoding the fragment's trace again (faults are rare; storing it
+    /// block unexecuted: if the block's count point was passed, take back the faulting
+    /// instruction and those after it in the block, else add those before it. (The
+    /// statistic `insns_taken_back` counts the former either way: what a count at the
+    /// block's start, as a tool's, takes back.) The block structure and count point are
+    /// re-derived by decoding the fragment's trace again (faults are rare; storing them
     /// per fragment would cost memory for every trace).
     pub(crate) fn uncount_after_fault(
         &mut self,
@@ -121,14 +149,24 @@ impl Engine {
         let Some(k) = t.info.iter().position(|i| i.address == guest_pc) else {
             return;
         };
-        if let Some(b) = t
+        let Some(b) = t
             .bbls
             .iter()
             .find(|b| (b.first..b.first + b.count).contains(&k))
-        {
-            let n = (b.first + b.count - k) as u64;
-            self.stats.insns_taken_back += n;
-            self.add_insns(m, n.wrapping_neg());
+            .copied()
+        else {
+            return;
+        };
+        let mut live = core::mem::take(&mut self.scratch.count_live);
+        flags_liveness(&t, &mut live, self.config.host_flags);
+        let counted = k >= count_point(&b, &live);
+        self.scratch.count_live = live;
+        let rest = (b.first + b.count - k) as u64;
+        self.stats.insns_taken_back += rest;
+        if counted {
+            self.add_insns(m, rest.wrapping_neg());
+        } else {
+            self.add_insns(m, (k - b.first) as u64);
         }
     }
 }

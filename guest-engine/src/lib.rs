@@ -20,6 +20,7 @@ pub mod error;
 mod fast_lookup;
 mod fragment;
 pub mod guest_memory;
+pub mod host_flags;
 mod insn_count;
 pub mod instrument;
 pub mod layout;
@@ -43,6 +44,7 @@ pub use context::{Gpr, GuestRegs};
 pub use dispatch::{Config, Engine, Stats, Stop};
 pub use error::EngineError;
 pub use guest_memory::{GuestMemory, Mode};
+pub use host_flags::HostFlags;
 pub use instrument::{
     access, CounterId, IArg, IPoint, InsInfo, InsKind, MemOperand, MemRecord, NullTool, SegBase,
     Tool, TraceInstrumenter,

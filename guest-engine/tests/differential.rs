@@ -51,10 +51,13 @@ fn test_random_programs_without_linking_match_native() {
 #[test]
 fn test_instrumented_random_programs_match_native() {
     // A small buffer so that BUFFER_FULL exits happen mid-trace.
+    // With the undefined flags this CPU writes (`host_flags::probe`), as the engine image
+    // runs: glue before an `and`/`test` may then clobber AF.
     let cfg = Config {
         record_buffer_records: 7,
         records_need_pa: true,
         count_insns: true,
+        host_flags: guest_engine::host_flags::probe(),
         ..Config::default()
     };
     let mut rig = Rig::new(cfg);
@@ -68,7 +71,8 @@ fn test_instrumented_random_programs_match_native() {
     let insns = rig.engine.executed_insns(guest_engine::Mode::KERNEL);
     assert!(insns > 0);
     common::report(&format!(
-        "{n} differential cases (random programs, heavy instrumentation and engine instruction counts: {insns})"
+        "{n} differential cases (random programs, heavy instrumentation and engine instruction counts: {insns}; {:?})",
+        guest_engine::host_flags::probe()
     ));
 }
 

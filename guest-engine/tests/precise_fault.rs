@@ -75,3 +75,58 @@ fn test_faults_in_cache_map_back_to_the_guest_instruction() {
     assert_eq!(rig.engine.regs().get(Gpr::Rsi), 5);
     assert_eq!(rig.engine.regs().get(Gpr::Rdi), bad + 8);
 }
+
+/// A block whose flags are live at its start adds its instruction count further on, at
+/// its count point (`insn_count.rs`): a fault before that point leaves the count at the
+/// instructions executed before it, and so does one after it.
+#[test]
+fn test_a_fault_before_or_after_the_count_point_counts_what_ran() {
+    let mut rig = Rig::new(Config {
+        count_insns: true,
+        ..Config::default()
+    });
+    common::fault_redirect::install(&rig, libc::SIGSEGV);
+    let block = Region::map(3 * 4096, 0);
+    let base = block.addr();
+    let bad = base + 2 * 4096;
+    // SAFETY: make the third page inaccessible.
+    unsafe { libc::mprotect(bad as *mut libc::c_void, 4096, libc::PROT_NONE) };
+    const ADC_RCX: [u8; 4] = [0x48, 0x83, 0xD1, 0x00]; // adc rcx, 0 (reads CF)
+    const ADC_RDX: [u8; 4] = [0x48, 0x83, 0xD2, 0x00]; // adc rdx, 0
+    const LOAD: [u8; 3] = [0x48, 0x8B, 0x07]; // mov rax, [rdi]
+    const CMP: [u8; 3] = [0x48, 0x39, 0xC0]; // cmp rax, rax (writes every flag)
+    const MOV_R10: [u8; 7] = [0x49, 0xC7, 0xC2, 1, 0, 0, 0]; // mov r10, 1
+                                                             // (code, offset of the load, instructions executed before it)
+    let cases: [(Vec<u8>, u64, u64); 2] = [
+        // CF live until the `cmp`: the count point is past the faulting load.
+        (
+            [&ADC_RCX[..], &LOAD, &ADC_RDX, &CMP, &MOV_R10].concat(),
+            4,
+            1,
+        ),
+        // Dead before the `cmp`, ahead of the load.
+        ([&ADC_RCX[..], &CMP, &LOAD, &MOV_R10].concat(), 7, 2),
+    ];
+    let mut mem = HostMemory::new(vec![(base, base + 2 * 4096)]);
+    let mut total = 0;
+    for (n, (code, load_at, before)) in cases.iter().enumerate() {
+        let at = 0x200 * n as u64;
+        block.slice()[at as usize..at as usize + code.len()].copy_from_slice(code);
+        rig.engine.regs_mut().set(Gpr::Rdi, bad);
+        rig.engine.regs_mut().set(Gpr::Rsp, base + 4096);
+        rig.engine.set_rip(GuestVirt(base + at));
+        let stop = rig
+            .engine
+            .run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
+        let Stop::Fault { guest_pc, .. } = stop else {
+            panic!("case {n}: unexpected stop {stop:?}")
+        };
+        assert_eq!(guest_pc, GuestVirt(base + at + load_at), "case {n}");
+        total += before;
+        assert_eq!(
+            rig.engine.executed_insns(Mode::KERNEL),
+            total,
+            "case {n}: the instructions before the fault, no more"
+        );
+    }
+}

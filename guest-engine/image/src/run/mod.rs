@@ -176,6 +176,11 @@ fn enter_shadow(block: &AttachBlock) -> RefCell<Shadow> {
 /// The translator over the code-cache region, holding the guest's registers from
 /// `block`.
 fn new_engine(block: &AttachBlock, tool_name: &str) -> Engine {
+    let host_flags = guest_engine::host_flags::probe();
+    log!(
+        Info,
+        "engine: undefined flags this CPU writes: {host_flags:?}"
+    );
     let config = Config {
         // The image is soft-float (no SSE in engine code): guest vector state stays in
         // the registers across exits, and analysis routines leave it alone.
@@ -187,6 +192,9 @@ fn new_engine(block: &AttachBlock, tool_name: &str) -> Engine {
         memory_pressure: Some(heap_pressure),
         // Linux's `cli`/`sti`/`pushfq`/`popfq` at CPL 0 (~10^6 a boot) run inline.
         inline_virtual_flags: true,
+        // Measured on this CPU (translated code runs on it at CPL 3 too): glue before an
+        // `and`/`or`/`xor`/`test` need not keep AF if the CPU writes it anyway.
+        host_flags,
         ..Config::default()
     };
     // SAFETY: the code-cache region lies in the stolen region, which the window maps

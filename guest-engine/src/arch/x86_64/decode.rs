@@ -19,6 +19,7 @@ use crate::context::Gpr;
 use crate::instrument::{access, Bbl, InsInfo, InsKind, MemOperand, MemOps, SegBase};
 use crate::layout::MAX_INSN_BYTES;
 use crate::platform::{SensitiveInsn, SensitiveKind};
+use crate::HostFlags;
 
 mod form;
 
@@ -572,6 +573,8 @@ pub(crate) struct Scratch {
     pub(crate) tx: super::mangle::TxBuffers,
     /// The storage of a trace's insertion list (the dispatcher's `instrument`).
     pub(crate) insertions: Vec<crate::instrument::Insertion>,
+    /// Flags liveness for placing the engine's block counters (`insn_count.rs`).
+    pub(crate) count_live: Vec<u32>,
 }
 
 impl Scratch {
@@ -585,6 +588,7 @@ impl Scratch {
             bbls: Vec::with_capacity(4),
             tx: super::mangle::TxBuffers::default(),
             insertions: Vec::new(),
+            count_live: Vec::new(),
         }
     }
 
@@ -613,7 +617,14 @@ impl Scratch {
 pub(crate) const STATUS_FLAGS: u32 = 0x3F;
 
 /// Flags live *before* each instruction, into `live`; index `n` (trace end) is all-live.
-pub(crate) fn flags_liveness(t: &DecodedTrace, live: &mut Vec<u32>) {
+/// A flag an instruction leaves undefined stays live across it, unless `host` says the
+/// CPU writes it (`host_flags.rs`).
+pub(crate) fn flags_liveness(t: &DecodedTrace, live: &mut Vec<u32>, host: HostFlags) {
+    let logic_af = if host.logic_af_written {
+        iced_x86::RflagsBits::AF
+    } else {
+        0
+    };
     let n = t.insns.len();
     live.clear();
     live.resize(n + 1, STATUS_FLAGS);
@@ -630,7 +641,16 @@ pub(crate) fn flags_liveness(t: &DecodedTrace, live: &mut Vec<u32>) {
         let writes = if modified == 0 {
             0
         } else {
-            modified & !i.rflags_undefined()
+            let mut written_undefined = 0;
+            if logic_af != 0
+                && matches!(
+                    i.mnemonic(),
+                    Mnemonic::And | Mnemonic::Or | Mnemonic::Xor | Mnemonic::Test
+                )
+            {
+                written_undefined = logic_af;
+            }
+            modified & !(i.rflags_undefined() & !written_undefined)
         };
         // (Whether they may be left alone matters only if they kill a live flag.)
         let kills = if writes & after == 0 || count_may_be_zero(i) {

@@ -74,6 +74,8 @@ pub(crate) struct EmitEnv {
     pub hoist: bool,
     /// The trace is 32-bit code (`Mode::compat`, `compat.rs`).
     pub compat: bool,
+    /// Undefined flags the CPU writes (`Config::host_flags`), for flags liveness.
+    pub host_flags: crate::HostFlags,
 }
 
 /// An exit of a translated trace, before the dispatcher turns it into a record.
@@ -830,7 +832,7 @@ pub(crate) fn translate_trace(
         page: (t.start.page().0, t.pa.page().0),
     };
     let live = &mut bufs.live;
-    flags_liveness(t, live);
+    flags_liveness(t, live, env.host_flags);
     let mut bases = BaseState::default();
     let heads = tx.emit_heads(t, live, &mut bases)?;
     // Reused for every instruction, and across traces.
