@@ -9,18 +9,26 @@ mod common;
 use common::{HostMemory, HostPlatform, Region, Rig};
 use guest_engine::{Config, Gpr, GuestVirt, Mode, NullTool, Stop};
 
-#[test]
-fn test_faults_in_cache_map_back_to_the_guest_instruction() {
-    let mut rig = Rig::new(Config {
+/// A rig counting instructions, with SIGSEGV redirected to the engine's fault path, and a
+/// block of three pages whose third is inaccessible.
+fn faulting_rig() -> (Rig, Region) {
+    let rig = Rig::new(Config {
         count_insns: true,
         ..Config::default()
     });
     common::fault_redirect::install(&rig, libc::SIGSEGV);
     let block = Region::map(3 * 4096, 0);
-    let base = block.addr();
-    let bad = base + 2 * 4096;
+    let bad = block.addr() + 2 * 4096;
     // SAFETY: make the third page inaccessible.
     unsafe { libc::mprotect(bad as *mut libc::c_void, 4096, libc::PROT_NONE) };
+    (rig, block)
+}
+
+#[test]
+fn test_faults_in_cache_map_back_to_the_guest_instruction() {
+    let (mut rig, block) = faulting_rig();
+    let base = block.addr();
+    let bad = base + 2 * 4096;
     let mut code = Vec::new();
     code.extend_from_slice(&[0x48, 0xC7, 0xC1, 7, 0, 0, 0]); // mov rcx, 7
     code.extend_from_slice(&[0x48, 0xC7, 0xC2, 9, 0, 0, 0]); // mov rdx, 9
@@ -81,16 +89,9 @@ fn test_faults_in_cache_map_back_to_the_guest_instruction() {
 /// instructions executed before it, and so does one after it.
 #[test]
 fn test_a_fault_before_or_after_the_count_point_counts_what_ran() {
-    let mut rig = Rig::new(Config {
-        count_insns: true,
-        ..Config::default()
-    });
-    common::fault_redirect::install(&rig, libc::SIGSEGV);
-    let block = Region::map(3 * 4096, 0);
+    let (mut rig, block) = faulting_rig();
     let base = block.addr();
     let bad = base + 2 * 4096;
-    // SAFETY: make the third page inaccessible.
-    unsafe { libc::mprotect(bad as *mut libc::c_void, 4096, libc::PROT_NONE) };
     const ADC_RCX: [u8; 4] = [0x48, 0x83, 0xD1, 0x00]; // adc rcx, 0 (reads CF)
     const ADC_RDX: [u8; 4] = [0x48, 0x83, 0xD2, 0x00]; // adc rdx, 0
     const LOAD: [u8; 3] = [0x48, 0x8B, 0x07]; // mov rax, [rdi]

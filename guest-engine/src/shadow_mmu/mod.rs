@@ -18,6 +18,12 @@
 //! first kernel-view leaf that breaks the rule splits that root from the user view for
 //! its lifetime (a guest's own choice: Linux never does it in a process's space).
 //!
+//! With [`ShadowConfig::lend_roots`], a CR3 write to a space with no root of its own may
+//! keep the loaded kernel root, if its lower half is empty: the root is lent to the new
+//! space and goes home when the guest switches back (`lend.rs`). A CR3 write owes a
+//! hardware flush only if the new space's root is another or a leaf of it was dropped or
+//! narrowed.
+//!
 //! With [`ShadowConfig::prefetch`], a 4 KiB fill also shadows the other pages of its
 //! aligned group that the guest has already accessed (`prefetch.rs`), so that pages
 //! touched again after a CR3 write do not fault one by one.
