@@ -9,24 +9,29 @@ mod common;
 use common::{HostMemory, HostPlatform, Region, Rig};
 use guest_engine::{Config, Gpr, GuestVirt, Mode, NullTool, Stop};
 
-/// A rig counting instructions, with SIGSEGV redirected to the engine's fault path, and a
-/// block of three pages whose third is inaccessible.
-fn faulting_rig() -> (Rig, Region) {
+/// The fault redirect serves one rig at a time: the tests that install it take turns.
+static ONE_RIG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// A rig counting instructions, with SIGSEGV redirected to the engine's fault path (the
+/// guard holds the redirect for the test), and a block of three pages whose third is
+/// inaccessible.
+fn faulting_rig() -> (Rig, Region, std::sync::MutexGuard<'static, ()>) {
     let rig = Rig::new(Config {
         count_insns: true,
         ..Config::default()
     });
+    let turn = ONE_RIG.lock().unwrap_or_else(|e| e.into_inner());
     common::fault_redirect::install(&rig, libc::SIGSEGV);
     let block = Region::map(3 * 4096, 0);
     let bad = block.addr() + 2 * 4096;
     // SAFETY: make the third page inaccessible.
     unsafe { libc::mprotect(bad as *mut libc::c_void, 4096, libc::PROT_NONE) };
-    (rig, block)
+    (rig, block, turn)
 }
 
 #[test]
 fn test_faults_in_cache_map_back_to_the_guest_instruction() {
-    let (mut rig, block) = faulting_rig();
+    let (mut rig, block, _turn) = faulting_rig();
     let base = block.addr();
     let bad = base + 2 * 4096;
     let mut code = Vec::new();
@@ -89,7 +94,7 @@ fn test_faults_in_cache_map_back_to_the_guest_instruction() {
 /// instructions executed before it, and so does one after it.
 #[test]
 fn test_a_fault_before_or_after_the_count_point_counts_what_ran() {
-    let (mut rig, block) = faulting_rig();
+    let (mut rig, block, _turn) = faulting_rig();
     let base = block.addr();
     let bad = base + 2 * 4096;
     const ADC_RCX: [u8; 4] = [0x48, 0x83, 0xD1, 0x00]; // adc rcx, 0 (reads CF)
