@@ -143,6 +143,9 @@ pub struct CacheContext {
     pub flags_slot: u64,
     /// See `flags_slot`.
     pub flags_rsp: u64,
+    /// The guest's segment selectors (ES, CS, SS, DS, FS, GS), for the inline
+    /// `mov r, sreg` of kernel-mode traces (`Config::inline_virtual_flags`; `vflags.rs`).
+    pub sel: [u16; 8],
     /// The memory operand of an instruction run redirected (`redirect.rs`): its bytes,
     /// the first at the operand address's offset modulo 64.
     pub redirect_data: RedirectData,

@@ -123,6 +123,12 @@ pub trait Platform {
         None
     }
 
+    /// With `Config::inline_virtual_flags`: the guest's segment selectors (ES, CS, SS, DS,
+    /// FS, GS) after an emulation, for translated code (`None`: unchanged).
+    fn selectors(&self) -> Option<[u16; 6]> {
+        None
+    }
+
     /// The engine translated a trace of user-mode (CPL 3) code at `va`, physical `pa`
     /// (the task watch records where that code came from: `crate::tasks`).
     fn user_code(&mut self, va: GuestVirt, pa: GuestPhys) {

@@ -27,6 +27,12 @@
 //!
 //! Their memory operands (`[rsp − 8]`, `[rsp]`) are checked and recorded like any
 //! `push`/`pop`'s.
+//!
+//! `mov r, sreg` (a register destination) reads the guest's selector from
+//! `CacheContext::sel`, kept in step the same way (`Engine::set_selectors` before a run,
+//! `Platform::selectors` after each emulation): Linux's `sync_core` (`iret_to_self`, after
+//! each of the ~10^5 `text_poke_early`s of a boot) reads SS and CS, and `__switch_to`
+//! saves the data selectors.
 
 use crate::dispatch::Engine;
 
@@ -42,6 +48,12 @@ impl Engine {
     pub fn virtual_flags(&self) -> (bool, u8) {
         let c = self.ctx();
         (c.vif & 0x200 != 0, ((c.viopl >> 12) & 3) as u8)
+    }
+
+    /// Sets the guest's segment selectors (ES, CS, SS, DS, FS, GS) that inline
+    /// `mov r, sreg` reads.
+    pub fn set_selectors(&mut self, sel: [u16; 6]) {
+        self.ctx_mut().sel[..6].copy_from_slice(&sel);
     }
 
     /// Whether an interrupt is pending that the virtual IF holds back (an inline `sti` or

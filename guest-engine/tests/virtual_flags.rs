@@ -113,3 +113,61 @@ fn test_sti_with_an_interrupt_held_back_sets_attention_and_sti_hlt_exits() {
     let stop = run(&mut rig, &block, &[0xFB, 0xF4]);
     assert!(matches!(stop, Stop::Sensitive(_)), "{stop:?}");
 }
+
+/// `mov r, sreg` into a register reads the selector `Engine::set_selectors` put in the
+/// context, with the CPU's widths (a 16-bit destination keeps its upper bits, a 32- or
+/// 64-bit one is zero-extended), without an exit; into memory it still exits.
+#[test]
+fn test_selector_reads_run_inline_against_the_contexts_selectors() {
+    let mut rig = rig();
+    let block = Region::map(4096, 0);
+    let base = block.addr();
+    let exit = rig.native.exit_address();
+    let code = {
+        let mut a = CodeAssembler::new(64).unwrap();
+        a.mov(eax, ss).unwrap();
+        a.mov(bx, cs).unwrap();
+        a.mov(rcx, ds).unwrap();
+        a.mov(r9d, es).unwrap();
+        a.mov(r10w, fs).unwrap();
+        a.mov(r11, gs).unwrap();
+        let mut slot = a.create_label();
+        a.jmp(qword_ptr(slot)).unwrap();
+        a.set_label(&mut slot).unwrap();
+        a.db(&exit.to_le_bytes()).unwrap();
+        a.assemble(base).unwrap()
+    };
+    // ES, CS, SS, DS, FS, GS.
+    rig.engine
+        .set_selectors([0x2b, 0x10, 0x18, 0x33, 0x53, 0x63]);
+    for r in [Gpr::Rax, Gpr::Rbx, Gpr::Rcx, Gpr::R9, Gpr::R10, Gpr::R11] {
+        rig.engine.regs_mut().set(r, 0xffff_ffff_ffff_ffff);
+    }
+    let stop = run(&mut rig, &block, &code);
+    assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+    let r = *rig.engine.regs();
+    assert_eq!(r.get(Gpr::Rax), 0x18, "SS, zero-extended");
+    assert_eq!(r.get(Gpr::Rbx), 0xffff_ffff_ffff_0010, "CS into BX only");
+    assert_eq!(r.get(Gpr::Rcx), 0x33, "DS");
+    assert_eq!(r.get(Gpr::R9), 0x2b, "ES");
+    assert_eq!(r.get(Gpr::R10), 0xffff_ffff_ffff_0053, "FS into R10W only");
+    assert_eq!(r.get(Gpr::R11), 0x63, "GS");
+    assert_eq!(
+        rig.engine.stats().exits[EXIT_SENSITIVE as usize],
+        0,
+        "no exits"
+    );
+
+    // Into memory: it still leaves the cache for the platform.
+    let block = Region::map(4096, 0);
+    let code = {
+        let mut a = CodeAssembler::new(64).unwrap();
+        a.mov(word_ptr(rsp - 8), ss).unwrap();
+        a.assemble(block.addr()).unwrap()
+    };
+    let stop = run(&mut rig, &block, &code);
+    assert!(
+        matches!(stop, Stop::Sensitive(s) if s.pc == GuestVirt(block.addr())),
+        "{stop:?}"
+    );
+}

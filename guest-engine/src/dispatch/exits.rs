@@ -244,7 +244,8 @@ impl Engine {
     }
 
     /// `platform.emulate(s)`, with the virtual IF/IOPL that inline-flag code keeps in the
-    /// cache context handed to the platform before and taken back after.
+    /// cache context handed to the platform before and taken back after, and the
+    /// selectors inline `mov r, sreg` reads taken back after.
     #[inline(always)]
     fn emulate(&mut self, platform: &mut dyn Platform, s: &SensitiveInsn) -> Emulation {
         if self.config.inline_virtual_flags {
@@ -257,6 +258,12 @@ impl Engine {
             .filter(|_| self.config.inline_virtual_flags)
         {
             self.set_virtual_flags(vif, iopl);
+        }
+        if let Some(sel) = platform
+            .selectors()
+            .filter(|_| self.config.inline_virtual_flags)
+        {
+            self.set_selectors(sel);
         }
         emulation
     }

@@ -556,6 +556,10 @@ impl<H: Hardware, M: GuestMmu> Platform for Vcpu<'_, H, M> {
         Some((self.vif, self.iopl))
     }
 
+    fn selectors(&self) -> Option<[u16; 6]> {
+        Some(self.segs.selectors())
+    }
+
     fn user_code(&mut self, va: GuestVirt, pa: GuestPhys) {
         if let Some(w) = &mut self.tasks {
             if !w.records_origins() {

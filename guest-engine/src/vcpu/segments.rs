@@ -129,6 +129,11 @@ impl Segments {
         }
     }
 
+    /// The selectors, in `sregs` order (ES, CS, SS, DS, FS, GS).
+    pub fn selectors(&self) -> [u16; 6] {
+        self.sregs.map(|s| s.selector)
+    }
+
     /// The current privilege level (CS.RPL = CS.DPL for the loaded CS).
     pub fn cpl(&self) -> u8 {
         (self.sregs[Sreg::Cs as usize].selector & 3) as u8

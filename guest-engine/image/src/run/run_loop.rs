@@ -161,8 +161,10 @@ impl<'a> RunLoop<'a> {
             }
         }
         // The virtual IF and IOPL go to the cache context for the inline flag
-        // instructions, and come back after the run (deliveries and reports read them).
+        // instructions, and come back after the run (deliveries and reports read them);
+        // the selectors for inline `mov r, sreg` (deliveries change CS and SS).
         self.engine.set_virtual_flags(self.vcpu.vif, self.vcpu.iopl);
+        self.engine.set_selectors(self.vcpu.segs.selectors());
         self.engine.set_irq_held(irq::highest().is_some());
         // Stepping (TF, or DR7 breakpoints): the run executes at most this one
         // instruction, whose state before it the debug checks need.

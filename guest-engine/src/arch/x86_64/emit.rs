@@ -366,6 +366,19 @@ impl Asm {
         self.riprel(Some(rex(true, r, 0, 0)), &[0x8B], r, target, &[]);
     }
 
+    /// `movzx r32, word [rip+target]` (bits 32-63 of the register cleared).
+    pub(crate) fn movzx_r32_m16(&mut self, r: u8, target: u64) {
+        let rexb = (r >= 8).then(|| rex(false, r, 0, 0));
+        self.riprel(rexb, &[0x0F, 0xB7], r, target, &[]);
+    }
+
+    /// `mov r16, word [rip+target]` (bits 16-63 of the register kept).
+    pub(crate) fn mov_r16_m16(&mut self, r: u8, target: u64) {
+        self.bytes(&[0x66]);
+        let rexb = (r >= 8).then(|| rex(false, r, 0, 0));
+        self.riprel(rexb, &[0x8B], r, target, &[]);
+    }
+
     /// `movsxd r64, dword [rip+target]`.
     pub(crate) fn movsxd_r_m(&mut self, r: u8, target: u64) {
         self.riprel(Some(rex(true, r, 0, 0)), &[0x63], r, target, &[]);

@@ -126,6 +126,7 @@ pub(crate) struct CtxAddrs {
     pub irq_held: u64,
     pub flags_slot: u64,
     pub flags_rsp: u64,
+    pub sel: u64,
 }
 
 impl CtxAddrs {
@@ -162,6 +163,7 @@ impl CtxAddrs {
             irq_held: o(offset_of!(CacheContext, irq_held)),
             flags_slot: o(offset_of!(CacheContext, flags_slot)),
             flags_rsp: o(offset_of!(CacheContext, flags_rsp)),
+            sel: o(offset_of!(CacheContext, sel)),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! `cli`, `sti`, `pushfq` and `popfq` of virtual CPL 0 against the virtual IF and IOPL
 //! in the cache context (the sequences and why they are exact: `crate::vflags`).
 
-use iced_x86::Code;
+use iced_x86::{Code, Register};
 
 use super::decode::DecodedInsn;
 use super::emit::reg;
@@ -37,6 +37,26 @@ impl Tx<'_> {
                 self.a.mov_r_m(reg::RSP, c.flags_rsp);
                 self.a.bind(done);
                 self.a.unspill_quiet(reg::RCX);
+            }
+            Code::Mov_rm16_Sreg | Code::Mov_r32m16_Sreg | Code::Mov_r64m16_Sreg => {
+                // The guest's selector from the context (the embedder keeps it there):
+                // into the low 16 bits of a 16-bit destination, zero-extended into any
+                // other, as the CPU does.
+                let sreg: u64 = match d.instr.op1_register() {
+                    Register::ES => 0,
+                    Register::CS => 1,
+                    Register::SS => 2,
+                    Register::DS => 3,
+                    Register::FS => 4,
+                    _ => 5,
+                };
+                let at = c.sel + 2 * sreg;
+                let r = super::mangle::hw(d.instr.op0_register());
+                if d.instr.op0_register().is_gpr16() {
+                    self.a.mov_r16_m16(r, at);
+                } else {
+                    self.a.movzx_r32_m16(r, at);
+                }
             }
             Code::Pushfq => {
                 // The real flags (IF = 1, IOPL = 0 at CPL 3), then `− IF + vif + viopl`.

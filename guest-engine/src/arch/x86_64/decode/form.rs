@@ -119,12 +119,16 @@ impl Window {
 }
 
 /// Whether `i` (at virtual CPL 0, followed by the byte `next` if known) runs inline
-/// against the virtual flags (`crate::vflags`): `cli`, `pushfq`, `popfq`, and `sti`
-/// unless a `hlt` follows (or the next byte is unknown).
+/// against the virtual state in the cache context (`crate::vflags`): `cli`, `pushfq`,
+/// `popfq`, `sti` unless a `hlt` follows (or the next byte is unknown), and `mov` of a
+/// segment selector into a register.
 fn inline_flag_insn(i: &Instruction, next: Option<u8>) -> bool {
     match i.code() {
         Code::Cli | Code::Pushfq | Code::Popfq => true,
         Code::Sti => next.is_some_and(|b| b != 0xF4),
+        Code::Mov_rm16_Sreg | Code::Mov_r32m16_Sreg | Code::Mov_r64m16_Sreg => {
+            i.op0_kind() == iced_x86::OpKind::Register
+        }
         _ => false,
     }
 }
