@@ -222,7 +222,22 @@ fn test_user_and_kernel_accesses_to_the_window_and_physmap_trap_before_touching_
         assert_eq!(
             c.classify(base),
             IsolationFault::NonCanonical {
-                addr: 0x01ff_8000_0000_0000
+                addr: 0x01ff_8000_0000_0000,
+                stack: false
+            }
+        );
+        // The same through SS: #SS(0) for the guest, not #GP.
+        let mut code = vec![0x36, 0x48, 0x8B, 0x04, 0x0B]; // mov rax, ss:[rbx + rcx]
+        jmp(&mut code, base, exit);
+        expect_hit(
+            c.run(&code, &[(Gpr::Rbx, 0x01ff_8000_0000_0000), (Gpr::Rcx, 0)]),
+            base,
+        );
+        assert_eq!(
+            c.classify(base),
+            IsolationFault::NonCanonical {
+                addr: 0x01ff_8000_0000_0000,
+                stack: true
             }
         );
 
@@ -862,7 +877,10 @@ fn test_indexed_operands_check_base_wide_and_index_range() {
         expect_hit(c.run(&code, &[(Gpr::Rbx, hole), (Gpr::Rcx, 0)]), base);
         assert_eq!(
             c.classify(base),
-            IsolationFault::NonCanonical { addr: hole }
+            IsolationFault::NonCanonical {
+                addr: hole,
+                stack: false
+            }
         );
         // A base in the physmap with an index that takes the access above the zone: the
         // wide base check hits and the classifier names the base register (in user mode

@@ -176,10 +176,15 @@ pub fn on_isolation_hit(
         engine.vector_lane_checked(),
     ) {
         IsolationFault::GuestUd => return Ok(None),
-        IsolationFault::NonCanonical { addr } => {
+        IsolationFault::NonCanonical { addr, stack } => {
             shadow.borrow_mut().counters.isolation_hits += 1;
+            let vector = if stack {
+                kpin_abi::x86::vector::SS
+            } else {
+                kpin_abi::x86::vector::GP
+            };
             return Ok(Some(Action::Reflect(GuestFault {
-                vector: kpin_abi::x86::vector::GP,
+                vector,
                 error_code: 0,
                 cr2: GuestVirt(addr),
             })));

@@ -1,7 +1,7 @@
 //! What a #UD at a translated guest instruction means: an isolation check's trap (and
 //! which operand), a non-canonical operand, or the guest's own #UD.
 
-use iced_x86::{Decoder, DecoderOptions, InstructionInfoFactory, Mnemonic, Register};
+use iced_x86::{Decoder, DecoderOptions, InstructionInfoFactory, Mnemonic, OpAccess, Register};
 
 use super::super::decode::mem_operands;
 use super::super::mangle::hw;
@@ -31,10 +31,15 @@ pub enum IsolationFault {
         /// `instrument::access` bits of the operand (READ, WRITE).
         access: u32,
     },
-    /// An operand's address is non-canonical (the check's only false positives): #GP(0).
+    /// An operand's address is non-canonical (the check's only false positives): #GP(0),
+    /// or #SS(0) if the operand is in the stack segment.
     NonCanonical {
         /// The address.
         addr: u64,
+        /// The operand references SS (a push or pop, an RSP- or RBP-based operand, an
+        /// `ss:` override): the CPU raises #SS(0), as native execution did before the
+        /// check's flag-free form gave way to its `cmp` form here.
+        stack: bool,
     },
     /// No operand lies in the zone but a base register (plus its bias) does (a
     /// base-register check hit): the operand at `addr` (canonical, outside the fence)
@@ -96,7 +101,7 @@ pub fn classify_fault(
         // mode: any non-canonical lane).
         let zone_like = (addr >> 41) & 0xffff == 0xffc0 || fence == Fence::UpperHalf;
         if zone_like && !canonical {
-            return IsolationFault::NonCanonical { addr };
+            return IsolationFault::NonCanonical { addr, stack: false };
         }
         return IsolationFault::GuestUd;
     }
@@ -104,7 +109,17 @@ pub fn classify_fault(
     let ops = mem_operands(&mut factory, &i);
     let addr32 = addressing_32(&i);
     let mut non_canonical = None;
-    for m in ops.iter() {
+    let info = factory.info(&i);
+    // (`mem_operands` keeps only the segment *bases*: whether an operand is in SS comes
+    // from iced's own list, in the same order.)
+    let stack_segment: alloc::vec::Vec<bool> = info
+        .used_memory()
+        .iter()
+        .filter(|u| !matches!(u.access(), OpAccess::None | OpAccess::NoMemAccess))
+        .filter(|u| u.vsib_size() == 0)
+        .map(|u| u.segment() == Register::SS)
+        .collect();
+    for (k, m) in ops.iter().enumerate() {
         let seg = match m.seg {
             SegBase::Flat => 0,
             SegBase::Fs => fs_base,
@@ -136,11 +151,12 @@ pub fn classify_fault(
         let last = addr.wrapping_add(u64::from(m.size.max(1)) - 1);
         let last_canonical = ((last as i64) << 16 >> 16) as u64 == last;
         if !canonical || (!last_canonical && last > addr) {
-            non_canonical.get_or_insert(addr);
+            let stack = stack_segment.get(k).copied().unwrap_or(false);
+            non_canonical.get_or_insert((addr, stack));
         }
     }
-    if let Some(addr) = non_canonical {
-        return IsolationFault::NonCanonical { addr };
+    if let Some((addr, stack)) = non_canonical {
+        return IsolationFault::NonCanonical { addr, stack };
     }
     for m in ops.iter() {
         let addr = m.effective_address(regs);
