@@ -212,34 +212,26 @@ fn test_user_and_kernel_accesses_to_the_window_and_physmap_trap_before_touching_
             }
         );
 
-        // A non-canonical address the check cannot tell from the zone: #GP for the guest.
-        let mut code = vec![0x48, 0x8B, 0x04, 0x0B]; // mov rax, [rbx + rcx]
-        jmp(&mut code, base, exit);
-        expect_hit(
-            c.run(&code, &[(Gpr::Rbx, 0x01ff_8000_0000_0000), (Gpr::Rcx, 0)]),
-            base,
-        );
-        assert_eq!(
-            c.classify(base),
-            IsolationFault::NonCanonical {
-                addr: 0x01ff_8000_0000_0000,
-                stack: false
-            }
-        );
-        // The same through SS: #SS(0) for the guest, not #GP.
-        let mut code = vec![0x36, 0x48, 0x8B, 0x04, 0x0B]; // mov rax, ss:[rbx + rcx]
-        jmp(&mut code, base, exit);
-        expect_hit(
-            c.run(&code, &[(Gpr::Rbx, 0x01ff_8000_0000_0000), (Gpr::Rcx, 0)]),
-            base,
-        );
-        assert_eq!(
-            c.classify(base),
-            IsolationFault::NonCanonical {
-                addr: 0x01ff_8000_0000_0000,
-                stack: true
-            }
-        );
+        // A non-canonical address the check cannot tell from the zone: #GP for the guest,
+        // #SS(0) through SS.
+        for (code, stack) in [
+            (vec![0x48, 0x8B, 0x04, 0x0B], false), // mov rax, [rbx + rcx]
+            (vec![0x36, 0x48, 0x8B, 0x04, 0x0B], true), // mov rax, ss:[rbx + rcx]
+        ] {
+            let mut code = code;
+            jmp(&mut code, base, exit);
+            expect_hit(
+                c.run(&code, &[(Gpr::Rbx, 0x01ff_8000_0000_0000), (Gpr::Rcx, 0)]),
+                base,
+            );
+            assert_eq!(
+                c.classify(base),
+                IsolationFault::NonCanonical {
+                    addr: 0x01ff_8000_0000_0000,
+                    stack
+                }
+            );
+        }
 
         // gs: with 32-bit addressing: the offset wraps at 4 GiB before the base is added,
         // so RCX's upper bits cannot hide a physmap access.

@@ -23,6 +23,14 @@ fn rig() -> Rig {
     })
 }
 
+/// Ends the code `a` assembles with a jump to `target` through a pointer after it.
+fn jump_out(a: &mut CodeAssembler, target: u64) {
+    let mut slot = a.create_label();
+    a.jmp(qword_ptr(slot)).unwrap();
+    a.set_label(&mut slot).unwrap();
+    a.db(&target.to_le_bytes()).unwrap();
+}
+
 fn run(rig: &mut Rig, block: &Region, code: &[u8]) -> Stop {
     let base = block.addr();
     block.slice()[..code.len()].copy_from_slice(code);
@@ -52,10 +60,7 @@ fn test_flag_instructions_run_inline_with_the_emulations_images() {
         a.popfq().unwrap();
         a.pushfq().unwrap();
         a.pop(rdx).unwrap();
-        let mut slot = a.create_label();
-        a.jmp(qword_ptr(slot)).unwrap();
-        a.set_label(&mut slot).unwrap();
-        a.db(&exit.to_le_bytes()).unwrap();
+        jump_out(&mut a, exit);
         a.assemble(base).unwrap()
     };
     rig.engine.set_virtual_flags(true, 0);
@@ -91,10 +96,7 @@ fn test_sti_with_an_interrupt_held_back_sets_attention_and_sti_hlt_exits() {
     let code = {
         let mut a = CodeAssembler::new(64).unwrap();
         a.sti().unwrap();
-        let mut slot = a.create_label();
-        a.jmp(qword_ptr(slot)).unwrap();
-        a.set_label(&mut slot).unwrap();
-        a.db(&next.to_le_bytes()).unwrap();
+        jump_out(&mut a, next);
         a.assemble(base).unwrap()
     };
     block.slice()[0x100] = 0xF4; // hlt
@@ -131,10 +133,7 @@ fn test_selector_reads_run_inline_against_the_contexts_selectors() {
         a.mov(r9d, es).unwrap();
         a.mov(r10w, fs).unwrap();
         a.mov(r11, gs).unwrap();
-        let mut slot = a.create_label();
-        a.jmp(qword_ptr(slot)).unwrap();
-        a.set_label(&mut slot).unwrap();
-        a.db(&exit.to_le_bytes()).unwrap();
+        jump_out(&mut a, exit);
         a.assemble(base).unwrap()
     };
     // ES, CS, SS, DS, FS, GS.
