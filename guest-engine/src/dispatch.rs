@@ -375,6 +375,9 @@ impl Engine {
         let inline_flags = self.config.inline_virtual_flags;
         let decoded = decode_trace(mem, va, pa, mode, inline_flags, &mut self.scratch)
             .map_err(|f| Stop::FetchFault(f.0))?;
+        // Once for the count points and the translation.
+        crate::arch::flags_liveness(&decoded, &mut self.scratch.tx.live, self.config.host_flags);
+        self.scratch.tx.live_ready = true;
         if mode.cpl() == 3 {
             // Where user code came from, per physical page (`crate::tasks`).
             platform.user_code(va, pa);

@@ -65,11 +65,12 @@ impl Engine {
         t: &crate::arch::DecodedTrace,
         insertions: &mut Vec<Insertion>,
     ) {
+        debug_assert_eq!(self.scratch.tx.live.len(), t.insns.len() + 1);
         if self.insn_counters.is_none() {
             return;
         }
-        let live = &mut self.scratch.count_live;
-        flags_liveness(t, live, self.config.host_flags);
+        // (Computed for `t` by `fragment_for`.)
+        let live = &self.scratch.tx.live;
         for b in &t.bbls {
             let h = (b.address.0 ^ b.address.0 >> 8) as usize % INSN_COUNTER_SPREAD;
             if let Some(id) = insn_counter(self.insn_counters, self.slot, h) {

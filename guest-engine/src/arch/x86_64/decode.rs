@@ -573,7 +573,7 @@ pub(crate) struct Scratch {
     pub(crate) tx: super::mangle::TxBuffers,
     /// The storage of a trace's insertion list (the dispatcher's `instrument`).
     pub(crate) insertions: Vec<crate::instrument::Insertion>,
-    /// Flags liveness for placing the engine's block counters (`insn_count.rs`).
+    /// Flags liveness of a re-decoded trace, for a fault's count point (`insn_count.rs`).
     pub(crate) count_live: Vec<u32>,
 }
 

@@ -145,7 +145,11 @@ pub(crate) struct TxBuffers {
     exits: Vec<ExitSpec>,
     stubs: Vec<Stub>,
     cold: Vec<ColdCheck>,
-    live: Vec<u32>,
+    /// Flags live before each instruction of the trace being translated
+    /// (`flags_liveness`): computed once after decoding (`Engine::fragment_for`, where the
+    /// engine's count points need it too) when `live_ready`, else by the translation.
+    pub(crate) live: Vec<u32>,
+    pub(crate) live_ready: bool,
     /// The storage of the insertions before and after one instruction (`insertions_at`),
     /// empty between traces.
     before: Vec<&'static Insertion>,
@@ -831,8 +835,10 @@ pub(crate) fn translate_trace(
         cold: cleared(&mut bufs.cold),
         page: (t.start.page().0, t.pa.page().0),
     };
-    let live = &mut bufs.live;
-    flags_liveness(t, live, env.host_flags);
+    if !core::mem::take(&mut bufs.live_ready) {
+        flags_liveness(t, &mut bufs.live, env.host_flags);
+    }
+    let live = &bufs.live;
     let mut bases = BaseState::default();
     let heads = tx.emit_heads(t, live, &mut bases)?;
     // Reused for every instruction, and across traces.
