@@ -59,12 +59,8 @@ impl<M: PhysMem> ShadowMmu<M> {
         old: u64,
         new: u64,
     ) -> Result<Option<GuestPhys>, ShadowError> {
-        let has_own = |s: &Self| {
-            s.roots
-                .iter()
-                .any(|r| r.space == new && r.view == View::Kernel)
-        };
-        if !has_own(self) {
+        let has_own = self.kernel_root_of(new).is_some();
+        if !has_own {
             if let Some(i) = self
                 .roots
                 .iter()
@@ -88,7 +84,7 @@ impl<M: PhysMem> ShadowMmu<M> {
             return Ok(None);
         };
         let root = self.roots[i].root;
-        if has_own(self) || !self.lower_half_empty(i)? {
+        if has_own || !self.lower_half_empty(root)? {
             return Ok(None);
         }
         let r = &mut self.roots[i];
@@ -97,13 +93,6 @@ impl<M: PhysMem> ShadowMmu<M> {
         r.filled = true;
         self.stats.roots_lent += 1;
         Ok(Some(root))
-    }
-
-    /// Marks the root `root` as possibly mapping something in the lower half.
-    pub(super) fn note_lower_half_used(&mut self, root: GuestPhys) {
-        if let Some(r) = self.roots.iter_mut().find(|r| r.root == root) {
-            r.lower_used = true;
-        }
     }
 
     /// Takes the lower half of `root` (lent to `borrower`) out of it: parked if it has
@@ -130,7 +119,6 @@ impl<M: PhysMem> ShadowMmu<M> {
         self.narrowed |= parked.len != 0;
         if let Some(r) = self.roots.iter_mut().find(|r| r.root == root) {
             r.parked = parked;
-            r.lower_used = false;
         }
         Ok(())
     }
@@ -138,15 +126,9 @@ impl<M: PhysMem> ShadowMmu<M> {
     /// Puts back what `root` parked for `space` (each subtree first checked against the
     /// guest's tables of `space`, as a CR3 write checks leaves: `revalidate.rs`); drops
     /// what it parked for any other space. Nothing of it was in the real CR3 since its
-    /// last load, so what this drops owes no flush.
+    /// last load, so what this drops owes no flush: `write_cr3` calls it after deciding
+    /// the flush.
     pub(super) fn unpark(&mut self, root: GuestPhys, space: u64) -> Result<(), ShadowError> {
-        let narrowed = self.narrowed;
-        let r = self.unpark_into(root, space);
-        self.narrowed = narrowed;
-        r
-    }
-
-    fn unpark_into(&mut self, root: GuestPhys, space: u64) -> Result<(), ShadowError> {
         let Some(r) = self.roots.iter_mut().find(|r| r.root == root) else {
             return Ok(());
         };
@@ -154,9 +136,6 @@ impl<M: PhysMem> ShadowMmu<M> {
         if parked.space != Some(space) {
             r.parked = parked;
             return self.drop_parked(root);
-        }
-        if parked.len != 0 {
-            r.lower_used = true;
         }
         let all = Rights {
             writable: true,
@@ -201,24 +180,22 @@ impl<M: PhysMem> ShadowMmu<M> {
         };
         let parked = core::mem::take(&mut r.parked);
         for &(_, e) in &parked.entries[..parked.len] {
-            let child = GuestPhys(e & pte::ADDR_MASK);
-            self.zap_table(child, pte::LEVELS - 1, false)?;
-            self.free_table(child);
+            self.drop_subtree(e)?;
         }
         Ok(())
     }
 
-    /// Whether root `i` maps nothing in the lower half (scanned only if it may).
-    fn lower_half_empty(&mut self, i: usize) -> Result<bool, ShadowError> {
-        if !self.roots[i].lower_used {
-            return Ok(true);
-        }
-        let root = self.roots[i].root;
-        if self.next_present(root, 0, LOWER_HALF_SLOTS)?.is_some() {
-            return Ok(false);
-        }
-        self.roots[i].lower_used = false;
-        Ok(true)
+    /// Drops the leaves under the lower-half PML4 entry `e` and frees its tables.
+    fn drop_subtree(&mut self, e: u64) -> Result<(), ShadowError> {
+        let child = GuestPhys(e & pte::ADDR_MASK);
+        self.zap_table(child, pte::LEVELS - 1, false)?;
+        self.free_table(child);
+        Ok(())
+    }
+
+    /// Whether the shadow `root` maps nothing in the lower half.
+    fn lower_half_empty(&mut self, root: GuestPhys) -> Result<bool, ShadowError> {
+        Ok(self.next_present(root, 0, LOWER_HALF_SLOTS)?.is_none())
     }
 
     /// Drops every leaf `root` maps in the lower half and frees the tables below it.
@@ -226,14 +203,8 @@ impl<M: PhysMem> ShadowMmu<M> {
         let mut next = 0;
         while let Some((i, e)) = self.next_present(root, next, LOWER_HALF_SLOTS)? {
             next = i + 1;
-            let slot = Self::slot_addr(root, i);
-            let child = GuestPhys(e & pte::ADDR_MASK);
-            self.zap_table(child, pte::LEVELS - 1, false)?;
-            self.write(slot, 0)?;
-            self.free_table(child);
-        }
-        if let Some(r) = self.roots.iter_mut().find(|r| r.root == root) {
-            r.lower_used = false;
+            self.write(Self::slot_addr(root, i), 0)?;
+            self.drop_subtree(e)?;
         }
         Ok(())
     }

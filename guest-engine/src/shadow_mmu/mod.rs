@@ -335,8 +335,6 @@ struct RootSlot {
     /// The lower half of the space this root was last lent to, kept for its next loan
     /// (`lend.rs`).
     parked: lend::Parked,
-    /// A lower-half PML4 entry may be present (false: surely none; `lend.rs`).
-    lower_used: bool,
 }
 
 /// The shadow MMU of one vCPU.
@@ -467,7 +465,6 @@ impl<M: PhysMem> ShadowMmu<M> {
             filled: false,
             split: false,
             parked: lend::Parked::default(),
-            lower_used: false,
         });
         Ok(root)
     }
@@ -571,7 +568,7 @@ impl<M: PhysMem> ShadowMmu<M> {
     }
 
     /// The kernel-view root serving `space`, if one is cached.
-    fn kernel_root_of(&self, space: u64) -> Option<GuestPhys> {
+    pub(super) fn kernel_root_of(&self, space: u64) -> Option<GuestPhys> {
         self.roots
             .iter()
             .find(|r| r.space == space && r.view == View::Kernel)

@@ -115,9 +115,6 @@ impl<M: PhysMem> ShadowMmu<M> {
                 let t = self.alloc_table()?;
                 let flags = pte::PRESENT | pte::WRITABLE | pte::USER | pte::SW_NONGLOBAL_BELOW;
                 self.write(slot, t.0 | flags)?;
-                if l == pte::LEVELS && va.0 < 1 << 47 {
-                    self.note_lower_half_used(root);
-                }
                 t
             };
         }
