@@ -46,29 +46,27 @@ pub fn probe() -> HostFlags {
 fn logic_af_after(op: u32, a: u64, b: u64, af_before: u64) -> u64 {
     let flags_in = 0x2 | af_before;
     let flags_out: u64;
-    // SAFETY: pushes and pops its own RFLAGS word on the stack (below the red zone: the
-    // asm starts by moving RSP under it) and changes only the registers it declares;
-    // `popfq` loads only status flags here (IF, IOPL and TF are as they were, or ignored
-    // at CPL 3).
-    unsafe {
-        match op {
-            0 => core::arch::asm!(
-                "sub rsp, 128", "push {f}", "popfq", "and {a}, {b}", "pushfq", "pop {f}", "add rsp, 128",
-                f = inout(reg) flags_in => flags_out, a = inout(reg) a => _, b = in(reg) b,
-            ),
-            1 => core::arch::asm!(
-                "sub rsp, 128", "push {f}", "popfq", "or {a}, {b}", "pushfq", "pop {f}", "add rsp, 128",
-                f = inout(reg) flags_in => flags_out, a = inout(reg) a => _, b = in(reg) b,
-            ),
-            2 => core::arch::asm!(
-                "sub rsp, 128", "push {f}", "popfq", "xor {a}, {b}", "pushfq", "pop {f}", "add rsp, 128",
-                f = inout(reg) flags_in => flags_out, a = inout(reg) a => _, b = in(reg) b,
-            ),
-            _ => core::arch::asm!(
-                "sub rsp, 128", "push {f}", "popfq", "test {a}, {b}", "pushfq", "pop {f}", "add rsp, 128",
-                f = inout(reg) flags_in => flags_out, a = in(reg) a, b = in(reg) b,
-            ),
-        }
+    // `op` names the instruction between loading RFLAGS and reading them back.
+    macro_rules! run {
+        ($insn:literal) => {
+            // SAFETY: pushes and pops its own RFLAGS word on the stack (below the red
+            // zone: the asm starts by moving RSP under it) and changes only the registers
+            // it declares; `popfq` loads only status flags here (IF, IOPL and TF are as
+            // they were, or ignored at CPL 3).
+            unsafe {
+                core::arch::asm!(
+                    "sub rsp, 128", "push {f}", "popfq", concat!($insn, " {a}, {b}"),
+                    "pushfq", "pop {f}", "add rsp, 128",
+                    f = inout(reg) flags_in => flags_out, a = inout(reg) a => _, b = in(reg) b,
+                )
+            }
+        };
+    }
+    match op {
+        0 => run!("and"),
+        1 => run!("or"),
+        2 => run!("xor"),
+        _ => run!("test"),
     }
     flags_out & AF
 }
