@@ -86,6 +86,7 @@ pub use msr::{LogOnce, MsrFile, Written, LAPIC_FRAME};
 pub use pci_config::{PciConfigCache, PciOut};
 pub use pic_mask::PicMaskCache;
 pub use port_exits::{PortExitTable, PortSite};
+pub(crate) use segments::sreg_of;
 pub use segments::{Descriptor, Segments, Sreg};
 pub use tables::DescriptorTable;
 pub use uart_status::{LineStatusCache, OutRoute};

@@ -375,7 +375,7 @@ impl Segments {
 }
 
 /// The segment register `r` names.
-pub(super) fn sreg_of(r: Register) -> Option<Sreg> {
+pub(crate) fn sreg_of(r: Register) -> Option<Sreg> {
     Some(match r {
         Register::ES => Sreg::Es,
         Register::CS => Sreg::Cs,

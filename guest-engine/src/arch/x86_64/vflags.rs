@@ -1,7 +1,7 @@
 //! `cli`, `sti`, `pushfq` and `popfq` of virtual CPL 0 against the virtual IF and IOPL
 //! in the cache context (the sequences and why they are exact: `crate::vflags`).
 
-use iced_x86::{Code, Register};
+use iced_x86::Code;
 
 use super::decode::DecodedInsn;
 use super::emit::reg;
@@ -42,15 +42,9 @@ impl Tx<'_> {
                 // The guest's selector from the context (the embedder keeps it there):
                 // into the low 16 bits of a 16-bit destination, zero-extended into any
                 // other, as the CPU does.
-                let sreg: u64 = match d.instr.op1_register() {
-                    Register::ES => 0,
-                    Register::CS => 1,
-                    Register::SS => 2,
-                    Register::DS => 3,
-                    Register::FS => 4,
-                    _ => 5,
-                };
-                let at = c.sel + 2 * sreg;
+                let sreg = crate::vcpu::sreg_of(d.instr.op1_register())
+                    .ok_or(EngineError::Unsupported(crate::GuestVirt(d.instr.ip())))?;
+                let at = c.sel + 2 * sreg as u64;
                 let r = super::mangle::hw(d.instr.op0_register());
                 if d.instr.op0_register().is_gpr16() {
                     self.a.mov_r16_m16(r, at);
