@@ -375,15 +375,17 @@ impl Engine {
         let inline_flags = self.config.inline_virtual_flags;
         let decoded = decode_trace(mem, va, pa, mode, inline_flags, &mut self.scratch)
             .map_err(|f| Stop::FetchFault(f.0))?;
-        // Once for the count points and the translation.
-        crate::arch::flags_liveness(&decoded, &mut self.scratch.tx.live, self.config.host_flags);
-        self.scratch.tx.live_ready = true;
         if mode.cpl() == 3 {
             // Where user code came from, per physical page (`crate::tasks`).
             platform.user_code(va, pa);
         }
-        let (insertions, calls) = self.instrument(tool, va, &decoded);
-        let tr = self.emit(va, &decoded, &insertions, &calls)?;
+        // Once for the engine's count points and the translation.
+        let mut live = core::mem::take(&mut self.scratch.live);
+        crate::arch::flags_liveness(&decoded, &mut live, self.config.host_flags);
+        let (insertions, calls) = self.instrument(tool, va, &decoded, &live);
+        let tr = self.emit(va, &decoded, &live, &insertions, &calls);
+        self.scratch.live = live;
+        let tr = tr?;
         let id = self.register(va, pa, &tr, calls);
         self.stats.guest_insns += decoded.insns.len() as u64;
         self.stats.guest_bytes += decoded.guest_bytes;
@@ -431,11 +433,12 @@ impl Engine {
         tool: &mut dyn Tool,
         va: GuestVirt,
         decoded: &DecodedTrace,
+        live: &[u32],
     ) -> (Vec<Insertion>, Vec<CallSpec>) {
         // The kept storage of the previous trace's list (`fragment_for` returns it).
         let mut insertions = core::mem::take(&mut self.scratch.insertions);
         insertions.clear();
-        self.block_count_insertions(decoded, &mut insertions);
+        self.block_count_insertions(&decoded.bbls, live, &mut insertions);
         let mut ti = TraceInstrumenter::new(
             va,
             decoded.pa,
@@ -471,6 +474,7 @@ impl Engine {
         &mut self,
         va: GuestVirt,
         decoded: &DecodedTrace,
+        live: &[u32],
         insertions: &[Insertion],
         calls: &[CallSpec],
     ) -> Result<Translated, Stop> {
@@ -501,10 +505,9 @@ impl Engine {
                 isolate: self.config.isolate,
                 fence: crate::arch::Fence::for_cpl(mode.cpl()),
                 hoist: !self.no_hoist.contains(&(va.0, mode.0)) && !mode.is_stepping(),
-                host_flags: self.config.host_flags,
                 compat: mode.is_compat(),
             };
-            let tr = translate_trace(decoded, insertions, calls, &env, &mut self.scratch)
+            let tr = translate_trace(decoded, live, insertions, calls, &env, &mut self.scratch)
                 .map_err(Stop::Error)?;
             if tr.code.len() <= room && self.cache.exits.len() + tr.exits.len() < (1 << 24) {
                 return Ok(tr);

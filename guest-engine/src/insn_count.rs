@@ -56,22 +56,18 @@ impl Engine {
         }
     }
 
-    /// The block-count insertions for trace `t`'s blocks in the current mode (none without
-    /// `Config::count_insns`), each at its block's [`count_point`]. They go before the
-    /// tool's insertions: insertions at one instruction are emitted in order, so the
-    /// engine's counter comes first there. Appended to `insertions`.
+    /// The block-count insertions for a trace's blocks `bbls` (`live`: its flags
+    /// liveness) in the current mode (none without `Config::count_insns`), each at its
+    /// block's [`count_point`]. They go before the tool's insertions: insertions at one
+    /// instruction are emitted in order, so the engine's counter comes first there.
+    /// Appended to `insertions`.
     pub(crate) fn block_count_insertions(
-        &mut self,
-        t: &crate::arch::DecodedTrace,
+        &self,
+        bbls: &[Bbl],
+        live: &[u32],
         insertions: &mut Vec<Insertion>,
     ) {
-        debug_assert_eq!(self.scratch.tx.live.len(), t.insns.len() + 1);
-        if self.insn_counters.is_none() {
-            return;
-        }
-        // (Computed for `t` by `fragment_for`.)
-        let live = &self.scratch.tx.live;
-        for b in &t.bbls {
+        for b in bbls {
             let h = (b.address.0 ^ b.address.0 >> 8) as usize % INSN_COUNTER_SPREAD;
             if let Some(id) = insn_counter(self.insn_counters, self.slot, h) {
                 insertions.push(Insertion {
@@ -158,10 +154,10 @@ impl Engine {
         else {
             return;
         };
-        let mut live = core::mem::take(&mut self.scratch.count_live);
+        let mut live = core::mem::take(&mut self.scratch.live);
         flags_liveness(&t, &mut live, self.config.host_flags);
         let counted = k >= count_point(&b, &live);
-        self.scratch.count_live = live;
+        self.scratch.live = live;
         let rest = (b.first + b.count - k) as u64;
         self.stats.insns_taken_back += rest;
         if counted {

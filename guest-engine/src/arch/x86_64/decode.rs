@@ -11,7 +11,7 @@ use alloc::vec::Vec;
 
 use iced_x86::{
     Code, ConditionCode, FlowControl, Instruction, InstructionInfo, InstructionInfoFactory,
-    Mnemonic, OpAccess, OpKind, Register,
+    Mnemonic, OpAccess, OpKind, Register, UsedMemory,
 };
 
 use crate::addr::{GuestPhys, GuestVirt};
@@ -336,20 +336,26 @@ pub(crate) fn mem_operands(factory: &mut InstructionInfoFactory, i: &Instruction
     mem_operands_of(factory.info(i), i)
 }
 
+/// iced's memory operands in `info` that [`mem_operands_of`] lists, in its order: those
+/// the instruction accesses (not `lea`'s address), without VSIB ones (a gather's lanes
+/// are checked apart).
+pub(crate) fn listed_memory(info: &InstructionInfo) -> impl Iterator<Item = &UsedMemory> {
+    info.used_memory().iter().filter(|m| {
+        !matches!(m.access(), OpAccess::None | OpAccess::NoMemAccess) && m.vsib_size() == 0
+    })
+}
+
 /// [`mem_operands`] from iced's `info` of `i` already computed.
 pub(crate) fn mem_operands_of(info: &InstructionInfo, i: &Instruction) -> MemOps {
     let mut v = MemOps::default();
     let size_hint = i.memory_size().size() as u32;
-    for m in info.used_memory() {
+    for m in listed_memory(info) {
         let acc = match m.access() {
             OpAccess::Read | OpAccess::CondRead => access::READ,
             OpAccess::Write | OpAccess::CondWrite => access::WRITE,
-            OpAccess::ReadWrite | OpAccess::ReadCondWrite => access::READ | access::WRITE,
-            _ => continue,
+            // ReadWrite, ReadCondWrite (`listed_memory` leaves no other).
+            _ => access::READ | access::WRITE,
         };
-        if m.vsib_size() != 0 {
-            continue;
-        }
         let seg = match m.segment() {
             Register::FS => SegBase::Fs,
             Register::GS => SegBase::Gs,
@@ -573,8 +579,10 @@ pub(crate) struct Scratch {
     pub(crate) tx: super::mangle::TxBuffers,
     /// The storage of a trace's insertion list (the dispatcher's `instrument`).
     pub(crate) insertions: Vec<crate::instrument::Insertion>,
-    /// Flags liveness of a re-decoded trace, for a fault's count point (`insn_count.rs`).
-    pub(crate) count_live: Vec<u32>,
+    /// Flags live before each instruction of the trace being translated (`flags_liveness`,
+    /// computed once for the count points and the translation), or of one re-decoded for
+    /// a fault's count point (`insn_count.rs`).
+    pub(crate) live: Vec<u32>,
 }
 
 impl Scratch {
@@ -588,7 +596,7 @@ impl Scratch {
             bbls: Vec::with_capacity(4),
             tx: super::mangle::TxBuffers::default(),
             insertions: Vec::new(),
-            count_live: Vec::new(),
+            live: Vec::new(),
         }
     }
 

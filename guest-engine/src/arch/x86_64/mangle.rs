@@ -21,9 +21,7 @@ use alloc::vec::Vec;
 
 use iced_x86::{Code, Encoder, Instruction, MemoryOperand, OpKind, Register};
 
-use super::decode::{
-    flags_liveness, strip_rep, Class, DecodedInsn, DecodedTrace, Scratch, TraceEnd,
-};
+use super::decode::{strip_rep, Class, DecodedInsn, DecodedTrace, Scratch, TraceEnd};
 use super::emit::{reg, Asm, AsmBuffers, Label, MapMark};
 use super::entry::{
     emit_ibl_lookup, exit_word, CtxAddrs, Gencode, EXIT_ATTENTION, EXIT_DIRECT, EXIT_HOIST_MISS,
@@ -74,8 +72,6 @@ pub(crate) struct EmitEnv {
     pub hoist: bool,
     /// The trace is 32-bit code (`Mode::compat`, `compat.rs`).
     pub compat: bool,
-    /// Undefined flags the CPU writes (`Config::host_flags`), for flags liveness.
-    pub host_flags: crate::HostFlags,
 }
 
 /// An exit of a translated trace, before the dispatcher turns it into a record.
@@ -145,11 +141,6 @@ pub(crate) struct TxBuffers {
     exits: Vec<ExitSpec>,
     stubs: Vec<Stub>,
     cold: Vec<ColdCheck>,
-    /// Flags live before each instruction of the trace being translated
-    /// (`flags_liveness`): computed once after decoding (`Engine::fragment_for`, where the
-    /// engine's count points need it too) when `live_ready`, else by the translation.
-    pub(crate) live: Vec<u32>,
-    pub(crate) live_ready: bool,
     /// The storage of the insertions before and after one instruction (`insertions_at`),
     /// empty between traces.
     before: Vec<&'static Insertion>,
@@ -814,11 +805,12 @@ fn insertions_at<'i>(
     }
 }
 
-/// Translates `t` for placement at `env.base` with the given insertions: the heads, each
-/// instruction with its instrumentation, the trace's end, then the out-of-line code
-/// (cold isolation checks, exit stubs).
+/// Translates `t` (`live`: its `flags_liveness`) for placement at `env.base` with the
+/// given insertions: the heads, each instruction with its instrumentation, the trace's
+/// end, then the out-of-line code (cold isolation checks, exit stubs).
 pub(crate) fn translate_trace(
     t: &DecodedTrace,
+    live: &[u32],
     insertions: &[Insertion],
     calls: &[CallSpec],
     env: &EmitEnv,
@@ -835,10 +827,6 @@ pub(crate) fn translate_trace(
         cold: cleared(&mut bufs.cold),
         page: (t.start.page().0, t.pa.page().0),
     };
-    if !core::mem::take(&mut bufs.live_ready) {
-        flags_liveness(t, &mut bufs.live, env.host_flags);
-    }
-    let live = &bufs.live;
     let mut bases = BaseState::default();
     let heads = tx.emit_heads(t, live, &mut bases)?;
     // Reused for every instruction, and across traces.

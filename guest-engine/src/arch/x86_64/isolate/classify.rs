@@ -1,9 +1,9 @@
 //! What a #UD at a translated guest instruction means: an isolation check's trap (and
 //! which operand), a non-canonical operand, or the guest's own #UD.
 
-use iced_x86::{Decoder, DecoderOptions, InstructionInfoFactory, Mnemonic, OpAccess, Register};
+use iced_x86::{Decoder, DecoderOptions, InstructionInfoFactory, Mnemonic, Register};
 
-use super::super::decode::mem_operands;
+use super::super::decode::{listed_memory, mem_operands};
 use super::super::mangle::hw;
 use super::{addressing_32, bit_offset_register, in_isolation_zone, Fence};
 use crate::context::{Gpr, GuestRegs};
@@ -109,14 +109,9 @@ pub fn classify_fault(
     let ops = mem_operands(&mut factory, &i);
     let addr32 = addressing_32(&i);
     let mut non_canonical = None;
-    let info = factory.info(&i);
     // (`mem_operands` keeps only the segment *bases*: whether an operand is in SS comes
     // from iced's own list, in the same order.)
-    let stack_segment: alloc::vec::Vec<bool> = info
-        .used_memory()
-        .iter()
-        .filter(|u| !matches!(u.access(), OpAccess::None | OpAccess::NoMemAccess))
-        .filter(|u| u.vsib_size() == 0)
+    let stack_segment: alloc::vec::Vec<bool> = listed_memory(factory.info(&i))
         .map(|u| u.segment() == Register::SS)
         .collect();
     for (k, m) in ops.iter().enumerate() {
