@@ -342,7 +342,8 @@ def main():
     if any(not c.startswith("qemu") for c in runners):
         # `kpin run` rebuilds the engine image when the working tree changed it: build it
         # now, so that no round's time includes a compile (a first round of 12-13 s).
-        subprocess.run([KPIN, "images"], check=True, stdout=subprocess.DEVNULL)
+        if subprocess.run([KPIN, "images"], stdout=subprocess.DEVNULL).returncode != 0:
+            sys.exit("side_by_side: `kpin images` failed (its message is above)")
 
     qemu_version = subprocess.run(["qemu-system-x86_64", "--version"], capture_output=True,
                                   text=True).stdout.split("\n")[0] if shutil.which("qemu-system-x86_64") else "-"
