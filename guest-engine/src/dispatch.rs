@@ -34,6 +34,10 @@ use crate::platform::{Platform, SensitiveInsn};
 use crate::profile;
 use crate::softtlb::SoftTlb;
 
+/// Start pages whose lookups an invalidation clears one by one; more and the lookup
+/// tables are emptied whole.
+const MAX_PAGE_CLEARS: usize = 8;
+
 /// Engine configuration.
 #[derive(Clone, Copy, Debug)]
 pub struct Config {
@@ -640,8 +644,8 @@ impl Engine {
     }
 
     /// The guest wrote to (or unmapped) the code frame `pa_page`: every fragment translated
-    /// from it is dropped from lookup, links into it are undone and the IBL tables are
-    /// cleared. Returns the number of fragments invalidated. (Fragments whose last
+    /// from it is dropped from lookup, links into it are undone and the lookups of their
+    /// start pages are cleared. Returns the number of fragments invalidated. (Fragments whose last
     /// instruction straddles into the frame from the previous page are not found.)
     pub fn invalidate_code_page(&mut self, pa_page: GuestPhys) -> usize {
         let page = pa_page.page();
@@ -652,13 +656,26 @@ impl Engine {
             .filter(|(k, _)| GuestPhys(k.1).page() == page)
             .map(|(_, v)| *v)
             .collect();
+        let mut pages: Vec<GuestVirt> = Vec::new();
         for id in &victims {
             let f = &self.cache.fragments[*id as usize];
             let key = (f.start.0, f.pa.0, f.mode.0);
+            if !pages.contains(&f.start.page()) {
+                pages.push(f.start.page());
+            }
             self.cache.by_key.remove(&key);
             self.unlink_incoming(*id);
         }
-        self.cache.clear_lookups();
+        // A fragment is looked up only by its start VA (IBL tables, return caches, front
+        // cache): clearing those pages' entries drops every lookup that leads to a
+        // victim, and the rest of the tables stays warm. Many pages: one whole clear.
+        if pages.len() > MAX_PAGE_CLEARS {
+            self.cache.clear_lookups();
+        } else {
+            for p in pages {
+                self.cache.clear_lookups_page(p);
+            }
+        }
         victims.len()
     }
 }
