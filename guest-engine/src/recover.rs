@@ -11,24 +11,19 @@
 //! (`FaultRedirect`) arrives as the `FAULT` exit and stops the run with `Stop::Fault`.
 
 use crate::addr::{CachePc, GuestVirt};
-use crate::arch::x86_64::entry::{exit_word, EXIT_FAULT};
 use crate::context::GuestRegs;
 use crate::dispatch::{Engine, Stop};
 use crate::error::EngineError;
 use crate::guest_memory::GuestMemory;
 
 /// What a fault handler needs to turn a fault in cache code into a `FAULT` exit: store
-/// the faulting PC at `fault_pc`, store `exit_word` at `exit_word_at`, and resume at
-/// `exit_routine` with the faulting registers.
+/// the faulting PC at `fault_pc` and resume at `exit_routine` (the fault exit, which
+/// stores the exit word itself) with the faulting registers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FaultRedirect {
     /// Address of `CacheContext::fault_pc`.
     pub fault_pc: u64,
-    /// Address of `CacheContext::exit_word`.
-    pub exit_word_at: u64,
-    /// Value to store there.
-    pub exit_word: u64,
-    /// The exit routine.
+    /// The cache's fault exit.
     pub exit_routine: u64,
     /// The cache region (faults outside it are not the engine's).
     pub region: (u64, u64),
@@ -48,9 +43,7 @@ impl Engine {
     pub fn fault_redirect(&self) -> FaultRedirect {
         FaultRedirect {
             fault_pc: self.cache.ctx.fault_pc,
-            exit_word_at: self.cache.ctx.exit_word,
-            exit_word: exit_word(EXIT_FAULT, 0) as u32 as u64,
-            exit_routine: self.cache.gen.exit,
+            exit_routine: self.cache.gen.fault_exit,
             region: self.cache.region(),
         }
     }

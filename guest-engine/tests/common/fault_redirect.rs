@@ -1,15 +1,15 @@
 //! The host's stand-in for the image's ring-0 fault redirect: a signal raised by
 //! translated code (SIGSEGV for a fault, SIGILL for an isolation check's `ud2`) is sent to
-//! the engine's exit routine the way the image's #PF/#UD path does (the faulting cache PC
-//! and the fault exit word stored into the context, RIP moved to the exit routine); a
+//! the engine's fault exit the way the image's #PF/#UD path does (the faulting cache PC
+//! stored into the context, RIP moved to the fault exit, which sets the exit word); a
 //! signal outside the code cache restores the default action and re-raises.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::Rig;
 
-/// fault_pc, exit_word_at, exit_word, exit_routine, cache start, cache end, signal.
-static REDIRECT: [AtomicU64; 7] = [const { AtomicU64::new(0) }; 7];
+/// fault_pc, exit_routine, cache start, cache end, signal.
+static REDIRECT: [AtomicU64; 5] = [const { AtomicU64::new(0) }; 5];
 
 extern "C" fn on_signal(sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut libc::c_void) {
     let uc = uc.cast::<libc::ucontext_t>();
@@ -18,16 +18,15 @@ extern "C" fn on_signal(sig: libc::c_int, _info: *mut libc::siginfo_t, uc: *mut 
     unsafe {
         let rip = (*uc).uc_mcontext.gregs[libc::REG_RIP as usize] as u64;
         let (lo, hi) = (
-            REDIRECT[4].load(Ordering::SeqCst),
-            REDIRECT[5].load(Ordering::SeqCst),
+            REDIRECT[2].load(Ordering::SeqCst),
+            REDIRECT[3].load(Ordering::SeqCst),
         );
         if rip < lo || rip >= hi {
             libc::signal(sig, libc::SIG_DFL);
             return;
         }
         *(REDIRECT[0].load(Ordering::SeqCst) as *mut u64) = rip;
-        *(REDIRECT[1].load(Ordering::SeqCst) as *mut u64) = REDIRECT[2].load(Ordering::SeqCst);
-        (*uc).uc_mcontext.gregs[libc::REG_RIP as usize] = REDIRECT[3].load(Ordering::SeqCst) as i64;
+        (*uc).uc_mcontext.gregs[libc::REG_RIP as usize] = REDIRECT[1].load(Ordering::SeqCst) as i64;
     }
 }
 
@@ -37,8 +36,6 @@ pub fn install(rig: &Rig, signal: libc::c_int) {
     let r = rig.engine.fault_redirect();
     for (i, v) in [
         r.fault_pc,
-        r.exit_word_at,
-        r.exit_word,
         r.exit_routine,
         r.region.0,
         r.region.1,

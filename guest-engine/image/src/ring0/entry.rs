@@ -49,9 +49,9 @@
 //! (`kpin_cache_lo`, `kpin_cache_len`, set by `run/mod.rs` from
 //! `guest_engine::Engine::fault_redirect`), `kpin_trap_common` — for #PF, the most
 //! frequent (every shadow-MMU fill), its own shorter stub `kpin_exc_14` — stores that RIP at
-//! `CacheContext::fault_pc`, the FAULT exit word at `CacheContext::exit_word`, the
-//! vector, error code and CR2 in `kpin_cache_fault_*`, and `iretq`s to the cache's exit
-//! routine with the guest's registers untouched: `Engine::run` returns
+//! `CacheContext::fault_pc`, the vector, error code and CR2 in `kpin_cache_fault_*`, and
+//! `iretq`s to the cache's fault exit (CPL 3: it stores the FAULT exit word and enters the
+//! exit routine) with the guest's registers untouched: `Engine::run` returns
 //! `Stop::Fault { guest_pc, .. }` with the guest state before the faulting instruction.
 //!
 //! **Unexpected exceptions** (every other exception vector but the gate's #GP): `kpin_trap_common`
@@ -165,11 +165,7 @@ extern "C" {
     pub static mut kpin_cache_len: u64;
     /// Address of `CacheContext::fault_pc`.
     pub static mut kpin_cache_fault_pc_at: u64;
-    /// Address of `CacheContext::exit_word`.
-    pub static mut kpin_cache_exit_word_at: u64;
-    /// The FAULT exit word.
-    pub static mut kpin_cache_exit_word: u64;
-    /// The cache's exit routine.
+    /// The cache's fault exit (it stores the FAULT exit word).
     pub static mut kpin_cache_exit_routine: u64;
     /// Vector of the last redirected fault.
     pub static kpin_cache_fault_vector: u64;
@@ -321,6 +317,9 @@ kpin_vec_\num:
     // #PF, the most frequent exception (every shadow-MMU fill): a fault in the code cache
     // is redirected here without the common path's other checks (the same stores as
     // there, see "Faults in translated code"); anything else takes the common path.
+    // Every instruction here is emulated (~1.5 k cycles each): the PC goes to the context
+    // by `push`/`pop [rax]` (no second register to save), and the cache's fault exit, at
+    // CPL 3, stores the exit word.
     // Stack: error code, RIP, CS, RFLAGS, RSP, SS.
 kpin_exc_14:
     push rax
@@ -328,21 +327,16 @@ kpin_exc_14:
     sub rax, [rip + kpin_cache_lo]
     cmp rax, [rip + kpin_cache_len]
     jae 1f
-    push rbx
-    mov rax, [rsp + 24]
-    mov rbx, [rip + kpin_cache_fault_pc_at]
-    mov [rbx], rax
-    mov rbx, [rip + kpin_cache_exit_word_at]
-    mov rax, [rip + kpin_cache_exit_word]
-    mov [rbx], rax
+    mov rax, [rip + kpin_cache_fault_pc_at]
+    push qword ptr [rsp + 16]
+    pop qword ptr [rax]
     mov qword ptr [rip + kpin_cache_fault_vector], {vec_pf}
-    mov rax, [rsp + 16]
+    mov rax, [rsp + 8]
     mov [rip + kpin_cache_fault_error], rax
     mov rax, cr2
     mov [rip + kpin_cache_fault_cr2], rax
     mov rax, [rip + kpin_cache_exit_routine]
-    mov [rsp + 24], rax
-    pop rbx
+    mov [rsp + 16], rax
     pop rax
     add rsp, 8
     iretq
@@ -426,23 +420,18 @@ kpin_trap_common:
     sub rax, [rip + kpin_cache_lo]
     cmp rax, [rip + kpin_cache_len]
     jae 4f
-    // Stack: rbx, rax, vector, error code, RIP, CS, RFLAGS, RSP, SS.
-    push rbx
-    mov rax, [rsp + 32]
-    mov rbx, [rip + kpin_cache_fault_pc_at]
-    mov [rbx], rax
-    mov rbx, [rip + kpin_cache_exit_word_at]
-    mov rax, [rip + kpin_cache_exit_word]
-    mov [rbx], rax
-    mov rax, [rsp + 16]
+    // Stack: rax, vector, error code, RIP, CS, RFLAGS, RSP, SS.
+    mov rax, [rip + kpin_cache_fault_pc_at]
+    push qword ptr [rsp + 24]
+    pop qword ptr [rax]
+    mov rax, [rsp + 8]
     mov [rip + kpin_cache_fault_vector], rax
-    mov rax, [rsp + 24]
+    mov rax, [rsp + 16]
     mov [rip + kpin_cache_fault_error], rax
     mov rax, cr2
     mov [rip + kpin_cache_fault_cr2], rax
     mov rax, [rip + kpin_cache_exit_routine]
-    mov [rsp + 32], rax
-    pop rbx
+    mov [rsp + 24], rax
     pop rax
     add rsp, 16
     iretq
@@ -574,12 +563,6 @@ kpin_cache_len:
     .skip 8
     .global kpin_cache_fault_pc_at
 kpin_cache_fault_pc_at:
-    .skip 8
-    .global kpin_cache_exit_word_at
-kpin_cache_exit_word_at:
-    .skip 8
-    .global kpin_cache_exit_word
-kpin_cache_exit_word:
     .skip 8
     .global kpin_cache_exit_routine
 kpin_cache_exit_routine:

@@ -321,8 +321,6 @@ fn arm_fault_redirect(engine: &Engine) {
     // and `kpin_cache_len` (stored last) stays 0 — redirect off — until the rest is set.
     unsafe {
         core::ptr::write_volatile(&raw mut entry::kpin_cache_fault_pc_at, r.fault_pc);
-        core::ptr::write_volatile(&raw mut entry::kpin_cache_exit_word_at, r.exit_word_at);
-        core::ptr::write_volatile(&raw mut entry::kpin_cache_exit_word, r.exit_word);
         core::ptr::write_volatile(&raw mut entry::kpin_cache_exit_routine, r.exit_routine);
         core::ptr::write_volatile(&raw mut entry::kpin_cache_lo, r.region.0);
         core::ptr::write_volatile(

@@ -54,9 +54,11 @@
 //! # Faults inside the cache
 //!
 //! A synchronous fault in translated code is turned into an exit by its handler (the host
-//! harness's SIGSEGV handler; in the engine image, `kpin_trap_common`): it stores the faulting PC
-//! in `ctx.fault_pc`, the `FAULT` word in `ctx.exit_word`, and resumes at the exit routine
-//! with the faulting register state. The dispatcher maps the PC back to the guest
+//! harness's SIGSEGV handler; in the engine image, `kpin_exc_14` and `kpin_trap_common`): it
+//! stores the faulting PC in `ctx.fault_pc` and resumes at the *fault exit* (`Gencode::
+//! fault_exit`: it stores the `FAULT` word in `ctx.exit_word` and jumps to the exit routine)
+//! with the faulting register state. (Under nested KVM each instruction of the image's
+//! ring-0 handler is emulated, ~1.5·10^3 cycles each: what CPL 3 can do, it does.) The dispatcher maps the PC back to the guest
 //! instruction and reloads spilled registers (`recover.rs`, `Engine::recover_regs`).
 
 use crate::context::CacheContext;
@@ -173,6 +175,8 @@ impl CtxAddrs {
 pub(crate) struct Gencode {
     pub enter: u64,
     pub exit: u64,
+    /// Stores the `FAULT` exit word and jumps to `exit` (see "Faults inside the cache").
+    pub fault_exit: u64,
     pub ibl_miss: u64,
     /// Shared hash lookup per mode slot (RDX = target, RCX/RDX spilled), used after
     /// return-cache misses; 0 when the region has no IBL tables (native runner).
@@ -261,6 +265,11 @@ pub(crate) unsafe fn emit_gencode(
         emit_ibl_lookup(&mut a, ctx, *table, ibl_miss);
     }
 
+    // fault exit: a fault handler stored `ctx.fault_pc`.
+    let fault_exit = a.pc();
+    a.mov_m64_imm32(ctx.exit_word, exit_word(EXIT_FAULT, 0));
+    a.jmp_abs(exit);
+
     let (code, _) = a.finish().expect("gencode labels are all bound");
     assert!(
         code.len() <= GENCODE_BYTES - crate::layout::REDIRECT_CODE_BYTES,
@@ -272,6 +281,7 @@ pub(crate) unsafe fn emit_gencode(
     Gencode {
         enter,
         exit,
+        fault_exit,
         ibl_miss,
         ibl_shared,
     }
