@@ -16,8 +16,9 @@
 //! at CPL 3 it raises #GP(0); the #GP stub compares the faulting RIP with
 //! `kpin_gate_insn`, performs the operation at ring 0, adds 1 to the saved RIP and
 //! `iretq`s. LOAD_CR3, the most frequent operation, has a `hlt` of its own
-//! (`kpin_gate_cr3_insn`), checked first, and a shorter path. Operations: NOP,
-//! OUT8/OUT16/OUT32 (port RDI, value RSI), IN8/IN16/IN32 (port RDI), LOAD_CR3 (RDI), WRMSR (index RDI, value RSI), RDMSR (index RDI), INVLPG (RDI),
+//! (`kpin_gate_cr3_insn`), checked first, and a shorter path; INVLPG, the next most
+//! frequent, has one too (`kpin_gate_invlpg_insn`), checked second. Operations: NOP,
+//! OUT8/OUT16/OUT32 (port RDI, value RSI), IN8/IN16/IN32 (port RDI), LOAD_CR3 (RDI), WRMSR (index RDI, value RSI), RDMSR (index RDI), INVLPG (RDI; its own entry only),
 //! HLT (`sti; hlt`: back after one interrupt was handled), CR4_SSE (CR4.OSFXSR and
 //! CR4.OSXMMEXCPT := those bits of RDI, which holds no others: the guest's SSE enables,
 //! mirrored because translated code runs its SSE instructions verbatim), RDMSR_SAFE (index
@@ -131,6 +132,8 @@ extern "C" {
     pub fn kpin_gate();
     /// LOAD_CR3's own entry to the gate. Use `crate::ring0::gate::load_cr3`.
     pub fn kpin_gate_cr3();
+    /// INVLPG's own entry to the gate. Use `crate::ring0::gate::invlpg`.
+    pub fn kpin_gate_invlpg();
     /// The probe; see the module header. Use `crate::ring0::probe`.
     pub fn kpin_probe_read();
     /// IRQ counts per PIC line (16 entries).
@@ -377,6 +380,12 @@ kpin_exc_13:
     cmp rax, [rsp + 16]
     pop rax
     je kpin_gate_cr3_entry
+    // INVLPG next (re-protecting a code frame, a guest `invlpg`): its own `hlt` too.
+    push rax
+    lea rax, [rip + kpin_gate_invlpg_insn]
+    cmp rax, [rsp + 16]
+    pop rax
+    je kpin_gate_invlpg_entry
     push rax
     lea rax, [rip + kpin_gate_insn]
     cmp rax, [rsp + 16]
@@ -514,6 +523,13 @@ kpin_gate_insn:
     .global kpin_gate_cr3_insn
 kpin_gate_cr3:
 kpin_gate_cr3_insn:
+    hlt
+    ret
+    // INVLPG's own entry (same convention; RAX = INVLPG, returned unchanged).
+    .global kpin_gate_invlpg
+    .global kpin_gate_invlpg_insn
+kpin_gate_invlpg:
+kpin_gate_invlpg_insn:
     hlt
     ret
     .popsection
