@@ -102,6 +102,9 @@ pub(crate) struct CodeCache {
     cursor: usize,
     pub fragments: Vec<Fragment>,
     pub by_key: BTreeMap<Key, u32>,
+    /// Fragments dropped by a write to their frame, by key, that may be revived
+    /// (`crate::revive`).
+    pub buried: BTreeMap<Key, u32>,
     pub exits: Vec<ExitRecord>,
     /// Bumped by every flush.
     pub generation: u64,
@@ -149,6 +152,7 @@ impl CodeCache {
             cursor: TRACES_OFFSET,
             fragments: Vec::new(),
             by_key: BTreeMap::new(),
+            buried: BTreeMap::new(),
             exits: Vec::new(),
             generation: 0,
             ibl_used: core::array::from_fn(|_| Occupancy::new(IBL_ENTRIES)),
@@ -201,6 +205,7 @@ impl CodeCache {
     pub(crate) fn flush(&mut self) {
         self.fragments.clear();
         self.by_key.clear();
+        self.buried.clear();
         self.exits.clear();
         self.cursor = TRACES_OFFSET;
         self.clear_lookups();

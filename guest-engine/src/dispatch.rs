@@ -87,6 +87,10 @@ pub struct Config {
     /// ([`crate::host_flags::probe`]); flags liveness treats them as written. The default
     /// claims nothing.
     pub host_flags: crate::HostFlags,
+    /// The key of the hash that tells a dropped trace's guest bytes unchanged (revival,
+    /// `crate::revive`): draw it at random (e.g. from the TSC) so that guest code cannot
+    /// construct a collision.
+    pub code_hash_key: [u64; 2],
 }
 
 impl Default for Config {
@@ -110,6 +114,7 @@ impl Default for Config {
             host_flags: crate::HostFlags {
                 logic_af_written: false,
             },
+            code_hash_key: [0x6b70_696e_5f6b_6579, 0x636f_6465_5f68_6173],
         }
     }
 }
@@ -141,6 +146,9 @@ pub struct Stats {
     /// With `Config::count_insns`: instructions taken back from block counts because a
     /// fault left the rest of their block unexecuted.
     pub insns_taken_back: u64,
+    /// Fragments dropped by a write to their frame and looked up again, their guest
+    /// bytes unchanged, instead of retranslated (`crate::revive`).
+    pub revived: u64,
 }
 
 /// Why `Engine::run` returned. Guest events are values, not errors.
@@ -198,7 +206,7 @@ pub struct Engine {
     pub(crate) no_hoist: BTreeSet<(u64, u32)>,
     /// Whether the page of the VA `fragment_for` last looked up is global (the lookup
     /// tables it fills then keep the entry across `invalidate_nonglobal_mappings`).
-    lookup_global: bool,
+    pub(crate) lookup_global: bool,
     pub(crate) rip: GuestVirt,
     pub(crate) stats: Stats,
     pub(crate) scratch: Scratch,
@@ -369,6 +377,9 @@ impl Engine {
             Ok(id) => return Ok(id),
             Err(pa) => pa,
         };
+        if let Some(id) = self.revive(mem, va, pa) {
+            return Ok(id);
+        }
         if self.config.memory_pressure.is_some_and(|f| f()) {
             self.flush();
             self.stats.pressure_flushes += 1;
@@ -379,6 +390,14 @@ impl Engine {
         let inline_flags = self.config.inline_virtual_flags;
         let decoded = decode_trace(mem, va, pa, mode, inline_flags, &mut self.scratch)
             .map_err(|f| Stop::FetchFault(f.0))?;
+        // (The fetch buffer still holds the bytes decoded.)
+        let code = decoded.code_len().map_or((0, 0), |n| {
+            let bytes = &self.scratch.fetch_buf()[..usize::from(n)];
+            (
+                n,
+                crate::revive::code_hash(self.config.code_hash_key, bytes),
+            )
+        });
         if mode.cpl() == 3 {
             // Where user code came from, per physical page (`crate::tasks`).
             platform.user_code(va, pa);
@@ -390,7 +409,7 @@ impl Engine {
         let tr = self.emit(va, &decoded, &live, &insertions, &calls);
         self.scratch.live = live;
         let tr = tr?;
-        let id = self.register(va, pa, &tr, calls);
+        let id = self.register(va, pa, code, &tr, calls);
         self.stats.guest_insns += decoded.insns.len() as u64;
         self.stats.guest_bytes += decoded.guest_bytes;
         // The next translation reuses their storage.
@@ -530,6 +549,7 @@ impl Engine {
         &mut self,
         va: GuestVirt,
         pa: GuestPhys,
+        code: (u16, u64),
         tr: &Translated,
         calls: Vec<CallSpec>,
     ) -> u32 {
@@ -545,6 +565,7 @@ impl Engine {
             start: va,
             pa,
             mode,
+            code,
             base,
             len: tr.code.len(),
             checked_entry: at(tr.checked_entry),
@@ -664,6 +685,12 @@ impl Engine {
                 pages.push(f.start.page());
             }
             self.cache.by_key.remove(&key);
+            if f.code.0 != 0 {
+                if self.cache.buried.len() >= crate::revive::MAX_BURIED {
+                    self.cache.buried.clear();
+                }
+                self.cache.buried.insert(key, *id);
+            }
             self.unlink_incoming(*id);
         }
         // A fragment is looked up only by its start VA (IBL tables, return caches, front

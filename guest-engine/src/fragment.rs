@@ -17,6 +17,9 @@ pub(crate) struct Fragment {
     pub start: GuestVirt,
     pub pa: GuestPhys,
     pub mode: Mode,
+    /// The guest bytes it was translated from: their length from `start` and their keyed
+    /// hash (`crate::revive`); length 0 if it may not be revived.
+    pub code: (u16, u64),
     pub base: CachePc,
     pub len: usize,
     pub checked_entry: CachePc,

@@ -31,6 +31,7 @@ pub mod profile;
 mod records;
 pub mod recover;
 pub mod redirect;
+mod revive;
 pub mod shadow_mmu;
 mod softtlb;
 pub mod tasks;

@@ -317,6 +317,65 @@ fn test_invalidate_code_page_retranslates_modified_code() {
 }
 
 #[test]
+fn test_invalidated_trace_with_unchanged_bytes_is_revived_not_retranslated() {
+    let mut rig = Rig::new(Config::default());
+    let block = Region::map(4096, 0);
+    let (a, second) = (block.addr(), block.addr() + 0x100);
+    let exit = rig.native.exit_address();
+    // Two traces on one page, each ending in an indirect jump: A sets EAX and jumps to
+    // the second, which adds its constant and leaves. Only the second's bytes change.
+    let jump_via_slot = |x: &mut CodeAssembler, to: u64| {
+        let mut slot = x.create_label();
+        x.jmp(qword_ptr(slot)).unwrap();
+        x.set_label(&mut slot).unwrap();
+        x.db(&to.to_le_bytes()).unwrap();
+    };
+    put(
+        &block,
+        0,
+        &asm(a, |x| {
+            x.mov(eax, 1).unwrap();
+            jump_via_slot(x, second);
+        }),
+    );
+    let second_code = |k: i32| {
+        asm(second, |x| {
+            x.add(eax, k).unwrap();
+            jump_via_slot(x, exit);
+        })
+    };
+    put(&block, 0x100, &second_code(10));
+    let mut mem = HostMemory::new(vec![(a, a + 4096)]);
+    let mut run = |rig: &mut Rig| {
+        rig.engine.set_rip(GuestVirt(a));
+        let stop = rig
+            .engine
+            .run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
+        assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+        rig.engine.regs().get(Gpr::Rax)
+    };
+    assert_eq!(run(&mut rig), 11);
+    assert_eq!(rig.engine.stats().fragments, 2);
+    // A write to the frame that left both traces' bytes as they were (e.g. to the gap).
+    assert_eq!(rig.engine.invalidate_code_page(GuestPhys(a)), 2);
+    assert_eq!(run(&mut rig), 11);
+    assert_eq!(rig.engine.stats().revived, 2, "both looked up again");
+    assert_eq!(rig.engine.stats().fragments, 2, "and neither retranslated");
+    // The second trace's bytes change: it is retranslated, the first revived again.
+    put(&block, 0x100, &second_code(20));
+    assert_eq!(rig.engine.invalidate_code_page(GuestPhys(a)), 2);
+    assert_eq!(run(&mut rig), 21);
+    assert_eq!(rig.engine.stats().revived, 3);
+    assert_eq!(rig.engine.stats().fragments, 3);
+    // Changed back: the translation of the old bytes was buried only until its key
+    // was missed once, so the second trace is translated once more.
+    put(&block, 0x100, &second_code(10));
+    assert_eq!(rig.engine.invalidate_code_page(GuestPhys(a)), 2);
+    assert_eq!(run(&mut rig), 11);
+    assert_eq!(rig.engine.stats().fragments, 4);
+}
+
+#[test]
 fn test_invalidate_page_drops_that_pages_ibl_entries_and_keeps_the_others() {
     use guest_engine::exit_code::EXIT_IBL_MISS;
     let mut rig = Rig::new(Config::default());

@@ -195,6 +195,13 @@ fn new_engine(block: &AttachBlock, tool_name: &str) -> Engine {
         // Measured on this CPU (translated code runs on it at CPL 3 too): glue before an
         // `and`/`or`/`xor`/`test` need not keep AF if the CPU writes it anyway.
         host_flags,
+        // Unknown to the guest, whose code must not be able to make a changed trace
+        // hash like the one translated: the TSC now, and at `_start`.
+        code_hash_key: [
+            crate::events::timer::tsc(),
+            // SAFETY: written once by `_start` before any CPL-3 code ran.
+            unsafe { core::ptr::read_volatile(&raw const entry::kpin_boot_tsc) }.rotate_left(29),
+        ],
         ..Config::default()
     };
     // SAFETY: the code-cache region lies in the stolen region, which the window maps
@@ -427,6 +434,7 @@ fn report(
         .u64("code_cache_flushes", st.flushes)
         .u64("code_cache_flushes_for_heap", st.pressure_flushes)
         .u64("links", st.links)
+        .u64("traces_revived", st.revived)
         .end();
     j.begin("exits")
         .u64("direct", st.exits[exit_code::EXIT_DIRECT as usize])

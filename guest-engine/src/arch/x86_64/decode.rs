@@ -14,6 +14,7 @@ use iced_x86::{
     Mnemonic, OpAccess, OpKind, Register, UsedMemory,
 };
 
+use crate::addr::PAGE_BYTES;
 use crate::addr::{GuestPhys, GuestVirt};
 use crate::context::Gpr;
 use crate::instrument::{access, Bbl, InsInfo, InsKind, MemOperand, MemOps, SegBase};
@@ -96,6 +97,28 @@ pub(crate) struct DecodedTrace {
     pub end: TraceEnd,
     /// Guest code bytes covered.
     pub guest_bytes: u64,
+}
+
+impl DecodedTrace {
+    /// The guest bytes the trace was translated from, as a length from its start: up to
+    /// the end of its last instruction or of the sensitive instruction that ends it
+    /// (whose bytes its exit carries). `None` if they reach past the start's page (or the
+    /// ending bytes did not decode): such a trace depends on bytes of another frame.
+    pub(crate) fn code_len(&self) -> Option<u16> {
+        let start = self.start.0;
+        let mut end = 0;
+        for d in &self.insns {
+            end = end.max(d.instr.ip().wrapping_sub(start) + d.instr.len() as u64);
+        }
+        if let TraceEnd::Sensitive(s) = &self.end {
+            if s.len == 0 {
+                return None;
+            }
+            end = end.max(s.pc.0.wrapping_sub(start) + u64::from(s.len));
+        }
+        let in_page = PAGE_BYTES - (start & (PAGE_BYTES - 1));
+        (end > 0 && end <= in_page).then_some(end as u16)
+    }
 }
 
 /// Why a trace could not be formed.
@@ -586,6 +609,11 @@ pub(crate) struct Scratch {
 }
 
 impl Scratch {
+    /// The fetch buffer: after `decode_trace`, the trace's guest bytes from its start.
+    pub(crate) fn fetch_buf(&mut self) -> &mut [u8] {
+        &mut self.fetch[..]
+    }
+
     pub(crate) fn new() -> Self {
         Self {
             usage: Usage::new(),
