@@ -25,11 +25,12 @@ use crate::context::{CacheContext, GuestRegs};
 use crate::error::EngineError;
 use crate::fragment::{ExitKind, ExitRecord, Fragment};
 use crate::guest_memory::{GuestMemory, Mode};
+use crate::insn_count::ENGINE_COUNTER_SLOTS;
 use crate::instrument::{
     access, Action, CallSpec, CounterAlloc, CounterId, IPoint, Insertion, MemRecord, Tool,
     TraceInstrumenter,
 };
-use crate::layout::{COUNTER_SLOTS, INSN_COUNTER_SPREAD, MODE_SLOTS, RECENT_TRACES};
+use crate::layout::{COUNTER_SLOTS, RECENT_TRACES};
 use crate::platform::{Platform, SensitiveInsn};
 use crate::profile;
 use crate::softtlb::SoftTlb;
@@ -140,8 +141,9 @@ pub struct Stats {
     pub links: u64,
     /// Nanoseconds spent translating (if a clock was configured).
     pub translate_ns: u64,
-    /// With `Config::count_insns`: sensitive instructions the platform emulated (counted
-    /// in `Engine::executed_insns`, outside any block counter).
+    /// With `Config::count_insns`: sensitive instructions the platform emulated, or the
+    /// translation ran inline in its place (an `iretq` of virtual CPL 0; counted in
+    /// `Engine::executed_insns`, outside any block counter).
     pub emulated_insns: u64,
     /// With `Config::count_insns`: instructions taken back from block counts because a
     /// fault left the rest of their block unexecuted.
@@ -239,7 +241,8 @@ impl Engine {
         // allocated before any tool's.
         let mut counters = CounterAlloc::default();
         let insn_counters = config.count_insns.then(|| {
-            counters.next = (MODE_SLOTS * INSN_COUNTER_SPREAD) as u32;
+            // Each mode's spread counters, then the inline emulations'.
+            counters.next = ENGINE_COUNTER_SLOTS;
             CounterId(0)
         });
         let mut e = Self {
@@ -298,7 +301,9 @@ impl Engine {
 
     /// Statistics so far.
     pub fn stats(&self) -> Stats {
-        self.stats
+        let mut s = self.stats;
+        s.emulated_insns += self.inline_emulated();
+        s
     }
 
     /// The translation mode of the next lookups and translations.
@@ -406,7 +411,14 @@ impl Engine {
         let mut live = core::mem::take(&mut self.scratch.live);
         crate::arch::flags_liveness(&decoded, &mut live, self.config.host_flags);
         let (insertions, calls) = self.instrument(tool, va, &decoded, &live);
-        let tr = self.emit(va, &decoded, &live, &insertions, &calls);
+        // An emulated instruction's fetch record is the dispatcher's: a tool that takes
+        // them keeps every `iretq` emulated.
+        let inline_iret = self.config.inline_virtual_flags
+            && mode.cpl() == 0
+            && !mode.is_stepping()
+            && !mode.is_compat()
+            && !tool.records_fetches();
+        let tr = self.emit(va, &decoded, &live, &insertions, &calls, inline_iret);
         self.scratch.live = live;
         let tr = tr?;
         let id = self.register(va, pa, code, &tr, calls);
@@ -500,6 +512,7 @@ impl Engine {
         live: &[u32],
         insertions: &[Insertion],
         calls: &[CallSpec],
+        inline_iret: bool,
     ) -> Result<Translated, Stop> {
         let mode = self.mode;
         let mut flushed = false;
@@ -529,6 +542,8 @@ impl Engine {
                 fence: crate::arch::Fence::for_cpl(mode.cpl()),
                 hoist: !self.no_hoist.contains(&(va.0, mode.0)) && !mode.is_stepping(),
                 compat: mode.is_compat(),
+                inline_iret,
+                iret_counters: self.inline_iret_counters(),
             };
             let tr = translate_trace(decoded, live, insertions, calls, &env, &mut self.scratch)
                 .map_err(Stop::Error)?;

@@ -32,7 +32,12 @@ pub(crate) fn count_point(b: &Bbl, live: &[u32]) -> usize {
         .find(|&k| live.get(k) == Some(&0))
         .unwrap_or(b.first)
 }
-use crate::layout::INSN_COUNTER_SPREAD;
+use crate::layout::{INSN_COUNTER_SPREAD, MODE_SLOTS};
+
+/// Counter slots the engine allocates for itself with `Config::count_insns`, before any
+/// tool's: each mode's `INSN_COUNTER_SPREAD`, then one for the sensitive instructions the
+/// translation ran inline (an `iretq` of virtual CPL 0, `Tx::emit_inline_iretq`).
+pub(crate) const ENGINE_COUNTER_SLOTS: u32 = (MODE_SLOTS * INSN_COUNTER_SPREAD) as u32 + 1;
 
 /// Counter `h` of mode slot `m`'s instruction counters (`base`: the first of them). A
 /// mode's count is spread over `INSN_COUNTER_SPREAD` slots chosen by block address, so
@@ -91,6 +96,23 @@ impl Engine {
     pub fn complete_stopped_emulation(&mut self, tool: &mut dyn crate::instrument::Tool) {
         Self::deliver_fetch(tool, self.held_fetch.take());
         self.count_emulated();
+    }
+
+    /// The addresses of the counters an inline `iretq` of the current mode adds one to:
+    /// the mode's instruction count and the inline emulations (`None` without
+    /// `Config::count_insns`).
+    pub(crate) fn inline_iret_counters(&self) -> Option<(u64, u64)> {
+        let base = self.cache.counters();
+        let mode = insn_counter(self.insn_counters, self.slot, 0)?;
+        let inline = CounterId(self.insn_counters?.0 + ENGINE_COUNTER_SLOTS - 1);
+        Some((base + 8 * u64::from(mode.0), base + 8 * u64::from(inline.0)))
+    }
+
+    /// Sensitive instructions the translation ran inline so far.
+    pub(crate) fn inline_emulated(&self) -> u64 {
+        self.insn_counters.map_or(0, |c| {
+            self.counter(CounterId(c.0 + ENGINE_COUNTER_SLOTS - 1))
+        })
     }
 
     /// Counts one emulated sensitive instruction in the current mode.

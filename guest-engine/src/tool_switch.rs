@@ -7,16 +7,14 @@
 //! by a long series of windows.
 
 use crate::dispatch::Engine;
-use crate::layout::{INSN_COUNTER_SPREAD, MODE_SLOTS};
+use crate::insn_count::ENGINE_COUNTER_SLOTS;
 
 impl Engine {
     /// Flushes the code cache and frees every counter slot a tool allocated (zeroed).
     /// The previous tool must not read its counters afterwards.
     pub fn reset_for_new_tool(&mut self) {
         self.flush();
-        let first = self
-            .insn_counters
-            .map_or(0, |c| c.0 + (MODE_SLOTS * INSN_COUNTER_SPREAD) as u32);
+        let first = self.insn_counters.map_or(0, |c| c.0 + ENGINE_COUNTER_SLOTS);
         let base = self.cache.counters();
         for slot in first..self.counters.next {
             // SAFETY: every slot below `counters.next` lies in the counter area of the

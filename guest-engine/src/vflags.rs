@@ -34,6 +34,19 @@
 //! each of the ~10^5 `text_poke_early`s of a boot) reads SS and CS, and `__switch_to`
 //! saves the data selectors.
 
+//!
+//! A trace-ending `iretq` at virtual CPL 0 (64-bit, not stepping, and a tool that takes
+//! no fetch records) runs inline when it returns to the same CS and SS selectors, which
+//! at CPL 0 needs no descriptor checks: each of Linux's ~10^5 `sync_core()`s of a boot
+//! (`iret_to_self`) is one. The popped RFLAGS set the virtual IF and IOPL as `popfq`
+//! does, RSP and RIP are popped, RIP looked up as an indirect branch's target. A frame
+//! in or across the reserved zone, other selectors, TF/NT/RF/VM/AC/VIF/VIP set, or a
+//! non-canonical RIP take the sensitive exit instead, with the guest's state untouched.
+//! It counts as an emulated instruction (`Stats::emulated_insns`). What a CPU would do
+//! and this does not: re-read the CS and SS descriptors from the GDT (a kernel that
+//! rewrites its live CS or SS descriptor and then returns to the same selectors would
+//! see the old ones).
+
 use crate::dispatch::Engine;
 
 impl Engine {

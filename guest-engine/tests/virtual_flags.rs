@@ -170,3 +170,99 @@ fn test_selector_reads_run_inline_against_the_contexts_selectors() {
         "{stop:?}"
     );
 }
+
+/// Builds an `iretq` frame (SS, RSP from RBX, RFLAGS from RCX, CS, RIP from RDX), sets CF
+/// (so that a path that must keep the guest's flags shows it) and `iretq`s.
+fn iretq_with_frame(base: u64, cs_sel: i32, ss_sel: i32) -> Vec<u8> {
+    let mut a = CodeAssembler::new(64).unwrap();
+    a.push(ss_sel).unwrap();
+    a.push(rbx).unwrap();
+    a.push(rcx).unwrap();
+    a.push(cs_sel).unwrap();
+    a.push(rdx).unwrap();
+    a.stc().unwrap();
+    a.iretq().unwrap();
+    a.assemble(base).unwrap()
+}
+
+/// An `iretq` at virtual CPL 0 to the same CS and SS selectors runs inline: RIP, RSP
+/// and the flags popped, IF and IOPL into the virtual flags, no exit, counted as an
+/// emulated instruction; to other selectors, or with TF in the popped flags, it exits to
+/// the platform with the guest's state as it was before it.
+#[test]
+fn test_same_selector_iretq_runs_inline_and_anything_else_exits() {
+    let mut rig = Rig::new(Config {
+        mode: Mode::KERNEL,
+        inline_virtual_flags: true,
+        count_insns: true,
+        ..Config::default()
+    });
+    let block = Region::map(4096, 0);
+    let base = block.addr();
+    let exit = rig.native.exit_address();
+    rig.engine
+        .set_selectors([0x18, 0x10, 0x18, 0x18, 0x18, 0x18]);
+    let new_rsp = base + 0xe00;
+    let frame = |rig: &mut Rig, flags: u64| {
+        rig.engine.set_virtual_flags(false, 0);
+        rig.engine.regs_mut().set(Gpr::Rbx, new_rsp);
+        rig.engine.regs_mut().set(Gpr::Rcx, flags);
+        rig.engine.regs_mut().set(Gpr::Rdx, exit);
+    };
+    // ZF, IF, IOPL 3 (and the always-set bit 1): inline.
+    frame(&mut rig, 0x3246);
+    let stop = run(&mut rig, &block, &iretq_with_frame(base, 0x10, 0x18));
+    assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+    let r = *rig.engine.regs();
+    assert_eq!(r.get(Gpr::Rsp), new_rsp, "RSP popped");
+    assert_eq!(r.rflags & 0xff, 0x46, "ZF loaded, CF cleared");
+    assert_eq!(rig.engine.virtual_flags(), (true, 3));
+    assert_eq!(
+        rig.engine.stats().exits[EXIT_SENSITIVE as usize],
+        0,
+        "no exits"
+    );
+    assert_eq!(rig.engine.stats().emulated_insns, 1);
+    assert_eq!(rig.engine.executed_insns(Mode::KERNEL), 7);
+
+    // Another CS selector, another SS, TF set: the platform's (the host's stops on it),
+    // with CF still set and RSP at the frame. (Each in a block of its own, all kept
+    // mapped: a block at a reused address would run the translation of the one before.)
+    let mut blocks = vec![block];
+    for (cs_sel, ss_sel, flags) in [
+        (0x08, 0x18, 0x246),
+        (0x10, 0x20, 0x246),
+        (0x10, 0x18, 0x346),
+    ] {
+        blocks.push(Region::map(4096, 0));
+        let block = blocks.last().unwrap();
+        let base = block.addr();
+        frame(&mut rig, flags);
+        let code = iretq_with_frame(base, cs_sel, ss_sel);
+        let stop = run(&mut rig, block, &code);
+        let iretq_at = GuestVirt(base + code.len() as u64 - 2);
+        assert!(
+            matches!(&stop, Stop::Sensitive(s) if s.pc == iretq_at),
+            "cs {cs_sel:#x} ss {ss_sel:#x} flags {flags:#x}: {stop:?}"
+        );
+        let r = *rig.engine.regs();
+        assert_eq!(r.rflags & 1, 1, "the guest's CF kept");
+        assert_eq!(r.get(Gpr::Rsp), base + 0xf00 - 40, "RSP at the frame");
+        assert_eq!(rig.engine.virtual_flags(), (false, 0));
+    }
+    // A frame in the engine's reserved zone is never read inline.
+    blocks.push(Region::map(4096, 0));
+    let block = blocks.last().unwrap();
+    let zone = 0xffff_8000_0000_1000;
+    rig.engine.regs_mut().set(Gpr::Rdi, zone);
+    let code = {
+        let mut a = CodeAssembler::new(64).unwrap();
+        a.mov(rsp, rdi).unwrap();
+        a.iretq().unwrap();
+        a.assemble(block.addr()).unwrap()
+    };
+    let stop = run(&mut rig, block, &code);
+    assert!(matches!(&stop, Stop::Sensitive(_)), "{stop:?}");
+    assert_eq!(rig.engine.regs().get(Gpr::Rsp), zone);
+    assert_eq!(rig.engine.stats().emulated_insns, 1, "none of them inline");
+}

@@ -72,6 +72,13 @@ pub(crate) struct EmitEnv {
     pub hoist: bool,
     /// The trace is 32-bit code (`Mode::compat`, `compat.rs`).
     pub compat: bool,
+    /// A trace-ending `iretq` runs inline when it can (`Tx::emit_inline_iretq`): virtual
+    /// CPL 0, 64-bit, not stepping, virtual flags inline, and a tool that takes no fetch
+    /// records (an emulated instruction's fetch record comes from the dispatcher).
+    pub inline_iret: bool,
+    /// The counters an inline `iretq` adds one to (the mode's instruction count and the
+    /// inline emulations), with `Config::count_insns`.
+    pub iret_counters: Option<(u64, u64)>,
 }
 
 /// An exit of a translated trace, before the dispatcher turns it into a record.
@@ -475,7 +482,7 @@ impl Tx<'_> {
 
     /// Inline indirect-branch lookup: RDX = guest target, RCX/RDX spilled. Inlined per
     /// site so that each site ends in its own indirect jump (its own prediction).
-    fn emit_ibl(&mut self) {
+    pub(super) fn emit_ibl(&mut self) {
         self.emit_count_lookup();
         let (ctx, table, miss) = (self.env.ctx, self.env.ibl_table, self.env.gen.ibl_miss);
         emit_ibl_lookup(&mut self.a, &ctx, table, miss);
@@ -780,7 +787,11 @@ impl Tx<'_> {
             }
             TraceEnd::Sensitive(s) => {
                 self.a.mark_guest(s.pc.0);
-                self.emit_exit_inline(EXIT_SENSITIVE, ExitSpec::Sensitive(s));
+                if self.env.inline_iret && super::vflags::is_iretq(&s) {
+                    self.emit_inline_iretq(s, self.env.iret_counters);
+                } else {
+                    self.emit_exit_inline(EXIT_SENSITIVE, ExitSpec::Sensitive(s));
+                }
             }
             TraceEnd::Transfer => {}
         }
