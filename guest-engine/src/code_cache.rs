@@ -93,6 +93,15 @@ impl Occupancy {
     }
 }
 
+/// Most fragments, and exit records, one cache generation holds: 8 and 16 MiB, powers
+/// of two (a buddy allocator's blocks, whole; cachesim's traces have ~4 times the exits
+/// of null's). Both tables are allocated whole with the cache and never grow: a
+/// doubling of either (12 MiB at a Linux boot's size) could fail in the engine image's
+/// heap, and did when its flush policy let the tables grow further. A translation that
+/// would pass either flushes the cache first, as a full cache does.
+pub(crate) const MAX_FRAGMENTS: usize = (8 << 20) / core::mem::size_of::<Fragment>();
+pub(crate) const MAX_EXITS: usize = (16 << 20) / core::mem::size_of::<ExitRecord>();
+
 /// The carved region and its bookkeeping.
 pub(crate) struct CodeCache {
     base: *mut u8,
@@ -150,10 +159,10 @@ impl CodeCache {
             ctx,
             gen,
             cursor: TRACES_OFFSET,
-            fragments: Vec::new(),
+            fragments: Vec::with_capacity(MAX_FRAGMENTS),
             by_key: BTreeMap::new(),
             buried: BTreeMap::new(),
-            exits: Vec::new(),
+            exits: Vec::with_capacity(MAX_EXITS),
             generation: 0,
             ibl_used: core::array::from_fn(|_| Occupancy::new(IBL_ENTRIES)),
             rc_used: core::array::from_fn(|_| Occupancy::new(RC_ENTRIES)),

@@ -547,7 +547,11 @@ impl Engine {
             };
             let tr = translate_trace(decoded, live, insertions, calls, &env, &mut self.scratch)
                 .map_err(Stop::Error)?;
-            if tr.code.len() <= room && self.cache.exits.len() + tr.exits.len() < (1 << 24) {
+            let (fragments, exits) = (self.cache.fragments.len(), self.cache.exits.len());
+            if tr.code.len() <= room
+                && fragments < crate::code_cache::MAX_FRAGMENTS
+                && exits + tr.exits.len() <= crate::code_cache::MAX_EXITS
+            {
                 return Ok(tr);
             }
             if flushed {

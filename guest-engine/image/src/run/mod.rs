@@ -45,10 +45,11 @@ use kpin_abi::stolen::{CODE_CACHE_BYTES, CODE_CACHE_OFFSET, HEAP_BYTES, LAYOUT_B
 const HEAP_GROWTH_BYTES: u64 = HEAP_BYTES * 5 / 16;
 
 /// Heap bytes in use past which the translator's tables are flushed however little they
-/// have grown since the last flush: room for a table's doubling and the shadow MMU's
-/// reverse map (a tool whose own data outgrows the rest ends the run with an allocation
-/// failure, not a flush per translation).
-const HEAP_CAP_BYTES: u64 = HEAP_BYTES * 3 / 4;
+/// have grown since the last flush: room for the shadow MMU's reverse map and smaller
+/// tables' growth (the fragment and exit tables are allocated whole at the start and
+/// never double; a tool whose own data outgrows the rest ends the run with an
+/// allocation failure, not a flush per translation).
+const HEAP_CAP_BYTES: u64 = HEAP_BYTES * 7 / 8;
 /// Growth since the last flush below which no flush is asked for.
 const HEAP_MIN_GROWTH_BYTES: u64 = HEAP_BYTES / 32;
 
