@@ -270,6 +270,16 @@ fn test_return_cache_collisions_fall_back_to_the_hash_lookup() {
     );
 }
 
+/// Runs `rig` from `entry` until it leaves for `exit`; returns RAX.
+fn run_to_exit(rig: &mut Rig, mem: &mut HostMemory, entry: u64, exit: u64) -> u64 {
+    rig.engine.set_rip(GuestVirt(entry));
+    let stop = rig
+        .engine
+        .run(mem, &mut HostPlatform::default(), &mut NullTool);
+    assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+    rig.engine.regs().get(Gpr::Rax)
+}
+
 #[test]
 fn test_invalidate_code_page_retranslates_modified_code() {
     let mut rig = Rig::new(Config::default());
@@ -294,14 +304,7 @@ fn test_invalidate_code_page_retranslates_modified_code() {
     put(&block, 0, &page_a(1));
     put(&block, 4096, &page_b(10));
     let mut mem = HostMemory::new(vec![(a, a + 2 * 4096)]);
-    let mut run = |rig: &mut Rig| {
-        rig.engine.set_rip(GuestVirt(a));
-        let stop = rig
-            .engine
-            .run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
-        assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
-        rig.engine.regs().get(Gpr::Rax)
-    };
+    let mut run = |rig: &mut Rig| run_to_exit(rig, &mut mem, a, exit);
     assert_eq!(run(&mut rig), 11);
     assert_eq!(run(&mut rig), 11);
     // Self-modifying code: B changes in place; without invalidation the stale
@@ -346,14 +349,7 @@ fn test_invalidated_trace_with_unchanged_bytes_is_revived_not_retranslated() {
     };
     put(&block, 0x100, &second_code(10));
     let mut mem = HostMemory::new(vec![(a, a + 4096)]);
-    let mut run = |rig: &mut Rig| {
-        rig.engine.set_rip(GuestVirt(a));
-        let stop = rig
-            .engine
-            .run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
-        assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
-        rig.engine.regs().get(Gpr::Rax)
-    };
+    let mut run = |rig: &mut Rig| run_to_exit(rig, &mut mem, a, exit);
     assert_eq!(run(&mut rig), 11);
     assert_eq!(rig.engine.stats().fragments, 2);
     // A write to the frame that left both traces' bytes as they were (e.g. to the gap).

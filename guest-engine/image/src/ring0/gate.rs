@@ -596,22 +596,9 @@ pub fn input(port: u16, size: u8) -> u32 {
 /// `root` is a page-table root that maps the engine window, stacks and tables exactly as
 /// the current one does.
 pub unsafe fn load_cr3(root: u64) {
-    let prev = profile::switch(slot::op(gate_op::LOAD_CR3));
-    CALLS.fetch_add(1, Ordering::Relaxed);
-    // SAFETY: as in `call_as`: `kpin_gate_cr3` is LOAD_CR3's own entry to the same gate
-    // (entry.rs), with the same register convention; RAX holds the operation for its
-    // full check.
-    unsafe {
-        asm!(
-            "call {gate}",
-            gate = sym kpin_gate_cr3,
-            inout("rax") gate_op::LOAD_CR3 => _,
-            in("rdi") root,
-            out("rcx") _,
-            out("rdx") _,
-        );
-    }
-    profile::switch(prev);
+    // SAFETY: `kpin_gate_cr3` is LOAD_CR3's own entry (RAX holds the operation for its
+    // full check); the caller vouches for `root`.
+    unsafe { call_own_entry(slot::op(gate_op::LOAD_CR3), kpin_gate_cr3, gate_op::LOAD_CR3, root) }
 }
 
 /// Writes an MSR.
@@ -651,16 +638,30 @@ pub fn rdmsr_safe(index: u32) -> Option<u64> {
 
 /// Invalidates the TLB entries for `va`.
 pub fn invlpg(va: u64) {
-    let prev = profile::switch(slot::INVLPG);
+    // SAFETY: `kpin_gate_invlpg` is INVLPG's own entry; `invlpg` changes no memory.
+    unsafe { call_own_entry(slot::INVLPG, kpin_gate_invlpg, gate_op::INVLPG, va) }
+}
+
+/// One round trip through an operation's own entry to the gate (`kpin_gate_cr3`,
+/// `kpin_gate_invlpg`: a `hlt` the #GP stub recognises before the general one), with
+/// `op` in RAX and `arg` in RDI; charged to profile slot `prof`.
+///
+/// # Safety
+/// `entry` is the own entry of operation `op`, and what `op` does with `arg` keeps the
+/// engine intact (as for [`load_cr3`]).
+#[inline(always)]
+unsafe fn call_own_entry(prof: usize, entry: unsafe extern "C" fn(), op: u64, arg: u64) {
+    let prev = profile::switch(prof);
     CALLS.fetch_add(1, Ordering::Relaxed);
-    // SAFETY: as in `call_as`: `kpin_gate_invlpg` is INVLPG's own entry to the same gate
-    // (entry.rs), with the same register convention; `invlpg` changes no memory.
+    // SAFETY: as in `call_as`: the entry is the same gate with the same register
+    // convention (RAX returned, RCX and RDX clobbered, the stack below RSP untouched);
+    // the `call` from this inlined code pushes a return address in the engine's .text.
     unsafe {
         asm!(
-            "call {gate}",
-            gate = sym kpin_gate_invlpg,
-            inout("rax") gate_op::INVLPG => _,
-            in("rdi") va,
+            "call {entry}",
+            entry = in(reg) entry,
+            inout("rax") op => _,
+            in("rdi") arg,
             out("rcx") _,
             out("rdx") _,
         );

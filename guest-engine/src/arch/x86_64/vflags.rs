@@ -108,15 +108,7 @@ impl Tx<'_> {
                 self.a.mov_r_mb(reg::RAX, reg::RSP, 0);
                 self.a.spill_quiet(reg::RCX);
                 self.a.mov_r_r(reg::RCX, reg::RAX);
-                self.a.bytes(&[0x81, 0xE1]); // and ecx, IF
-                self.a.bytes(&IF.to_le_bytes());
-                self.a.mov_m_r(c.vif, reg::RCX);
-                let no_attention = self.a.new_label();
-                self.a.jrcxz_label(no_attention);
-                self.a.mov_r_m(reg::RCX, c.irq_held);
-                self.a.jrcxz_label(no_attention);
-                self.a.or_m8_imm8(c.attention, reason::INTERRUPT);
-                self.a.bind(no_attention);
+                self.emit_vif_from_rcx();
                 self.a.mov_r_r(reg::RCX, reg::RAX);
                 self.a.bytes(&[0x81, 0xE1]); // and ecx, IOPL
                 self.a.bytes(&IOPL.to_le_bytes());
@@ -200,15 +192,7 @@ impl Tx<'_> {
             self.a.add_m64_imm(inline_counter, 1);
         }
         self.a.mov_r_mb(reg::RCX, reg::RSP, 16);
-        self.a.bytes(&[0x81, 0xE1]); // and ecx, IF
-        self.a.bytes(&IF.to_le_bytes());
-        self.a.mov_m_r(c.vif, reg::RCX);
-        let no_attention = self.a.new_label();
-        self.a.jrcxz_label(no_attention);
-        self.a.mov_r_m(reg::RCX, c.irq_held);
-        self.a.jrcxz_label(no_attention);
-        self.a.or_m8_imm8(c.attention, reason::INTERRUPT);
-        self.a.bind(no_attention);
+        self.emit_vif_from_rcx();
         self.a.mov_r_mb(reg::RCX, reg::RSP, 16);
         self.a.bytes(&[0x81, 0xE1]); // and ecx, IOPL
         self.a.bytes(&IOPL.to_le_bytes());
@@ -225,6 +209,21 @@ impl Tx<'_> {
         self.a.emit_unspill(reg::RCX);
         self.a.emit_unspill(reg::RDX);
         self.emit_exit_inline(EXIT_SENSITIVE, ExitSpec::Sensitive(s));
+    }
+
+    /// The virtual IF from the RFLAGS word in RCX (which this clobbers, and the flags),
+    /// and attention if that sets IF while an interrupt is held.
+    fn emit_vif_from_rcx(&mut self) {
+        let c = self.env.ctx;
+        self.a.bytes(&[0x81, 0xE1]); // and ecx, IF
+        self.a.bytes(&IF.to_le_bytes());
+        self.a.mov_m_r(c.vif, reg::RCX);
+        let no_attention = self.a.new_label();
+        self.a.jrcxz_label(no_attention);
+        self.a.mov_r_m(reg::RCX, c.irq_held);
+        self.a.jrcxz_label(no_attention);
+        self.a.or_m8_imm8(c.attention, reason::INTERRUPT);
+        self.a.bind(no_attention);
     }
 
     /// Loads RFLAGS from `flags_slot` (flag-free around the `popfq`; RSP kept).
