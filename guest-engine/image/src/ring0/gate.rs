@@ -598,7 +598,14 @@ pub fn input(port: u16, size: u8) -> u32 {
 pub unsafe fn load_cr3(root: u64) {
     // SAFETY: `kpin_gate_cr3` is LOAD_CR3's own entry (RAX holds the operation for its
     // full check); the caller vouches for `root`.
-    unsafe { call_own_entry(slot::op(gate_op::LOAD_CR3), kpin_gate_cr3, gate_op::LOAD_CR3, root) }
+    unsafe {
+        call_own_entry(
+            slot::op(gate_op::LOAD_CR3),
+            kpin_gate_cr3,
+            gate_op::LOAD_CR3,
+            root,
+        )
+    }
 }
 
 /// Writes an MSR.
