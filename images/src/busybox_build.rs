@@ -67,7 +67,7 @@ pub(crate) fn ensure(
     let inputs = format!(
         "{} flavour {FLAVOUR} recipe v{RECIPE_VERSION} compiler {}",
         BUSYBOX_SOURCE.identity(),
-        gcc_version()?
+        command::gcc_version(|command, source| ImagesError::BusyboxBuild { command, source })?
     );
     if cache::fresh_sha256(out_dir, &binary, &inputs)?.is_some() {
         return Ok(binary);
@@ -136,18 +136,6 @@ fn check_tools() -> Result<(), ImagesError> {
         missing: names.join(", "),
         packages: packages.join(" "),
     })
-}
-
-/// The compiler's version line, part of the cache stamp.
-fn gcc_version() -> Result<String, ImagesError> {
-    let mut cmd = Command::new("gcc");
-    cmd.arg("--version");
-    let out = run(&mut cmd)?;
-    Ok(String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .next()
-        .unwrap_or("")
-        .to_owned())
 }
 
 /// Runs `cmd`, mapping a failure to [`ImagesError::BusyboxBuild`].

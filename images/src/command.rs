@@ -107,6 +107,28 @@ pub(crate) fn check_status(status: ExitStatus, stderr: &[u8]) -> Result<(), Comm
     }
 }
 
+/// The first line of `gcc --version`, part of the stamps of what gcc builds: asked once
+/// per process (it cannot change under one `kpin run`, and each ask is a process, ~8 ms:
+/// four a run before). A failure is not remembered; `on_error` gets the command line and
+/// the error.
+pub(crate) fn gcc_version<E>(
+    on_error: impl FnOnce(String, CommandError) -> E,
+) -> Result<String, E> {
+    static VERSION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    if let Some(v) = VERSION.get() {
+        return Ok(v.clone());
+    }
+    let mut cmd = Command::new("gcc");
+    cmd.arg("--version");
+    let out = run_captured(&mut cmd).map_err(|e| on_error(describe(&cmd), e))?;
+    let v = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .next()
+        .unwrap_or("")
+        .to_owned();
+    Ok(VERSION.get_or_init(|| v).clone())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -98,21 +98,6 @@ impl Program {
     }
 }
 
-/// The compiler's version line, part of the cache stamp.
-fn gcc_version() -> Result<String, ImagesError> {
-    let mut cmd = Command::new("gcc");
-    cmd.arg("--version");
-    let out = command::run_captured(&mut cmd).map_err(|source| ImagesError::Programs {
-        command: command::describe(&cmd),
-        source,
-    })?;
-    Ok(String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .next()
-        .unwrap_or("")
-        .to_owned())
-}
-
 /// Makes sure `out_dir/programs/<name>` is built from the current sources; returns its path.
 pub(crate) fn ensure(
     out_dir: &Path,
@@ -129,7 +114,7 @@ pub(crate) fn ensure(
         "{}: {} {} {} {}",
         program.name,
         sources.join(" "),
-        gcc_version()?,
+        command::gcc_version(|command, source| ImagesError::Programs { command, source })?,
         CFLAGS.join(" "),
         program.flags.join(" ")
     );
