@@ -684,9 +684,10 @@ impl Engine {
     }
 
     /// The guest wrote to (or unmapped) the code frame `pa_page`: every fragment translated
-    /// from it is dropped from lookup, links into it are undone and the lookups of their
-    /// start pages are cleared. Returns the number of fragments invalidated. (Fragments whose last
-    /// instruction straddles into the frame from the previous page are not found.)
+    /// from it is dropped from lookup (and buried, `crate::revive`), links into it are
+    /// undone and the lookups of their start pages are cleared. Returns the number of
+    /// fragments invalidated. (Fragments whose last instruction straddles into the frame
+    /// from the previous page are not found.)
     pub fn invalidate_code_page(&mut self, pa_page: GuestPhys) -> usize {
         let page = pa_page.page();
         let victims: Vec<u32> = self

@@ -23,6 +23,7 @@ use crate::arch::{decode_trace, flags_liveness};
 use crate::dispatch::Engine;
 use crate::guest_memory::{GuestMemory, Mode};
 use crate::instrument::{Action, Bbl, CounterId, IPoint, Insertion};
+use crate::layout::{INSN_COUNTER_SPREAD, MODE_SLOTS};
 
 /// Where block `b` adds its instruction count: its first instruction before which no
 /// status flag is live (`live`: flags live before each instruction of the trace), else
@@ -32,7 +33,6 @@ pub(crate) fn count_point(b: &Bbl, live: &[u32]) -> usize {
         .find(|&k| live.get(k) == Some(&0))
         .unwrap_or(b.first)
 }
-use crate::layout::{INSN_COUNTER_SPREAD, MODE_SLOTS};
 
 /// Counter slots the engine allocates for itself with `Config::count_insns`, before any
 /// tool's: each mode's `INSN_COUNTER_SPREAD`, then one for the sensitive instructions the

@@ -26,7 +26,7 @@ use crate::addr::{GuestPhys, GuestVirt};
 use crate::dispatch::Engine;
 use crate::guest_memory::GuestMemory;
 
-/// Most buried traces kept; past it the oldest burials are forgotten (all at once).
+/// Most buried traces kept; one more and every burial so far is forgotten.
 pub(crate) const MAX_BURIED: usize = 1 << 14;
 
 /// The keyed hash of guest code bytes `bytes`.

@@ -58,8 +58,9 @@
 //! stores the faulting PC in `ctx.fault_pc` and resumes at the *fault exit* (`Gencode::
 //! fault_exit`: it stores the `FAULT` word in `ctx.exit_word` and jumps to the exit routine)
 //! with the faulting register state. (Under nested KVM each instruction of the image's
-//! ring-0 handler is emulated, ~1.5·10^3 cycles each: what CPL 3 can do, it does.) The dispatcher maps the PC back to the guest
-//! instruction and reloads spilled registers (`recover.rs`, `Engine::recover_regs`).
+//! ring-0 handler is emulated, ~1.5·10^3 cycles each: what CPL 3 can do, it does.) The
+//! dispatcher maps the PC back to the guest instruction and reloads spilled registers
+//! (`recover.rs`, `Engine::recover_regs`).
 
 use crate::context::CacheContext;
 use crate::layout::{GENCODE_BYTES, TABLE_SLOTS, XSAVE_MASK};

@@ -788,7 +788,7 @@ impl Tx<'_> {
             TraceEnd::Sensitive(s) => {
                 self.a.mark_guest(s.pc.0);
                 if self.env.inline_iret && super::vflags::is_iretq(&s) {
-                    self.emit_inline_iretq(s, self.env.iret_counters);
+                    self.emit_inline_iretq(s);
                 } else {
                     self.emit_exit_inline(EXIT_SENSITIVE, ExitSpec::Sensitive(s));
                 }

@@ -141,12 +141,12 @@ impl Tx<'_> {
     /// selectors, TF/NT/RF/VM/AC/VIF/VIP set, a non-canonical RIP — takes the sensitive
     /// exit as before, with the guest's flags and registers as they were. The frame is
     /// read with the guest's flags in place, so a fault there is precise.
-    pub(super) fn emit_inline_iretq(&mut self, s: SensitiveInsn, counters: Option<(u64, u64)>) {
+    pub(super) fn emit_inline_iretq(&mut self, s: SensitiveInsn) {
         let c = self.env.ctx;
         let slow = self.a.new_label();
         self.a.emit_spill(reg::RCX);
         self.a.emit_spill(reg::RDX);
-        // The guest's flags to `flags_slot` (flag-free).
+        // The guest's flags to `flags_slot` (flag-free), for the slow path and the reads.
         self.a.mov_m_r(c.flags_rsp, reg::RSP);
         self.a.lea_r_rip(reg::RSP, c.flags_slot + 8);
         self.a.pushfq();
@@ -164,7 +164,7 @@ impl Tx<'_> {
         self.a.bytes(&[0x48, 0x39, 0xD4]); // cmp rsp, rdx
         self.a.jcc_label(CC_A, slow);
         self.a.bind(in_range);
-        self.restore_guest_flags();
+        self.load_flags_from_slot();
         // Touch both ends of the frame with the guest's flags: a fault is the `iretq`'s.
         self.a.mov_r_mb(reg::RCX, reg::RSP, 0);
         self.a.mov_r_mb(reg::RCX, reg::RSP, 32);
@@ -187,7 +187,7 @@ impl Tx<'_> {
         self.a.bytes(&[0x48, 0x83, 0xF9, 0x01]); // cmp rcx, 1
         self.a.jcc_label(CC_A, slow);
         // Committed. It counts as an emulated instruction of this mode.
-        if let Some((mode_counter, inline_counter)) = counters {
+        if let Some((mode_counter, inline_counter)) = self.env.iret_counters {
             self.a.add_m64_imm(mode_counter, 1);
             self.a.add_m64_imm(inline_counter, 1);
         }
@@ -200,12 +200,12 @@ impl Tx<'_> {
         // The rest of RFLAGS by a real `popfq` (at CPL 3 it leaves IF and IOPL alone).
         self.a.mov_r_mb(reg::RCX, reg::RSP, 16);
         self.a.mov_m_r(c.flags_slot, reg::RCX);
-        self.restore_guest_flags();
+        self.load_flags_from_slot();
         self.a.mov_r_mb(reg::RSP, reg::RSP, 24);
         self.emit_ibl();
         // The emulation, as without the inline path.
         self.a.bind(slow);
-        self.restore_guest_flags();
+        self.load_flags_from_slot();
         self.a.emit_unspill(reg::RCX);
         self.a.emit_unspill(reg::RDX);
         self.emit_exit_inline(EXIT_SENSITIVE, ExitSpec::Sensitive(s));
@@ -227,7 +227,7 @@ impl Tx<'_> {
     }
 
     /// Loads RFLAGS from `flags_slot` (flag-free around the `popfq`; RSP kept).
-    fn restore_guest_flags(&mut self) {
+    fn load_flags_from_slot(&mut self) {
         let c = self.env.ctx;
         self.a.mov_m_r(c.flags_rsp, reg::RSP);
         self.a.lea_r_rip(reg::RSP, c.flags_slot);
