@@ -9,8 +9,8 @@
 //!   the file they describe, so an interrupted run leaves a file without a stamp, which is
 //!   rebuilt. No fsync is needed for correctness: a file damaged by a crash fails the hash.
 //! - The hash is taken again only if the file is not the one last hashed: a stamp's last
-//!   line records the size, modification time (ns) and inode the file had then (`seen`),
-//!   and a file that still has all three keeps the recorded hash. Every file here is
+//!   line records the size, modification time (ns), device and inode the file had then
+//!   (`seen`), and a file that still has them all keeps the recorded hash. Every file here is
 //!   written under a temporary name and renamed (a new inode), and a write in place moves
 //!   the modification time, so either is hashed again. (Hashing the pinned kernel's 53 MB
 //!   `vmlinux`, its bzImage and System.map took ~0.1 s of every `kpin run`.)
@@ -212,14 +212,16 @@ pub(crate) fn fresh_sha256(
 /// First word of a stamp's `seen` line.
 const SEEN: &str = "seen ";
 
-/// The `seen` line for a file with metadata `meta`: size, modification time, inode.
+/// The `seen` line for a file with metadata `meta`: size, modification time, device and
+/// inode (an inode number is unique only on its file system).
 fn seen_line(meta: &fs::Metadata) -> String {
     use std::os::unix::fs::MetadataExt;
     format!(
-        "{SEEN}{} {}.{:09} {}",
+        "{SEEN}{} {}.{:09} {}:{}",
         meta.len(),
         meta.mtime(),
         meta.mtime_nsec(),
+        meta.dev(),
         meta.ino()
     )
 }
