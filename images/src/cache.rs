@@ -415,16 +415,19 @@ pub(crate) mod tests {
         let dir = ScratchDir::new("seen");
         let file = dir.0.join("data");
         fs::write(&file, b"hello").expect("write");
-        // Just written: no `seen` line yet (its time may not be settled).
+        // A time not settled (here: in the future, so that no clock decides): no `seen`.
+        let age = |t: std::time::SystemTime| {
+            File::options()
+                .write(true)
+                .open(&file)
+                .and_then(|f| f.set_modified(t))
+                .expect("set the file's time");
+        };
+        age(std::time::SystemTime::now() + std::time::Duration::from_secs(3600));
         stamp_file(&dir.0, &file, "in").expect("stamp");
         let stamp = fs::read_to_string(stamp_path(&dir.0, &file)).expect("stamp text");
         assert!(!stamp.contains(SEEN), "{stamp}");
-        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(60);
-        File::options()
-            .write(true)
-            .open(&file)
-            .and_then(|f| f.set_modified(old))
-            .expect("age the file");
+        age(std::time::SystemTime::now() - std::time::Duration::from_secs(60));
         let sha = stamp_file(&dir.0, &file, "in").expect("stamp");
         let stamp = fs::read_to_string(stamp_path(&dir.0, &file)).expect("stamp text");
         assert!(
