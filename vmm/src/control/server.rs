@@ -336,8 +336,11 @@ fn accept_loop(listener: UnixListener, tx: Sender<Command>, shared: Arc<Shared>)
             .name("kpin-control-client".into())
             .spawn(move || {
                 let shared = slot.0.clone();
-                handle(stream, accepted, &tx, &shared);
+                let stream = handle(stream, accepted, &tx, &shared);
+                // The slot is free before the client can see its connection close: a
+                // client that read its reply to the end may connect again at once.
                 drop(slot);
+                drop(stream);
             });
         // (A failed spawn drops the closure: the connection closes without a reply.)
         if let Ok(h) = handler {
@@ -400,8 +403,13 @@ fn drain(stream: &mut UnixStream) {
 }
 
 /// Serves one connection: reads its request (bounded in size and total time), passes it
-/// on, writes the reply.
-fn handle(mut stream: UnixStream, accepted: Instant, tx: &Sender<Command>, shared: &Shared) {
+/// on, writes the reply; returns the connection for the caller to close.
+fn handle(
+    mut stream: UnixStream,
+    accepted: Instant,
+    tx: &Sender<Command>,
+    shared: &Shared,
+) -> UnixStream {
     let limit = shared.limits.request_deadline;
     let reply = match read_request(&mut stream, accepted, limit, &shared.stop)
         .and_then(|b| parse_request(&b))
@@ -414,6 +422,7 @@ fn handle(mut stream: UnixStream, accepted: Instant, tx: &Sender<Command>, share
     if stream.set_nonblocking(true).is_ok() {
         drain(&mut stream);
     }
+    stream
 }
 
 /// Reads one request: up to its first newline or the end of the client's stream, at most
