@@ -50,8 +50,8 @@ const OEM_REVISION: u32 = 1;
 /// events, but a full (not hardware-reduced) FADT must name one.
 const SCI_IRQ: u16 = 9;
 /// The local APIC's and the IOAPIC's MMIO addresses (KVM's in-kernel ones).
-const LAPIC_ADDR: u32 = 0xfee0_0000;
-const IOAPIC_ADDR: u32 = 0xfec0_0000;
+pub(super) const LAPIC_ADDR: u32 = 0xfee0_0000;
+pub(super) const IOAPIC_ADDR: u32 = 0xfec0_0000;
 
 /// FADT IA-PC boot architecture flags: legacy devices (the i8042) and an 8042 present,
 /// and no CMOS RTC (bit 5; its ports read all ones here). Without that bit Linux registers

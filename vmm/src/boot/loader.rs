@@ -6,7 +6,8 @@
 //!    at `code32_start`, entered at +0x200 (its 64-bit entry).
 //! 3. Place the initrd as high in low RAM as the kernel allows, above everything the kernel
 //!    will occupy.
-//! 4. Write the command line and the zero page (setup header, e820 map, initrd, cmdline).
+//! 4. Write the command line, the zero page (setup header, e820 map, initrd, cmdline), the
+//!    ACPI tables and the MP table.
 //! 5. Write an identity map of 0..4 GiB and a boot GDT, and set the vCPU to long mode at the
 //!    entry with RSI = zero page and interrupts off.
 
@@ -172,6 +173,7 @@ pub fn load(
         write(mem, *addr, blob)?;
     }
     put_u64(&mut zero_page, zp::ACPI_RSDP_ADDR, acpi.rsdp_addr);
+    write(mem, super::mptable::MPTABLE_START, &super::mptable::build())?;
     write(mem, ZERO_PAGE_START, &zero_page)?;
     write_page_tables(mem)?;
     let gdt: Vec<u8> = BOOT_GDT.iter().flat_map(|d| d.to_le_bytes()).collect();
