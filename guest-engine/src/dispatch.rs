@@ -31,6 +31,7 @@ use crate::instrument::{
     TraceInstrumenter,
 };
 use crate::layout::{COUNTER_SLOTS, RECENT_TRACES};
+use crate::pc_map::PcMap;
 use crate::platform::{Platform, SensitiveInsn};
 use crate::profile;
 use crate::softtlb::SoftTlb;
@@ -592,8 +593,7 @@ impl Engine {
             entry: at(tr.entry),
             body: at(tr.body),
             loop_entry: tr.loop_entry.map(at),
-            // A copy of the exact size: the translator's buffer is reused.
-            marks: tr.marks.clone(),
+            pc_map: PcMap::encode(&tr.marks, va.0),
             calls,
             incoming: Vec::new(),
         });

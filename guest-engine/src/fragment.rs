@@ -4,10 +4,11 @@
 //! entry ≤ body` are addresses inside it; its exit records are contiguous in the cache's exit table.
 
 use crate::addr::{CachePc, GuestPhys, GuestVirt};
-use crate::arch::{ExitSpec, MapMark};
+use crate::arch::ExitSpec;
 use crate::guest_memory::Mode;
 use crate::instrument::CallSpec;
 use crate::link::branch_target;
+use crate::pc_map::PcMap;
 use crate::platform::SensitiveInsn;
 use alloc::vec::Vec;
 
@@ -28,7 +29,8 @@ pub(crate) struct Fragment {
     pub body: CachePc,
     /// Where a link of the trace's own back edge enters (past its hoisted checks).
     pub loop_entry: Option<CachePc>,
-    pub marks: Vec<MapMark>,
+    /// Cache PC → guest state (`crate::recover`).
+    pub pc_map: PcMap,
     pub calls: Vec<CallSpec>,
     /// Exit records currently linked to this fragment (undone by `unlink_incoming`).
     pub incoming: Vec<u32>,

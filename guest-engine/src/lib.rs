@@ -26,6 +26,7 @@ pub mod instrument;
 pub mod layout;
 mod link;
 pub mod native;
+mod pc_map;
 pub mod platform;
 pub mod profile;
 mod records;

@@ -58,11 +58,10 @@ impl Engine {
     pub fn recover(&self, pc: CachePc) -> Option<Recovered> {
         let f = self.cache.fragment_at(pc)?;
         let off = (pc.0 - f.base.0) as u32;
-        let i = f.marks.partition_point(|m| m.offset <= off);
-        let m = f.marks.get(i.checked_sub(1)?)?;
+        let (guest_pc, spilled) = f.pc_map.lookup(off, f.start.0)?;
         Some(Recovered {
-            guest_pc: GuestVirt(m.guest_pc),
-            spilled: m.spilled,
+            guest_pc: GuestVirt(guest_pc),
+            spilled,
         })
     }
 

@@ -167,6 +167,10 @@ impl Asm {
                 last.spilled = self.spilled;
                 return;
             }
+            // The mark in force already says this.
+            if (last.guest_pc, last.spilled) == (self.guest_pc, self.spilled) {
+                return;
+            }
         }
         self.marks.push(MapMark {
             offset,

@@ -1,0 +1,156 @@
+//! A fragment's cache-PC → guest-state map (`recover.rs`), kept compact.
+//!
+//! The translator marks every guest instruction, glue sequence and exit stub: ~34 marks a
+//! trace on a Debian boot. As 16-byte structs in a vector (and the heap's buddy blocks
+//! round that up to a power of two) they were ~900 heap bytes a trace, most of the
+//! translator's heap growth, which decides when the code cache is flushed: a Debian boot
+//! flushed it 95 times with the cache a third full. Stored here as a byte stream of
+//! deltas, a mark takes ~2 bytes.
+//!
+//! Encoding, per mark in offset order: a LEB128 varint of `offset delta << 1 | spill
+//! changed`, a zigzag LEB128 varint of the guest-PC delta (from the trace's start for
+//! the first mark),
+//! and the new spill mask (u16, little-endian) if it changed (it starts at 0).
+//! Invariant: marks are encoded in strictly increasing offset order, so a lookup stops
+//! at the first mark past the offset.
+
+use alloc::boxed::Box;
+use alloc::vec::Vec;
+
+use crate::arch::MapMark;
+
+/// A fragment's marks, encoded.
+#[derive(Debug, Default)]
+pub(crate) struct PcMap(Box<[u8]>);
+
+fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push(v as u8 | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+fn get_varint(b: &[u8], at: &mut usize) -> Option<u64> {
+    let mut v = 0u64;
+    for shift in (0..64).step_by(7) {
+        let byte = *b.get(*at)?;
+        *at += 1;
+        v |= u64::from(byte & 0x7f) << shift;
+        if byte & 0x80 == 0 {
+            return Some(v);
+        }
+    }
+    None
+}
+
+impl PcMap {
+    /// Encodes `marks` (strictly increasing offsets, as the translator records them) of
+    /// the trace that starts at guest PC `start`.
+    pub(crate) fn encode(marks: &[MapMark], start: u64) -> Self {
+        let mut out = Vec::with_capacity(marks.len() * 3);
+        let (mut offset, mut pc, mut spilled) = (0u32, start, 0u16);
+        for m in marks {
+            debug_assert!(m.offset > offset || (m.offset == 0 && offset == 0));
+            let changed = m.spilled != spilled;
+            put_varint(
+                &mut out,
+                u64::from(m.offset - offset) << 1 | u64::from(changed),
+            );
+            let d = m.guest_pc.wrapping_sub(pc) as i64;
+            put_varint(&mut out, ((d << 1) ^ (d >> 63)) as u64);
+            if changed {
+                out.extend_from_slice(&m.spilled.to_le_bytes());
+            }
+            (offset, pc, spilled) = (m.offset, m.guest_pc, m.spilled);
+        }
+        Self(out.into_boxed_slice())
+    }
+
+    /// The last mark at or before `off`: its guest PC and spill mask (`start` as given
+    /// to [`PcMap::encode`]).
+    pub(crate) fn lookup(&self, off: u32, start: u64) -> Option<(u64, u16)> {
+        let b = &self.0;
+        let (mut at, mut offset, mut pc, mut spilled) = (0usize, 0u64, start, 0u16);
+        let mut found = None;
+        while at < b.len() {
+            let head = get_varint(b, &mut at)?;
+            offset += head >> 1;
+            if offset > u64::from(off) {
+                break;
+            }
+            let z = get_varint(b, &mut at)?;
+            pc = pc.wrapping_add((z >> 1) ^ (z & 1).wrapping_neg());
+            if head & 1 != 0 {
+                spilled = u16::from_le_bytes([*b.get(at)?, *b.get(at + 1)?]);
+                at += 2;
+            }
+            found = Some((pc, spilled));
+        }
+        found
+    }
+
+    /// Heap bytes the encoding takes.
+    #[cfg(test)]
+    pub(crate) fn encoded_len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mark(offset: u32, guest_pc: u64, spilled: u16) -> MapMark {
+        MapMark {
+            offset,
+            guest_pc,
+            spilled,
+        }
+    }
+
+    /// What `recover` did before: the last mark with `offset <= off`.
+    fn linear(marks: &[MapMark], off: u32) -> Option<(u64, u16)> {
+        let i = marks.partition_point(|m| m.offset <= off);
+        let m = marks.get(i.checked_sub(1)?)?;
+        Some((m.guest_pc, m.spilled))
+    }
+
+    #[test]
+    fn test_pc_map_answers_every_offset_as_the_mark_list_did() {
+        // Kernel and user PCs, backward guest PCs (a trace's out-of-line stubs name
+        // earlier instructions), spill masks that come and go, large offset gaps.
+        let marks = [
+            mark(0, 0xffff_ffff_8100_0000, 0),
+            mark(3, 0xffff_ffff_8100_0000, 0x0001),
+            mark(9, 0xffff_ffff_8100_0004, 0x0001),
+            mark(10, 0xffff_ffff_8100_0007, 0),
+            mark(200, 0xffff_ffff_80ff_fff0, 0x8001),
+            mark(201, 0x0000_7fff_ffff_f000, 0xffff),
+            mark(70_000, 0x0000_0000_0040_1000, 0),
+        ];
+        for start in [0xffff_ffff_8100_0000, 0, 0x0000_7fff_ffff_f000] {
+            let map = PcMap::encode(&marks, start);
+            for off in 0..70_010 {
+                assert_eq!(map.lookup(off, start), linear(&marks, off), "offset {off}");
+            }
+            assert!(map.encoded_len() <= marks.len() * 16 / 2);
+        }
+        let first_later = PcMap::encode(&[mark(5, 0x1000, 0)], 0x1000);
+        assert_eq!(first_later.lookup(4, 0x1000), None);
+        assert_eq!(first_later.lookup(5, 0x1000), Some((0x1000, 0)));
+        assert_eq!(PcMap::encode(&[], 0).lookup(0, 0), None);
+    }
+
+    #[test]
+    fn test_pc_map_takes_about_two_bytes_a_typical_mark() {
+        // Marks a few bytes of code and one instruction apart, no spills.
+        let marks: Vec<MapMark> = (0..34u32)
+            .map(|i| mark(i * 7, 0xffff_ffff_8123_4000 + u64::from(i) * 4, 0))
+            .collect();
+        let start = 0xffff_ffff_8123_4000;
+        let map = PcMap::encode(&marks, start);
+        assert_eq!(map.encoded_len(), 34 * 2);
+        assert_eq!(map.lookup(7 * 20 + 3, start), Some((start + 80, 0)));
+    }
+}
