@@ -207,6 +207,8 @@ pub struct Engine {
     /// Traces (start, mode) whose hoisted isolation checks hit once: built without
     /// hoisting from then on.
     pub(crate) no_hoist: BTreeSet<(u64, u32)>,
+    /// `PcMap::encode`'s buffer, kept across traces.
+    pc_map_scratch: Vec<u8>,
     /// Whether the page of the VA `fragment_for` last looked up is global (the lookup
     /// tables it fills then keep the entry across `invalidate_nonglobal_mappings`).
     pub(crate) lookup_global: bool,
@@ -260,6 +262,7 @@ impl Engine {
             buffer: alloc::vec![MemRecord::default(); records],
             held_fetch: None,
             no_hoist: BTreeSet::new(),
+            pc_map_scratch: Vec::new(),
             lookup_global: false,
             rip: GuestVirt(0),
             stats: Stats::default(),
@@ -593,7 +596,7 @@ impl Engine {
             entry: at(tr.entry),
             body: at(tr.body),
             loop_entry: tr.loop_entry.map(at),
-            pc_map: PcMap::encode(&tr.marks, va.0),
+            pc_map: PcMap::encode(&tr.marks, va.0, &mut self.pc_map_scratch),
             calls,
             incoming: Vec::new(),
         });

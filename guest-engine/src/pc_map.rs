@@ -23,6 +23,11 @@ use crate::arch::MapMark;
 #[derive(Debug, Default)]
 pub(crate) struct PcMap(Box<[u8]>);
 
+/// Most bytes one mark takes: a 33-bit and a 64-bit varint and the spill mask.
+const MAX_MARK_BYTES: usize = 5 + 10 + 2;
+
+/// Appends `v` as a LEB128 varint.
+#[inline]
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
         out.push(v as u8 | 0x80);
@@ -46,25 +51,32 @@ fn get_varint(b: &[u8], at: &mut usize) -> Option<u64> {
 
 impl PcMap {
     /// Encodes `marks` (strictly increasing offsets, as the translator records them) of
-    /// the trace that starts at guest PC `start`.
-    pub(crate) fn encode(marks: &[MapMark], start: u64) -> Self {
-        let mut out = Vec::with_capacity(marks.len() * 3);
+    /// the trace that starts at guest PC `start`, through `scratch` (kept by the caller
+    /// across traces, so that only the result is allocated, at its exact size).
+    pub(crate) fn encode(marks: &[MapMark], start: u64, scratch: &mut Vec<u8>) -> Self {
+        scratch.clear();
+        scratch.reserve(marks.len() * MAX_MARK_BYTES);
         let (mut offset, mut pc, mut spilled) = (0u32, start, 0u16);
         for m in marks {
             debug_assert!(m.offset > offset || (m.offset == 0 && offset == 0));
             let changed = m.spilled != spilled;
-            put_varint(
-                &mut out,
-                u64::from(m.offset - offset) << 1 | u64::from(changed),
-            );
+            let head = u64::from(m.offset - offset) << 1 | u64::from(changed);
             let d = m.guest_pc.wrapping_sub(pc) as i64;
-            put_varint(&mut out, ((d << 1) ^ (d >> 63)) as u64);
-            if changed {
-                out.extend_from_slice(&m.spilled.to_le_bytes());
-            }
+            let zz = ((d << 1) ^ (d >> 63)) as u64;
             (offset, pc, spilled) = (m.offset, m.guest_pc, m.spilled);
+            // Most marks: a short step in the code and the guest, the spills unchanged.
+            if !changed && (head | zz) < 0x80 {
+                scratch.push(head as u8);
+                scratch.push(zz as u8);
+                continue;
+            }
+            put_varint(scratch, head);
+            put_varint(scratch, zz);
+            if changed {
+                scratch.extend_from_slice(&m.spilled.to_le_bytes());
+            }
         }
-        Self(out.into_boxed_slice())
+        Self(Box::from(&scratch[..]))
     }
 
     /// The last mark at or before `off`: its guest PC and spill mask (`start` as given
@@ -130,16 +142,16 @@ mod tests {
             mark(70_000, 0x0000_0000_0040_1000, 0),
         ];
         for start in [0xffff_ffff_8100_0000, 0, 0x0000_7fff_ffff_f000] {
-            let map = PcMap::encode(&marks, start);
+            let map = PcMap::encode(&marks, start, &mut Vec::new());
             for off in 0..70_010 {
                 assert_eq!(map.lookup(off, start), linear(&marks, off), "offset {off}");
             }
             assert!(map.encoded_len() <= marks.len() * 16 / 2);
         }
-        let first_later = PcMap::encode(&[mark(5, 0x1000, 0)], 0x1000);
+        let first_later = PcMap::encode(&[mark(5, 0x1000, 0)], 0x1000, &mut Vec::new());
         assert_eq!(first_later.lookup(4, 0x1000), None);
         assert_eq!(first_later.lookup(5, 0x1000), Some((0x1000, 0)));
-        assert_eq!(PcMap::encode(&[], 0).lookup(0, 0), None);
+        assert_eq!(PcMap::encode(&[], 0, &mut Vec::new()).lookup(0, 0), None);
     }
 
     #[test]
@@ -149,7 +161,7 @@ mod tests {
             .map(|i| mark(i * 7, 0xffff_ffff_8123_4000 + u64::from(i) * 4, 0))
             .collect();
         let start = 0xffff_ffff_8123_4000;
-        let map = PcMap::encode(&marks, start);
+        let map = PcMap::encode(&marks, start, &mut Vec::new());
         assert_eq!(map.encoded_len(), 34 * 2);
         assert_eq!(map.lookup(7 * 20 + 3, start), Some((start + 80, 0)));
     }
