@@ -23,7 +23,7 @@ use crate::arch::{decode_trace, translate_trace, DecodedTrace, EmitEnv, Scratch,
 use crate::code_cache::CodeCache;
 use crate::context::{CacheContext, GuestRegs};
 use crate::error::EngineError;
-use crate::fragment::{ExitKind, ExitRecord, Fragment};
+use crate::fragment::{EntryOffsets, ExitKind, ExitRecord, Fragment};
 use crate::guest_memory::{GuestMemory, Mode};
 use crate::insn_count::ENGINE_COUNTER_SLOTS;
 use crate::instrument::{
@@ -584,22 +584,28 @@ impl Engine {
             let kind = ExitKind::committed(*e, at);
             self.cache.exits.push(ExitRecord { fragment: id, kind });
         }
-        self.cache.fragments.push(Fragment {
-            start: va,
+        let off = |o: usize| u32::try_from(o).expect("a trace's code is far below 4 GiB");
+        let offsets = EntryOffsets {
+            checked_entry: off(tr.checked_entry),
+            ret_entry: off(tr.ret_entry),
+            entry: off(tr.entry),
+            body: off(tr.body),
+            loop_entry: tr
+                .loop_entry
+                .map(|o| core::num::NonZeroU32::new(off(o)).expect("past the PA check")),
+        };
+        let pc_map = PcMap::encode(&tr.marks, va.0, &mut self.pc_map_scratch);
+        self.cache.fragments.push(Fragment::new(
+            va,
             pa,
             mode,
             code,
             base,
-            len: tr.code.len(),
-            checked_entry: at(tr.checked_entry),
-            ret_entry: at(tr.ret_entry),
-            entry: at(tr.entry),
-            body: at(tr.body),
-            loop_entry: tr.loop_entry.map(at),
-            pc_map: PcMap::encode(&tr.marks, va.0, &mut self.pc_map_scratch),
-            calls,
-            incoming: Vec::new(),
-        });
+            off(tr.code.len()),
+            offsets,
+            pc_map,
+            calls.into_boxed_slice(),
+        ));
         self.cache.by_key.insert((va.0, pa.0, mode.0), id);
         self.cache.fast.put(va, mode, pa, id, self.lookup_global);
         self.stats.fragments += 1;
@@ -683,7 +689,7 @@ impl Engine {
         // SAFETY: see the top of `run_inner`.
         let id = self.fragment_for(mem, platform, unsafe { &mut **tp }, self.rip)?;
         self.note_entered(id);
-        Ok(self.cache.fragments[id as usize].body)
+        Ok(self.cache.fragments[id as usize].body())
     }
 
     /// The guest wrote to (or unmapped) the code frame `pa_page`: every fragment translated
@@ -708,7 +714,7 @@ impl Engine {
                 pages.push(f.start.page());
             }
             self.cache.by_key.remove(&key);
-            if f.code.0 != 0 {
+            if f.code_len != 0 {
                 if self.cache.buried.len() >= crate::revive::MAX_BURIED {
                     self.cache.buried.clear();
                 }

@@ -10,31 +10,111 @@ use crate::instrument::CallSpec;
 use crate::link::branch_target;
 use crate::pc_map::PcMap;
 use crate::platform::SensitiveInsn;
+use alloc::boxed::Box;
 use alloc::vec::Vec;
 
 /// A translated trace.
+///
+/// Kept small: the cache's fragment table has a fixed size (`code_cache::MAX_FRAGMENTS`,
+/// 8 MiB of these), and a full table flushes the cache. The entry points are offsets from
+/// `base` and the revival key is split so that the small fields share words: 120 bytes,
+/// where addresses and tuples made it 168 (a generic 6.12 Linux boot, ~61 000 traces,
+/// flushed once for it).
 #[derive(Debug)]
 pub(crate) struct Fragment {
     pub start: GuestVirt,
     pub pa: GuestPhys,
-    pub mode: Mode,
-    /// The guest bytes it was translated from: their length from `start` and their keyed
-    /// hash (`crate::revive`); length 0 if it may not be revived.
-    pub code: (u16, u64),
+    /// The keyed hash of the guest bytes it was translated from (`crate::revive`).
+    pub code_hash: u64,
     pub base: CachePc,
-    pub len: usize,
-    pub checked_entry: CachePc,
-    pub ret_entry: CachePc,
-    pub entry: CachePc,
-    pub body: CachePc,
-    /// Where a link of the trace's own back edge enters (past its hoisted checks).
-    pub loop_entry: Option<CachePc>,
+    pub mode: Mode,
+    /// Bytes of code from `base`.
+    pub len: u32,
+    /// The entry points, as offsets from `base`.
+    offsets: EntryOffsets,
+    /// The length of those guest bytes from `start`; 0 if it may not be revived.
+    pub code_len: u16,
     /// Cache PC → guest state (`crate::recover`).
     pub pc_map: PcMap,
-    pub calls: Vec<CallSpec>,
+    pub calls: Box<[CallSpec]>,
     /// Exit records currently linked to this fragment (undone by `unlink_incoming`).
     pub incoming: Vec<u32>,
 }
+
+/// A fragment's entry points, as offsets from its `base` (`crate::arch::Translated`'s).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct EntryOffsets {
+    pub checked_entry: u32,
+    pub ret_entry: u32,
+    pub entry: u32,
+    pub body: u32,
+    /// Where a link of the trace's own back edge enters (past its hoisted checks; never
+    /// offset 0, the PA check's).
+    pub loop_entry: Option<core::num::NonZeroU32>,
+}
+
+impl Fragment {
+    /// A fragment of `len` bytes at `base` with entry points `offsets`; the rest as
+    /// the fields say.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        start: GuestVirt,
+        pa: GuestPhys,
+        mode: Mode,
+        code: (u16, u64),
+        base: CachePc,
+        len: u32,
+        offsets: EntryOffsets,
+        pc_map: PcMap,
+        calls: Box<[CallSpec]>,
+    ) -> Self {
+        Self {
+            start,
+            pa,
+            code_hash: code.1,
+            base,
+            mode,
+            len,
+            offsets,
+            code_len: code.0,
+            pc_map,
+            calls,
+            incoming: Vec::new(),
+        }
+    }
+
+    fn at(&self, off: u32) -> CachePc {
+        CachePc(self.base.0 + u64::from(off))
+    }
+
+    /// The entry past nothing: the SoftTLB's PA check first.
+    pub(crate) fn checked_entry(&self) -> CachePc {
+        self.at(self.offsets.checked_entry)
+    }
+
+    /// The return cache's entry.
+    pub(crate) fn ret_entry(&self) -> CachePc {
+        self.at(self.offsets.ret_entry)
+    }
+
+    /// The entry past the PA check.
+    pub(crate) fn entry(&self) -> CachePc {
+        self.at(self.offsets.entry)
+    }
+
+    /// The trace's first guest instruction.
+    pub(crate) fn body(&self) -> CachePc {
+        self.at(self.offsets.body)
+    }
+
+    /// Where a link of the trace's own back edge enters, if it has one.
+    pub(crate) fn loop_entry(&self) -> Option<CachePc> {
+        self.offsets.loop_entry.map(|o| self.at(o.get()))
+    }
+}
+
+#[cfg(test)]
+const _: () = assert!(core::mem::size_of::<Fragment>() <= 120);
 
 /// What an exit record does when its stub is reached.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -51,7 +51,7 @@ impl Engine {
         let key = (va.0, pa.0, self.mode.0);
         let id = self.cache.buried.remove(&key)?;
         let f = &self.cache.fragments[id as usize];
-        let (len, hash) = (usize::from(f.code.0), f.code.1);
+        let (len, hash) = (usize::from(f.code_len), f.code_hash);
         let buf = &mut self.scratch.fetch_buf()[..len];
         if !mem.read(pa, buf) || code_hash(self.config.code_hash_key, buf) != hash {
             return None;

@@ -197,15 +197,15 @@ pub(crate) fn emit_pa_check(
 /// holds too), else its `checked_entry`.
 pub(crate) fn link_target(src: &Fragment, dst: &Fragment) -> CachePc {
     if src.base == dst.base {
-        if let Some(l) = dst.loop_entry {
+        if let Some(l) = dst.loop_entry() {
             return l;
         }
     }
     let same_page = src.start.page() == dst.start.page() && src.pa.page() == dst.pa.page();
     if same_page {
-        dst.entry
+        dst.entry()
     } else {
-        dst.checked_entry
+        dst.checked_entry()
     }
 }
 

@@ -54,7 +54,7 @@ fn main() {
         let dt = start.elapsed().as_secs_f64();
         let s = t.engine.stats();
         // A pass starts with a flush; one more comes when it fills the fragment table
-        // (`MAX_FRAGMENTS`), which a Linux corpus of every 8th function does.
+        // (`MAX_FRAGMENTS`), which a corpus of every function does.
         assert!(s.flushes > s0.flushes, "a pass starts with a flush");
         let insns = s.guest_insns - s0.guest_insns;
         println!(

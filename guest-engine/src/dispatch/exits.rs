@@ -50,7 +50,7 @@ impl Engine {
             Next::Lookup
         } else {
             self.note_entered(id);
-            Next::Enter(self.cache.fragments[id as usize].body)
+            Next::Enter(self.cache.fragments[id as usize].body())
         }
     }
 
@@ -150,7 +150,7 @@ impl Engine {
         let id = self.fragment_for(mem, platform, unsafe { &mut **tp }, va)?;
         if self.config.fill_ibl {
             let f = &self.cache.fragments[id as usize];
-            let (entry, ret_entry) = (f.entry, f.ret_entry);
+            let (entry, ret_entry) = (f.entry(), f.ret_entry());
             let global = self.lookup_global;
             self.cache.ibl_insert(self.table_slot, va, entry, global);
             if self.config.return_cache {
