@@ -594,18 +594,19 @@ impl Engine {
                 .loop_entry
                 .map(|o| core::num::NonZeroU32::new(off(o)).expect("past the PA check")),
         };
-        let pc_map = PcMap::encode(&tr.marks, va.0, &mut self.pc_map_scratch);
-        self.cache.fragments.push(Fragment::new(
-            va,
+        self.cache.fragments.push(Fragment {
+            start: va,
             pa,
-            mode,
-            code,
+            code_hash: code.1,
             base,
-            off(tr.code.len()),
+            mode,
+            len: off(tr.code.len()),
             offsets,
-            pc_map,
-            calls.into_boxed_slice(),
-        ));
+            code_len: code.0,
+            pc_map: PcMap::encode(&tr.marks, va.0, &mut self.pc_map_scratch),
+            calls: calls.into_boxed_slice(),
+            incoming: Vec::new(),
+        });
         self.cache.by_key.insert((va.0, pa.0, mode.0), id);
         self.cache.fast.put(va, mode, pa, id, self.lookup_global);
         self.stats.fragments += 1;

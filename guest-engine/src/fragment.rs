@@ -30,8 +30,8 @@ pub(crate) struct Fragment {
     pub mode: Mode,
     /// Bytes of code from `base`.
     pub len: u32,
-    /// The entry points, as offsets from `base`.
-    offsets: EntryOffsets,
+    /// The entry points, as offsets from `base` (read through the methods below).
+    pub offsets: EntryOffsets,
     /// The length of those guest bytes from `start`; 0 if it may not be revived.
     pub code_len: u16,
     /// Cache PC → guest state (`crate::recover`).
@@ -54,35 +54,6 @@ pub(crate) struct EntryOffsets {
 }
 
 impl Fragment {
-    /// A fragment of `len` bytes at `base` with entry points `offsets`; the rest as
-    /// the fields say.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
-        start: GuestVirt,
-        pa: GuestPhys,
-        mode: Mode,
-        code: (u16, u64),
-        base: CachePc,
-        len: u32,
-        offsets: EntryOffsets,
-        pc_map: PcMap,
-        calls: Box<[CallSpec]>,
-    ) -> Self {
-        Self {
-            start,
-            pa,
-            code_hash: code.1,
-            base,
-            mode,
-            len,
-            offsets,
-            code_len: code.0,
-            pc_map,
-            calls,
-            incoming: Vec::new(),
-        }
-    }
-
     fn at(&self, off: u32) -> CachePc {
         CachePc(self.base.0 + u64::from(off))
     }
@@ -113,7 +84,6 @@ impl Fragment {
     }
 }
 
-#[cfg(test)]
 const _: () = assert!(core::mem::size_of::<Fragment>() <= 120);
 
 /// What an exit record does when its stub is reached.
