@@ -123,9 +123,11 @@ fn soak(name: &str, windows: Windows, soak_s: u64, window: Duration, gap: Durati
     let console = dir.join("console.log");
     let mut engine = engine_config("null", "");
     // As `kpin run --resident` does: the windows name the processes they saw run.
-    engine.kernel_types = vmm::diag::kernel_types::from_kernel(&linux.vmlinux)
-        .expect("the kernel's BTF")
-        .0;
+    engine.kernel_types = vmm::diag::kernel_types::Pending::ready(
+        vmm::diag::kernel_types::from_kernel(&linux.vmlinux)
+            .expect("the kernel's BTF")
+            .0,
+    );
     let cfg = VmConfig {
         initrd: Some(linux.initramfs.clone()),
         cmdline: format!("{LINUX_CMDLINE} kpin.workload=soak kpin.soak={soak_s}"),

@@ -108,7 +108,9 @@ pub fn engine_config(tool: &str, options: &str) -> vmm::EngineConfig {
         tool: tool.into(),
         options: options.into(),
         host_sim: true,
-        kernel_types: kpin_abi::attach::KernelTypes::UNKNOWN,
+        kernel_types: vmm::diag::kernel_types::Pending::ready(
+            kpin_abi::attach::KernelTypes::UNKNOWN,
+        ),
     }
 }
 

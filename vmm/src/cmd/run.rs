@@ -13,6 +13,7 @@ use host_daemon::resolve::SpaceReserve;
 use host_daemon::{DaemonStats, OutputFailure};
 use kpin_abi::output;
 use vmm::devices::virtio::disk::DiskConfig;
+use vmm::diag::kernel_types::Pending;
 use vmm::guests::{
     DEBIAN_CMDLINE, LINUX_612_CMDLINE, LINUX_CMDLINE, MINIKERNEL_NATIVE_CMDLINE,
     USER_KERNEL_CMDLINE,
@@ -43,10 +44,7 @@ pub(crate) fn run(args: RunArgs) -> anyhow::Result<u8> {
         .clone()
         .unwrap_or_else(kpin_images::default_out_dir);
     let guest = choose_guest(&args, &image_dir)?;
-    let mut engine = engine_config(&args, &image_dir)?;
-    if let Some(e) = &mut engine {
-        e.kernel_types = kernel_types(&guest.kernel);
-    }
+    let engine = engine_config(&args, &image_dir, &guest.kernel)?;
     let out = prepare_out_dir(&args)?;
     // From here on SIGINT and SIGTERM stop the guest and keep its files so far.
     let stop = StopRequest::new();
@@ -272,14 +270,22 @@ fn disk_configs(args: &RunArgs) -> Vec<DiskConfig> {
 }
 
 /// The engine to start the guest under (`--tool`, or tool null for `--resident`), its
-/// image built if missing and its options parsed; `None` for a native run.
-fn engine_config(args: &RunArgs, image_dir: &Path) -> anyhow::Result<Option<vmm::EngineConfig>> {
+/// image built if missing and its options parsed, and `kernel`'s types being found; `None`
+/// for a native run.
+fn engine_config(
+    args: &RunArgs,
+    image_dir: &Path,
+    kernel: &Path,
+) -> anyhow::Result<Option<vmm::EngineConfig>> {
     let engine_tool = args.tool.clone().or_else(|| {
         args.resident
             .then(|| kpin_tool_registry::RESIDENT.name.to_owned())
     });
     Ok(match engine_tool {
         Some(tool) => Some(vmm::EngineConfig {
+            // First: found while the engine image and the VM are built (~0.1 s for a
+            // distribution kernel's BTF); the engine's entry waits for them.
+            kernel_types: Pending::start(kernel, kernel_types),
             image: match &args.tool_crate {
                 Some(dir) => kpin_images::ensure_engine_with_tool(image_dir, dir, &mut progress)?,
                 None => kpin_images::ensure_engine(image_dir, &mut progress)?,
@@ -287,8 +293,6 @@ fn engine_config(args: &RunArgs, image_dir: &Path) -> anyhow::Result<Option<vmm:
             tool: tool.clone(),
             options: input_check::engine_options(&tool, &args.tool_option)?,
             host_sim: !args.sim_in_engine,
-            // Set from the kernel by `run` once the guest is chosen.
-            kernel_types: kpin_abi::attach::KernelTypes::UNKNOWN,
         }),
         None => None,
     })

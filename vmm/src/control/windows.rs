@@ -495,7 +495,7 @@ impl Windows {
             options: options.to_owned(),
             // Windows simulate in the engine: the record ring serves the boot tool only.
             host_sim: false,
-            kernel_types: self.kernel_types(),
+            kernel_types: crate::diag::kernel_types::Pending::ready(self.kernel_types()),
         };
         match engine::enter::enter(vcpu, mem, cpuid, &cfg) {
             Ok(_) => {}

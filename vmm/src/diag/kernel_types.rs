@@ -29,6 +29,8 @@
 
 use std::os::unix::fs::FileExt;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 
 use btfparse::{Offset, Readable, TypeInformation, TypeVariant};
 use kpin_abi::attach::{KernelTypes, MapleLayout, MAX_COMM_BYTES};
@@ -146,6 +148,54 @@ pub fn from_btf(btf: &[u8]) -> Result<(KernelTypes, String), String> {
             Err(why) => Ok((with_exe, format!("{how}; {NO_CODE_ORIGINS}: {why}"))),
         },
         Err(why) => Ok((types, format!("{how}; no executables: {why}"))),
+    }
+}
+
+/// A kernel's types, or the thread still finding them: parsing a distribution kernel's
+/// BTF takes ~0.1 s, which `kpin run` overlaps with building the engine image and the VM
+/// ([`Pending::start`]); the engine's entry takes them ([`Pending::get`]).
+#[derive(Clone, Debug)]
+pub struct Pending(Arc<Mutex<PendingState>>);
+
+#[derive(Debug)]
+enum PendingState {
+    Ready(KernelTypes),
+    Finding(JoinHandle<KernelTypes>),
+}
+
+impl Pending {
+    /// Types known already.
+    pub fn ready(types: KernelTypes) -> Self {
+        Self(Arc::new(Mutex::new(PendingState::Ready(types))))
+    }
+
+    /// Runs `find(kernel)` on a thread of its own (here, if no thread can be started).
+    pub fn start(kernel: &Path, find: fn(&Path) -> KernelTypes) -> Self {
+        let path = kernel.to_owned();
+        match std::thread::Builder::new()
+            .name("kpin-btf".into())
+            .spawn(move || find(&path))
+        {
+            Ok(handle) => Self(Arc::new(Mutex::new(PendingState::Finding(handle)))),
+            Err(_) => Self::ready(find(kernel)),
+        }
+    }
+
+    /// The types, waiting for the thread if it still runs; a thread that panicked (a BTF
+    /// btfparse could not take) gives `KernelTypes::UNKNOWN`: processes by address space.
+    pub fn get(&self) -> KernelTypes {
+        let Ok(mut state) = self.0.lock() else {
+            return KernelTypes::UNKNOWN;
+        };
+        let types = match std::mem::replace(&mut *state, PendingState::Ready(KernelTypes::UNKNOWN)) {
+            PendingState::Ready(types) => types,
+            PendingState::Finding(handle) => handle.join().unwrap_or_else(|_| {
+                eprintln!("kpin: warning: processes are reported by address space (CR3): reading the kernel's BTF failed");
+                KernelTypes::UNKNOWN
+            }),
+        };
+        *state = PendingState::Ready(types);
+        types
     }
 }
 

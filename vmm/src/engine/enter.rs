@@ -42,9 +42,9 @@ pub struct EngineConfig {
     /// second core).
     pub host_sim: bool,
     /// Where the guest kernel keeps its running task, from its BTF
-    /// ([`crate::diag::kernel_types`]); `KernelTypes::UNKNOWN`: the engine names no
-    /// processes.
-    pub kernel_types: kpin_abi::attach::KernelTypes,
+    /// ([`crate::diag::kernel_types`]), perhaps still being found; `KernelTypes::UNKNOWN`:
+    /// the engine names no processes.
+    pub kernel_types: crate::diag::kernel_types::Pending,
 }
 
 /// Where the engine was entered.
@@ -168,7 +168,7 @@ pub fn enter(
             stolen_bytes: STOLEN_SIZE_BYTES,
             tool: &cfg.tool,
             options: &cfg.options,
-            kernel_types: cfg.kernel_types,
+            kernel_types: cfg.kernel_types.get(),
         },
     )?;
     attach::write_block(mem, &block)?;
