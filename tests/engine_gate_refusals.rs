@@ -74,7 +74,7 @@ fn test_gate_refuses_foreign_callers_and_bad_arguments_and_ends_the_run() {
             log.contains(&format!("operation {operation}")),
             "{crash}: {log}"
         );
-        // The refused call ends as a #GP at the gate's `hlt`, at CPL 3, with registers.
+        // The refused call ends as a #GP at the gate's `int`, at CPL 3, with registers.
         assert!(
             log.contains("unexpected exception #GP (vector 13)"),
             "{crash}: {log}"

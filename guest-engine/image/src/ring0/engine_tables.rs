@@ -12,7 +12,8 @@ use crate::ring0::entry::{
     kpin_idt_stubs, kpin_ist1_top, kpin_ist2_top, kpin_ist3_top, kpin_ring0_stack_top,
 };
 use crate::ring0::layout::{
-    GDT_ENTRIES, IDT_VECTORS, IST_DF, IST_MC, IST_NMI, KERNEL_CS, VEC_DF, VEC_MC, VEC_NMI,
+    GDT_ENTRIES, IDT_VECTORS, IST_DF, IST_MC, IST_NMI, KERNEL_CS, VEC_DF, VEC_GATE, VEC_GATE_CR3,
+    VEC_MC, VEC_NMI,
 };
 
 /// 64-bit code, DPL 0, present, long mode.
@@ -29,6 +30,8 @@ const TSS_LIMIT: u64 = 103;
 const TSS_TYPE: u64 = 0x89;
 /// Type/attribute byte of a 64-bit interrupt gate, present, DPL 0.
 const INTERRUPT_GATE: u64 = 0x8e;
+/// The same, DPL 3: the gate's vectors, which CPL 3 reaches with `int n`.
+const USER_INTERRUPT_GATE: u64 = 0xee;
 /// TSS words (104 bytes as 26 u32s, avoiding a packed struct).
 const TSS_WORDS: usize = 26;
 /// Word index of TSS.RSP0.
@@ -125,10 +128,14 @@ pub extern "C" fn ring0_setup() {
             VEC_MC => IST_MC,
             _ => 0,
         };
+        let kind = match v as u8 {
+            VEC_GATE | VEC_GATE_CR3 => USER_INTERRUPT_GATE,
+            _ => INTERRUPT_GATE,
+        };
         t.idt[2 * v] = (handler & 0xffff)
             | (u64::from(KERNEL_CS) << 16)
             | (u64::from(ist) << 32)
-            | (INTERRUPT_GATE << 40)
+            | (kind << 40)
             | (((handler >> 16) & 0xffff) << 48);
         t.idt[2 * v + 1] = handler >> 32;
     }

@@ -11,26 +11,20 @@
 //! `iretq`s to `kpin_engine_main(attach)` (`run/bringup.rs`) at CPL 3 with IF = 1 on the main stack.
 //!
 //! **Register convention of the gate** (`kpin_gate`, called from CPL 3): RAX = operation
-//! (`layout::gate_op`), RDI = first argument, RSI = second; returns RAX; clobbers RDX and
-//! flags; every other register is preserved. The gate is the `hlt` at `kpin_gate_insn`:
-//! at CPL 3 it raises #GP(0); the #GP stub compares the faulting RIP with
-//! `kpin_gate_insn`, performs the operation at ring 0, adds 1 to the saved RIP and
-//! `iretq`s. LOAD_CR3, the most frequent operation, has a `hlt` of its own
-//! (`kpin_gate_cr3_insn`), checked first, and a shorter path; INVLPG, the next most
-//! frequent, has one too (`kpin_gate_invlpg_insn`), checked second. Operations: NOP,
-//! OUT8/OUT16/OUT32 (port RDI, value RSI), IN8/IN16/IN32 (port RDI), LOAD_CR3 (RDI), WRMSR (index RDI, value RSI), RDMSR (index RDI), INVLPG (RDI; its own entry only),
-//! HLT (`sti; hlt`: back after one interrupt was handled), CR4_SSE (CR4.OSFXSR and
-//! CR4.OSXMMEXCPT := those bits of RDI, which holds no others: the guest's SSE enables,
-//! mirrored because translated code runs its SSE instructions verbatim), RDMSR_SAFE (index
-//! RDI; RAX = value and RDX = 0, or RDX = 1 if the `rdmsr` raised #GP, which the #GP stub
-//! recognises by its RIP, `kpin_gate_rdmsr_insn`), NOTIFY (`out` of RSI's low byte to the
-//! engine's own port RDI: the doorbell or the failure port). An unknown operation returns
-//! `u64::MAX`. The ring-0 half of the gate, and the checks it makes of its caller and its
-//! arguments before any operation (a refused call ends the run), are in `gate.rs`.
-//!
+//! (`layout::gate_op`), RDI = first argument, RSI = second; returns RAX; clobbers RCX, RDX
+//! and flags; every other register is preserved. The gate is the `int 3` at
+//! `kpin_gate_insn`, through a DPL-3 interrupt gate (`layout::VEC_GATE`) straight to the
+//! ring-0 half in `gate.rs`, which checks that RIP, performs the operation and `iretq`s to
+//! the `ret` after the `int`. LOAD_CR3, the most frequent operation, has an `int 4` of its
+//! own (`kpin_gate_cr3_insn`, `VEC_GATE_CR3`) and a shorter path. A software interrupt
+//! is the cheapest way to ring 0 here: an `int` and an `iretq` with nothing between took
+//! 5.4 µs on a Zen 5 host under `kvm_pvm`, where the #GP of a `hlt` (the gate until
+//! 2026-11-28) costs ~10 µs more. Translated code never runs an `int` (the translator
+//! emulates every one), so only the engine's code reaches the gate's vectors.
+//! Operations: NOP,
 //! **IDT vectors**: 0–31 exception stubs (a zero error code is pushed where the CPU pushes
-//! none, then the vector), 32–255 interrupt stubs. Every entry is a DPL-0 interrupt gate
-//! (so `int n` from CPL 3 is a #GP, never a gate). Before the guest runs, the PIC is the
+//! none, then the vector), but the gate's three vectors; 32–255 interrupt stubs. Every
+//! entry is an interrupt gate, DPL 0 (so `int n` from CPL 3 is a #GP) but the gate's. Before the guest runs, the PIC is the
 //! engine's (vectors 0x20–0x2f): a stub counts the IRQ in `kpin_irq_counts[irq]` (and in
 //! `kpin_irq_at_cpl3` when it interrupted CPL 3), sends the PIC an EOI and `iretq`s. Once
 //! the guest runs (`kpin_guest_irqs` set by `irq::hand_over`) the guest programs the PIC
@@ -74,7 +68,7 @@ use kpin_abi::ports::ENGINE_FAILURE_PORT;
 use crate::ring0::layout::{
     FAULT_STACK_BYTES, IST_STACK_BYTES, MAIN_STACK_BYTES, PIC1_CMD, PIC1_DATA, PIC2_CMD, PIC2_DATA,
     PIC2_VECTOR_BASE, PIC_EOI, PIC_VECTOR_BASE, RFLAGS_FIXED, RFLAGS_IF, RING0_STACK_BYTES,
-    TSS_SEL, USER_CS, USER_DS, VEC_GP, VEC_PF,
+    TSS_SEL, USER_CS, USER_DS, VEC_GATE, VEC_GATE_CR3, VEC_GP, VEC_PF,
 };
 
 /// What the ring-0 trap path saved about an unexpected exception.
@@ -132,8 +126,6 @@ extern "C" {
     pub fn kpin_gate();
     /// LOAD_CR3's own entry to the gate. Use `crate::ring0::gate::load_cr3`.
     pub fn kpin_gate_cr3();
-    /// INVLPG's own entry to the gate. Use `crate::ring0::gate::invlpg`.
-    pub fn kpin_gate_invlpg();
     /// The probe; see the module header. Use `crate::ring0::probe`.
     pub fn kpin_probe_read();
     /// IRQ counts per PIC line (16 entries).
@@ -307,9 +299,12 @@ kpin_vec_\num:
     iretq
 .endm
 
-.irp n, 0,1,2,3,4,5,6,7,9,15,16,18,19,20,22,23,24,25,26,27,28,31
+.irp n, 0,1,2,5,6,7,9,15,16,18,19,20,22,23,24,25,26,27,28,31
     kpin_exc \n, 0
 .endr
+    // The gate's vectors (`layout::VEC_GATE*`) enter the gate itself.
+    .set kpin_exc_{vec_gate_cr3}, kpin_gate_cr3_entry
+    .set kpin_exc_{vec_gate}, kpin_gate_entry
 .irp n, 8,10,11,12,17,21,29,30
     kpin_exc \n, 1
 .endr
@@ -373,24 +368,6 @@ kpin_irq_guest:
 
     // #GP: the gate, or an unexpected #GP.
 kpin_exc_13:
-    // LOAD_CR3 first, the most frequent gate operation (a view switch on every CPL
-    // change): its own `hlt` and a shorter path (`gate.rs`).
-    push rax
-    lea rax, [rip + kpin_gate_cr3_insn]
-    cmp rax, [rsp + 16]
-    pop rax
-    je kpin_gate_cr3_entry
-    // INVLPG next (re-protecting a code frame, a guest `invlpg`): its own `hlt` too.
-    push rax
-    lea rax, [rip + kpin_gate_invlpg_insn]
-    cmp rax, [rsp + 16]
-    pop rax
-    je kpin_gate_invlpg_entry
-    push rax
-    lea rax, [rip + kpin_gate_insn]
-    cmp rax, [rsp + 16]
-    pop rax
-    je kpin_gate_entry
     // A #GP from the RDMSR_SAFE operation's `rdmsr` (ring 0, nested in the gate):
     // resume at its fault path, which reports the failure.
     push rax
@@ -516,21 +493,15 @@ kpin_probe_fault:
     .global kpin_gate_insn
 kpin_gate:
 kpin_gate_insn:
-    hlt
+    // `int 3` (CD 03), not `int3` (CC): the gate's path checks for this RIP.
+    .byte 0xcd, {vec_gate}
     ret
     // LOAD_CR3's own entry to the gate (same convention; RAX = LOAD_CR3).
     .global kpin_gate_cr3
     .global kpin_gate_cr3_insn
 kpin_gate_cr3:
 kpin_gate_cr3_insn:
-    hlt
-    ret
-    // INVLPG's own entry (same convention; RAX = INVLPG, returned unchanged).
-    .global kpin_gate_invlpg
-    .global kpin_gate_invlpg_insn
-kpin_gate_invlpg:
-kpin_gate_invlpg_insn:
-    hlt
+    int {vec_gate_cr3}
     ret
     .popsection
 
@@ -617,6 +588,8 @@ kpin_fault_stack_top:
     pic2_cmd = const PIC2_CMD,
     vec_gp = const VEC_GP,
     vec_pf = const VEC_PF,
+    vec_gate = const VEC_GATE,
+    vec_gate_cr3 = const VEC_GATE_CR3,
     rec = sym FAULT,
     off_vector = const offset_of!(FaultRecord, vector),
     off_error = const offset_of!(FaultRecord, error),

@@ -1,6 +1,6 @@
 //! The ring-0 gate from CPL 3 (protocol in `entry.rs`'s header): the ring-0 half of the
-//! gate (entered from `entry.rs`'s #GP stub when the #GP came from `kpin_gate_insn`), and
-//! safe wrappers, one per operation. Each call is one #GP round trip through the stub.
+//! gate (entered by the `int` at `kpin_gate_insn` and the operations' own), and safe
+//! wrappers, one per operation. Each call is one `int`/`iretq` round trip.
 //!
 //! **What the gate serves** (issue #11): the ring-0 half checks, before any operation,
 //! that the return address its caller pushed lies in the engine's `.text`
@@ -13,7 +13,7 @@
 //! (`MsrFile::passes_through`, a unit test keeps it inside the set) and the
 //! FS/GS/KERNEL_GS bases. A refused call
 //! sets `kpin_gate_refused` (`layout::gate_refusal`) and takes the unexpected-exception
-//! path as a #GP at the gate's `hlt`: `engine.log` names the refusal and the registers
+//! path as a #GP at the gate's `int`: `engine.log` names the refusal and the registers
 //! (RAX = operation, RDI/RSI = arguments), the VMM dumps the state, the run ends.
 //! These checks stop calls from anywhere but the engine's code and arguments the engine
 //! never passes; they cannot stop code that can already write the engine's memory (it
@@ -30,7 +30,7 @@ use kpin_abi::stolen::{
 };
 use kpin_abi::x86::msr;
 
-use crate::ring0::entry::{kpin_gate, kpin_gate_cr3, kpin_gate_invlpg};
+use crate::ring0::entry::{kpin_gate, kpin_gate_cr3};
 use crate::ring0::layout::{gate_op, gate_refusal, VEC_GP};
 
 extern "C" {
@@ -58,27 +58,24 @@ pub fn refusal() -> Option<&'static str> {
 global_asm!(
     r#"
     .pushsection .text, "ax"
-    // Stack: error code, RIP, CS, RFLAGS, RSP, SS. First the caller: the return address
-    // the `call kpin_gate` pushed must lie in the engine's .text (a bad RSP faults here,
-    // at ring 0, and that fault is reported like any other); then the error code goes and
-    // the saved RIP steps past the `hlt`.
+    // Stack: RIP (the `ret` after the `int`), CS, RFLAGS, RSP, SS. First the caller: the
+    // return address the `call kpin_gate` pushed must lie in the engine's .text (a bad
+    // RSP faults here, at ring 0, and that fault is reported like any other).
     .macro kpin_gate_caller_check
-    mov rdx, [rsp + 32]
+    mov rdx, [rsp + 24]
     mov rdx, [rdx]
     lea rcx, [rip + __image_start]
     sub rdx, rcx
     cmp rdx, offset __kpin_text_len
     jae 90f
-    add rsp, 8
-    add qword ptr [rsp], 1
     .endm
 
-    // LOAD_CR3 through its own `hlt` (`kpin_gate_cr3`): the same caller check, then a
+    // LOAD_CR3 through its own `int` (`kpin_gate_cr3`): the same caller check, then a
     // shadow-table root (page-aligned, no PCD/PWT: a misaligned value rotates out of
     // range) is loaded at once; anything else takes the full check below. Each ring-0
-    // instruction is emulated here (~0.5 µs on a Zen 5 host, against ~14 µs for the
-    // #GP and the `iretq`), and a boot makes ~85 000 of these loads: this path runs 20
-    // instructions where the general one ran 32.
+    // instruction is emulated here (~0.6 µs on a Zen 5 host, against ~5.4 µs for the
+    // `int` and the `iretq`), and a boot makes ~10 000 of these loads: this path runs 13
+    // instructions where the general one runs 25.
     .global kpin_gate_cr3_entry
 kpin_gate_cr3_entry:
     kpin_gate_caller_check
@@ -91,19 +88,20 @@ kpin_gate_cr3_entry:
     mov cr3, rdi
     iretq
 
-    // INVLPG through its own `hlt` (`kpin_gate_invlpg`): the caller check, then the
-    // `invlpg` (of any address: it only drops TLB entries): 10 instructions past the
-    // #GP stub, where the general path's operation chain made it 25.
-    .global kpin_gate_invlpg_entry
-kpin_gate_invlpg_entry:
-    kpin_gate_caller_check
-    invlpg [rdi]
-    iretq
-
-    // The other operations, most frequent first (WRMSR: the TSC deadline).
+    // The other operations, most frequent first (INVLPG: re-protecting code frames, the
+    // guest's own; WRMSR: the TSC deadline). First the RIP: only the `int 3` at
+    // `kpin_gate_insn` is the gate; an `int3` anywhere else (padding the engine should
+    // never run) is an unexpected #BP.
     .global kpin_gate_entry
 kpin_gate_entry:
+    push rax
+    lea rax, [rip + kpin_gate_insn + 2]
+    cmp rax, [rsp + 8]
+    pop rax
+    jne 91f
     kpin_gate_caller_check
+    cmp rax, {op_invlpg}
+    je 26f
     cmp rax, {op_wrmsr}
     je 24f
     cmp rax, {op_out8}
@@ -295,6 +293,10 @@ kpin_gate_rdmsr_fault:
     wrmsr
     xor eax, eax
     iretq
+    // INVLPG of any address: it only drops TLB entries; RAX is returned unchanged.
+26:
+    invlpg [rdi]
+    iretq
 25:
     mov ecx, edi
     rdmsr
@@ -315,11 +317,15 @@ kpin_gate_rdmsr_fault:
     iretq
 
     // Refusals: RDX = the reason (`gate_refusal`); the call ends as an unexpected #GP
-    // at the gate's `hlt`, reported with the registers (RAX = the operation, RDI and RSI
+    // at the gate's `int`, reported with the registers (RAX = the operation, RDI and RSI
     // its arguments) by the trap path.
 90:
     mov edx, {refused_caller}
-    jmp kpin_gate_refuse
+    jmp kpin_gate_refuse_args
+91:
+    push 0
+    push {vec_bp}
+    jmp kpin_trap_common
 92:
     mov eax, {op_cr3}
     mov edx, {refused_cr3}
@@ -334,10 +340,10 @@ kpin_gate_rdmsr_fault:
     mov eax, {op_notify}
     mov edx, {refused_notify}
 kpin_gate_refuse_args:
-    // Stack: RIP + 1, CS, RFLAGS, RSP, SS: back to the `hlt`, and an error code 0.
-    sub qword ptr [rsp], 1
+    // Stack: RIP past the two-byte `int`, CS, RFLAGS, RSP, SS: back to the `int`, and an
+    // error code 0.
+    sub qword ptr [rsp], 2
     push 0
-kpin_gate_refuse:
     mov [rip + kpin_gate_refused], rdx
     push {vec_gp}
     jmp kpin_trap_common
@@ -354,6 +360,7 @@ kpin_gate_refused:
     .popsection
 "#,
     op_nop = const gate_op::NOP,
+    op_invlpg = const gate_op::INVLPG,
     op_out8 = const gate_op::OUT8,
     op_in8 = const gate_op::IN8,
     op_cr3 = const gate_op::LOAD_CR3,
@@ -399,6 +406,7 @@ kpin_gate_refused:
     refused_msr = const gate_refusal::MSR,
     refused_notify = const gate_refusal::NOTIFY,
     vec_gp = const VEC_GP,
+    vec_bp = const kpin_abi::x86::vector::BP,
 );
 
 // The ports NOTIFY accepts and OUT/IN refuse are the two starting at the doorbell.
@@ -645,12 +653,11 @@ pub fn rdmsr_safe(index: u32) -> Option<u64> {
 
 /// Invalidates the TLB entries for `va`.
 pub fn invlpg(va: u64) {
-    // SAFETY: `kpin_gate_invlpg` is INVLPG's own entry; `invlpg` changes no memory.
-    unsafe { call_own_entry(slot::INVLPG, kpin_gate_invlpg, gate_op::INVLPG, va) }
+    call(gate_op::INVLPG, va, 0);
 }
 
-/// One round trip through an operation's own entry to the gate (`kpin_gate_cr3`,
-/// `kpin_gate_invlpg`: a `hlt` the #GP stub recognises before the general one), with
+/// One round trip through an operation's own entry to the gate (`kpin_gate_cr3`: an
+/// `int` of its own vector, straight to its short path), with
 /// `op` in RAX and `arg` in RDI; charged to profile slot `prof`.
 ///
 /// # Safety

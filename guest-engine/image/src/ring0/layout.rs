@@ -24,12 +24,23 @@ pub const PIC2_VECTOR_BASE: u8 = 0x28;
 pub const VEC_NMI: u8 = kpin_abi::x86::vector::NMI;
 /// #DF.
 pub const VEC_DF: u8 = kpin_abi::x86::vector::DF;
-/// #GP: the gate's vector.
+/// #GP.
 pub const VEC_GP: u8 = kpin_abi::x86::vector::GP;
 /// #PF.
 pub const VEC_PF: u8 = kpin_abi::x86::vector::PF;
 /// #MC.
 pub const VEC_MC: u8 = kpin_abi::x86::vector::MC;
+
+/// The gate's vectors (`int n` at CPL 3 through DPL-3 interrupt gates, `entry.rs`): the
+/// two that this `kvm_pvm` delivers as fast as an exception's stub can run (#BP and #OF,
+/// the host kernel's own user-callable vectors; any other `int n` it turns into a #UD),
+/// which no 64-bit CPU raises but for an `int3`/`int 3` or `into` (invalid in 64-bit mode),
+/// and a local APIC never delivers (vectors 0–15 are illegal there). LOAD_CR3's own entry
+/// (`int 4`, which no compiler emits).
+pub const VEC_GATE_CR3: u8 = 4;
+/// Every other operation (`int 3`; its path checks the RIP, so that a stray `int3` of
+/// padding is an unexpected #BP, never a call).
+pub const VEC_GATE: u8 = 3;
 
 /// IST slot of #DF.
 pub const IST_DF: u8 = 1;
