@@ -44,12 +44,13 @@
 //! (`kpin_cache_lo`, `kpin_cache_len`, set by `run/mod.rs` from
 //! `guest_engine::Engine::fault_redirect`), `kpin_trap_common` — for #PF, the most
 //! frequent (every shadow-MMU fill), its own shorter stub `kpin_exc_14` — stores that RIP at
-//! `CacheContext::fault_pc`, the vector, error code and CR2 in `kpin_cache_fault_*`, and
-//! `iretq`s to the cache's fault exit (CPL 3: it stores the FAULT exit word and enters the
+//! `CacheContext::fault_pc`, the vector (the #PF stub leaves #PF in place), error code and
+//! CR2 in `kpin_cache_fault_*` (read by [`take_cache_fault`]), and `iretq`s to the cache's
+//! fault exit (CPL 3: it stores the FAULT exit word and enters the
 //! exit routine) with the guest's registers untouched: `Engine::run` returns
 //! `Stop::Fault { guest_pc, .. }` with the guest state before the faulting instruction.
 //!
-//! **Unexpected exceptions** (every other exception vector but the gate's #GP): `kpin_trap_common`
+//! **Unexpected exceptions** (every other exception vector, and a #GP not of RDMSR_SAFE): `kpin_trap_common`
 //! saves the GPRs, vector, error code, iret frame and CR2 into `FAULT` and `iretq`s to
 //! `kpin_fault_report` at CPL 3 (IF = 0, on the fault stack), which logs the record to the
 //! I/O ring and reports through the failure port. A fault while a report is in progress
@@ -162,12 +163,29 @@ extern "C" {
     pub static mut kpin_cache_fault_pc_at: u64;
     /// The cache's fault exit (it stores the FAULT exit word).
     pub static mut kpin_cache_exit_routine: u64;
-    /// Vector of the last redirected fault.
-    pub static kpin_cache_fault_vector: u64;
+    /// Vector of the last redirected fault (#PF unless the common path stored another).
+    pub static mut kpin_cache_fault_vector: u64;
     /// Error code of the last redirected fault.
     pub static kpin_cache_fault_error: u64;
     /// CR2 when the last fault was redirected.
     pub static kpin_cache_fault_cr2: u64;
+}
+
+/// The last fault redirected to the cache's fault exit: (vector, error code, CR2). Puts
+/// #PF back as the vector, which the #PF stub does not store.
+pub fn take_cache_fault() -> (u64, u64, u64) {
+    // SAFETY: written by the ring-0 trap path before it redirected the fault to the exit
+    // routine, which ran before the caller's run returned; one vCPU, and no fault is being
+    // redirected while CPL-3 code runs here.
+    unsafe {
+        let vector = core::ptr::read_volatile(&raw const kpin_cache_fault_vector);
+        core::ptr::write_volatile(&raw mut kpin_cache_fault_vector, u64::from(VEC_PF));
+        (
+            vector,
+            core::ptr::read_volatile(&raw const kpin_cache_fault_error),
+            core::ptr::read_volatile(&raw const kpin_cache_fault_cr2),
+        )
+    }
 }
 
 // Boot entry: ring 0 → CPL 3.
@@ -315,31 +333,32 @@ kpin_vec_\num:
     // #PF, the most frequent exception (every shadow-MMU fill): a fault in the code cache
     // is redirected here without the common path's other checks (the same stores as
     // there, see "Faults in translated code"); anything else takes the common path.
-    // Every instruction here is emulated (~1.5 k cycles each): the PC goes to the context
-    // by `push`/`pop [rax]` (no second register to save), and the cache's fault exit, at
-    // CPL 3, stores the exit word.
+    // Every instruction here is emulated (~0.6 µs each on a Zen 5 host): the error code's
+    // slot keeps RAX (`xchg`), the PC goes to the context by `push`/`pop [rax]` (no second
+    // register to save), the vector is not stored (`kpin_cache_fault_vector` says #PF
+    // unless the common path stored another: `take_cache_fault`), and the cache's fault
+    // exit, at CPL 3, stores the exit word: 15 instructions.
     // Stack: error code, RIP, CS, RFLAGS, RSP, SS.
 kpin_exc_14:
-    push rax
-    mov rax, [rsp + 16]
+    xchg rax, [rsp]
+    mov [rip + kpin_cache_fault_error], rax
+    mov rax, [rsp + 8]
     sub rax, [rip + kpin_cache_lo]
     cmp rax, [rip + kpin_cache_len]
     jae 1f
     mov rax, [rip + kpin_cache_fault_pc_at]
-    push qword ptr [rsp + 16]
+    push qword ptr [rsp + 8]
     pop qword ptr [rax]
-    mov qword ptr [rip + kpin_cache_fault_vector], {vec_pf}
-    mov rax, [rsp + 8]
-    mov [rip + kpin_cache_fault_error], rax
     mov rax, cr2
     mov [rip + kpin_cache_fault_cr2], rax
     mov rax, [rip + kpin_cache_exit_routine]
-    mov [rsp + 16], rax
+    mov [rsp + 8], rax
     pop rax
-    add rsp, 8
     iretq
 1:
-    pop rax
+    // Not the cache: the frame as the CPU pushed it, error code back in its slot.
+    mov rax, [rip + kpin_cache_fault_error]
+    xchg rax, [rsp]
     push {vec_pf}
     jmp kpin_trap_common
 
@@ -517,6 +536,15 @@ kpin_idt_stubs:
 .endr
     .popsection
 
+    // The last redirected fault's vector: #PF unless the common path stored another
+    // (the #PF stub does not store it; `take_cache_fault` puts #PF back).
+    .pushsection .data, "aw"
+    .balign 8
+    .global kpin_cache_fault_vector
+kpin_cache_fault_vector:
+    .quad {vec_pf}
+    .popsection
+
     .pushsection .bss, "aw", @nobits
     .balign 16
     .global kpin_irq_counts
@@ -553,9 +581,6 @@ kpin_cache_fault_pc_at:
     .skip 8
     .global kpin_cache_exit_routine
 kpin_cache_exit_routine:
-    .skip 8
-    .global kpin_cache_fault_vector
-kpin_cache_fault_vector:
     .skip 8
     .global kpin_cache_fault_error
 kpin_cache_fault_error:

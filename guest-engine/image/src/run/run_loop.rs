@@ -273,15 +273,7 @@ impl<'a> RunLoop<'a> {
     /// check's hit (`on_isolation_hit`); whichever answers, [`Self::apply`] carries out its
     /// `Action`. Any other fault, or a #UD that is not a hit, is the guest's.
     fn on_fault(&mut self, guest_pc: GuestVirt) -> Result<(), GiveUp> {
-        // SAFETY: written by the ring-0 trap path before it redirected the fault
-        // to the exit routine, which ran before `run` returned.
-        let (vector, error, cr2) = unsafe {
-            (
-                core::ptr::read_volatile(&raw const entry::kpin_cache_fault_vector),
-                core::ptr::read_volatile(&raw const entry::kpin_cache_fault_error),
-                core::ptr::read_volatile(&raw const entry::kpin_cache_fault_cr2),
-            )
-        };
+        let (vector, error, cr2) = entry::take_cache_fault();
         let mode = self.vcpu.mode();
         let action = if vector == u64::from(VEC_PF) {
             prof::switch(profile::SHADOW_FILL);

@@ -143,14 +143,7 @@ fn redirect(
             error,
         })?;
     if ran == Redirected::Fault {
-        // SAFETY: written by the ring-0 trap path before it redirected the fault to the
-        // exit routine, which ran before `run_redirected` returned.
-        let (vector, error) = unsafe {
-            (
-                core::ptr::read_volatile(&raw const entry::kpin_cache_fault_vector),
-                core::ptr::read_volatile(&raw const entry::kpin_cache_fault_error),
-            )
-        };
+        let (vector, error, _) = entry::take_cache_fault();
         return Ok(Some(Action::Reflect(GuestFault {
             vector: vector as u8,
             error_code: error as u32,
