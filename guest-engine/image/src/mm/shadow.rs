@@ -56,6 +56,13 @@ pub struct StolenMem {
     /// Offset (in the stolen region) of the next never-used table frame.
     next: u64,
     free: Vec<u64>,
+    /// Per table frame handed out (indexed from `SHADOW_TABLES_OFFSET`), bit `g` set if an
+    /// entry in `8g..8g + 8` (one cache line) may be present: `next_present` reads only
+    /// those lines. A shadow table is mostly empty and seldom in the cache, and the scans
+    /// (every CR3 write's revalidation, a lent root's unpark) read 512 entries otherwise.
+    /// Invariant: a present entry's bit is set — every write of a shadow entry goes through
+    /// `write_u64`, and `alloc_table` zeroes the frame and its summary.
+    present: Vec<u64>,
     /// The root in the real CR3, and a frame freed while it was loaded.
     pinned: u64,
     deferred: Option<u64>,
@@ -96,8 +103,31 @@ impl StolenMem {
             ram,
             next: SHADOW_TABLES_OFFSET,
             free: Vec::new(),
+            present: Vec::new(),
             pinned: u64::MAX,
             deferred: None,
+        }
+    }
+
+    /// Keeps `present` true after `value` was written at byte `offset` of the shadow-table
+    /// area (engine address `va`): a present entry sets its line's bit; a cleared one
+    /// clears it if its whole line (just written, so in the cache) is now empty.
+    fn note_entry(&mut self, offset: u64, va: u64, value: u64) {
+        let frame = (offset / PAGE) as usize;
+        let line = ((offset % PAGE) / 64) as u32;
+        let Some(lines) = self.present.get_mut(frame) else {
+            return;
+        };
+        if value & 1 != 0 {
+            *lines |= 1 << line;
+            return;
+        }
+        let first = (va & !63) as *const u64;
+        // SAFETY: the 64-byte line of the shadow-table entry just written through the
+        // window (`write_u64`), inside its 4 KiB frame.
+        let empty = (0..8).all(|k| unsafe { first.add(k).read_volatile() } & 1 == 0);
+        if empty {
+            *lines &= !(1 << line);
         }
     }
 
@@ -160,6 +190,9 @@ impl PhysMem for StolenMem {
         // SAFETY: as in `read_u64`; the library writes only shadow entries (stolen region)
         // and the guest's A/D bits (guest RAM), as hardware would.
         unsafe { core::ptr::write_volatile(va as *mut u64, value) };
+        if in_tables {
+            self.note_entry(pa.0 - tables, va, value);
+        }
         true
     }
 
@@ -175,13 +208,24 @@ impl PhysMem for StolenMem {
             return Err(table);
         }
         let at = (WINDOW_VA + (table.0 - self.stolen_base)) as *const u64;
-        for i in from..end {
-            // SAFETY: a 4 KiB-aligned frame of the shadow-table area (checked above),
-            // mapped by the window; `i < 512`. The engine's own memory: the CPU sets
-            // A/D bits in it only while guest code runs, never during this scan.
-            let e = unsafe { at.add(i).read() };
-            if e & 1 != 0 {
-                return Ok(Some((i, e)));
+        let frame = ((table.0 - tables) / PAGE) as usize;
+        // A frame never handed out has no summary: read it all (nothing calls that).
+        let mut lines = self.present.get(frame).copied().unwrap_or(u64::MAX);
+        lines &= u64::MAX << (from / 8).min(63);
+        while lines != 0 {
+            let g = lines.trailing_zeros() as usize;
+            lines &= lines - 1;
+            for i in (8 * g).max(from)..(8 * g + 8).min(end) {
+                // SAFETY: a 4 KiB-aligned frame of the shadow-table area (checked above),
+                // mapped by the window; `i < 512`. The engine's own memory: the CPU sets
+                // A/D bits in it only while guest code runs, never during this scan.
+                let e = unsafe { at.add(i).read() };
+                if e & 1 != 0 {
+                    return Ok(Some((i, e)));
+                }
+            }
+            if 8 * g + 8 >= end {
+                break;
             }
         }
         Ok(None)
@@ -193,10 +237,13 @@ impl PhysMem for StolenMem {
             None if self.next + PAGE <= SHADOW_TABLES_OFFSET + SHADOW_TABLES_BYTES => {
                 let pa = self.stolen_base + self.next;
                 self.next += PAGE;
+                self.present.push(0);
                 pa
             }
             None => return None,
         };
+        let frame = ((pa - self.stolen_base - SHADOW_TABLES_OFFSET) / PAGE) as usize;
+        self.present[frame] = 0;
         // SAFETY: a table frame of the stolen region (mapped by the window), owned by the
         // allocator and not in use (never handed out, or returned and not loaded).
         unsafe {
