@@ -285,7 +285,10 @@ fn engine_config(
         Some(tool) => Some(vmm::EngineConfig {
             // First: found while the engine image and the VM are built (~0.1 s for a
             // distribution kernel's BTF); the engine's entry waits for them.
-            kernel_types: Pending::start(kernel, kernel_types),
+            kernel_types: {
+                let (kernel, cache) = (kernel.to_owned(), image_dir.join(KERNEL_TYPES_CACHE));
+                Pending::start(move || kernel_types(&kernel, &cache))
+            },
             image: match &args.tool_crate {
                 Some(dir) => kpin_images::ensure_engine_with_tool(image_dir, dir, &mut progress)?,
                 None => kpin_images::ensure_engine(image_dir, &mut progress)?,
@@ -298,11 +301,14 @@ fn engine_config(
     })
 }
 
-/// Where `kernel` keeps its running task, from its BTF, for the engine's process table
-/// (`docs/processes.md`); a kernel without usable BTF gets one warning line, and the engine
-/// then reports by address space (CR3).
-fn kernel_types(kernel: &Path) -> kpin_abi::attach::KernelTypes {
-    match vmm::diag::kernel_types::from_kernel(kernel) {
+/// Where `kpin run` remembers each kernel's types, in its image directory.
+const KERNEL_TYPES_CACHE: &str = ".kernel-types";
+
+/// Where `kernel` keeps its running task, from its BTF (or what `cache` remembers of the
+/// same file), for the engine's process table (`docs/processes.md`); a kernel without
+/// usable BTF gets one warning line, and the engine then reports by address space (CR3).
+fn kernel_types(kernel: &Path, cache: &Path) -> kpin_abi::attach::KernelTypes {
+    match vmm::diag::kernel_types::from_kernel_cached(kernel, cache) {
         Ok((types, source)) => {
             progress(&format!("processes: the running task from the {source}"));
             if types.knows_exe() && !types.knows_vmas() {

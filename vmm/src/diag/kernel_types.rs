@@ -151,6 +151,159 @@ pub fn from_btf(btf: &[u8]) -> Result<(KernelTypes, String), String> {
     }
 }
 
+/// Version of the cache file's format ([`from_kernel_cached`]).
+const CACHE_FORMAT: &str = "kpin-kernel-types 1";
+
+/// [`from_kernel`], remembered in `cache_dir` for the same kernel file: parsing a
+/// distribution kernel's BTF takes ~0.1 s of CPU at every `kpin run`. An entry holds only
+/// for the file it was made from — its path, size, modification time, device and inode —
+/// and the kpin executable that made it (the same checks, of `/proc/self/exe`: a rebuilt
+/// kpin reads the BTF again); anything else, or a cache that cannot be read or written, is
+/// a plain [`from_kernel`]. Errors are not remembered.
+pub fn from_kernel_cached(
+    kernel: &Path,
+    cache_dir: &Path,
+) -> Result<(KernelTypes, String), String> {
+    let Some(key) = cache_key(kernel) else {
+        return from_kernel(kernel);
+    };
+    let file = cache_dir.join(format!("{:016x}", fnv1a(key.as_bytes())));
+    if let Some(found) = std::fs::read_to_string(&file)
+        .ok()
+        .and_then(|text| parse_cached(&text, &key))
+    {
+        return Ok(found);
+    }
+    let (types, source) = from_kernel(kernel)?;
+    // Best effort: written whole under a temporary name, then renamed into place.
+    let tmp = file.with_extension(format!("tmp-{}", std::process::id()));
+    let text = format!(
+        "{CACHE_FORMAT}\n{key}\n{}\n{source}\n",
+        types_fields(&types)
+            .iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    if std::fs::create_dir_all(cache_dir).is_ok() && std::fs::write(&tmp, text).is_ok() {
+        let _ = std::fs::rename(&tmp, &file);
+        let _ = std::fs::remove_file(&tmp);
+    }
+    Ok((types, source))
+}
+
+/// What a cache entry for `kernel` must say it was made from (module above), or `None`
+/// if either file's metadata cannot be read.
+fn cache_key(kernel: &Path) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let path = std::fs::canonicalize(kernel).ok()?;
+    let seen = |m: std::fs::Metadata| {
+        format!(
+            "{} {}.{:09} {}:{}",
+            m.len(),
+            m.mtime(),
+            m.mtime_nsec(),
+            m.dev(),
+            m.ino()
+        )
+    };
+    let kernel_seen = seen(std::fs::metadata(&path).ok()?);
+    let exe_seen = seen(std::fs::metadata("/proc/self/exe").ok()?);
+    Some(format!("{} {kernel_seen} exe {exe_seen}", path.display()))
+}
+
+/// The types and note of a cache file's `text`, if it is one for `key`.
+fn parse_cached(text: &str, key: &str) -> Option<(KernelTypes, String)> {
+    let mut lines = text.lines();
+    if lines.next()? != CACHE_FORMAT || lines.next()? != key {
+        return None;
+    }
+    let values: Vec<u64> = lines
+        .next()?
+        .split(' ')
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .ok()?;
+    let source = lines.next()?.to_owned();
+    Some((types_from_fields(&values)?, source))
+}
+
+/// Every field of `t`, in declaration order.
+fn types_fields(t: &KernelTypes) -> [u64; 25] {
+    let m = &t.maple;
+    [
+        t.current_task,
+        t.task_pid.into(),
+        t.task_tgid.into(),
+        t.task_comm.into(),
+        t.comm_bytes.into(),
+        t.task_mm.into(),
+        t.mm_exe_file.into(),
+        t.file_dentry.into(),
+        t.dentry_name_len.into(),
+        t.dentry_name.into(),
+        t.dentry_parent.into(),
+        t.mm_mt_root.into(),
+        t.mm_vdso.into(),
+        t.vma_start.into(),
+        t.vma_end.into(),
+        t.vma_pgoff.into(),
+        t.vma_file.into(),
+        m.range_pivot.into(),
+        m.range_slot.into(),
+        m.range_meta.into(),
+        m.range_pivots.into(),
+        m.arange_pivot.into(),
+        m.arange_slot.into(),
+        m.arange_meta.into(),
+        m.arange_pivots.into(),
+    ]
+}
+
+/// The inverse of [`types_fields`]; `None` if there are not 25 values or one does not fit
+/// its field.
+fn types_from_fields(v: &[u64]) -> Option<KernelTypes> {
+    let v: &[u64; 25] = v.try_into().ok()?;
+    let w = |i: usize| u32::try_from(v[i]).ok();
+    let h = |i: usize| u16::try_from(v[i]).ok();
+    Some(KernelTypes {
+        current_task: v[0],
+        task_pid: w(1)?,
+        task_tgid: w(2)?,
+        task_comm: w(3)?,
+        comm_bytes: w(4)?,
+        task_mm: w(5)?,
+        mm_exe_file: w(6)?,
+        file_dentry: w(7)?,
+        dentry_name_len: w(8)?,
+        dentry_name: w(9)?,
+        dentry_parent: w(10)?,
+        mm_mt_root: w(11)?,
+        mm_vdso: w(12)?,
+        vma_start: w(13)?,
+        vma_end: w(14)?,
+        vma_pgoff: w(15)?,
+        vma_file: w(16)?,
+        maple: MapleLayout {
+            range_pivot: h(17)?,
+            range_slot: h(18)?,
+            range_meta: h(19)?,
+            range_pivots: h(20)?,
+            arange_pivot: h(21)?,
+            arange_slot: h(22)?,
+            arange_meta: h(23)?,
+            arange_pivots: h(24)?,
+        },
+    })
+}
+
+/// FNV-1a 64 of `bytes`: the cache file's name.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
 /// A kernel's types, or the thread still finding them: parsing a distribution kernel's
 /// BTF takes ~0.1 s, which `kpin run` overlaps with building the engine image and the VM
 /// ([`Pending::start`]); the engine's entry takes them ([`Pending::get`]).
@@ -169,15 +322,18 @@ impl Pending {
         Self(Arc::new(Mutex::new(PendingState::Ready(types))))
     }
 
-    /// Runs `find(kernel)` on a thread of its own (here, if no thread can be started).
-    pub fn start(kernel: &Path, find: fn(&Path) -> KernelTypes) -> Self {
-        let path = kernel.to_owned();
+    /// Runs `find` on a thread of its own (if no thread can be started: unknown types,
+    /// with a warning).
+    pub fn start(find: impl FnOnce() -> KernelTypes + Send + 'static) -> Self {
         match std::thread::Builder::new()
             .name("kpin-btf".into())
-            .spawn(move || find(&path))
+            .spawn(find)
         {
             Ok(handle) => Self(Arc::new(Mutex::new(PendingState::Finding(handle)))),
-            Err(_) => Self::ready(find(kernel)),
+            Err(e) => {
+                eprintln!("kpin: warning: processes are reported by address space (CR3): no thread to read the kernel's BTF: {e}");
+                Self::ready(KernelTypes::UNKNOWN)
+            }
         }
     }
 
@@ -547,6 +703,77 @@ mod tests {
         let (z, how) = from_kernel(&dir.join("vmlinuz")).unwrap();
         assert!(how.contains("vmlinuz's payload (pcpu_hot"), "{how}");
         assert_eq!(z, t);
+    }
+
+    #[test]
+    fn test_the_cache_gives_what_the_btf_gave_for_that_file_only() {
+        let Some(kernels) = kernel_dir("6.1.0-56-cloud-amd64") else {
+            return;
+        };
+        let dir = std::env::temp_dir().join(format!("kpin-kt-cache-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        // A copy, so that its modification time can change under the test.
+        let kernel = dir.join("vmlinux");
+        std::fs::copy(kernels.join("vmlinux"), &kernel).unwrap();
+        let cache = dir.join("cache");
+        let read = from_kernel(&kernel).unwrap();
+        assert_eq!(from_kernel_cached(&kernel, &cache).unwrap(), read);
+        let entries: Vec<_> = std::fs::read_dir(&cache).unwrap().collect();
+        assert_eq!(entries.len(), 1, "one entry, no temporary file left");
+        let entry = entries[0].as_ref().unwrap().path();
+        // The entry answers from now on: a forged one (its values changed) is believed...
+        let text = std::fs::read_to_string(&entry).unwrap();
+        let line = types_fields(&read.0).map(|v| v.to_string()).join(" ");
+        let mut forged = read.0;
+        forged.task_pid += 8;
+        let forged_line = types_fields(&forged).map(|v| v.to_string()).join(" ");
+        std::fs::write(&entry, text.replace(&line, &forged_line)).unwrap();
+        assert_eq!(from_kernel_cached(&kernel, &cache).unwrap().0, forged);
+        // ...but not for the file once it changed (its modification time): read again.
+        let f = std::fs::File::options().write(true).open(&kernel).unwrap();
+        f.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5))
+            .unwrap();
+        drop(f);
+        assert_eq!(from_kernel_cached(&kernel, &cache).unwrap(), read);
+        // A cache directory that cannot be made only costs the BTF read.
+        let blocked = dir.join("blocked");
+        std::fs::write(&blocked, b"a file, not a directory").unwrap();
+        assert_eq!(
+            from_kernel_cached(&kernel, &blocked.join("cache")).unwrap(),
+            read
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn test_cached_types_round_trip_and_refuse_what_does_not_fit() {
+        let mut fields = [0u64; 25];
+        for (k, f) in fields.iter_mut().enumerate() {
+            *f = 1000 + k as u64;
+        }
+        fields[0] = 0x1_0000_0000_1234;
+        let t = types_from_fields(&fields).unwrap();
+        assert_eq!(types_fields(&t), fields);
+        assert_eq!(t.current_task, 0x1_0000_0000_1234);
+        assert_eq!(t.maple.arange_pivots, 1024);
+        assert_eq!(types_from_fields(&fields[..24]), None);
+        let mut wide = fields;
+        wide[1] = u64::from(u32::MAX) + 1;
+        assert_eq!(types_from_fields(&wide), None);
+        wide = fields;
+        wide[17] = 0x1_0000;
+        assert_eq!(types_from_fields(&wide), None);
+        let key = "k";
+        let line = fields.map(|v| v.to_string()).join(" ");
+        let text = format!("{CACHE_FORMAT}\n{key}\n{line}\nnote\n");
+        assert_eq!(parse_cached(&text, key), Some((t, "note".into())));
+        assert_eq!(parse_cached(&text, "other key"), None);
+        assert_eq!(
+            parse_cached(&text.replace(CACHE_FORMAT, "kpin-kernel-types 0"), key),
+            None
+        );
+        assert_eq!(parse_cached(&text.replace(" 1001 ", " x "), key), None);
     }
 
     #[test]
