@@ -192,7 +192,7 @@ pub fn from_kernel_cached(
     Ok((types, source))
 }
 
-/// What a cache entry for `kernel` must say it was made from (module above), or `None`
+/// What a cache entry for `kernel` must say it was made from ([`from_kernel_cached`]), or `None`
 /// if either file's metadata cannot be read.
 fn cache_key(kernel: &Path) -> Option<String> {
     use std::os::unix::fs::MetadataExt;
