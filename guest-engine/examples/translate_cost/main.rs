@@ -53,8 +53,8 @@ fn main() {
         let traces = t.pass(&mut mem, &mut *tool, stride);
         let dt = start.elapsed().as_secs_f64();
         let s = t.engine.stats();
-        // A pass starts with a flush; one more comes when it fills the fragment table
-        // (`MAX_FRAGMENTS`), which a corpus of every function does.
+        // A pass starts with a flush; one more would come if it filled the fragment table
+        // (`MAX_FRAGMENTS`), which a corpus of every function no longer does.
         assert!(s.flushes > s0.flushes, "a pass starts with a flush");
         let insns = s.guest_insns - s0.guest_insns;
         println!(

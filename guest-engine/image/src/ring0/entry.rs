@@ -16,15 +16,26 @@
 //! `kpin_gate_insn`, through a DPL-3 interrupt gate (`layout::VEC_GATE`) straight to the
 //! ring-0 half in `gate.rs`, which checks that RIP, performs the operation and `iretq`s to
 //! the `ret` after the `int`. LOAD_CR3, the most frequent operation, has an `int 4` of its
-//! own (`kpin_gate_cr3_insn`, `VEC_GATE_CR3`) and a shorter path. A software interrupt
-//! is the cheapest way to ring 0 here: an `int` and an `iretq` with nothing between took
-//! 5.4 µs on a Zen 5 host under `kvm_pvm`, where the #GP of a `hlt` (the gate until
-//! 2026-11-28) costs ~10 µs more. Translated code never runs an `int` (the translator
-//! emulates every one), so only the engine's code reaches the gate's vectors.
-//! Operations: NOP,
+//! own (`kpin_gate_cr3`, `VEC_GATE_CR3`) and a shorter path. A software interrupt is the
+//! cheapest way to ring 0 here: an `int` and an `iretq` with nothing between took 5.4 µs
+//! on a Zen 5 host under `kvm_pvm`, where the #GP of a `hlt` (the gate until 2026-11-28)
+//! costs ~10 µs more. Translated code never runs an `int` (the translator emulates every
+//! one), so only the engine's code reaches the gate's vectors. Operations: NOP,
+//! OUT8/OUT16/OUT32 (port RDI, value RSI), IN8/IN16/IN32 (port RDI), LOAD_CR3 (RDI), WRMSR
+//! (index RDI, value RSI), RDMSR (index RDI), INVLPG (RDI; RAX returned unchanged),
+//! HLT (`sti; hlt`: back after one interrupt was handled), CR4_SSE (CR4.OSFXSR and
+//! CR4.OSXMMEXCPT := those bits of RDI, which holds no others: the guest's SSE enables,
+//! mirrored because translated code runs its SSE instructions verbatim), RDMSR_SAFE (index
+//! RDI; RAX = value and RDX = 0, or RDX = 1 if the `rdmsr` raised #GP, which the #GP stub
+//! recognises by its RIP, `kpin_gate_rdmsr_insn`), NOTIFY (`out` of RSI's low byte to the
+//! engine's own port RDI: the doorbell or the failure port). An unknown operation returns
+//! `u64::MAX`. The ring-0 half of the gate, and the checks it makes of its caller and its
+//! arguments before any operation (a refused call ends the run), are in `gate.rs`.
+//!
 //! **IDT vectors**: 0–31 exception stubs (a zero error code is pushed where the CPU pushes
-//! none, then the vector), but the gate's three vectors; 32–255 interrupt stubs. Every
-//! entry is an interrupt gate, DPL 0 (so `int n` from CPL 3 is a #GP) but the gate's. Before the guest runs, the PIC is the
+//! none, then the vector), but the gate's two vectors; 32–255 interrupt stubs. Every
+//! entry is an interrupt gate, DPL 0 (so `int n` from CPL 3 is a #GP) but the gate's, DPL
+//! 3. Before the guest runs, the PIC is the
 //! engine's (vectors 0x20–0x2f): a stub counts the IRQ in `kpin_irq_counts[irq]` (and in
 //! `kpin_irq_at_cpl3` when it interrupted CPL 3), sends the PIC an EOI and `iretq`s. Once
 //! the guest runs (`kpin_guest_irqs` set by `irq::hand_over`) the guest programs the PIC
@@ -385,7 +396,7 @@ kpin_irq_guest:
     pop rax
     iretq
 
-    // #GP: the gate, or an unexpected #GP.
+    // #GP: RDMSR_SAFE's `rdmsr`, or an unexpected #GP.
 kpin_exc_13:
     // A #GP from the RDMSR_SAFE operation's `rdmsr` (ring 0, nested in the gate):
     // resume at its fault path, which reports the failure.
@@ -517,9 +528,7 @@ kpin_gate_insn:
     ret
     // LOAD_CR3's own entry to the gate (same convention; RAX = LOAD_CR3).
     .global kpin_gate_cr3
-    .global kpin_gate_cr3_insn
 kpin_gate_cr3:
-kpin_gate_cr3_insn:
     int {vec_gate_cr3}
     ret
     .popsection
