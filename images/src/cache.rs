@@ -213,8 +213,9 @@ pub(crate) fn fresh_sha256(
 const SEEN: &str = "seen ";
 
 /// The `seen` line for a file with metadata `meta`: size, modification time, device and
-/// inode (an inode number is unique only on its file system).
-fn seen_line(meta: &fs::Metadata) -> String {
+/// inode (an inode number is unique only on its file system). A file whose line is
+/// unchanged is taken as unchanged (here, and by the VMM's cache of kernel types).
+pub fn seen_line(meta: &fs::Metadata) -> String {
     use std::os::unix::fs::MetadataExt;
     format!(
         "{SEEN}{} {}.{:09} {}:{}",

@@ -20,6 +20,7 @@
 mod busybox_build;
 mod bzimage;
 mod cache;
+pub use cache::seen_line;
 mod command;
 mod cpio;
 mod debian;

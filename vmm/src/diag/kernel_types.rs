@@ -195,20 +195,9 @@ pub fn from_kernel_cached(
 /// What a cache entry for `kernel` must say it was made from ([`from_kernel_cached`]), or `None`
 /// if either file's metadata cannot be read.
 fn cache_key(kernel: &Path) -> Option<String> {
-    use std::os::unix::fs::MetadataExt;
     let path = std::fs::canonicalize(kernel).ok()?;
-    let seen = |m: std::fs::Metadata| {
-        format!(
-            "{} {}.{:09} {}:{}",
-            m.len(),
-            m.mtime(),
-            m.mtime_nsec(),
-            m.dev(),
-            m.ino()
-        )
-    };
-    let kernel_seen = seen(std::fs::metadata(&path).ok()?);
-    let exe_seen = seen(std::fs::metadata("/proc/self/exe").ok()?);
+    let kernel_seen = kpin_images::seen_line(&std::fs::metadata(&path).ok()?);
+    let exe_seen = kpin_images::seen_line(&std::fs::metadata("/proc/self/exe").ok()?);
     Some(format!("{} {kernel_seen} exe {exe_seen}", path.display()))
 }
 
