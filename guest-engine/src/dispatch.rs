@@ -209,6 +209,9 @@ pub struct Engine {
     pub(crate) no_hoist: BTreeSet<(u64, u32)>,
     /// `PcMap::encode`'s buffer, kept across traces.
     pc_map_scratch: Vec<u8>,
+    /// The block counts of the trace being registered (`insn_count::encode_block_counts`),
+    /// kept across traces.
+    block_counts_scratch: Vec<u8>,
     /// Whether the page of the VA `fragment_for` last looked up is global (the lookup
     /// tables it fills then keep the entry across `invalidate_nonglobal_mappings`).
     pub(crate) lookup_global: bool,
@@ -263,6 +266,7 @@ impl Engine {
             held_fetch: None,
             no_hoist: BTreeSet::new(),
             pc_map_scratch: Vec::new(),
+            block_counts_scratch: Vec::new(),
             lookup_global: false,
             rip: GuestVirt(0),
             stats: Stats::default(),
@@ -423,9 +427,21 @@ impl Engine {
             && !mode.is_compat()
             && !tool.records_fetches();
         let tr = self.emit(va, &decoded, &live, &insertions, &calls, inline_iret);
+        let mut block_counts = core::mem::take(&mut self.block_counts_scratch);
+        block_counts.clear();
+        if self.insn_counters.is_some() {
+            crate::insn_count::encode_block_counts(
+                &decoded.bbls,
+                &decoded.info,
+                &live,
+                va.0,
+                &mut block_counts,
+            );
+        }
         self.scratch.live = live;
         let tr = tr?;
-        let id = self.register(va, pa, code, &tr, calls);
+        let id = self.register(va, pa, code, &tr, &block_counts, calls);
+        self.block_counts_scratch = block_counts;
         self.stats.guest_insns += decoded.insns.len() as u64;
         self.stats.guest_bytes += decoded.guest_bytes;
         // The next translation reuses their storage.
@@ -566,14 +582,16 @@ impl Engine {
         }
     }
 
-    /// Commits `tr` to the cache as a new fragment with its exit records, and makes it
-    /// findable; returns its id.
+    /// Commits `tr` to the cache as a new fragment with its exit records and
+    /// `block_counts` (kept in its PC map for the fault path), and makes it findable;
+    /// returns its id.
     fn register(
         &mut self,
         va: GuestVirt,
         pa: GuestPhys,
         code: (u16, u64),
         tr: &Translated,
+        block_counts: &[u8],
         calls: Vec<CallSpec>,
     ) -> u32 {
         let mode = self.mode;
@@ -603,7 +621,7 @@ impl Engine {
             len: off(tr.code.len()),
             offsets,
             code_len: code.0,
-            pc_map: PcMap::encode(&tr.marks, va.0, &mut self.pc_map_scratch),
+            pc_map: PcMap::encode(&tr.marks, va.0, block_counts, &mut self.pc_map_scratch),
             calls: calls.into_boxed_slice(),
             incoming: Vec::new(),
         });

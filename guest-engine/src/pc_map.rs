@@ -13,13 +13,17 @@
 //! at 0).
 //! Invariant: marks are encoded in strictly increasing offset order, so a lookup stops
 //! at the first mark past the offset.
+//!
+//! The same allocation holds, after the marks, the trace's block counts for the fault
+//! path (`insn_count::encode_block_counts`, empty without `Config::count_insns`); the
+//! marks' length comes first, as a varint.
 
 use alloc::boxed::Box;
 use alloc::vec::Vec;
 
 use crate::arch::MapMark;
 
-/// A fragment's marks, encoded.
+/// A fragment's marks and block counts, encoded.
 #[derive(Debug, Default)]
 pub(crate) struct PcMap(Box<[u8]>);
 
@@ -28,7 +32,7 @@ const MAX_MARK_BYTES: usize = 5 + 10 + 2;
 
 /// Appends `v` as a LEB128 varint.
 #[inline]
-fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+pub(crate) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
         out.push(v as u8 | 0x80);
         v >>= 7;
@@ -36,7 +40,7 @@ fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     out.push(v as u8);
 }
 
-fn get_varint(b: &[u8], at: &mut usize) -> Option<u64> {
+pub(crate) fn get_varint(b: &[u8], at: &mut usize) -> Option<u64> {
     let mut v = 0u64;
     for shift in (0..64).step_by(7) {
         let byte = *b.get(*at)?;
@@ -51,11 +55,17 @@ fn get_varint(b: &[u8], at: &mut usize) -> Option<u64> {
 
 impl PcMap {
     /// Encodes `marks` (strictly increasing offsets, as the translator records them) of
-    /// the trace that starts at guest PC `start`, through `scratch` (kept by the caller
-    /// across traces, so that only the result is allocated, at its exact size).
-    pub(crate) fn encode(marks: &[MapMark], start: u64, scratch: &mut Vec<u8>) -> Self {
+    /// the trace that starts at guest PC `start`, and its `block_counts` (kept as
+    /// given), through `scratch` (kept by the caller across traces, so that only the
+    /// result is allocated, at its exact size).
+    pub(crate) fn encode(
+        marks: &[MapMark],
+        start: u64,
+        block_counts: &[u8],
+        scratch: &mut Vec<u8>,
+    ) -> Self {
         scratch.clear();
-        scratch.reserve(marks.len() * MAX_MARK_BYTES);
+        scratch.reserve(marks.len() * MAX_MARK_BYTES + block_counts.len());
         let (mut offset, mut pc, mut spilled) = (0u32, start, 0u16);
         for m in marks {
             debug_assert!(m.offset > offset || (m.offset == 0 && offset == 0));
@@ -76,13 +86,30 @@ impl PcMap {
                 scratch.extend_from_slice(&m.spilled.to_le_bytes());
             }
         }
-        Self(Box::from(&scratch[..]))
+        let mut out = Vec::with_capacity(5 + scratch.len() + block_counts.len());
+        put_varint(&mut out, scratch.len() as u64);
+        out.extend_from_slice(scratch);
+        out.extend_from_slice(block_counts);
+        Self(out.into_boxed_slice())
+    }
+
+    /// The marks' bytes and the block counts' bytes.
+    fn parts(&self) -> (&[u8], &[u8]) {
+        let mut at = 0;
+        let marks = get_varint(&self.0, &mut at).unwrap_or(0) as usize;
+        let rest = self.0.get(at..).unwrap_or(&[]);
+        rest.split_at(marks.min(rest.len()))
+    }
+
+    /// The block counts given to [`PcMap::encode`].
+    pub(crate) fn block_counts(&self) -> &[u8] {
+        self.parts().1
     }
 
     /// The last mark at or before `off`: its guest PC and spill mask (`start` as given
     /// to [`PcMap::encode`]).
     pub(crate) fn lookup(&self, off: u32, start: u64) -> Option<(u64, u16)> {
-        let b = &self.0;
+        let b = self.parts().0;
         let (mut at, mut offset, mut pc, mut spilled) = (0usize, 0u64, start, 0u16);
         let mut found = None;
         while at < b.len() {
@@ -142,16 +169,27 @@ mod tests {
             mark(70_000, 0x0000_0000_0040_1000, 0),
         ];
         for start in [0xffff_ffff_8100_0000, 0, 0x0000_7fff_ffff_f000] {
-            let map = PcMap::encode(&marks, start, &mut Vec::new());
+            let map = PcMap::encode(&marks, start, &[], &mut Vec::new());
             for off in 0..70_010 {
                 assert_eq!(map.lookup(off, start), linear(&marks, off), "offset {off}");
             }
             assert!(map.encoded_len() <= marks.len() * 16 / 2);
+            // Block counts after the marks change no answer, and come back as given.
+            let counts = [3u8, 0x80, 0xFF, 0];
+            let both = PcMap::encode(&marks, start, &counts, &mut Vec::new());
+            for off in (0..70_010).step_by(7) {
+                assert_eq!(both.lookup(off, start), linear(&marks, off), "offset {off}");
+            }
+            assert_eq!(both.block_counts(), &counts);
+            assert_eq!(map.block_counts(), &[] as &[u8]);
         }
-        let first_later = PcMap::encode(&[mark(5, 0x1000, 0)], 0x1000, &mut Vec::new());
+        let first_later = PcMap::encode(&[mark(5, 0x1000, 0)], 0x1000, &[], &mut Vec::new());
         assert_eq!(first_later.lookup(4, 0x1000), None);
         assert_eq!(first_later.lookup(5, 0x1000), Some((0x1000, 0)));
-        assert_eq!(PcMap::encode(&[], 0, &mut Vec::new()).lookup(0, 0), None);
+        assert_eq!(
+            PcMap::encode(&[], 0, &[], &mut Vec::new()).lookup(0, 0),
+            None
+        );
     }
 
     #[test]
@@ -161,8 +199,9 @@ mod tests {
             .map(|i| mark(i * 7, 0xffff_ffff_8123_4000 + u64::from(i) * 4, 0))
             .collect();
         let start = 0xffff_ffff_8123_4000;
-        let map = PcMap::encode(&marks, start, &mut Vec::new());
-        assert_eq!(map.encoded_len(), 34 * 2);
+        let map = PcMap::encode(&marks, start, &[], &mut Vec::new());
+        // (And one byte for the marks' length.)
+        assert_eq!(map.encoded_len(), 1 + 34 * 2);
         assert_eq!(map.lookup(7 * 20 + 3, start), Some((start + 80, 0)));
     }
 }

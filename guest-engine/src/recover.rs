@@ -14,7 +14,6 @@ use crate::addr::{CachePc, GuestVirt};
 use crate::context::GuestRegs;
 use crate::dispatch::{Engine, Stop};
 use crate::error::EngineError;
-use crate::guest_memory::GuestMemory;
 
 /// What a fault handler needs to turn a fault in cache code into a `FAULT` exit: store
 /// the faulting PC at `fault_pc` and resume at `exit_routine` (the fault exit, which
@@ -80,7 +79,7 @@ impl Engine {
     /// Handles a `FAULT` exit: the guest state at the faulting cache PC becomes the
     /// engine's state (registers, RIP), the executed-instruction count forgets what the
     /// fault cut short, and the run stops with `Stop::Fault`.
-    pub(crate) fn stop_at_fault(&mut self, mem: &mut dyn GuestMemory) -> Stop {
+    pub(crate) fn stop_at_fault(&mut self) -> Stop {
         let pc = CachePc(self.ctx().fault_pc);
         let hw = self.ctx().regs;
         match self.recover_regs(pc, &hw) {
@@ -88,7 +87,7 @@ impl Engine {
                 self.ctx_mut().regs = regs;
                 self.rip = guest_pc;
                 self.drop_records_of(guest_pc);
-                self.uncount_after_fault(mem, pc, guest_pc);
+                self.uncount_after_fault(pc, guest_pc);
                 Stop::Fault {
                     guest_pc,
                     cache_pc: pc,

@@ -67,7 +67,7 @@ impl Engine {
     ) -> Result<Next, Stop> {
         if kind == EXIT_FAULT {
             profile::switch_charging(profile::TRANSLATED_TO_FAULT, profile::DISPATCH);
-            return Err(self.stop_at_fault(mem));
+            return Err(self.stop_at_fault());
         }
         profile::switch(profile::exit_slot(kind));
         // An IBL miss has no exit record: its target is in the context.
