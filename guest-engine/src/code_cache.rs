@@ -24,7 +24,7 @@ use crate::bits::Bits;
 use crate::context::CacheContext;
 use crate::error::EngineError;
 use crate::fast_lookup::FastLookup;
-use crate::fragment::{ExitRecord, Fragment};
+use crate::fragment::{ExitKind, ExitRecord, Fragment};
 use crate::guest_memory::Mode;
 use crate::layout::{
     COUNTERS_OFFSET, GENCODE_OFFSET, IBL_ENTRIES, IBL_ENTRY_BYTES, IBL_HASH_BITS, IBL_OFFSET,
@@ -121,6 +121,15 @@ pub(crate) struct CodeCache {
     rc_used: [Occupancy; TABLE_SLOTS],
     /// The dispatcher's front cache, emptied with the IBL tables.
     pub fast: FastLookup,
+    /// Links that enter a fragment on a global page at its `entry`, past the PA check
+    /// (`softtlb::link_target`), by that page: `(exit, fragment)`. They trust the page's
+    /// mapping as its IBL entries do, for as long: `clear_lookups_page` and
+    /// `clear_lookups` point them at the fragment's `checked_entry` (a CR3 write keeps
+    /// them, as it keeps global TLB entries) and move them to `checked_links`.
+    pub global_links: BTreeMap<u64, Vec<(u32, u32)>>,
+    /// Links of `global_links` sent back to the PA check, by page, until a lookup finds
+    /// that page global again and mapped to their fragment's frame (`trust_global_page`).
+    checked_links: BTreeMap<u64, Vec<(u32, u32)>>,
 }
 
 impl CodeCache {
@@ -167,6 +176,8 @@ impl CodeCache {
             ibl_used: core::array::from_fn(|_| Occupancy::new(IBL_ENTRIES)),
             rc_used: core::array::from_fn(|_| Occupancy::new(RC_ENTRIES)),
             fast: FastLookup::new(),
+            global_links: BTreeMap::new(),
+            checked_links: BTreeMap::new(),
         })
     }
 
@@ -216,6 +227,8 @@ impl CodeCache {
         self.by_key.clear();
         self.buried.clear();
         self.exits.clear();
+        self.global_links.clear();
+        self.checked_links.clear();
         self.cursor = TRACES_OFFSET;
         self.clear_lookups();
         self.generation += 1;
@@ -226,6 +239,73 @@ impl CodeCache {
     pub(crate) fn clear_lookups(&mut self) {
         self.fast.clear();
         self.clear_tables(true);
+        for (page, links) in core::mem::take(&mut self.global_links) {
+            self.check_links(page, links);
+        }
+    }
+
+    /// The exit record of link `(exit, fragment)` and its branch's field, if that exit is
+    /// still linked and its branch goes to `entry(fragment)`.
+    fn link_at(&self, (exit, to): (u32, u32), entry: fn(&Fragment) -> CachePc) -> Option<CachePc> {
+        let dst = self.fragments.get(to as usize)?;
+        match self.exits.get(exit as usize)?.kind {
+            ExitKind::Direct {
+                patch_at,
+                linked: true,
+                ..
+            // SAFETY: `patch_at` is the rel32 of a branch inside the cache (its exit
+            // record's).
+            } if unsafe { crate::link::branch_target(patch_at) } == entry(dst) => Some(patch_at),
+            _ => None,
+        }
+    }
+
+    /// Points the links `(exit, fragment)` into `page` that still enter their fragment at
+    /// its `entry` at its `checked_entry`, and keeps them in `checked_links` (one
+    /// unlinked since, or linked again elsewhere, is left as it is and dropped).
+    fn check_links(&mut self, page: u64, mut links: Vec<(u32, u32)>) {
+        links.retain(|&l| {
+            let Some(at) = self.link_at(l, Fragment::entry) else {
+                return false;
+            };
+            // SAFETY: a rel32 inside the cache (`link_at`); nothing runs in the cache
+            // while the dispatcher does this.
+            unsafe { crate::link::patch_branch(at, self.fragments[l.1 as usize].checked_entry()) };
+            true
+        });
+        if !links.is_empty() {
+            self.checked_links
+                .entry(page)
+                .or_default()
+                .append(&mut links);
+        }
+    }
+
+    /// A lookup found `page` global and mapped to frame `pa`: the links into it that
+    /// `check_links` sent to the PA check and whose fragment lies on that frame enter at
+    /// `entry` again (back in `global_links`).
+    pub(crate) fn trust_global_page(&mut self, page: GuestVirt, pa: GuestPhys) {
+        let Some(mut links) = self.checked_links.remove(&page.0) else {
+            return;
+        };
+        links.retain(|&l| {
+            let dst = &self.fragments[l.1 as usize];
+            let Some(at) = self
+                .link_at(l, Fragment::checked_entry)
+                .filter(|_| dst.pa.page() == pa.page())
+            else {
+                return false;
+            };
+            // SAFETY: as in `check_links`.
+            unsafe { crate::link::patch_branch(at, dst.entry()) };
+            true
+        });
+        if !links.is_empty() {
+            self.global_links
+                .entry(page.0)
+                .or_default()
+                .append(&mut links);
+        }
     }
 
     /// After a guest CR3 write: empties the entries made for non-global pages (and the
@@ -260,6 +340,9 @@ impl CodeCache {
     /// fill lists keep their slots (a later whole clear zeroes them again).
     pub(crate) fn clear_lookups_page(&mut self, page: GuestVirt) {
         self.fast.clear();
+        if let Some(links) = self.global_links.remove(&page.0) {
+            self.check_links(page.0, links);
+        }
         let span = PAGE_BYTES as usize;
         let first = (page.0 as usize) & ((1 << IBL_HASH_BITS) - 1) & !(span - 1);
         let rc_first = (page.0 as usize) % RC_ENTRIES;

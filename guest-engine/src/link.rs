@@ -6,7 +6,9 @@
 //!
 //! Invariants: links only join fragments of the same mode; which entry a link targets is
 //! the PA check's decision (`softtlb::link_target`: `checked_entry` across pages, `entry`
-//! on the same VA page and frame). Every linked exit is in its target's `incoming` list
+//! on the same VA page and frame, or into a global page: such a link is in
+//! `CodeCache::global_links` until its page's lookups are cleared, which points it at the
+//! `checked_entry`). Every linked exit is in its target's `incoming` list
 //! and marked `linked`, so `unpatch_*` can point it back at its exit stub (when the target
 //! is invalidated or failed its PA check); a whole-cache flush drops everything. The
 //! patched field lies inside the cache region.
@@ -47,8 +49,9 @@ pub(crate) unsafe fn unpatch_branch(at: CachePc, stub: CachePc) {
 }
 
 impl Engine {
-    /// Links direct exit `exit` of fragment `from` to fragment `to` (same mode only).
-    pub(crate) fn link(&mut self, exit: u32, from: u32, to: u32, patch_at: CachePc) {
+    /// Links direct exit `exit` of fragment `from` to fragment `to` (same mode only;
+    /// `global`: `to`'s page is a global page, as its lookup just said).
+    pub(crate) fn link(&mut self, exit: u32, from: u32, to: u32, patch_at: CachePc, global: bool) {
         let (src, dst): (&Fragment, &Fragment) = (
             &self.cache.fragments[from as usize],
             &self.cache.fragments[to as usize],
@@ -56,7 +59,15 @@ impl Engine {
         if src.mode != dst.mode {
             return;
         }
-        let target = link_target(src, dst);
+        let (target, unchecked) = link_target(src, dst, global);
+        if unchecked {
+            let page = dst.start.page().0;
+            self.cache
+                .global_links
+                .entry(page)
+                .or_default()
+                .push((exit, to));
+        }
         // SAFETY: `patch_at` is the rel32 of a branch of fragment `from`, inside the
         // cache; nothing executes in the cache while the dispatcher runs.
         unsafe { patch_branch(patch_at, target) };

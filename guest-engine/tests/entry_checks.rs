@@ -1,7 +1,8 @@
 //! Trace-entry checks and sensitive instructions: the attention byte stops a running
 //! (self-linked) loop at a trace entry, with flags live or dead; a cross-page link
 //! re-validates the PA after the page was remapped; `cpuid` goes to the platform and
-//! `hlt` stops the run; lookups of global pages survive a CR3 write, others do not.
+//! `hlt` stops the run; lookups of global pages survive a CR3 write, others do not; a
+//! link into a global page skips its PA check until the page is invalidated.
 
 mod common;
 
@@ -565,5 +566,82 @@ fn test_lookups_of_global_pages_survive_a_cr3_write_and_others_do_not() {
                 "the new frame's code ran"
             );
         }
+    }
+}
+
+#[test]
+fn test_a_link_into_a_global_page_skips_its_pa_check_until_the_page_is_invalidated() {
+    // Page A jumps directly to page B (a cross-page link), which adds to RAX and leaves;
+    // page C, 16 MiB past B, shares B's SoftTLB slot: running C empties what B's check
+    // reads. Into a non-global B the link goes through B's PA check, which then fails and
+    // re-validates; into a global B it enters past the check, as B's IBL entries trust
+    // its mapping, until an `invlpg` of B or a whole flush sends it back to the check,
+    // and once a lookup has found B global again (on the same frame) it skips it again.
+    const SLOT_SPAN: u64 = 4096 * 4096; // SOFTTLB_ENTRIES pages
+    for b_global in [true, false] {
+        let mut rig = Rig::new(Config::default());
+        let len = (SLOT_SPAN + 3 * 4096) as usize;
+        let block = Region::map(len, 0);
+        let (a, b) = (block.addr(), block.addr() + 4096);
+        let c = b + SLOT_SPAN;
+        let exit = rig.native.exit_address();
+        put(
+            &block,
+            0,
+            &asm(a, |x| {
+                x.mov(rax, 0i64).unwrap();
+                x.jmp(b).unwrap();
+            }),
+        );
+        put(&block, 4096, &add_then_leave(b, 1, exit));
+        put(&block, (c - a) as usize, &add_then_leave(c, 7, exit));
+        let mut mem = WithGlobals {
+            inner: Remapped {
+                inner: HostMemory::new(vec![(a, a + len as u64)]),
+                page: 0,
+                frame: 0,
+            },
+            global: if b_global { vec![a, b] } else { vec![a] },
+        };
+        let run_at = |rig: &mut Rig, mem: &mut WithGlobals, at: u64| {
+            rig.engine.set_rip(GuestVirt(at));
+            let stop = rig
+                .engine
+                .run(mem, &mut HostPlatform::default(), &mut NullTool);
+            assert_eq!(stop, Stop::FetchFault(GuestVirt(exit)));
+        };
+        // Runs C, then A: (RAX, PA check failures so far).
+        let run = |rig: &mut Rig, mem: &mut WithGlobals| {
+            run_at(rig, mem, c);
+            run_at(rig, mem, a);
+            (
+                rig.engine.regs().get(Gpr::Rax),
+                rig.engine.stats().exits[EXIT_PA_MISMATCH as usize],
+            )
+        };
+        run_at(&mut rig, &mut mem, a);
+        run_at(&mut rig, &mut mem, a);
+        assert!(rig.engine.stats().links >= 1, "A was linked to B");
+        if !b_global {
+            assert_eq!(run(&mut rig, &mut mem), (1, 1), "the check failed");
+            assert_eq!(run(&mut rig, &mut mem), (1, 2), "and fails each time");
+            continue;
+        }
+        assert_eq!(run(&mut rig, &mut mem), (1, 0), "no check");
+        assert_eq!(run(&mut rig, &mut mem), (1, 0), "no check");
+        rig.engine.invalidate_page(GuestVirt(b));
+        assert_eq!(run(&mut rig, &mut mem), (1, 1), "one check after an invlpg");
+        assert_eq!(run(&mut rig, &mut mem), (1, 1), "then none");
+        rig.engine.invalidate_all_mappings();
+        assert_eq!(run(&mut rig, &mut mem), (1, 2), "one check after a flush");
+        assert_eq!(run(&mut rig, &mut mem), (1, 2), "then none");
+        // An `invlpg` of B after the guest remapped it: the check sends A to the new
+        // frame's code.
+        let alias = Region::map(4096, 0);
+        put(&alias, 0, &add_then_leave(b, 5, exit));
+        mem.inner.page = b;
+        mem.inner.frame = alias.addr();
+        rig.engine.invalidate_page(GuestVirt(b));
+        assert_eq!(run(&mut rig, &mut mem), (5, 3), "the new frame's code ran");
     }
 }

@@ -186,7 +186,7 @@ impl Engine {
         // SAFETY: see the module header.
         let id = self.fragment_for(mem, platform, unsafe { &mut **tp }, target)?;
         if self.config.link_direct && gen == self.cache.generation {
-            self.link(idx, from, id, patch_at);
+            self.link(idx, from, id, patch_at, self.lookup_global);
         }
         Ok(self.enter_unless_attention(id))
     }
