@@ -103,6 +103,11 @@ pub(crate) const MAX_FRAGMENTS: usize = (8 << 20) / core::mem::size_of::<Fragmen
 pub(crate) const MAX_EXITS: usize = (16 << 20) / core::mem::size_of::<ExitRecord>();
 
 /// The carved region and its bookkeeping.
+/// `CodeCache::trusted_links[TRUST_GLOBAL]`: links into global pages.
+pub(crate) const TRUST_GLOBAL: usize = 0;
+/// `CodeCache::trusted_links[TRUST_LOCAL]`: links into other pages.
+pub(crate) const TRUST_LOCAL: usize = 1;
+
 pub(crate) struct CodeCache {
     base: *mut u8,
     len: usize,
@@ -121,14 +126,15 @@ pub(crate) struct CodeCache {
     rc_used: [Occupancy; TABLE_SLOTS],
     /// The dispatcher's front cache, emptied with the IBL tables.
     pub fast: FastLookup,
-    /// Links that enter a fragment on a global page at its `entry`, past the PA check
-    /// (`softtlb::link_target`), by that page: `(exit, fragment)`. They trust the page's
-    /// mapping as its IBL entries do, for as long: `clear_lookups_page` and
-    /// `clear_lookups` point them at the fragment's `checked_entry` (a CR3 write keeps
-    /// them, as it keeps global TLB entries) and move them to `checked_links`.
-    pub global_links: BTreeMap<u64, Vec<(u32, u32)>>,
-    /// Links of `global_links` sent back to the PA check, by page, until a lookup finds
-    /// that page global again and mapped to their fragment's frame (`trust_global_page`).
+    /// Cross-page links that enter their fragment at its `entry`, past its PA check
+    /// (`softtlb::link_target`), by the fragment's page: `[TRUST_GLOBAL]` those into
+    /// global pages, `[TRUST_LOCAL]` the others; `(exit, fragment)` each. They trust the
+    /// page's mapping as its IBL entries do, for as long: `clear_lookups_page`,
+    /// `clear_lookups` and (the local ones) `clear_nonglobal_lookups` point them at the
+    /// fragment's `checked_entry` and move them to `checked_links`.
+    pub trusted_links: [BTreeMap<u64, Vec<(u32, u32)>>; 2],
+    /// Links of `trusted_links` sent back to the PA check, by page, until a lookup finds
+    /// that page mapped to their fragment's frame again (`trust_page`).
     checked_links: BTreeMap<u64, Vec<(u32, u32)>>,
 }
 
@@ -176,7 +182,7 @@ impl CodeCache {
             ibl_used: core::array::from_fn(|_| Occupancy::new(IBL_ENTRIES)),
             rc_used: core::array::from_fn(|_| Occupancy::new(RC_ENTRIES)),
             fast: FastLookup::new(),
-            global_links: BTreeMap::new(),
+            trusted_links: [BTreeMap::new(), BTreeMap::new()],
             checked_links: BTreeMap::new(),
         })
     }
@@ -227,7 +233,7 @@ impl CodeCache {
         self.by_key.clear();
         self.buried.clear();
         self.exits.clear();
-        self.global_links.clear();
+        self.trusted_links = [BTreeMap::new(), BTreeMap::new()];
         self.checked_links.clear();
         self.cursor = TRACES_OFFSET;
         self.clear_lookups();
@@ -239,7 +245,13 @@ impl CodeCache {
     pub(crate) fn clear_lookups(&mut self) {
         self.fast.clear();
         self.clear_tables(true);
-        for (page, links) in core::mem::take(&mut self.global_links) {
+        self.check_all_links(TRUST_GLOBAL);
+        self.check_all_links(TRUST_LOCAL);
+    }
+
+    /// Sends every link of `trusted_links[which]` to the PA check (`check_links`).
+    fn check_all_links(&mut self, which: usize) {
+        for (page, links) in core::mem::take(&mut self.trusted_links[which]) {
             self.check_links(page, links);
         }
     }
@@ -281,10 +293,10 @@ impl CodeCache {
         }
     }
 
-    /// A lookup found `page` global and mapped to frame `pa`: the links into it that
-    /// `check_links` sent to the PA check and whose fragment lies on that frame enter at
-    /// `entry` again (back in `global_links`).
-    pub(crate) fn trust_global_page(&mut self, page: GuestVirt, pa: GuestPhys) {
+    /// A lookup found `page` mapped to frame `pa` (`global`: a global page): the links
+    /// into it that `check_links` sent to the PA check and whose fragment lies on that
+    /// frame enter at `entry` again (back in `trusted_links`).
+    pub(crate) fn trust_page(&mut self, page: GuestVirt, pa: GuestPhys, global: bool) {
         let Some(mut links) = self.checked_links.remove(&page.0) else {
             return;
         };
@@ -301,7 +313,8 @@ impl CodeCache {
             true
         });
         if !links.is_empty() {
-            self.global_links
+            let which = if global { TRUST_GLOBAL } else { TRUST_LOCAL };
+            self.trusted_links[which]
                 .entry(page.0)
                 .or_default()
                 .append(&mut links);
@@ -313,6 +326,7 @@ impl CodeCache {
     /// `invlpg`, `clear_lookups_page`, or a whole clear).
     pub(crate) fn clear_nonglobal_lookups(&mut self) {
         self.fast.clear_nonglobal();
+        self.check_all_links(TRUST_LOCAL);
         self.clear_tables(false);
     }
 
@@ -340,8 +354,10 @@ impl CodeCache {
     /// fill lists keep their slots (a later whole clear zeroes them again).
     pub(crate) fn clear_lookups_page(&mut self, page: GuestVirt) {
         self.fast.clear();
-        if let Some(links) = self.global_links.remove(&page.0) {
-            self.check_links(page.0, links);
+        for which in [TRUST_GLOBAL, TRUST_LOCAL] {
+            if let Some(links) = self.trusted_links[which].remove(&page.0) {
+                self.check_links(page.0, links);
+            }
         }
         let span = PAGE_BYTES as usize;
         let first = (page.0 as usize) & ((1 << IBL_HASH_BITS) - 1) & !(span - 1);

@@ -5,15 +5,15 @@
 //! in the target's `incoming` list; `Engine::unlink_incoming` undoes them all.
 //!
 //! Invariants: links only join fragments of the same mode; which entry a link targets is
-//! the PA check's decision (`softtlb::link_target`: `checked_entry` across pages, `entry`
-//! on the same VA page and frame, or into a global page: such a link is in
-//! `CodeCache::global_links` until its page's lookups are cleared, which points it at the
-//! `checked_entry`). Every linked exit is in its target's `incoming` list
+//! the PA check's decision (`softtlb::link_target`: `entry`; a cross-page link is in
+//! `CodeCache::trusted_links` until its page's lookups are cleared, which points it at
+//! the `checked_entry`). Every linked exit is in its target's `incoming` list
 //! and marked `linked`, so `unpatch_*` can point it back at its exit stub (when the target
 //! is invalidated or failed its PA check); a whole-cache flush drops everything. The
 //! patched field lies inside the cache region.
 
 use crate::addr::CachePc;
+use crate::code_cache::{TRUST_GLOBAL, TRUST_LOCAL};
 use crate::dispatch::Engine;
 use crate::fragment::{ExitKind, Fragment};
 use crate::softtlb::link_target;
@@ -50,7 +50,8 @@ pub(crate) unsafe fn unpatch_branch(at: CachePc, stub: CachePc) {
 
 impl Engine {
     /// Links direct exit `exit` of fragment `from` to fragment `to` (same mode only;
-    /// `global`: `to`'s page is a global page, as its lookup just said).
+    /// `global`: `to`'s page is a global page, as its lookup just said, whose links a CR3
+    /// write keeps trusting).
     pub(crate) fn link(&mut self, exit: u32, from: u32, to: u32, patch_at: CachePc, global: bool) {
         let (src, dst): (&Fragment, &Fragment) = (
             &self.cache.fragments[from as usize],
@@ -59,11 +60,11 @@ impl Engine {
         if src.mode != dst.mode {
             return;
         }
-        let (target, unchecked) = link_target(src, dst, global);
-        if unchecked {
+        let (target, trusted) = link_target(src, dst);
+        if trusted {
+            let which = if global { TRUST_GLOBAL } else { TRUST_LOCAL };
             let page = dst.start.page().0;
-            self.cache
-                .global_links
+            self.cache.trusted_links[which]
                 .entry(page)
                 .or_default()
                 .push((exit, to));

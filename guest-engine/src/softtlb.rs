@@ -15,12 +15,13 @@
 //! is what code running *inside* the cache checks instead of asking the dispatcher.
 //!
 //! **Per-trace PA check.** Every fragment starts with a `checked_entry` that compares its
-//! page's slot with the fragment's own ⟨VA page, PA page⟩ ([`emit_pa_check`]); a link
-//! between fragments on different pages (VA or frame) targets it, a same-page link
-//! targets `entry`, and so does a link to a global page until that page's lookups are
-//! cleared ([`link_target`], `CodeCache::global_links`). A failed check leaves with the `PA_MISMATCH` exit;
-//! the dispatcher then asks [`Engine::revalidate`] whether the fragment is still what its
-//! VA maps to.
+//! page's slot with the fragment's own ⟨VA page, PA page⟩ ([`emit_pa_check`]). A link
+//! targets `entry` ([`link_target`]); one between fragments on different pages (VA or
+//! frame) trusts its target page's mapping only as long as that page's lookups last, and
+//! targets `checked_entry` from their clearing until a lookup finds the page on the same
+//! frame again (`CodeCache::trusted_links`). A failed check leaves with the
+//! `PA_MISMATCH` exit; the dispatcher then asks [`Engine::revalidate`] whether the
+//! fragment is still what its VA maps to.
 //!
 //! Invariants:
 //! * a slot holds either `u64::MAX` in both words (empty; never a page address) or a
@@ -194,39 +195,30 @@ pub(crate) fn emit_pa_check(
 
 /// Where a link from `src` to `dst` enters `dst`, and whether it skips the PA check of a
 /// page on another VA page or frame: its `loop_entry` for its own back edge if it has
-/// one (past the checks hoisted to its top); its `entry` when both lie on the same VA
-/// page and frame (a fragment that runs proves its page's mapping, so the target's holds
-/// too) or when `dst`'s page is `global` (its mapping was just looked up, and it lasts as
-/// long as its IBL entries do: `CodeCache::global_links`), else its `checked_entry`.
-pub(crate) fn link_target(src: &Fragment, dst: &Fragment, global: bool) -> (CachePc, bool) {
+/// one (past the checks hoisted to its top); else its `entry` (a fragment that runs
+/// proves its page's mapping, so a target on the same VA page and frame holds too; a
+/// target on another page had its mapping just looked up, and the link trusts it for as
+/// long as that page's IBL entries do: `CodeCache::trusted_links`).
+pub(crate) fn link_target(src: &Fragment, dst: &Fragment) -> (CachePc, bool) {
     if src.base == dst.base {
         if let Some(l) = dst.loop_entry() {
             return (l, false);
         }
     }
     let same_page = src.start.page() == dst.start.page() && src.pa.page() == dst.pa.page();
-    if same_page {
-        (dst.entry(), false)
-    } else if global {
-        (dst.entry(), true)
-    } else {
-        (dst.checked_entry(), false)
-    }
+    (dst.entry(), !same_page)
 }
 
 impl Engine {
     /// Records a fresh translation `va → pa` (`global`: of a global page) in the SoftTLB;
     /// if it replaced a different mapping of that VA, lookups made under the old one are
-    /// stale and that page's entries in every IBL table and return cache are cleared. A
-    /// global page's links sent back to the PA check skip it again
-    /// (`CodeCache::trust_global_page`).
+    /// stale and that page's entries in every IBL table and return cache are cleared. The
+    /// page's links sent back to the PA check skip it again (`CodeCache::trust_page`).
     pub(crate) fn note_mapping(&mut self, va: GuestVirt, pa: GuestPhys, global: bool) {
         if self.softtlb.fill(va, pa, global) {
             self.cache.clear_lookups_page(va.page());
         }
-        if global {
-            self.cache.trust_global_page(va.page(), pa);
-        }
+        self.cache.trust_page(va.page(), pa, global);
     }
 
     /// After fragment `id` failed its PA check: whether it may run. It may if it is still

@@ -570,13 +570,13 @@ fn test_lookups_of_global_pages_survive_a_cr3_write_and_others_do_not() {
 }
 
 #[test]
-fn test_a_link_into_a_global_page_skips_its_pa_check_until_the_page_is_invalidated() {
+fn test_a_cross_page_link_skips_the_pa_check_while_its_page_lookups_last() {
     // Page A jumps directly to page B (a cross-page link), which adds to RAX and leaves;
     // page C, 16 MiB past B, shares B's SoftTLB slot: running C empties what B's check
-    // reads. Into a non-global B the link goes through B's PA check, which then fails and
-    // re-validates; into a global B it enters past the check, as B's IBL entries trust
-    // its mapping, until an `invlpg` of B or a whole flush sends it back to the check,
-    // and once a lookup has found B global again (on the same frame) it skips it again.
+    // reads. The link enters B past its check, as B's IBL entries trust B's mapping, and
+    // for as long: a CR3 write sends it back to the check unless B is global, an `invlpg`
+    // of B or a whole flush does in any case; once a lookup has found B mapped to the
+    // same frame again it skips the check again.
     const SLOT_SPAN: u64 = 4096 * 4096; // SOFTTLB_ENTRIES pages
     for b_global in [true, false] {
         let mut rig = Rig::new(Config::default());
@@ -622,26 +622,55 @@ fn test_a_link_into_a_global_page_skips_its_pa_check_until_the_page_is_invalidat
         run_at(&mut rig, &mut mem, a);
         run_at(&mut rig, &mut mem, a);
         assert!(rig.engine.stats().links >= 1, "A was linked to B");
-        if !b_global {
-            assert_eq!(run(&mut rig, &mut mem), (1, 1), "the check failed");
-            assert_eq!(run(&mut rig, &mut mem), (1, 2), "and fails each time");
-            continue;
-        }
         assert_eq!(run(&mut rig, &mut mem), (1, 0), "no check");
         assert_eq!(run(&mut rig, &mut mem), (1, 0), "no check");
+        rig.engine.invalidate_nonglobal_mappings();
+        let checks = if b_global {
+            assert_eq!(run(&mut rig, &mut mem), (1, 0), "kept across a CR3 write");
+            0
+        } else {
+            assert_eq!(
+                run(&mut rig, &mut mem),
+                (1, 1),
+                "one check after a CR3 write"
+            );
+            1
+        };
+        assert_eq!(run(&mut rig, &mut mem), (1, checks), "then none");
         rig.engine.invalidate_page(GuestVirt(b));
-        assert_eq!(run(&mut rig, &mut mem), (1, 1), "one check after an invlpg");
-        assert_eq!(run(&mut rig, &mut mem), (1, 1), "then none");
+        assert_eq!(
+            run(&mut rig, &mut mem),
+            (1, checks + 1),
+            "one check after an invlpg"
+        );
+        assert_eq!(run(&mut rig, &mut mem), (1, checks + 1), "then none");
         rig.engine.invalidate_all_mappings();
-        assert_eq!(run(&mut rig, &mut mem), (1, 2), "one check after a flush");
-        assert_eq!(run(&mut rig, &mut mem), (1, 2), "then none");
-        // An `invlpg` of B after the guest remapped it: the check sends A to the new
-        // frame's code.
+        assert_eq!(
+            run(&mut rig, &mut mem),
+            (1, checks + 2),
+            "one check after a flush"
+        );
+        assert_eq!(run(&mut rig, &mut mem), (1, checks + 2), "then none");
+        // The guest remaps B, and an `invlpg` of B (or, B not global, a CR3 write) lets
+        // the check send A to the new frame's code.
         let alias = Region::map(4096, 0);
         put(&alias, 0, &add_then_leave(b, 5, exit));
         mem.inner.page = b;
         mem.inner.frame = alias.addr();
-        rig.engine.invalidate_page(GuestVirt(b));
-        assert_eq!(run(&mut rig, &mut mem), (5, 3), "the new frame's code ran");
+        assert_eq!(
+            run(&mut rig, &mut mem),
+            (1, checks + 2),
+            "the old frame's, until"
+        );
+        if b_global {
+            rig.engine.invalidate_page(GuestVirt(b));
+        } else {
+            rig.engine.invalidate_nonglobal_mappings();
+        }
+        assert_eq!(
+            run(&mut rig, &mut mem),
+            (5, checks + 3),
+            "the new frame's code ran"
+        );
     }
 }
