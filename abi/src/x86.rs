@@ -305,14 +305,16 @@ pub mod msr {
     /// The MSRs the engine's ring-0 gate lets WRMSR write, as inclusive ranges: the FS/GS
     /// bases the engine sets for translated code, and every MSR the virtual CPU may pass
     /// through to KVM (`guest_engine`'s `MsrFile::passes_through`, whatever CPUID offers).
-    /// The gate refuses any other (the image's `ring0/gate.rs` checks these ranges).
+    /// The gate refuses any other (the image's `ring0/gate.rs` checks these ranges, in
+    /// this order: a Linux boot's gate WRMSRs are ~1 000 x2APIC EOIs and ~950 TSC
+    /// deadlines; the FS/GS bases come through it only on a host without FSGSBASE).
     pub const GATE_WRITABLE: [(u32, u32); 9] = [
-        (FS_BASE, KERNEL_GS_BASE),
         (X2APIC_FIRST, X2APIC_LAST),
+        (TSC_DEADLINE, TSC_DEADLINE),
+        (FS_BASE, KERNEL_GS_BASE),
         (KVM_WALL_CLOCK_NEW, KVM_SYSTEM_TIME_NEW),
         (KVM_STEAL_TIME, KVM_POLL_CONTROL),
         (APIC_BASE, APIC_BASE),
-        (TSC_DEADLINE, TSC_DEADLINE),
         (BIOS_SIGN_ID, BIOS_SIGN_ID),
         (TSC_ADJUST, TSC_ADJUST),
         (KVM_WALL_CLOCK_OLD, KVM_SYSTEM_TIME_OLD),

@@ -89,9 +89,9 @@ kpin_gate_cr3_entry:
     iretq
 
     // The other operations, most frequent first (INVLPG: re-protecting code frames, the
-    // guest's own; WRMSR: the TSC deadline). First the RIP: only the `int 3` at
-    // `kpin_gate_insn` is the gate; an `int3` anywhere else (padding the engine should
-    // never run) is an unexpected #BP.
+    // guest's own; WRMSR: the guest's EOIs and TSC deadlines). First the RIP: only the
+    // `int 3` at `kpin_gate_insn` is the gate; an `int3` anywhere else (padding the
+    // engine should never run) is an unexpected #BP.
     .global kpin_gate_entry
 kpin_gate_entry:
     push rax
@@ -246,7 +246,8 @@ kpin_gate_rdmsr_fault:
     xor eax, eax
     iretq
     // WRMSR: only `kpin_abi::x86::msr::GATE_WRITABLE` (the MSRs the virtual CPU may pass
-    // through, whatever CPUID offers, and the FS/GS bases), most frequent first.
+    // through, whatever CPUID offers, and the FS/GS bases), most frequent first (x2APIC:
+    // the guest's EOIs; then the TSC deadline).
 24:
     mov edx, edi
     sub edx, {w0_lo}
