@@ -14,7 +14,7 @@
 //! O(fills). The dispatcher's front cache (`fast_lookup.rs`) has the IBL tables'
 //! lifetime and is cleared with them.
 
-use alloc::collections::BTreeMap;
+use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::vec::Vec;
 use core::ops::Range;
 
@@ -115,7 +115,10 @@ pub(crate) struct CodeCache {
     pub gen: Gencode,
     cursor: usize,
     pub fragments: Vec<Fragment>,
-    pub by_key: BTreeMap<Key, u32>,
+    by_key: BTreeMap<Key, u32>,
+    /// The fragments of `by_key` by frame: (PA page, fragment), for the fragments a write
+    /// to a frame invalidates (`on_frame`) without a walk of every fragment.
+    by_frame: BTreeSet<(u64, u32)>,
     /// Fragments dropped by a write to their frame, by key, that may be revived
     /// (`crate::revive`).
     pub buried: BTreeMap<Key, u32>,
@@ -176,6 +179,7 @@ impl CodeCache {
             cursor: TRACES_OFFSET,
             fragments: Vec::with_capacity(MAX_FRAGMENTS),
             by_key: BTreeMap::new(),
+            by_frame: BTreeSet::new(),
             buried: BTreeMap::new(),
             exits: Vec::with_capacity(MAX_EXITS),
             generation: 0,
@@ -231,6 +235,7 @@ impl CodeCache {
     pub(crate) fn flush(&mut self) {
         self.fragments.clear();
         self.by_key.clear();
+        self.by_frame.clear();
         self.buried.clear();
         self.exits.clear();
         self.trusted_links = [BTreeMap::new(), BTreeMap::new()];
@@ -454,5 +459,33 @@ impl CodeCache {
 
     pub(crate) fn lookup(&self, va: GuestVirt, pa: GuestPhys, mode: Mode) -> Option<u32> {
         self.by_key.get(&(va.0, pa.0, mode.0)).copied()
+    }
+
+    /// Makes fragment `id` the one found for `key`.
+    pub(crate) fn insert_key(&mut self, key: Key, id: u32) {
+        let page = GuestPhys(key.1).page().0;
+        if let Some(old) = self.by_key.insert(key, id) {
+            self.by_frame.remove(&(page, old));
+        }
+        self.by_frame.insert((page, id));
+    }
+
+    /// Forgets the fragment found for `key`, if any.
+    pub(crate) fn remove_key(&mut self, key: &Key) {
+        if let Some(id) = self.by_key.remove(key) {
+            self.by_frame.remove(&(GuestPhys(key.1).page().0, id));
+        }
+    }
+
+    /// The fragments found by key whose code starts on frame `page`.
+    pub(crate) fn on_frame(&self, page: GuestPhys) -> impl Iterator<Item = u32> + '_ {
+        self.by_frame
+            .range((page.0, 0)..=(page.0, u32::MAX))
+            .map(|&(_, id)| id)
+    }
+
+    /// Fragments that lookups find.
+    pub(crate) fn live_fragments(&self) -> usize {
+        self.by_key.len()
     }
 }

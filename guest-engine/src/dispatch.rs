@@ -345,7 +345,7 @@ impl Engine {
 
     /// Fragments currently reachable by lookup (all modes).
     pub fn fragment_count(&self) -> usize {
-        self.cache.by_key.len()
+        self.cache.live_fragments()
     }
 
     /// IBL lookups counted by generated code (`Config::count_ibl_lookups`).
@@ -625,7 +625,7 @@ impl Engine {
             calls: calls.into_boxed_slice(),
             incoming: Vec::new(),
         });
-        self.cache.by_key.insert((va.0, pa.0, mode.0), id);
+        self.cache.insert_key((va.0, pa.0, mode.0), id);
         self.cache.fast.put(va, mode, pa, id, self.lookup_global);
         self.stats.fragments += 1;
         self.stats.cache_bytes += tr.code.len() as u64;
@@ -718,22 +718,16 @@ impl Engine {
     /// from the previous page are not found.)
     pub fn invalidate_code_page(&mut self, pa_page: GuestPhys) -> usize {
         let page = pa_page.page();
-        let victims: Vec<u32> = self
-            .cache
-            .by_key
-            .iter()
-            .filter(|(k, _)| GuestPhys(k.1).page() == page)
-            .map(|(_, v)| *v)
-            .collect();
+        let victims: Vec<u32> = self.cache.on_frame(page).collect();
         let mut pages: Vec<GuestVirt> = Vec::new();
         for id in &victims {
             let f = &self.cache.fragments[*id as usize];
-            let key = (f.start.0, f.pa.0, f.mode.0);
-            if !pages.contains(&f.start.page()) {
-                pages.push(f.start.page());
+            let (key, start, code_len) = ((f.start.0, f.pa.0, f.mode.0), f.start, f.code_len);
+            if !pages.contains(&start.page()) {
+                pages.push(start.page());
             }
-            self.cache.by_key.remove(&key);
-            if f.code_len != 0 {
+            self.cache.remove_key(&key);
+            if code_len != 0 {
                 if self.cache.buried.len() >= crate::revive::MAX_BURIED {
                     self.cache.buried.clear();
                 }

@@ -56,7 +56,7 @@ impl Engine {
         if !mem.read(pa, buf) || code_hash(self.config.code_hash_key, buf) != hash {
             return None;
         }
-        self.cache.by_key.insert(key, id);
+        self.cache.insert_key(key, id);
         self.cache
             .fast
             .put(va, self.mode, pa, id, self.lookup_global);

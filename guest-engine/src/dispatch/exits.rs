@@ -346,7 +346,7 @@ impl Engine {
     fn drop_fragment(&mut self, id: u32) {
         let f = &self.cache.fragments[id as usize];
         let key = (f.start.0, f.pa.0, f.mode.0);
-        self.cache.by_key.remove(&key);
+        self.cache.remove_key(&key);
         self.unlink_incoming(id);
         self.cache.clear_lookups();
     }
