@@ -98,22 +98,30 @@ fn add_then_leave(at: u64, k: i32, exit: u64) -> Vec<u8> {
     })
 }
 
-#[test]
-fn test_cross_page_link_revalidates_pa_after_remap() {
-    let mut rig = Rig::new(Config::default());
-    let block = Region::map(4 * 4096, 0);
-    let alias = Region::map(4096, 0);
+/// Page A at the start of `block` (`mov rax, 0; jmp B`) and page B after it, which adds
+/// 1 to RAX and leaves to `exit`: a cross-page link once A's jump is linked. Returns
+/// (A, B).
+fn a_jumps_to_b(block: &Region, exit: u64) -> (u64, u64) {
     let (a, b) = (block.addr(), block.addr() + 4096);
-    let exit = rig.native.exit_address();
     put(
-        &block,
+        block,
         0,
         &asm(a, |x| {
             x.mov(rax, 0i64).unwrap();
             x.jmp(b).unwrap();
         }),
     );
-    put(&block, 4096, &add_then_leave(b, 1, exit));
+    put(block, 4096, &add_then_leave(b, 1, exit));
+    (a, b)
+}
+
+#[test]
+fn test_cross_page_link_revalidates_pa_after_remap() {
+    let mut rig = Rig::new(Config::default());
+    let block = Region::map(4 * 4096, 0);
+    let alias = Region::map(4096, 0);
+    let exit = rig.native.exit_address();
+    let (a, b) = a_jumps_to_b(&block, exit);
     put(&alias, 0, &add_then_leave(b, 5, exit));
     let mut mem = HostMemory::new(vec![(a, a + 2 * 4096)]);
     for _ in 0..2 {
@@ -582,18 +590,9 @@ fn test_a_cross_page_link_skips_the_pa_check_while_its_page_lookups_last() {
         let mut rig = Rig::new(Config::default());
         let len = (SLOT_SPAN + 3 * 4096) as usize;
         let block = Region::map(len, 0);
-        let (a, b) = (block.addr(), block.addr() + 4096);
-        let c = b + SLOT_SPAN;
         let exit = rig.native.exit_address();
-        put(
-            &block,
-            0,
-            &asm(a, |x| {
-                x.mov(rax, 0i64).unwrap();
-                x.jmp(b).unwrap();
-            }),
-        );
-        put(&block, 4096, &add_then_leave(b, 1, exit));
+        let (a, b) = a_jumps_to_b(&block, exit);
+        let c = b + SLOT_SPAN;
         put(&block, (c - a) as usize, &add_then_leave(c, 7, exit));
         let mut mem = WithGlobals {
             inner: Remapped {
