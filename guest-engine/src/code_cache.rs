@@ -102,12 +102,12 @@ impl Occupancy {
 pub(crate) const MAX_FRAGMENTS: usize = (8 << 20) / core::mem::size_of::<Fragment>();
 pub(crate) const MAX_EXITS: usize = (16 << 20) / core::mem::size_of::<ExitRecord>();
 
-/// The carved region and its bookkeeping.
 /// `CodeCache::trusted_links[TRUST_GLOBAL]`: links into global pages.
-pub(crate) const TRUST_GLOBAL: usize = 0;
+const TRUST_GLOBAL: usize = 0;
 /// `CodeCache::trusted_links[TRUST_LOCAL]`: links into other pages.
-pub(crate) const TRUST_LOCAL: usize = 1;
+const TRUST_LOCAL: usize = 1;
 
+/// The carved region and its bookkeeping.
 pub(crate) struct CodeCache {
     base: *mut u8,
     len: usize,
@@ -135,7 +135,7 @@ pub(crate) struct CodeCache {
     /// page's mapping as its IBL entries do, for as long: `clear_lookups_page`,
     /// `clear_lookups` and (the local ones) `clear_nonglobal_lookups` point them at the
     /// fragment's `checked_entry` and move them to `checked_links`.
-    pub trusted_links: [BTreeMap<u64, Vec<(u32, u32)>>; 2],
+    trusted_links: [BTreeMap<u64, Vec<(u32, u32)>>; 2],
     /// Links of `trusted_links` sent back to the PA check, by page, until a lookup finds
     /// that page mapped to their fragment's frame again (`trust_page`).
     checked_links: BTreeMap<u64, Vec<(u32, u32)>>,
@@ -306,24 +306,27 @@ impl CodeCache {
             return;
         };
         links.retain(|&l| {
-            let dst = &self.fragments[l.1 as usize];
-            let Some(at) = self
-                .link_at(l, Fragment::checked_entry)
-                .filter(|_| dst.pa.page() == pa.page())
-            else {
+            let Some(at) = self.link_at(l, Fragment::checked_entry) else {
                 return false;
             };
+            let dst = &self.fragments[l.1 as usize];
+            if dst.pa.page() != pa.page() {
+                return false;
+            }
             // SAFETY: as in `check_links`.
             unsafe { crate::link::patch_branch(at, dst.entry()) };
             true
         });
         if !links.is_empty() {
-            let which = if global { TRUST_GLOBAL } else { TRUST_LOCAL };
-            self.trusted_links[which]
-                .entry(page.0)
-                .or_default()
-                .append(&mut links);
+            self.trusted(page.0, global).append(&mut links);
         }
+    }
+
+    /// The links into `page` (`global`: a global page) that trust its mapping: a link
+    /// to it that enters at `entry` belongs here (`Engine::link`).
+    pub(crate) fn trusted(&mut self, page: u64, global: bool) -> &mut Vec<(u32, u32)> {
+        let which = if global { TRUST_GLOBAL } else { TRUST_LOCAL };
+        self.trusted_links[which].entry(page).or_default()
     }
 
     /// After a guest CR3 write: empties the entries made for non-global pages (and the

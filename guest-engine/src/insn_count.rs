@@ -26,7 +26,8 @@ use crate::layout::{INSN_COUNTER_SPREAD, MODE_SLOTS};
 
 /// Where block `b` adds its instruction count: its first instruction before which no
 /// status flag is live (`live`: flags live before each instruction of the trace), else
-/// its first instruction. The translator and the fault path derive it alike.
+/// its first instruction. The translator derives it, and keeps it for the fault path
+/// ([`encode_block_counts`]).
 pub(crate) fn count_point(b: &Bbl, live: &[u32]) -> usize {
     (b.first..b.first + b.count)
         .find(|&k| live.get(k) == Some(&0))

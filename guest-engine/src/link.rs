@@ -13,7 +13,6 @@
 //! patched field lies inside the cache region.
 
 use crate::addr::CachePc;
-use crate::code_cache::{TRUST_GLOBAL, TRUST_LOCAL};
 use crate::dispatch::Engine;
 use crate::fragment::{ExitKind, Fragment};
 use crate::softtlb::link_target;
@@ -62,12 +61,8 @@ impl Engine {
         }
         let (target, trusted) = link_target(src, dst);
         if trusted {
-            let which = if global { TRUST_GLOBAL } else { TRUST_LOCAL };
             let page = dst.start.page().0;
-            self.cache.trusted_links[which]
-                .entry(page)
-                .or_default()
-                .push((exit, to));
+            self.cache.trusted(page, global).push((exit, to));
         }
         // SAFETY: `patch_at` is the rel32 of a branch of fragment `from`, inside the
         // cache; nothing executes in the cache while the dispatcher runs.

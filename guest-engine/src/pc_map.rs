@@ -40,6 +40,11 @@ pub(crate) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     out.push(v as u8);
 }
 
+/// Bytes `put_varint` takes for `v`.
+fn varint_len(v: u64) -> usize {
+    ((64 - (v | 1).leading_zeros()) as usize).div_ceil(7)
+}
+
 pub(crate) fn get_varint(b: &[u8], at: &mut usize) -> Option<u64> {
     let mut v = 0u64;
     for shift in (0..64).step_by(7) {
@@ -65,7 +70,7 @@ impl PcMap {
         scratch: &mut Vec<u8>,
     ) -> Self {
         scratch.clear();
-        scratch.reserve(marks.len() * MAX_MARK_BYTES + block_counts.len());
+        scratch.reserve(marks.len() * MAX_MARK_BYTES);
         let (mut offset, mut pc, mut spilled) = (0u32, start, 0u16);
         for m in marks {
             debug_assert!(m.offset > offset || (m.offset == 0 && offset == 0));
@@ -86,7 +91,9 @@ impl PcMap {
                 scratch.extend_from_slice(&m.spilled.to_le_bytes());
             }
         }
-        let mut out = Vec::with_capacity(5 + scratch.len() + block_counts.len());
+        // At its exact size: `into_boxed_slice` then keeps the allocation.
+        let head = varint_len(scratch.len() as u64);
+        let mut out = Vec::with_capacity(head + scratch.len() + block_counts.len());
         put_varint(&mut out, scratch.len() as u64);
         out.extend_from_slice(scratch);
         out.extend_from_slice(block_counts);
@@ -190,6 +197,24 @@ mod tests {
             PcMap::encode(&[], 0, &[], &mut Vec::new()).lookup(0, 0),
             None
         );
+    }
+
+    #[test]
+    fn test_varint_len_is_what_put_varint_writes() {
+        for v in [
+            0,
+            1,
+            0x7f,
+            0x80,
+            0x3fff,
+            0x4000,
+            u64::from(u32::MAX),
+            u64::MAX,
+        ] {
+            let mut out = Vec::new();
+            put_varint(&mut out, v);
+            assert_eq!(varint_len(v), out.len(), "{v:#x}");
+        }
     }
 
     #[test]

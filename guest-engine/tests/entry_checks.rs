@@ -2,7 +2,7 @@
 //! (self-linked) loop at a trace entry, with flags live or dead; a cross-page link
 //! re-validates the PA after the page was remapped; `cpuid` goes to the platform and
 //! `hlt` stops the run; lookups of global pages survive a CR3 write, others do not; a
-//! link into a global page skips its PA check until the page is invalidated.
+//! cross-page link skips the PA check while its target page's lookups last.
 
 mod common;
 
