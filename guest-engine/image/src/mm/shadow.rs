@@ -109,12 +109,17 @@ impl StolenMem {
         }
     }
 
-    /// Keeps `present` true after `value` was written at byte `offset` of the shadow-table
-    /// area (engine address `va`): a present entry sets its line's bit; a cleared one
-    /// clears it if its whole line (just written, so in the cache) is now empty.
-    fn note_entry(&mut self, offset: u64, va: u64, value: u64) {
-        let frame = (offset / PAGE) as usize;
-        let line = ((offset % PAGE) / 64) as u32;
+    /// The index in `present` of the shadow-table frame holding `pa`.
+    fn table_frame(&self, pa: u64) -> usize {
+        ((pa - self.stolen_base - SHADOW_TABLES_OFFSET) / PAGE) as usize
+    }
+
+    /// Keeps `present` true after `value` was written at `pa` in the shadow-table area
+    /// (engine address `va`): a present entry sets its line's bit; a cleared one clears
+    /// it if its whole line (just written, so in the cache) is now empty.
+    fn note_entry(&mut self, pa: u64, va: u64, value: u64) {
+        let frame = self.table_frame(pa);
+        let line = ((pa % PAGE) / 64) as u32;
         let Some(lines) = self.present.get_mut(frame) else {
             return;
         };
@@ -191,7 +196,7 @@ impl PhysMem for StolenMem {
         // and the guest's A/D bits (guest RAM), as hardware would.
         unsafe { core::ptr::write_volatile(va as *mut u64, value) };
         if in_tables {
-            self.note_entry(pa.0 - tables, va, value);
+            self.note_entry(pa.0, va, value);
         }
         true
     }
@@ -208,7 +213,7 @@ impl PhysMem for StolenMem {
             return Err(table);
         }
         let at = (WINDOW_VA + (table.0 - self.stolen_base)) as *const u64;
-        let frame = ((table.0 - tables) / PAGE) as usize;
+        let frame = self.table_frame(table.0);
         // A frame never handed out has no summary: read it all (nothing calls that).
         let mut lines = self.present.get(frame).copied().unwrap_or(u64::MAX);
         lines &= u64::MAX << (from / 8).min(63);
@@ -242,7 +247,7 @@ impl PhysMem for StolenMem {
             }
             None => return None,
         };
-        let frame = ((pa - self.stolen_base - SHADOW_TABLES_OFFSET) / PAGE) as usize;
+        let frame = self.table_frame(pa);
         self.present[frame] = 0;
         // SAFETY: a table frame of the stolen region (mapped by the window), owned by the
         // allocator and not in use (never handed out, or returned and not loaded).
