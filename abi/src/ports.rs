@@ -7,6 +7,11 @@
 /// The engine rings it only when the ring is past its batch threshold, when a record does
 /// not fit, and at flush points, so a busy tool does not exit per write.
 pub const DOORBELL_PORT: u16 = 0x0f10;
+/// The byte written to [`DOORBELL_PORT`] when the engine's push into the record ring
+/// ([`crate::record_ring`]) finds it full: the VMM drains the I/O ring as for any other
+/// value, then holds the vCPU until the host's simulator has emptied half the ring (or
+/// stopped), so that the engine waits without spinning on a core.
+pub const DOORBELL_RECORD_ROOM: u8 = 1;
 /// The engine failed (an unexpected fault inside the engine, a full code cache that cannot
 /// be flushed, a guest triple fault): the VMM drains the ring (the engine's last log lines
 /// and last-traces record), dumps state and ends the run as a crash.

@@ -188,9 +188,21 @@ impl Producer {
     }
 
     /// Publishes `records` (a whole number of [`RECORD_BYTES`] records; a trailing part
-    /// record is ignored), waiting for room while the consumer works. Fails only when the
+    /// record is ignored), spinning for room while the consumer works. Fails only when the
     /// consumer has stopped (`ConsumerStopped`), or after [`Producer::close`] (`Closed`).
     pub fn push(&mut self, records: &[u8]) -> Result<(), RecordRingError> {
+        self.push_waiting(records, &mut core::hint::spin_loop)
+    }
+
+    /// [`Producer::push`], calling `wait` each time the ring is found full: the engine's
+    /// `wait` exits to the VMM, which sleeps until the consumer has made room
+    /// ([`Observer`]) instead of spinning on a core the host counts. `wait` may return
+    /// before there is room; the push checks again.
+    pub fn push_waiting(
+        &mut self,
+        records: &[u8],
+        wait: &mut dyn FnMut(),
+    ) -> Result<(), RecordRingError> {
         let h = self.raw.header();
         if h.end.load(Ordering::Relaxed) != OPEN {
             return Err(RecordRingError::Closed);
@@ -210,7 +222,7 @@ impl Producer {
                 if h.state.load(Ordering::Acquire) != CONSUMER_RUNNING {
                     return Err(RecordRingError::ConsumerStopped);
                 }
-                core::hint::spin_loop();
+                wait();
                 continue;
             }
             let slot = head % self.raw.capacity;
@@ -257,6 +269,50 @@ impl Producer {
 // the consumer is accessed through atomics with release/acquire ordering.
 unsafe impl Send for Producer {}
 
+/// A read-only view of the ring for the side that puts a waiting producer to sleep (the
+/// VMM's vCPU thread, while the engine waits for room): how much room there is, and
+/// whether waiting for more can end otherwise.
+pub struct Observer {
+    raw: Raw,
+}
+
+impl Observer {
+    /// Views a ring that [`format`] initialised.
+    ///
+    /// # Safety
+    /// `base` is valid for reads of `total_bytes` for the observer's lifetime and 64-byte
+    /// aligned.
+    pub unsafe fn attach(base: *const u8, total_bytes: usize) -> Result<Self, RecordRingError> {
+        // SAFETY: forwarded from this function's contract; an observer never writes.
+        let raw = unsafe { Raw::new(base.cast_mut(), total_bytes)? };
+        raw.check_header()?;
+        Ok(Observer { raw })
+    }
+
+    /// Records the data area holds.
+    pub fn capacity(&self) -> u64 {
+        self.raw.capacity
+    }
+
+    /// Free slots: the capacity less the records published and not yet released (a
+    /// `head` more than a ring's worth ahead counts as a full ring).
+    pub fn free(&self) -> u64 {
+        let h = self.raw.header();
+        let used = h
+            .head
+            .load(Ordering::Acquire)
+            .wrapping_sub(h.tail.load(Ordering::Acquire));
+        self.raw.capacity.saturating_sub(used)
+    }
+
+    /// Whether no wait for room is worth making: the producer closed the ring or the
+    /// consumer stopped.
+    pub fn settled(&self) -> bool {
+        let h = self.raw.header();
+        h.end.load(Ordering::Acquire) != OPEN || h.state.load(Ordering::Acquire) != CONSUMER_RUNNING
+    }
+}
+
 /// The host's end of the ring.
 pub struct Consumer {
     raw: Raw,
@@ -278,6 +334,11 @@ impl Consumer {
         let tail = raw.header().tail.load(Ordering::Relaxed);
         let slot = tail % raw.capacity;
         Ok(Consumer { raw, tail, slot })
+    }
+
+    /// Records the data area holds.
+    pub fn capacity(&self) -> u64 {
+        self.raw.capacity
     }
 
     /// Records published and not yet released, at most a ring's worth (a `head` further
@@ -486,6 +547,35 @@ mod tests {
         assert_eq!(p.push(&batch), Err(RecordRingError::ConsumerStopped));
         assert_eq!(c.available(), 5, "the records that fitted were published");
         assert_eq!(c.producer_waits(), 1);
+    }
+
+    #[test]
+    fn a_full_ring_calls_the_wait_and_the_observer_sees_the_room() {
+        let mut mem = std::boxed::Box::new(Mem([0; HEADER_BYTES + 5 * RECORD_BYTES]));
+        let (base, len) = (mem.0.as_mut_ptr(), mem.0.len());
+        // SAFETY: as in the tests above.
+        unsafe { format(base, len) }.unwrap();
+        // SAFETY: as above.
+        let mut p = unsafe { Producer::attach(base, len) }.unwrap();
+        // SAFETY: as above.
+        let mut c = unsafe { Consumer::attach(base, len) }.unwrap();
+        // SAFETY: as above; the observer only reads.
+        let o = unsafe { Observer::attach(base, len) }.unwrap();
+        assert_eq!((o.capacity(), o.free(), o.settled()), (5, 5, false));
+        let mut waits = Vec::new();
+        // Seven records into five slots: the push waits once, with the ring full, and
+        // the "host" makes room for three.
+        let batch: Vec<u8> = (0..7).flat_map(rec).collect();
+        p.push_waiting(&batch, &mut || {
+            waits.push(o.free());
+            c.release(3);
+        })
+        .unwrap();
+        assert_eq!(waits, [0]);
+        assert_eq!(o.free(), 1);
+        assert_eq!(p.waits(), 1);
+        p.close();
+        assert!(o.settled());
     }
 
     #[test]

@@ -40,7 +40,7 @@ pub(crate) struct Summary<'a> {
     pub(crate) tool: Option<&'a str>,
     pub(crate) wall_seconds: f64,
     pub(crate) console_bytes: u64,
-    /// `exits_total` … `ring_doorbells` ([`ExitsRecord`]).
+    /// `exits_total` … `record_ring_waits` ([`ExitsRecord`]).
     #[serde(flatten, with = "ExitsRecord")]
     pub(crate) exits: ExitCounters,
     /// The virtio devices (`--disk`, `--rng`): kind, image, window, IRQ, counters.
@@ -95,6 +95,9 @@ struct ExitsRecord {
     interrupted: u64,
     #[serde(rename = "ring_doorbells")]
     doorbells: u64,
+    /// Of the doorbells, the engine's waits for room in the record ring.
+    #[serde(rename = "record_ring_waits")]
+    record_room_waits: u64,
 }
 
 /// `run.json`'s keys for what the host daemon did with the I/O ring, in `run.json`'s
@@ -133,7 +136,7 @@ mod tests {
     /// `run.json`'s keys, in order, as they were when `Summary` copied them by hand
     /// (`tests/host_faults.rs`, `vmm/tests/cli.rs` and users' scripts read them), then
     /// the tools' (`tool_keys`).
-    const RUN_JSON_KEYS: [&str; 34] = [
+    const RUN_JSON_KEYS: [&str; 35] = [
         "complete",
         "status",
         "incomplete_reason",
@@ -158,6 +161,7 @@ mod tests {
         "exits_mmio_device",
         "exits_interrupted",
         "ring_doorbells",
+        "record_ring_waits",
         "devices",
         "ring_records",
         "files_written",
@@ -196,6 +200,7 @@ mod tests {
             mmio_device: 0,
             interrupted: 7,
             doorbells: 8,
+            record_room_waits: 18,
         };
         let ring = DaemonStats {
             records: 10,
@@ -255,6 +260,7 @@ mod tests {
             ("unbacked_mmio_total", 6),
             ("exits_interrupted", 7),
             ("ring_doorbells", 8),
+            ("record_ring_waits", 18),
             ("ring_records", 10),
             ("files_written", 11),
             ("files_refused", 12),

@@ -14,6 +14,9 @@ pub enum DeviceAction {
     Reset,
     /// The engine rang the I/O-ring doorbell: drain the ring.
     DrainRing,
+    /// The engine rang the doorbell with [`kpin_abi::ports::DOORBELL_RECORD_ROOM`]: drain
+    /// the I/O ring, then wait for room in the record ring.
+    WaitForRecordRoom,
     /// The engine reported a failure: drain the ring, then end the run as a crash.
     EngineFailure,
 }

@@ -1,7 +1,7 @@
 //! The engine's two ports to the VMM ([`kpin_abi::ports`]): the I/O-ring doorbell and
 //! the engine-failure report. Either `out` turns into a [`DeviceAction`] the run loop acts on.
 
-use kpin_abi::ports::{DOORBELL_PORT, ENGINE_FAILURE_PORT};
+use kpin_abi::ports::{DOORBELL_PORT, DOORBELL_RECORD_ROOM, ENGINE_FAILURE_PORT};
 
 use super::bus::{DeviceAction, PortDevice};
 
@@ -20,8 +20,9 @@ impl PortDevice for EnginePorts {
         data.fill(0);
     }
 
-    fn write(&mut self, offset: u16, _data: &[u8]) -> DeviceAction {
+    fn write(&mut self, offset: u16, data: &[u8]) -> DeviceAction {
         match offset + ENGINE_PORTS_BASE {
+            DOORBELL_PORT if data == [DOORBELL_RECORD_ROOM] => DeviceAction::WaitForRecordRoom,
             DOORBELL_PORT => DeviceAction::DrainRing,
             ENGINE_FAILURE_PORT => DeviceAction::EngineFailure,
             _ => DeviceAction::None,
@@ -36,7 +37,11 @@ mod tests {
     #[test]
     fn test_doorbell_and_failure_ports_map_to_actions() {
         let mut p = EnginePorts;
-        assert_eq!(p.write(0, &[1]), DeviceAction::DrainRing);
+        assert_eq!(p.write(0, &[0]), DeviceAction::DrainRing);
+        assert_eq!(
+            p.write(0, &[DOORBELL_RECORD_ROOM]),
+            DeviceAction::WaitForRecordRoom
+        );
         assert_eq!(p.write(1, &[1]), DeviceAction::EngineFailure);
     }
 }

@@ -7,16 +7,19 @@
 //!
 //! drcachesim's online mode has the same shape (the traced process writes records into a
 //! pipe, a simulator process reads them). The ring applies back-pressure: a full ring makes
-//! the engine wait, so every record is simulated, in order.
+//! the engine wait, so every record is simulated, in order. The engine waits by ringing
+//! the doorbell ([`kpin_abi::ports::DOORBELL_RECORD_ROOM`]) and the vCPU thread sleeps
+//! ([`RecordRoom`]) until the thread has emptied half the ring: a spinning engine would
+//! burn the vCPU's core for as long as the simulator sets the pace.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{fence, AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use host_daemon::Daemon;
-use kpin_abi::record_ring::{self, Consumer};
+use kpin_abi::record_ring::{self, Consumer, Observer};
 use kpin_abi::stolen::{RECORD_RING_BYTES, RECORD_RING_OFFSET};
 use kpin_tool::host::{Error as SinkError, Sink};
 use kpin_tool::host_side::RecordConsumer;
@@ -35,6 +38,9 @@ const IDLE_SLEEP: Duration = Duration::from_micros(50);
 
 /// Records handed to the consumer in one call.
 const FEED: usize = 256;
+/// Longest sleep of a vCPU waiting for room before it looks at the ring, the watchdog
+/// and stop requests again (a wake-up is due long before, when the thread makes room).
+const ROOM_POLL: Duration = Duration::from_millis(10);
 
 /// A run whose tool's records are to be simulated on the host: which tool, with which
 /// options ([`HostSim::plan`]).
@@ -48,10 +54,56 @@ pub struct Planned {
 pub struct HostSim {
     /// The tool it simulates.
     tool: &'static str,
-    /// The ring's base in the VMM's mapping of the stolen region.
+    /// The ring's base in the VMM's mapping of the stolen region, and its length.
     ring: *const u8,
+    len: usize,
     stop: Arc<AtomicBool>,
+    waiter: Arc<Waiter>,
     thread: Option<JoinHandle<Served>>,
+}
+
+/// A vCPU waiting for room, as the simulator thread sees it.
+struct Waiter {
+    /// Set while the vCPU thread sleeps in [`RecordRoom::wait`].
+    waiting: AtomicBool,
+    /// The vCPU thread (the one that started the simulator).
+    vcpu: std::thread::Thread,
+}
+
+impl Waiter {
+    /// Called by the thread after it released slots (`available` records are left):
+    /// wakes a waiting vCPU once half the ring is free.
+    fn made_room(&self, available: u64, capacity: u64) {
+        // Orders the release of the slots before the read of `waiting`, as `wait` orders
+        // its store of `waiting` before its read of the free slots: one of the two sees
+        // the other, so no wake-up is lost.
+        fence(Ordering::SeqCst);
+        if self.waiting.load(Ordering::Relaxed) && available <= capacity / 2 {
+            self.vcpu.unpark();
+        }
+    }
+}
+
+/// The vCPU thread's side of the engine's waits for room in the record ring
+/// ([`HostSim::room`]).
+pub struct RecordRoom {
+    ring: Observer,
+    waiter: Arc<Waiter>,
+}
+
+impl RecordRoom {
+    /// Sleeps until half the ring is free, the ring needs no more waiting (the engine
+    /// closed it, or the simulator stopped), or `give_up` says so (checked at least every
+    /// [`ROOM_POLL`]: the watchdog, a stop request).
+    pub fn wait(&self, give_up: impl Fn() -> bool) {
+        let half = self.ring.capacity() / 2;
+        self.waiter.waiting.store(true, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        while self.ring.free() < half.max(1) && !self.ring.settled() && !give_up() {
+            std::thread::park_timeout(ROOM_POLL);
+        }
+        self.waiter.waiting.store(false, Ordering::Relaxed);
+    }
 }
 
 /// What the thread did.
@@ -117,16 +169,37 @@ impl HostSim {
         let ring = unsafe { Consumer::attach(base, len) }.map_err(bad)?;
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = Arc::clone(&stop);
+        let waiter = Arc::new(Waiter {
+            waiting: AtomicBool::new(false),
+            vcpu: std::thread::current(),
+        });
+        let waiter2 = Arc::clone(&waiter);
         let thread = std::thread::Builder::new()
             .name(format!("kpin-{}", plan.tool))
-            .spawn(move || serve(ring, sim, &stop2))
+            .spawn(move || serve(ring, sim, &stop2, &waiter2))
             .map_err(|e| VmmError::HostSim(format!("its thread: {e}")))?;
         Ok(Some(Self {
             tool: plan.tool,
             ring: base,
+            len,
             stop,
+            waiter,
             thread: Some(thread),
         }))
+    }
+
+    /// The vCPU thread's handle for the engine's waits for room (to be used on the thread
+    /// that started the simulator: the one it wakes).
+    pub fn room(&self) -> Result<RecordRoom> {
+        // SAFETY: `start` formatted the ring of `len` bytes at `ring`, in the stolen
+        // region's mapping, which outlives the run loop that uses the handle (see
+        // `start`); an observer only reads it.
+        let ring = unsafe { Observer::attach(self.ring, self.len) }
+            .map_err(|e| VmmError::HostSim(format!("the record ring: {e:?}")))?;
+        Ok(RecordRoom {
+            ring,
+            waiter: Arc::clone(&self.waiter),
+        })
     }
 
     /// Whether the engine closed the ring: the window's last record is in, and the
@@ -203,7 +276,13 @@ impl Drop for HostSim {
 
 /// The thread: simulates the published records in order until the engine closes the
 /// ring and everything is read, or the VMM stops it and nothing is left.
-fn serve(mut ring: Consumer, mut sim: Box<dyn RecordConsumer>, stop: &AtomicBool) -> Served {
+fn serve(
+    mut ring: Consumer,
+    mut sim: Box<dyn RecordConsumer>,
+    stop: &AtomicBool,
+    waiter: &Waiter,
+) -> Served {
+    let capacity = ring.capacity();
     let mut records = 0u64;
     let born = Instant::now();
     let mut busy = Duration::ZERO;
@@ -232,11 +311,13 @@ fn serve(mut ring: Consumer, mut sim: Box<dyn RecordConsumer>, stop: &AtomicBool
             feed_stretch(&ring, n, &mut batch, &mut *sim);
             records += n;
             ring.release(n);
+            waiter.made_room(ring.available(), capacity);
             busy += t0.elapsed();
         }
     }));
     // From here on nothing reads the ring: a producer waiting for room must not wait on.
     ring.stop();
+    waiter.vcpu.unpark();
     Served {
         finished: matches!(run, Ok(true)),
         panicked: run.is_err(),
@@ -377,7 +458,12 @@ mod tests {
     /// Pushes `n` one-byte fetches at kernel addresses one line apart, in batches larger
     /// than the ring (the producer waits for the thread).
     fn push_fetches(p: &mut Producer, n: u64) {
-        let records: Vec<u8> = (0..n)
+        p.push(&fetches(n)).unwrap();
+    }
+
+    /// `n` one-byte fetches at kernel addresses one line apart, as the ring's bytes.
+    fn fetches(n: u64) -> Vec<u8> {
+        (0..n)
             .flat_map(|k| {
                 let r = MemRecord {
                     ip: 0xffff_ffff_8100_0000 + k,
@@ -394,8 +480,7 @@ mod tests {
                 ]
             })
             .flat_map(u64::to_le_bytes)
-            .collect();
-        p.push(&records).unwrap();
+            .collect()
     }
 
     #[test]
@@ -438,6 +523,49 @@ mod tests {
             log.contains("host: cachesim: 1000 references simulated"),
             "{log}"
         );
+    }
+
+    #[test]
+    fn a_producer_waiting_for_room_sleeps_until_the_thread_has_emptied_half_the_ring() {
+        let mut ring = Box::new(Ring([0; RING_BYTES]));
+        let base = ring.0.as_mut_ptr();
+        let plan = plan("L1I_size=1K LL_size=4K");
+        // SAFETY: as in the test above.
+        let sim = unsafe { HostSim::start_at(base, RING_BYTES, &plan) }
+            .unwrap()
+            .expect("options accepted");
+        // This thread started the simulator: the one its wake-ups are for, as the vCPU's.
+        let room = sim.room().unwrap();
+        // SAFETY: as above; the test is the ring's only producer.
+        let mut p = unsafe { Producer::attach(base, RING_BYTES) }.unwrap();
+        // SAFETY: as above; an observer only reads.
+        let o = unsafe { Observer::attach(base, RING_BYTES) }.unwrap();
+        let start = Instant::now();
+        let mut free_after = Vec::new();
+        p.push_waiting(&fetches(1000), &mut || {
+            room.wait(|| start.elapsed() > Duration::from_secs(60));
+            free_after.push(o.free());
+        })
+        .unwrap();
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "woken, not timed out"
+        );
+        // 1000 records through 64 slots: a wait at least every 32 records, each ended
+        // with half the ring free.
+        assert!(free_after.len() >= 1000 / 64, "{free_after:?}");
+        assert!(free_after.iter().all(|&f| f >= 32), "{free_after:?}");
+        p.close();
+        let dir = out_dir("room");
+        let mut daemon = Daemon::new(&dir);
+        sim.finish(&mut daemon);
+        let counters = std::fs::read_to_string(dir.join(&host_files(&plan)[0])).unwrap();
+        assert!(
+            counters.contains("fetch_kernel=1000 fetch_user=0"),
+            "{counters}"
+        );
+        // Nothing left to wait for once the engine closed the ring.
+        room.wait(|| panic!("a closed ring needs no waiting"));
     }
 
     #[test]

@@ -17,6 +17,7 @@ use crate::boot::layout::MMIO_GAP_END;
 use crate::devices::bus::{DeviceAction, PortBus, Routed};
 use crate::devices::mmio::{MmioAction, MmioBus, MmioRouted};
 use crate::devices::serial::ConsoleWatch;
+use crate::engine::host_sim::RecordRoom;
 use crate::error::{Result, VmmError};
 use crate::vstate::watchdog::Watchdog;
 
@@ -137,6 +138,8 @@ pub struct ExitCounters {
     pub mmio_device: u64,
     /// I/O-ring doorbells.
     pub doorbells: u64,
+    /// Of those, the engine's waits for room in the record ring (the host simulator's).
+    pub record_room_waits: u64,
     /// Returns from `KVM_RUN` because of a signal.
     pub interrupted: u64,
     /// All `KVM_RUN` returns.
@@ -161,10 +164,11 @@ pub struct RunReport {
 }
 
 /// Runs the vCPU until the run ends: the guest stops, `watchdog` expires, `stop` is
-/// requested, or the console shows a kernel panic. A doorbell has `daemon` serve `ring`; every exit is counted in
-/// `exits`. Before every `KVM_RUN`, `between` runs (the control channel's commands: it
-/// may change the vCPU's state). An `Err` is a host failure (`KVM_RUN` itself, the
-/// daemon, or `between`).
+/// requested, or the console shows a kernel panic. A doorbell has `daemon` serve `ring`;
+/// one asking for record room also waits on `record_room` (the host simulator's ring)
+/// before the vCPU runs again. Every exit is counted in `exits`. Before every `KVM_RUN`,
+/// `between` runs (the control channel's commands: it may change the vCPU's state). An
+/// `Err` is a host failure (`KVM_RUN` itself, the daemon, or `between`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_loop(
     vcpu: &mut VcpuFd,
@@ -175,6 +179,7 @@ pub(crate) fn run_loop(
     daemon: &mut Daemon,
     watchdog: &Watchdog,
     stop: &super::vm::StopRequest,
+    record_room: Option<&RecordRoom>,
     exits: &mut ExitCounters,
     between: &mut dyn FnMut(&mut VcpuFd, &mut Daemon, &mut Consumer, &ExitCounters) -> Result<()>,
 ) -> Result<Outcome> {
@@ -197,6 +202,16 @@ pub(crate) fn run_loop(
                 exits.doorbells += 1;
                 if let Err(e) = daemon.serve(ring) {
                     return Ok(Outcome::HostDaemon(error_chain(&e)));
+                }
+            }
+            Step::WaitForRecordRoom => {
+                exits.doorbells += 1;
+                exits.record_room_waits += 1;
+                if let Err(e) = daemon.serve(ring) {
+                    return Ok(Outcome::HostDaemon(error_chain(&e)));
+                }
+                if let Some(room) = record_room {
+                    room.wait(|| watchdog.expired() || stop.requested().is_some());
                 }
             }
             Step::InternalError => {
@@ -234,6 +249,8 @@ enum Step {
     Continue,
     /// Drain the I/O ring, then continue.
     DrainRing,
+    /// Drain the I/O ring, wait for room in the record ring, then continue.
+    WaitForRecordRoom,
     /// Read the internal-error details from the run structure, then end.
     InternalError,
     /// The run is over.
@@ -350,6 +367,7 @@ fn port_step(routed: Routed, port: u16, write: bool, exits: &mut ExitCounters) -
     match routed {
         Routed::Device(DeviceAction::Reset) => Step::End(Outcome::Poweroff),
         Routed::Device(DeviceAction::DrainRing) => Step::DrainRing,
+        Routed::Device(DeviceAction::WaitForRecordRoom) => Step::WaitForRecordRoom,
         Routed::Device(DeviceAction::EngineFailure) => Step::End(Outcome::EngineFailure),
         Routed::Device(DeviceAction::None) => {
             if write {
@@ -444,8 +462,15 @@ mod tests {
             Step::End(Outcome::Poweroff)
         );
         assert_eq!(
-            step(VcpuExit::IoOut(DOORBELL_PORT, &[1]), &mut exits),
+            step(VcpuExit::IoOut(DOORBELL_PORT, &[0]), &mut exits),
             Step::DrainRing
+        );
+        assert_eq!(
+            step(
+                VcpuExit::IoOut(DOORBELL_PORT, &[kpin_abi::ports::DOORBELL_RECORD_ROOM]),
+                &mut exits
+            ),
+            Step::WaitForRecordRoom
         );
         assert_eq!(
             step(VcpuExit::IoOut(ENGINE_FAILURE_PORT, &[1]), &mut exits),

@@ -426,6 +426,8 @@ impl Vm {
             Some(plan) => HostSim::start(&self.mem, plan)?,
             None => None,
         };
+        // The engine's waits for room in the record ring sleep on this (the vCPU) thread.
+        let record_room = host_sim.as_ref().map(HostSim::room).transpose()?;
         let watchdog = Watchdog::arm(self.timeout)?;
         // After the watchdog: it installs the SIGRTMIN handler the kicks need.
         let kicker = StopKicker::start(&self.stop)?;
@@ -469,6 +471,7 @@ impl Vm {
             daemon,
             &watchdog,
             &self.stop,
+            record_room.as_ref(),
             &mut exits,
             &mut between,
         );

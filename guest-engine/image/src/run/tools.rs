@@ -16,6 +16,7 @@ use alloc::boxed::Box;
 use core::fmt;
 
 use kpin_abi::io_ring::Kind;
+use kpin_abi::ports::{DOORBELL_PORT, DOORBELL_RECORD_ROOM};
 use kpin_abi::record_ring::{self, Producer};
 use kpin_abi::stolen::{RECORD_RING_BYTES, RECORD_RING_OFFSET, WINDOW_VA};
 use kpin_tool::host::{Error, Sink};
@@ -130,7 +131,8 @@ impl Chosen {
 /// A tool whose simulation runs on the host: its instrumentation (the same records,
 /// physical addresses resolved by the engine), the records pushed into the record ring
 /// for the VMM's simulator thread, which writes the tool's files when the run ends. A
-/// push waits while the ring is full, so the simulation sees every record.
+/// push waits while the ring is full (asleep in the VMM), so the simulation sees every
+/// record.
 pub struct ToHost {
     /// Instruments traces and checked the options; it is fed nothing.
     tool: Box<dyn KpinTool>,
@@ -180,7 +182,10 @@ impl Tool for ToHost {
                 core::mem::size_of_val(records),
             )
         };
-        if let Err(e) = self.ring.push(bytes) {
+        // A full ring: the VMM holds the vCPU until the simulator has made room, so the
+        // wait costs the host no spinning core.
+        let mut wait = || crate::ring0::gate::notify(DOORBELL_PORT, DOORBELL_RECORD_ROOM);
+        if let Err(e) = self.ring.push_waiting(bytes, &mut wait) {
             log!(
                 Error,
                 "engine: {}: the host's simulator no longer takes records ({e:?})",
