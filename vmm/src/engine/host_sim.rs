@@ -340,6 +340,9 @@ fn feed_stretch(ring: &Consumer, n: u64, batch: &mut Batch, sim: &mut dyn Record
         if got == 0 {
             break;
         }
+        // The engine writes the slots with streaming stores, so they come from memory:
+        // the next stretch loads while this one is simulated.
+        ring.prefetch(i + got as u64, FEED as u64);
         sim.feed(&batch.records[..got]);
         i += got as u64;
     }
