@@ -486,18 +486,26 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn a_closed_ring_is_simulated_in_full_and_its_files_written() {
+    /// A simulator with `options` started on a new ring, and the ring's producer. Bound
+    /// in this order, the simulator ends before the ring's memory goes.
+    fn started(options: &str) -> (Box<Ring>, Planned, HostSim, Producer) {
         let mut ring = Box::new(Ring([0; RING_BYTES]));
         let base = ring.0.as_mut_ptr();
-        let plan = plan("L1I_size=1K LL_size=4K");
-        // SAFETY: the boxed ring outlives the simulator (finished below, before the box
-        // drops) and is 64-byte aligned.
+        let plan = plan(options);
+        // SAFETY: the boxed ring (its heap memory does not move with the box) outlives
+        // the simulator and the producer, which the caller drops first, and is 64-byte
+        // aligned.
         let sim = unsafe { HostSim::start_at(base, RING_BYTES, &plan) }
             .unwrap()
             .expect("options accepted");
-        // SAFETY: as above; the test is the ring's only producer.
-        let mut p = unsafe { Producer::attach(base, RING_BYTES) }.unwrap();
+        // SAFETY: as above; the caller is the ring's only producer.
+        let p = unsafe { Producer::attach(base, RING_BYTES) }.unwrap();
+        (ring, plan, sim, p)
+    }
+
+    #[test]
+    fn a_closed_ring_is_simulated_in_full_and_its_files_written() {
+        let (_ring, plan, sim, mut p) = started("L1I_size=1K LL_size=4K");
         push_fetches(&mut p, 1000);
         assert!(!sim.closed());
         p.close();
@@ -530,19 +538,11 @@ mod tests {
 
     #[test]
     fn a_producer_waiting_for_room_sleeps_until_the_thread_has_emptied_half_the_ring() {
-        let mut ring = Box::new(Ring([0; RING_BYTES]));
-        let base = ring.0.as_mut_ptr();
-        let plan = plan("L1I_size=1K LL_size=4K");
-        // SAFETY: as in the test above.
-        let sim = unsafe { HostSim::start_at(base, RING_BYTES, &plan) }
-            .unwrap()
-            .expect("options accepted");
+        let (ring, plan, sim, mut p) = started("L1I_size=1K LL_size=4K");
         // This thread started the simulator: the one its wake-ups are for, as the vCPU's.
         let room = sim.room().unwrap();
-        // SAFETY: as above; the test is the ring's only producer.
-        let mut p = unsafe { Producer::attach(base, RING_BYTES) }.unwrap();
-        // SAFETY: as above; an observer only reads.
-        let o = unsafe { Observer::attach(base, RING_BYTES) }.unwrap();
+        // SAFETY: the ring outlives the observer (see `started`); an observer only reads.
+        let o = unsafe { Observer::attach(ring.0.as_ptr(), RING_BYTES) }.unwrap();
         let start = Instant::now();
         let mut free_after = Vec::new();
         p.push_waiting(&fetches(1000), &mut || {
@@ -573,15 +573,7 @@ mod tests {
 
     #[test]
     fn a_ring_left_open_writes_no_files_and_says_so() {
-        let mut ring = Box::new(Ring([0; RING_BYTES]));
-        let base = ring.0.as_mut_ptr();
-        let plan = plan("");
-        // SAFETY: as in the test above.
-        let sim = unsafe { HostSim::start_at(base, RING_BYTES, &plan) }
-            .unwrap()
-            .expect("options accepted");
-        // SAFETY: as above.
-        let mut p = unsafe { Producer::attach(base, RING_BYTES) }.unwrap();
+        let (_ring, plan, sim, mut p) = started("");
         push_fetches(&mut p, 10);
         let dir = out_dir("open");
         let mut daemon = Daemon::new(&dir);
