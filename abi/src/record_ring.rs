@@ -440,10 +440,12 @@ impl Consumer {
         {
             let n = self.contiguous().saturating_sub(i).min(n) as usize;
             let first = (self.slot + i) as usize * RECORD_BYTES;
-            for at in (first..first + n * RECORD_BYTES).step_by(64) {
-                // SAFETY: `at` lies inside the data area (the slots `slot + i ..
-                // slot + i + n` do: `contiguous` stops at its end); a prefetch reads
-                // nothing into the program and cannot fault.
+            // From the start of the first slot's line, so that each line is asked for.
+            for at in (first & !63..first + n * RECORD_BYTES).step_by(64) {
+                // SAFETY: `at` lies inside the data area (the data area starts on a
+                // 64-byte boundary and the slots `slot + i .. slot + i + n` lie in it:
+                // `contiguous` stops at its end); a prefetch reads nothing into the
+                // program and cannot fault.
                 unsafe {
                     core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
                         self.raw.data.add(at).cast::<i8>(),
