@@ -538,6 +538,22 @@ mod tests {
     #[repr(C, align(64))]
     struct Mem([u8; HEADER_BYTES + 5 * RECORD_BYTES]);
 
+    /// A formatted five-slot ring in boxed memory, with its producer and consumer. Bound
+    /// in this order, the handles drop before the memory (whose heap block does not move
+    /// with the box).
+    fn five_slots() -> (std::boxed::Box<Mem>, Producer, Consumer) {
+        let mut mem = std::boxed::Box::new(Mem([0; HEADER_BYTES + 5 * RECORD_BYTES]));
+        let (base, len) = (mem.0.as_mut_ptr(), mem.0.len());
+        // SAFETY: the boxed memory outlives both handles (see above) and is 64-byte
+        // aligned.
+        unsafe { format(base, len) }.unwrap();
+        // SAFETY: as above; the test is the only producer.
+        let p = unsafe { Producer::attach(base, len) }.unwrap();
+        // SAFETY: as above; the test is the only consumer.
+        let c = unsafe { Consumer::attach(base, len) }.unwrap();
+        (mem, p, c)
+    }
+
     fn rec(n: u64) -> [u8; RECORD_BYTES] {
         let mut r = [0u8; RECORD_BYTES];
         for (k, w) in r.chunks_mut(8).enumerate() {
@@ -548,14 +564,7 @@ mod tests {
 
     #[test]
     fn records_wrap_in_order_and_the_end_is_seen() {
-        let mut mem = std::boxed::Box::new(Mem([0; HEADER_BYTES + 5 * RECORD_BYTES]));
-        let (base, len) = (mem.0.as_mut_ptr(), mem.0.len());
-        // SAFETY: the boxed memory outlives both handles and is 64-byte aligned.
-        unsafe { format(base, len) }.unwrap();
-        // SAFETY: as above.
-        let mut p = unsafe { Producer::attach(base, len) }.unwrap();
-        // SAFETY: as above.
-        let mut c = unsafe { Consumer::attach(base, len) }.unwrap();
+        let (mem, mut p, mut c) = five_slots();
         let mut seen = Vec::new();
         for round in 0..4u64 {
             let batch: Vec<u8> = (0..3).flat_map(|k| rec(round * 3 + k)).collect();
@@ -574,11 +583,11 @@ mod tests {
             assert!(!c.closed());
         }
         // SAFETY: the ring is formatted and its memory alive.
-        assert!(!unsafe { is_closed(base) });
+        assert!(!unsafe { is_closed(mem.0.as_ptr()) });
         p.close();
         assert!(c.closed() && c.finished());
         // SAFETY: as above.
-        assert!(unsafe { is_closed(base) });
+        assert!(unsafe { is_closed(mem.0.as_ptr()) });
         assert_eq!(seen, (0..12).collect::<Vec<_>>());
         assert_eq!(
             c.copy_records(0, &mut [0; RECORD_BYTES]),
@@ -591,14 +600,7 @@ mod tests {
 
     #[test]
     fn stretches_are_copied_up_to_the_end_of_the_data_area() {
-        let mut mem = std::boxed::Box::new(Mem([0; HEADER_BYTES + 5 * RECORD_BYTES]));
-        let (base, len) = (mem.0.as_mut_ptr(), mem.0.len());
-        // SAFETY: as in the test above.
-        unsafe { format(base, len) }.unwrap();
-        // SAFETY: as above.
-        let mut p = unsafe { Producer::attach(base, len) }.unwrap();
-        // SAFETY: as above.
-        let mut c = unsafe { Consumer::attach(base, len) }.unwrap();
+        let (_mem, mut p, mut c) = five_slots();
         p.push(&(0..3).flat_map(rec).collect::<Vec<u8>>()).unwrap();
         c.release(3);
         p.push(&(3..7).flat_map(rec).collect::<Vec<u8>>()).unwrap();
@@ -622,14 +624,7 @@ mod tests {
 
     #[test]
     fn a_full_ring_fails_the_push_once_the_consumer_stops() {
-        let mut mem = std::boxed::Box::new(Mem([0; HEADER_BYTES + 5 * RECORD_BYTES]));
-        let (base, len) = (mem.0.as_mut_ptr(), mem.0.len());
-        // SAFETY: as in the test above.
-        unsafe { format(base, len) }.unwrap();
-        // SAFETY: as above.
-        let mut p = unsafe { Producer::attach(base, len) }.unwrap();
-        // SAFETY: as above.
-        let c = unsafe { Consumer::attach(base, len) }.unwrap();
+        let (_mem, mut p, c) = five_slots();
         c.stop();
         let batch: Vec<u8> = (0..7).flat_map(rec).collect();
         assert_eq!(p.push(&batch), Err(RecordRingError::ConsumerStopped));
@@ -639,16 +634,9 @@ mod tests {
 
     #[test]
     fn a_full_ring_calls_the_wait_and_the_observer_sees_the_room() {
-        let mut mem = std::boxed::Box::new(Mem([0; HEADER_BYTES + 5 * RECORD_BYTES]));
-        let (base, len) = (mem.0.as_mut_ptr(), mem.0.len());
-        // SAFETY: as in the tests above.
-        unsafe { format(base, len) }.unwrap();
-        // SAFETY: as above.
-        let mut p = unsafe { Producer::attach(base, len) }.unwrap();
-        // SAFETY: as above.
-        let mut c = unsafe { Consumer::attach(base, len) }.unwrap();
-        // SAFETY: as above; the observer only reads.
-        let o = unsafe { Observer::attach(base, len) }.unwrap();
+        let (mem, mut p, mut c) = five_slots();
+        // SAFETY: the memory outlives the observer (bound after it), which only reads.
+        let o = unsafe { Observer::attach(mem.0.as_ptr(), mem.0.len()) }.unwrap();
         assert_eq!((o.capacity(), o.free(), o.settled()), (5, 5, false));
         let mut waits = Vec::new();
         // Seven records into five slots: the push waits once, with the ring full, and
