@@ -198,20 +198,16 @@ pub(crate) fn run_loop(
         }
         match step {
             Step::Continue => {}
-            Step::DrainRing => {
+            Step::DrainRing | Step::WaitForRecordRoom => {
                 exits.doorbells += 1;
                 if let Err(e) = daemon.serve(ring) {
                     return Ok(Outcome::HostDaemon(error_chain(&e)));
                 }
-            }
-            Step::WaitForRecordRoom => {
-                exits.doorbells += 1;
-                exits.record_room_waits += 1;
-                if let Err(e) = daemon.serve(ring) {
-                    return Ok(Outcome::HostDaemon(error_chain(&e)));
-                }
-                if let Some(room) = record_room {
-                    room.wait(|| watchdog.expired() || stop.requested().is_some());
+                if step == Step::WaitForRecordRoom {
+                    exits.record_room_waits += 1;
+                    if let Some(room) = record_room {
+                        room.wait(|| watchdog.expired() || stop.requested().is_some());
+                    }
                 }
             }
             Step::InternalError => {
