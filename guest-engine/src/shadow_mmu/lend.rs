@@ -24,7 +24,8 @@
 //! where the two switches made two. That lower half is *parked* (its few PML4 entries
 //! kept with the root, the tables below them left as they are) and put back at the
 //! next loan to the same space, checked against the guest's tables then as a CR3 write
-//! checks any leaf: the next `text_poke` of the same page needs no shadow fill. A
+//! checks any leaf: the next `text_poke`, of the same page or of another (the leaf
+//! moves to the frame mapped now), needs no shadow fill. A
 //! parked lower half is dropped when the root is lent elsewhere, evicted or flushed.
 //! A lent root is otherwise an ordinary root of its borrower (evicted, split or
 //! revalidated as any other).

@@ -301,6 +301,9 @@ pub struct ShadowStats {
     /// Non-global shadow leaves a CR3 write kept because the guest's tables still map
     /// them alike ([`ShadowConfig::revalidate_on_cr3_write`]).
     pub leaves_kept: u64,
+    /// Non-global shadow leaves a CR3 write moved to the frame the guest's tables map
+    /// now (`revalidate.rs`).
+    pub leaves_moved: u64,
     /// Writes that faulted on a protected code frame.
     pub write_protect_faults: u64,
     /// Code frames currently protected.

@@ -10,12 +10,14 @@
 //! The walk runs down the shadow tables and the guest's side by side, so the guest's
 //! upper levels are read once per shadow table. A leaf is kept iff every guest entry on
 //! its path is present, valid (no reserved bit) and accessed, the guest leaf is a 4 KiB
-//! page mapping the same frame, and the view may see it (the user view: U/S = 1 on
-//! every level); it is rewritten with the rights, dirty and global state the guest
-//! entries have now. Anything else (guest large pages included) is dropped as before.
-//! Nothing is written to the guest's tables.
+//! page, and the view may see it (the user view: U/S = 1 on every level); it is
+//! rewritten with the frame, rights, dirty and global state the guest entries have now
+//! (a leaf *moved* to another frame only if the guest may map that frame). Anything
+//! else (guest large pages included) is dropped as before. Nothing is written to the
+//! guest's tables.
 
 use super::phys::PhysMem;
+use super::reverse_map::ShadowMapping;
 use super::walk::{GuestLeaf, Rights};
 use super::{pte, ShadowError, ShadowMmu, View, RESERVED_SLOTS};
 use crate::addr::{GuestPhys, GuestVirt};
@@ -133,9 +135,13 @@ impl<M: PhysMem> ShadowMmu<M> {
         Ok((e & used == used && e & reserved == 0).then_some(e))
     }
 
-    /// The shadow leaf `e` at `slot` (for `va`) stays if the guest PTE `g` (present,
-    /// valid, accessed, under entries granting `rights`) maps the same frame and `view`
-    /// may see it: rewritten with what `g` says now. Returns whether it stayed.
+    /// The shadow leaf `e` at `slot` (for `va`) stays if `view` may see the guest PTE
+    /// `g` (present, valid, accessed, under entries granting `rights`): rewritten with
+    /// what `g` says now. If `g` maps another frame (one the guest may map), the leaf
+    /// follows it, as a fill would after the flush: `text_poke` maps each page it
+    /// patches at the same address of its own space, so the next switch there finds a
+    /// new frame, and dropping the leaf cost a shadow-miss trip per patch. Returns
+    /// whether a leaf stayed.
     fn keep_leaf(
         &mut self,
         slot: GuestPhys,
@@ -147,7 +153,12 @@ impl<M: PhysMem> ShadowMmu<M> {
     ) -> Result<bool, ShadowError> {
         let frame = GuestPhys(g & pte::ADDR_MASK);
         let user = rights.user && g & pte::USER != 0;
-        if frame.0 != e & pte::ADDR_MASK || (view == View::User && !user) {
+        if view == View::User && !user {
+            return Ok(false);
+        }
+        let old_frame = GuestPhys(e & pte::ADDR_MASK);
+        let moved = frame != old_frame;
+        if moved && !self.mem.guest_may_map(frame) {
             return Ok(false);
         }
         let leaf = GuestLeaf {
@@ -169,7 +180,14 @@ impl<M: PhysMem> ShadowMmu<M> {
             self.narrowed = true;
             self.write(slot, new)?;
         }
-        self.stats.leaves_kept += 1;
+        if moved {
+            self.rmap.remove(old_frame, slot);
+            let va = GuestVirt(va);
+            self.rmap.insert(frame, ShadowMapping { slot, va });
+            self.stats.leaves_moved += 1;
+        } else {
+            self.stats.leaves_kept += 1;
+        }
         Ok(true)
     }
 }

@@ -698,7 +698,7 @@ impl Shadow {
 
 impl Shadow {
     /// Every counter, named as in the statistics line and `counters.json`.
-    fn counter_fields(&self) -> [(&'static str, u64); 26] {
+    fn counter_fields(&self) -> [(&'static str, u64); 27] {
         let s = self.stats();
         let c = &self.counters;
         [
@@ -715,6 +715,7 @@ impl Shadow {
             ("invalidations", s.invalidations),
             ("leaves_dropped", s.leaves_dropped),
             ("leaves_kept_across_cr3_writes", s.leaves_kept),
+            ("leaves_moved_at_cr3_writes", s.leaves_moved),
             ("roots_evicted", s.roots_evicted),
             ("roots_lent", s.roots_lent),
             ("roots_returned", s.roots_returned),

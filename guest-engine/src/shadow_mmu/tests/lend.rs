@@ -67,20 +67,28 @@ fn test_text_poke_round_trip_keeps_the_root_and_parks_the_poking_page() {
     assert!(entry(&mut mmu, POKE_VA, View::Kernel).is_some());
     assert_eq!(mmu.stats().fills, fills);
 
-    // The guest maps another frame there meanwhile: the parked leaf is checked and
-    // dropped (it was in no real CR3, so still nothing to flush); the fill finds the new one.
+    // The guest maps another frame there meanwhile (the next page `text_poke` patches):
+    // the parked leaf is checked and follows it, without a fill, and it was in no real
+    // CR3, so still nothing to flush.
     mmu.write_cr3(init.pml4).expect("cr3");
     mmu.take_hw_flush();
     mmu.mem_mut().write_u64(pte, 0x41_0000 | P | W | A | D);
     mmu.write_cr3(poking.pml4).expect("cr3");
     assert_eq!(mmu.take_hw_flush(), HwFlush::None);
+    let e = entry(&mut mmu, POKE_VA, View::Kernel).expect("moved");
+    assert_eq!(e & (pte::ADDR_MASK | W), 0x41_0000 | W);
+    assert_eq!(mmu.stats().fills, fills);
+    // Not accessed: dropped, and the fill finds it.
+    mmu.write_cr3(init.pml4).expect("cr3");
+    mmu.mem_mut().write_u64(pte, 0x42_0000 | P | W | D);
+    mmu.write_cr3(poking.pml4).expect("cr3");
     assert_eq!(entry(&mut mmu, POKE_VA, View::Kernel), None);
     assert_eq!(
         mapped(fill(&mut mmu, POKE_VA, Access::Read, View::Kernel)),
-        0x41_0000
+        0x42_0000
     );
     let stats = mmu.stats();
-    assert_eq!((stats.roots_lent, stats.roots_returned), (3, 2));
+    assert_eq!((stats.roots_lent, stats.roots_returned), (4, 3));
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! A CR3 write with `revalidate_on_cr3_write`: the new space's leaves that the guest's
-//! tables still map alike (present, valid, accessed, same frame) stay, rewritten with the
-//! guest's rights now; anything else is dropped as without it.
+//! tables still map (present, valid, accessed) stay, rewritten with the guest's frame and
+//! rights now; anything else is dropped as without it.
 
 use super::*;
 
@@ -31,22 +31,61 @@ fn test_cr3_write_keeps_leaves_the_guest_still_maps_alike() {
         let e = entry(&mut mmu, USER_VA, view).expect("kept");
         assert_eq!(e & (pte::ADDR_MASK | P | W | U), 0x30_0000 | P | W | U);
     }
-    // The guest remaps one page and write-protects the other: the first goes, the
-    // second stays read-only.
+    // The guest remaps one page and write-protects the other: the first follows the
+    // new frame, the second stays read-only.
     map(&mut mmu, &s, USER_VA, 1, 0x40_0000 | P | W | U | A | D);
     map(&mut mmu, &s, USER_VA + 0x1000, 1, 0x31_0000 | P | U | A | D);
     mmu.write_cr3(s.pml4).expect("cr3");
+    let e = entry(&mut mmu, USER_VA, View::Kernel).expect("moved");
     assert_eq!(
-        entry(&mut mmu, USER_VA, View::Kernel),
-        None,
-        "another frame"
+        e & (pte::ADDR_MASK | P | W),
+        0x40_0000 | P | W,
+        "the new frame"
     );
+    assert_eq!(mmu.stats().leaves_moved, 2, "one leaf in each view");
     let e = entry(&mut mmu, USER_VA + 0x1000, View::Kernel).expect("kept");
     assert_eq!(e & (P | W), P, "read-only now");
     assert_eq!(
         mmu.lookup(GuestVirt(USER_VA + 0x1000), Access::Write, View::Kernel),
         Ok(None)
     );
+}
+
+#[test]
+fn test_a_moved_leaf_is_listed_under_its_new_frame_only() {
+    let (mut mmu, s) = setup_revalidating();
+    map(&mut mmu, &s, USER_VA, 1, 0x30_0000 | P | W | U | D);
+    mapped(fill(&mut mmu, USER_VA, Access::Write, View::User));
+    map(&mut mmu, &s, USER_VA, 1, 0x40_0000 | P | W | U | A | D);
+    mmu.write_cr3(s.pml4).expect("cr3");
+    // Code in the old frame no longer concerns the leaf; code in the new one does.
+    mmu.protect_code_frame(GuestPhys(0x30_0000))
+        .expect("protect");
+    let e = entry(&mut mmu, USER_VA, View::User).expect("moved");
+    assert_eq!(e & (pte::ADDR_MASK | W), 0x40_0000 | W);
+    mmu.protect_code_frame(GuestPhys(0x40_0000))
+        .expect("protect");
+    let e = entry(&mut mmu, USER_VA, View::User).expect("still there");
+    assert_eq!(e & (pte::ADDR_MASK | W), 0x40_0000, "write-protected");
+}
+
+#[test]
+fn test_a_leaf_is_not_moved_to_a_frame_the_guest_may_not_map_nor_without_accessed() {
+    let (mut mmu, s) = setup_revalidating();
+    map(&mut mmu, &s, USER_VA, 1, 0x30_0000 | P | W | U | D);
+    map(&mut mmu, &s, USER_VA + 0x1000, 1, 0x31_0000 | P | W | U | D);
+    mapped(fill(&mut mmu, USER_VA, Access::Read, View::User));
+    mapped(fill(&mut mmu, USER_VA + 0x1000, Access::Read, View::User));
+    map(&mut mmu, &s, USER_VA, 1, STOLEN_BASE | P | W | U | A | D);
+    map(&mut mmu, &s, USER_VA + 0x1000, 1, 0x41_0000 | P | W | U | D);
+    mmu.write_cr3(s.pml4).expect("cr3");
+    assert_eq!(entry(&mut mmu, USER_VA, View::User), None, "stolen frame");
+    assert_eq!(
+        entry(&mut mmu, USER_VA + 0x1000, View::User),
+        None,
+        "not accessed"
+    );
+    assert_eq!(mmu.stats().leaves_moved, 0);
 }
 
 #[test]
