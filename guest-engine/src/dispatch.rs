@@ -14,6 +14,8 @@
 
 mod exits;
 
+use core::sync::atomic::AtomicU64;
+
 use alloc::collections::BTreeSet;
 use alloc::vec::Vec;
 
@@ -218,6 +220,9 @@ pub struct Engine {
     pub(crate) rip: GuestVirt,
     pub(crate) stats: Stats,
     pub(crate) scratch: Scratch,
+    /// Where a fault handler stores the faulting cache PC, if not `ctx.fault_pc`
+    /// ([`Engine::take_fault_pc_from`]).
+    pub(crate) fault_pc_cell: Option<&'static AtomicU64>,
 }
 
 enum Next {
@@ -271,6 +276,7 @@ impl Engine {
             rip: GuestVirt(0),
             stats: Stats::default(),
             scratch: Scratch::new(),
+            fault_pc_cell: None,
         };
         e.reset_buffer();
         Ok(e)

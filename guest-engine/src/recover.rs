@@ -10,6 +10,8 @@
 //! the instruction's restart would not redo). A fault redirected by the embedder's handler
 //! (`FaultRedirect`) arrives as the `FAULT` exit and stops the run with `Stop::Fault`.
 
+use core::sync::atomic::{AtomicU64, Ordering};
+
 use crate::addr::{CachePc, GuestVirt};
 use crate::context::GuestRegs;
 use crate::dispatch::{Engine, Stop};
@@ -20,7 +22,8 @@ use crate::error::EngineError;
 /// stores the exit word itself) with the faulting registers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FaultRedirect {
-    /// Address of `CacheContext::fault_pc`.
+    /// Address of `CacheContext::fault_pc`, or of the cell given to
+    /// [`Engine::take_fault_pc_from`].
     pub fault_pc: u64,
     /// The cache's fault exit.
     pub exit_routine: u64,
@@ -41,7 +44,9 @@ impl Engine {
     /// Addresses a fault handler uses to redirect a fault in cache code.
     pub fn fault_redirect(&self) -> FaultRedirect {
         FaultRedirect {
-            fault_pc: self.cache.ctx.fault_pc,
+            fault_pc: self
+                .fault_pc_cell
+                .map_or(self.cache.ctx.fault_pc, |c| c.as_ptr() as u64),
             exit_routine: self.cache.gen.fault_exit,
             region: self.cache.region(),
         }
@@ -51,6 +56,14 @@ impl Engine {
     /// indices tested last (for `isolation::classify_fault`).
     pub fn vector_lane_checked(&self) -> u64 {
         self.ctx().vsib_lane
+    }
+
+    /// From now on the fault handler stores the faulting cache PC in `cell`, not in the
+    /// context: a handler that has no register to spare for the context's address (the
+    /// image's ring-0 #PF stub, whose every instruction KVM emulates) stores to a fixed
+    /// place instead.
+    pub fn take_fault_pc_from(&mut self, cell: &'static AtomicU64) {
+        self.fault_pc_cell = Some(cell);
     }
 
     /// Maps a code-cache PC back to its guest instruction and register locations.
@@ -80,7 +93,10 @@ impl Engine {
     /// engine's state (registers, RIP), the executed-instruction count forgets what the
     /// fault cut short, and the run stops with `Stop::Fault`.
     pub(crate) fn stop_at_fault(&mut self) -> Stop {
-        let pc = CachePc(self.ctx().fault_pc);
+        let pc = CachePc(
+            self.fault_pc_cell
+                .map_or(self.ctx().fault_pc, |c| c.load(Ordering::Relaxed)),
+        );
         let hw = self.ctx().regs;
         match self.recover_regs(pc, &hw) {
             Some((guest_pc, regs)) => {

@@ -29,6 +29,44 @@ fn faulting_rig() -> (Rig, Region, std::sync::MutexGuard<'static, ()>) {
     (rig, block, turn)
 }
 
+/// The engine image's fault handler stores the faulting PC in a fixed cell of its own
+/// (`Engine::take_fault_pc_from`): the redirect points there, and the stop reads it.
+#[test]
+fn test_a_fault_pc_stored_in_the_embedders_cell_maps_back_the_same() {
+    static CELL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut rig = Rig::new(Config::default());
+    rig.engine.take_fault_pc_from(&CELL);
+    assert_eq!(
+        rig.engine.fault_redirect().fault_pc,
+        CELL.as_ptr() as u64,
+        "the handler is told to store into the cell"
+    );
+    let turn = ONE_RIG.lock().unwrap_or_else(|e| e.into_inner());
+    common::fault_redirect::install(&rig, libc::SIGSEGV);
+    let block = Region::map(3 * 4096, 0);
+    let base = block.addr();
+    let bad = base + 2 * 4096;
+    // SAFETY: make the third page inaccessible.
+    unsafe { libc::mprotect(bad as *mut libc::c_void, 4096, libc::PROT_NONE) };
+    // mov rcx, 7; mov r9, [rdi] (rdi in the bad page)
+    let code = [0x48, 0xC7, 0xC1, 7, 0, 0, 0, 0x4C, 0x8B, 0x0F];
+    block.slice()[..code.len()].copy_from_slice(&code);
+    let mut mem = HostMemory::new(vec![(base, base + 2 * 4096)]);
+    rig.engine.regs_mut().set(Gpr::Rsp, base + 4096);
+    rig.engine.regs_mut().set(Gpr::Rdi, bad + 8);
+    rig.engine.set_rip(GuestVirt(base));
+    let stop = rig
+        .engine
+        .run(&mut mem, &mut HostPlatform::default(), &mut NullTool);
+    drop(turn);
+    let Stop::Fault { guest_pc, cache_pc } = stop else {
+        panic!("unexpected stop {stop:?}")
+    };
+    assert_eq!(guest_pc, GuestVirt(base + 7), "the load");
+    assert_eq!(cache_pc.0, CELL.load(std::sync::atomic::Ordering::Relaxed));
+    assert_eq!(rig.engine.regs().get(Gpr::Rcx), 7);
+}
+
 #[test]
 fn test_faults_in_cache_map_back_to_the_guest_instruction() {
     let (mut rig, block, _turn) = faulting_rig();

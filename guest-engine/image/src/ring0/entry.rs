@@ -54,9 +54,10 @@
 //! **Faults in translated code**: when the faulting RIP lies in the code cache
 //! (`kpin_cache_lo`, `kpin_cache_len`, set by `run/mod.rs` from
 //! `guest_engine::Engine::fault_redirect`), `kpin_trap_common` — for #PF, the most
-//! frequent (every shadow-MMU fill), its own shorter stub `kpin_exc_14` — stores that RIP at
-//! `CacheContext::fault_pc`, the vector (the #PF stub leaves #PF in place), error code and
-//! CR2 in `kpin_cache_fault_*` (read by [`take_cache_fault`]), and `iretq`s to the cache's
+//! frequent (every shadow-MMU fill), its own shorter stub `kpin_exc_14` — stores that RIP in
+//! `kpin_cache_fault_rip` (the engine reads it there: `Engine::take_fault_pc_from`), the
+//! vector (the #PF stub leaves #PF in place), error code and CR2 in `kpin_cache_fault_*`
+//! (read by [`take_cache_fault`]), and `iretq`s to the cache's
 //! fault exit (CPL 3: it stores the FAULT exit word and enters the
 //! exit routine) with the guest's registers untouched: `Engine::run` returns
 //! `Stop::Fault { guest_pc, .. }` with the guest state before the faulting instruction.
@@ -74,6 +75,7 @@
 use core::arch::global_asm;
 use core::cell::UnsafeCell;
 use core::mem::offset_of;
+use core::sync::atomic::AtomicU64;
 
 use kpin_abi::ports::ENGINE_FAILURE_PORT;
 
@@ -170,8 +172,9 @@ extern "C" {
     pub static mut kpin_cache_lo: u64;
     /// Bytes of the code cache.
     pub static mut kpin_cache_len: u64;
-    /// Address of `CacheContext::fault_pc`.
-    pub static mut kpin_cache_fault_pc_at: u64;
+    /// The faulting cache PC of the last redirected fault (the engine's
+    /// `Engine::take_fault_pc_from` cell).
+    pub static kpin_cache_fault_rip: AtomicU64;
     /// The cache's fault exit (it stores the FAULT exit word).
     pub static mut kpin_cache_exit_routine: u64;
     /// Vector of the last redirected fault (#PF unless the common path stored another).
@@ -344,22 +347,22 @@ kpin_vec_\num:
     // #PF, the most frequent exception (every shadow-MMU fill): a fault in the code cache
     // is redirected here without the common path's other checks (the same stores as
     // there, see "Faults in translated code"); anything else takes the common path.
-    // Every instruction here is emulated (~0.6 µs each on a Zen 5 host): the error code's
-    // slot keeps RAX (`xchg`), the PC goes to the context by `push`/`pop [rax]` (no second
-    // register to save), the vector is not stored (`kpin_cache_fault_vector` says #PF
-    // unless the common path stored another: `take_cache_fault`), and the cache's fault
-    // exit, at CPL 3, stores the exit word: 15 instructions.
+    // Every instruction here is emulated (~0.6 µs each on a Zen 5 host, ~1 µs a `push` or
+    // `pop`): the error code's slot keeps RAX (`xchg`), the PC goes to a fixed cell the
+    // engine reads (`kpin_cache_fault_rip`; storing it in the context took a second
+    // register, saved by a `push`/`pop`), the vector is not stored
+    // (`kpin_cache_fault_vector` says #PF unless the common path stored another:
+    // `take_cache_fault`), and the cache's fault exit, at CPL 3, stores the exit word:
+    // 13 instructions.
     // Stack: error code, RIP, CS, RFLAGS, RSP, SS.
 kpin_exc_14:
     xchg rax, [rsp]
     mov [rip + kpin_cache_fault_error], rax
     mov rax, [rsp + 8]
+    mov [rip + kpin_cache_fault_rip], rax
     sub rax, [rip + kpin_cache_lo]
     cmp rax, [rip + kpin_cache_len]
     jae 1f
-    mov rax, [rip + kpin_cache_fault_pc_at]
-    push qword ptr [rsp + 8]
-    pop qword ptr [rax]
     mov rax, cr2
     mov [rip + kpin_cache_fault_cr2], rax
     mov rax, [rip + kpin_cache_exit_routine]
@@ -432,14 +435,12 @@ kpin_trap_common:
 3:
     // A fault in the code cache (translated guest code): redirect it to the cache's
     // exit routine as a FAULT exit (see "Faults in translated code" above).
+    // Stack: rax, vector, error code, RIP, CS, RFLAGS, RSP, SS.
     mov rax, [rsp + 24]
+    mov [rip + kpin_cache_fault_rip], rax
     sub rax, [rip + kpin_cache_lo]
     cmp rax, [rip + kpin_cache_len]
     jae 4f
-    // Stack: rax, vector, error code, RIP, CS, RFLAGS, RSP, SS.
-    mov rax, [rip + kpin_cache_fault_pc_at]
-    push qword ptr [rsp + 24]
-    pop qword ptr [rax]
     mov rax, [rsp + 8]
     mov [rip + kpin_cache_fault_vector], rax
     mov rax, [rsp + 16]
@@ -585,8 +586,8 @@ kpin_cache_lo:
     .global kpin_cache_len
 kpin_cache_len:
     .skip 8
-    .global kpin_cache_fault_pc_at
-kpin_cache_fault_pc_at:
+    .global kpin_cache_fault_rip
+kpin_cache_fault_rip:
     .skip 8
     .global kpin_cache_exit_routine
 kpin_cache_exit_routine:

@@ -323,12 +323,15 @@ fn deliver_at(
 
 /// Tells the ring-0 trap path where the code cache is, so that a fault in translated
 /// code becomes a FAULT exit of the cache instead of an engine fault report.
-fn arm_fault_redirect(engine: &Engine) {
+fn arm_fault_redirect(engine: &mut Engine) {
+    // SAFETY: a shared reference to the trap path's cell, which lives in the image's data
+    // for the whole run and is only accessed atomically or by the ring-0 stubs' stores,
+    // which run while no CPL-3 code does.
+    engine.take_fault_pc_from(unsafe { &entry::kpin_cache_fault_rip });
     let r = engine.fault_redirect();
     // SAFETY: plain stores to the trap path's parameters; it reads them only on a fault,
     // and `kpin_cache_len` (stored last) stays 0 — redirect off — until the rest is set.
     unsafe {
-        core::ptr::write_volatile(&raw mut entry::kpin_cache_fault_pc_at, r.fault_pc);
         core::ptr::write_volatile(&raw mut entry::kpin_cache_exit_routine, r.exit_routine);
         core::ptr::write_volatile(&raw mut entry::kpin_cache_lo, r.region.0);
         core::ptr::write_volatile(

@@ -74,11 +74,11 @@ impl<'a> RunLoop<'a> {
     /// registers, `shadow` has the kernel view loaded).
     pub(super) fn setup(
         block: &'a AttachBlock,
-        engine: Engine,
+        mut engine: Engine,
         shadow: &'a RefCell<Shadow>,
         tool: Chosen,
     ) -> Self {
-        arm_fault_redirect(&engine);
+        arm_fault_redirect(&mut engine);
         let mem = ShadowedMemory::new(shadow);
         // Measured before the virtual CPU makes the hardware FS/GS bases the guest's.
         let null_clears_base = crate::run::vcpu::probe_null_selector_clears_base();
