@@ -227,6 +227,11 @@ _start:
     and rax, -4096
     sub rax, {boot_pt}
     mov [rip + kpin_gate_stolen_base], rax
+    // The gate's fast LOAD_CR3 and caller checks subtract these, one memory operand each.
+    add rax, {shadow_lo}
+    mov [rip + kpin_gate_shadow_lo], rax
+    lea rax, [rip + __image_start]
+    mov [rip + kpin_gate_text_lo], rax
     lea rsp, [rip + kpin_ring0_stack_top]
     call {setup}
     // CR4.FSGSBASE when the CPU has it (CPUID 7.0 EBX[0]): CPL-3 code can then switch the
@@ -294,6 +299,7 @@ _start:
     main = sym kpin_engine_main,
     cr4_fsgsbase = const 1u64 << 16,
     boot_pt = const kpin_abi::stolen::BOOT_PT_OFFSET,
+    shadow_lo = const kpin_abi::stolen::SHADOW_TABLES_OFFSET,
 );
 
 // Exception and interrupt stubs, the stub table.
