@@ -124,3 +124,29 @@ fn test_cr3_write_drops_leaves_not_accessed_absent_or_now_supervisor() {
         0x5
     );
 }
+
+#[test]
+fn test_a_kept_leaf_the_hardware_marked_accessed_and_dirty_is_left_as_it_is() {
+    let (mut mmu, s) = setup_revalidating();
+    map(&mut mmu, &s, USER_VA, 1, 0x30_0000 | P | W | U | D);
+    mapped(fill(&mut mmu, USER_VA, Access::Write, View::Kernel));
+    // The CPU uses the leaf: it sets A and D in the shadow entry itself.
+    let leaf = mmu
+        .shadow_leaf_ref(GuestVirt(USER_VA), View::Kernel)
+        .expect("walk")
+        .expect("leaf");
+    let used = leaf.entry | A | D;
+    mmu.mem_mut().write_u64(leaf.slot, used);
+    mmu.take_hw_flush();
+    // The guest's tables still say the same: nothing rewritten, nothing to flush.
+    mmu.write_cr3(s.pml4).expect("cr3");
+    assert_eq!(entry(&mut mmu, USER_VA, View::Kernel), Some(used));
+    assert_eq!(mmu.take_hw_flush(), HwFlush::None);
+    assert_eq!(mmu.stats().leaves_kept, 1);
+    // Made read-only: rewritten (without W) and a flush owed.
+    map(&mut mmu, &s, USER_VA, 1, 0x30_0000 | P | U | A | D);
+    mmu.write_cr3(s.pml4).expect("cr3");
+    let e = entry(&mut mmu, USER_VA, View::Kernel).expect("kept");
+    assert_eq!(e & (pte::ADDR_MASK | W | A), 0x30_0000);
+    assert_eq!(mmu.take_hw_flush(), HwFlush::All);
+}
