@@ -184,7 +184,7 @@ impl<M: PhysMem> ShadowMmu<M> {
             self.write(slot, new)?;
         }
         if moved {
-            self.rmap.remove(old_frame, slot);
+            self.unlist_leaf(slot, e, 1);
             let va = GuestVirt(va);
             self.rmap.insert(frame, ShadowMapping { slot, va });
             self.stats.leaves_moved += 1;
