@@ -65,7 +65,7 @@ pub mod exit_code {
 /// The reserved zone that translated memory operands are checked against.
 pub mod isolation {
     pub use crate::arch::x86_64::isolate::{
-        classify_fault, in_isolation_zone, Fence, IsolationFault, ISOLATION_ZONE_END,
-        ISOLATION_ZONE_START,
+        classify_fault, in_isolation_zone, page_fault_address, Fence, IsolationFault, PageRights,
+        ISOLATION_ZONE_END, ISOLATION_ZONE_START,
     };
 }

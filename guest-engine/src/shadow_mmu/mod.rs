@@ -845,6 +845,29 @@ impl<M: PhysMem> ShadowMmu<M> {
         }))
     }
 
+    /// What the hardware finds for `va` walking the shadow tables from `root` (the real
+    /// CR3's): `None` if no present leaf maps it, else whether every level allows writes.
+    pub fn hardware_rights(
+        &mut self,
+        root: GuestPhys,
+        va: GuestVirt,
+    ) -> Result<Option<bool>, ShadowError> {
+        let mut table = root;
+        let mut writable = true;
+        for level in (1..=pte::LEVELS).rev() {
+            let e = self.read(Self::slot_addr(table, pte::index(va.0, level)))?;
+            if e & pte::PRESENT == 0 {
+                return Ok(None);
+            }
+            writable &= e & pte::WRITABLE != 0;
+            if level == 1 || (level == 2 && e & pte::PAGE_SIZE != 0) {
+                return Ok(Some(writable));
+            }
+            table = GuestPhys(e & pte::ADDR_MASK);
+        }
+        Ok(None)
+    }
+
     /// The level of the shadow leaf mapping `va` in `view` (1 = 4 KiB, 2 = 2 MiB), if any.
     pub fn shadow_leaf_level(
         &mut self,

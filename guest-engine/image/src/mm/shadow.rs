@@ -22,6 +22,7 @@
 use alloc::vec::Vec;
 use core::fmt;
 
+use guest_engine::isolation::PageRights;
 use guest_engine::shadow_mmu::{
     Access, FillOutcome, GuestFault, HwFlush, PagingControl, PhysMem, ShadowConfig, ShadowError,
     ShadowMmu, ShadowStats, View, PF_FETCH, PF_USER, PF_WRITE,
@@ -347,6 +348,12 @@ pub struct ShadowCounters {
     /// User-view fills made on the return to user mode after a user data fault the guest
     /// handled (`Shadow::enter`): each saves the retried access's shadow-miss trip.
     pub retry_fills: u64,
+    /// Page faults in translated code whose address came from the faulting instruction
+    /// (`guest_engine::isolation::page_fault_address`), and those for which CR2 was read
+    /// at ring 0 instead.
+    pub fault_addresses_derived: u64,
+    /// See `fault_addresses_derived`.
+    pub fault_addresses_read: u64,
 }
 
 /// The shadow MMU of the one vCPU, with its hardware side.
@@ -544,6 +551,20 @@ impl Shadow {
         self.with_tables(|m| m.on_page_fault(GuestVirt(cr2), error, view))
     }
 
+    /// What the tables in the real CR3 give `va` (for the address of a fault taken under
+    /// them, `guest_engine::isolation::page_fault_address`).
+    pub fn hardware_rights(&mut self, va: u64) -> PageRights {
+        let Some(root) = self.loaded else {
+            return PageRights::Unknown;
+        };
+        match self.mmu.hardware_rights(root, GuestVirt(va)) {
+            Ok(None) => PageRights::Absent,
+            Ok(Some(false)) => PageRights::ReadOnly,
+            Ok(Some(true)) => PageRights::Writable,
+            Err(_) => PageRights::Unknown,
+        }
+    }
+
     /// Whether the shadow maps `va` in `view` as a global page (`ShadowMmu::is_global`;
     /// `false` on any doubt).
     pub fn is_global(&mut self, va: u64, view: View) -> bool {
@@ -698,7 +719,7 @@ impl Shadow {
 
 impl Shadow {
     /// Every counter, named as in the statistics line and `counters.json`.
-    fn counter_fields(&self) -> [(&'static str, u64); 27] {
+    fn counter_fields(&self) -> [(&'static str, u64); 29] {
         let s = self.stats();
         let c = &self.counters;
         [
@@ -729,6 +750,8 @@ impl Shadow {
             ("isolation_hits", c.isolation_hits),
             ("zone_emulations", c.zone_emulations),
             ("retry_fills", c.retry_fills),
+            ("fault_addresses_derived", c.fault_addresses_derived),
+            ("fault_addresses_read", c.fault_addresses_read),
         ]
     }
 

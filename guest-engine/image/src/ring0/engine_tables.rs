@@ -9,11 +9,12 @@
 use core::cell::UnsafeCell;
 
 use crate::ring0::entry::{
-    kpin_idt_stubs, kpin_ist1_top, kpin_ist2_top, kpin_ist3_top, kpin_ring0_stack_top,
+    kpin_idt_stubs, kpin_ist1_top, kpin_ist2_top, kpin_ist3_top, kpin_ist4_top,
+    kpin_ring0_stack_top,
 };
 use crate::ring0::layout::{
-    GDT_ENTRIES, IDT_VECTORS, IST_DF, IST_MC, IST_NMI, KERNEL_CS, VEC_DF, VEC_GATE, VEC_GATE_CR3,
-    VEC_MC, VEC_NMI,
+    GDT_ENTRIES, IDT_VECTORS, IST_DF, IST_MC, IST_NMI, IST_PF, KERNEL_CS, USER_CS, VEC_DF,
+    VEC_GATE, VEC_GATE_CR3, VEC_MC, VEC_NMI, VEC_PF,
 };
 
 /// 64-bit code, DPL 0, present, long mode.
@@ -32,6 +33,8 @@ const TSS_TYPE: u64 = 0x89;
 const INTERRUPT_GATE: u64 = 0x8e;
 /// The same, DPL 3: the gate's vectors, which CPL 3 reaches with `int n`.
 const USER_INTERRUPT_GATE: u64 = 0xee;
+/// A 64-bit trap gate, present, DPL 0 (IF stays as it was).
+const TRAP_GATE: u64 = 0x8f;
 /// TSS words (104 bytes as 26 u32s, avoiding a packed struct).
 const TSS_WORDS: usize = 26;
 /// Word index of TSS.RSP0.
@@ -111,6 +114,7 @@ pub extern "C" fn ring0_setup() {
                 addr(&kpin_ist1_top),
                 addr(&kpin_ist2_top),
                 addr(&kpin_ist3_top),
+                addr(&kpin_ist4_top),
             ],
         )
     };
@@ -126,14 +130,21 @@ pub extern "C" fn ring0_setup() {
             VEC_DF => IST_DF,
             VEC_NMI => IST_NMI,
             VEC_MC => IST_MC,
+            VEC_PF => IST_PF,
             _ => 0,
         };
         let kind = match v as u8 {
             VEC_GATE | VEC_GATE_CR3 => USER_INTERRUPT_GATE,
+            VEC_PF => TRAP_GATE,
             _ => INTERRUPT_GATE,
         };
+        let cs = if v as u8 == VEC_PF {
+            USER_CS
+        } else {
+            KERNEL_CS
+        };
         t.idt[2 * v] = (handler & 0xffff)
-            | (u64::from(KERNEL_CS) << 16)
+            | (u64::from(cs) << 16)
             | (u64::from(ist) << 32)
             | (kind << 40)
             | (((handler >> 16) & 0xffff) << 48);
@@ -154,11 +165,13 @@ fn set_tss_u64(tss: &mut [u32; TSS_WORDS], word: usize, v: u64) {
     tss[word + 1] = (v >> 32) as u32;
 }
 
-/// Points TSS.RSP0 at `rsp0`: the deliberate-#DF test uses an unmapped address so that
-/// the next exception from CPL 3 cannot push its frame.
-pub fn set_rsp0(rsp0: u64) {
+/// Points TSS.RSP0 and the #PF handler's IST stack at `top`: the deliberate-#DF test uses
+/// an unmapped address so that the next exception from CPL 3 cannot push its frame, nor
+/// the #PF that raises.
+pub fn set_exception_stacks(top: u64) {
     // SAFETY: single vCPU, called from CPL-3 code with no other reference to the TSS
-    // alive; the CPU reads the TSS only on the next privilege change.
+    // alive; the CPU reads the TSS only when it delivers an event.
     let t = unsafe { &mut *TABLES.0.get() };
-    set_tss_u64(&mut t.tss, TSS_RSP0_WORD, rsp0);
+    set_tss_u64(&mut t.tss, TSS_RSP0_WORD, top);
+    set_tss_u64(&mut t.tss, TSS_IST1_WORD + 2 * usize::from(IST_PF - 1), top);
 }

@@ -16,7 +16,9 @@
 //! `kpin_gate_insn`, through a DPL-3 interrupt gate (`layout::VEC_GATE`) straight to the
 //! ring-0 half in `gate.rs`, which checks that RIP, performs the operation and `iretq`s to
 //! the `ret` after the `int`. LOAD_CR3, the most frequent operation, has an `int 4` of its
-//! own (`kpin_gate_cr3`, `VEC_GATE_CR3`) and a shorter path. A software interrupt is the
+//! own (`kpin_gate_cr3`, `VEC_GATE_CR3`) and a shorter path, which with RDI = 0 returns
+//! CR2 instead (`gate::read_cr2`; `kpin_gate_cr3` tests RDI natively and the ring-0 side
+//! branches on ZF, one emulated instruction). A software interrupt is the
 //! cheapest way to ring 0 here: an `int` and an `iretq` with nothing between took 5.4 µs
 //! on a Zen 5 host under `kvm_pvm`, where the #GP of a `hlt` (the gate until 2026-11-28)
 //! costs ~10 µs more. Translated code never runs an `int` (the translator emulates every
@@ -35,7 +37,8 @@
 //! **IDT vectors**: 0–31 exception stubs (a zero error code is pushed where the CPU pushes
 //! none, then the vector), but the gate's two vectors; 32–255 interrupt stubs. Every
 //! entry is an interrupt gate, DPL 0 (so `int n` from CPL 3 is a #GP) but the gate's, DPL
-//! 3. Before the guest runs, the PIC is the
+//! 3, and #PF's: a trap gate to `USER_CS`, whose handler runs at CPL 3 (see "Faults in
+//! translated code"). Before the guest runs, the PIC is the
 //! engine's (vectors 0x20–0x2f): a stub counts the IRQ in `kpin_irq_counts[irq]` (and in
 //! `kpin_irq_at_cpl3` when it interrupted CPL 3), sends the PIC an EOI and `iretq`s. Once
 //! the guest runs (`kpin_guest_irqs` set by `irq::hand_over`) the guest programs the PIC
@@ -43,28 +46,38 @@
 //! the translator's attention byte (`kpin_attention_at`) and `iretq`s without an EOI: the
 //! guest's handler sends it. The HLT gate skips its `hlt` if a vector is already pending.
 //!
-//! **IST stacks**: IST1 #DF, IST2 NMI, IST3 #MC. TSS.RSP0 = the ring-0 stack
-//! (`kpin_ring0_stack_top`, also the boot stack after the first instruction).
+//! **IST stacks**: IST1 #DF, IST2 NMI, IST3 #MC, IST4 #PF (a CPL-3 stack: without an IST
+//! an exception to CPL 3 would push its frame on the interrupted stack, the guest's).
+//! TSS.RSP0 = the ring-0 stack (`kpin_ring0_stack_top`, also the boot stack after the
+//! first instruction).
 //!
 //! **The probe** (`kpin_probe_read`, CPL 3): RDI = an address; the `mov rdx, [rdi]` at
-//! `kpin_probe_insn` either reads (RAX = 0, RDX = the value) or faults, and then
-//! `kpin_trap_common` — first thing — sees that RIP and resumes at `kpin_probe_fault`
-//! with RDX = vector and RCX = error code (RAX = 1). Clobbers RAX, RCX, RDX.
+//! `kpin_probe_insn` either reads (RAX = 0, RDX = the value) or faults, and then the
+//! #PF handler (or `kpin_trap_common`, first thing, for another vector) sees that RIP and
+//! resumes at `kpin_probe_fault` with RDX = vector and RCX = error code (RAX = 1).
+//! Clobbers RAX, RCX, RDX.
 //!
 //! **Faults in translated code**: when the faulting RIP lies in the code cache
 //! (`kpin_cache_lo`, `kpin_cache_len`, set by `run/mod.rs` from
-//! `guest_engine::Engine::fault_redirect`), `kpin_trap_common` — for #PF, the most
-//! frequent (every shadow-MMU fill), its own shorter stub `kpin_exc_14` — stores that RIP in
+//! `guest_engine::Engine::fault_redirect`), the trap path stores that RIP in
 //! `kpin_cache_fault_rip` (the engine reads it there: `Engine::take_fault_pc_from`), the
-//! vector (the #PF stub leaves #PF in place), error code and CR2 in `kpin_cache_fault_*`
-//! (read by [`take_cache_fault`]), and `iretq`s to the cache's
-//! fault exit (CPL 3: it stores the FAULT exit word and enters the
-//! exit routine) with the guest's registers untouched: `Engine::run` returns
-//! `Stop::Fault { guest_pc, .. }` with the guest state before the faulting instruction.
+//! vector (#PF's handler leaves #PF in place) and error code in `kpin_cache_fault_*` (read
+//! by [`take_cache_fault`]), and goes on at the cache's fault exit (CPL 3: it stores the
+//! FAULT exit word and enters the exit routine) with the guest's registers untouched:
+//! `Engine::run` returns `Stop::Fault { guest_pc, .. }` with the guest state before the
+//! faulting instruction. #PF, the most frequent (every shadow-MMU fill and every guest
+//! page fault), is handled at CPL 3 (`kpin_exc_14`), natively, where this KVM emulates
+//! every ring-0 instruction: a fault run took ~107 k TSC cycles with a 13-instruction
+//! ring-0 stub and takes ~62 k. CPL 3 cannot read CR2: the engine finds the address from
+//! the faulting instruction and the shadow tables
+//! (`guest_engine::isolation::page_fault_address`, nine faults in ten on a Linux boot),
+//! else reads CR2 through LOAD_CR3's entry with RDI = 0 (`gate::read_cr2`). Other vectors
+//! take `kpin_trap_common` at ring 0 and `iretq` to the fault exit.
 //!
 //! **Unexpected exceptions** (every other exception vector, and a #GP not of RDMSR_SAFE): `kpin_trap_common`
 //! saves the GPRs, vector, error code, iret frame and CR2 into `FAULT` and `iretq`s to
-//! `kpin_fault_report` at CPL 3 (IF = 0, on the fault stack), which logs the record to the
+//! `kpin_fault_report` at CPL 3 (IF = 0, on the fault stack; an engine #PF's handler does
+//! the same at CPL 3, IF still set, and jumps there), which logs the record to the
 //! I/O ring and reports through the failure port. A fault while a report is in progress
 //! writes the failure port directly from ring 0 (`kpin_trap_nested`): never a hang.
 //!
@@ -167,6 +180,8 @@ extern "C" {
     pub static kpin_ist2_top: u8;
     /// Top of the IST3 (#MC) stack.
     pub static kpin_ist3_top: u8;
+    /// Top of the IST4 (#PF) stack.
+    pub static kpin_ist4_top: u8;
     /// Start of the code cache (`guest_engine::FaultRedirect::region`); with
     /// [`kpin_cache_len`] 0 (until the engine runs guest code) no fault is redirected.
     pub static mut kpin_cache_lo: u64;
@@ -181,14 +196,13 @@ extern "C" {
     pub static mut kpin_cache_fault_vector: u64;
     /// Error code of the last redirected fault.
     pub static kpin_cache_fault_error: u64;
-    /// CR2 when the last fault was redirected.
-    pub static kpin_cache_fault_cr2: u64;
 }
 
-/// The last fault redirected to the cache's fault exit: (vector, error code, CR2). Puts
-/// #PF back as the vector, which the #PF stub does not store.
-pub fn take_cache_fault() -> (u64, u64, u64) {
-    // SAFETY: written by the ring-0 trap path before it redirected the fault to the exit
+/// The last fault redirected to the cache's fault exit: (vector, error code). Puts #PF
+/// back as the vector, which the #PF handler does not store. (A #PF's address is found
+/// by `cache_page_fault::fault_address`.)
+pub fn take_cache_fault() -> (u64, u64) {
+    // SAFETY: written by the trap path before it redirected the fault to the exit
     // routine, which ran before the caller's run returned; one vCPU, and no fault is being
     // redirected while CPL-3 code runs here.
     unsafe {
@@ -197,7 +211,6 @@ pub fn take_cache_fault() -> (u64, u64, u64) {
         (
             vector,
             core::ptr::read_volatile(&raw const kpin_cache_fault_error),
-            core::ptr::read_volatile(&raw const kpin_cache_fault_cr2),
         )
     }
 }
@@ -306,6 +319,41 @@ _start:
 global_asm!(
     r#"
     .pushsection .text, "ax"
+    // Saves the GPRs (RAX as it was) and the stack's vector, error code and iret frame
+    // into the fault record: the unexpected-exception path's, at ring 0 and (for #PF)
+    // at CPL 3. Stack: vector, error code, RIP, CS, RFLAGS, RSP, SS. Clobbers RAX.
+.macro kpin_record_fault
+    mov [rip + {rec} + 0], rax
+    mov [rip + {rec} + 8], rbx
+    mov [rip + {rec} + 16], rcx
+    mov [rip + {rec} + 24], rdx
+    mov [rip + {rec} + 32], rsi
+    mov [rip + {rec} + 40], rdi
+    mov [rip + {rec} + 48], rbp
+    mov [rip + {rec} + 56], r8
+    mov [rip + {rec} + 64], r9
+    mov [rip + {rec} + 72], r10
+    mov [rip + {rec} + 80], r11
+    mov [rip + {rec} + 88], r12
+    mov [rip + {rec} + 96], r13
+    mov [rip + {rec} + 104], r14
+    mov [rip + {rec} + 112], r15
+    mov rax, [rsp]
+    mov [rip + {rec} + {off_vector}], rax
+    mov rax, [rsp + 8]
+    mov [rip + {rec} + {off_error}], rax
+    mov rax, [rsp + 16]
+    mov [rip + {rec} + {off_rip}], rax
+    mov rax, [rsp + 24]
+    mov [rip + {rec} + {off_cs}], rax
+    mov rax, [rsp + 32]
+    mov [rip + {rec} + {off_rflags}], rax
+    mov rax, [rsp + 40]
+    mov [rip + {rec} + {off_rsp}], rax
+    mov rax, [rsp + 48]
+    mov [rip + {rec} + {off_ss}], rax
+.endm
+
 .macro kpin_exc n, err
 kpin_exc_\n:
   .if \err == 0
@@ -350,37 +398,58 @@ kpin_vec_\num:
     kpin_vec \n
 .endr
 
-    // #PF, the most frequent exception (every shadow-MMU fill): a fault in the code cache
-    // is redirected here without the common path's other checks (the same stores as
-    // there, see "Faults in translated code"); anything else takes the common path.
-    // Every instruction here is emulated (~0.6 µs each on a Zen 5 host, ~1 µs a `push` or
-    // `pop`): the error code's slot keeps RAX (`xchg`), the PC goes to a fixed cell the
-    // engine reads (`kpin_cache_fault_rip`; storing it in the context took a second
-    // register, saved by a `push`/`pop`), the vector is not stored
-    // (`kpin_cache_fault_vector` says #PF unless the common path stored another:
-    // `take_cache_fault`), and the cache's fault exit, at CPL 3, stores the exit word:
-    // 13 instructions.
+    // #PF, the most frequent exception (every shadow-MMU fill), runs here at CPL 3 on
+    // IST4 through a trap gate whose selector is USER_CS (`engine_tables.rs`): natively,
+    // where ring-0 code is emulated instruction by instruction. A fault in the code cache
+    // goes to the cache's fault exit (see "Faults in translated code") with its error
+    // code and cache PC in cells; its address is the engine's to find
+    // (`cache_page_fault::fault_address`). The way back is not an `iretq` (one at CPL 3
+    // runs in hardware, beneath this KVM's view of the vCPU's mode): the flags with
+    // `popfq` (IF stays set: a trap gate does not clear it), RAX from the stack, RSP from
+    // the frame, then a jump through a cell; no other register is touched.
     // Stack: error code, RIP, CS, RFLAGS, RSP, SS.
 kpin_exc_14:
-    xchg rax, [rsp]
-    mov [rip + kpin_cache_fault_error], rax
+    push rax
     mov rax, [rsp + 8]
+    mov [rip + kpin_cache_fault_error], rax
+    mov rax, [rsp + 16]
     mov [rip + kpin_cache_fault_rip], rax
     sub rax, [rip + kpin_cache_lo]
     cmp rax, [rip + kpin_cache_len]
     jae 1f
-    mov rax, cr2
-    mov [rip + kpin_cache_fault_cr2], rax
-    mov rax, [rip + kpin_cache_exit_routine]
-    mov [rsp + 8], rax
+    push qword ptr [rsp + 32]
+    popfq
     pop rax
-    iretq
+    mov rsp, [rsp + 32]
+    jmp [rip + kpin_cache_exit_routine]
 1:
-    // Not the cache: the frame as the CPU pushed it, error code back in its slot.
-    mov rax, [rip + kpin_cache_fault_error]
-    xchg rax, [rsp]
+    // The probe's read: back at its fault path with RDX = #PF, RCX = the error code.
+    lea rax, [rip + kpin_probe_insn]
+    cmp rax, [rsp + 16]
+    jne 2f
+    mov edx, {vec_pf}
+    mov rcx, [rsp + 8]
+    push qword ptr [rsp + 32]
+    popfq
+    pop rax
+    mov rsp, [rsp + 32]
+    jmp kpin_probe_fault
+2:
+    // The engine's own fault: its report (a fault while reporting: the #UD of `ud2`
+    // takes the ring-0 path, which ends the run from there).
+    cmp qword ptr [rip + kpin_fault_active], 0
+    jne 3f
+    mov qword ptr [rip + kpin_fault_active], 1
+    pop rax
     push {vec_pf}
-    jmp kpin_trap_common
+    kpin_record_fault
+    xor edi, edi
+    int {vec_gate_cr3}
+    mov [rip + {rec} + {off_cr2}], rax
+    lea rsp, [rip + kpin_fault_stack_top]
+    jmp {report}
+3:
+    ud2
 
     // An interrupt once the guest owns the PIC (`kpin_guest_irqs` set): record vector EAX
     // as pending for the guest, set the translator's attention byte, no EOI (the guest
@@ -451,8 +520,6 @@ kpin_trap_common:
     mov [rip + kpin_cache_fault_vector], rax
     mov rax, [rsp + 16]
     mov [rip + kpin_cache_fault_error], rax
-    mov rax, cr2
-    mov [rip + kpin_cache_fault_cr2], rax
     mov rax, [rip + kpin_cache_exit_routine]
     mov [rsp + 24], rax
     pop rax
@@ -463,35 +530,7 @@ kpin_trap_common:
     cmp qword ptr [rip + kpin_fault_active], 0
     jne kpin_trap_nested
     mov qword ptr [rip + kpin_fault_active], 1
-    mov [rip + {rec} + 0], rax
-    mov [rip + {rec} + 8], rbx
-    mov [rip + {rec} + 16], rcx
-    mov [rip + {rec} + 24], rdx
-    mov [rip + {rec} + 32], rsi
-    mov [rip + {rec} + 40], rdi
-    mov [rip + {rec} + 48], rbp
-    mov [rip + {rec} + 56], r8
-    mov [rip + {rec} + 64], r9
-    mov [rip + {rec} + 72], r10
-    mov [rip + {rec} + 80], r11
-    mov [rip + {rec} + 88], r12
-    mov [rip + {rec} + 96], r13
-    mov [rip + {rec} + 104], r14
-    mov [rip + {rec} + 112], r15
-    mov rax, [rsp]
-    mov [rip + {rec} + {off_vector}], rax
-    mov rax, [rsp + 8]
-    mov [rip + {rec} + {off_error}], rax
-    mov rax, [rsp + 16]
-    mov [rip + {rec} + {off_rip}], rax
-    mov rax, [rsp + 24]
-    mov [rip + {rec} + {off_cs}], rax
-    mov rax, [rsp + 32]
-    mov [rip + {rec} + {off_rflags}], rax
-    mov rax, [rsp + 40]
-    mov [rip + {rec} + {off_rsp}], rax
-    mov rax, [rsp + 48]
-    mov [rip + {rec} + {off_ss}], rax
+    kpin_record_fault
     mov rax, cr2
     mov [rip + {rec} + {off_cr2}], rax
     add rsp, 16
@@ -533,9 +572,12 @@ kpin_gate_insn:
     // `int 3` (CD 03), not `int3` (CC): the gate's path checks for this RIP.
     .byte 0xcd, {vec_gate}
     ret
-    // LOAD_CR3's own entry to the gate (same convention; RAX = LOAD_CR3).
+    // LOAD_CR3's own entry to the gate (same convention; RAX = LOAD_CR3), which also
+    // reads CR2 for RDI = 0: the `test`, native here, leaves ZF for the ring-0 side's
+    // one `jz` (flags survive the `int`).
     .global kpin_gate_cr3
 kpin_gate_cr3:
+    test rdi, rdi
     int {vec_gate_cr3}
     ret
     .popsection
@@ -601,9 +643,6 @@ kpin_cache_exit_routine:
     .global kpin_cache_fault_error
 kpin_cache_fault_error:
     .skip 8
-    .global kpin_cache_fault_cr2
-kpin_cache_fault_cr2:
-    .skip 8
     .balign 4096
     .skip {ring0_stack}
     .global kpin_ring0_stack_top
@@ -617,6 +656,9 @@ kpin_ist2_top:
     .skip {ist_stack}
     .global kpin_ist3_top
 kpin_ist3_top:
+    .skip {ist_stack}
+    .global kpin_ist4_top
+kpin_ist4_top:
     .skip {main_stack}
 kpin_main_stack_top:
     .skip {fault_stack}

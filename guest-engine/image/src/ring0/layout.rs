@@ -48,6 +48,8 @@ pub const IST_DF: u8 = 1;
 pub const IST_NMI: u8 = 2;
 /// IST slot of #MC.
 pub const IST_MC: u8 = 3;
+/// IST slot of #PF.
+pub const IST_PF: u8 = 4;
 
 /// Ring-0 stack (TSS.RSP0: interrupts and gates from CPL 3; also the boot stack).
 pub const RING0_STACK_BYTES: usize = 16 << 10;

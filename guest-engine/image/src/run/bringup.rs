@@ -511,8 +511,9 @@ fn crash(c: Crash) -> ! {
             }
             Crash::Df => {
                 // With TSS.RSP0 unmapped the #UD frame cannot be pushed (#PF), nor can the
-                // #PF frame: the CPU raises #DF, which runs on its own IST stack.
-                descriptors::set_rsp0(UNMAPPED_VA);
+                // #PF frame on its IST stack, unmapped too: the CPU raises #DF, which runs
+                // on its own IST stack.
+                descriptors::set_exception_stacks(UNMAPPED_VA);
                 asm!("ud2");
             }
         }

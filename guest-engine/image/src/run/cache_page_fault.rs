@@ -90,6 +90,56 @@ fn activity(engine: &Engine) -> u64 {
     s.fragments + exits
 }
 
+/// The address of the hardware #PF with `error` that the guest instruction at
+/// `guest_pc` (translated for `mode`, guest state in `engine`, FS/GS bases given) took:
+/// from the instruction when the tables in the real CR3 leave one answer
+/// (`guest_engine::isolation::page_fault_address`), else CR2, read at ring 0 (a trip as
+/// dear as the fault's own). Also CR2 when the last fault was this instruction's with
+/// this error code and the translator did nothing since: a fill that did not help is
+/// never repeated on an address the instruction's bytes gave.
+#[allow(clippy::too_many_arguments)]
+pub fn fault_address(
+    engine: &Engine,
+    shadow: &RefCell<Shadow>,
+    progress: &Progress,
+    mode: Mode,
+    guest_pc: GuestVirt,
+    error: u32,
+    fs_base: u64,
+    gs_base: u64,
+) -> u64 {
+    let again = progress
+        .last
+        .is_some_and(|((pc, _, e), act)| pc == guest_pc.0 && e == error && act == activity(engine));
+    let derived = if again {
+        None
+    } else {
+        let mut bytes = [0u8; MAX_INSN];
+        let n = ShadowedMemory::new(shadow).peek_code(guest_pc.0, mode, &mut bytes);
+        guest_engine::isolation::page_fault_address(
+            mode.bitness(),
+            &bytes[..n],
+            guest_pc.0,
+            engine.regs(),
+            fs_base,
+            gs_base,
+            error,
+            |va| shadow.borrow_mut().hardware_rights(va),
+        )
+    };
+    let mut s = shadow.borrow_mut();
+    match derived {
+        Some(va) => {
+            s.counters.fault_addresses_derived += 1;
+            va
+        }
+        None => {
+            s.counters.fault_addresses_read += 1;
+            crate::ring0::gate::read_cr2()
+        }
+    }
+}
+
 /// Handles the hardware #PF `hw`, taken by guest code translated for `mode`.
 pub fn on_page_fault(
     engine: &mut Engine,

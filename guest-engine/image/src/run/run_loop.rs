@@ -273,10 +273,20 @@ impl<'a> RunLoop<'a> {
     /// check's hit (`on_isolation_hit`); whichever answers, [`Self::apply`] carries out its
     /// `Action`. Any other fault, or a #UD that is not a hit, is the guest's.
     fn on_fault(&mut self, guest_pc: GuestVirt) -> Result<(), GiveUp> {
-        let (vector, error, cr2) = entry::take_cache_fault();
+        let (vector, error) = entry::take_cache_fault();
         let mode = self.vcpu.mode();
         let action = if vector == u64::from(VEC_PF) {
             prof::switch(profile::SHADOW_FILL);
+            let cr2 = cache_page_fault::fault_address(
+                &self.engine,
+                self.shadow,
+                &self.progress,
+                mode,
+                guest_pc,
+                error as u32,
+                Platform::segment_base(&mut self.vcpu, SegBase::Fs),
+                Platform::segment_base(&mut self.vcpu, SegBase::Gs),
+            );
             let hw = cache_page_fault::HwPageFault {
                 guest_pc,
                 cr2,

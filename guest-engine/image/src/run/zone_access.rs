@@ -143,7 +143,7 @@ fn redirect(
             error,
         })?;
     if ran == Redirected::Fault {
-        let (vector, error, _) = entry::take_cache_fault();
+        let (vector, error) = entry::take_cache_fault();
         return Ok(Some(Action::Reflect(GuestFault {
             vector: vector as u8,
             error_code: error as u32,

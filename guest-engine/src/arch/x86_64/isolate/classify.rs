@@ -19,6 +19,39 @@ fn gpr_value(regs: &GuestRegs, r: Register) -> i64 {
     }
 }
 
+/// The linear address operand `m` of `i` accesses with the guest state `regs` before
+/// `i` and the FS/GS bases (`addr32`: `i` uses 32-bit addressing, [`addressing_32`]):
+/// the effective address, `xlat`'s `rbx + al`, a bit test's offset by its bit-offset
+/// register, then the segment base.
+pub(crate) fn linear_address(
+    i: &iced_x86::Instruction,
+    m: &crate::instrument::MemOperand,
+    regs: &GuestRegs,
+    fs_base: u64,
+    gs_base: u64,
+    addr32: bool,
+) -> u64 {
+    let seg = match m.seg {
+        SegBase::Flat => 0,
+        SegBase::Fs => fs_base,
+        SegBase::Gs => gs_base,
+    };
+    let mut offset = if i.mnemonic() == Mnemonic::Xlatb {
+        regs.get(Gpr::Rbx).wrapping_add(regs.get(Gpr::Rax) & 0xff)
+    } else {
+        m.effective_address(regs)
+    };
+    if let Some((r, size)) = bit_offset_register(i) {
+        let v = gpr_value(regs, r);
+        let bits = i64::from(size * 8);
+        offset = offset.wrapping_add((v.div_euclid(bits) * i64::from(size)) as u64);
+    }
+    if addr32 {
+        offset &= 0xffff_ffff;
+    }
+    offset.wrapping_add(seg)
+}
+
 /// What a #UD raised at the translation of a guest instruction means.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IsolationFault {
@@ -115,25 +148,7 @@ pub fn classify_fault(
         .map(|u| u.segment() == Register::SS)
         .collect();
     for (k, m) in ops.iter().enumerate() {
-        let seg = match m.seg {
-            SegBase::Flat => 0,
-            SegBase::Fs => fs_base,
-            SegBase::Gs => gs_base,
-        };
-        let mut offset = if i.mnemonic() == Mnemonic::Xlatb {
-            regs.get(Gpr::Rbx).wrapping_add(regs.get(Gpr::Rax) & 0xff)
-        } else {
-            m.effective_address(regs)
-        };
-        if let Some((r, size)) = bit_offset_register(&i) {
-            let v = gpr_value(regs, r);
-            let bits = i64::from(size * 8);
-            offset = offset.wrapping_add((v.div_euclid(bits) * i64::from(size)) as u64);
-        }
-        if addr32 {
-            offset &= 0xffff_ffff;
-        }
-        let addr = offset.wrapping_add(seg);
+        let addr = linear_address(&i, m, regs, fs_base, gs_base, addr32);
         let canonical = ((addr as i64) << 16 >> 16) as u64 == addr;
         if in_isolation_zone(addr) || (fence.contains(addr) && canonical) {
             return IsolationFault::Zone {

@@ -82,10 +82,12 @@ use crate::error::EngineError;
 use crate::instrument::{MemOperand, SegBase};
 
 mod classify;
+mod fault_address;
 mod gather;
 mod hoist;
 
 pub use classify::{classify_fault, IsolationFault};
+pub use fault_address::{page_fault_address, PageRights};
 pub(super) use hoist::{hoistable, Hoisted};
 
 /// What a translated memory operand may not reach natively: chosen by the trace's
