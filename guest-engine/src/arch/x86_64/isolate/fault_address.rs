@@ -8,7 +8,7 @@
 //! page a CPU walking those tables faults on, and CR2 is the address the operand starts
 //! at. Anything else — no refused page or two, an access split across pages (the address
 //! a CPU reports then is its own), a gather's lanes, an error code other than a data
-//! access's — is `None`, and the caller reads CR2.
+//! access's, code outside 64-bit mode — is `None`, and the caller reads CR2.
 
 use iced_x86::{Decoder, DecoderOptions, InstructionInfoFactory};
 
@@ -50,6 +50,11 @@ pub fn page_fault_address(
     // A data access's fault, present or not, read or write; no reserved bit, fetch or
     // protection-key fault (bit 5 and up).
     if error & !(pf::PRESENT | pf::WRITE | pf::USER) != 0 {
+        return None;
+    }
+    // 64-bit mode only: in compatibility mode every segment's base counts (a 32-bit
+    // program may run on an LDT segment of its own), and addresses wrap at 4 GiB.
+    if bitness != 64 {
         return None;
     }
     let i = Decoder::with_ip(bitness, bytes, pc, DecoderOptions::NONE).decode();
@@ -180,6 +185,18 @@ mod tests {
             derive(&[0x50], &r, err, &[(0x7ffc_2000, true)]),
             Some(0x7ffc_1ff8)
         );
+    }
+
+    #[test]
+    fn compatibility_mode_is_left_to_cr2() {
+        // push 0x80b5fa0 in a 32-bit process: its slot is ESP - 4 in 32 bits, and
+        // segment bases other than FS/GS would count too.
+        let r = regs(&[(Gpr::Rsp, 0xffeb_7360)]);
+        let bytes = [0x68, 0xa0, 0x5f, 0x0b, 0x08];
+        let got = page_fault_address(32, &bytes, PC, &r, 0, 0, pf::USER | pf::WRITE, |_| {
+            PageRights::Absent
+        });
+        assert_eq!(got, None);
     }
 
     #[test]
