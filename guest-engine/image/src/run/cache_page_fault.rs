@@ -73,6 +73,8 @@ pub struct Progress {
     /// (RIP, CR2, error code) and the translator's activity then (see [`activity`]).
     last: Option<((u64, u64, u32), u64)>,
     repeats: u32,
+    /// The last address [`fault_address`] derived, as (RIP, address, error code).
+    derived: Option<(u64, u64, u32)>,
 }
 
 /// Traces built plus exits of every kind but FAULT: unchanged between two faults means
@@ -94,39 +96,34 @@ fn activity(engine: &Engine) -> u64 {
 /// `guest_pc` (translated for `mode`, guest state in `engine`, FS/GS bases given) took:
 /// from the instruction when the tables in the real CR3 leave one answer
 /// (`guest_engine::isolation::page_fault_address`), else CR2, read at ring 0 (a trip as
-/// dear as the fault's own). Also CR2 when the last fault was this instruction's with
-/// this error code and the translator did nothing since: a fill that did not help is
-/// never repeated on an address the instruction's bytes gave.
+/// dear as the fault's own). Also CR2 when the instruction gives the very answer it gave
+/// for the last fault: handling that answer did not get the instruction past it, which
+/// the real address must then do (so no derivation can keep a guest in a loop).
 #[allow(clippy::too_many_arguments)]
 pub fn fault_address(
     engine: &Engine,
     shadow: &RefCell<Shadow>,
-    progress: &Progress,
+    progress: &mut Progress,
     mode: Mode,
     guest_pc: GuestVirt,
     error: u32,
     fs_base: u64,
     gs_base: u64,
 ) -> u64 {
-    let again = progress
-        .last
-        .is_some_and(|((pc, _, e), act)| pc == guest_pc.0 && e == error && act == activity(engine));
-    let derived = if again {
-        None
-    } else {
-        let mut bytes = [0u8; MAX_INSN];
-        let n = ShadowedMemory::new(shadow).peek_code(guest_pc.0, mode, &mut bytes);
-        guest_engine::isolation::page_fault_address(
-            mode.bitness(),
-            &bytes[..n],
-            guest_pc.0,
-            engine.regs(),
-            fs_base,
-            gs_base,
-            error,
-            |va| shadow.borrow_mut().hardware_rights(va),
-        )
-    };
+    let mut bytes = [0u8; MAX_INSN];
+    let n = ShadowedMemory::new(shadow).peek_code(guest_pc.0, mode, &mut bytes);
+    let derived = guest_engine::isolation::page_fault_address(
+        mode.bitness(),
+        &bytes[..n],
+        guest_pc.0,
+        engine.regs(),
+        fs_base,
+        gs_base,
+        error,
+        |va| shadow.borrow_mut().hardware_rights(va),
+    )
+    .filter(|&va| progress.derived != Some((guest_pc.0, va, error)));
+    progress.derived = derived.map(|va| (guest_pc.0, va, error));
     let mut s = shadow.borrow_mut();
     match derived {
         Some(va) => {

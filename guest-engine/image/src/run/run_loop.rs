@@ -280,7 +280,7 @@ impl<'a> RunLoop<'a> {
             let cr2 = cache_page_fault::fault_address(
                 &self.engine,
                 self.shadow,
-                &self.progress,
+                &mut self.progress,
                 mode,
                 guest_pc,
                 error as u32,
