@@ -566,7 +566,24 @@ mod tests {
     #[repr(C, align(64))]
     struct Mem([u8; HEADER_BYTES + 4096]);
 
-    fn setup(test: &str) -> (Box<Mem>, Producer, Consumer, PathBuf) {
+    /// A test's output directory under the system's temporary directory, removed with
+    /// everything in it when the test ends (pass or fail).
+    struct Scratch(PathBuf);
+
+    impl std::ops::Deref for Scratch {
+        type Target = Path;
+        fn deref(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn setup(test: &str) -> (Box<Mem>, Producer, Consumer, Scratch) {
         let mut mem = Box::new(Mem([0; HEADER_BYTES + 4096]));
         let base = mem.0.as_mut_ptr();
         let len = mem.0.len();
@@ -580,7 +597,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("kpin-daemon-{test}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        (mem, p, c, dir)
+        (mem, p, c, Scratch(dir))
     }
 
     #[test]
@@ -606,7 +623,6 @@ mod tests {
             !dir.join("console.log").exists(),
             "the daemon writes no file for the console: the VMM's UART does"
         );
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -651,9 +667,9 @@ mod tests {
         std::fs::create_dir_all(&window).unwrap();
         let mut d = Daemon::new(&dir);
         for (at, line) in [
-            (&dir, "window 0"),
-            (&window, "window 1"),
-            (&dir, "resident"),
+            (&*dir, "window 0"),
+            (&*window, "window 1"),
+            (&*dir, "resident"),
         ] {
             d.set_out_dir(at);
             p.push(Kind::Log, LogLevel::Info as u16, line.as_bytes())
