@@ -70,7 +70,7 @@
 //! every ring-0 instruction: a fault run took ~107 k TSC cycles with a 13-instruction
 //! ring-0 stub and takes ~62 k. CPL 3 cannot read CR2: the engine finds the address from
 //! the faulting instruction and the shadow tables
-//! (`guest_engine::isolation::page_fault_address`, nine faults in ten on a Linux boot),
+//! (`guest_engine::isolation::page_fault_address`, 24 faults in 25 on a Linux boot),
 //! else reads CR2 through LOAD_CR3's entry with RDI = 0 (`gate::read_cr2`). Other vectors
 //! take `kpin_trap_common` at ring 0 and `iretq` to the fault exit.
 //!
