@@ -181,6 +181,16 @@ fn test_guest_page_tables_cr3_write_and_invlpg_behave_as_natively() {
         c.pointer("/shadow/fills").and_then(|v| v.as_u64()) > Some(0),
         "{text}"
     );
+    // Every #PF's address came from its instruction or from CR2; this guest's (plain
+    // 64-bit loads and stores into pages the shadow did not map yet) from the instruction.
+    let count = |name: &str| {
+        c.pointer(&format!("/shadow/{name}"))
+            .and_then(|v| v.as_u64())
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+    };
+    let (faults, derived) = (count("page_faults"), count("fault_addresses_derived"));
+    assert_eq!(derived + count("fault_addresses_read"), faults, "{text}");
+    assert!(derived > 0, "{text}");
     println!("native:\n{native_console}{shadow}");
 }
 
