@@ -852,20 +852,7 @@ impl<M: PhysMem> ShadowMmu<M> {
         root: GuestPhys,
         va: GuestVirt,
     ) -> Result<Option<bool>, ShadowError> {
-        let mut table = root;
-        let mut writable = true;
-        for level in (1..=pte::LEVELS).rev() {
-            let e = self.read(Self::slot_addr(table, pte::index(va.0, level)))?;
-            if e & pte::PRESENT == 0 {
-                return Ok(None);
-            }
-            writable &= e & pte::WRITABLE != 0;
-            if level == 1 || (level == 2 && e & pte::PAGE_SIZE != 0) {
-                return Ok(Some(writable));
-            }
-            table = GuestPhys(e & pte::ADDR_MASK);
-        }
-        Ok(None)
+        Ok(self.find_leaf(root, va)?.map(|leaf| leaf.writable))
     }
 
     /// The level of the shadow leaf mapping `va` in `view` (1 = 4 KiB, 2 = 2 MiB), if any.

@@ -19,6 +19,9 @@ pub(super) struct LeafRef {
     pub entry: u64,
     /// 1 = 4 KiB PTE, 2 = 2 MiB PDE.
     pub level: u8,
+    /// Every entry of the walk, the leaf's included, allows writes (what the hardware
+    /// combines).
+    pub writable: bool,
 }
 
 impl<M: PhysMem> ShadowMmu<M> {
@@ -71,17 +74,20 @@ impl<M: PhysMem> ShadowMmu<M> {
         va: GuestVirt,
     ) -> Result<Option<LeafRef>, ShadowError> {
         let mut table = root;
+        let mut writable = true;
         for level in (1..=pte::LEVELS).rev() {
             let slot = Self::slot_addr(table, pte::index(va.0, level));
             let e = self.read(slot)?;
             if e & pte::PRESENT == 0 {
                 return Ok(None);
             }
+            writable &= e & pte::WRITABLE != 0;
             if level == 1 || (level == 2 && e & pte::PAGE_SIZE != 0) {
                 return Ok(Some(LeafRef {
                     slot,
                     entry: e,
                     level,
+                    writable,
                 }));
             }
             table = GuestPhys(e & pte::ADDR_MASK);
