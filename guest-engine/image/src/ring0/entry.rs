@@ -408,6 +408,14 @@ kpin_vec_\num:
     // `popfq` (IF stays set: a trap gate does not clear it), RAX from the stack, RSP from
     // the frame, then a jump through a cell; no other register is touched.
     // Stack: error code, RIP, CS, RFLAGS, RSP, SS.
+    // The way back from the #PF handler with its RAX saved on the frame: the frame's
+    // flags, RAX, then the frame's RSP; the caller's jump follows.
+.macro kpin_pf_unwind
+    push qword ptr [rsp + 32]
+    popfq
+    pop rax
+    mov rsp, [rsp + 32]
+.endm
 kpin_exc_14:
     push rax
     mov rax, [rsp + 8]
@@ -417,10 +425,7 @@ kpin_exc_14:
     sub rax, [rip + kpin_cache_lo]
     cmp rax, [rip + kpin_cache_len]
     jae 1f
-    push qword ptr [rsp + 32]
-    popfq
-    pop rax
-    mov rsp, [rsp + 32]
+    kpin_pf_unwind
     jmp [rip + kpin_cache_exit_routine]
 1:
     // The probe's read: back at its fault path with RDX = #PF, RCX = the error code.
@@ -429,10 +434,7 @@ kpin_exc_14:
     jne 2f
     mov edx, {vec_pf}
     mov rcx, [rsp + 8]
-    push qword ptr [rsp + 32]
-    popfq
-    pop rax
-    mov rsp, [rsp + 32]
+    kpin_pf_unwind
     jmp kpin_probe_fault
 2:
     // The engine's own fault: its report (a fault while reporting: the #UD of `ud2`
